@@ -1,0 +1,45 @@
+# Colibri — every target bootstraps what it needs (virtualenv, pinned packages, gRPC stubs).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PB := colibri_common/pb
+PROTOS := $(wildcard protos/*.proto)
+PB_STAMP := $(PB)/.generated
+
+.PHONY: setup demo test lint bench bench-kernels chart-check clean
+
+setup: $(STAMP) $(PB_STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+# Stubs are generated under the virtual path colibri_common/pb so imports are package-absolute.
+$(PB_STAMP): $(PROTOS) $(STAMP)
+	$(PY) -m grpc_tools.protoc -I$(PB)=protos --python_out=. --pyi_out=. --grpc_python_out=. \
+		$(patsubst protos/%,$(PB)/%,$(PROTOS))
+	touch $(PB_STAMP)
+
+demo: setup
+	$(PY) -m benchmarks.demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) -m benchmarks.serving
+
+bench-kernels: setup
+	$(PY) -m benchmarks.kernels
+
+chart-check: setup
+	$(PY) -m pytest -q tests/test_chart.py
+
+clean:
+	rm -rf $(VENV) $(PB)/*_pb2*.py $(PB)/*.pyi $(PB_STAMP)

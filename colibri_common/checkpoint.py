@@ -1,0 +1,157 @@
+"""Safetensors checkpoints read through mmap: headers parsed here, tensors as views over the mapping.
+
+A tensor view touches no bytes until it is used, so an expert worker's resident memory tracks the
+experts it reads, not the files it maps. Every problem names the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from colibri_common.errors import CheckpointError
+
+_ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F32": (torch.float32, 4),
+    "BF16": (torch.bfloat16, 2),
+    "F16": (torch.float16, 2),
+    "F64": (torch.float64, 8),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "U8": (torch.uint8, 1),
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: Path
+    dtype: str            # safetensors dtype code, e.g. "BF16"
+    shape: tuple[int, ...]
+    start: int            # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def _read_header(path: Path) -> dict[str, TensorEntry]:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}; file truncated?")
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from exc
+    base = 8 + n
+    out: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        if dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {dtype}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if hi - lo != numel * _ST_DTYPES[dtype][1]:
+            raise CheckpointError(f"{path}: tensor '{name}' shape {list(shape)} {dtype} does not match its "
+                                  f"byte range {lo}..{hi}")
+        if base + hi > size:
+            raise CheckpointError(f"{path}: tensor '{name}' ends at byte {base + hi} but the file has only "
+                                  f"{size} bytes; the file is truncated, download it again")
+        out[name] = TensorEntry(name, path, dtype, shape, base + lo, base + hi)
+    return out
+
+
+class Checkpoint:
+    """All tensors of a checkpoint directory, mapped lazily, file by file."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.dir = Path(model_dir)
+        self.entries: dict[str, TensorEntry] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            weight_map = {}
+        if not files:
+            raise CheckpointError(f"{self.dir}: no *.safetensors files found")
+        for fname in files:
+            path = self.dir / fname
+            if not path.is_file():
+                raise CheckpointError(f"{index}: names {fname}, which is missing from {self.dir}")
+            self.entries.update(_read_header(path))
+        for name, fname in weight_map.items():
+            if name not in self.entries:
+                raise CheckpointError(f"{index}: tensor '{name}' is listed in {fname} but not stored there")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def entry(self, name: str) -> TensorEntry:
+        if name not in self.entries:
+            raise CheckpointError(f"{self.dir}: missing tensor '{name}'")
+        return self.entries[name]
+
+    def check(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+        e = self.entry(name)
+        if e.shape != tuple(shape):
+            raise CheckpointError(f"{e.file}: tensor '{name}' has shape {list(e.shape)}, the config needs "
+                                  f"{list(shape)}")
+        return e
+
+    def _map(self, path: Path) -> mmap.mmap:
+        if path not in self._maps:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                # ACCESS_COPY: private, writable pages (no torch warning), shared until written; we never write.
+                self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            finally:
+                os.close(fd)
+        return self._maps[path]
+
+    def view(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A zero-copy tensor over the mapped bytes (no page is read until used)."""
+        e = self.check(name, shape) if shape is not None else self.entry(name)
+        dtype, _ = _ST_DTYPES[e.dtype]
+        if e.nbytes == 0:
+            return torch.empty(e.shape, dtype=dtype)
+        buf = self._map(e.file)
+        return torch.frombuffer(buf, dtype=dtype, offset=e.start, count=e.nbytes // dtype.itemsize
+                                ).view(e.shape)
+
+    def load(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+             ) -> torch.Tensor:
+        """An owned copy (for the router's dense weights), converted to `dtype`."""
+        t = self.view(name, shape)
+        return t.to(dtype=dtype or t.dtype, copy=True)
+
+    def close(self) -> None:
+        """Unmap every file; views handed out earlier must be gone (copied) by now."""
+        import gc
+
+        gc.collect()
+        for path, m in list(self._maps.items()):
+            try:
+                m.close()
+            except BufferError:
+                logging.getLogger("colibri").warning("%s stays mapped: a tensor view is still alive", path)
+                continue
+            del self._maps[path]

@@ -1,0 +1,170 @@
+"""Model configuration parsed from a Hugging Face `config.json`, and the per-architecture data.
+
+One model implementation serves every architecture; what differs between them is described here as
+data (`ArchSpec`): tensor names, qk-norm kind, attention bias, shared experts, dense-layer rules.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from colibri_common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one architecture differs from the shared decoder layer."""
+
+    moe_prefix: str                # module path of the MoE block inside a layer
+    gate_name: str                 # router linear inside the MoE block
+    expert_names: tuple[str, str, str]  # per-expert (gate, up, down) linear names
+    qk_norm: str = "none"          # "none" | "head" (per head, Qwen3) | "full" (full width, OLMoE)
+    bias_key: str = "attention_bias"  # config key that turns on q/k/v (and maybe o) biases
+    bias_default: bool = False
+    o_proj_bias: bool = True       # o_proj carries a bias whenever the q/k/v projections do
+    shared_expert: bool = False    # a dense shared expert with a sigmoid gate (Qwen2-MoE)
+    norm_topk_default: bool = False
+    experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
+    topk_key: str = "num_experts_per_tok"
+    expert_width_key: str = "moe_intermediate_size"
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "MixtralForCausalLM": ArchSpec(
+        moe_prefix="block_sparse_moe", gate_name="gate", expert_names=("w1", "w3", "w2"),
+        norm_topk_default=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
+    ),
+    "Qwen2MoeForCausalLM": ArchSpec(
+        moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
+        bias_key="qkv_bias", bias_default=True, o_proj_bias=False, shared_expert=True,
+    ),
+    "Qwen3MoeForCausalLM": ArchSpec(
+        moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
+        qk_norm="head",
+    ),
+    "OlmoeForCausalLM": ArchSpec(
+        moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
+        qk_norm="full", expert_width_key="intermediate_size",
+    ),
+}
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    arch: ArchSpec
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    clip_qkv: float | None
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    dense_intermediate_size: int          # width of dense MLP layers (Qwen2-MoE mlp_only_layers)
+    shared_expert_intermediate_size: int  # 0 when there is no shared expert
+    moe_layers: tuple[int, ...]           # layers with routed experts
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "num_experts", "top_k", "moe_intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"config.json: num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"config.json: top-k {self.top_k} exceeds the {self.num_experts} experts")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @staticmethod
+    def from_dir(model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: not found; --model must be a Hugging Face checkpoint directory")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+        return ModelConfig.from_dict(raw, source=str(path))
+
+    @staticmethod
+    def from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        known = [a for a in archs if a in ARCHITECTURES]
+        if not known:
+            raise ConfigError(
+                f"{source}: unsupported architecture {archs or '(none given)'}; "
+                f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        name = known[0]
+        arch = ARCHITECTURES[name]
+
+        def need(*keys: str):
+            for key in keys:
+                if raw.get(key) is not None:
+                    return raw[key]
+            raise ConfigError(f"{source}: missing '{' or '.join(keys)}' required by {name}")
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        layers = int(need("num_hidden_layers"))
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"{source}: rope type '{rope_type}' is not supported yet (only default RoPE)")
+        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        if raw.get("use_sliding_window") or (name == "MixtralForCausalLM" and raw.get("sliding_window")):
+            raise ConfigError(f"{source}: sliding-window attention is not supported yet")
+        mlp_only = set(raw.get("mlp_only_layers") or [])
+        step = int(raw.get("decoder_sparse_step", 1) or 1)
+        moe_layers = tuple(
+            i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0
+        )
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        qkv_bias = bool(raw.get(arch.bias_key, arch.bias_default))
+        shared = int(raw.get("shared_expert_intermediate_size", 0) or 0) if arch.shared_expert else 0
+        return ModelConfig(
+            architecture=name,
+            arch=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            qkv_bias=qkv_bias,
+            o_bias=qkv_bias and arch.o_proj_bias,
+            clip_qkv=None if raw.get("clip_qkv") is None else float(raw["clip_qkv"]),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            num_experts=int(need(*arch.experts_key)),
+            top_k=int(need(arch.topk_key)),
+            moe_intermediate_size=int(need(arch.expert_width_key)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", arch.norm_topk_default)),
+            dense_intermediate_size=int(raw.get("intermediate_size", 0) or 0),
+            shared_expert_intermediate_size=shared,
+            moe_layers=moe_layers,
+            eos_token_ids=eos_ids,
+            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        )

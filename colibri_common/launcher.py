@@ -1,0 +1,116 @@
+"""`colibri serve`: the whole fleet on one machine — N expert workers and a router as child processes.
+
+Each child is a visible process named by its role (`colibri expert --shard I/N …`, `colibri router …`),
+gets an explicit thread count, and dies with the launcher (PR_SET_PDEATHSIG), so no orphans remain.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger("colibri.serve")
+PR_SET_PDEATHSIG = 1
+
+
+def colibri_command() -> list[str]:
+    exe = Path(sys.executable).parent / "colibri"
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "colibri_common.cli"]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def split_threads(cores: int, workers: int) -> tuple[int, int]:
+    """Router and workers take turns within a step, so each may use the cores it would share."""
+    return max(1, cores), max(1, cores // max(1, workers))
+
+
+class Fleet:
+    def __init__(self) -> None:
+        self.children: list[subprocess.Popen] = []
+        self.stopping = threading.Event()
+
+    def spawn(self, args: list[str], threads: int) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        cmd = [*colibri_command(), *args, "--threads", str(threads)]
+        log.info("starting %s", " ".join(cmd))
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
+                             preexec_fn=_die_with_parent)
+        self.children.append(p)
+        return p
+
+    @staticmethod
+    def wait_ready(p: subprocess.Popen, what: str) -> str:
+        """Read the child's stdout until `ready HOST:PORT`; error if it exits first."""
+        assert p.stdout is not None
+        for line in p.stdout:
+            if line.startswith("ready "):
+                return line.split()[1]
+        code = p.wait()
+        raise RuntimeError(f"{what} exited with code {code} before it was ready (its log is above)")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.stopping.set()
+        for p in self.children:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.children:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def serve(model: str, workers: int, host: str, port: int, dtype: str, extra_router_args: list[str],
+          cores: int | None = None) -> int:
+    cores = cores or len(os.sched_getaffinity(0))
+    router_threads, worker_threads = split_threads(cores, workers)
+    fleet = Fleet()
+    stop_signal = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("received %s: stopping the fleet", signal.Signals(signum).name)
+        stop_signal.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        procs = [fleet.spawn(["expert", "--model", model, "--shard", f"{i}/{workers}", "--host", "127.0.0.1",
+                              "--port", "0", "--dtype", dtype], worker_threads) for i in range(workers)]
+        addrs = [fleet.wait_ready(p, f"expert worker {i}/{workers}") for i, p in enumerate(procs)]
+        router = fleet.spawn(["router", "--model", model, "--workers", ",".join(addrs), "--host", host,
+                              "--port", str(port), "--dtype", dtype, *extra_router_args], router_threads)
+        addr = fleet.wait_ready(router, "router")
+    except (RuntimeError, OSError) as exc:
+        log.error("%s", exc)
+        fleet.stop()
+        return 1
+    print(f"ready {addr}", flush=True)
+
+    def watch(p: subprocess.Popen) -> None:
+        code = p.wait()
+        if not fleet.stopping.is_set():
+            log.error("child %s exited with code %s; stopping the fleet", " ".join(p.args[1:4]), code)
+            stop_signal.set()
+
+    for p in fleet.children:
+        assert p.stdout is not None
+        threading.Thread(target=lambda s=p.stdout: [None for _ in s], daemon=True).start()  # drain stdout
+        threading.Thread(target=watch, args=(p,), daemon=True).start()
+    while not stop_signal.wait(0.5):
+        pass
+    failed = any(p.poll() not in (None, 0) for p in fleet.children) and not fleet.stopping.is_set()
+    fleet.stop()
+    return 1 if failed else 0

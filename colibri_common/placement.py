@@ -1,0 +1,26 @@
+"""Which expert lives on which worker: contiguous, balanced ranges, the same for every MoE layer."""
+
+from __future__ import annotations
+
+
+def shard_experts(num_experts: int, shard: int, num_shards: int) -> list[int]:
+    """Experts of shard `shard` of `num_shards`: contiguous ranges whose sizes differ by at most one."""
+    if num_shards <= 0 or not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard}/{num_shards}: need 0 <= I < N")
+    if num_shards > num_experts:
+        raise ValueError(f"{num_shards} shards for {num_experts} experts: every shard needs at least one")
+    base, extra = divmod(num_experts, num_shards)
+    start = shard * base + min(shard, extra)
+    size = base + (1 if shard < extra else 0)
+    return list(range(start, start + size))
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N) with a message that says what to fix."""
+    try:
+        i, n = (int(p) for p in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must look like I/N (e.g. 0/2), got '{text}'") from None
+    if n <= 0 or not 0 <= i < n:
+        raise ValueError(f"--shard {text}: need 0 <= I < N")
+    return i, n

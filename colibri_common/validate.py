@@ -1,0 +1,61 @@
+"""`colibri validate`: check a checkpoint before serving it, and size the shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.errors import CheckpointError
+from colibri_common.placement import shard_experts
+from colibri_common.tensors import expert_tensors, fused_expert_tensors, router_tensors
+
+
+def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> int:
+    fused = fused_expert_tensors(cfg, layer)
+    if fused[0][0] in ckpt:
+        return sum(ckpt.check(n, s).nbytes // cfg.num_experts for n, s in fused)
+    return sum(ckpt.check(n, s).nbytes for n, s in expert_tensors(cfg, layer, expert))
+
+
+def validate(model_dir: str, workers: int) -> list[str]:
+    """Returns the summary lines; raises ColibriError naming the first problem."""
+    cfg = ModelConfig.from_dir(model_dir)
+    ckpt = Checkpoint(model_dir)
+    router_bytes = sum(ckpt.check(n, s).nbytes for n, s in router_tensors(cfg))
+    per_expert = {(layer, e): expert_bytes(ckpt, cfg, layer, e)
+                  for layer in cfg.moe_layers for e in range(cfg.num_experts)}
+    total_bytes = sum(e.nbytes for e in ckpt.entries.values())
+    params = sum(_numel(e.shape) for e in ckpt.entries.values())
+    tok_path = Path(model_dir) / "tokenizer.json"
+    tok_vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size(with_added_tokens=True) if tok_path.is_file() \
+        else None
+    if tok_vocab is not None and tok_vocab > cfg.vocab_size:
+        raise CheckpointError(f"{tok_path} has {tok_vocab} tokens but config.json vocab_size is "
+                              f"{cfg.vocab_size}; they must agree")
+    lines = [
+        f"architecture     {cfg.architecture}",
+        f"parameters       {params / 1e6:.1f}M ({total_bytes / 2**20:.1f} MiB on disk, {len(ckpt.entries)} tensors)",
+        f"layers           {cfg.num_layers} ({len(cfg.moe_layers)} with routed experts)",
+        f"experts/layer    {cfg.num_experts}, top-{cfg.top_k}, width {cfg.moe_intermediate_size}"
+        + (f", shared expert width {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size
+           else ""),
+        f"attention        {cfg.num_heads} heads x {cfg.head_dim}, {cfg.num_kv_heads} KV heads, "
+        f"qk-norm {cfg.arch.qk_norm}, bias {cfg.qkv_bias}",
+        f"tokenizer        {'none' if tok_vocab is None else f'{tok_vocab} tokens'} (vocab_size {cfg.vocab_size})",
+        f"router holds     {router_bytes / 2**20:.1f} MiB",
+    ]
+    for i in range(workers):
+        experts = shard_experts(cfg.num_experts, i, workers)
+        b = sum(per_expert[(layer, e)] for layer in cfg.moe_layers for e in experts)
+        lines.append(f"worker {i}/{workers}     experts {experts[0]}..{experts[-1]}: {b / 2**20:.1f} MiB")
+    return lines
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,93 @@
+"""`colibri expert`: serve one shard of the routed experts over gRPC (ExpertWorker)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import torch
+
+from colibri_common import wire
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.pb import expert_pb2, expert_pb2_grpc
+from colibri_common.serving import Service
+from expert_service.shard import ExpertShard
+
+log = logging.getLogger("colibri.expert")
+SERVICE = "colibri.v1.ExpertWorker"
+
+
+class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
+    def __init__(self) -> None:
+        self.shard: ExpertShard | None = None   # set once the weights are packed
+
+    def _loaded(self, context) -> ExpertShard:
+        if self.shard is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "expert worker is still loading its weights; retry")
+        return self.shard
+
+    def Describe(self, request, context):
+        s = self._loaded(context)
+        cfg = s.cfg
+        return expert_pb2.DescribeResponse(
+            model_type=cfg.architecture, shard_index=s.shard, num_shards=s.num_shards,
+            moe_layers=list(cfg.moe_layers), experts=s.experts, num_experts=cfg.num_experts,
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+            dtype=wire.dtype_name(s.dtype), packed_bytes=s.packed_bytes)
+
+    def _compute(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
+        hidden = wire.decode(request.hidden)                                 # [n, H]
+        ids = wire.decode(request.topk_ids)                                  # [n, K]
+        weights = wire.decode(request.topk_weights)                          # [n, K]
+        H, E = self.shard.cfg.hidden_size, self.shard.cfg.num_experts
+        if hidden.dim() != 2 or hidden.shape[1] != H:
+            raise ValueError(f"hidden must be [n, {H}], got {list(hidden.shape)}")
+        if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
+            raise ValueError(f"topk_ids {list(ids.shape)} and topk_weights {list(weights.shape)} must be "
+                             f"[n={hidden.shape[0]}, K]")
+        if ids.numel() and int(ids.max()) >= E:
+            raise ValueError(f"expert id {int(ids.max())} out of range (the model has {E} experts)")
+        if request.layer not in self.shard.w13:
+            raise ValueError(f"layer {request.layer} has no routed experts; MoE layers are "
+                             f"{list(self.shard.cfg.moe_layers)}")
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.shard.forward(request.layer, hidden, ids, weights).to(hidden.dtype)  # [n, H]
+        ms = (time.perf_counter() - t0) * 1e3
+        return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=ms)
+
+    def Forward(self, request, context):
+        self._loaded(context)
+        try:
+            return self._compute(request)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def ForwardStream(self, request_iterator, context):
+        self._loaded(context)
+        for request in request_iterator:
+            try:
+                yield self._compute(request)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def serve_expert(model: str, shard: int, num_shards: int, host: str, port: int, dtype: torch.dtype) -> None:
+    cfg = ModelConfig.from_dir(model)
+    t0 = time.perf_counter()
+    service = Service(SERVICE, max_workers=4)
+    servicer = ExpertWorkerServicer()
+    expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, service.server)
+    # Listen (liveness answers) while the weights load; readiness turns SERVING only after.
+    bound = service.start(host, port, [SERVICE])
+    ckpt = Checkpoint(model)
+    experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=True)
+    ckpt.close()
+    log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB packed %s, loaded in %.2fs",
+             shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
+             experts.packed_bytes / 2**20, wire.dtype_name(dtype), time.perf_counter() - t0)
+    servicer.shard = experts
+    service.ready(host, bound)
+    service.run_until_signal()

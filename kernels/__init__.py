@@ -1,0 +1,65 @@
+"""Fused MoE kernels behind one API: Triton on CUDA tensors, a vectorised torch path on CPU.
+
+    fused_moe(x, w13, w2, topk_ids, topk_weights, expert_map=None, backend=None) -> [T, H]
+    topk_route(logits, k, renormalize, scoring="softmax") -> (weights float32 [T, k], ids int64 [T, k])
+
+`backend=None` picks Triton for CUDA tensors and the torch path otherwise; COLIBRI_MOE_BACKEND=triton|torch
+overrides the automatic choice (with TRITON_INTERPRET=1 the Triton kernels run on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.cpu_moe import fused_moe_cpu
+from kernels.routing import topk_route_torch
+
+BACKENDS = ("triton", "torch")
+
+
+def _pick(x: torch.Tensor, backend: str | None) -> str:
+    choice = backend or os.environ.get("COLIBRI_MOE_BACKEND") or ("triton" if x.is_cuda else "torch")
+    if choice not in BACKENDS:
+        raise ValueError(f"MoE backend '{choice}' is unknown; use one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
+              backend: str | None = None) -> torch.Tensor:
+    """Σ_k w_k · w2[e_k] @ (silu(gate) * up) per token; gate/up are the first/second halves of w13[e] @ x."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"fused_moe: need x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {list(x.shape)}, "
+                         f"{list(w13.shape)}, {list(w2.shape)}")
+    E, two_i, H = w13.shape
+    if x.shape[1] != H or w2.shape != (E, H, two_i // 2) or two_i % 2:
+        raise ValueError(f"fused_moe: shapes disagree: x {list(x.shape)}, w13 {list(w13.shape)}, "
+                         f"w2 {list(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: topk_ids {list(topk_ids.shape)} and topk_weights "
+                         f"{list(topk_weights.shape)} must both be [T={x.shape[0]}, K]")
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    if _pick(x, backend) == "triton":
+        from kernels.triton_moe import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_map)
+    return fused_moe_cpu(x, w13, w2, topk_ids, topk_weights, expert_map)
+
+
+def topk_route(logits: torch.Tensor, k: int, renormalize: bool, scoring: str = "softmax",
+               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if scoring != "softmax":
+        raise ValueError(f"topk_route: scoring '{scoring}' is not supported (only 'softmax')")
+    if not 0 < k <= logits.shape[-1]:
+        raise ValueError(f"topk_route: k={k} must be in 1..{logits.shape[-1]}")
+    if _pick(logits, backend) == "triton":
+        from kernels.triton_topk import topk_route_triton
+
+        return topk_route_triton(logits, k, renormalize)
+    return topk_route_torch(logits, k, renormalize)
+
+
+__all__ = ["fused_moe", "topk_route", "BACKENDS"]

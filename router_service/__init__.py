@@ -1,0 +1,1 @@
+"""The router: client API, tokenizer, scheduler, KV cache, attention, gating, dispatch/combine, sampling."""

@@ -1,0 +1,158 @@
+"""The engine loop: schedule → execute → postprocess, on one thread; requests arrive from gRPC threads."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from router_service.kv_cache import KVCache
+from router_service.model import Experts, RouterModel
+from router_service.sampler import Sampler
+from router_service.scheduler import Scheduled, Scheduler
+from router_service.sequence import Sequence
+from router_service.step_inputs import SeqSlice, StepInputs
+
+log = logging.getLogger("colibri.router")
+
+
+@dataclass(frozen=True)
+class Tokens:
+    token_ids: list[int]
+    logits: list[bytes]
+
+
+@dataclass(frozen=True)
+class Done:
+    reason: str            # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Tokens | Done | Failed
+
+
+class Engine:
+    def __init__(self, model: RouterModel, kv: KVCache, scheduler: Scheduler, experts: Experts,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.model, self.kv, self.scheduler, self.experts = model, kv, scheduler, experts
+        self.eos = set(eos_token_ids)
+        self.sampler = Sampler()
+        self.outputs: dict[str, queue.SimpleQueue[Event]] = {}
+        self.seqs: dict[str, Sequence] = {}
+        self._cv = threading.Condition()
+        self._aborts: list[str] = []
+        self._stop = False
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    # -- called from gRPC threads ---------------------------------------------------------------
+    def submit(self, seq: Sequence) -> queue.SimpleQueue[Event]:
+        """Raises QueueFull when the waiting queue is at its bound."""
+        with self._cv:
+            if seq.request_id in self.seqs:
+                raise ValueError(f"request_id '{seq.request_id}' is already running; use a unique id")
+            self.scheduler.add(seq)
+            q: queue.SimpleQueue[Event] = queue.SimpleQueue()
+            self.outputs[seq.request_id] = q
+            self.seqs[seq.request_id] = seq
+            self._cv.notify()
+        return q
+
+    def abort(self, request_id: str) -> bool:
+        with self._cv:
+            found = request_id in self.seqs
+            if found:
+                self._aborts.append(request_id)
+                self._cv.notify()
+        return found
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._aborts and not self.scheduler.has_work():
+                    self._cv.wait()
+                if self._stop:
+                    return
+                for rid in self._aborts:
+                    if rid in self.seqs:
+                        self._finish(self.seqs[rid], "abort")
+                self._aborts.clear()
+                batch = self.scheduler.schedule()
+            if not batch:
+                time.sleep(0.001)
+                continue
+            try:
+                logits = self._execute(batch)
+            except Exception as exc:  # a worker died or the step failed: fail this batch, keep serving
+                log.error("step %d failed: %s", self.steps, exc)
+                with self._cv:
+                    for s in batch:
+                        self._fail(s.seq, str(exc))
+                continue
+            with self._cv:
+                self._postprocess(batch, logits)
+            self.steps += 1
+
+    def _execute(self, batch: list[Scheduled]) -> torch.Tensor:
+        slices, tokens = [], []
+        for s in batch:
+            seq = s.seq
+            slices.append(SeqSlice(seq.num_cached, s.num_new, seq.block_table, s.samples))
+            tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
+        step = StepInputs.build(slices, tokens, self.kv.block_size)
+        return self.model.forward(step, self.kv, self.experts)               # [B, V]
+
+    def _postprocess(self, batch: list[Scheduled], logits: torch.Tensor) -> None:
+        sampled = [s for s in batch if s.samples]
+        for s in batch:
+            s.seq.num_cached += s.num_new
+        live = [(i, s.seq) for i, s in enumerate(sampled) if s.seq.request_id in self.seqs]
+        tokens = self.sampler.sample(logits, [(seq.request_id, seq.sampling) for _, seq in live]) if live else []
+        now = time.monotonic()
+        for (row, seq), tok in zip(live, tokens, strict=True):
+            seq.output_ids.append(tok)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            raw = [logits[row].numpy().tobytes()] if seq.sampling.return_logits else []
+            self.outputs[seq.request_id].put(Tokens([tok], raw))
+            sp = seq.sampling
+            if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos):
+                self._finish(seq, "stop")
+            elif len(seq.output_ids) >= sp.max_tokens or seq.num_tokens >= self.scheduler.cfg.max_model_len:
+                self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
+        self.outputs.pop(seq.request_id).put(Done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft))
+        del self.seqs[seq.request_id]
+        self.sampler.forget(seq.request_id)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        if seq.request_id not in self.seqs:
+            return
+        self.scheduler.finish(seq, "error")
+        self.outputs.pop(seq.request_id).put(Failed(message))
+        del self.seqs[seq.request_id]
+        self.sampler.forget(seq.request_id)

@@ -1,0 +1,38 @@
+"""The small numeric building blocks of the decoder, written to match transformers' maths exactly."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, scale in the input dtype (as transformers' RMSNorm does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Rope:
+    """Default rotary embedding: inverse frequencies in float32, cos/sin cast to the activation dtype."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [D/2]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]   # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                         # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)      # [T, heads, D]
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU MLP with fused gate/up rows: gate_up [2I, H], down [H, I]."""
+    gu = x @ gate_up.t()                                               # [T, 2I]
+    i = down.shape[1]
+    return (torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]) @ down.t()  # [T, H]

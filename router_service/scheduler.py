@@ -1,0 +1,110 @@
+"""Continuous batching: requests join and leave the running batch between steps. Plain Python, no torch.
+
+Each step: running sequences decode one token each (decodes first), then waiting sequences are admitted
+FIFO with (chunked) prefill while the token budget and batch size allow. When the KV cache is full, the
+newest running sequence is preempted (its blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from router_service.block_allocator import BlockAllocator, OutOfBlocks
+from router_service.sequence import Sequence, Status
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 64        # sequences in one step
+    max_num_tokens: int = 512       # tokens (prefill + decode) in one step
+    max_waiting: int = 256          # bounded waiting queue
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_tokens", "max_waiting", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    seq: Sequence
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_cached + self.num_new == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator) -> None:
+        self.cfg = cfg
+        self.alloc = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({self.cfg.max_waiting} requests); retry later or "
+                            f"raise --max-waiting")
+        if self.alloc.blocks_for(seq.num_tokens + seq.sampling.max_tokens) > self.alloc.num_blocks:
+            raise QueueFull(f"prompt + max_tokens = {seq.num_tokens + seq.sampling.max_tokens} tokens exceeds "
+                            f"the whole KV cache; lower max_tokens or raise --kv-cache-mb")
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.alloc.release(seq.block_table)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.alloc.release(seq.block_table)
+        seq.num_cached, seq.status = 0, Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[Scheduled]:
+        out: list[Scheduled] = []
+        budget = self.cfg.max_num_tokens
+        for seq in list(self.running):              # decodes (and unfinished chunked prefills) first
+            if seq not in self.running or budget == 0:
+                continue
+            num_new = min(seq.num_tokens - seq.num_cached, budget)
+            while True:
+                try:
+                    self.alloc.grow(seq.block_table, seq.num_cached + num_new)
+                    break
+                except OutOfBlocks:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+            if seq.status is Status.RUNNING:
+                out.append(Scheduled(seq, num_new))
+                budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
+            seq = self.waiting[0]
+            num_new = min(seq.num_tokens - seq.num_cached, budget)
+            try:
+                self.alloc.grow(seq.block_table, seq.num_cached + num_new)
+            except OutOfBlocks:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append(Scheduled(seq, num_new))
+            budget -= num_new
+        # decode sequences (one new token after a cached prefix) first, as StepInputs expects
+        out.sort(key=lambda s: 0 if s.num_new == 1 and s.seq.num_cached > 0 else 1)
+        return out

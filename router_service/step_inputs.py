@@ -1,0 +1,78 @@
+"""The tensors one engine step needs, built once per step from the scheduled sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's share of a step: `num_new` query tokens after `num_cached` cached ones."""
+
+    num_cached: int
+    num_new: int
+    block_table: list[int]
+    sample: bool            # the step ends at this sequence's last prompt token or decodes: sample it
+
+
+@dataclass
+class StepInputs:
+    token_ids: torch.Tensor          # [T]
+    positions: torch.Tensor          # [T]
+    slots: torch.Tensor              # [T] KV slot each new token writes
+    num_decode: int                  # rows [0, num_decode) are decode tokens, one per sequence
+    decode_slots: torch.Tensor       # [Bd, Lmax] KV slots each decode query reads (padded)
+    decode_mask: torch.Tensor        # [Bd, 1, 1, Lmax] True where a slot is valid
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row, n, slots [ctx], mask | None)
+    sample_rows: torch.Tensor        # [B] rows whose logits are sampled
+
+    @staticmethod
+    def build(seqs: list[SeqSlice], token_ids: list[int], block_size: int) -> StepInputs:
+        """`seqs` must list decode sequences (num_new == 1, num_cached > 0) first."""
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in seqs:
+            for p in range(s.num_cached, s.num_cached + s.num_new):
+                positions.append(p)
+                slots.append(s.block_table[p // block_size] * block_size + p % block_size)
+        num_decode = 0
+        while num_decode < len(seqs) and seqs[num_decode].num_new == 1 and seqs[num_decode].num_cached > 0:
+            num_decode += 1
+        decode = seqs[:num_decode]
+        if decode:
+            lmax = max(s.num_cached + 1 for s in decode)
+            nblk = (lmax + block_size - 1) // block_size
+            table = torch.tensor([s.block_table[:nblk] + [0] * (nblk - len(s.block_table[:nblk])) for s in decode])
+            offs = torch.arange(block_size)
+            dslots = (table[:, :, None] * block_size + offs).reshape(len(decode), -1)[:, :lmax]  # [Bd, Lmax]
+            lens = torch.tensor([s.num_cached + 1 for s in decode])
+            dmask = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]         # [Bd, 1, 1, Lmax]
+        else:
+            dslots = torch.zeros(0, 0, dtype=torch.long)
+            dmask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
+        prefills = []
+        row = num_decode
+        for s in seqs[num_decode:]:
+            ctx = s.num_cached + s.num_new
+            ctx_slots = torch.tensor([s.block_table[p // block_size] * block_size + p % block_size
+                                      for p in range(ctx)])
+            mask = None
+            if s.num_cached:  # query i (position num_cached + i) sees keys 0..num_cached + i
+                q_pos = torch.arange(s.num_cached, ctx)[:, None]
+                mask = torch.arange(ctx)[None, :] <= q_pos                                    # [n, ctx]
+            prefills.append((row, s.num_new, ctx_slots, mask))
+            row += s.num_new
+        sample_rows, row = [], 0
+        for s in seqs:
+            row += s.num_new
+            if s.sample:
+                sample_rows.append(row - 1)
+        return StepInputs(
+            token_ids=torch.tensor(token_ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slots=torch.tensor(slots, dtype=torch.long),
+            num_decode=num_decode, decode_slots=dslots, decode_mask=dmask,
+            prefills=prefills, sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+        )

@@ -1,0 +1,60 @@
+"""Random-weight checkpoints built with transformers (the oracle), for the tests and the benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    OlmoeConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+COMMON = dict(vocab_size=256, hidden_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+              pad_token_id=None)
+
+
+def small_config(arch: str, **overrides) -> PretrainedConfig:
+    """Small configs with a non-power-of-two somewhere (hidden 96, 60 experts, width 40)."""
+    if arch == "mixtral":
+        kw = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=40)
+        cfg = MixtralConfig(**{**COMMON, **kw, **overrides})
+    elif arch == "qwen2_moe":
+        kw = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, intermediate_size=64,
+                  shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+                  decoder_sparse_step=1, qkv_bias=True, num_hidden_layers=3)
+        cfg = Qwen2MoeConfig(**{**COMMON, **kw, **overrides})
+    elif arch == "qwen3_moe":
+        kw = dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=40, norm_topk_prob=True,
+                  head_dim=32)
+        cfg = Qwen3MoeConfig(**{**COMMON, **kw, **overrides})
+    elif arch == "olmoe":
+        kw = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=40, norm_topk_prob=False)
+        cfg = OlmoeConfig(**{**COMMON, **kw, **overrides})
+    else:
+        raise ValueError(arch)
+    return cfg
+
+
+def build_model(cfg: PretrainedConfig, seed: int = 0, std: float = 0.2, dtype: torch.dtype = torch.float32):
+    """Weights scaled up (std ≈ 0.2) so routing and greedy choices are far from ties."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(std * torch.randn_like(p))
+    return model
+
+
+def save_checkpoint(model, path: Path, max_shard_size: str | None = None) -> Path:
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    return path
