@@ -99,18 +99,41 @@ def serve(model: str, workers: int, host: str, port: int, dtype: str, extra_rout
         return 1
     print(f"ready {addr}", flush=True)
 
-    def watch(p: subprocess.Popen) -> None:
+    def drain(p: subprocess.Popen) -> None:
+        for _ in p.stdout:  # type: ignore[union-attr]
+            pass
+
+    def supervise_worker(i: int, p: subprocess.Popen) -> None:
+        """A dead worker is restarted on its own port (the router reconnects), like a pod restart."""
+        port = addrs[i].rsplit(":", 1)[1]
+        while True:
+            drain(p)
+            code = p.wait()
+            if fleet.stopping.is_set() or stop_signal.is_set():
+                return
+            log.error("expert worker %d/%d exited with code %s; restarting it on port %s", i, workers, code, port)
+            p = fleet.spawn(["expert", "--model", model, "--shard", f"{i}/{workers}", "--host", "127.0.0.1",
+                             "--port", port, "--dtype", dtype], worker_threads)
+            try:
+                fleet.wait_ready(p, f"expert worker {i}/{workers}")
+                log.info("expert worker %d/%d is back", i, workers)
+            except RuntimeError as exc:
+                log.error("%s; stopping the fleet", exc)
+                stop_signal.set()
+                return
+
+    def supervise_router(p: subprocess.Popen) -> None:
+        drain(p)
         code = p.wait()
         if not fleet.stopping.is_set():
-            log.error("child %s exited with code %s; stopping the fleet", " ".join(p.args[1:4]), code)
+            log.error("router exited with code %s; stopping the fleet", code)
             stop_signal.set()
 
-    for p in fleet.children:
-        assert p.stdout is not None
-        threading.Thread(target=lambda s=p.stdout: [None for _ in s], daemon=True).start()  # drain stdout
-        threading.Thread(target=watch, args=(p,), daemon=True).start()
+    for i, p in enumerate(procs):
+        threading.Thread(target=supervise_worker, args=(i, p), daemon=True).start()
+    threading.Thread(target=supervise_router, args=(router,), daemon=True).start()
     while not stop_signal.wait(0.5):
         pass
-    failed = any(p.poll() not in (None, 0) for p in fleet.children) and not fleet.stopping.is_set()
+    failed = router.poll() not in (None, 0) and not fleet.stopping.is_set()
     fleet.stop()
     return 1 if failed else 0

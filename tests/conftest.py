@@ -1,0 +1,72 @@
+"""Shared fixtures: random-weight checkpoints built with transformers and real fleets on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.models import build_model, save_checkpoint, small_config
+
+REPO = Path(__file__).resolve().parent.parent
+COLIBRI = str(Path(sys.executable).parent / "colibri")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+torch.set_num_threads(1)
+
+
+@contextmanager
+def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = None, timeout: float = 120):
+    """`colibri serve` on a free port; yields (address, launcher Popen); stops it with SIGTERM."""
+    cmd = [COLIBRI, "serve", "--model", str(model_dir), "--workers", str(workers), "--port", "0",
+           "--log-level", "WARNING", *(extra or [])]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        line = p.stdout.readline()
+        if not line.startswith("ready "):
+            p.wait(timeout=30)
+            raise RuntimeError(f"colibri serve did not become ready (exit {p.returncode}): {line!r}")
+        yield line.split()[1], p
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for c in psutil.Process(p.pid).children(recursive=True):
+                    c.kill()
+                p.kill()
+
+
+class Oracle:
+    """A transformers model and its saved checkpoint."""
+
+    def __init__(self, model, path: Path) -> None:
+        self.model, self.path = model, path
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+    @torch.no_grad()
+    def last_logits(self, prompt: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([prompt])).logits[0, -1].float()
+
+
+@pytest.fixture(scope="session")
+def oracles(tmp_path_factory) -> dict[str, Oracle]:
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for i, arch in enumerate(ARCHS):
+        model = build_model(small_config(arch), seed=i)
+        out[arch] = Oracle(model, save_checkpoint(model, root / arch))
+    return out

@@ -1,0 +1,86 @@
+"""Scheduler and KV block allocator: plain Python, tested on their own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from router_service.block_allocator import BlockAllocator, OutOfBlocks
+from router_service.scheduler import QueueFull, Scheduler, SchedulerConfig
+from router_service.sequence import Sampling, Sequence
+
+
+def seq(rid: str, n: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(rid, list(range(n)), Sampling(max_tokens=max_tokens))
+
+
+def test_allocator_is_all_or_nothing_and_returns_blocks():
+    a = BlockAllocator(4, 16)
+    t: list[int] = []
+    a.grow(t, 33)
+    assert len(t) == 3 and a.num_free == 1
+    other: list[int] = []
+    with pytest.raises(OutOfBlocks):
+        a.grow(other, 40)
+    assert other == [] and a.num_free == 1
+    a.release(t)
+    assert a.num_free == 4 and t == []
+
+
+def test_scheduler_is_torch_free():
+    code = "import sys, router_service.scheduler, router_service.block_allocator; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_token_budget_chunks_prefill_and_decodes_come_first():
+    s = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=10), BlockAllocator(64, 4))
+    a, b = seq("a", 7), seq("b", 12)
+    s.add(a)
+    s.add(b)
+    step = s.schedule()
+    assert [(x.seq.request_id, x.num_new) for x in step] == [("a", 7), ("b", 3)]
+    assert sum(x.num_new for x in step) <= 10
+    for x in step:
+        x.seq.num_cached += x.num_new
+    a.output_ids.append(1)                     # a sampled its first token; b is mid-prefill
+    step = s.schedule()
+    assert [(x.seq.request_id, x.num_new) for x in step] == [("a", 1), ("b", 9)]
+    assert step[0].samples and step[1].samples
+
+
+def test_bounded_waiting_queue_and_finish_frees_kv():
+    alloc = BlockAllocator(16, 4)
+    s = Scheduler(SchedulerConfig(max_batch_size=1, max_waiting=2), alloc)
+    s.add(seq("a", 5))
+    s.add(seq("b", 5))
+    with pytest.raises(QueueFull, match="waiting queue is full"):
+        s.add(seq("c", 5))
+    step = s.schedule()
+    assert [x.seq.request_id for x in step] == ["a"]     # max_batch_size=1
+    assert alloc.num_free == 14
+    s.finish(step[0].seq, "abort")
+    assert alloc.num_free == 16 and not s.running
+
+
+def test_preemption_when_kv_is_full_recomputes_later():
+    alloc = BlockAllocator(3, 4)
+    s = Scheduler(SchedulerConfig(max_batch_size=4, max_num_tokens=64), alloc)
+    a, b = seq("a", 4, 8), seq("b", 4, 8)
+    s.add(a)
+    s.add(b)
+    for x in s.schedule():
+        x.seq.num_cached += x.num_new
+        x.seq.output_ids.append(0)
+    # both need a second block now; only one is free: the newest (b) is preempted
+    step = s.schedule()
+    assert [x.seq.request_id for x in step] == ["a"]
+    assert b.num_cached == 0 and s.waiting[0] is b and b.block_table == []
+
+
+def test_request_larger_than_the_cache_is_refused():
+    s = Scheduler(SchedulerConfig(), BlockAllocator(2, 4))
+    with pytest.raises(QueueFull, match="exceeds the whole KV cache"):
+        s.add(seq("a", 6, 4))

@@ -1,0 +1,118 @@
+"""Behaviour of a running fleet: concurrency, bad requests, sharded checkpoints, CLI, signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import psutil
+import pytest
+
+from colibri_common.client import Client
+from tests.conftest import COLIBRI, fleet
+from tests.models import build_model, save_checkpoint, small_config
+
+
+@pytest.fixture(scope="module")
+def served(oracles):
+    oracle = oracles["qwen3_moe"]
+    with fleet(oracle.path, 2) as (addr, proc):
+        yield oracle, addr, proc
+
+
+def test_concurrent_requests_get_the_tokens_they_get_alone(served):
+    oracle, addr, _ = served
+    client = Client(addr)
+    prompts = [[(7 * i + j) % 256 for j in range(1 + 3 * i)] for i in range(10)]
+    alone = [client.generate(p, 12).token_ids for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: client.generate(p, 12).token_ids, prompts))
+    assert together == alone
+    assert alone[3] == oracle.greedy(prompts[3], 12)
+
+
+@pytest.mark.parametrize("prompt, max_tokens, needle", [
+    ([1, 2, 256], 4, "outside the vocabulary"),
+    ([-1], 4, "outside the vocabulary"),
+    ([], 4, "prompt is empty"),
+    ([1, 2], 0, "max_tokens must be > 0"),
+    ([1, 2], -3, "max_tokens must be > 0"),
+    ("some text", 4, "no tokenizer.json"),
+    ([1, 2], 10_000, "exceeds the model's maximum length"),
+])
+def test_bad_requests_are_invalid_argument_and_service_keeps_serving(served, prompt, max_tokens, needle):
+    oracle, addr, _ = served
+    client = Client(addr)
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt, max_tokens)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details()
+    assert client.generate([5, 6, 7], 4).token_ids == oracle.greedy([5, 6, 7], 4)
+
+
+def test_model_info(served):
+    _, addr, _ = served
+    info = Client(addr).model_info()
+    assert info.architecture == "Qwen3MoeForCausalLM"
+    assert info.num_experts == 60 and info.experts_per_token == 4
+    assert len(info.workers) == 2
+
+
+def test_generate_cli_json(served):
+    oracle, addr, _ = served
+    out = subprocess.run([COLIBRI, "generate", "--target", addr, "--prompt-ids", "3,17,42", "--max-tokens", "6",
+                          "--json"], capture_output=True, text=True, timeout=60, check=True)
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["token_ids"] == oracle.greedy([3, 17, 42], 6)
+    assert last["finish_reason"] == "length"
+
+
+def test_sharded_checkpoint_serves_the_same_tokens(oracles, tmp_path):
+    oracle = oracles["mixtral"]
+    sharded = save_checkpoint(oracle.model, tmp_path / "sharded", max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 3
+    prompt = [9, 8, 7, 6, 5]
+    with fleet(sharded, 2) as (addr, _):
+        assert Client(addr).generate(prompt, 16).token_ids == oracle.greedy(prompt, 16)
+
+
+def test_sigterm_stops_every_child(oracles):
+    with fleet(oracles["olmoe"].path, 2) as (addr, proc):
+        children = psutil.Process(proc.pid).children(recursive=True)
+        cmdlines = [" ".join(c.cmdline()) for c in children]
+        assert sum("colibri expert --model" in c and "--shard" in c for c in cmdlines) == 2
+        assert sum("colibri router --model" in c for c in cmdlines) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive
+
+
+def test_worker_death_is_unavailable_then_the_worker_is_restarted(tmp_path):
+    model = build_model(small_config("olmoe"), seed=5)
+    path = save_checkpoint(model, tmp_path / "m")
+    with fleet(path, 2) as (addr, proc):
+        client = Client(addr)
+        model_tokens = client.generate([1, 2, 3], 4).token_ids
+        assert len(model_tokens) == 4
+        worker = next(c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline()))
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+        time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate([1, 2, 3], 4, timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "expert worker" in err.value.details()
+        deadline = time.monotonic() + 90
+        while True:  # the launcher restarts the worker on its port; the router reconnects
+            try:
+                assert client.generate([1, 2, 3], 4, timeout=60).token_ids == model_tokens
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the fleet did not recover from a dead worker"
+                time.sleep(1)

@@ -1,0 +1,68 @@
+"""A bad checkpoint is a clear start-up error naming the problem and the file, with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import COLIBRI
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([COLIBRI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def ckpt(oracles, tmp_path):
+    dst = tmp_path / "m"
+    shutil.copytree(oracles["qwen3_moe"].path, dst)
+    return dst
+
+
+def test_validate_accepts_a_good_checkpoint(ckpt):
+    out = run("validate", "--model", str(ckpt), "--workers", "3")
+    assert out.returncode == 0, out.stderr
+    assert "Qwen3MoeForCausalLM" in out.stdout
+    assert "worker 2/3" in out.stdout and "experts 40..59" in out.stdout
+
+
+def test_unknown_architecture(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["GrokForCausalLM"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    for args in (["validate", "--model", str(ckpt)], ["serve", "--model", str(ckpt), "--port", "0"]):
+        out = run(*args)
+        assert out.returncode != 0
+        assert "unsupported architecture ['GrokForCausalLM']" in out.stderr
+        assert "config.json" in out.stderr
+
+
+@pytest.mark.parametrize("victim", ["model.layers.1.self_attn.o_proj.weight",
+                                    "model.layers.0.mlp.experts.59.down_proj.weight"])
+def test_missing_tensor(ckpt, victim):
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors[victim]
+    save_file(tensors, ckpt / "model.safetensors")
+    out = run("validate", "--model", str(ckpt))
+    assert out.returncode != 0 and f"missing tensor '{victim}'" in out.stderr
+    out = run("serve", "--model", str(ckpt), "--workers", "2", "--port", "0")
+    assert out.returncode != 0 and f"missing tensor '{victim}'" in out.stderr
+
+
+def test_truncated_safetensors(ckpt):
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000])
+    for args in (["validate", "--model", str(ckpt)], ["expert", "--model", str(ckpt), "--shard", "0/2", "--port", "0"]):
+        out = run(*args)
+        assert out.returncode != 0
+        assert "truncated" in out.stderr and str(f) in out.stderr
+
+
+def test_bad_shard_flag(ckpt):
+    out = run("expert", "--model", str(ckpt), "--shard", "2/2", "--port", "0")
+    assert out.returncode != 0 and "--shard 2/2: need 0 <= I < N" in out.stderr

@@ -1,0 +1,61 @@
+"""Each expert worker's resident memory tracks its shard, not the whole checkpoint (psutil)."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import torch
+from safetensors.torch import save_file
+
+from colibri_common.client import Client
+from tests.conftest import fleet
+from tests.models import small_config
+
+H, I, E, L = 512, 768, 32, 8
+
+
+def write_big_checkpoint(path) -> int:
+    """A Qwen3-MoE checkpoint of ≈1.2 GB, written straight to safetensors (random weights)."""
+    path.mkdir()
+    cfg = small_config("qwen3_moe", hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2,
+                       num_hidden_layers=L, head_dim=64, num_attention_heads=8, num_key_value_heads=2)
+    cfg.save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["Qwen3MoeForCausalLM"]
+    (path / "config.json").write_text(json.dumps(raw))
+    g = torch.Generator().manual_seed(0)
+    t = {"model.embed_tokens.weight": torch.randn(256, H, generator=g) * 0.02,
+         "lm_head.weight": torch.randn(256, H, generator=g) * 0.02, "model.norm.weight": torch.ones(H)}
+    for layer in range(L):
+        p = f"model.layers.{layer}."
+        t |= {p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H),
+              p + "self_attn.q_proj.weight": torch.randn(512, H, generator=g) * 0.02,
+              p + "self_attn.k_proj.weight": torch.randn(128, H, generator=g) * 0.02,
+              p + "self_attn.v_proj.weight": torch.randn(128, H, generator=g) * 0.02,
+              p + "self_attn.o_proj.weight": torch.randn(H, 512, generator=g) * 0.02,
+              p + "self_attn.q_norm.weight": torch.ones(64), p + "self_attn.k_norm.weight": torch.ones(64),
+              p + "mlp.gate.weight": torch.randn(E, H, generator=g) * 0.02}
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            t |= {q + "gate_proj.weight": torch.randn(I, H, generator=g) * 0.02,
+                  q + "up_proj.weight": torch.randn(I, H, generator=g) * 0.02,
+                  q + "down_proj.weight": torch.randn(H, I, generator=g) * 0.02}
+    save_file(t, path / "model.safetensors")
+    return (path / "model.safetensors").stat().st_size
+
+
+def test_each_worker_holds_about_its_shard(tmp_path):
+    size = write_big_checkpoint(tmp_path / "big")
+    assert size > 1100 * 2**20
+    workers = 4
+    with fleet(tmp_path / "big", workers) as (addr, proc):
+        assert len(Client(addr).generate([1, 2, 3, 4], 4).token_ids) == 4   # every worker has computed
+        experts = [c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline())]
+        assert len(experts) == workers
+        for c in experts:
+            rss = c.memory_info().rss
+            # a quarter of the experts (≈290 MB) plus the interpreter, torch and gRPC (≈230 MB)
+            msg = f"worker RSS {rss / 2**20:.0f} MiB vs checkpoint {size / 2**20:.0f} MiB"
+            assert rss < 0.6 * size, msg
+            assert rss > 0.9 * size / workers, msg   # it really holds its shard
