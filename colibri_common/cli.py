@@ -111,7 +111,7 @@ def run(args) -> int:
 
         setup_logging("serve", args.log_level)
         return serve(args.model, args.workers, args.host, args.port, args.dtype, _router_passthrough(args),
-                     cores=args.threads or None)
+                     cores=args.threads or None, log_level=args.log_level)
     if args.cmd == "router":
         _setup_service(args)
         from router_service.server import serve_router

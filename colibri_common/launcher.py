@@ -74,7 +74,7 @@ class Fleet:
 
 
 def serve(model: str, workers: int, host: str, port: int, dtype: str, extra_router_args: list[str],
-          cores: int | None = None) -> int:
+          cores: int | None = None, log_level: str = "INFO") -> int:
     cores = cores or len(os.sched_getaffinity(0))
     router_threads, worker_threads = split_threads(cores, workers)
     fleet = Fleet()
@@ -88,7 +88,8 @@ def serve(model: str, workers: int, host: str, port: int, dtype: str, extra_rout
     signal.signal(signal.SIGTERM, on_signal)
     try:
         procs = [fleet.spawn(["expert", "--model", model, "--shard", f"{i}/{workers}", "--host", "127.0.0.1",
-                              "--port", "0", "--dtype", dtype], worker_threads) for i in range(workers)]
+                              "--port", "0", "--dtype", dtype, "--log-level", log_level], worker_threads)
+                 for i in range(workers)]
         addrs = [fleet.wait_ready(p, f"expert worker {i}/{workers}") for i, p in enumerate(procs)]
         router = fleet.spawn(["router", "--model", model, "--workers", ",".join(addrs), "--host", host,
                               "--port", str(port), "--dtype", dtype, *extra_router_args], router_threads)
@@ -113,7 +114,7 @@ def serve(model: str, workers: int, host: str, port: int, dtype: str, extra_rout
                 return
             log.error("expert worker %d/%d exited with code %s; restarting it on port %s", i, workers, code, port)
             p = fleet.spawn(["expert", "--model", model, "--shard", f"{i}/{workers}", "--host", "127.0.0.1",
-                             "--port", port, "--dtype", dtype], worker_threads)
+                             "--port", port, "--dtype", dtype, "--log-level", log_level], worker_threads)
             try:
                 fleet.wait_ready(p, f"expert worker {i}/{workers}")
                 log.info("expert worker %d/%d is back", i, workers)
