@@ -28,8 +28,12 @@ def _pick(x: torch.Tensor, backend: str | None) -> str:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
-              backend: str | None = None) -> torch.Tensor:
-    """Σ_k w_k · w2[e_k] @ (silu(gate) * up) per token; gate/up are the first/second halves of w13[e] @ x."""
+              backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_k w_k · w2[e_k] @ (silu(gate) * up) per token; gate/up are the first/second halves of w13[e] @ x.
+
+    x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids/topk_weights [T, K] -> [T, H] in x's dtype (written
+    into `out` when given). expert_map [E_global] maps global ids to rows of w13/w2, -1 = not held here.
+    """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fused_moe: need x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {list(x.shape)}, "
                          f"{list(w13.shape)}, {list(w2.shape)}")
@@ -40,13 +44,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: topk_ids {list(topk_ids.shape)} and topk_weights "
                          f"{list(topk_weights.shape)} must both be [T={x.shape[0]}, K]")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"fused_moe: out must be a contiguous {x.dtype} tensor of shape {list(x.shape)}")
     if x.shape[0] == 0:
-        return torch.empty_like(x)
+        return torch.empty_like(x) if out is None else out
     if _pick(x, backend) == "triton":
         from kernels.triton_moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_map)
-    return fused_moe_cpu(x, w13, w2, topk_ids, topk_weights, expert_map)
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_map, out=out)
+    return fused_moe_cpu(x, w13, w2, topk_ids, topk_weights, expert_map, out=out)
 
 
 def topk_route(logits: torch.Tensor, k: int, renormalize: bool, scoring: str = "softmax",

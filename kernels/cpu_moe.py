@@ -21,11 +21,12 @@ def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.
 
 
 def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                  topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     T, H = x.shape
     K = topk_ids.shape[1]
     I = w2.shape[2]
-    out = torch.zeros(T, H, dtype=torch.float32)                 # [T, H]
+    acc = torch.zeros(T, H, dtype=torch.float32)                 # [T, H]
     flat = local_ids(topk_ids, expert_map).reshape(-1)           # [T*K]
     order = torch.argsort(flat, stable=True)                     # [T*K] pairs grouped by expert
     sorted_ids = flat[order]
@@ -42,5 +43,7 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         gate_up = F.linear(xc[rows], w13[e])                     # [n, 2I]
         h = F.silu(gate_up[:, :I]) * gate_up[:, I:]              # [n, I]
         y = F.linear(h, w2[e]).float()                           # [n, H]
-        out.index_add_(0, rows, y * weights[pairs, None])
-    return out.to(x.dtype)
+        acc.index_add_(0, rows, y * weights[pairs, None])
+    if out is None:
+        return acc.to(x.dtype)
+    return out.copy_(acc)

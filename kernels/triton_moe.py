@@ -1,0 +1,68 @@
+"""Launcher of the Triton fused MoE: checks shapes/dtypes/contiguity, aligns blocks, picks the grid."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from kernels.cpu_moe import local_ids
+from kernels.launch_config import LaunchConfig, get_config
+from kernels.moe_align import moe_align_block_size
+from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_silu_kernel, sum_over_k_kernel
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _device_name(x: torch.Tensor) -> str:
+    return torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"fused_moe_triton: {name} has dtype {t.dtype}; use float32, float16 or bfloat16")
+        if not t.is_contiguous():
+            raise ValueError(f"fused_moe_triton: {name} must be contiguous")
+    if not (x.dtype == w13.dtype == w2.dtype):
+        raise TypeError(f"fused_moe_triton: x, w13, w2 dtypes differ ({x.dtype}, {w13.dtype}, {w2.dtype})")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("fused_moe_triton needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
+                     config: LaunchConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    _check(x, w13, w2)
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    K = topk_ids.shape[1]
+    cfg = config or get_config(E, I, H, str(x.dtype).removeprefix("torch."), _device_name(x), T)
+    align = moe_align_block_size(local_ids(topk_ids, expert_map), E, cfg.block_m)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    num_blocks = align.block_expert.numel()
+    if out is None:
+        out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if num_blocks == 0:
+        return out.zero_()
+    h = torch.empty(T * K, I, dtype=x.dtype, device=x.device)                  # [T*K, I]
+    y = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)            # [T*K, H] dropped pairs stay 0
+    weights = topk_weights.reshape(-1).contiguous()                             # [T*K]
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    gate_up_silu_kernel[(num_blocks, triton.cdiv(I, cfg.block_n))](
+        x, w13, h, align.sorted_pair_ids, align.block_expert,
+        T * K, K, H, I,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
+    down_weighted_kernel[(num_blocks, triton.cdiv(H, cfg.block_n))](
+        h, w2, y, align.sorted_pair_ids, align.block_expert, weights,
+        T * K, H, I,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
+    block_n = min(1024, triton.next_power_of_2(H))
+    sum_over_k_kernel[(T, triton.cdiv(H, block_n))](
+        y, out, H, K, y.stride(0) * K, out.stride(0),
+        BLOCK_N=block_n, K_POW2=max(2, triton.next_power_of_2(K)))
+    return out

@@ -1,0 +1,85 @@
+"""Triton kernels of the fused MoE (jit code only; launchers live in triton_moe.py)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gate_up_silu_kernel(
+    x_ptr, w13_ptr, h_ptr, pair_ids_ptr, block_expert_ptr,
+    num_pairs, top_k, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_hp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """h[pair, n] = silu(x[t] · w13[e, n]) * (x[t] · w13[e, I + n]) for the pairs of one block."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_ids_ptr + rows)                                  # [BM]
+    row_ok = pairs < num_pairs
+    tokens = pairs // top_k
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                        # [BN]
+    col_ok = cols < inter
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xt + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)      # [BM, BK]
+        wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
+                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)     # [BK, BN]
+        wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + ks[:, None],
+                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)     # [BK, BN]
+        acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u                                 # [BM, BN] silu(gate) * up
+    tl.store(h_ptr + pairs[:, None].to(tl.int64) * stride_hp + cols[None, :],
+             h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def down_weighted_kernel(
+    h_ptr, w2_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, weights_ptr,
+    num_pairs, hidden, inter,
+    stride_hp, stride_we, stride_wn, stride_yp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """y[pair, n] = w[pair] · (h[pair] · w2[e, n]): the routed weight applied in the epilogue."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_ids_ptr + rows)
+    row_ok = pairs < num_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w2_ptr + expert.to(tl.int64) * stride_we
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(h_ptr + pairs[:, None].to(tl.int64) * stride_hp + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)      # [BM, BK]
+        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)      # [BK, BN]
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    rw = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)  # [BM]
+    acc = acc * rw[:, None]
+    tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_yp + cols[None, :], acc,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def sum_over_k_kernel(y_ptr, out_ptr, hidden, top_k, stride_yt, stride_ot,
+                      BLOCK_N: tl.constexpr, K_POW2: tl.constexpr):
+    """out[t] = Σ_k y[t, k] (float32 accumulation), cast to the output dtype."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, K_POW2)
+    m = (ks[:, None] < top_k) & (cols[None, :] < hidden)
+    y = tl.load(y_ptr + t.to(tl.int64) * stride_yt + ks[:, None] * hidden + cols[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, tl.sum(y, axis=0).to(out_ptr.dtype.element_ty),
+             mask=cols < hidden)

@@ -1,0 +1,6 @@
+"""Kernel tests run the Triton kernels on CPU tensors through the interpreter."""
+
+import os
+
+# Must be set before any @triton.jit function is defined (the kernels are imported lazily, after this).
+os.environ["TRITON_INTERPRET"] = "1"

@@ -1,0 +1,110 @@
+"""fused_moe and topk_route against float64 references, over a grid of shapes, on both backends."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels import fused_moe, topk_route
+from kernels.reference import fused_moe_reference, topk_route_reference
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+H, I = 72, 40            # not multiples of any block size
+
+
+def make_case(T: int, E: int, K: int, dtype: torch.dtype, pattern: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    expert_map = None
+    if pattern == "one_expert":   # every token routed to the same experts
+        ids = torch.arange(K).repeat(T, 1)
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if pattern == "expert_map":   # a worker holding every other expert of a 2E-expert model
+        expert_map = torch.full((2 * E,), -1, dtype=torch.long)
+        expert_map[::2] = torch.arange(E)
+        ids = torch.stack([torch.randperm(2 * E, generator=g)[:K] for _ in range(T)])
+        ids[0, 0] = -1          # a dropped pair
+    w = torch.rand(T, K, generator=g)
+    return x, w13, w2, ids, w, expert_map
+
+
+def check(backend: str, T: int, E: int, K: int, dtype: torch.dtype, pattern: str) -> None:
+    x, w13, w2, ids, w, emap = make_case(T, E, K, dtype, pattern)
+    ref = fused_moe_reference(x, w13, w2, ids, w, emap)                  # [T, H] float64
+    out = torch.full_like(x, float("nan"))                               # poisoned: unwritten rows fail
+    got = fused_moe(x, w13, w2, ids, w, emap, backend=backend, out=out)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
+    assert torch.isfinite(got).all(), "a row was not written"
+    err = float((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+    assert err <= TOL[dtype], f"{backend} T={T} E={E} K={K} {dtype} {pattern}: rel err {err:.2e}"
+
+
+GRID = list(itertools.product([1, 3, 64, 257], [8, 60], [1, 2, 8]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,E,K", GRID)
+def test_cpu_path(T, E, K, dtype):
+    for pattern in ("random", "expert_map", "one_expert"):
+        check("torch", T, E, K, dtype, pattern)
+
+
+# The interpreter runs every program instance in Python: the full grid in float32, a cut of it in float16.
+@pytest.mark.parametrize("T,E,K", GRID)
+def test_triton_float32(T, E, K):
+    check("triton", T, E, K, torch.float32, "random")
+
+
+@pytest.mark.parametrize("T,E,K,pattern", [
+    (1, 8, 2, "random"), (3, 60, 8, "expert_map"), (64, 8, 2, "one_expert"), (257, 60, 1, "expert_map"),
+    (3, 8, 1, "one_expert"), (64, 60, 8, "random"),
+])
+def test_triton_float16_and_patterns(T, E, K, pattern):
+    check("triton", T, E, K, torch.float16, pattern)
+    check("triton", T, E, K, torch.float32, pattern)
+
+
+def test_no_pair_held_here_gives_zeros():
+    x, w13, w2, ids, w, _ = make_case(5, 8, 2, torch.float32, "random")
+    emap = torch.full((8,), -1, dtype=torch.long)
+    for backend in ("torch", "triton"):
+        assert torch.equal(fused_moe(x, w13, w2, ids, w, emap, backend=backend), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("T,E,K,renorm", [(1, 8, 2, True), (37, 60, 8, False), (64, 60, 4, True), (5, 8, 1, False)])
+def test_topk_route(backend, T, E, K, renorm):
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T))
+    w, ids = topk_route(logits, K, renorm, backend=backend)
+    rw, rids = topk_route_reference(logits, K, renorm)
+    assert w.dtype == torch.float32 and w.shape == (T, K)
+    assert torch.equal(ids, rids)
+    assert torch.allclose(w.double(), rw, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_inputs_are_clear_errors():
+    x, w13, w2, ids, w, _ = make_case(3, 8, 2, torch.float32, "random")
+    with pytest.raises(ValueError, match="shapes disagree"):
+        fused_moe(x[:, :10], w13, w2, ids, w)
+    with pytest.raises(ValueError, match="must both be"):
+        fused_moe(x, w13, w2, ids[:, :1], w)
+    with pytest.raises(ValueError, match="unknown"):
+        fused_moe(x, w13, w2, ids, w, backend="cuda-magic")
+    with pytest.raises(TypeError, match="dtypes differ"):
+        fused_moe(x.half(), w13, w2, ids, w, backend="triton")
+
+
+def test_environment_variable_overrides_the_automatic_choice(monkeypatch):
+    x, w13, w2, ids, w, _ = make_case(3, 8, 2, torch.float32, "random")
+    monkeypatch.setenv("COLIBRI_MOE_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="MoE backend 'bogus' is unknown"):
+        fused_moe(x, w13, w2, ids, w)
+    monkeypatch.setenv("COLIBRI_MOE_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")   # the launcher refuses CPU tensors outside the interpreter
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        fused_moe(x, w13, w2, ids, w)
