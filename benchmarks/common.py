@@ -1,0 +1,55 @@
+"""Shared benchmark helpers: timing, the machine's measured copy bandwidth, the results table."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def time_fn(fn: Callable[[], object], min_runs: int = 5, min_seconds: float = 0.5, warmup: int = 2) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    t_end = time.perf_counter() + min_seconds
+    while len(times) < min_runs or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) > 200:
+            break
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 512 * 2**20) -> float:
+    """Bytes copied per second for a large tensor copy (read nbytes + write nbytes counts as nbytes)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return nbytes / time_fn(lambda: dst.copy_(src), min_runs=5, min_seconds=1.0) / 1e9
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
