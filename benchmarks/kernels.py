@@ -63,10 +63,11 @@ def main() -> int:
         x = torch.randn(T, H, generator=g).to(dt)
         w, ids = topk_route(torch.randn(T, E, generator=g), K, True)
         touched = int(ids.unique().numel()) * 3 * H * I * dt.itemsize
+        args = (x, w13, w2, ids, w)
         with torch.inference_mode():
-            t_ours = time_fn(lambda: fused_moe(x, w13, w2, ids, w))
-            t_hf = time_fn(lambda: hf(x, ids, w.to(dt)))
-            t_naive = time_fn(lambda: naive_loop(x, w13, w2, ids, w), min_runs=2, min_seconds=0.2) \
+            t_ours = time_fn(lambda a=args: fused_moe(*a))
+            t_hf = time_fn(lambda a=args, m=hf: m(a[0], a[3], a[4].to(a[0].dtype)))
+            t_naive = time_fn(lambda a=args: naive_loop(*a), min_runs=2, min_seconds=0.2) \
                 if T <= 32 else float("nan")
         gbs = touched / t_ours / 1e9
         rows.append([str(dt).removeprefix("torch."), str(T), f"{touched / 2**20:.0f}", f"{t_ours * 1e3:.2f}",
@@ -103,7 +104,7 @@ def triton_section() -> str:
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         w, ids = topk_route(torch.randn(T, E, device=dev), K, True)
         touched = int(ids.unique().numel()) * 3 * H * I * 2
-        s = time_fn(lambda: (fused_moe(x, w13, w2, ids, w), torch.cuda.synchronize()))
+        s = time_fn(lambda a=(x, w13, w2, ids, w): (fused_moe(*a), torch.cuda.synchronize()))
         tflops = 2 * T * K * 3 * H * I / s / 1e12
         rows.append([str(T), f"{s * 1e6:.0f}", f"{touched / s / 1e9:.0f}", f"{100 * touched / s / 1e9 / bw:.0f}%",
                      f"{tflops:.1f}", f"{100 * tflops / flops:.0f}%"])

@@ -30,6 +30,14 @@ def _add_router_tuning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache budget in MiB (default: %(default)s)")
     p.add_argument("--wire-dtype", choices=DTYPES, default=None,
                    help="dtype of hidden states on the wire to the workers (default: the compute dtype)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="split each step into this many micro-batches and overlap the router's attention of "
+                        "one with the workers' experts of another (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off; 0 = any free port)")
+    p.add_argument("--transport", choices=("stream", "unary"), default="stream",
+                   help="router → worker calls: one bidirectional stream per worker, or unary calls "
+                        "(default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,14 +101,18 @@ def _router_opts(args):
     dt = getattr(torch, args.dtype)
     return RouterOptions(
         dtype=dt, wire_dtype=getattr(torch, args.wire_dtype) if args.wire_dtype else None,
-        kv_cache_mb=args.kv_cache_mb,
+        kv_cache_mb=args.kv_cache_mb, micro_batches=args.micro_batches, transport=args.transport,
+        metrics_port=args.metrics_port,
         sched=SchedulerConfig(args.max_batch_size, args.max_num_tokens, args.max_waiting, args.max_model_len))
 
 
 def _router_passthrough(args) -> list[str]:
     out = ["--max-batch-size", str(args.max_batch_size), "--max-num-tokens", str(args.max_num_tokens),
            "--max-waiting", str(args.max_waiting), "--max-model-len", str(args.max_model_len),
-           "--kv-cache-mb", str(args.kv_cache_mb), "--log-level", args.log_level]
+           "--kv-cache-mb", str(args.kv_cache_mb), "--log-level", args.log_level,
+           "--micro-batches", str(args.micro_batches), "--transport", args.transport]
+    if args.metrics_port is not None:
+        out += ["--metrics-port", str(args.metrics_port)]
     return out + (["--wire-dtype", args.wire_dtype] if args.wire_dtype else [])
 
 

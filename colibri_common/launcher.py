@@ -42,7 +42,10 @@ class Fleet:
         self.stopping = threading.Event()
 
     def spawn(self, args: list[str], threads: int) -> subprocess.Popen:
+        # PASSIVE: a process waiting on another (router on workers, workers on the router) must not keep
+        # spinning OpenMP threads on the shared cores (measured: router step 109 -> 80 ms on 2 cores).
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         cmd = [*colibri_command(), *args, "--threads", str(threads)]
         log.info("starting %s", " ".join(cmd))
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,

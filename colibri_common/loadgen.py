@@ -1,20 +1,128 @@
-"""`colibri bench`: a load generator against a running router (filled in by the throughput work)."""
+"""`colibri bench`: a load generator against a running router, like `vllm bench serve`.
+
+Random prompts of --prompt-len token ids, greedy, exactly --max-tokens new tokens each (EOS ignored),
+--concurrency requests in flight until --num-requests are done. Reports output tokens/s, time to first
+token and inter-token latency percentiles; --json prints one JSON object on the last line.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import grpc
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="load-test a running router: tok/s, TTFT and ITL percentiles")
+    p = sub.add_parser("bench", help="load-test a running router: tok/s, TTFT and ITL percentiles",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="router address HOST:PORT")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: %(default)s)")
+    p.add_argument("--num-requests", type=int, default=32, help="requests in all (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600, help="per-request deadline in seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+
+
+@dataclass
+class BenchResult:
+    requests_ok: int
+    requests_failed: int
+    output_tokens: int
+    duration_s: float
+    output_tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    errors: list[str]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    idx = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[idx]
+
+
+def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, max_tokens: int,
+             seed: int = 0, timeout: float = 600, vocab_size: int | None = None) -> BenchResult:
+    from colibri_common.client import Client, make_request
+
+    if min(concurrency, num_requests, prompt_len, max_tokens) <= 0:
+        raise ValueError("--concurrency, --num-requests, --prompt-len and --max-tokens must be positive")
+    client = Client(target)
+    vocab = vocab_size or client.model_info().vocab_size
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(num_requests)]
+    lock = threading.Lock()
+    next_idx = [0]
+    ttfts: list[float] = []
+    itls: list[float] = []
+    tokens = [0]
+    errors: list[str] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next_idx[0]
+                if i >= num_requests:
+                    return
+                next_idx[0] += 1
+            req = make_request(prompts[i], max_tokens, ignore_eos=True, request_id=f"bench-{seed}-{i}")
+            t0 = last = time.perf_counter()
+            my_itl, first, n = [], None, 0
+            try:
+                for msg in client.stream(req, timeout=timeout):
+                    if msg.WhichOneof("response") != "chunk":
+                        continue
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now - t0
+                    else:
+                        my_itl.append(now - last)
+                    last = now
+                    n += len(msg.chunk.token_ids)
+            except grpc.RpcError as exc:
+                with lock:
+                    errors.append(f"{exc.code().name}: {exc.details()}")
+                continue
+            with lock:
+                ttfts.append(first * 1e3 if first is not None else float("nan"))
+                itls.extend(x * 1e3 for x in my_itl)
+                tokens[0] += n
+
+    t_start = time.perf_counter()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, num_requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    duration = time.perf_counter() - t_start
+    client.close()
+    return BenchResult(
+        requests_ok=len(ttfts), requests_failed=len(errors), output_tokens=tokens[0], duration_s=duration,
+        output_tokens_per_s=tokens[0] / duration, ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99), itl_p50_ms=percentile(itls, 50), itl_p99_ms=percentile(itls, 99),
+        errors=errors[:5])
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    r = run_load(args.target, args.concurrency, args.num_requests, args.prompt_len, args.max_tokens, args.seed,
+                 args.timeout)
+    print(f"requests      {r.requests_ok} ok, {r.requests_failed} failed, concurrency {args.concurrency}")
+    print(f"output        {r.output_tokens} tokens in {r.duration_s:.2f}s = {r.output_tokens_per_s:.1f} tok/s")
+    print(f"TTFT          p50 {r.ttft_p50_ms:.1f} ms   p99 {r.ttft_p99_ms:.1f} ms")
+    print(f"inter-token   p50 {r.itl_p50_ms:.1f} ms   p99 {r.itl_p99_ms:.1f} ms")
+    for e in r.errors:
+        print(f"error         {e}")
+    if args.json:
+        print(json.dumps(asdict(r)))
+    return 0 if r.requests_failed == 0 else 1

@@ -1,13 +1,22 @@
-"""route → dispatch → experts → combine: one batched Forward per worker per MoE layer, all concurrently.
+"""route → dispatch → experts → combine: one batched request per worker per MoE layer, all concurrently.
 
 Communication only: which worker owns which expert comes from each worker's Describe; the compute is the
-workers' (or, in-process, `LocalExperts`).
+workers' (or, in-process, `LocalExperts`). `submit` returns at once with a handle, so the engine can
+compute attention for one micro-batch while the workers compute experts for another.
+
+Transport: a bidirectional `ForwardStream` held open per worker (one message per MoE layer per step) or a
+unary `Forward` per call. Measured on the 2-core dev machine (two workers answering at once): unary futures
+≈1.7-2.1 ms per round, streams ≈0.7-0.9 ms; streams are the default.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import queue
+import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -18,24 +27,77 @@ from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import CHANNEL_OPTIONS
 
 log = logging.getLogger("colibri.router")
+TRANSPORTS = ("stream", "unary")
 
 
 class WorkerError(Exception):
     """A worker failed or is unreachable; the message names it."""
 
 
+class Done:
+    """A handle whose result is already known (in-process experts)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def result(self) -> torch.Tensor:
+        return self.value
+
+
+class _Stream:
+    """One open ForwardStream: requests in through a queue, responses out in order."""
+
+    def __init__(self, stub: expert_pb2_grpc.ExpertWorkerStub) -> None:
+        self.requests: queue.SimpleQueue[expert_pb2.ForwardRequest | None] = queue.SimpleQueue()
+        self.responses: Iterator[expert_pb2.ForwardResponse] = stub.ForwardStream(self._pump())
+        self.waiting_since: float | None = None
+
+    def _pump(self) -> Iterator[expert_pb2.ForwardRequest]:
+        while (req := self.requests.get()) is not None:
+            yield req
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.responses.cancel()  # type: ignore[attr-defined]
+
+
+class Pending:
+    """The partial sums of one MoE layer of one micro-batch, arriving from the workers."""
+
+    def __init__(self, owner: RemoteExperts, shape: torch.Size, dtype: torch.dtype, layer: int) -> None:
+        self.owner, self.shape, self.dtype, self.layer = owner, shape, dtype, layer
+        self.parts: dict[int, tuple[torch.Tensor | None, object]] = {}   # worker -> (rows, future | None)
+        self.received: dict[int, expert_pb2.ForwardResponse] = {}
+        self.error: str | None = None                                     # set when its stream was reset
+
+    def result(self) -> torch.Tensor:
+        out = torch.zeros(self.shape, dtype=torch.float32)                # [T, H]
+        for w, (rows, fut) in self.parts.items():
+            resp = self.owner._receive(w, self) if fut is None else self.owner._unary_result(w, fut, self.layer)
+            part = wire.decode(resp.output).float()                       # [n, H]
+            if rows is None:
+                out += part
+            else:
+                out.index_add_(0, rows, part)
+        return out.to(self.dtype)
+
+
 class RemoteExperts:
-    def __init__(self, cfg: ModelConfig, addresses: list[str], wire_dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, addresses: list[str], wire_dtype: torch.dtype, transport: str = "stream",
                  timeout_s: float = 60.0, connect_timeout_s: float = 300.0) -> None:
-        self.cfg = cfg
-        self.addresses = addresses
-        self.wire_dtype = wire_dtype
-        self.timeout_s = timeout_s
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport '{transport}' is unknown; use one of {', '.join(TRANSPORTS)}")
+        self.cfg, self.addresses, self.wire_dtype = cfg, addresses, wire_dtype
+        self.transport, self.timeout_s = transport, timeout_s
         self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
         self.stubs = [expert_pb2_grpc.ExpertWorkerStub(c) for c in self.channels]
         self.owner = torch.full((cfg.num_experts,), -1, dtype=torch.long)    # [E] expert -> worker
         self.step = 0
+        self._streams: list[_Stream | None] = [None] * len(addresses)
+        self._queues: list[collections.deque[Pending]] = [collections.deque() for _ in addresses]
         self._describe_all(connect_timeout_s)
+        self._closed = threading.Event()
+        threading.Thread(target=self._watchdog, name="dispatch-watchdog", daemon=True).start()
 
     def _describe_all(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -63,15 +125,14 @@ class RemoteExperts:
             raise WorkerError(f"no worker holds experts {missing[:16]}{'…' if len(missing) > 16 else ''}; "
                               f"start every shard (--workers must list all N shards)")
 
-    def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-                ) -> torch.Tensor:
+    # -- dispatch ---------------------------------------------------------------------------------
+    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Pending:
         self.step += 1
         x = hidden.to(self.wire_dtype)                                       # [T, H] on the wire
-        ids32 = ids.to(torch.int32)
-        w32 = weights.float()
+        ids32, w32 = ids.to(torch.int32), weights.float()
         owners = self.owner[ids]                                             # [T, K]
-        calls = []
-        for w, stub in enumerate(self.stubs):
+        pending = Pending(self, hidden.shape, hidden.dtype, layer)
+        for w in range(len(self.stubs)):
             hit = (owners == w).any(dim=1)                                   # [T]
             if not bool(hit.any()):
                 continue
@@ -80,21 +141,70 @@ class RemoteExperts:
             req = expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(sel(x)),
                                             topk_ids=wire.encode(sel(ids32)),
                                             topk_weights=wire.encode(sel(w32)), step=self.step)
-            calls.append((w, rows, stub.Forward.future(req, timeout=self.timeout_s)))
-        out = torch.zeros(hidden.shape, dtype=torch.float32)                 # [T, H]
-        for w, rows, fut in calls:
-            try:
-                part = wire.decode(fut.result().output).float()              # [n, H]
-            except grpc.RpcError as exc:
-                raise WorkerError(f"expert worker {self.addresses[w]} failed on layer {layer}: "
-                                  f"{exc.code().name}: {exc.details()}") from exc
-            if rows is None:
-                out += part
+            if self.transport == "unary":
+                pending.parts[w] = (rows, self.stubs[w].Forward.future(req, timeout=self.timeout_s))
             else:
-                out.index_add_(0, rows, part)
-        return out.to(hidden.dtype)
+                self._stream(w).requests.put(req)
+                self._queues[w].append(pending)
+                pending.parts[w] = (rows, None)
+        return pending
+
+    def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.submit(layer, hidden, ids, weights).result()
+
+    def _stream(self, w: int) -> _Stream:
+        if self._streams[w] is None:
+            self._streams[w] = _Stream(self.stubs[w])
+        return self._streams[w]  # type: ignore[return-value]
+
+    def _receive(self, w: int, pending: Pending) -> expert_pb2.ForwardResponse:
+        """Responses come in request order: read until `pending`'s arrives, filing earlier ones."""
+        while w not in pending.received:
+            if pending.error is not None:
+                raise WorkerError(pending.error)
+            stream = self._stream(w)
+            stream.waiting_since = time.monotonic()
+            try:
+                resp = next(stream.responses)
+            except (grpc.RpcError, StopIteration) as exc:
+                self.reset()
+                detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else "stream ended"
+                raise WorkerError(f"expert worker {self.addresses[w]} failed on layer {pending.layer}: "
+                                  f"{detail}") from exc
+            finally:
+                stream.waiting_since = None
+            self._queues[w].popleft().received[w] = resp
+        return pending.received[w]
+
+    def _unary_result(self, w: int, fut, layer: int) -> expert_pb2.ForwardResponse:
+        try:
+            return fut.result()
+        except grpc.RpcError as exc:
+            raise WorkerError(f"expert worker {self.addresses[w]} failed on layer {layer}: "
+                              f"{exc.code().name}: {exc.details()}") from exc
+
+    def reset(self) -> None:
+        """Drop every open stream and what was in flight (after a failure); the next submit reopens them."""
+        for w, s in enumerate(self._streams):
+            if s is not None:
+                s.close()
+            self._streams[w] = None
+            for p in self._queues[w]:
+                p.error = f"expert worker {self.addresses[w]}: its stream was reset after a failure"
+            self._queues[w].clear()
+
+    def _watchdog(self) -> None:
+        """A worker that stops answering is cancelled after timeout_s, so the engine never hangs."""
+        while not self._closed.wait(1.0):
+            for s in list(self._streams):
+                since = s.waiting_since if s is not None else None
+                if since is not None and time.monotonic() - since > self.timeout_s:
+                    log.error("an expert worker did not answer within %.0fs; cancelling its stream", self.timeout_s)
+                    s.responses.cancel()  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        self._closed.set()
+        self.reset()
         for c in self.channels:
             c.close()
 
@@ -105,6 +215,8 @@ class LocalExperts:
     def __init__(self, shard) -> None:
         self.shard = shard
 
-    def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-                ) -> torch.Tensor:
-        return self.shard.forward(layer, hidden, ids, weights).to(hidden.dtype)
+    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Done:
+        return Done(self.shard.forward(layer, hidden, ids, weights).to(hidden.dtype))
+
+    def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.submit(layer, hidden, ids, weights).result()

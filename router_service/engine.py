@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from router_service.kv_cache import KVCache
+from router_service.metrics import Metrics
 from router_service.model import Experts, RouterModel
 from router_service.sampler import Sampler
-from router_service.scheduler import Scheduled, Scheduler
+from router_service.scheduler import QueueFull, Scheduled, Scheduler
 from router_service.sequence import Sequence
 from router_service.step_inputs import SeqSlice, StepInputs
 
@@ -44,8 +45,10 @@ Event = Tokens | Done | Failed
 
 class Engine:
     def __init__(self, model: RouterModel, kv: KVCache, scheduler: Scheduler, experts: Experts,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], micro_batches: int = 1) -> None:
         self.model, self.kv, self.scheduler, self.experts = model, kv, scheduler, experts
+        self.micro_batches = micro_batches
+        self.metrics = Metrics()
         self.eos = set(eos_token_ids)
         self.sampler = Sampler()
         self.outputs: dict[str, queue.SimpleQueue[Event]] = {}
@@ -71,7 +74,14 @@ class Engine:
         with self._cv:
             if seq.request_id in self.seqs:
                 raise ValueError(f"request_id '{seq.request_id}' is already running; use a unique id")
-            self.scheduler.add(seq)
+            try:
+                self.scheduler.add(seq)
+            except QueueFull:
+                with self.metrics.lock:
+                    self.metrics.rejected += 1
+                raise
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += len(seq.prompt_ids)
             q: queue.SimpleQueue[Event] = queue.SimpleQueue()
             self.outputs[seq.request_id] = q
             self.seqs[seq.request_id] = seq
@@ -102,6 +112,7 @@ class Engine:
             if not batch:
                 time.sleep(0.001)
                 continue
+            t0 = time.perf_counter()
             try:
                 logits = self._execute(batch)
             except Exception as exc:  # a worker died or the step failed: fail this batch, keep serving
@@ -112,16 +123,22 @@ class Engine:
                 continue
             with self._cv:
                 self._postprocess(batch, logits)
+                self._update_metrics(batch, time.perf_counter() - t0)
             self.steps += 1
 
     def _execute(self, batch: list[Scheduled]) -> torch.Tensor:
-        slices, tokens = [], []
-        for s in batch:
-            seq = s.seq
-            slices.append(SeqSlice(seq.num_cached, s.num_new, seq.block_table, s.samples))
-            tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
-        step = StepInputs.build(slices, tokens, self.kv.block_size)
-        return self.model.forward(step, self.kv, self.experts)               # [B, V]
+        """Split the batch into micro-batches (decodes stay first in each) and run them ping-pong."""
+        n = min(self.micro_batches, len(batch))
+        bounds = [len(batch) * j // n for j in range(n + 1)]
+        steps = []
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            slices, tokens = [], []
+            for s in batch[lo:hi]:
+                seq = s.seq
+                slices.append(SeqSlice(seq.num_cached, s.num_new, seq.block_table, s.samples))
+                tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
+            steps.append(StepInputs.build(slices, tokens, self.kv.block_size))
+        return self.model.forward(steps, self.kv, self.experts)              # [B, V]
 
     def _postprocess(self, batch: list[Scheduled], logits: torch.Tensor) -> None:
         sampled = [s for s in batch if s.samples]
@@ -142,8 +159,31 @@ class Engine:
             elif len(seq.output_ids) >= sp.max_tokens or seq.num_tokens >= self.scheduler.cfg.max_model_len:
                 self._finish(seq, "length")
 
+    def _update_metrics(self, batch: list[Scheduled], seconds: float) -> None:
+        m, sch = self.metrics, self.scheduler
+        with m.lock:
+            m.steps += 1
+            m.step_seconds += seconds
+            m.generation_tokens += sum(1 for s in batch if s.samples)
+            m.gauges.update({
+                "num_requests_running": len(sch.running), "num_requests_waiting": len(sch.waiting),
+                "kv_cache_blocks_total": sch.alloc.num_blocks, "kv_cache_blocks_free": sch.alloc.num_free,
+                "kv_cache_usage_ratio": 1 - sch.alloc.num_free / sch.alloc.num_blocks,
+                "batch_size": len(batch), "batch_tokens": sum(s.num_new for s in batch),
+            })
+
+    def stats(self) -> dict[str, int]:
+        with self._cv:
+            sch = self.scheduler
+            return {"running": len(sch.running), "waiting": len(sch.waiting),
+                    "kv_blocks_free": sch.alloc.num_free, "kv_blocks_total": sch.alloc.num_blocks}
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        with self.metrics.lock:
+            self.metrics.requests[reason] += 1
+            self.metrics.gauges["kv_cache_blocks_free"] = self.scheduler.alloc.num_free
+            self.metrics.gauges["num_requests_running"] = len(self.scheduler.running)
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
         self.outputs.pop(seq.request_id).put(Done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft))
         del self.seqs[seq.request_id]
@@ -153,6 +193,8 @@ class Engine:
         if seq.request_id not in self.seqs:
             return
         self.scheduler.finish(seq, "error")
+        with self.metrics.lock:
+            self.metrics.requests["error"] += 1
         self.outputs.pop(seq.request_id).put(Failed(message))
         del self.seqs[seq.request_id]
         self.sampler.forget(seq.request_id)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_linear import linear
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in float32, scale in the input dtype (as transformers' RMSNorm does)."""
@@ -33,6 +35,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def silu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """A dense SwiGLU MLP with fused gate/up rows: gate_up [2I, H], down [H, I]."""
-    gu = x @ gate_up.t()                                               # [T, 2I]
+    gu = linear(x, gate_up)                                            # [T, 2I]
     i = down.shape[1]
-    return (torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]) @ down.t()  # [T, H]
+    return linear(torch.nn.functional.silu(gu[:, :i]) * gu[:, i:], down)  # [T, H]

@@ -1,11 +1,16 @@
 """The decoder, once for every architecture: differences come from `ModelConfig`/`ArchSpec` as data.
 
-forward(step) = embed → for each layer: attention (paged KV) → gate/top-k → experts (remote or local)
-→ final norm → lm_head on the rows that sample.
+forward(micro-batches) = for each micro-batch: embed → for each layer: attention (paged KV) → gate/top-k
+→ experts (remote or local) → final norm → lm_head on the rows that sample.
+
+Each micro-batch's forward is a generator that yields at every expert dispatch; `forward` advances them in
+turn, so the router computes attention for one micro-batch while the workers compute experts for another
+(ping-pong). With one micro-batch it is the plain sequential forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Protocol
 
 import torch
@@ -13,17 +18,21 @@ import torch.nn.functional as F
 
 from colibri_common.config import ModelConfig
 from kernels import topk_route
+from kernels.cpu_linear import linear
 from router_service.kv_cache import KVCache
 from router_service.layers import Rope, apply_rope, rms_norm, silu_mlp
 from router_service.step_inputs import StepInputs
 from router_service.weights import LayerWeights, RouterWeights
 
 
+class Handle(Protocol):
+    def result(self) -> torch.Tensor: ...
+
+
 class Experts(Protocol):
     """route → dispatch → experts → combine for one MoE layer: Σ_k w_k · FFN_{e_k}(x) per token."""
 
-    def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-                ) -> torch.Tensor: ...
+    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Handle: ...
 
 
 class RouterModel:
@@ -36,22 +45,54 @@ class RouterModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     @torch.inference_mode()
-    def forward(self, step: StepInputs, kv: KVCache, experts: Experts) -> torch.Tensor:
+    def forward(self, steps: list[StepInputs], kv: KVCache, experts: Experts) -> torch.Tensor:
+        """Logits [B, V] float32 of every sampled row, micro-batches concatenated in order."""
+        gens = [self._forward(s, kv, experts) for s in steps]
+        results: list[torch.Tensor | None] = [None] * len(gens)
+        pending = [self._advance(g, None, results, j) for j, g in enumerate(gens)]
+        while any(p is not None for p in pending):
+            for j, g in enumerate(gens):
+                if pending[j] is not None:
+                    pending[j] = self._advance(g, pending[j].result(), results, j)
+        return torch.cat(results)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _advance(gen: Generator[Handle, torch.Tensor, torch.Tensor], value: torch.Tensor | None,
+                 results: list[torch.Tensor | None], j: int) -> Handle | None:
+        try:
+            return next(gen) if value is None else gen.send(value)
+        except StopIteration as stop:
+            results[j] = stop.value
+            return None
+
+    def _forward(self, step: StepInputs, kv: KVCache, experts: Experts
+                 ) -> Generator[Handle, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
         h = self.w.embed[step.token_ids]                                     # [T, H]
         cos, sin = self.rope.cos_sin(step.positions, self.dtype)             # [T, D]
         for i, lw in enumerate(self.w.layers):
-            r = rms_norm(h, lw.ln1, self.cfg.rms_norm_eps)
+            r = rms_norm(h, lw.ln1, cfg.rms_norm_eps)
             h = h + self._attention(i, lw, r, cos, sin, step, kv)
-            r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
-            h = h + self._mlp(i, lw, r, experts)
-        last = rms_norm(h[step.sample_rows], self.w.norm, self.cfg.rms_norm_eps)  # [B, H]
-        return F.linear(last, self.w.lm_head).float()                        # [B, V]
+            r = rms_norm(h, lw.ln2, cfg.rms_norm_eps)
+            if lw.gate is None:
+                h = h + silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)
+                continue
+            logits = linear(r, lw.gate)                                    # [T, E]
+            weights, ids = topk_route(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, K] f32, [T, K]
+            handle = experts.submit(i, r, ids, weights)                      # route → dispatch
+            shared = None
+            if lw.shared_gate is not None:                                   # computed while the experts run
+                shared = torch.sigmoid(linear(r, lw.shared_gate)) * silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)
+            out = yield handle                                               # experts → combine  [T, H]
+            h = h + (out if shared is None else out + shared)
+        last = rms_norm(h[step.sample_rows], self.w.norm, cfg.rms_norm_eps)  # [B, H]
+        return linear(last, self.w.lm_head).float()                        # [B, V]
 
     def _attention(self, layer: int, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, step: StepInputs, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
         T, D = x.shape[0], cfg.head_dim
-        qkv = F.linear(x, lw.qkv, lw.qkv_bias)                              # [T, (Hq + 2Hkv) D]
+        qkv = linear(x, lw.qkv, lw.qkv_bias)                              # [T, (Hq + 2Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if cfg.arch.qk_norm == "full":
             q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
@@ -80,15 +121,4 @@ class RouterModel:
                 q[row:row + n].transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1),  # [Hq, n, D] ...
                 attn_mask=mask, is_causal=mask is None, enable_gqa=True)     # [Hq, n, D]
             out[row:row + n] = o.transpose(0, 1)
-        return F.linear(out.reshape(T, -1), lw.o, lw.o_bias)                 # [T, H]
-
-    def _mlp(self, layer: int, lw: LayerWeights, x: torch.Tensor, experts: Experts) -> torch.Tensor:
-        if lw.gate is None:
-            return silu_mlp(x, lw.mlp_gate_up, lw.mlp_down)
-        logits = F.linear(x, lw.gate)                                        # [T, E]
-        weights, ids = topk_route(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K] f32, [T, K]
-        out = experts.forward(layer, x, ids, weights)                        # [T, H]
-        if lw.shared_gate is not None:
-            shared = silu_mlp(x, lw.mlp_gate_up, lw.mlp_down)                # [T, H]
-            out = out + torch.sigmoid(F.linear(x, lw.shared_gate)) * shared
-        return out
+        return linear(out.reshape(T, -1), lw.o, lw.o_bias)                 # [T, H]

@@ -35,11 +35,16 @@ class RouterOptions:
     wire_dtype: torch.dtype | None = None     # None = the compute dtype
     kv_cache_mb: int = 512
     block_size: int = 16
+    micro_batches: int = 1                    # > 1: ping-pong micro-batches (attention overlaps experts)
+    transport: str = "stream"                 # "stream" | "unary" (router → workers)
+    metrics_port: int | None = None           # Prometheus /metrics on this port (0 = any free port)
     sched: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:
         if self.kv_cache_mb <= 0 or self.block_size <= 0:
             raise ValueError("--kv-cache-mb and --block-size must be positive")
+        if self.micro_batches <= 0:
+            raise ValueError("--micro-batches must be >= 1")
 
 
 class Router:
@@ -63,7 +68,7 @@ class Router:
                                 min(opts.sched.max_model_len, cfg.max_position_embeddings))
         self.scheduler = Scheduler(sched, self.allocator)
         self.engine = Engine(RouterModel(cfg, weights, opts.dtype), self.kv, self.scheduler, self.experts,
-                             cfg.eos_token_ids)
+                             cfg.eos_token_ids, opts.micro_batches)
         log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%d MiB)", cfg.architecture,
                  cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size, opts.kv_cache_mb)
 
@@ -157,9 +162,12 @@ def serve_router(model: str, workers: list[str], host: str, port: int, opts: Rou
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, service.server)
     bound = service.start(host, port, [SERVICE])
     wire_dtype = opts.wire_dtype or opts.dtype
-    router = Router(model, lambda cfg: RemoteExperts(cfg, workers, wire_dtype), opts)
+    router = Router(model, lambda cfg: RemoteExperts(cfg, workers, wire_dtype, opts.transport), opts)
     router.engine.start()
     servicer.router = router
+    if opts.metrics_port is not None:
+        mport = router.engine.metrics.serve(host, opts.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", host, mport)
     log.info("router loaded in %.2fs", time.perf_counter() - t0)
     service.ready(host, bound)
     service.run_until_signal(on_stop=router.engine.stop)
