@@ -49,6 +49,9 @@ class Engine:
         self.model, self.kv, self.scheduler, self.experts = model, kv, scheduler, experts
         self.micro_batches = micro_batches
         self.metrics = Metrics()
+        self.metrics.gauges.update({
+            "kv_cache_blocks_total": scheduler.alloc.num_blocks, "kv_cache_blocks_free": scheduler.alloc.num_free,
+            "num_requests_running": 0, "num_requests_waiting": 0})
         self.eos = set(eos_token_ids)
         self.sampler = Sampler()
         self.outputs: dict[str, queue.SimpleQueue[Event]] = {}
@@ -171,6 +174,7 @@ class Engine:
                 "kv_cache_usage_ratio": 1 - sch.alloc.num_free / sch.alloc.num_blocks,
                 "batch_size": len(batch), "batch_tokens": sum(s.num_new for s in batch),
             })
+            m.gauges["batch_tokens_max"] = max(m.gauges.get("batch_tokens_max", 0), m.gauges["batch_tokens"])
 
     def stats(self) -> dict[str, int]:
         with self._cv:

@@ -1,0 +1,132 @@
+"""Continuous batching behaviour: staggered arrivals, cancellation, bounded queue, token budget, overlap."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from colibri_common.client import Client, make_request
+from colibri_common.pb import generation_pb2 as pb
+from router_service.metrics import parse
+from tests.conftest import fleet
+
+
+def metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return parse(r.read().decode())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def test_staggered_concurrent_requests_match_alone_and_overlap_changes_nothing(oracles):
+    oracle = oracles["qwen3_moe"]
+    ps = prompts(16)
+    lengths = [6 + i % 7 for i in range(16)]
+    results = {}
+    for micro_batches in (1, 2):
+        with fleet(oracle.path, 2, ["--micro-batches", str(micro_batches)]) as (addr, _):
+            client = Client(addr)
+            alone = [client.generate(p, n).token_ids for p, n in zip(ps, lengths, strict=True)]
+
+            def staggered(i: int) -> list[int]:
+                time.sleep(0.03 * i)   # arrivals spread over the running batch
+                return client.generate(ps[i], lengths[i]).token_ids
+
+            with ThreadPoolExecutor(16) as pool:
+                together = list(pool.map(staggered, range(16)))
+            assert together == alone
+            results[micro_batches] = together
+    assert results[1] == results[2]
+    assert results[1][0] == oracle.greedy(ps[0], lengths[0])
+
+
+def test_cancellation_frees_the_kv_cache_at_once(oracles):
+    port = free_port()
+    with fleet(oracles["mixtral"].path, 2, ["--metrics-port", str(port)]) as (addr, _):
+        client = Client(addr)
+        total = metrics(port)
+        assert total["colibri_kv_cache_blocks_total"] > 0
+        calls = [client.stream(make_request([1, 2, 3, 4, 5] * 20, 400, request_id=f"c{i}")) for i in range(3)]
+        for call in calls:
+            next(call)  # generating: its KV blocks are held
+        m = metrics(port)
+        assert m["colibri_kv_cache_blocks_free"] < m["colibri_kv_cache_blocks_total"]
+        calls[0].cancel()                                    # client gone
+        stub_abort = client.stub.Abort(pb.AbortRequest(request_id="c1"))
+        assert stub_abort.found
+        rest = [msg for msg in calls[1]]
+        assert rest[-1].complete.finish_reason == "abort"
+        calls[2].cancel()
+        deadline = time.monotonic() + 30
+        while True:
+            m = metrics(port)
+            if m["colibri_kv_cache_blocks_free"] == m["colibri_kv_cache_blocks_total"] and \
+                    m["colibri_num_requests_running"] == 0:
+                break
+            assert time.monotonic() < deadline, f"KV cache not freed: {m}"
+            time.sleep(0.1)
+        assert m['colibri_requests_total{finish_reason="abort"}'] == 3
+        assert len(client.generate([1, 2, 3], 4).token_ids) == 4   # still serving
+
+
+def test_full_queue_is_resource_exhausted(oracles):
+    with fleet(oracles["olmoe"].path, 1, ["--max-batch-size", "1", "--max-waiting", "1"]) as (addr, _):
+        client = Client(addr)
+        codes: list[grpc.StatusCode] = []
+        details: list[str] = []
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            try:
+                client.generate([1 + i, 2, 3], 150)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                code = exc.code()
+                with lock:
+                    details.append(exc.details())
+            with lock:
+                codes.append(code)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        assert codes.count(grpc.StatusCode.OK) >= 2
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
+        assert all("waiting queue is full" in d for d in details)
+        assert len(client.generate([9, 9], 3).token_ids) == 3
+
+
+@pytest.mark.parametrize("budget", [8, 13])
+def test_max_num_tokens_is_respected_and_chunked_prefill_is_exact(oracles, budget):
+    oracle = oracles["qwen2_moe"]
+    port = free_port()
+    extra = ["--max-num-tokens", str(budget), "--metrics-port", str(port)]
+    with fleet(oracle.path, 2, extra) as (addr, _):
+        client = Client(addr)
+        long_prompt = [(i * 37) % 256 for i in range(45)]      # prefilled in chunks of <= budget tokens
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda p: client.generate(p, 8).token_ids, [long_prompt, [5, 6], [7] * 20, [1]]))
+        assert outs[0] == oracle.greedy(long_prompt, 8)
+        assert outs[2] == oracle.greedy([7] * 20, 8)
+        m = metrics(port)
+        assert 0 < m["colibri_batch_tokens_max"] <= budget
