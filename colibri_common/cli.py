@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
+    p = sub.add_parser("health", help="ask a service's grpc.health.v1 status; exit 0 when SERVING")
+    p.add_argument("--target", required=True, help="service address HOST:PORT")
+    p.add_argument("--service", default="", help="'' = liveness; colibri.v1.Generation or colibri.v1.ExpertWorker "
+                                                 "= readiness (default: liveness)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds (default: %(default)s)")
+
     from colibri_common.loadgen import add_bench_parser
 
     add_bench_parser(sub)
@@ -153,11 +159,29 @@ def run(args) -> int:
         return 0
     if args.cmd == "generate":
         return _generate(args)
+    if args.cmd == "health":
+        return _health(args)
     if args.cmd == "bench":
         from colibri_common.loadgen import run_bench
 
         return run_bench(args)
     raise AssertionError(args.cmd)
+
+
+def _health(args) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{args.target} {args.service or '(liveness)'}: {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def _generate(args) -> int:

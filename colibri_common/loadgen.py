@@ -12,6 +12,7 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -52,18 +53,14 @@ def percentile(values: list[float], q: float) -> float:
     return s[idx]
 
 
-def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, max_tokens: int,
-             seed: int = 0, timeout: float = 600, vocab_size: int | None = None) -> BenchResult:
-    from colibri_common.client import Client, make_request
+StreamFn = Callable[[list[int], int, str], Iterator[int]]   # (prompt, max_tokens, request_id) -> new tokens
 
-    if min(concurrency, num_requests, prompt_len, max_tokens) <= 0:
-        raise ValueError("--concurrency, --num-requests, --prompt-len and --max-tokens must be positive")
-    client = Client(target)
-    vocab = vocab_size or client.model_info().vocab_size
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(num_requests)]
+
+def measure(stream: StreamFn, prompts: list[list[int]], concurrency: int, max_tokens: int,
+            tag: str = "bench") -> BenchResult:
+    """Runs `prompts` through `stream` with `concurrency` in flight; times every chunk."""
     lock = threading.Lock()
-    next_idx = [0]
+    queue_ = list(range(len(prompts)))
     ttfts: list[float] = []
     itls: list[float] = []
     tokens = [0]
@@ -72,27 +69,24 @@ def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, 
     def worker() -> None:
         while True:
             with lock:
-                i = next_idx[0]
-                if i >= num_requests:
+                if not queue_:
                     return
-                next_idx[0] += 1
-            req = make_request(prompts[i], max_tokens, ignore_eos=True, request_id=f"bench-{seed}-{i}")
+                i = queue_.pop(0)
             t0 = last = time.perf_counter()
             my_itl, first, n = [], None, 0
             try:
-                for msg in client.stream(req, timeout=timeout):
-                    if msg.WhichOneof("response") != "chunk":
-                        continue
+                for new in stream(prompts[i], max_tokens, f"{tag}-{i}"):
                     now = time.perf_counter()
                     if first is None:
                         first = now - t0
                     else:
                         my_itl.append(now - last)
                     last = now
-                    n += len(msg.chunk.token_ids)
-            except grpc.RpcError as exc:
+                    n += new
+            except Exception as exc:  # noqa: BLE001 (reported, counted as failed)
+                msg = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else repr(exc)
                 with lock:
-                    errors.append(f"{exc.code().name}: {exc.details()}")
+                    errors.append(msg)
                 continue
             with lock:
                 ttfts.append(first * 1e3 if first is not None else float("nan"))
@@ -100,18 +94,49 @@ def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, 
                 tokens[0] += n
 
     t_start = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, num_requests))]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(prompts)))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     duration = time.perf_counter() - t_start
-    client.close()
     return BenchResult(
         requests_ok=len(ttfts), requests_failed=len(errors), output_tokens=tokens[0], duration_s=duration,
         output_tokens_per_s=tokens[0] / duration, ttft_p50_ms=percentile(ttfts, 50),
         ttft_p99_ms=percentile(ttfts, 99), itl_p50_ms=percentile(itls, 50), itl_p99_ms=percentile(itls, 99),
         errors=errors[:5])
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def grpc_stream(client, timeout: float = 600) -> StreamFn:
+    from colibri_common.client import make_request
+
+    def stream(prompt: list[int], max_tokens: int, rid: str) -> Iterator[int]:
+        req = make_request(prompt, max_tokens, ignore_eos=True, request_id=rid)
+        for msg in client.stream(req, timeout=timeout):
+            if msg.WhichOneof("response") == "chunk":
+                yield len(msg.chunk.token_ids)
+
+    return stream
+
+
+def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, max_tokens: int,
+             seed: int = 0, timeout: float = 600, vocab_size: int | None = None) -> BenchResult:
+    from colibri_common.client import Client
+
+    if min(concurrency, num_requests, prompt_len, max_tokens) <= 0:
+        raise ValueError("--concurrency, --num-requests, --prompt-len and --max-tokens must be positive")
+    client = Client(target)
+    vocab = vocab_size or client.model_info().vocab_size
+    prompts = random_prompts(num_requests, prompt_len, vocab, seed)
+    try:
+        return measure(grpc_stream(client, timeout), prompts, concurrency, max_tokens, tag=f"bench-{seed}")
+    finally:
+        client.close()
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -71,15 +71,22 @@ class Pending:
         self.error: str | None = None                                     # set when its stream was reset
 
     def result(self) -> torch.Tensor:
+        t_start, waited = time.perf_counter(), 0.0
         out = torch.zeros(self.shape, dtype=torch.float32)                # [T, H]
         for w, (rows, fut) in self.parts.items():
+            t0 = time.perf_counter()
             resp = self.owner._receive(w, self) if fut is None else self.owner._unary_result(w, fut, self.layer)
+            waited += time.perf_counter() - t0
+            self.owner.timers["expert_compute"] += resp.compute_ms / 1e3
             part = wire.decode(resp.output).float()                       # [n, H]
             if rows is None:
                 out += part
             else:
                 out.index_add_(0, rows, part)
-        return out.to(self.dtype)
+        combined = out.to(self.dtype)
+        self.owner.timers["wait"] += waited
+        self.owner.timers["dispatch"] += time.perf_counter() - t_start - waited
+        return combined
 
 
 class RemoteExperts:
@@ -93,6 +100,8 @@ class RemoteExperts:
         self.stubs = [expert_pb2_grpc.ExpertWorkerStub(c) for c in self.channels]
         self.owner = torch.full((cfg.num_experts,), -1, dtype=torch.long)    # [E] expert -> worker
         self.step = 0
+        # seconds, for metrics: dispatch = building requests + decoding and combining the partial sums
+        self.timers = {"wait": 0.0, "expert_compute": 0.0, "dispatch": 0.0}
         self._streams: list[_Stream | None] = [None] * len(addresses)
         self._queues: list[collections.deque[Pending]] = [collections.deque() for _ in addresses]
         self._describe_all(connect_timeout_s)
@@ -127,6 +136,7 @@ class RemoteExperts:
 
     # -- dispatch ---------------------------------------------------------------------------------
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Pending:
+        t0 = time.perf_counter()
         self.step += 1
         x = hidden.to(self.wire_dtype)                                       # [T, H] on the wire
         ids32, w32 = ids.to(torch.int32), weights.float()
@@ -147,6 +157,7 @@ class RemoteExperts:
                 self._stream(w).requests.put(req)
                 self._queues[w].append(pending)
                 pending.parts[w] = (rows, None)
+        self.timers["dispatch"] += time.perf_counter() - t0
         return pending
 
     def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from router_service.dispatch import WorkerError
 from router_service.kv_cache import KVCache
 from router_service.metrics import Metrics
 from router_service.model import Experts, RouterModel
@@ -49,6 +50,7 @@ class Engine:
         self.model, self.kv, self.scheduler, self.experts = model, kv, scheduler, experts
         self.micro_batches = micro_batches
         self.metrics = Metrics()
+        self.phase = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "postprocess": 0.0}  # seconds
         self.metrics.gauges.update({
             "kv_cache_blocks_total": scheduler.alloc.num_blocks, "kv_cache_blocks_free": scheduler.alloc.num_free,
             "num_requests_running": 0, "num_requests_waiting": 0})
@@ -111,26 +113,33 @@ class Engine:
                     if rid in self.seqs:
                         self._finish(self.seqs[rid], "abort")
                 self._aborts.clear()
+                t_sched = time.perf_counter()
                 batch = self.scheduler.schedule()
+                self.phase["schedule"] += time.perf_counter() - t_sched
             if not batch:
                 time.sleep(0.001)
                 continue
             t0 = time.perf_counter()
             try:
                 logits = self._execute(batch)
-            except Exception as exc:  # a worker died or the step failed: fail this batch, keep serving
-                log.error("step %d failed: %s", self.steps, exc)
                 with self._cv:
-                    for s in batch:
-                        self._fail(s.seq, str(exc))
+                    t_post = time.perf_counter()
+                    self._postprocess(batch, logits)
+                    self.phase["postprocess"] += time.perf_counter() - t_post
+                    self._update_metrics(batch, time.perf_counter() - t0)
+            except WorkerError as exc:  # a worker died: fail this batch with its message, keep serving
+                log.error("step %d failed: %s", self.steps, exc)
+                self._fail_batch(batch, str(exc))
                 continue
-            with self._cv:
-                self._postprocess(batch, logits)
-                self._update_metrics(batch, time.perf_counter() - t0)
+            except Exception as exc:  # a bug must not hang every client: log it whole, fail the batch
+                log.exception("step %d failed", self.steps)
+                self._fail_batch(batch, f"internal error in the engine step: {exc!r}")
+                continue
             self.steps += 1
 
     def _execute(self, batch: list[Scheduled]) -> torch.Tensor:
         """Split the batch into micro-batches (decodes stay first in each) and run them ping-pong."""
+        t_prep = time.perf_counter()
         n = min(self.micro_batches, len(batch))
         bounds = [len(batch) * j // n for j in range(n + 1)]
         steps = []
@@ -141,7 +150,11 @@ class Engine:
                 slices.append(SeqSlice(seq.num_cached, s.num_new, seq.block_table, s.samples))
                 tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
             steps.append(StepInputs.build(slices, tokens, self.kv.block_size))
-        return self.model.forward(steps, self.kv, self.experts)              # [B, V]
+        self.phase["prepare"] += time.perf_counter() - t_prep
+        t0 = time.perf_counter()
+        logits = self.model.forward(steps, self.kv, self.experts)            # [B, V]
+        self.phase["forward"] += time.perf_counter() - t0
+        return logits
 
     def _postprocess(self, batch: list[Scheduled], logits: torch.Tensor) -> None:
         sampled = [s for s in batch if s.samples]
@@ -174,6 +187,7 @@ class Engine:
                 "kv_cache_usage_ratio": 1 - sch.alloc.num_free / sch.alloc.num_blocks,
                 "batch_size": len(batch), "batch_tokens": sum(s.num_new for s in batch),
             })
+            m.phases = dict(self.phase, **getattr(self.experts, "timers", {}))
             m.gauges["batch_tokens_max"] = max(m.gauges.get("batch_tokens_max", 0), m.gauges["batch_tokens"])
 
     def stats(self) -> dict[str, int]:
@@ -192,6 +206,11 @@ class Engine:
         self.outputs.pop(seq.request_id).put(Done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft))
         del self.seqs[seq.request_id]
         self.sampler.forget(seq.request_id)
+
+    def _fail_batch(self, batch: list[Scheduled], message: str) -> None:
+        with self._cv:
+            for s in batch:
+                self._fail(s.seq, message)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         if seq.request_id not in self.seqs:

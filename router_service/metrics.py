@@ -17,6 +17,7 @@ class Metrics:
         self.steps = 0
         self.step_seconds = 0.0
         self.gauges: dict[str, float] = {}
+        self.phases: dict[str, float] = {}     # seconds spent per engine phase (schedule, forward, wait, ...)
 
     def render(self) -> str:
         with self.lock:
@@ -35,6 +36,11 @@ class Metrics:
                 "# TYPE colibri_engine_step_seconds_total counter",
                 f"colibri_engine_step_seconds_total {self.step_seconds:.6f}",
             ]
+            lines += ["# HELP colibri_engine_phase_seconds_total Engine time by phase; wait = blocked on workers, "
+                      "expert_compute = the workers' own compute time (summed over workers).",
+                      "# TYPE colibri_engine_phase_seconds_total counter",
+                      *(f'colibri_engine_phase_seconds_total{{phase="{k}"}} {v:.6f}'
+                        for k, v in sorted(self.phases.items()))]
             for name, value in sorted(self.gauges.items()):
                 lines += [f"# TYPE colibri_{name} gauge", f"colibri_{name} {value:g}"]
         return "\n".join(lines) + "\n"

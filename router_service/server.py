@@ -16,6 +16,7 @@ from colibri_common.config import ModelConfig
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb import generation_pb2_grpc
 from colibri_common.serving import Service
+from kernels.cpu_linear import cpu_has_fast_bf16
 from router_service.block_allocator import BlockAllocator
 from router_service.engine import Done, Engine, Failed, Tokens
 from router_service.kv_cache import KVCache
@@ -55,19 +56,26 @@ class Router:
         self.cfg = cfg = ModelConfig.from_dir(model_dir)
         self.opts = opts
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        # Without native bf16 arithmetic, the router's dense GEMMs run far faster in float32 (batch > 4); the
+        # workers keep bf16 experts (half the bytes; see kernels/cpu_linear.py) and the wire stays bf16.
+        self.compute_dtype = opts.dtype
+        if opts.dtype == torch.bfloat16 and not cpu_has_fast_bf16():
+            self.compute_dtype = torch.float32
+            log.info("this CPU has no native bf16 arithmetic: the router computes in float32")
         ckpt = Checkpoint(model_dir)
-        weights = RouterWeights.load(ckpt, cfg, opts.dtype, progress=True)
+        weights = RouterWeights.load(ckpt, cfg, self.compute_dtype, progress=True)
         ckpt.close()
         self.experts: Experts = experts_factory(cfg)
         per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                            opts.dtype)
+                                            self.compute_dtype)
         num_blocks = max(1, opts.kv_cache_mb * 2**20 // per_block)
-        self.kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, cfg.num_kv_heads, cfg.head_dim, opts.dtype)
+        self.kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
+                          self.compute_dtype)
         self.allocator = BlockAllocator(num_blocks, opts.block_size)
         sched = SchedulerConfig(opts.sched.max_batch_size, opts.sched.max_num_tokens, opts.sched.max_waiting,
                                 min(opts.sched.max_model_len, cfg.max_position_embeddings))
         self.scheduler = Scheduler(sched, self.allocator)
-        self.engine = Engine(RouterModel(cfg, weights, opts.dtype), self.kv, self.scheduler, self.experts,
+        self.engine = Engine(RouterModel(cfg, weights, self.compute_dtype), self.kv, self.scheduler, self.experts,
                              cfg.eos_token_ids, opts.micro_batches)
         log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%d MiB)", cfg.architecture,
                  cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size, opts.kv_cache_mb)
@@ -124,7 +132,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        context.add_callback(lambda: self.r.engine.abort(rid))   # client gone: free its KV at once
+        if not context.add_callback(lambda: self.r.engine.abort(rid)):   # client gone: free its KV at once
+            self.r.engine.abort(rid)
         detok = Detokenizer(self.r.tokenizer)
         while True:
             ev = events.get()

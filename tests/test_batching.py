@@ -45,7 +45,7 @@ def test_staggered_concurrent_requests_match_alone_and_overlap_changes_nothing(o
             client = Client(addr)
             alone = [client.generate(p, n).token_ids for p, n in zip(ps, lengths, strict=True)]
 
-            def staggered(i: int) -> list[int]:
+            def staggered(i: int, client: Client = client) -> list[int]:
                 time.sleep(0.03 * i)   # arrivals spread over the running batch
                 return client.generate(ps[i], lengths[i]).token_ids
 

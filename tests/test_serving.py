@@ -116,3 +116,27 @@ def test_worker_death_is_unavailable_then_the_worker_is_restarted(tmp_path):
             except grpc.RpcError:
                 assert time.monotonic() < deadline, "the fleet did not recover from a dead worker"
                 time.sleep(1)
+
+
+def test_bench_cli_json(served):
+    _, addr, _ = served
+    out = subprocess.run([COLIBRI, "bench", "--target", addr, "--concurrency", "4", "--num-requests", "8",
+                          "--prompt-len", "5", "--max-tokens", "6", "--json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                "requests_ok", "requests_failed"):
+        assert key in last
+    assert last["requests_ok"] == 8 and last["requests_failed"] == 0
+    assert last["output_tokens"] == 48           # exactly max_tokens each, EOS ignored
+    assert last["output_tokens_per_s"] > 0 and last["ttft_p50_ms"] <= last["ttft_p99_ms"]
+
+
+def test_health_cli(served):
+    _, addr, _ = served
+    ok = subprocess.run([COLIBRI, "health", "--target", addr, "--service", "colibri.v1.Generation"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout
+    bad = subprocess.run([COLIBRI, "health", "--target", addr, "--service", "colibri.v1.Nope"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr

@@ -1,0 +1,57 @@
+"""Colibri with every expert in the router's process (no gRPC), run in its own process: prints one JSON object."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+
+T_START = time.perf_counter()
+
+import torch  # noqa: E402
+
+from benchmarks.common import engine_args  # noqa: E402
+from colibri_common.checkpoint import Checkpoint  # noqa: E402
+from colibri_common.loadgen import measure, random_prompts  # noqa: E402
+from expert_service.shard import ExpertShard  # noqa: E402
+from router_service.dispatch import LocalExperts  # noqa: E402
+from router_service.engine import Done, Failed, Tokens  # noqa: E402
+from router_service.scheduler import SchedulerConfig  # noqa: E402
+from router_service.sequence import Sampling, Sequence  # noqa: E402
+from router_service.server import Router, RouterOptions  # noqa: E402
+
+
+def main() -> None:
+    args = engine_args([("--micro-batches", {"type": int, "default": 1})])
+    dtype = getattr(torch, args.dtype)
+    router = Router(args.model, lambda cfg: LocalExperts(ExpertShard(cfg, Checkpoint(args.model), 0, 1, dtype)),
+                    RouterOptions(dtype=dtype, micro_batches=args.micro_batches,
+                                  sched=SchedulerConfig(max_batch_size=64)))
+    router.engine.start()
+    cold = time.perf_counter() - T_START
+
+    def stream(prompt: list[int], max_tokens: int, rid: str):
+        q = router.engine.submit(Sequence(rid, prompt, Sampling(max_tokens=max_tokens, ignore_eos=True)))
+        while True:
+            ev = q.get()
+            if isinstance(ev, Tokens):
+                yield len(ev.token_ids)
+            elif isinstance(ev, Done):
+                return
+            elif isinstance(ev, Failed):
+                raise RuntimeError(ev.message)
+
+    rows = {}
+    for c in (int(s) for s in args.streams.split(",")):
+        prompts = random_prompts(c, args.prompt_len, router.cfg.vocab_size, seed=0)
+        measure(stream, prompts[:1], 1, 2, tag=f"warm{c}")
+        r = measure(stream, prompts, c, args.max_tokens, tag=f"c{c}")
+        rows[c] = {k: getattr(r, k) for k in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+                                              "itl_p99_ms", "requests_failed")}
+    router.engine.stop()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"cold_start_s": cold, "rows": rows, "peak_rss": [peak]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""`make bench`: Colibri against transformers on the bench model, in one run, on this machine.
+
+Colibri: `colibri serve` with 1 and 2 expert workers (real processes, gRPC on loopback, driven by the
+`colibri bench` load generator) and the in-process mode (every expert in the router's process, no gRPC).
+transformers: `generate` with the fastest of its experts implementations, same weights, same dtype.
+Output tok/s at 1, 8 and 32 concurrent streams (16-token prompts, 64 new tokens), TTFT and inter-token
+latency p50/p99, cold start (process start → ready / loaded), peak RSS of every process, % of the
+memory-bandwidth roofline, and the engine's time split. Writes benchmarks/results/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+from tqdm import tqdm
+
+from benchmarks.bench_model import ensure_bench_model
+from benchmarks.common import RESULTS, copy_bandwidth_gbs, machine, table
+from colibri_common.config import ModelConfig
+from colibri_common.loadgen import run_load
+from router_service.metrics import parse
+
+PY = sys.executable
+COLIBRI = str(Path(PY).parent / "colibri")
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def step_bytes(cfg: ModelConfig, streams: int, itemsize: int) -> float:
+    """Weight bytes one decode step must read: dense + lm_head + the experts the batch touches (expected)."""
+    H, I, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
+    attn = H * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * H
+    dense = cfg.num_layers * (attn + E * H) + cfg.vocab_size * H
+    touched = E * (1 - (1 - K / E) ** streams)
+    return (dense + len(cfg.moe_layers) * touched * 3 * H * I) * itemsize
+
+
+def run_fleet(model: Path, workers: int, dtype: str, streams: list[int], prompt_len: int, max_tokens: int,
+              extra: list[str]) -> dict:
+    mport = 50993
+    t0 = time.perf_counter()
+    p = subprocess.Popen([COLIBRI, "serve", "--model", str(model), "--workers", str(workers), "--port", "0",
+                          "--dtype", dtype, "--metrics-port", str(mport), "--log-level", "WARNING", *extra],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()  # type: ignore[union-attr]
+        if not line.startswith("ready "):
+            raise RuntimeError(f"colibri serve failed: {line!r}")
+        cold = time.perf_counter() - t0
+        addr = line.split()[1]
+        rows = {}
+        run_load(addr, 1, 1, prompt_len, 4)                       # warm-up
+        for c in streams:
+            before = parse(urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics").read().decode())
+            r = run_load(addr, c, c, prompt_len, max_tokens)
+            after = parse(urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics").read().decode())
+            phases = {k.split('"')[1]: after[k] - before.get(k, 0.0) for k in after
+                      if k.startswith("colibri_engine_phase_seconds_total")}
+            rows[c] = {k: getattr(r, k) for k in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+                                                  "itl_p99_ms", "requests_failed")}
+            rows[c]["phases"] = phases
+        procs = psutil.Process(p.pid).children()
+        rss = [peak_rss(c.pid) for c in procs]
+        return {"cold_start_s": cold, "rows": rows, "peak_rss": rss}
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+
+
+def run_json(module: str, args: list[str]) -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    out = subprocess.run([PY, "-m", module, *args], capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{module} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def fmt_gib(values: list[int]) -> str:
+    return " + ".join(f"{v / 2**30:.2f}" for v in values) + " GiB"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    model = ensure_bench_model()
+    cfg = ModelConfig.from_dir(model)
+    bw = copy_bandwidth_gbs()
+    common = ["--model", str(model), "--dtype", args.dtype, "--streams", args.streams,
+              "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
+    jobs = [
+        ("transformers", lambda: run_json("benchmarks.peer_hf", common)),
+        ("colibri in-process", lambda: run_json("benchmarks.inprocess", common)),
+        ("colibri 1 worker", lambda: run_fleet(model, 1, args.dtype, streams, args.prompt_len, args.max_tokens, [])),
+        ("colibri 2 workers", lambda: run_fleet(model, 2, args.dtype, streams, args.prompt_len, args.max_tokens, [])),
+    ]
+    results = {}
+    for name, job in tqdm(jobs, desc="bench", unit="engine"):
+        results[name] = job()
+    hf = results["transformers"]
+    itemsize = 2 if args.dtype == "bfloat16" else 4
+    rows = []
+    for name, res in results.items():
+        for c in streams:
+            r = res["rows"][str(c)] if str(c) in res["rows"] else res["rows"][c]
+            h = hf["rows"][str(c)]
+            roof = c / (step_bytes(cfg, c, itemsize) / (bw * 1e9))
+            rows.append([name, str(c), f"{r['output_tokens_per_s']:.1f}",
+                         f"{r['output_tokens_per_s'] / h['output_tokens_per_s']:.2f}x",
+                         f"{r['ttft_p50_ms']:.0f}", f"{r.get('ttft_p99_ms', float('nan')):.0f}",
+                         f"{r['itl_p50_ms']:.0f}", f"{r.get('itl_p99_ms', float('nan')):.0f}",
+                         f"{100 * r['output_tokens_per_s'] / roof:.0f}%"])
+    cold = [[n, f"{r['cold_start_s']:.1f} s", f"{hf['cold_start_s'] / r['cold_start_s']:.2f}x", fmt_gib(r["peak_rss"])]
+            for n, r in results.items()]
+    split = []
+    for name in ("colibri 1 worker", "colibri 2 workers"):
+        for c in streams:
+            ph = results[name]["rows"][c]["phases"]
+            total = ph.get("schedule", 0) + ph.get("prepare", 0) + ph.get("forward", 0) + ph.get("postprocess", 0)
+            if total <= 0:
+                continue
+            orch = ph.get("schedule", 0) + ph.get("prepare", 0) + ph.get("postprocess", 0) + ph.get("dispatch", 0)
+            split.append([name, str(c), f"{100 * orch / total:.1f}%", f"{100 * ph.get('wait', 0) / total:.0f}%",
+                          f"{100 * ph.get('expert_compute', 0) / total:.0f}%"])
+    text = "\n".join([
+        f"# Serving benchmark: bench model ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_experts} experts "
+        f"top-{cfg.top_k}, hidden {cfg.hidden_size}), {args.dtype}",
+        "", f"Machine: {machine()}; measured copy bandwidth {bw:.1f} GB/s.",
+        f"Command: `python -m benchmarks.serving --dtype {args.dtype}` ({args.prompt_len}-token prompts, "
+        f"{args.max_tokens} new tokens, one request per stream). transformers experts implementation: "
+        f"{hf['experts_implementation']}.",
+        "", "## Throughput and latency", "",
+        table(["engine", "streams", "tok/s", "vs transformers", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+               "ITL p99 ms", "% roofline"], rows),
+        "", "Roofline: streams ÷ (weight bytes a decode step must read ÷ copy bandwidth); transformers' "
+        "TTFT/ITL are per static batch (no p99).",
+        "", "## Cold start and memory", "",
+        table(["engine", "start → ready", "vs transformers", "peak RSS per process"], cold),
+        "", "## Where a Colibri decode step goes (engine phase counters)", "",
+        table(["fleet", "streams", "orchestration (schedule, prepare, postprocess, dispatch/combine)",
+               "blocked on workers",
+               "worker compute (sum over workers)"], split),
+        ""])
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"serving-{args.dtype}.md").write_text(text)
+    (RESULTS / "serving.md").write_text(text) if args.dtype == "bfloat16" else None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

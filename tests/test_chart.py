@@ -1,0 +1,185 @@
+"""The Helm chart, rendered with real Helm (helm-python-sdk) and validated against Kubernetes 1.30 schemas."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+CHART = Path(__file__).resolve().parent.parent / "charts" / "colibri"
+K8S = "1.30.0"
+VALUE_SETS = {
+    "defaults": {},
+    "gpu": {"router": {"gpus": 1}, "experts": {"gpus": 1, "shards": 4}},
+    "pvc": {"model": {"source": "pvc", "pvc": {"claimName": "qwen3-30b", "subPath": "Qwen3-30B-A3B"}}},
+    "hostPath": {"model": {"source": "hostPath", "hostPath": {"path": "/data/models/mixtral"}}},
+    "init": {"model": {"source": "init", "init": {"source": "s3://bucket/olmoe", "image": "amazon/aws-cli:2.17.0",
+                                                  "command": ["aws", "s3", "sync", "$(MODEL_SOURCE)",
+                                                              "$(MODEL_DIR)"]}}},
+    "hpa": {"router": {"autoscaling": {"enabled": True, "maxReplicas": 6}}, "serviceMonitor": {"enabled": True}},
+    "one-shard": {"experts": {"shards": 1}},
+    "eight-shards": {"experts": {"shards": 8, "spreadAcrossNodes": False}},
+}
+
+
+def render(values: dict) -> list[dict]:
+    chart = helm.Chart.load(CHART)
+    manifests = chart.render(values, name="prod", namespace="llm", is_install=True)
+    docs = []
+    for path, text in manifests.items():
+        if path.endswith(".txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_lint_strict(name):
+    report = helm.lint(CHART, VALUE_SETS[name], strict=True, kube_version=f"v{K8S}")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_every_manifest_validates_against_kubernetes(name):
+    docs = render(VALUE_SETS[name])
+    assert docs
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            assert doc["kind"] == "ServiceMonitor" and doc["spec"]["endpoints"][0]["port"] == "metrics"
+            continue
+        kubernetes_validate.validate(doc, K8S, strict=True)
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_wiring(name):
+    values = VALUE_SETS[name]
+    docs = render(values)
+    shards = values.get("experts", {}).get("shards", 2)
+    (sts,) = by_kind(docs, "StatefulSet")
+    (dep,) = by_kind(docs, "Deployment")
+    services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    headless = services[sts["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["replicas"] == shards
+
+    # the router's worker list is exactly the StatefulSet's pods' stable DNS names
+    router = dep["spec"]["template"]["spec"]["containers"][0]
+    workers = next(a for a in router["args"] if a.startswith("--workers=")).split("=", 1)[1].split(",")
+    expert = sts["spec"]["template"]["spec"]["containers"][0]
+    eport = next(p["containerPort"] for p in expert["ports"] if p["name"] == "grpc")
+    name = sts["metadata"]["name"]
+    assert workers == [f"{name}-{i}.{headless['metadata']['name']}.llm.svc.cluster.local:{eport}"
+                       for i in range(shards)]
+
+    # every expert pod learns its shard from its ordinal, and the shard count matches the replicas
+    shard_arg = next(a for a in expert["args"] if a.startswith("--shard="))
+    assert shard_arg == f"--shard=$(SHARD_INDEX)/{shards}"
+    env = {e["name"]: e for e in expert["env"]}
+    assert env["SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+
+    # selectors match pod labels; services select the right pods
+    for workload in (dep, sts):
+        sel = workload["spec"]["selector"]["matchLabels"]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert sel.items() <= labels.items()
+    router_svc = next(s for s in services.values() if s["spec"].get("clusterIP") != "None")
+    assert router_svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert headless["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    grpc_port = next(p for p in router_svc["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc_port["appProtocol"] == "grpc"
+    for pdb in by_kind(docs, "PodDisruptionBudget"):
+        assert any(pdb["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+                   for w in (dep, sts))
+
+    # probes are native gRPC probes on the ports the containers expose; readiness names the service
+    for container, service in ((router, "colibri.v1.Generation"), (expert, "colibri.v1.ExpertWorker")):
+        ports = {p["containerPort"] for p in container["ports"]}
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert container[probe]["grpc"]["port"] in ports
+        assert container["readinessProbe"]["grpc"]["service"] == service
+        assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 300
+        sc = container["securityContext"]
+        assert sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["model"]["readOnly"] is True and mounts["dshm"]["mountPath"] == "/dev/shm"
+    for workload in (dep, sts):
+        spec = workload["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["terminationGracePeriodSeconds"] > 5          # the services drain for 5 s
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+
+
+def test_value_specific_rendering():
+    gpu = render(VALUE_SETS["gpu"])
+    for w in by_kind(gpu, "Deployment") + by_kind(gpu, "StatefulSet"):
+        assert w["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in str(render({}))
+
+    pvc = by_kind(render(VALUE_SETS["pvc"]), "StatefulSet")[0]["spec"]["template"]["spec"]
+    assert pvc["volumes"][0]["persistentVolumeClaim"] == {"claimName": "qwen3-30b", "readOnly": True}
+    host = by_kind(render(VALUE_SETS["hostPath"]), "Deployment")[0]["spec"]["template"]["spec"]
+    assert host["volumes"][0]["hostPath"]["path"] == "/data/models/mixtral"
+    init = by_kind(render(VALUE_SETS["init"]), "StatefulSet")[0]["spec"]["template"]["spec"]
+    (fetch,) = init["initContainers"]
+    assert fetch["image"] == "amazon/aws-cli:2.17.0" and "emptyDir" in init["volumes"][0]
+    assert not [m for m in fetch["volumeMounts"] if m["name"] == "model" and m.get("readOnly")]
+
+    hpa_docs = render(VALUE_SETS["hpa"])
+    (hpa,) = by_kind(hpa_docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["maxReplicas"] == 6
+    assert "replicas" not in by_kind(hpa_docs, "Deployment")[0]["spec"]      # the HPA owns it
+    assert by_kind(hpa_docs, "ServiceMonitor")
+    assert not by_kind(render({}), "HorizontalPodAutoscaler")
+
+    spread = by_kind(render({}), "StatefulSet")[0]["spec"]["template"]["spec"]["affinity"]
+    assert spread["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"][
+        "topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_helm_test_pod_checks_router_health():
+    docs = render({})
+    (pod,) = [d for d in by_kind(docs, "Pod") if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[0] == "health" and "--service=colibri.v1.Generation" in args
+    router_svc = next(s for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") != "None")
+    assert re.match(rf"--target={router_svc['metadata']['name']}\.llm\.svc\.cluster\.local:50051$", args[1])
+
+
+@pytest.mark.parametrize("bad", [
+    {"experts": {"shards": "two"}},
+    {"experts": {"shards": 0}},
+    {"model": {"source": "nfs"}},
+    {"router": {"port": 70000}},
+    {"router": {"gpus": -1}},
+    {"model": {"dtype": "int4"}},
+    {"terminationGracePeriodSeconds": 2},
+    {"routr": {}},
+])
+def test_schema_rejects_wrong_values(bad):
+    chart = helm.Chart.load(CHART)
+    with pytest.raises(helm.HelmError):
+        chart.render(bad, name="prod", namespace="llm", is_install=True)
+
+
+def test_notes_render():
+    notes = helm.Chart.load(CHART).render({}, name="prod", namespace="llm", is_install=True)
+    text = next(v for k, v in notes.items() if k.endswith("NOTES.txt"))
+    assert "prod-colibri-router.llm.svc.cluster.local:50051" in text and "grpcurl" in text
+
+
+def test_the_validator_is_not_a_no_op():
+    dep = by_kind(render({}), "Deployment")[0]
+    dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["grpcc"] = {"port": 1}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S, strict=True)
