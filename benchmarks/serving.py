@@ -162,8 +162,7 @@ def main() -> int:
         ""])
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"serving-{args.dtype}.md").write_text(text)
-    (RESULTS / "serving.md").write_text(text) if args.dtype == "bfloat16" else None
+    (RESULTS / ("serving.md" if args.dtype == "bfloat16" else f"serving-{args.dtype}.md")).write_text(text)
     return 0
 
 
