@@ -58,20 +58,23 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         ms = (time.perf_counter() - t0) * 1e3
         return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=ms)
 
-    def Forward(self, request, context):
-        self._loaded(context)
+    def _answer(self, request, context) -> expert_pb2.ForwardResponse:
         try:
             return self._compute(request)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # noqa: BLE001 (logged whole here; the router gets a status, not a traceback)
+            log.exception("Forward failed on layer %d", request.layer)
+            context.abort(grpc.StatusCode.INTERNAL, f"expert compute failed on layer {request.layer}: {exc!r}")
+
+    def Forward(self, request, context):
+        self._loaded(context)
+        return self._answer(request, context)
 
     def ForwardStream(self, request_iterator, context):
         self._loaded(context)
         for request in request_iterator:
-            try:
-                yield self._compute(request)
-            except ValueError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            yield self._answer(request, context)
 
 
 def serve_expert(model: str, shard: int, num_shards: int, host: str, port: int, dtype: torch.dtype) -> None:
@@ -83,7 +86,7 @@ def serve_expert(model: str, shard: int, num_shards: int, host: str, port: int, 
     # Listen (liveness answers) while the weights load; readiness turns SERVING only after.
     bound = service.start(host, port, [SERVICE])
     ckpt = Checkpoint(model)
-    experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=True)
+    experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO))
     ckpt.close()
     log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB packed %s, loaded in %.2fs",
              shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),

@@ -160,9 +160,6 @@ class RemoteExperts:
         self.timers["dispatch"] += time.perf_counter() - t0
         return pending
 
-    def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.submit(layer, hidden, ids, weights).result()
-
     def _stream(self, w: int) -> _Stream:
         if self._streams[w] is None:
             self._streams[w] = _Stream(self.stubs[w])
@@ -228,6 +225,3 @@ class LocalExperts:
 
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Done:
         return Done(self.shard.forward(layer, hidden, ids, weights).to(hidden.dtype))
-
-    def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.submit(layer, hidden, ids, weights).result()

@@ -68,10 +68,14 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop stepping; every request still open gets an error instead of waiting forever."""
         with self._cv:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout=10)
+        with self._cv:
+            for seq in list(self.seqs.values()):
+                self._fail(seq, "the router is shutting down; retry on another replica")
 
     # -- called from gRPC threads ---------------------------------------------------------------
     def submit(self, seq: Sequence) -> queue.SimpleQueue[Event]:
@@ -189,12 +193,6 @@ class Engine:
             })
             m.phases = dict(self.phase, **getattr(self.experts, "timers", {}))
             m.gauges["batch_tokens_max"] = max(m.gauges.get("batch_tokens_max", 0), m.gauges["batch_tokens"])
-
-    def stats(self) -> dict[str, int]:
-        with self._cv:
-            sch = self.scheduler
-            return {"running": len(sch.running), "waiting": len(sch.waiting),
-                    "kv_blocks_free": sch.alloc.num_free, "kv_blocks_total": sch.alloc.num_blocks}
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

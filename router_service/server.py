@@ -63,7 +63,7 @@ class Router:
             self.compute_dtype = torch.float32
             log.info("this CPU has no native bf16 arithmetic: the router computes in float32")
         ckpt = Checkpoint(model_dir)
-        weights = RouterWeights.load(ckpt, cfg, self.compute_dtype, progress=True)
+        weights = RouterWeights.load(ckpt, cfg, self.compute_dtype, progress=log.isEnabledFor(logging.INFO))
         ckpt.close()
         self.experts: Experts = experts_factory(cfg)
         per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim,

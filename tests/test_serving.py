@@ -81,6 +81,13 @@ def test_sharded_checkpoint_serves_the_same_tokens(oracles, tmp_path):
         assert Client(addr).generate(prompt, 16).token_ids == oracle.greedy(prompt, 16)
 
 
+def test_unary_transport_serves_the_same_tokens(oracles):
+    oracle = oracles["qwen2_moe"]
+    prompt = [4, 8, 15, 16, 23, 42]
+    with fleet(oracle.path, 3, ["--transport", "unary"]) as (addr, _):
+        assert Client(addr).generate(prompt, 12).token_ids == oracle.greedy(prompt, 12)
+
+
 def test_sigterm_stops_every_child(oracles):
     with fleet(oracles["olmoe"].path, 2) as (addr, proc):
         children = psutil.Process(proc.pid).children(recursive=True)
