@@ -137,6 +137,18 @@ class Checkpoint:
         return torch.frombuffer(buf, dtype=dtype, offset=e.start, count=e.nbytes // dtype.itemsize
                                 ).view(e.shape)
 
+    def release(self, name: str) -> None:
+        """Drop the resident pages of a tensor already copied out (MADV_DONTNEED on its whole pages), so a
+        worker's peak RSS stays near what it packs. A later view simply reads the file again."""
+        e = self.entry(name)
+        m = self._maps.get(e.file)
+        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        lo = -(-e.start // mmap.PAGESIZE) * mmap.PAGESIZE       # only pages wholly inside the tensor
+        hi = e.end // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def load(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
              ) -> torch.Tensor:
         """An owned copy (for the router's dense weights), converted to `dtype`."""

@@ -48,12 +48,16 @@ class ExpertShard:
             lo, hi = self.experts[0], self.experts[-1] + 1                   # contiguous by placement
             w13.copy_(ckpt.view(gu_name, gu_shape)[lo:hi])
             w2.copy_(ckpt.view(d_name, d_shape)[lo:hi])
+            ckpt.release(gu_name)
+            ckpt.release(d_name)
             return w13, w2
         for j, e in enumerate(self.experts):
             (g, gs), (u, us), (d, ds) = expert_tensors(cfg, layer, e)
             w13[j, :I].copy_(ckpt.view(g, gs))
             w13[j, I:].copy_(ckpt.view(u, us))
             w2[j].copy_(ckpt.view(d, ds))
+            for name in (g, u, d):
+                ckpt.release(name)
         return w13, w2
 
     @property

@@ -15,6 +15,13 @@ from tests.models import small_config
 H, I, E, L = 512, 768, 32, 8
 
 
+def peak_rss(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/PID/status")
+
+
 def write_big_checkpoint(path) -> int:
     """A Qwen3-MoE checkpoint of ≈1.2 GB, written straight to safetensors (random weights)."""
     path.mkdir()
@@ -56,6 +63,8 @@ def test_each_worker_holds_about_its_shard(tmp_path):
         for c in experts:
             rss = c.memory_info().rss
             # a quarter of the experts (≈290 MB) plus the interpreter, torch and gRPC (≈230 MB)
-            msg = f"worker RSS {rss / 2**20:.0f} MiB vs checkpoint {size / 2**20:.0f} MiB"
+            peak = peak_rss(c.pid)
+            msg = f"worker RSS {rss / 2**20:.0f} MiB (peak {peak / 2**20:.0f}) vs checkpoint {size / 2**20:.0f} MiB"
             assert rss < 0.6 * size, msg
             assert rss > 0.9 * size / workers, msg   # it really holds its shard
+            assert peak < 0.6 * size, msg            # packing releases the mapped pages as it goes
