@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import grpc
 import torch
+import torch.nn.functional as F
 
 from colibri_common import wire
 from colibri_common.config import ModelConfig
@@ -138,19 +139,28 @@ class RemoteExperts:
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Pending:
         t0 = time.perf_counter()
         self.step += 1
+        T, W = hidden.shape[0], len(self.stubs)
         x = hidden.to(self.wire_dtype)                                       # [T, H] on the wire
         ids32, w32 = ids.to(torch.int32), weights.float()
-        owners = self.owner[ids]                                             # [T, K]
+        if W == 1:
+            counts, hits = [T], None
+        else:
+            hits = F.one_hot(self.owner[ids], W).any(dim=1)                  # [T, W] token needs worker w
+            counts = hits.sum(dim=0).tolist()                                # one sync for all workers
+        whole: tuple | None = None                                           # encoded once, sent to all
         pending = Pending(self, hidden.shape, hidden.dtype, layer)
-        for w in range(len(self.stubs)):
-            hit = (owners == w).any(dim=1)                                   # [T]
-            if not bool(hit.any()):
+        for w, n in enumerate(counts):
+            if n == 0:
                 continue
-            rows = None if bool(hit.all()) else hit.nonzero().flatten()     # [n] or all
-            sel = (lambda t, rows=rows: t if rows is None else t[rows])
-            req = expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(sel(x)),
-                                            topk_ids=wire.encode(sel(ids32)),
-                                            topk_weights=wire.encode(sel(w32)), step=self.step)
+            if n == T:
+                rows = None
+                whole = whole or (wire.encode(x), wire.encode(ids32), wire.encode(w32))
+                enc = whole
+            else:
+                rows = hits[:, w].nonzero().flatten()                        # [n]
+                enc = (wire.encode(x[rows]), wire.encode(ids32[rows]), wire.encode(w32[rows]))
+            req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
+                                            step=self.step)
             if self.transport == "unary":
                 pending.parts[w] = (rows, self.stubs[w].Forward.future(req, timeout=self.timeout_s))
             else:
