@@ -8,6 +8,9 @@ import torch
 
 from colibri_common.pb import expert_pb2
 
+# decode() views immutable message bytes; nothing writes through them, so torch's warning is noise.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
 _TO_TORCH: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -43,12 +46,10 @@ def decode(msg: expert_pb2.Tensor) -> torch.Tensor:
     numel = 1
     for d in shape:
         numel *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if len(msg.data) != numel * itemsize:
         raise ValueError(f"tensor of shape {list(shape)} {msg.dtype} needs {numel * itemsize} bytes, "
                          f"got {len(msg.data)}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():  # the bytes object is immutable; nothing writes through this view
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    return torch.frombuffer(msg.data, dtype=dtype).view(shape)
