@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,7 +52,9 @@ def step_bytes(cfg: ModelConfig, streams: int, itemsize: int) -> float:
 
 def run_fleet(model: Path, workers: int, dtype: str, streams: list[int], prompt_len: int, max_tokens: int,
               extra: list[str]) -> dict:
-    mport = 50993
+    with socket.socket() as sock:        # a free port for the fleet's /metrics
+        sock.bind(("127.0.0.1", 0))
+        mport = sock.getsockname()[1]
     t0 = time.perf_counter()
     p = subprocess.Popen([COLIBRI, "serve", "--model", str(model), "--workers", str(workers), "--port", "0",
                           "--dtype", dtype, "--metrics-port", str(mport), "--log-level", "WARNING", *extra],

@@ -61,7 +61,6 @@ class Engine:
         self._cv = threading.Condition()
         self._aborts: list[str] = []
         self._stop = False
-        self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -132,14 +131,13 @@ class Engine:
                     self.phase["postprocess"] += time.perf_counter() - t_post
                     self._update_metrics(batch, time.perf_counter() - t0)
             except WorkerError as exc:  # a worker died: fail this batch with its message, keep serving
-                log.error("step %d failed: %s", self.steps, exc)
+                log.error("step %d failed: %s", self.metrics.steps, exc)
                 self._fail_batch(batch, str(exc))
                 continue
             except Exception as exc:  # a bug must not hang every client: log it whole, fail the batch
-                log.exception("step %d failed", self.steps)
+                log.exception("step %d failed", self.metrics.steps)
                 self._fail_batch(batch, f"internal error in the engine step: {exc!r}")
                 continue
-            self.steps += 1
 
     def _execute(self, batch: list[Scheduled]) -> torch.Tensor:
         """Split the batch into micro-batches (decodes stay first in each) and run them ping-pong."""
@@ -195,15 +193,8 @@ class Engine:
             m.gauges["batch_tokens_max"] = max(m.gauges.get("batch_tokens_max", 0), m.gauges["batch_tokens"])
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
-        with self.metrics.lock:
-            self.metrics.requests[reason] += 1
-            self.metrics.gauges["kv_cache_blocks_free"] = self.scheduler.alloc.num_free
-            self.metrics.gauges["num_requests_running"] = len(self.scheduler.running)
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
-        self.outputs.pop(seq.request_id).put(Done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft))
-        del self.seqs[seq.request_id]
-        self.sampler.forget(seq.request_id)
+        self._retire(seq, reason, Done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft))
 
     def _fail_batch(self, batch: list[Scheduled], message: str) -> None:
         with self._cv:
@@ -211,11 +202,16 @@ class Engine:
                 self._fail(s.seq, message)
 
     def _fail(self, seq: Sequence, message: str) -> None:
-        if seq.request_id not in self.seqs:
-            return
-        self.scheduler.finish(seq, "error")
+        if seq.request_id in self.seqs:
+            self._retire(seq, "error", Failed(message))
+
+    def _retire(self, seq: Sequence, reason: str, last: Event) -> None:
+        """The one way out of the engine: free the KV blocks, count it, send the last event, forget it."""
+        self.scheduler.finish(seq, reason)
         with self.metrics.lock:
-            self.metrics.requests["error"] += 1
-        self.outputs.pop(seq.request_id).put(Failed(message))
+            self.metrics.requests[reason] += 1
+            self.metrics.gauges["kv_cache_blocks_free"] = self.scheduler.alloc.num_free
+            self.metrics.gauges["num_requests_running"] = len(self.scheduler.running)
+        self.outputs.pop(seq.request_id).put(last)
         del self.seqs[seq.request_id]
         self.sampler.forget(seq.request_id)

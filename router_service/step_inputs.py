@@ -31,12 +31,12 @@ class StepInputs:
     @staticmethod
     def build(seqs: list[SeqSlice], token_ids: list[int], block_size: int) -> StepInputs:
         """`seqs` must list decode sequences (num_new == 1, num_cached > 0) first."""
-        def slots_of(s: SeqSlice, start: int, end: int) -> torch.Tensor:
-            pos = torch.arange(start, end)                                                     # [n]
-            return torch.tensor(s.block_table)[pos // block_size] * block_size + pos % block_size  # [n]
-
-        positions = torch.cat([torch.arange(s.num_cached, s.num_cached + s.num_new) for s in seqs])  # [T]
-        slots = torch.cat([slots_of(s, s.num_cached, s.num_cached + s.num_new) for s in seqs])        # [T]
+        positions: list[int] = []      # plain Python: a decode step adds one token per sequence
+        slots: list[int] = []
+        for s in seqs:
+            for p in range(s.num_cached, s.num_cached + s.num_new):
+                positions.append(p)
+                slots.append(s.block_table[p // block_size] * block_size + p % block_size)
         num_decode = 0
         while num_decode < len(seqs) and seqs[num_decode].num_new == 1 and seqs[num_decode].num_cached > 0:
             num_decode += 1
@@ -56,7 +56,8 @@ class StepInputs:
         row = num_decode
         for s in seqs[num_decode:]:
             ctx = s.num_cached + s.num_new
-            ctx_slots = slots_of(s, 0, ctx)                                                   # [ctx]
+            pos = torch.arange(ctx)                                                           # [ctx]
+            ctx_slots = torch.tensor(s.block_table)[pos // block_size] * block_size + pos % block_size
             mask = None
             if s.num_cached:  # query i (position num_cached + i) sees keys 0..num_cached + i
                 q_pos = torch.arange(s.num_cached, ctx)[:, None]
@@ -70,8 +71,8 @@ class StepInputs:
                 sample_rows.append(row - 1)
         return StepInputs(
             token_ids=torch.tensor(token_ids, dtype=torch.long),
-            positions=positions,
-            slots=slots,
+            positions=torch.tensor(positions, dtype=torch.long),
+            slots=torch.tensor(slots, dtype=torch.long),
             num_decode=num_decode, decode_slots=dslots, decode_mask=dmask,
             prefills=prefills, sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         )
