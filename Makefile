@@ -26,11 +26,14 @@ $(PB_STAMP): $(PROTOS) $(STAMP)
 demo: setup
 	$(PY) -m benchmarks.demo
 
+# The layer contract (pyproject.toml, [tool.importlinter]) runs first: a wrong import fails the suite.
 test: setup
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q tests
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: setup
 	$(PY) -m benchmarks.serving

@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer
 
 from benchmarks.demo_model import build_demo_model
-from colibri_common.client import Client, make_request
+from colibri.client import Client, make_request
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / ".cache" / "demo-model"

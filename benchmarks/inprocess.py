@@ -11,22 +11,21 @@ T_START = time.perf_counter()
 import torch  # noqa: E402
 
 from benchmarks.common import engine_args  # noqa: E402
+from colibri.loadgen import measure, random_prompts  # noqa: E402
 from colibri_common.checkpoint import Checkpoint  # noqa: E402
-from colibri_common.loadgen import measure, random_prompts  # noqa: E402
 from expert_service.shard import ExpertShard  # noqa: E402
-from router_service.dispatch import LocalExperts  # noqa: E402
-from router_service.engine import Done, Failed, Tokens  # noqa: E402
-from router_service.scheduler import SchedulerConfig  # noqa: E402
+from router_service.build import build_engine  # noqa: E402
+from router_service.events import Failed, Finished, Tokens  # noqa: E402
+from router_service.experts import LocalExperts  # noqa: E402
+from router_service.options import RouterOptions  # noqa: E402
 from router_service.sequence import Sampling, Sequence  # noqa: E402
-from router_service.server import Router, RouterOptions  # noqa: E402
 
 
 def main() -> None:
     args = engine_args([("--micro-batches", {"type": int, "default": 1})])
     dtype = getattr(torch, args.dtype)
-    router = Router(args.model, lambda cfg: LocalExperts(ExpertShard(cfg, Checkpoint(args.model), 0, 1, dtype)),
-                    RouterOptions(dtype=dtype, micro_batches=args.micro_batches,
-                                  sched=SchedulerConfig(max_batch_size=64)))
+    opts = RouterOptions(model=args.model, dtype=args.dtype, micro_batches=args.micro_batches)
+    router = build_engine(opts, lambda cfg: LocalExperts(ExpertShard(cfg, Checkpoint(args.model), 0, 1, dtype)))
     router.engine.start()
     cold = time.perf_counter() - T_START
 
@@ -36,7 +35,7 @@ def main() -> None:
             ev = q.get()
             if isinstance(ev, Tokens):
                 yield len(ev.token_ids)
-            elif isinstance(ev, Done):
+            elif isinstance(ev, Finished):
                 return
             elif isinstance(ev, Failed):
                 raise RuntimeError(ev.message)

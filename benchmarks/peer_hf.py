@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from benchmarks.common import engine_args  # noqa: E402
-from colibri_common.loadgen import random_prompts  # noqa: E402
+from colibri.loadgen import random_prompts  # noqa: E402
 
 
 def generate(model, prompts: list[list[int]], n: int) -> float:

@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from benchmarks.bench_model import ensure_bench_model
 from benchmarks.common import RESULTS, copy_bandwidth_gbs, machine, table
+from colibri.loadgen import run_load
 from colibri_common.config import ModelConfig
-from colibri_common.loadgen import run_load
 from router_service.metrics import parse
 
 PY = sys.executable

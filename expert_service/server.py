@@ -12,7 +12,8 @@ from colibri_common import wire
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
-from colibri_common.serving import Service
+from colibri_common.serving import Service, setup_logging
+from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard
 
 log = logging.getLogger("colibri.expert")
@@ -64,7 +65,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # noqa: BLE001 (logged whole here; the router gets a status, not a traceback)
-            log.exception("Forward failed on layer %d", request.layer)
+            log.exception("Forward failed on layer %d (router step %d)", request.layer, request.step)
             context.abort(grpc.StatusCode.INTERNAL, f"expert compute failed on layer {request.layer}: {exc!r}")
 
     def Forward(self, request, context):
@@ -77,20 +78,25 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             yield self._answer(request, context)
 
 
-def serve_expert(model: str, shard: int, num_shards: int, host: str, port: int, dtype: torch.dtype) -> None:
-    cfg = ModelConfig.from_dir(model)
+def serve_expert(opts: ExpertOptions) -> None:
+    shard, num_shards = opts.shard_index, opts.num_shards
+    setup_logging(f"expert[{opts.shard}]", opts.log_level)
+    if opts.threads > 0:
+        torch.set_num_threads(opts.threads)
+    dtype = getattr(torch, opts.dtype)
+    cfg = ModelConfig.from_dir(opts.model)
     t0 = time.perf_counter()
     service = Service(SERVICE, max_workers=4)
     servicer = ExpertWorkerServicer()
     expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, service.server)
     # Listen (liveness answers) while the weights load; readiness turns SERVING only after.
-    bound = service.start(host, port, [SERVICE])
-    ckpt = Checkpoint(model)
+    bound = service.start(opts.host, opts.port, [SERVICE])
+    ckpt = Checkpoint(opts.model)
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO))
     ckpt.close()
     log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB packed %s, loaded in %.2fs",
              shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
-             experts.packed_bytes / 2**20, wire.dtype_name(dtype), time.perf_counter() - t0)
+             experts.packed_bytes / 2**20, opts.dtype, time.perf_counter() - t0)
     servicer.shard = experts
-    service.ready(host, bound)
+    service.ready(opts.host, bound)
     service.run_until_signal()

@@ -43,8 +43,8 @@ class ExpertShard:
         w13 = torch.empty(E, 2 * I, H, dtype=self.dtype)                     # [E_local, 2I, H]
         w2 = torch.empty(E, H, I, dtype=self.dtype)                          # [E_local, H, I]
         fused = fused_expert_tensors(cfg, layer)
-        if fused[0][0] in ckpt:
-            (gu_name, gu_shape), (d_name, d_shape) = fused
+        if fused["gate_up"][0] in ckpt:
+            (gu_name, gu_shape), (d_name, d_shape) = fused["gate_up"], fused["down"]
             lo, hi = self.experts[0], self.experts[-1] + 1                   # contiguous by placement
             w13.copy_(ckpt.view(gu_name, gu_shape)[lo:hi])
             w2.copy_(ckpt.view(d_name, d_shape)[lo:hi])
@@ -52,7 +52,8 @@ class ExpertShard:
             ckpt.release(d_name)
             return w13, w2
         for j, e in enumerate(self.experts):
-            (g, gs), (u, us), (d, ds) = expert_tensors(cfg, layer, e)
+            t = expert_tensors(cfg, layer, e)
+            (g, gs), (u, us), (d, ds) = t["gate"], t["up"], t["down"]
             w13[j, :I].copy_(ckpt.view(g, gs))
             w13[j, I:].copy_(ckpt.view(u, us))
             w2[j].copy_(ckpt.view(d, ds))

@@ -1,4 +1,8 @@
-"""The engine loop: schedule → execute → postprocess, on one thread; requests arrive from gRPC threads."""
+"""The engine loop on one thread: each step is schedule → execute → postprocess; requests arrive from gRPC
+threads through `submit` and leave through one `_retire`.
+
+Shapes: B sequences that sample this step, V vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +10,22 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
-from router_service.dispatch import WorkerError
+from router_service.batch import Step
+from router_service.events import Event, Failed, FailureCode, Finished, Tokens
+from router_service.experts import Experts
 from router_service.kv_cache import KVCache
 from router_service.metrics import Metrics
-from router_service.model import Experts, RouterModel
+from router_service.model import RouterModel
+from router_service.moe_transport import WorkerError
 from router_service.sampler import Sampler
-from router_service.scheduler import QueueFull, Scheduled, Scheduler
-from router_service.sequence import Sequence
+from router_service.scheduler import QueueFull, Scheduler
+from router_service.sequence import FinishReason, Sequence
 from router_service.step_inputs import SeqSlice, StepInputs
 
 log = logging.getLogger("colibri.router")
-
-
-@dataclass(frozen=True)
-class Tokens:
-    token_ids: list[int]
-    logits: list[bytes]
-
-
-@dataclass(frozen=True)
-class Done:
-    reason: str            # "stop" | "length" | "abort"
-    prompt_tokens: int
-    completion_tokens: int
-    ttft_ms: float
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-Event = Tokens | Done | Failed
 
 
 class Engine:
@@ -54,7 +38,7 @@ class Engine:
         self.metrics.gauges.update({
             "kv_cache_blocks_total": scheduler.alloc.num_blocks, "kv_cache_blocks_free": scheduler.alloc.num_free,
             "num_requests_running": 0, "num_requests_waiting": 0})
-        self.eos = set(eos_token_ids)
+        self.eos = frozenset(eos_token_ids)
         self.sampler = Sampler()
         self.outputs: dict[str, queue.SimpleQueue[Event]] = {}
         self.seqs: dict[str, Sequence] = {}
@@ -74,7 +58,7 @@ class Engine:
         self._thread.join(timeout=10)
         with self._cv:
             for seq in list(self.seqs.values()):
-                self._fail(seq, "the router is shutting down; retry on another replica")
+                self._fail(seq, FailureCode.UNAVAILABLE, "the router is shutting down; retry on another replica")
 
     # -- called from gRPC threads ---------------------------------------------------------------
     def submit(self, seq: Sequence) -> queue.SimpleQueue[Event]:
@@ -106,83 +90,85 @@ class Engine:
 
     # -- engine thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop and not self._aborts and not self.scheduler.has_work():
-                    self._cv.wait()
-                if self._stop:
-                    return
-                for rid in self._aborts:
-                    if rid in self.seqs:
-                        self._finish(self.seqs[rid], "abort")
-                self._aborts.clear()
-                t_sched = time.perf_counter()
-                batch = self.scheduler.schedule()
-                self.phase["schedule"] += time.perf_counter() - t_sched
-            if not batch:
-                time.sleep(0.001)
+        while (step := self._schedule()) is not None:
+            if not step.micro_batches:
+                time.sleep(0.001)     # work is waiting but nothing fits yet (KV cache full)
                 continue
             t0 = time.perf_counter()
             try:
-                logits = self._execute(batch)
+                sampled = step.sampled                                       # before the step advances them
+                logits = self._execute(step)                                 # [B, V]
                 with self._cv:
-                    t_post = time.perf_counter()
-                    self._postprocess(batch, logits)
-                    self.phase["postprocess"] += time.perf_counter() - t_post
-                    self._update_metrics(batch, time.perf_counter() - t0)
-            except WorkerError as exc:  # a worker died: fail this batch with its message, keep serving
+                    self._postprocess(step, sampled, logits)
+                    self._update_metrics(step, len(sampled), time.perf_counter() - t0)
+            except WorkerError as exc:   # a worker failed: fail this step's requests, retryable, keep serving
                 log.error("step %d failed: %s", self.metrics.steps, exc)
-                self._fail_batch(batch, str(exc))
-                continue
-            except Exception as exc:  # a bug must not hang every client: log it whole, fail the batch
+                self._fail_step(step, FailureCode.UNAVAILABLE, str(exc))
+            except Exception as exc:     # a bug: log it whole, fail the step's requests (not retryable), go on
                 log.exception("step %d failed", self.metrics.steps)
-                self._fail_batch(batch, f"internal error in the engine step: {exc!r}")
-                continue
+                self._fail_step(step, FailureCode.INTERNAL, f"internal error in the engine step: {exc!r}")
 
-    def _execute(self, batch: list[Scheduled]) -> torch.Tensor:
-        """Split the batch into micro-batches (decodes stay first in each) and run them ping-pong."""
-        t_prep = time.perf_counter()
-        n = min(self.micro_batches, len(batch))
-        bounds = [len(batch) * j // n for j in range(n + 1)]
-        steps = []
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
+    def _schedule(self) -> Step | None:
+        """Wait for work, apply aborts, pick this step's batch; None when the engine stops."""
+        with self._cv:
+            while not self._stop and not self._aborts and not self.scheduler.has_work():
+                self._cv.wait()
+            if self._stop:
+                return None
+            for rid in self._aborts:
+                if rid in self.seqs:
+                    self._finish(self.seqs[rid], FinishReason.ABORT)
+            self._aborts.clear()
+            t0 = time.perf_counter()
+            step = Step.split(self.scheduler.schedule(), self.micro_batches)
+            self.phase["schedule"] += time.perf_counter() - t0
+        return step
+
+    def _execute(self, step: Step) -> torch.Tensor:
+        """The model over every micro-batch (ping-pong when there are several): logits [B, V] float32."""
+        t0 = time.perf_counter()
+        inputs = []
+        for mb in step.micro_batches:
             slices, tokens = [], []
-            for s in batch[lo:hi]:
+            for s in mb:
                 seq = s.seq
                 slices.append(SeqSlice(seq.num_cached, s.num_new, seq.block_table, s.samples))
                 tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
-            steps.append(StepInputs.build(slices, tokens, self.kv.block_size))
-        self.phase["prepare"] += time.perf_counter() - t_prep
-        t0 = time.perf_counter()
-        logits = self.model.forward(steps, self.kv, self.experts)            # [B, V]
-        self.phase["forward"] += time.perf_counter() - t0
+            inputs.append(StepInputs.build(slices, tokens, self.kv.block_size))
+        t1 = time.perf_counter()
+        logits = self.model.forward(inputs, self.kv, self.experts)           # [B, V]
+        self.phase["prepare"] += t1 - t0
+        self.phase["forward"] += time.perf_counter() - t1
         return logits
 
-    def _postprocess(self, batch: list[Scheduled], logits: torch.Tensor) -> None:
-        sampled = [s for s in batch if s.samples]
-        for s in batch:
-            s.seq.num_cached += s.num_new
-        live = [(i, s.seq) for i, s in enumerate(sampled) if s.seq.request_id in self.seqs]
-        tokens = self.sampler.sample(logits, [(seq.request_id, seq.sampling) for _, seq in live]) if live else []
-        now = time.monotonic()
-        for (row, seq), tok in zip(live, tokens, strict=True):
-            seq.output_ids.append(tok)
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-            raw = [logits[row].numpy().tobytes()] if seq.sampling.return_logits else []
-            self.outputs[seq.request_id].put(Tokens([tok], raw))
-            sp = seq.sampling
-            if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos):
-                self._finish(seq, "stop")
-            elif len(seq.output_ids) >= sp.max_tokens or seq.num_tokens >= self.scheduler.cfg.max_model_len:
-                self._finish(seq, "length")
+    def _postprocess(self, step: Step, sampled: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample the live sequences' rows, stream their tokens, finish those that stop."""
+        t0 = time.perf_counter()
+        assert logits.shape[0] == len(sampled), (logits.shape, len(sampled))  # row i belongs to sampled[i]
+        step.advance()
+        live = [(row, seq) for row, seq in enumerate(sampled) if self.seqs.get(seq.request_id) is seq]
+        if live:
+            rows = logits if len(live) == len(sampled) else logits[[row for row, _ in live]]  # [b, V]
+            tokens = self.sampler.sample(rows, [(seq.request_id, seq.sampling) for _, seq in live])
+            now = time.monotonic()
+            for (row, seq), tok in zip(live, tokens, strict=True):
+                if seq.first_token_at is None:
+                    seq.first_token_at = now
+                raw = [logits[row].numpy().tobytes()] if seq.sampling.return_logits else []
+                self.outputs[seq.request_id].put(Tokens([tok], raw))
+                reason = seq.append_token(tok, self.eos, self.scheduler.cfg.max_model_len)
+                if reason is not None:
+                    self._finish(seq, reason)
+        self.phase["postprocess"] += time.perf_counter() - t0
 
-    def _update_metrics(self, batch: list[Scheduled], seconds: float) -> None:
-        m, sch = self.metrics, self.scheduler
+    def _update_metrics(self, step: Step, num_sampled: int, seconds: float) -> None:
+        m, sch, batch = self.metrics, self.scheduler, step.scheduled
         with m.lock:
             m.steps += 1
             m.step_seconds += seconds
-            m.generation_tokens += sum(1 for s in batch if s.samples)
+            m.generation_tokens += num_sampled
+            m.preemptions = sch.num_preemptions
+            m.micro_batch_overlaps = self.model.overlaps
             m.gauges.update({
                 "num_requests_running": len(sch.running), "num_requests_waiting": len(sch.waiting),
                 "kv_cache_blocks_total": sch.alloc.num_blocks, "kv_cache_blocks_free": sch.alloc.num_free,
@@ -190,26 +176,27 @@ class Engine:
                 "batch_size": len(batch), "batch_tokens": sum(s.num_new for s in batch),
             })
             m.phases = dict(self.phase, **getattr(self.experts, "timers", {}))
-            m.gauges["batch_tokens_max"] = max(m.gauges.get("batch_tokens_max", 0), m.gauges["batch_tokens"])
+            for name in ("batch_size", "batch_tokens"):
+                m.gauges[name + "_max"] = max(m.gauges.get(name + "_max", 0), m.gauges[name])
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
-        self._retire(seq, reason, Done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft))
+        self._retire(seq, reason, Finished(reason, len(seq.prompt_ids), len(seq.output_ids), ttft))
 
-    def _fail_batch(self, batch: list[Scheduled], message: str) -> None:
+    def _fail_step(self, step: Step, code: FailureCode, message: str) -> None:
         with self._cv:
-            for s in batch:
-                self._fail(s.seq, message)
+            for s in step.scheduled:
+                self._fail(s.seq, code, message)
 
-    def _fail(self, seq: Sequence, message: str) -> None:
-        if seq.request_id in self.seqs:
-            self._retire(seq, "error", Failed(message))
+    def _fail(self, seq: Sequence, code: FailureCode, message: str) -> None:
+        if self.seqs.get(seq.request_id) is seq:
+            self._retire(seq, FinishReason.ERROR, Failed(code, message))
 
-    def _retire(self, seq: Sequence, reason: str, last: Event) -> None:
+    def _retire(self, seq: Sequence, reason: FinishReason, last: Event) -> None:
         """The one way out of the engine: free the KV blocks, count it, send the last event, forget it."""
-        self.scheduler.finish(seq, reason)
+        self.scheduler.finish(seq)
         with self.metrics.lock:
-            self.metrics.requests[reason] += 1
+            self.metrics.requests[reason.value] += 1
             self.metrics.gauges["kv_cache_blocks_free"] = self.scheduler.alloc.num_free
             self.metrics.gauges["num_requests_running"] = len(self.scheduler.running)
         self.outputs.pop(seq.request_id).put(last)

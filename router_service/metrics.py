@@ -16,6 +16,8 @@ class Metrics:
         self.generation_tokens = 0
         self.steps = 0
         self.step_seconds = 0.0
+        self.preemptions = 0
+        self.micro_batch_overlaps = 0          # waits on one micro-batch's experts while another's were in flight
         self.gauges: dict[str, float] = {}
         self.phases: dict[str, float] = {}     # seconds spent per engine phase (schedule, forward, wait, ...)
 
@@ -35,6 +37,13 @@ class Metrics:
                 f"colibri_engine_steps_total {self.steps}",
                 "# TYPE colibri_engine_step_seconds_total counter",
                 f"colibri_engine_step_seconds_total {self.step_seconds:.6f}",
+                "# HELP colibri_preemptions_total Running sequences preempted (KV cache full) and recomputed later.",
+                "# TYPE colibri_preemptions_total counter",
+                f"colibri_preemptions_total {self.preemptions}",
+                "# HELP colibri_micro_batch_overlaps_total Waits on one micro-batch's experts while another "
+                "micro-batch's experts were in flight too.",
+                "# TYPE colibri_micro_batch_overlaps_total counter",
+                f"colibri_micro_batch_overlaps_total {self.micro_batch_overlaps}",
             ]
             lines += ["# HELP colibri_engine_phase_seconds_total Engine time by phase; wait = blocked on workers, "
                       "expert_compute = the workers' own compute time (summed over workers).",

@@ -11,7 +11,6 @@ turn, so the router computes attention for one micro-batch while the workers com
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,20 +18,11 @@ import torch.nn.functional as F
 from colibri_common.config import ModelConfig
 from kernels import topk_route
 from kernels.cpu_linear import linear
+from router_service.experts import Experts, Handle
 from router_service.kv_cache import KVCache
 from router_service.layers import Rope, apply_rope, rms_norm, silu_mlp
 from router_service.step_inputs import StepInputs
 from router_service.weights import LayerWeights, RouterWeights
-
-
-class Handle(Protocol):
-    def result(self) -> torch.Tensor: ...
-
-
-class Experts(Protocol):
-    """route → dispatch → experts → combine for one MoE layer: Σ_k w_k · FFN_{e_k}(x) per token."""
-
-    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Handle: ...
 
 
 class RouterModel:
@@ -43,6 +33,7 @@ class RouterModel:
         self.rope = Rope(cfg.head_dim, cfg.rope_theta)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's were in flight
 
     @torch.inference_mode()
     def forward(self, steps: list[StepInputs], kv: KVCache, experts: Experts) -> torch.Tensor:
@@ -53,6 +44,7 @@ class RouterModel:
         while any(p is not None for p in pending):
             for j, g in enumerate(gens):
                 if pending[j] is not None:
+                    self.overlaps += sum(p is not None for p in pending) > 1
                     pending[j] = self._advance(g, pending[j].result(), results, j)
         return torch.cat(results)  # type: ignore[arg-type]
 
@@ -74,16 +66,16 @@ class RouterModel:
             r = rms_norm(h, lw.ln1, cfg.rms_norm_eps)
             h = h + self._attention(i, lw, r, cos, sin, step, kv)
             r = rms_norm(h, lw.ln2, cfg.rms_norm_eps)
-            if lw.gate is None:
+            if lw.router is None:
                 h = h + silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)
                 continue
-            logits = linear(r, lw.gate)                                    # [T, E]
-            weights, ids = topk_route(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, K] f32, [T, K]
-            handle = experts.submit(i, r, ids, weights)                      # route → dispatch
+            scores = linear(r, lw.router)                                  # [T, E]  route
+            weights, ids = topk_route(scores, cfg.top_k, cfg.norm_topk_prob)  # [T, K] f32, [T, K]
+            handle = experts.submit(i, r, ids, weights)                      # partition → transport
             shared = None
             if lw.shared_gate is not None:                                   # computed while the experts run
                 shared = torch.sigmoid(linear(r, lw.shared_gate)) * silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)
-            out = yield handle                                               # experts → combine  [T, H]
+            out = yield handle                                               # combine  [T, H]
             h = h + (out if shared is None else out + shared)
         last = rms_norm(h[step.sample_rows], self.w.norm, cfg.rms_norm_eps)  # [B, H]
         return linear(last, self.w.lm_head).float()                        # [B, V]

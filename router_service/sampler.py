@@ -19,13 +19,16 @@ class Sampler:
         greedy = logits.argmax(dim=-1).tolist()                               # [B]
         out = []
         for row, (rid, sp) in enumerate(requests):
-            if sp.temperature == 0.0:
+            if sp.temperature < Sampling.GREEDY_BELOW:
                 out.append(greedy[row])
                 continue
             gen = self._generators.get(rid)
             if gen is None:
                 gen = torch.Generator()
-                gen.manual_seed(sp.seed if sp.seed is not None else torch.seed())
+                if sp.seed is not None:
+                    gen.manual_seed(sp.seed)
+                else:
+                    gen.seed()                     # from OS entropy; torch's global generator stays as it was
                 self._generators[rid] = gen
             out.append(self._sample_row(logits[row], sp, gen))
         return out

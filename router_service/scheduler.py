@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from colibri_common.options import option
 from router_service.block_allocator import BlockAllocator, OutOfBlocks
 from router_service.sequence import Sequence, Status
 
@@ -20,10 +21,10 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch_size: int = 64        # sequences in one step
-    max_num_tokens: int = 512       # tokens (prefill + decode) in one step
-    max_waiting: int = 256          # bounded waiting queue
-    max_model_len: int = 4096
+    max_batch_size: int = option(64, "sequences in one step")
+    max_num_tokens: int = option(512, "tokens (prefill + decode) in one step; longer prompts prefill in chunks")
+    max_waiting: int = option(256, "bounded waiting queue; beyond it RESOURCE_EXHAUSTED")
+    max_model_len: int = option(4096, "prompt + output tokens of one request (capped by the model's own limit)")
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_waiting", "max_model_len"):
@@ -47,6 +48,7 @@ class Scheduler:
         self.alloc = allocator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.cfg.max_waiting:
@@ -57,8 +59,8 @@ class Scheduler:
                             f"the whole KV cache; lower max_tokens or raise --kv-cache-mb")
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        seq.status, seq.finish_reason = Status.FINISHED, reason
+    def finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
         self.alloc.release(seq.block_table)
         if seq in self.running:
             self.running.remove(seq)
@@ -73,6 +75,7 @@ class Scheduler:
         self.alloc.release(seq.block_table)
         seq.num_cached, seq.status = 0, Status.WAITING
         self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def schedule(self) -> list[Scheduled]:
         out: list[Scheduled] = []

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Sampling:
+    """One request's sampling parameters; temperatures below GREEDY_BELOW sample greedily (as vLLM does: a
+    smaller temperature would overflow logits / T)."""
+
+    GREEDY_BELOW = 1e-5
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -21,12 +27,19 @@ class Sampling:
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (0 = off), got {self.top_p}")
+            raise ValueError(f"top_p must be in [0, 1] (0 or 1 = off), got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"          # a stop token id or EOS was sampled
+    LENGTH = "length"      # max_tokens, or the model's maximum length
+    ABORT = "abort"        # the client went away or called Abort
+    ERROR = "error"        # the step failed (a worker or the engine)
 
 
 class Status(enum.Enum):
@@ -44,7 +57,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0          # tokens whose K/V are in the cache
     status: Status = Status.WAITING
-    finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
 
@@ -55,3 +67,17 @@ class Sequence:
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def append_token(self, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
+        """Record a sampled token; returns why the sequence is finished now, or None while it goes on.
+
+        Stop tokens and EOS (unless ignore_eos) end it with STOP; reaching max_tokens or the model's
+        maximum length (prompt + output) ends it with LENGTH. A stop token wins over the length limit.
+        """
+        self.output_ids.append(token)
+        sp = self.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_token_ids):
+            return FinishReason.STOP
+        if len(self.output_ids) >= sp.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -5,88 +5,31 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 import torch
 
-from colibri_common import wire
-from colibri_common.checkpoint import Checkpoint
-from colibri_common.config import ModelConfig
+from colibri_common.errors import ColibriError
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb import generation_pb2_grpc
-from colibri_common.serving import Service
-from kernels.cpu_linear import cpu_has_fast_bf16
-from router_service.block_allocator import BlockAllocator
-from router_service.engine import Done, Engine, Failed, Tokens
-from router_service.kv_cache import KVCache
-from router_service.model import Experts, RouterModel
-from router_service.scheduler import QueueFull, Scheduler, SchedulerConfig
+from colibri_common.serving import Service, setup_logging
+from colibri_common.tokenizer import Detokenizer
+from router_service.build import BuiltEngine, build_engine, remote_experts
+from router_service.events import Failed, Finished, Tokens
+from router_service.options import RouterOptions
+from router_service.scheduler import QueueFull
 from router_service.sequence import Sampling, Sequence
-from router_service.tokenizer import Detokenizer, Tokenizer
-from router_service.weights import RouterWeights
 
 log = logging.getLogger("colibri.router")
 SERVICE = "colibri.v1.Generation"
 
 
-@dataclass(frozen=True)
-class RouterOptions:
-    dtype: torch.dtype = torch.float32
-    wire_dtype: torch.dtype | None = None     # None = the compute dtype
-    kv_cache_mb: int = 512
-    block_size: int = 16
-    micro_batches: int = 1                    # > 1: ping-pong micro-batches (attention overlaps experts)
-    transport: str = "stream"                 # "stream" | "unary" (router → workers)
-    metrics_port: int | None = None           # Prometheus /metrics on this port (0 = any free port)
-    sched: SchedulerConfig = SchedulerConfig()
-
-    def __post_init__(self) -> None:
-        if self.kv_cache_mb <= 0 or self.block_size <= 0:
-            raise ValueError("--kv-cache-mb and --block-size must be positive")
-        if self.micro_batches <= 0:
-            raise ValueError("--micro-batches must be >= 1")
-
-
-class Router:
-    """The whole router in one process: weights, KV cache, scheduler, engine, tokenizer."""
-
-    def __init__(self, model_dir: str, experts_factory, opts: RouterOptions) -> None:
-        self.model_dir = model_dir
-        self.cfg = cfg = ModelConfig.from_dir(model_dir)
-        self.opts = opts
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        # Without native bf16 arithmetic, the router's dense GEMMs run far faster in float32 (batch > 4); the
-        # workers keep bf16 experts (half the bytes; see kernels/cpu_linear.py) and the wire stays bf16.
-        self.compute_dtype = opts.dtype
-        if opts.dtype == torch.bfloat16 and not cpu_has_fast_bf16():
-            self.compute_dtype = torch.float32
-            log.info("this CPU has no native bf16 arithmetic: the router computes in float32")
-        ckpt = Checkpoint(model_dir)
-        weights = RouterWeights.load(ckpt, cfg, self.compute_dtype, progress=log.isEnabledFor(logging.INFO))
-        ckpt.close()
-        self.experts: Experts = experts_factory(cfg)
-        per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                            self.compute_dtype)
-        num_blocks = max(1, opts.kv_cache_mb * 2**20 // per_block)
-        self.kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
-                          self.compute_dtype)
-        self.allocator = BlockAllocator(num_blocks, opts.block_size)
-        sched = SchedulerConfig(opts.sched.max_batch_size, opts.sched.max_num_tokens, opts.sched.max_waiting,
-                                min(opts.sched.max_model_len, cfg.max_position_embeddings))
-        self.scheduler = Scheduler(sched, self.allocator)
-        self.engine = Engine(RouterModel(cfg, weights, self.compute_dtype), self.kv, self.scheduler, self.experts,
-                             cfg.eos_token_ids, opts.micro_batches)
-        log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%d MiB)", cfg.architecture,
-                 cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size, opts.kv_cache_mb)
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self) -> None:
-        self.router: Router | None = None   # set once the weights are loaded and the workers described
+        self.router: BuiltEngine | None = None   # set once the weights are loaded and the workers described
 
     @property
-    def r(self) -> Router:
+    def r(self) -> BuiltEngine:
         return self.router  # type: ignore[return-value]
 
     def _loaded(self, context) -> None:
@@ -115,7 +58,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         sp = Sampling(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, max_tokens=p.max_tokens,
                       seed=p.seed if p.HasField("seed") else None, stop_token_ids=tuple(p.stop_token_ids),
                       ignore_eos=p.ignore_eos, return_logits=p.return_logits)
-        limit = self.r.scheduler.cfg.max_model_len
+        limit = self.r.max_model_len
         if prompt_len + sp.max_tokens > limit:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) exceeds the model's "
                              f"maximum length {limit}")
@@ -140,13 +83,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if isinstance(ev, Tokens):
                 chunk = pb.Chunk(token_ids=ev.token_ids, text=detok.push(ev.token_ids), logits=ev.logits)
                 yield pb.GenerateResponse(request_id=rid, chunk=chunk)
-            elif isinstance(ev, Done):
+            elif isinstance(ev, Finished):
+                tail = detok.finish()                  # text held back for an unfinished character, if any
+                if tail:
+                    yield pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(text=tail))
                 yield pb.GenerateResponse(request_id=rid, complete=pb.Complete(
-                    finish_reason=ev.reason, prompt_tokens=ev.prompt_tokens,
+                    finish_reason=ev.reason.value, prompt_tokens=ev.prompt_tokens,
                     completion_tokens=ev.completion_tokens, ttft_ms=ev.ttft_ms))
                 return
             elif isinstance(ev, Failed):
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed: {ev.message}")
+                context.abort(grpc.StatusCode[ev.code.name], f"generation failed: {ev.message}")
 
     def Abort(self, request, context):
         self._loaded(context)
@@ -156,27 +102,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._loaded(context)
         cfg, r = self.r.cfg, self.r
         return pb.ModelInfoResponse(
-            model_path=r.model_dir, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+            model_path=r.opts.model, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             num_layers=cfg.num_layers, num_experts=cfg.num_experts, experts_per_token=cfg.top_k,
-            dtype=wire.dtype_name(r.opts.dtype), workers=getattr(r.experts, "addresses", []),
-            max_model_len=r.scheduler.cfg.max_model_len, eos_token_ids=list(cfg.eos_token_ids))
+            dtype=r.opts.dtype, workers=list(r.opts.workers), max_model_len=r.max_model_len,
+            eos_token_ids=list(cfg.eos_token_ids))
 
 
-def serve_router(model: str, workers: list[str], host: str, port: int, opts: RouterOptions) -> None:
-    from router_service.dispatch import RemoteExperts
-
+def serve_router(opts: RouterOptions) -> None:
+    setup_logging("router", opts.log_level)
+    if opts.threads > 0:
+        torch.set_num_threads(opts.threads)
+    if not opts.workers:
+        raise ColibriError("--workers must list at least one expert worker address HOST:PORT")
     t0 = time.perf_counter()
-    service = Service(SERVICE, max_workers=opts.sched.max_batch_size + opts.sched.max_waiting + 8)
+    sched = opts.sched
+    service = Service(SERVICE, max_workers=sched.max_batch_size + sched.max_waiting + 8)
     servicer = GenerationServicer()
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, service.server)
-    bound = service.start(host, port, [SERVICE])
-    wire_dtype = opts.wire_dtype or opts.dtype
-    router = Router(model, lambda cfg: RemoteExperts(cfg, workers, wire_dtype, opts.transport), opts)
-    router.engine.start()
-    servicer.router = router
+    bound = service.start(opts.host, opts.port, [SERVICE])
+    built = build_engine(opts, remote_experts(opts))
+    built.engine.start()
+    servicer.router = built
     if opts.metrics_port is not None:
-        mport = router.engine.metrics.serve(host, opts.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", host, mport)
+        mport = built.engine.metrics.serve(opts.host, opts.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     log.info("router loaded in %.2fs", time.perf_counter() - t0)
-    service.ready(host, bound)
-    service.run_until_signal(on_stop=router.engine.stop)
+    service.ready(opts.host, bound)
+    service.run_until_signal(on_stop=built.engine.stop)

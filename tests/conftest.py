@@ -47,19 +47,27 @@ def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = Non
 
 
 class Oracle:
-    """A transformers model and its saved checkpoint."""
+    """A transformers model and its saved checkpoint; its outputs are cached for the whole session."""
 
     def __init__(self, model, path: Path) -> None:
         self.model, self.path = model, path
+        self._greedy: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        self._logits: dict[tuple[int, ...], torch.Tensor] = {}
 
     @torch.no_grad()
     def greedy(self, prompt: list[int], n: int) -> list[int]:
-        out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        return out[0, len(prompt):].tolist()
+        key = (tuple(prompt), n)
+        if key not in self._greedy:
+            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            self._greedy[key] = out[0, len(prompt):].tolist()
+        return self._greedy[key]
 
     @torch.no_grad()
     def last_logits(self, prompt: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([prompt])).logits[0, -1].float()
+        key = tuple(prompt)
+        if key not in self._logits:
+            self._logits[key] = self.model(torch.tensor([prompt])).logits[0, -1].float()
+        return self._logits[key]
 
 
 @pytest.fixture(scope="session")

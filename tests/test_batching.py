@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from colibri_common.client import Client, make_request
+from colibri.client import Client, make_request
 from colibri_common.pb import generation_pb2 as pb
 from router_service.metrics import parse
 from tests.conftest import fleet
@@ -41,7 +41,8 @@ def test_staggered_concurrent_requests_match_alone_and_overlap_changes_nothing(o
     lengths = [6 + i % 7 for i in range(16)]
     results = {}
     for micro_batches in (1, 2):
-        with fleet(oracle.path, 2, ["--micro-batches", str(micro_batches)]) as (addr, _):
+        port = free_port()
+        with fleet(oracle.path, 2, ["--micro-batches", str(micro_batches), "--metrics-port", str(port)]) as (addr, _):
             client = Client(addr)
             alone = [client.generate(p, n).token_ids for p, n in zip(ps, lengths, strict=True)]
 
@@ -53,6 +54,11 @@ def test_staggered_concurrent_requests_match_alone_and_overlap_changes_nothing(o
                 together = list(pool.map(staggered, range(16)))
             assert together == alone
             results[micro_batches] = together
+            m = metrics(port)
+            assert m["colibri_batch_size_max"] >= 4           # the staggered requests really shared steps
+            overlaps = m["colibri_micro_batch_overlaps_total"]
+            # two micro-batches had their experts in flight at once (and never with one micro-batch)
+            assert overlaps > 0 if micro_batches == 2 else overlaps == 0
     assert results[1] == results[2]
     assert results[1][0] == oracle.greedy(ps[0], lengths[0])
 
@@ -130,3 +136,4 @@ def test_max_num_tokens_is_respected_and_chunked_prefill_is_exact(oracles, budge
         assert outs[2] == oracle.greedy([7] * 20, 8)
         m = metrics(port)
         assert 0 < m["colibri_batch_tokens_max"] <= budget
+        assert m["colibri_batch_size_max"] >= 2               # decodes and prefill chunks shared steps

@@ -1,12 +1,18 @@
-"""The fleet against transformers: greedy tokens identical, logits within 1e-4 relative (float32)."""
+"""Colibri against transformers: greedy tokens identical, logits within 1e-4 relative (float32).
+
+Every architecture through the in-process engine (the maths: attention, norms, gates, shared experts,
+dense layers); real fleets (`colibri serve`, processes, gRPC on loopback) with 1, 2 and 3 workers on
+Qwen3-MoE, and on Qwen2-MoE (shared expert, dense layer, biases) with 2, for the sharding and the wire.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from colibri_common.client import Client
+from colibri.client import Client
 from tests.conftest import ARCHS, fleet
+from tests.inprocess import InProcess
 
 PROMPTS = [[3, 17, 42, 99, 5, 8], [200], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1, 2]]
 NEW_TOKENS = 16
@@ -16,20 +22,32 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+def check_against_oracle(oracle, prompt: list[int], token_ids: list[int], logits: list[torch.Tensor],
+                         finish_reason: str) -> None:
+    assert finish_reason == "length"
+    assert token_ids == oracle.greedy(prompt, NEW_TOKENS), f"prompt {prompt}"
+    assert len(logits) == NEW_TOKENS
+    assert rel_err(logits[0], oracle.last_logits(prompt)) < 1e-4
+    # the logits of a later step too: the KV cache path, not only prefill
+    assert rel_err(logits[5], oracle.last_logits(prompt + token_ids[:5])) < 1e-4
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_and_logits_match_transformers(oracles, arch, workers):
+def test_inprocess_engine_matches_transformers(oracles, arch):
+    oracle = oracles[arch]
+    with InProcess(oracle.path) as engine:
+        for prompt in PROMPTS:
+            res = engine.generate(prompt, NEW_TOKENS, return_logits=True)
+            check_against_oracle(oracle, prompt, res.token_ids, res.logits, res.finish_reason)
+
+
+@pytest.mark.parametrize("arch, workers", [("qwen3_moe", 1), ("qwen3_moe", 2), ("qwen3_moe", 3), ("qwen2_moe", 2)])
+def test_fleet_matches_transformers(oracles, arch, workers):
     oracle = oracles[arch]
     with fleet(oracle.path, workers) as (addr, _):
         client = Client(addr)
         for prompt in PROMPTS:
             res = client.generate(prompt, NEW_TOKENS, return_logits=True)
-            assert res.finish_reason == "length"
-            assert res.token_ids == oracle.greedy(prompt, NEW_TOKENS), f"{arch} prompt {prompt}"
-            assert len(res.logits) == NEW_TOKENS
-            got = torch.from_numpy(res.logits[0].copy())
-            assert rel_err(got, oracle.last_logits(prompt)) < 1e-4
-            # the logits of a later step too: the KV cache path, not only prefill
-            full = prompt + res.token_ids[:5]
-            assert rel_err(torch.from_numpy(res.logits[5].copy()), oracle.last_logits(full)) < 1e-4
+            logits = [torch.from_numpy(x.copy()) for x in res.logits]
+            check_against_oracle(oracle, prompt, res.token_ids, logits, res.finish_reason)
         client.close()

@@ -61,7 +61,7 @@ def test_bounded_waiting_queue_and_finish_frees_kv():
     step = s.schedule()
     assert [x.seq.request_id for x in step] == ["a"]     # max_batch_size=1
     assert alloc.num_free == 14
-    s.finish(step[0].seq, "abort")
+    s.finish(step[0].seq)
     assert alloc.num_free == 16 and not s.running
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -12,15 +13,21 @@ import grpc
 import psutil
 import pytest
 
-from colibri_common.client import Client
+from colibri.client import Client
+from colibri_common.tokenizer import Tokenizer
 from tests.conftest import COLIBRI, fleet
 from tests.models import build_model, save_checkpoint, small_config
+from tests.tokenizer_fixtures import save_tokenizer
 
 
 @pytest.fixture(scope="module")
-def served(oracles):
+def served(oracles, tmp_path_factory):
+    """Qwen3-MoE with a byte-level tokenizer.json beside it (vocab 256, as the model's)."""
     oracle = oracles["qwen3_moe"]
-    with fleet(oracle.path, 2) as (addr, proc):
+    ckpt = tmp_path_factory.mktemp("served") / "qwen3-tok"
+    shutil.copytree(oracle.path, ckpt)
+    save_tokenizer(ckpt)
+    with fleet(ckpt, 2) as (addr, proc):
         yield oracle, addr, proc
 
 
@@ -41,7 +48,6 @@ def test_concurrent_requests_get_the_tokens_they_get_alone(served):
     ([], 4, "prompt is empty"),
     ([1, 2], 0, "max_tokens must be > 0"),
     ([1, 2], -3, "max_tokens must be > 0"),
-    ("some text", 4, "no tokenizer.json"),
     ([1, 2], 10_000, "exceeds the model's maximum length"),
 ])
 def test_bad_requests_are_invalid_argument_and_service_keeps_serving(served, prompt, max_tokens, needle):
@@ -52,6 +58,21 @@ def test_bad_requests_are_invalid_argument_and_service_keeps_serving(served, pro
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in err.value.details()
     assert client.generate([5, 6, 7], 4).token_ids == oracle.greedy([5, 6, 7], 4)
+
+
+def test_text_prompt_end_to_end(served, tmp_path):
+    oracle, addr, _ = served
+    tok = Tokenizer.from_dir(save_tokenizer(tmp_path).parent)
+    text = "héllo wörld € 😀"
+    ids = tok.encode(text)
+    assert len(ids) > len(text)                      # multi-byte characters span several tokens
+    res = Client(addr).generate(text, 20)
+    assert res.token_ids == oracle.greedy(ids, 20)
+    assert res.text == tok.decode(res.token_ids)     # streamed pieces add up to the whole decode
+    out = subprocess.run([COLIBRI, "generate", "--target", addr, "--prompt", text, "--max-tokens", "20", "--json"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["token_ids"] == res.token_ids and last["text"] == res.text
 
 
 def test_model_info(served):
@@ -85,7 +106,12 @@ def test_unary_transport_serves_the_same_tokens(oracles):
     oracle = oracles["qwen2_moe"]
     prompt = [4, 8, 15, 16, 23, 42]
     with fleet(oracle.path, 3, ["--transport", "unary"]) as (addr, _):
-        assert Client(addr).generate(prompt, 12).token_ids == oracle.greedy(prompt, 12)
+        client = Client(addr)
+        assert client.generate(prompt, 12).token_ids == oracle.greedy(prompt, 12)
+        with pytest.raises(grpc.RpcError) as err:       # this checkpoint has no tokenizer.json
+            client.generate("some text", 4)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "no tokenizer.json" in err.value.details()
 
 
 def test_sigterm_stops_every_child(oracles):
@@ -131,12 +157,14 @@ def test_bench_cli_json(served):
                           "--prompt-len", "5", "--max-tokens", "6", "--json"],
                          capture_output=True, text=True, timeout=120, check=True)
     last = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                "requests_ok", "requests_failed"):
-        assert key in last
-    assert last["requests_ok"] == 8 and last["requests_failed"] == 0
+    assert last["requests_ok"] == 8 and last["requests_failed"] == 0 and last["errors"] == []
     assert last["output_tokens"] == 48           # exactly max_tokens each, EOS ignored
-    assert last["output_tokens_per_s"] > 0 and last["ttft_p50_ms"] <= last["ttft_p99_ms"]
+    assert last["output_tokens_per_s"] == pytest.approx(48 / last["duration_s"], rel=1e-6)
+    assert 0 < last["ttft_p50_ms"] <= last["ttft_p99_ms"] < 1e3 * last["duration_s"]
+    assert 0 < last["itl_p50_ms"] <= last["itl_p99_ms"] < 1e3 * last["duration_s"]
+    # the human-readable lines carry the same numbers
+    assert f"{last['output_tokens_per_s']:.1f} tok/s" in out.stdout
+    assert "8 ok, 0 failed" in out.stdout
 
 
 def test_health_cli(served):

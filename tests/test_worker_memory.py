@@ -8,7 +8,7 @@ import psutil
 import torch
 from safetensors.torch import save_file
 
-from colibri_common.client import Client
+from colibri.client import Client
 from tests.conftest import fleet
 from tests.models import small_config
 

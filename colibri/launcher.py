@@ -13,7 +13,13 @@ import signal
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from colibri_common.options import option, shared_fields, to_argv
+from colibri_common.serving import setup_logging
+from expert_service.options import ExpertOptions
+from router_service.options import RouterOptions
 
 log = logging.getLogger("colibri.serve")
 PR_SET_PDEATHSIG = 1
@@ -21,7 +27,7 @@ PR_SET_PDEATHSIG = 1
 
 def colibri_command() -> list[str]:
     exe = Path(sys.executable).parent / "colibri"
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "colibri_common.cli"]
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "colibri.cli"]
 
 
 def _die_with_parent() -> None:
@@ -36,17 +42,41 @@ def split_threads(cores: int, workers: int) -> tuple[int, int]:
     return max(1, cores), max(1, cores // max(1, workers))
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """`colibri serve`: the router's options (its worker addresses come from the workers it starts) + N."""
+
+    EXCLUDED = ("router.workers",)
+
+    router: RouterOptions = RouterOptions()
+    workers: int = option(2, "number of expert workers (shards) to start")
+
+    def __post_init__(self) -> None:
+        if self.workers <= 0:
+            raise ValueError(f"--workers must be positive, got {self.workers}")
+
+    def expert(self, shard: int, threads: int, port: int = 0) -> ExpertOptions:
+        """Worker `shard`'s options: the service options it shares with the router, on loopback."""
+        common = dict(shared_fields(self.router), host="127.0.0.1", port=port, threads=threads)
+        return ExpertOptions(**common, shard=f"{shard}/{self.workers}")
+
+
+def child_argv(command: str, opts: RouterOptions | ExpertOptions) -> list[str]:
+    """The one way `serve` hands options to a child: the flags that rebuild `opts` there."""
+    return [command, *to_argv(opts)]
+
+
 class Fleet:
     def __init__(self) -> None:
         self.children: list[subprocess.Popen] = []
         self.stopping = threading.Event()
 
-    def spawn(self, args: list[str], threads: int) -> subprocess.Popen:
+    def spawn(self, command: str, opts: RouterOptions | ExpertOptions) -> subprocess.Popen:
         # PASSIVE: a process waiting on another (router on workers, workers on the router) must not keep
         # spinning OpenMP threads on the shared cores (measured: router step 109 -> 80 ms on 2 cores).
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads), PYTHONUNBUFFERED="1")
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        cmd = [*colibri_command(), *args, "--threads", str(threads)]
+        cmd = [*colibri_command(), *child_argv(command, opts)]
         log.info("starting %s", " ".join(cmd))
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
                              preexec_fn=_die_with_parent)
@@ -76,10 +106,11 @@ class Fleet:
                 p.wait()
 
 
-def serve(model: str, workers: int, host: str, port: int, dtype: str, extra_router_args: list[str],
-          cores: int | None = None, log_level: str = "INFO") -> int:
-    cores = cores or len(os.sched_getaffinity(0))
-    router_threads, worker_threads = split_threads(cores, workers)
+def serve(opts: ServeOptions) -> int:
+    setup_logging("serve", opts.router.log_level)
+    n = opts.workers
+    cores = opts.router.threads or len(os.sched_getaffinity(0))
+    router_threads, worker_threads = split_threads(cores, n)
     fleet = Fleet()
     stop_signal = threading.Event()
 
@@ -90,12 +121,9 @@ def serve(model: str, workers: int, host: str, port: int, dtype: str, extra_rout
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        procs = [fleet.spawn(["expert", "--model", model, "--shard", f"{i}/{workers}", "--host", "127.0.0.1",
-                              "--port", "0", "--dtype", dtype, "--log-level", log_level], worker_threads)
-                 for i in range(workers)]
-        addrs = [fleet.wait_ready(p, f"expert worker {i}/{workers}") for i, p in enumerate(procs)]
-        router = fleet.spawn(["router", "--model", model, "--workers", ",".join(addrs), "--host", host,
-                              "--port", str(port), "--dtype", dtype, *extra_router_args], router_threads)
+        procs = [fleet.spawn("expert", opts.expert(i, worker_threads)) for i in range(n)]
+        addrs = [fleet.wait_ready(p, f"expert worker {i}/{n}") for i, p in enumerate(procs)]
+        router = fleet.spawn("router", replace(opts.router, workers=tuple(addrs), threads=router_threads))
         addr = fleet.wait_ready(router, "router")
     except (RuntimeError, OSError) as exc:
         log.error("%s", exc)
@@ -109,18 +137,17 @@ def serve(model: str, workers: int, host: str, port: int, dtype: str, extra_rout
 
     def supervise_worker(i: int, p: subprocess.Popen) -> None:
         """A dead worker is restarted on its own port (the router reconnects), like a pod restart."""
-        port = addrs[i].rsplit(":", 1)[1]
+        port = int(addrs[i].rsplit(":", 1)[1])
         while True:
             drain(p)
             code = p.wait()
             if fleet.stopping.is_set() or stop_signal.is_set():
                 return
-            log.error("expert worker %d/%d exited with code %s; restarting it on port %s", i, workers, code, port)
-            p = fleet.spawn(["expert", "--model", model, "--shard", f"{i}/{workers}", "--host", "127.0.0.1",
-                             "--port", port, "--dtype", dtype, "--log-level", log_level], worker_threads)
+            log.error("expert worker %d/%d exited with code %s; restarting it on port %s", i, n, code, port)
+            p = fleet.spawn("expert", opts.expert(i, worker_threads, port))
             try:
-                fleet.wait_ready(p, f"expert worker {i}/{workers}")
-                log.info("expert worker %d/%d is back", i, workers)
+                fleet.wait_ready(p, f"expert worker {i}/{n}")
+                log.info("expert worker %d/%d is back", i, n)
             except RuntimeError as exc:
                 log.error("%s; stopping the fleet", exc)
                 stop_signal.set()

@@ -113,7 +113,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 
 def grpc_stream(client, timeout: float = 600) -> StreamFn:
-    from colibri_common.client import make_request
+    from colibri.client import make_request
 
     def stream(prompt: list[int], max_tokens: int, rid: str) -> Iterator[int]:
         req = make_request(prompt, max_tokens, ignore_eos=True, request_id=rid)
@@ -126,7 +126,7 @@ def grpc_stream(client, timeout: float = 600) -> StreamFn:
 
 def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, max_tokens: int,
              seed: int = 0, timeout: float = 600, vocab_size: int | None = None) -> BenchResult:
-    from colibri_common.client import Client
+    from colibri.client import Client
 
     if min(concurrency, num_requests, prompt_len, max_tokens) <= 0:
         raise ValueError("--concurrency, --num-requests, --prompt-len and --max-tokens must be positive")

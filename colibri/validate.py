@@ -4,20 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import CheckpointError
 from colibri_common.placement import shard_experts
 from colibri_common.tensors import expert_tensors, fused_expert_tensors, router_tensors
+from colibri_common.tokenizer import Tokenizer
 
 
 def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> int:
     fused = fused_expert_tensors(cfg, layer)
-    if fused[0][0] in ckpt:
-        return sum(ckpt.check(n, s).nbytes // cfg.num_experts for n, s in fused)
-    return sum(ckpt.check(n, s).nbytes for n, s in expert_tensors(cfg, layer, expert))
+    if fused["gate_up"][0] in ckpt:
+        return sum(ckpt.check(n, s).nbytes // cfg.num_experts for n, s in fused.values())
+    return sum(ckpt.check(n, s).nbytes for n, s in expert_tensors(cfg, layer, expert).values())
 
 
 def validate(model_dir: str, workers: int) -> list[str]:
@@ -30,8 +29,8 @@ def validate(model_dir: str, workers: int) -> list[str]:
     total_bytes = sum(e.nbytes for e in ckpt.entries.values())
     params = sum(_numel(e.shape) for e in ckpt.entries.values())
     tok_path = Path(model_dir) / "tokenizer.json"
-    tok_vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size(with_added_tokens=True) if tok_path.is_file() \
-        else None
+    tokenizer = Tokenizer.from_dir(model_dir)
+    tok_vocab = None if tokenizer is None else tokenizer.vocab_size
     if tok_vocab is not None and tok_vocab > cfg.vocab_size:
         raise CheckpointError(f"{tok_path} has {tok_vocab} tokens but config.json vocab_size is "
                               f"{cfg.vocab_size}; they must agree")

@@ -1,0 +1,152 @@
+"""The checkpoint's `tokenizer.json` (Hugging Face `tokenizers`) and incremental detokenization.
+
+`Tokenizer.from_dir` is the project's one tokenizer loader (router, `colibri validate`, demo).
+`Detokenizer` turns a stream of generated ids into text with bounded work per token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+from colibri_common.errors import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer:
+    """A loaded `tokenizer.json`: encode without special tokens, decode skipping them."""
+
+    def __init__(self, hf: tokenizers.Tokenizer, path: Path | None = None) -> None:
+        self._hf = hf
+        self.path = path
+        self._special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+
+    @staticmethod
+    def from_dir(model_dir: str | Path) -> Tokenizer | None:
+        """`<model_dir>/tokenizer.json`, or None when the checkpoint has none.
+
+        Raises CheckpointError naming the file when it exists but cannot be loaded.
+        """
+        path = Path(model_dir) / TOKENIZER_FILE
+        if not path.is_file():
+            return None
+        try:
+            hf = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for bad JSON or an unknown schema
+            raise CheckpointError(f"{path}: cannot load the tokenizer ({exc}); replace the file with the model's "
+                                  f"original {TOKENIZER_FILE}, or delete it to serve token ids only") from exc
+        return Tokenizer(hf, path)
+
+    @property
+    def hf(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer`."""
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (dropped by `decode`)."""
+        return self._special_ids
+
+    def encode(self, text: str) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._hf.decode(ids, skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._hf.token_to_id(token)
+
+
+class Detokenizer:
+    """Incremental detokenizer over `tokenizers.decoders.DecodeStream(skip_special_tokens=True)`.
+
+    `push(ids)` returns the text the new ids add. A character split across tokens is held back ("" is
+    returned) until its last byte arrives, so no '\\ufffd' is ever emitted for it. Each token costs one
+    decode of a window of at most 2 * MAX_PENDING ids (the ids behind the last chunk plus those held
+    since), never a re-decode of the whole output; `Tokenizer.decode` is not called for valid text.
+
+    For valid text, the concatenation of all pushes equals `tokenizer.decode(all_ids)`, leading spaces
+    included: DecodeStream decodes its first ids as a full decode does, so a SentencePiece "▁" is
+    stripped from the first pushed token only, as in `decode(output_ids)` (and unlike
+    `decode(prompt + output)`, which keeps it: the stream is not seeded with the prompt). Where
+    DecodeStream alone differs, and what is done about it:
+
+    * `step` returns None whenever its decoded window ends in '\\ufffd': an incomplete character, but
+      also genuinely invalid bytes or a literal U+FFFD. A model repeating an invalid byte would stream
+      nothing and re-decode a growing buffer each step. So once MAX_PENDING ids are held, all but the
+      last KEEP (room for an unfinished 4-byte character) are forced out through `Tokenizer.decode`,
+      '\\ufffd' included, and the stream restarts with the last emitted ids as context. Work stays
+      bounded; the split-character guarantee then assumes each held token carries at least one byte.
+    * `DecodeStream(ids=...)` does not count a context whose decode ends in '\\ufffd' as emitted (its next
+      chunk repeats that text), so the forced-out ids are never used as context.
+    * `step` returns None for a token adding no text (a skipped special token, a lone leading "▁");
+      special tokens are dropped here before stepping, as the full decode with skip_special_tokens does.
+    * Text held back when generation stops (an invalid or unfinished tail) is returned by `finish()`,
+      not by `push`: pushes + finish() == decode(all_ids) holds for invalid UTF-8 too.
+    * `step` raises if decode(context + new) does not start with decode(context) (a decoder that rewrites
+      earlier text); the held ids are then forced out and the stream restarted.
+    """
+
+    MAX_PENDING = 8  # ids held back before the held text is forced out
+    KEEP = 3  # ids kept back when forcing: the first 3 bytes of a 4-byte character
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._context: list[int] = []  # ids behind the last emitted text, the stream's decoding context
+        self._pending: list[int] = []  # ids pushed since the last emitted text
+
+    def push(self, new_ids: list[int]) -> str:
+        """The text that `new_ids` add to the output; "" while a character is still incomplete."""
+        tok = self.tokenizer
+        if tok is None:
+            return ""
+        special = tok.special_ids
+        out: list[str] = []
+        for i in new_ids:
+            if i in special:
+                continue
+            try:
+                text = self._stream.step(tok.hf, i)
+            except Exception:  # DecodeStream's "invalid prefix": the decoder rewrote earlier text
+                self._pending.append(i)
+                out.append(self._force(0))
+                continue
+            if text is None:
+                self._pending.append(i)
+                if len(self._pending) >= self.MAX_PENDING:
+                    out.append(self._force(self.KEEP))
+            else:
+                self._context = [*self._pending, i]
+                self._pending = []
+                out.append(text)
+        return "".join(out)
+
+    def finish(self) -> str:
+        """The text still held back (an unfinished or invalid tail, shown as '\\ufffd'); call once at the end."""
+        if self.tokenizer is None or not self._pending:
+            return ""
+        return self._force(0)
+
+    def _force(self, keep: int) -> str:
+        """Emit the held ids but the last `keep`, then restart the stream after them."""
+        tok = self.tokenizer
+        assert tok is not None
+        n = len(self._pending) - keep
+        emit, rest = self._pending[:n], self._pending[n:]
+        prefix = tok.decode(self._context)
+        full = tok.decode(self._context + emit)
+        text = full[len(prefix):] if full.startswith(prefix) else tok.decode(emit)
+        # Restart after `emit` with the last emitted ids as context (a Metaspace "▁" keeps its space). Not
+        # with `emit` itself: DecodeStream(ids=...) would re-emit a prefix that ends in '\ufffd'.
+        self._pending = []
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=True)
+        return text + self.push(rest)

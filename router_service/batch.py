@@ -1,0 +1,41 @@
+"""One engine step's batch split into micro-batches, and which sequence each logits row belongs to.
+
+Plain Python, no torch. The scheduler lists decodes first; contiguous slices keep that order inside each
+micro-batch (as StepInputs needs), and the model returns the sampled rows of every micro-batch
+concatenated in order, so `Step.sampled` is the one place that pairs logits rows with sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router_service.scheduler import Scheduled
+from router_service.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Step:
+    micro_batches: tuple[tuple[Scheduled, ...], ...]
+
+    @staticmethod
+    def split(batch: list[Scheduled], num_micro_batches: int) -> Step:
+        """Contiguous, balanced slices (sizes differ by at most one); never an empty micro-batch."""
+        if not batch:
+            return Step(())
+        n = min(num_micro_batches, len(batch))
+        bounds = [len(batch) * j // n for j in range(n + 1)]
+        return Step(tuple(tuple(batch[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False)))
+
+    @property
+    def scheduled(self) -> list[Scheduled]:
+        return [s for mb in self.micro_batches for s in mb]
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that sample this step, in the order of the logits rows the model returns."""
+        return [s.seq for mb in self.micro_batches for s in mb if s.samples]
+
+    def advance(self) -> None:
+        """The step ran: every scheduled token's K/V is in the cache now."""
+        for s in self.scheduled:
+            s.seq.num_cached += s.num_new

@@ -1,0 +1,85 @@
+"""The composition root of the router: weights, KV cache sizing, scheduler, experts client → an `Engine`.
+
+Lives apart from the gRPC server, so benchmarks and tests build an engine in-process
+(`build_engine(opts, lambda cfg: LocalExperts(...))`) without importing the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.errors import ConfigError
+from colibri_common.tokenizer import Tokenizer
+from kernels.cpu_linear import cpu_has_fast_bf16
+from router_service.block_allocator import BlockAllocator
+from router_service.engine import Engine
+from router_service.experts import Experts, RemoteExperts
+from router_service.kv_cache import KVCache
+from router_service.model import RouterModel
+from router_service.options import RouterOptions
+from router_service.scheduler import Scheduler
+from router_service.weights import RouterWeights
+
+log = logging.getLogger("colibri.router")
+
+ExpertsFactory = Callable[[ModelConfig], Experts]
+
+
+@dataclass
+class BuiltEngine:
+    """Everything the router's front end needs, built and wired."""
+
+    cfg: ModelConfig
+    opts: RouterOptions
+    tokenizer: Tokenizer | None
+    compute_dtype: torch.dtype
+    experts: Experts
+    engine: Engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler.cfg.max_model_len
+
+
+def compute_dtype(requested: torch.dtype) -> torch.dtype:
+    """Without native bf16 arithmetic the router's dense GEMMs run far faster in float32 (batch > 4); the
+    workers keep bf16 experts (half the bytes; see kernels/cpu_linear.py) and the wire stays bf16."""
+    if requested == torch.bfloat16 and not cpu_has_fast_bf16():
+        log.info("this CPU has no native bf16 arithmetic: the router computes in float32")
+        return torch.float32
+    return requested
+
+
+def remote_experts(opts: RouterOptions) -> ExpertsFactory:
+    wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype)
+    return lambda cfg: RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout)
+
+
+def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
+    cfg = ModelConfig.from_dir(opts.model)
+    dtype = compute_dtype(getattr(torch, opts.dtype))
+    tokenizer = Tokenizer.from_dir(opts.model)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"{opts.model}/tokenizer.json has {tokenizer.vocab_size} tokens but config.json "
+                          f"vocab_size is {cfg.vocab_size}; they must agree")
+    ckpt = Checkpoint(opts.model)
+    weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO))
+    ckpt.close()
+    per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)
+    kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    sched = dataclasses.replace(opts.sched, max_model_len=min(opts.sched.max_model_len, cfg.max_position_embeddings))
+    scheduler = Scheduler(sched, BlockAllocator(num_blocks, opts.block_size))
+    remote = experts(cfg)
+    engine = Engine(RouterModel(cfg, weights, dtype), kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
+    log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB)", cfg.architecture,
+             cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size,
+             num_blocks * per_block / 2**20)
+    return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine)

@@ -1,0 +1,24 @@
+"""MoE stage 4 of 4, combine (route → partition → transport → **combine**): the workers' partial sums back
+into one tensor per step. Pure: no gRPC, testable on its own.
+
+Shapes: T tokens in the step, H hidden size, n rows one worker computed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def combine(num_tokens: int, hidden: int, dtype: torch.dtype,
+            parts: list[tuple[torch.Tensor | None, torch.Tensor]]) -> torch.Tensor:
+    """parts: (rows [n] or None for all T rows, partial sums [n, H]) -> Σ over workers [T, H] in `dtype`.
+
+    Accumulates in float32 whatever the wire dtype, as the fused kernels do, then casts once.
+    """
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32)               # [T, H]
+    for rows, part in parts:
+        if rows is None:
+            out += part.float()
+        else:
+            out.index_add_(0, rows, part.float())
+    return out.to(dtype)

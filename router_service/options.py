@@ -1,0 +1,41 @@
+"""The router's options: one frozen dataclass; `colibri router` and `colibri serve` build their flags from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colibri_common.options import DTYPES, ServiceOptions, option
+from router_service.scheduler import SchedulerConfig
+
+TRANSPORTS = ("stream", "unary")
+
+
+@dataclass(frozen=True)
+class RouterOptions(ServiceOptions):
+    port: int = option(50051, "port; 0 picks a free one")
+    workers: tuple[str, ...] = option((), "comma-separated expert worker addresses", required=True,
+                                      metavar="HOST:PORT[,HOST:PORT...]")
+    kv_cache_mb: int = option(512, "KV cache budget in MiB")
+    kv_cache_blocks: int = option(0, "KV cache size in blocks; overrides --kv-cache-mb when > 0")
+    block_size: int = option(16, "tokens per KV cache block")
+    wire_dtype: str | None = option(None, "dtype of hidden states on the wire to the workers (default: the "
+                                          "compute dtype)", choices=DTYPES)
+    micro_batches: int = option(1, "split each step into this many micro-batches and overlap the router's "
+                                   "attention of one with the workers' experts of another")
+    transport: str = option("stream", "router → worker calls: one bidirectional stream per worker, or unary "
+                                      "calls", choices=TRANSPORTS)
+    worker_timeout: float = option(60.0, "seconds a worker may take to answer one layer before its call is "
+                                         "cancelled and the step fails UNAVAILABLE")
+    metrics_port: int | None = option(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
+                                            "0 = any free port)")
+    sched: SchedulerConfig = SchedulerConfig()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("kv_cache_mb", "block_size", "micro_batches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_blocks < 0:
+            raise ValueError(f"--kv-cache-blocks must be >= 0, got {self.kv_cache_blocks}")
+        if self.worker_timeout <= 0:
+            raise ValueError(f"--worker-timeout must be positive, got {self.worker_timeout}")

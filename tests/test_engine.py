@@ -1,0 +1,162 @@
+"""The engine in-process against transformers: stop conditions, sampling, preemption, failures, bfloat16."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from router_service.moe_transport import WorkerError
+from router_service.scheduler import SchedulerConfig
+from tests.inprocess import InProcess
+from tests.models import build_model, save_checkpoint, small_config
+
+PROMPT = [3, 17, 42, 99, 5, 8]
+
+
+def first_new_token(tokens: list[int]) -> int:
+    """An index i >= 2 whose token did not appear before it (so it can serve as a stop token)."""
+    return next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+@pytest.fixture(scope="module")
+def qwen3(oracles):
+    oracle = oracles["qwen3_moe"]
+    with InProcess(oracle.path) as engine:
+        yield oracle, engine
+
+
+def test_stop_token_ids_end_with_stop_and_include_the_stop_token(qwen3):
+    oracle, engine = qwen3
+    greedy = oracle.greedy(PROMPT, 16)
+    i = first_new_token(greedy)
+    res = engine.generate(PROMPT, 16, stop_token_ids=(greedy[i],))
+    assert res.finish_reason == "stop"
+    assert res.token_ids == greedy[:i + 1]
+    assert engine.generate(PROMPT, i, stop_token_ids=(greedy[i],)).finish_reason == "length"
+
+
+def test_eos_stops_unless_ignore_eos(oracles, tmp_path):
+    oracle = oracles["qwen3_moe"]
+    greedy = oracle.greedy(PROMPT, 16)
+    i = first_new_token(greedy)
+    ckpt = tmp_path / "with-eos"
+    shutil.copytree(oracle.path, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["eos_token_id"] = greedy[i]                       # a model whose greedy output reaches its EOS
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with InProcess(ckpt) as engine:
+        stopped = engine.generate(PROMPT, 16)
+        assert (stopped.finish_reason, stopped.token_ids) == ("stop", greedy[:i + 1])
+        ignored = engine.generate(PROMPT, 16, ignore_eos=True)
+        assert (ignored.finish_reason, ignored.token_ids) == ("length", greedy)
+
+
+def test_max_model_len_ends_with_length(oracles):
+    oracle = oracles["qwen3_moe"]
+    with InProcess(oracle.path, sched=SchedulerConfig(max_model_len=10)) as engine:
+        res = engine.generate(PROMPT, 4)
+        assert (res.finish_reason, res.token_ids) == ("length", oracle.greedy(PROMPT, 4))
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(qwen3):
+    oracle, engine = qwen3
+    sampled = dict(temperature=3.0, top_p=0.95, top_k=50)
+    a = engine.generate(PROMPT, 24, seed=7, **sampled).token_ids
+    assert engine.generate(PROMPT, 24, seed=7, **sampled).token_ids == a
+    assert engine.generate(PROMPT, 24, seed=8, **sampled).token_ids != a
+    assert a != oracle.greedy(PROMPT, 24)
+    # top_k=1 leaves only the argmax: sampling at any temperature is greedy
+    assert engine.generate(PROMPT, 12, seed=3, temperature=5.0, top_k=1).token_ids == oracle.greedy(PROMPT, 12)
+
+
+def test_seeded_sampling_in_a_batch_matches_alone(qwen3):
+    _, engine = qwen3
+    prompts = [[(5 * i + j) % 256 for j in range(2 + i)] for i in range(6)]
+    alone = [engine.generate(p, 10, seed=i, temperature=1.5).token_ids for i, p in enumerate(prompts)]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(lambda ip: engine.generate(ip[1], 10, seed=ip[0], temperature=1.5).token_ids,
+                                 enumerate(prompts)))
+    assert together == alone
+
+
+def test_preemption_recomputes_with_identical_tokens(oracles):
+    oracle = oracles["qwen3_moe"]
+    prompts = [[(11 * i + j) % 256 for j in range(10)] for i in range(4)]
+    # 12 blocks of 4 tokens: each request (10 + 14 tokens = 6 blocks) fits alone, four at once do not
+    with InProcess(oracle.path, kv_cache_blocks=12, block_size=4) as engine:
+        events = [engine.submit(p, 14) for p in prompts]
+        results = [engine.collect(e) for e in events]
+        m = engine.metrics()
+    assert m["colibri_preemptions_total"] > 0
+    assert m["colibri_batch_size_max"] >= 2
+    assert m["colibri_kv_cache_blocks_free"] == 12
+    for p, r in zip(prompts, results, strict=True):
+        assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, 14))
+
+
+class FailOnce:
+    """Experts that raise once on the given layer, then compute normally."""
+
+    def __init__(self, inner, exc: Exception) -> None:
+        self.inner, self.exc, self.armed = inner, exc, threading.Event()
+
+    def submit(self, layer, hidden, ids, weights):
+        if self.armed.is_set():
+            self.armed.clear()
+            raise self.exc
+        return self.inner.submit(layer, hidden, ids, weights)
+
+
+@pytest.mark.parametrize("exc, code", [(RuntimeError("boom"), "INTERNAL"),
+                                       (WorkerError("expert worker 1.2.3.4:5 failed"), "UNAVAILABLE")])
+def test_a_failed_step_fails_its_requests_with_a_status_and_the_engine_goes_on(oracles, exc, code):
+    oracle = oracles["olmoe"]
+    holder = {}
+
+    def wrap(experts):
+        holder["e"] = FailOnce(experts, exc)
+        return holder["e"]
+
+    with InProcess(oracle.path, wrap_experts=wrap) as engine:
+        holder["e"].armed.set()
+        with pytest.raises(RuntimeError, match=f"^{code}: ") as err:
+            engine.generate(PROMPT, 4)
+        assert str(exc) in str(err.value)
+        assert engine.generate(PROMPT, 4).token_ids == oracle.greedy(PROMPT, 4)
+        assert engine.metrics()['colibri_requests_total{finish_reason="error"}'] == 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_bfloat16_serving_against_transformers_in_bfloat16(tmp_path, arch):
+    """bf16 weights: as close to the exact maths as transformers in bf16 is, or closer.
+
+    Two bf16 engines round differently at every layer (8-bit mantissa, 2^-8 ≈ 0.4% per rounding; a
+    near-tie in the gate flips an expert), so comparing one with the other to 1e-4 would test nothing
+    but luck: measured, transformers bf16 and Colibri bf16 differ by 2-19% of the largest logit on these
+    random models. What can be held honestly is the distance to the exact result, the same bf16 weights
+    computed in float32: transformers bf16 is 2-19% away; Colibri (float32 activations where the CPU has
+    no native bf16, float32 accumulation of the experts) measured 0.3-1%. The test asks for no more than
+    1.5x transformers' own error (or 2%), on two architectures, and the same first token as the exact
+    model wherever its top-2 margin is wider than that error.
+    """
+    model = build_model(small_config(arch), seed=11, dtype=torch.bfloat16)
+    path = save_checkpoint(model, tmp_path / "bf16")
+    exact = copy.deepcopy(model).float()
+    with torch.no_grad():
+        want = exact(torch.tensor([PROMPT])).logits[0, -1]
+        hf_bf16 = model(torch.tensor([PROMPT])).logits[0, -1].float()
+    with InProcess(path, dtype="bfloat16") as engine:
+        res = engine.generate(PROMPT, 1, return_logits=True)
+    scale = float(want.abs().max())
+    hf_err = float((hf_bf16 - want).abs().max()) / scale
+    err = float((res.logits[0] - want).abs().max()) / scale
+    assert err <= max(1.5 * hf_err, 2e-2), (err, hf_err)
+    top2 = want.topk(2).values
+    if float(top2[0] - top2[1]) > 2 * err * scale:
+        assert res.token_ids[0] == int(want.argmax())

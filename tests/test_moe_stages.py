@@ -1,0 +1,108 @@
+"""The pure MoE stages (partition, combine) and the pairing of logits rows with sequences, without processes."""
+
+from __future__ import annotations
+
+import torch
+
+from colibri_common.placement import shard_experts
+from router_service.batch import Step
+from router_service.moe_combine import combine
+from router_service.moe_partition import partition
+from router_service.scheduler import Scheduled
+from router_service.sequence import Sampling, Sequence
+
+torch.set_num_threads(1)
+
+
+def owner_map(num_experts: int, workers: int) -> torch.Tensor:
+    owner = torch.full((num_experts,), -1, dtype=torch.long)
+    for w in range(workers):
+        owner[shard_experts(num_experts, w, workers)] = w
+    return owner
+
+
+def test_partition_sends_each_token_to_exactly_the_workers_of_its_experts():
+    E, W, T, K = 10, 3, 40, 3
+    owner = owner_map(E, W)                                   # experts 0-3 -> 0, 4-6 -> 1, 7-9 -> 2
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])   # [T, K]
+    parts = partition(owner, ids, W)
+    got = {p.worker: set(range(T)) if p.rows is None else set(p.rows.tolist()) for p in parts}
+    for w in range(W):
+        want = {t for t in range(T) if any(owner[e] == w for e in ids[t].tolist())}
+        assert got.get(w, set()) == want
+    for p in parts:
+        assert p.count == (T if p.rows is None else len(p.rows))
+        if p.rows is not None:
+            assert p.rows.tolist() == sorted(p.rows.tolist())
+
+
+def test_partition_leaves_out_idle_workers_and_marks_whole_batches():
+    owner = owner_map(8, 4)                                   # two experts per worker
+    ids = torch.tensor([[0, 1], [1, 0], [0, 6]])              # worker 0 for all, worker 3 for one, 1-2 idle
+    parts = partition(owner, ids, 4)
+    assert [p.worker for p in parts] == [0, 3]
+    assert parts[0].rows is None and parts[0].count == 3
+    assert parts[1].rows.tolist() == [2]
+    assert partition(owner_map(8, 1), ids, 1)[0].rows is None
+    assert partition(owner, ids[:0], 4) == []
+
+
+def test_combine_adds_each_workers_partial_sums_into_its_rows():
+    T, H = 5, 4
+    a = torch.arange(T * H, dtype=torch.float32).reshape(T, H)          # a worker that got every row
+    rows = torch.tensor([1, 3])
+    b = torch.ones(2, H, dtype=torch.bfloat16)                           # one that got rows 1 and 3, in bf16
+    out = combine(T, H, torch.float32, [(None, a), (rows, b)])
+    want = a.clone()
+    want[[1, 3]] += 1
+    assert torch.equal(out, want)
+    assert combine(T, H, torch.bfloat16, [(rows, b)]).dtype == torch.bfloat16
+    assert torch.equal(combine(T, H, torch.float32, []), torch.zeros(T, H))
+
+
+def test_partition_then_combine_equals_the_sum_over_all_experts():
+    """Each worker returns Σ over the experts it holds; combined, that is the full Σ_k over all experts."""
+    E, W, T, K, H = 12, 5, 16, 4, 6
+    owner = owner_map(E, W)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])   # [T, K]
+    weights = torch.rand(T, K, generator=g)
+    value = torch.randn(E, H, generator=g)                    # "expert e outputs value[e]" whatever the token
+    full = (weights[:, :, None] * value[ids]).sum(1)           # [T, H]
+    parts = []
+    for p in partition(owner, ids, W):
+        rows = torch.arange(T) if p.rows is None else p.rows
+        mine = (owner[ids[rows]] == p.worker).float()         # [n, K] this worker's share of each token
+        parts.append((p.rows, (mine[:, :, None] * weights[rows][:, :, None] * value[ids[rows]]).sum(1)))
+    assert torch.allclose(combine(T, H, torch.float32, parts), full, atol=1e-6)
+
+
+def scheduled(rid: str, prompt_len: int, num_cached: int, num_new: int) -> Scheduled:
+    seq = Sequence(rid, list(range(prompt_len)), Sampling(max_tokens=4))
+    seq.num_cached = num_cached
+    return Scheduled(seq, num_new)
+
+
+def test_step_pairs_logits_rows_with_the_sequences_that_sample_across_micro_batches():
+    batch = [scheduled("d0", 5, 4, 1), scheduled("d1", 9, 8, 1),      # decodes: sample
+             scheduled("p0", 30, 0, 12),                               # a chunked prefill: does not sample yet
+             scheduled("p1", 7, 0, 7), scheduled("p2", 3, 0, 3)]       # whole prefills: sample
+    for n in (1, 2, 3, 5, 9):
+        step = Step.split(batch, n)
+        assert len(step.micro_batches) == min(n, len(batch))
+        assert all(step.micro_batches)
+        assert step.scheduled == batch                                 # contiguous, order kept
+        sizes = [len(mb) for mb in step.micro_batches]
+        assert max(sizes) - min(sizes) <= 1
+        assert [s.request_id for s in step.sampled] == ["d0", "d1", "p1", "p2"]
+    assert Step.split([], 2).micro_batches == ()
+
+
+def test_step_advance_moves_every_scheduled_token_into_the_cache():
+    batch = [scheduled("a", 5, 4, 1), scheduled("b", 30, 0, 12)]
+    step = Step.split(batch, 2)
+    sampled = step.sampled
+    step.advance()
+    assert [s.seq.num_cached for s in batch] == [5, 12]
+    assert [s.request_id for s in sampled] == ["a"]

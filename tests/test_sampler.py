@@ -1,0 +1,288 @@
+"""Sampler (greedy, temperature, top-k, top-p, per-request seeds) and Sampling validation: CPU only, no model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from router_service.sampler import Sampler
+from router_service.sequence import Sampling
+
+torch.set_num_threads(1)
+
+try:
+    from scipy.stats import chisquare
+except ImportError:  # the max-abs-deviation bound below is always checked; chi-square only when scipy is there
+    chisquare = None
+
+N_DRAWS = 4000
+N_SUPPORT = 2500  # fewer where the wrong alternatives differ in support, to keep the file fast
+SIGMAS = 5.0
+# Six tokens whose descending order is not index order: 3, 1, 5, 4, 2, 0.
+PROBS = torch.tensor([0.04, 0.25, 0.06, 0.40, 0.10, 0.15], dtype=torch.float64)
+LOGITS = PROBS.log().float()
+ARGMAX = 3
+
+
+def tempered(temperature: float) -> torch.Tensor:
+    """softmax(LOGITS / T) in float64."""
+    return torch.softmax(LOGITS.double() / temperature, dim=-1)
+
+
+def restricted(probs: torch.Tensor, support: set[int]) -> torch.Tensor:
+    """probs with everything outside support zeroed, renormalised."""
+    mask = torch.zeros_like(probs, dtype=torch.bool)
+    mask[sorted(support)] = True
+    out = probs.masked_fill(~mask, 0.0)
+    return out / out.sum()
+
+
+def draw(sampler: Sampler, logits: torch.Tensor, sp: Sampling, n: int, rid: str = "r") -> list[int]:
+    """n single-row steps of one request, so its generator is reused from step to step."""
+    row = logits.reshape(1, -1)
+    return [sampler.sample(row, [(rid, sp)])[0] for _ in range(n)]
+
+
+def mismatch(tokens: list[int], expected: torch.Tensor, sigmas: float = SIGMAS) -> str | None:
+    """None if the draws are consistent with `expected`, else why not.
+
+    Tokens of probability 0 must never appear; every other token's frequency must lie within `sigmas` binomial
+    standard errors of its probability; and, with scipy, a chi-square test over the support must not reject at 1e-6.
+    """
+    n = len(tokens)
+    counts = torch.bincount(torch.tensor(tokens), minlength=expected.numel()).double()
+    if counts.numel() != expected.numel():
+        return f"token ids out of range: {sorted(set(tokens))}"
+    support = expected > 0
+    if counts[~support].sum() > 0:
+        return f"tokens outside the support {support.nonzero().flatten().tolist()} appeared: {counts.tolist()}"
+    freq = counts / n
+    bound = sigmas * (expected * (1 - expected) / n).sqrt()
+    dev = (freq - expected).abs()
+    if bool((dev > bound + 1e-12)[support].any()):
+        return f"frequencies {freq.tolist()} vs expected {expected.tolist()} (bound {bound.tolist()})"
+    if chisquare is not None and int(support.sum()) > 1:
+        p_value = float(chisquare(counts[support].numpy(), (expected[support] * n).numpy()).pvalue)
+        if p_value < 1e-6:
+            return f"chi-square rejects: p = {p_value:.2e}, counts {counts.tolist()}, expected {expected.tolist()}"
+    return None
+
+
+def assert_distribution(tokens: list[int], expected: torch.Tensor, wrong: list[torch.Tensor]) -> None:
+    """The draws match `expected`, and the same check would have rejected each distribution in `wrong`."""
+    problem = mismatch(tokens, expected)
+    assert problem is None, problem
+    for alt in wrong:
+        assert mismatch(tokens, alt) is not None, f"the check cannot tell {expected.tolist()} from {alt.tolist()}"
+
+
+# ---------------------------------------------------------------------------------------------------- greedy
+
+
+def test_greedy_rows_take_the_argmax_and_rows_stay_paired_with_their_requests() -> None:
+    # Each row's two best tokens are distinct from every other row's, so a row paired with the wrong request, or a
+    # greedy row that was sampled, shows up as a token outside that row's allowed set.
+    top = [(5, 2), (0, 7), (3, 1), (6, 4)]
+    g = torch.Generator().manual_seed(0)
+    logits = -torch.rand(len(top), 8, generator=g)
+    for r, (a, b) in enumerate(top):
+        logits[r, a], logits[r, b] = 4.0, 3.8
+    requests = [
+        ("greedy-plain", Sampling()),
+        ("sampled-k2", Sampling(temperature=1.0, top_k=2, seed=1)),
+        ("greedy-with-knobs", Sampling(temperature=0.0, top_k=3, top_p=0.5, seed=2)),  # knobs ignored when T = 0
+        ("sampled-p", Sampling(temperature=1.5, top_p=0.6, seed=3)),
+    ]
+    s = Sampler()
+    seen: list[set[int]] = [set() for _ in requests]
+    for _ in range(60):
+        out = s.sample(logits, requests)
+        assert len(out) == len(requests) and all(isinstance(t, int) for t in out)
+        for r, t in enumerate(out):
+            seen[r].add(t)
+    assert seen[0] == {5} and seen[2] == {3}, seen
+    # The sampled rows really sample (both of their top-2 show up) and never leave their own row's top-2.
+    assert seen[1] == {0, 7} and seen[3] == {6, 4}, seen
+    assert Sampler().sample(logits, [(f"g{r}", Sampling()) for r in range(len(top))]) == [a for a, _ in top]
+
+
+def test_greedy_never_samples_even_on_nearly_flat_logits() -> None:
+    logits = torch.tensor([[0.0, 0.01, 0.0, -0.01, 0.0, 0.0]])
+    s = Sampler()
+    assert {s.sample(logits, [("g", Sampling(seed=5))])[0] for _ in range(200)} == {1}
+
+
+# ------------------------------------------------------------------------------------------------ temperature
+
+
+def test_temperature_frequencies_match_the_tempered_softmax() -> None:
+    freq_of_argmax = {}
+    for seed, temperature, other in ((11, 0.5, 2.0), (12, 2.0, 0.5)):
+        tokens = draw(Sampler(), LOGITS, Sampling(temperature=temperature, seed=seed), N_DRAWS)
+        # T = 1 and the other temperature are far enough away that the check would catch a sampler ignoring T.
+        assert_distribution(tokens, tempered(temperature), wrong=[tempered(1.0), tempered(other)])
+        freq_of_argmax[temperature] = tokens.count(ARGMAX) / N_DRAWS
+    assert freq_of_argmax[0.5] > freq_of_argmax[2.0] + 0.2, freq_of_argmax
+    assert freq_of_argmax[0.5] > 0.5 > freq_of_argmax[2.0], freq_of_argmax
+
+
+# ------------------------------------------------------------------------------------------------------ top-k
+
+
+def test_top_k_keeps_only_the_k_best_tokens_with_renormalised_frequencies() -> None:
+    temperature = 1.5
+    tokens = draw(Sampler(), LOGITS, Sampling(temperature=temperature, top_k=3, seed=21), N_DRAWS)
+    assert set(tokens) == {3, 1, 5}
+    uniform = torch.full((6,), 1 / 6, dtype=torch.float64)
+    wrong = [restricted(tempered(1.0), {3, 1, 5}), restricted(uniform, {3, 1, 5}), tempered(temperature)]
+    assert_distribution(tokens, restricted(tempered(temperature), {3, 1, 5}), wrong=wrong)
+
+
+@pytest.mark.parametrize("top_k", [1, 6, 100])
+def test_top_k_edges(top_k: int) -> None:
+    tokens = draw(Sampler(), LOGITS, Sampling(temperature=1.0, top_k=top_k, seed=22), 1000 if top_k > 1 else 200)
+    if top_k == 1:
+        assert set(tokens) == {ARGMAX}
+    else:  # k >= vocab: nothing is cut
+        assert set(tokens) == set(range(6))
+        problem = mismatch(tokens, tempered(1.0))
+        assert problem is None, problem
+
+
+# ------------------------------------------------------------------------------------------------------ top-p
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "support"),
+    [
+        (1.0, 0.85, {3, 1, 5, 4}),  # cumulative 0.40, 0.65, 0.80 < 0.85 <= 0.90
+        (2.0, 0.60, {3, 1, 5}),     # top-p applies to the tempered distribution: 0.28, 0.50 < 0.60 <= 0.67
+    ],
+)
+def test_top_p_keeps_the_smallest_prefix_reaching_p(temperature: float, top_p: float, support: set[int]) -> None:
+    tokens = draw(Sampler(), LOGITS, Sampling(temperature=temperature, top_p=top_p, seed=31), N_SUPPORT)
+    assert set(tokens) == support
+    full = tempered(temperature)
+    # Sanity of the hard-coded support: the smallest descending prefix whose mass reaches top_p.
+    in_order = torch.argsort(full, descending=True).tolist()
+    assert set(in_order[:len(support)]) == support
+    assert full[in_order[:len(support) - 1]].sum() < top_p <= full[in_order[:len(support)]].sum()
+    assert_distribution(tokens, restricted(full, support), wrong=[full])
+
+
+@pytest.mark.parametrize("top_p", [1e-6, 0.25])  # the top token has 0.28 at T = 2
+def test_top_p_below_the_top_token_keeps_only_the_top_token(top_p: float) -> None:
+    tokens = draw(Sampler(), LOGITS, Sampling(temperature=2.0, top_p=top_p, seed=32), 300)
+    assert set(tokens) == {ARGMAX}
+
+
+# ---------------------------------------------------------------------------------------------- top-k + top-p
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "support"),
+    [
+        # top-k first, then top-p on the renormalised top-4 (0.44, 0.72, ...): two tokens. Had top-p looked at the
+        # untruncated distribution (0.40, 0.65, 0.80) it would have kept three.
+        (4, 0.70, {3, 1}),
+        (3, 0.95, {3, 1, 5}),  # top-k binds: top-p alone would keep five
+    ],
+)
+def test_top_k_and_top_p_together(top_k: int, top_p: float, support: set[int]) -> None:
+    tokens = draw(Sampler(), LOGITS, Sampling(temperature=1.0, top_k=top_k, top_p=top_p, seed=41), N_SUPPORT)
+    assert set(tokens) == support
+    assert_distribution(tokens, restricted(tempered(1.0), support), wrong=[tempered(1.0)])
+
+
+# ------------------------------------------------------------------------------------------------------ seeds
+
+FLAT = torch.zeros(16)  # 16 equally likely tokens: two independent 50-token runs agree with probability 16**-50
+
+
+def test_same_seed_reproduces_and_different_seeds_differ() -> None:
+    sp = Sampling(temperature=1.0, seed=1234)
+    a = draw(Sampler(), FLAT, sp, 50)
+    b = draw(Sampler(), FLAT, sp, 50)
+    c = draw(Sampler(), FLAT, Sampling(temperature=1.0, seed=4321), 50)
+    assert a == b
+    assert a != c
+    assert len(set(a)) > 4  # really sampling over the flat distribution
+
+
+def test_generator_is_kept_until_forget_then_restarts() -> None:
+    sp = Sampling(temperature=1.0, seed=7)
+    s = Sampler()
+    first = draw(s, FLAT, sp, 50, rid="a")
+    more = draw(s, FLAT, sp, 50, rid="a")
+    assert more != first  # the generator carries on; it is not reseeded every step
+    s.forget("a")
+    s.forget("never-seen")  # no-op
+    assert draw(s, FLAT, sp, 50, rid="a") == first
+    assert draw(s, FLAT, sp, 50, rid="a") == more
+
+
+def test_requests_in_one_batch_have_their_own_generators() -> None:
+    sp = Sampling(temperature=1.0, seed=7)
+    reference = draw(Sampler(), FLAT, sp, 50)
+    s = Sampler()
+    rows = [s.sample(FLAT.expand(3, -1), [("a", sp), ("greedy", Sampling()), ("b", sp)]) for _ in range(50)]
+    assert [r[0] for r in rows] == reference
+    assert [r[2] for r in rows] == reference
+    assert {r[1] for r in rows} == {0}
+
+
+def test_unseeded_requests_get_different_sequences() -> None:
+    sp = Sampling(temperature=1.0)
+    assert draw(Sampler(), FLAT, sp, 50) != draw(Sampler(), FLAT, sp, 50)
+
+
+# ------------------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": -math.inf}, "temperature"),
+        ({"top_p": -0.01}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+    ],
+)
+def test_sampling_rejects_bad_values_naming_the_field(kwargs: dict[str, float], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        Sampling(**kwargs)
+
+
+def test_sampling_accepts_the_boundaries() -> None:
+    for kwargs in ({"temperature": 0.0}, {"top_p": 0.0}, {"top_p": 1.0}, {"top_k": 0}, {"max_tokens": 1}):
+        Sampling(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------- known bugs
+
+
+def test_nan_temperature_is_rejected() -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(temperature=math.nan)
+
+
+def test_tiny_temperature_acts_as_greedy_or_is_rejected() -> None:
+    try:
+        sp = Sampling(temperature=1e-40)
+    except ValueError:
+        return
+    assert Sampler().sample(LOGITS.reshape(1, -1), [("tiny", sp)]) == [ARGMAX]
+
+
+def test_unseeded_request_leaves_the_global_rng_alone() -> None:
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    Sampler().sample(LOGITS.reshape(1, -1), [("unseeded", Sampling(temperature=1.0))])
+    assert torch.equal(torch.rand(4), expected)

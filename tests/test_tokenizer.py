@@ -1,0 +1,215 @@
+"""Tokenizer loading and incremental detokenization (colibri_common.tokenizer)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from colibri_common.errors import CheckpointError
+from colibri_common.tokenizer import Detokenizer, Tokenizer
+from tests.tokenizer_fixtures import byte_level_tokenizer, save_tokenizer
+
+MIXED = "héllo wörld € 😀 日本"
+
+
+class CountingTokenizer(Tokenizer):
+    """Records every full decode (the work a non-incremental detokenizer would repeat each step)."""
+
+    def __init__(self, hf: tokenizers.Tokenizer) -> None:
+        super().__init__(hf)
+        self.decoded_lengths: list[int] = []
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded_lengths.append(len(ids))
+        return super().decode(ids)
+
+
+@pytest.fixture
+def tok() -> Tokenizer:
+    return Tokenizer(byte_level_tokenizer())
+
+
+def stream(detok: Detokenizer, ids: list[int], sizes: list[int] | None = None) -> list[str]:
+    """Push `ids` in pieces of `sizes` (one at a time by default); returns the chunks."""
+    chunks, i = [], 0
+    for n in sizes or [1] * len(ids):
+        chunks.append(detok.push(ids[i:i + n]))
+        i += n
+    assert i >= len(ids)
+    return chunks
+
+
+def sentencepiece_like() -> Tokenizer:
+    """Metaspace + byte fallback + a special token, as Llama/Mixtral-style tokenizers are built."""
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3, "▁": 4, "<0xC3>": 5, "<0xA9>": 6, "<0xFF>": 7}
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens([AddedToken("</s>", special=True)])
+    return Tokenizer(hf)
+
+
+def test_fixture_is_one_token_per_byte(tok: Tokenizer) -> None:
+    assert tok.vocab_size == 256
+    assert sorted(tok.hf.get_vocab().values()) == list(range(256))
+    assert [len(tok.encode(c)) for c in "aé€😀"] == [1, 2, 3, 4]
+    assert tok.encode(MIXED) == list(MIXED.encode())
+    assert tok.token_to_id("a") == 97
+    assert tok.token_to_id("no such token") is None
+
+
+def test_round_trip(tok: Tokenizer) -> None:
+    ids = tok.encode(MIXED)
+    assert len(ids) == len(MIXED.encode("utf-8")) > len(MIXED)
+    assert tok.decode(ids) == MIXED
+    assert tok.decode(tok.encode(" leading and trailing ")) == " leading and trailing "
+
+
+def test_one_token_at_a_time(tok: Tokenizer) -> None:
+    ids = tok.encode(MIXED)
+    chunks = stream(Detokenizer(tok), ids)
+    assert "".join(chunks) == tok.decode(ids) == MIXED
+    assert all("\ufffd" not in c for c in chunks)
+    assert "" in chunks  # held back mid-character
+    # with one byte per token, each push completes at most one character, exactly when its last byte arrives
+    assert [c for c in chunks if c] == list(MIXED)
+    assert chunks[:3] == ["h", "", "é"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_several_ids_at_once(tok: Tokenizer, seed: int) -> None:
+    rng = random.Random(seed)
+    text = "".join(rng.choice(["a", " ", "é", "€", "😀", "日本", "\n", "ß"]) for _ in range(200))
+    ids = tok.encode(text)
+    sizes = []
+    while sum(sizes) < len(ids):
+        sizes.append(rng.randint(1, 7))  # pieces that cut characters anywhere
+    chunks = stream(Detokenizer(tok), ids, sizes)
+    assert "".join(chunks) == text
+    assert all("\ufffd" not in c for c in chunks)
+    assert Detokenizer(tok).push(ids) == text  # everything in one push
+
+
+def test_no_tokenizer() -> None:
+    detok = Detokenizer(None)
+    assert detok.push([104, 105]) == ""
+    assert detok.push([]) == ""
+    assert detok.finish() == ""
+
+
+def test_from_dir(tmp_path: Path) -> None:
+    assert Tokenizer.from_dir(tmp_path) is None
+    (tmp_path / "tokenizer.json").mkdir()  # not a file
+    assert Tokenizer.from_dir(tmp_path) is None
+    good = tmp_path / "good"
+    good.mkdir()
+    path = save_tokenizer(good)
+    assert path == good / "tokenizer.json" and path.is_file()
+    loaded = Tokenizer.from_dir(str(good))
+    assert loaded is not None and isinstance(loaded.hf, tokenizers.Tokenizer)
+    assert loaded.vocab_size == 256 and loaded.decode(loaded.encode(MIXED)) == MIXED
+
+
+@pytest.mark.parametrize("content", ['{"version": "1.0", "model": ', "not json at all", '{"model": {"type": "Nope"}}'])
+def test_corrupt_tokenizer_json(tmp_path: Path, content: str) -> None:
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text(content)
+    with pytest.raises(CheckpointError, match="tokenizer") as info:
+        Tokenizer.from_dir(tmp_path)
+    assert str(bad) in str(info.value)
+
+
+def test_truncated_tokenizer_json(tmp_path: Path) -> None:
+    path = save_tokenizer(tmp_path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=str(path)):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_constant_work_per_token() -> None:
+    """5,000 tokens pushed one by one: no full decode at all (the old detokenizer decoded all ids each step)."""
+    tok = CountingTokenizer(byte_level_tokenizer())
+    text = (MIXED + " 🙂 naïve ") * 250
+    ids = tok.encode(text)[:5000]
+    assert len(ids) == 5000
+    detok = Detokenizer(tok)
+    chunks = [detok.push([i]) for i in ids]
+    assert tok.decoded_lengths == []
+    assert "".join(chunks) + detok.finish() == tok.hf.decode(ids)
+
+
+def test_invalid_bytes_are_streamed_with_bounded_work() -> None:
+    """A model repeating an invalid byte: DecodeStream alone would hold everything back and re-decode it all."""
+    tok = CountingTokenizer(byte_level_tokenizer())
+    detok = Detokenizer(tok)
+    chunks = [detok.push([0xFF]) for _ in range(5000)]
+    out = "".join(chunks)
+    assert len(out) >= 5000 - Detokenizer.MAX_PENDING  # streamed, not held back
+    assert max(tok.decoded_lengths) <= 2 * Detokenizer.MAX_PENDING
+    assert len(tok.decoded_lengths) <= 2 * 5000 // (Detokenizer.MAX_PENDING - Detokenizer.KEEP) + 2
+    assert out + detok.finish() == tok.hf.decode([0xFF] * 5000) == "\ufffd" * 5000
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_bytes_match_full_decode(tok: Tokenizer, seed: int) -> None:
+    """What a random-weight model emits: valid characters among invalid bytes, never broken by the stream."""
+    rng = random.Random(seed)
+    ids: list[int] = []
+    for _ in range(300):
+        r = rng.random()
+        ids += [rng.randrange(256)] * rng.randint(1, 20) if r < 0.3 else tok.encode(rng.choice(["€", "😀", "é", "x"]))
+    detok = Detokenizer(tok)
+    chunks = [detok.push([i]) for i in ids]
+    assert "".join(chunks) + detok.finish() == tok.decode(ids)
+
+
+def test_split_character_after_invalid_run_is_not_broken(tok: Tokenizer) -> None:
+    ids = [0xFF] * 20 + tok.encode("😀") + [0xFE] * 9 + tok.encode("€")
+    detok = Detokenizer(tok)
+    out = "".join(detok.push([i]) for i in ids)
+    assert out == "\ufffd" * 20 + "😀" + "\ufffd" * 9 + "€"
+    assert detok.finish() == ""
+
+
+def test_unfinished_tail_needs_finish(tok: Tokenizer) -> None:
+    ids = tok.encode("a€")[:-1]
+    detok = Detokenizer(tok)
+    assert stream(detok, ids) == ["a", "", ""]
+    tail = detok.finish()
+    assert "a" + tail == tok.decode(ids) and tail.startswith("\ufffd")
+    assert detok.finish() == ""
+
+
+def test_special_tokens_are_skipped() -> None:
+    hf = byte_level_tokenizer()
+    hf.add_special_tokens([AddedToken("</s>", special=True)])
+    tok = CountingTokenizer(hf)
+    eos = tok.token_to_id("</s>")
+    assert eos == 256 and eos in tok.special_ids
+    ids = tok.encode("é") + [eos] * 3000 + tok.encode(" €")
+    ids.insert(1, eos)  # between the two bytes of 'é'
+    detok = Detokenizer(tok)
+    assert "".join(detok.push([i]) for i in ids) == tok.hf.decode(ids, skip_special_tokens=True) == "é €"
+    assert tok.decoded_lengths == []
+
+
+def test_sentencepiece_leading_space() -> None:
+    """Metaspace decoders strip the first token's space: the stream does the same as a full decode, no more."""
+    tok = sentencepiece_like()
+    assert tok.token_to_id("</s>") == 8
+    for ids in ([1, 2, 3], [2, 1], [4, 1], [1, 5, 6, 2], [1, 8, 2, 8], [8, 1, 2], [4] * 20 + [1]):
+        chunks = stream(Detokenizer(tok), ids)
+        assert "".join(chunks) == tok.decode(ids), ids
+        assert all("\ufffd" not in c for c in chunks)
+    for ids in ([1] + [7] * 20 + [2], [7] * 20 + [4, 1], [1] + [7] * 20 + [5, 6, 2]):  # forced out: spaces kept
+        detok = Detokenizer(tok)
+        assert "".join(stream(detok, ids)) + detok.finish() == tok.decode(ids), ids
+    assert tok.decode([1] + [7] * 20 + [2]) == "Hello" + "\ufffd" * 20 + " world"
+    assert stream(Detokenizer(tok), [1, 2, 3]) == ["Hello", " world", "!"]
+    assert stream(Detokenizer(tok), [1, 5, 6]) == ["Hello", "", "é"]
+    assert tok.decode([2, 1]) == "world Hello"  # the generated text alone: its first space is stripped
