@@ -18,6 +18,7 @@ RUN sed '/^# --- test and benchmark only/,$d' requirements.txt > runtime.txt \
  && /opt/colibri/bin/pip install -r runtime.txt
 COPY pyproject.toml README.md ./
 COPY protos ./protos
+COPY colibri ./colibri
 COPY colibri_common ./colibri_common
 COPY router_service ./router_service
 COPY expert_service ./expert_service

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
-from benchmarks.demo_model import build_demo_model
+from benchmarks.demo_model import TRAIN_STEPS, build_demo_model
 from colibri.client import Client, make_request
+from colibri_common.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / ".cache" / "demo-model"
@@ -24,7 +24,7 @@ MAX_TOKENS = 40
 def main() -> int:
     if not (MODEL / "model.safetensors").is_file():
         torch.set_num_threads(os.cpu_count() or 1)
-        print(f"building the demo checkpoint in {MODEL} (about 90 s, once)")
+        print(f"building the demo checkpoint in {MODEL} ({TRAIN_STEPS} training steps, once)")
         build_demo_model(MODEL)
     colibri = Path(sys.executable).parent / "colibri"
     t0 = time.perf_counter()
@@ -39,7 +39,7 @@ def main() -> int:
         print(f"fleet ready at {addr} in {time.perf_counter() - t0:.1f}s (router + 2 expert workers)\n")
         client = Client(addr)
         # the continuation stops at the end of its line
-        stop_ids = [Tokenizer.from_file(str(MODEL / "tokenizer.json")).token_to_id("\n")]
+        stop_ids = [Tokenizer.from_dir(MODEL).token_to_id("\n")]  # type: ignore[union-attr]
         for prompt in PROMPTS:
             t_start = time.perf_counter()
             first, n, text = None, 0, ""

@@ -1,10 +1,9 @@
-"""The demo checkpoint: a tiny Qwen3-MoE trained for ~90 s on patterns it can learn (alphabet, counting,
+"""The demo checkpoint: a tiny Qwen3-MoE trained for TRAIN_STEPS steps on patterns it can learn (alphabet, counting,
 weekdays), with a character-level tokenizer. Built once and cached under .cache/demo-model."""
 
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 DAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
 CHARS = sorted(set(ALPHABET + "0123456789 :,.\n"))
 SEQ_LEN = 96
+TRAIN_STEPS = 400   # bounded by steps, not seconds: the same model (and demo output) on a slow machine
 
 
 def make_tokenizer() -> Tokenizer:
@@ -48,7 +48,7 @@ def corpus_batch(tok: Tokenizer, rng: random.Random, batch: int) -> torch.Tensor
     return torch.tensor(rows)
 
 
-def build_demo_model(out: Path, seconds: float = 90.0) -> Path:
+def build_demo_model(out: Path, steps: int = TRAIN_STEPS) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     torch.manual_seed(0)
@@ -62,20 +62,16 @@ def build_demo_model(out: Path, seconds: float = 90.0) -> Path:
     model = AutoModelForCausalLM.from_config(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
-    t0, step = time.monotonic(), 0
-    bar = tqdm(total=int(seconds), desc="training the demo MoE (cached after this run)", unit="s",
+    bar = tqdm(range(1, steps + 1), desc="training the demo MoE (cached after this run)", unit="step",
                mininterval=1.0)
-    while time.monotonic() - t0 < seconds:
+    for step in bar:
         batch = corpus_batch(tok, rng, 24)
         loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
-        step += 1
-        bar.update(min(int(time.monotonic() - t0), int(seconds)) - bar.n)
         if step % 20 == 0:
-            bar.set_postfix(step=step, loss=f"{loss.item():.3f}", refresh=False)
-    bar.close()
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from colibri_common.options import option, shared_fields, to_argv
-from colibri_common.serving import setup_logging
 from expert_service.options import ExpertOptions
 from router_service.options import RouterOptions
 
@@ -107,6 +106,8 @@ class Fleet:
 
 
 def serve(opts: ServeOptions) -> int:
+    from colibri_common.serving import setup_logging
+
     setup_logging("serve", opts.router.log_level)
     n = opts.workers
     cores = opts.router.threads or len(os.sched_getaffinity(0))

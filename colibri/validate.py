@@ -37,6 +37,7 @@ def validate(model_dir: str, workers: int) -> list[str]:
     lines = [
         f"architecture     {cfg.architecture}",
         f"parameters       {params / 1e6:.1f}M ({total_bytes / 2**20:.1f} MiB on disk, {len(ckpt.entries)} tensors)",
+        f"stored dtype     {cfg.torch_dtype} (config.json)",
         f"layers           {cfg.num_layers} ({len(cfg.moe_layers)} with routed experts)",
         f"experts/layer    {cfg.num_experts}, top-{cfg.top_k}, width {cfg.moe_intermediate_size}"
         + (f", shared expert width {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size

@@ -50,9 +50,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
 }
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str

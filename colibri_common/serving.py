@@ -1,4 +1,4 @@
-"""What every Colibri gRPC service does alike: message limits, health, reflection, ready line, drain."""
+"""What every Colibri gRPC service does alike: message limits, health, reflection, ready line, shutdown."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-DRAIN_GRACE_S = 5.0
+STOP_GRACE_S = 5.0      # for open calls to receive their final status after on_stop, then they are cancelled
 
 log = logging.getLogger("colibri")
 
@@ -54,9 +54,11 @@ class Service:
         print(f"ready {host}:{port}", flush=True)
 
     def run_until_signal(self, on_stop=None) -> None:
-        """Block until SIGINT/SIGTERM; then mark NOT_SERVING, drain in-flight calls, stop."""
+        """Block until SIGINT/SIGTERM; then mark NOT_SERVING, run `on_stop` (the router fails its open requests
+        with UNAVAILABLE there: there is no drain yet), give open calls STOP_GRACE_S to send their status, stop."""
         def handler(signum, _frame):
-            log.info("received %s: draining for up to %.0fs", signal.Signals(signum).name, DRAIN_GRACE_S)
+            log.info("received %s: not serving any more; open requests end UNAVAILABLE, stopping within %.0fs",
+                     signal.Signals(signum).name, STOP_GRACE_S)
             self._stopped.set()
 
         signal.signal(signal.SIGTERM, handler)
@@ -65,5 +67,5 @@ class Service:
         self.health.enter_graceful_shutdown()
         if on_stop is not None:
             on_stop()
-        self.server.stop(DRAIN_GRACE_S).wait()
+        self.server.stop(STOP_GRACE_S).wait()
         log.info("stopped")

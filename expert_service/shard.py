@@ -4,6 +4,8 @@ Mapped: every safetensors file is mmap'd; only the byte ranges of this shard's e
 Packed: for each MoE layer, w13 [E_local, 2I, H] (gate rows, then up rows) and w2 [E_local, H, I] in the
 compute dtype, in anonymous memory. After packing the mappings are released, so the worker's resident
 memory is its shard, not the model.
+
+Shapes: E_local experts held here, H hidden size, I expert width, n tokens of a call, K experts per token.
 """
 
 from __future__ import annotations

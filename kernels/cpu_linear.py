@@ -7,7 +7,7 @@ Measured on the 2-core AVX2 dev machine with weights streamed from memory (`benc
 - bfloat16 on a CPU without native bf16 arithmetic: the GEMM is compute-bound from n ≈ 4 (1.9 GB/s at
   n = 8, 0.5 GB/s at n = 32); upcasting W to float32 per call is faster from n = 8 (fused MoE at T=128:
   150-200 ms with the upcast, 240-600 ms without). Callers that batch every step over the same weights
-  should hold float32 weights instead (the router does, see server.py).
+  should hold float32 weights instead (the router does, see router_service/build.py `compute_dtype`).
 CUDA tensors go straight to F.linear.
 """
 
@@ -21,7 +21,7 @@ BF16_UPCAST_MIN_ROWS = 8
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, K], w [N, K] (+ bias [N]) -> [n, N] in x's dtype."""
+    """x [n, Din], w [Dout, Din] (+ bias [Dout]) -> [n, Dout] in x's dtype."""
     n = x.shape[0]
     if x.is_cuda or x.dim() != 2:
         y = F.linear(x, w, bias)

@@ -4,6 +4,9 @@ No Python work per token: the sort, the counts and the scatter-add are vectorise
 is over the experts that received tokens (at most E per call). Accumulation is float32 whatever the
 weights' dtype. Threads: torch's intra-op pool, set by the process (`torch.set_num_threads`).
 Each expert's GEMMs go through `kernels.cpu_linear.linear`, which picks the form per row count and dtype.
+
+Shapes: T tokens, H hidden size, E local experts, I expert width, K experts per token (top-k), P
+token-expert pairs computed here, n pairs of one expert.
 """
 
 from __future__ import annotations

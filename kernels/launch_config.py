@@ -1,7 +1,8 @@
 """Tuned launch settings as JSON data keyed by shape and device, with a default fallback.
 
-Files live in kernels/configs/. A file named `E={E},N={N},K={K},dtype={dtype},device={device}.json` holds a
-map from token count M to settings; the entry for the nearest M is used. `default.json` is the fallback.
+Files live in kernels/configs/. A file named `E={E},I={I},H={H},dtype={dtype},device={device}.json` (E experts,
+I expert width, H hidden size) holds a map from token count T to settings; the entry for the nearest T is
+used. `default.json` is the fallback (the only file so far: nothing has been tuned on a GPU yet).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ class LaunchConfig:
                 raise ValueError(f"{name}={v}: Triton dot tiles need a power of two >= 16")
 
 
-def config_name(E: int, N: int, K: int, dtype: str, device: str) -> str:
-    return f"E={E},N={N},K={K},dtype={dtype},device={device.replace(' ', '_')}.json"
+def config_name(E: int, I: int, H: int, dtype: str, device: str) -> str:
+    return f"E={E},I={I},H={H},dtype={dtype},device={device.replace(' ', '_')}.json"
 
 
 @lru_cache(maxsize=64)
@@ -39,8 +40,8 @@ def _load(path: Path) -> dict[int, LaunchConfig]:
     return {int(m): LaunchConfig(**v) for m, v in raw.items()}
 
 
-def get_config(E: int, N: int, K: int, dtype: str, device: str, M: int) -> LaunchConfig:
-    path = CONFIG_DIR / config_name(E, N, K, dtype, device)
+def get_config(E: int, I: int, H: int, dtype: str, device: str, T: int) -> LaunchConfig:
+    path = CONFIG_DIR / config_name(E, I, H, dtype, device)
     table = _load(path) if path.is_file() else _load(CONFIG_DIR / "default.json")
-    best = min(table, key=lambda m: abs(m - M))
+    best = min(table, key=lambda t: abs(t - T))
     return table[best]

@@ -1,4 +1,7 @@
-"""Launcher of the Triton fused MoE: checks shapes/dtypes/contiguity, aligns blocks, picks the grid."""
+"""Launcher of the Triton fused MoE: checks shapes/dtypes/contiguity, aligns blocks, picks the grid.
+
+Shapes: T tokens, H hidden size, E local experts, I expert width, top_k experts per token.
+"""
 
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
-    K = topk_ids.shape[1]
+    top_k = topk_ids.shape[1]
     cfg = config or get_config(E, I, H, str(x.dtype).removeprefix("torch."), _device_name(x), T)
     align = moe_align_block_size(local_ids(topk_ids, expert_map), E, cfg.block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -47,22 +50,22 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if num_blocks == 0:
         return out.zero_()
-    h = torch.empty(T * K, I, dtype=x.dtype, device=x.device)                  # [T*K, I]
-    y = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)            # [T*K, H] dropped pairs stay 0
-    weights = topk_weights.reshape(-1).contiguous()                             # [T*K]
+    h = torch.empty(T * top_k, I, dtype=x.dtype, device=x.device)              # [P, I]
+    y = torch.zeros(T * top_k, H, dtype=torch.float32, device=x.device)        # [P, H] dropped pairs stay 0
+    weights = topk_weights.reshape(-1).contiguous()                             # [P]
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     gate_up_silu_kernel[(num_blocks, triton.cdiv(I, cfg.block_n))](
         x, w13, h, align.sorted_pair_ids, align.block_expert,
-        T * K, K, H, I,
+        T * top_k, top_k, H, I,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
     down_weighted_kernel[(num_blocks, triton.cdiv(H, cfg.block_n))](
         h, w2, y, align.sorted_pair_ids, align.block_expert, weights,
-        T * K, H, I,
+        T * top_k, H, I,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
     block_n = min(1024, triton.next_power_of_2(H))
     sum_over_k_kernel[(T, triton.cdiv(H, block_n))](
-        y, out, H, K, y.stride(0) * K, out.stride(0),
-        BLOCK_N=block_n, K_POW2=max(2, triton.next_power_of_2(K)))
+        y, out, H, top_k, y.stride(0) * top_k, out.stride(0),
+        BLOCK_N=block_n, TOPK_POW2=max(2, triton.next_power_of_2(top_k)))
     return out

@@ -1,4 +1,9 @@
-"""Triton kernels of the fused MoE (jit code only; launchers live in triton_moe.py)."""
+"""Triton kernels of the fused MoE (jit code only; launchers live in triton_moe.py).
+
+Shapes: P token-expert pairs (T tokens x top_k), H hidden size, I expert width; tiles BLOCK_M pair rows,
+BLOCK_N output columns, BLOCK_K steps of the reduction dimension (H in gate/up, I in down); TOPK_POW2 is
+top_k rounded up to a power of two.
+"""
 
 import triton
 import triton.language as tl
@@ -74,12 +79,12 @@ def down_weighted_kernel(
 
 @triton.jit
 def sum_over_k_kernel(y_ptr, out_ptr, hidden, top_k, stride_yt, stride_ot,
-                      BLOCK_N: tl.constexpr, K_POW2: tl.constexpr):
+                      BLOCK_N: tl.constexpr, TOPK_POW2: tl.constexpr):
     """out[t] = Σ_k y[t, k] (float32 accumulation), cast to the output dtype."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, K_POW2)
-    m = (ks[:, None] < top_k) & (cols[None, :] < hidden)
-    y = tl.load(y_ptr + t.to(tl.int64) * stride_yt + ks[:, None] * hidden + cols[None, :], mask=m, other=0.0)
+    slot = tl.arange(0, TOPK_POW2)
+    m = (slot[:, None] < top_k) & (cols[None, :] < hidden)
+    y = tl.load(y_ptr + t.to(tl.int64) * stride_yt + slot[:, None] * hidden + cols[None, :], mask=m, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, tl.sum(y, axis=0).to(out_ptr.dtype.element_ty),
              mask=cols < hidden)

@@ -1,4 +1,7 @@
-"""Paged KV cache storage: one flat slot array per layer; the block bookkeeping lives in block_allocator."""
+"""Paged KV cache storage: one flat slot array per layer; the block bookkeeping lives in block_allocator.
+
+Shapes: NL layers, S slots (blocks x block size), C context length, Hkv KV heads, D head dim.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ class KVCache:
                  dtype: torch.dtype) -> None:
         self.block_size = block_size
         slots = num_blocks * block_size
-        self.k = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype)  # [L, S, Hkv, D]
-        self.v = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype)  # [L, S, Hkv, D]
+        self.k = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype)  # [NL, S, Hkv, D]
+        self.v = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype)  # [NL, S, Hkv, D]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
@@ -23,5 +26,5 @@ class KVCache:
         self.v[layer].index_copy_(0, slots, v)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots [..., L] -> k, v [..., L, Hkv, D]."""
+        """slots [..., C] -> k, v [..., C, Hkv, D]."""
         return self.k[layer][slots], self.v[layer][slots]

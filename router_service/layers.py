@@ -1,4 +1,7 @@
-"""The small numeric building blocks of the decoder, written to match transformers' maths exactly."""
+"""The small numeric building blocks of the decoder, written to match transformers' maths exactly.
+
+Shapes: T tokens, H hidden size, D head dim, I an MLP's width.
+"""
 
 from __future__ import annotations
 

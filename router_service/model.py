@@ -6,6 +6,10 @@ forward(micro-batches) = for each micro-batch: embed → for each layer: attenti
 Each micro-batch's forward is a generator that yields at every expert dispatch; `forward` advances them in
 turn, so the router computes attention for one micro-batch while the workers compute experts for another
 (ping-pong). With one micro-batch it is the plain sequential forward.
+
+Shapes: T tokens in the micro-batch, B of them sampled, H hidden size, V vocabulary, E experts per layer,
+K experts per token (top-k), Hq / Hkv query / key-value heads, D head dim, Bd decode sequences, C context
+length (cached + new tokens), n new tokens of one prefill.
 """
 
 from __future__ import annotations
@@ -102,9 +106,9 @@ class RouterModel:
         out = torch.empty_like(q)                                            # [T, Hq, D]
         nd = step.num_decode
         if nd:
-            kd, vd = kv.gather(layer, step.decode_slots)                     # [Bd, L, Hkv, D]
+            kd, vd = kv.gather(layer, step.decode_slots)                     # [Bd, C, Hkv, D]
             o = F.scaled_dot_product_attention(
-                q[:nd, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2),  # [Bd, Hq, 1, D], [Bd, Hkv, L, D]
+                q[:nd, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2),  # [Bd, Hq, 1, D], [Bd, Hkv, C, D]
                 attn_mask=step.decode_mask, enable_gqa=True)
             out[:nd] = o[:, :, 0, :]
         for row, n, ctx_slots, mask in step.prefills:

@@ -18,7 +18,6 @@ class WorkerRows:
 
     worker: int
     rows: torch.Tensor | None      # [n] token rows, ascending; None = every row of the step (n == T)
-    count: int                     # n
 
 
 def partition(owner: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerRows]:
@@ -31,13 +30,13 @@ def partition(owner: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> 
     if T == 0:
         return []
     if num_workers == 1:
-        return [WorkerRows(0, None, T)]
+        return [WorkerRows(0, None)]
     hits = F.one_hot(owner[topk_ids], num_workers).any(dim=1)                # [T, W] token needs worker w
     counts = hits.sum(dim=0).tolist()                                        # [W], one sync for all workers
     out = []
     for w, n in enumerate(counts):
         if n == T:
-            out.append(WorkerRows(w, None, n))
+            out.append(WorkerRows(w, None))
         elif n:
-            out.append(WorkerRows(w, hits[:, w].nonzero().flatten(), n))    # [n]
+            out.append(WorkerRows(w, hits[:, w].nonzero().flatten()))       # [n]
     return out

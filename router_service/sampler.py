@@ -1,4 +1,7 @@
-"""Greedy, temperature, top-k and top-p sampling with a per-request seeded generator."""
+"""Greedy, temperature, top-k and top-p sampling with a per-request seeded generator.
+
+Shapes: B rows (sequences that sample this step), V vocabulary.
+"""
 
 from __future__ import annotations
 

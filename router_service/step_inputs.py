@@ -1,4 +1,8 @@
-"""The tensors one engine step needs, built once per step from the scheduled sequences."""
+"""The tensors one engine step needs, built once per step from the scheduled sequences.
+
+Shapes: T tokens in the step, B sequences that sample, Bd decode sequences, Cmax the longest decode
+context, C one prefill's context (cached + new), n its new tokens.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +27,8 @@ class StepInputs:
     positions: torch.Tensor          # [T]
     slots: torch.Tensor              # [T] KV slot each new token writes
     num_decode: int                  # rows [0, num_decode) are decode tokens, one per sequence
-    decode_slots: torch.Tensor       # [Bd, Lmax] KV slots each decode query reads (padded)
-    decode_mask: torch.Tensor        # [Bd, 1, 1, Lmax] True where a slot is valid
+    decode_slots: torch.Tensor       # [Bd, Cmax] KV slots each decode query reads (padded)
+    decode_mask: torch.Tensor        # [Bd, 1, 1, Cmax] True where a slot is valid
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row, n, slots [ctx], mask | None)
     sample_rows: torch.Tensor        # [B] rows whose logits are sampled
 
@@ -42,13 +46,13 @@ class StepInputs:
             num_decode += 1
         decode = seqs[:num_decode]
         if decode:
-            lmax = max(s.num_cached + 1 for s in decode)
-            nblk = (lmax + block_size - 1) // block_size
+            cmax = max(s.num_cached + 1 for s in decode)
+            nblk = (cmax + block_size - 1) // block_size
             table = torch.tensor([s.block_table[:nblk] + [0] * (nblk - len(s.block_table[:nblk])) for s in decode])
             offs = torch.arange(block_size)
-            dslots = (table[:, :, None] * block_size + offs).reshape(len(decode), -1)[:, :lmax]  # [Bd, Lmax]
+            dslots = (table[:, :, None] * block_size + offs).reshape(len(decode), -1)[:, :cmax]  # [Bd, Cmax]
             lens = torch.tensor([s.num_cached + 1 for s in decode])
-            dmask = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]         # [Bd, 1, 1, Lmax]
+            dmask = (torch.arange(cmax)[None, :] < lens[:, None])[:, None, None, :]         # [Bd, 1, 1, Cmax]
         else:
             dslots = torch.zeros(0, 0, dtype=torch.long)
             dmask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)

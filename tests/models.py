@@ -20,7 +20,8 @@ COMMON = dict(vocab_size=256, hidden_size=96, num_hidden_layers=2, num_attention
 
 
 def small_config(arch: str, **overrides) -> PretrainedConfig:
-    """Small configs with a non-power-of-two somewhere (hidden 96, 60 experts, width 40)."""
+    """Small configs with a non-power-of-two somewhere: hidden 96, expert width 40, and 60 experts for
+    Qwen3-MoE (the other three have 8)."""
     if arch == "mixtral":
         kw = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=40)
         cfg = MixtralConfig(**{**COMMON, **kw, **overrides})

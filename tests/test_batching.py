@@ -9,7 +9,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import pytest
 
 from colibri.client import Client, make_request
 from colibri_common.pb import generation_pb2 as pb
@@ -35,32 +34,28 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
 
 
-def test_staggered_concurrent_requests_match_alone_and_overlap_changes_nothing(oracles):
+def test_staggered_concurrent_requests_with_overlapped_micro_batches_match_alone(oracles):
+    """Two micro-batches in flight at once over real workers change no token (one micro-batch: test_engine)."""
     oracle = oracles["qwen3_moe"]
     ps = prompts(16)
     lengths = [6 + i % 7 for i in range(16)]
-    results = {}
-    for micro_batches in (1, 2):
-        port = free_port()
-        with fleet(oracle.path, 2, ["--micro-batches", str(micro_batches), "--metrics-port", str(port)]) as (addr, _):
-            client = Client(addr)
-            alone = [client.generate(p, n).token_ids for p, n in zip(ps, lengths, strict=True)]
+    port = free_port()
+    with fleet(oracle.path, 2, ["--micro-batches", "2", "--metrics-port", str(port)]) as (addr, _):
+        client = Client(addr)
+        before = metrics(port)["colibri_micro_batch_overlaps_total"]
 
-            def staggered(i: int, client: Client = client) -> list[int]:
-                time.sleep(0.03 * i)   # arrivals spread over the running batch
-                return client.generate(ps[i], lengths[i]).token_ids
+        def staggered(i: int) -> list[int]:
+            time.sleep(0.03 * i)   # arrivals spread over the running batch
+            return client.generate(ps[i], lengths[i]).token_ids
 
-            with ThreadPoolExecutor(16) as pool:
-                together = list(pool.map(staggered, range(16)))
-            assert together == alone
-            results[micro_batches] = together
-            m = metrics(port)
-            assert m["colibri_batch_size_max"] >= 4           # the staggered requests really shared steps
-            overlaps = m["colibri_micro_batch_overlaps_total"]
-            # two micro-batches had their experts in flight at once (and never with one micro-batch)
-            assert overlaps > 0 if micro_batches == 2 else overlaps == 0
-    assert results[1] == results[2]
-    assert results[1][0] == oracle.greedy(ps[0], lengths[0])
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(staggered, range(16)))
+        m = metrics(port)
+        assert m["colibri_batch_size_max"] >= 4                   # the staggered requests really shared steps
+        assert m["colibri_micro_batch_overlaps_total"] > before   # two micro-batches' experts were in flight
+        alone = [client.generate(p, n).token_ids for p, n in zip(ps, lengths, strict=True)]
+    assert together == alone
+    assert [together[i] for i in (0, 5, 9)] == [oracle.greedy(ps[i], lengths[i]) for i in (0, 5, 9)]
 
 
 def test_cancellation_frees_the_kv_cache_at_once(oracles):
@@ -120,20 +115,3 @@ def test_full_queue_is_resource_exhausted(oracles):
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
         assert all("waiting queue is full" in d for d in details)
         assert len(client.generate([9, 9], 3).token_ids) == 3
-
-
-@pytest.mark.parametrize("budget", [8, 13])
-def test_max_num_tokens_is_respected_and_chunked_prefill_is_exact(oracles, budget):
-    oracle = oracles["qwen2_moe"]
-    port = free_port()
-    extra = ["--max-num-tokens", str(budget), "--metrics-port", str(port)]
-    with fleet(oracle.path, 2, extra) as (addr, _):
-        client = Client(addr)
-        long_prompt = [(i * 37) % 256 for i in range(45)]      # prefilled in chunks of <= budget tokens
-        with ThreadPoolExecutor(4) as pool:
-            outs = list(pool.map(lambda p: client.generate(p, 8).token_ids, [long_prompt, [5, 6], [7] * 20, [1]]))
-        assert outs[0] == oracle.greedy(long_prompt, 8)
-        assert outs[2] == oracle.greedy([7] * 20, 8)
-        m = metrics(port)
-        assert 0 < m["colibri_batch_tokens_max"] <= budget
-        assert m["colibri_batch_size_max"] >= 2               # decodes and prefill chunks shared steps

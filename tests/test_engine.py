@@ -160,3 +160,40 @@ def test_bfloat16_serving_against_transformers_in_bfloat16(tmp_path, arch):
     top2 = want.topk(2).values
     if float(top2[0] - top2[1]) > 2 * err * scale:
         assert res.token_ids[0] == int(want.argmax())
+
+
+@pytest.mark.parametrize("budget", [8, 13])
+def test_max_num_tokens_is_respected_and_chunked_prefill_is_exact(oracles, budget):
+    oracle = oracles["qwen2_moe"]
+    long_prompt = [(i * 37) % 256 for i in range(45)]          # prefilled in chunks of <= budget tokens
+    with InProcess(oracle.path, sched=SchedulerConfig(max_num_tokens=budget)) as engine:
+        events = [engine.submit(p, 8) for p in (long_prompt, [5, 6], [7] * 20, [1])]
+        outs = [engine.collect(e).token_ids for e in events]
+        m = engine.metrics()
+    assert outs[0] == oracle.greedy(long_prompt, 8)
+    assert outs[2] == oracle.greedy([7] * 20, 8)
+    assert 0 < m["colibri_batch_tokens_max"] <= budget
+    assert m["colibri_batch_size_max"] >= 2                   # decodes and prefill chunks shared steps
+
+
+def test_one_micro_batch_never_overlaps_and_two_change_no_token(oracles):
+    oracle = oracles["qwen3_moe"]
+    prompts = [[(13 * i + j) % 256 for j in range(3 + 2 * i)] for i in range(6)]
+    results, overlaps = {}, {}
+    for n in (1, 2):
+        with InProcess(oracle.path, micro_batches=n) as engine:
+            events = [engine.submit(p, 8) for p in prompts]
+            results[n] = [engine.collect(e).token_ids for e in events]
+            overlaps[n] = engine.metrics()["colibri_micro_batch_overlaps_total"]
+    assert results[1] == results[2] == [oracle.greedy(p, 8) for p in prompts]
+    assert overlaps[1] == 0 and overlaps[2] > 0
+
+
+def test_a_sharded_checkpoint_serves_the_same_tokens(oracles, tmp_path):
+    oracle = oracles["mixtral"]
+    sharded = save_checkpoint(oracle.model, tmp_path / "sharded", max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 3
+    prompt = [9, 8, 7, 6, 5]
+    with InProcess(sharded) as engine:
+        assert engine.generate(prompt, 16).token_ids == oracle.greedy(prompt, 16)

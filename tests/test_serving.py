@@ -92,28 +92,6 @@ def test_generate_cli_json(served):
     assert last["finish_reason"] == "length"
 
 
-def test_sharded_checkpoint_serves_the_same_tokens(oracles, tmp_path):
-    oracle = oracles["mixtral"]
-    sharded = save_checkpoint(oracle.model, tmp_path / "sharded", max_shard_size="100KB")
-    assert (sharded / "model.safetensors.index.json").is_file()
-    assert len(list(sharded.glob("*.safetensors"))) > 3
-    prompt = [9, 8, 7, 6, 5]
-    with fleet(sharded, 2) as (addr, _):
-        assert Client(addr).generate(prompt, 16).token_ids == oracle.greedy(prompt, 16)
-
-
-def test_unary_transport_serves_the_same_tokens(oracles):
-    oracle = oracles["qwen2_moe"]
-    prompt = [4, 8, 15, 16, 23, 42]
-    with fleet(oracle.path, 3, ["--transport", "unary"]) as (addr, _):
-        client = Client(addr)
-        assert client.generate(prompt, 12).token_ids == oracle.greedy(prompt, 12)
-        with pytest.raises(grpc.RpcError) as err:       # this checkpoint has no tokenizer.json
-            client.generate("some text", 4)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "no tokenizer.json" in err.value.details()
-
-
 def test_sigterm_stops_every_child(oracles):
     with fleet(oracles["olmoe"].path, 2) as (addr, proc):
         children = psutil.Process(proc.pid).children(recursive=True)

@@ -1,0 +1,95 @@
+"""Options are defined once: flags, defaults and validation come from the dataclasses; serve's children
+get their options back through `to_argv`; bad flags are one clear line, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+
+import pytest
+
+from colibri import __version__
+from colibri.cli import build_parser
+from colibri.launcher import ServeOptions, child_argv
+from colibri_common.options import Parser, add_options, from_args
+from expert_service.options import ExpertOptions
+from router_service.options import RouterOptions
+from router_service.scheduler import SchedulerConfig
+from tests.conftest import COLIBRI
+
+
+def parse(cls: type, argv: list[str], exclude: tuple[str, ...] = ()):
+    p = Parser(prog="t")
+    add_options(p, cls, exclude)
+    return from_args(cls, p.parse_args(argv))
+
+
+def test_defaults_come_from_the_dataclasses():
+    r = parse(RouterOptions, ["--model", "m", "--workers", "a:1,b:2"])
+    assert r == RouterOptions(model="m", workers=("a:1", "b:2"))
+    assert r.sched == SchedulerConfig() and r.port == 50051
+    e = parse(ExpertOptions, ["--model", "m", "--shard", "1/3"])
+    assert (e.port, e.shard_index, e.num_shards) == (50061, 1, 3)
+
+
+def test_every_field_is_a_flag_and_round_trips_through_to_argv():
+    r = RouterOptions(model="/m", workers=("h:1", "h:2"), host="0.0.0.0", port=7, dtype="bfloat16", threads=3,
+                      log_level="DEBUG", kv_cache_mb=64, kv_cache_blocks=9, block_size=8, wire_dtype="float32",
+                      micro_batches=2, transport="unary", worker_timeout=2.5, metrics_port=0,
+                      sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99))
+    changed = {f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(RouterOptions(), f.name)}
+    assert changed == {f.name for f in dataclasses.fields(RouterOptions)}        # the test sets every field
+    argv = child_argv("router", r)
+    assert argv[0] == "router"
+    assert parse(RouterOptions, argv[1:]) == r
+    e = ExpertOptions(model="/m", shard="2/4", port=0, threads=1, log_level="WARNING")
+    assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e
+
+
+def test_serve_hands_its_children_the_options_it_was_given():
+    s = parse(ServeOptions, ["--model", "/m", "--workers", "3", "--dtype", "bfloat16", "--log-level", "warning",
+                             "--max-batch-size", "4", "--micro-batches", "2"], ServeOptions.EXCLUDED)
+    assert s.workers == 3 and s.router.sched.max_batch_size == 4 and s.router.log_level == "WARNING"
+    e = s.expert(2, threads=1)
+    assert e == ExpertOptions(model="/m", dtype="bfloat16", log_level="WARNING", host="127.0.0.1", port=0,
+                              threads=1, shard="2/3")
+    router_argv = child_argv("router", dataclasses.replace(s.router, workers=("127.0.0.1:1",)))
+    assert "--max-batch-size" in router_argv and "--micro-batches" in router_argv
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--model", "m", "--log-level", "NOPE"], "invalid choice: 'NOPE'"),
+    (["serve", "--model", "m", "--max-batch-size", "0"], "--max_batch_size must be positive"),
+    (["router", "--model", "m", "--workers", "a:1", "--micro-batches", "0"], "--micro-batches must be positive"),
+    (["expert", "--model", "m", "--shard", "3/2"], "--shard 3/2: need 0 <= I < N"),
+    (["expert", "--model", "m", "--shard", "x"], "--shard must look like I/N"),
+    (["serve", "--model", "m", "--workers", "0"], "--workers must be positive"),
+    (["serve", "--model", "m", "--threads", "-1"], "--threads must be >= 0"),
+])
+def test_bad_flags_are_one_clear_line_and_exit_2(argv, needle):
+    out = subprocess.run([COLIBRI, *argv], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle.replace("_", "-") in lines[0].replace("_", "-"), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_version_and_help():
+    out = subprocess.run([COLIBRI, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"colibri {__version__}"
+    help_text = subprocess.run([COLIBRI, "serve", "--help"], capture_output=True, text=True, timeout=60).stdout
+    for flag in ("--workers", "--max-batch-size", "--kv-cache-mb", "--transport", "--worker-timeout"):
+        assert flag in help_text
+    assert "(default: 64)" in help_text                       # defaults shown, from the dataclass
+
+
+def test_the_parser_has_no_default_of_its_own():
+    """Every service flag's default is the dataclass field's: nothing in cli.py repeats one."""
+    ap = build_parser()
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    router = sub.choices["router"]
+    defaults = {a.dest: a.default for a in router._actions if a.dest not in ("help",)}
+    assert defaults["sched__max_batch_size"] == SchedulerConfig().max_batch_size
+    assert defaults["kv_cache_mb"] == RouterOptions().kv_cache_mb
+    assert defaults["port"] == RouterOptions().port
