@@ -10,6 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from colibri.cli import build_parser, service_options
+
 CHART = Path(__file__).resolve().parent.parent / "charts" / "colibri"
 K8S = "1.30.0"
 VALUE_SETS = {
@@ -101,6 +103,13 @@ def test_wiring(name):
         assert any(pdb["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
                    for w in (dep, sts))
 
+    # every flag the chart passes is one the CLI knows, with a value its option dataclass accepts
+    for container in (router, expert):
+        argv = [a.replace("$(SHARD_INDEX)", "0") for a in container["args"]]
+        ap = build_parser()
+        opts = service_options(ap, ap.parse_args(argv))
+        assert opts.model == "/models/model"
+
     # probes are native gRPC probes on the ports the containers expose; readiness names the service
     for container, service in ((router, "colibri.v1.Generation"), (expert, "colibri.v1.ExpertWorker")):
         ports = {p["containerPort"] for p in container["ports"]}
@@ -115,7 +124,7 @@ def test_wiring(name):
     for workload in (dep, sts):
         spec = workload["spec"]["template"]["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True
-        assert spec["terminationGracePeriodSeconds"] > 5          # the services drain for 5 s
+        assert spec["terminationGracePeriodSeconds"] > 5          # the services take up to 5 s to stop
         vols = {v["name"]: v for v in spec["volumes"]}
         assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
 

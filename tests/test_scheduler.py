@@ -84,3 +84,30 @@ def test_request_larger_than_the_cache_is_refused():
     s = Scheduler(SchedulerConfig(), BlockAllocator(2, 4))
     with pytest.raises(QueueFull, match="exceeds the whole KV cache"):
         s.add(seq("a", 6, 4))
+
+
+@pytest.mark.parametrize("sampling, tokens, want", [
+    (Sampling(max_tokens=3), [5, 6, 7], [None, None, "length"]),
+    (Sampling(max_tokens=9, stop_token_ids=(6,)), [5, 6], [None, "stop"]),
+    (Sampling(max_tokens=9), [5, 2], [None, "stop"]),                        # 2 is EOS here
+    (Sampling(max_tokens=3, ignore_eos=True), [2, 2, 2], [None, None, "length"]),
+    (Sampling(max_tokens=2, stop_token_ids=(6,)), [5, 6], [None, "stop"]),   # a stop token wins over length
+    (Sampling(max_tokens=99), [5, 6, 7, 8], [None, None, None, "length"]),   # prompt 4 + 4 = max_model_len 8
+])
+def test_sequence_stop_and_length_checks(sampling, tokens, want):
+    s = Sequence("a", [1, 1, 1, 1], sampling)
+    got = [s.append_token(t, frozenset({2}), max_model_len=8) for t in tokens]
+    assert got == want and s.output_ids == tokens
+
+
+def test_preemptions_are_counted():
+    s = Scheduler(SchedulerConfig(max_batch_size=4, max_num_tokens=64), BlockAllocator(3, 4))
+    a, b = seq("a", 4, 8), seq("b", 4, 8)
+    s.add(a)
+    s.add(b)
+    for x in s.schedule():
+        x.seq.num_cached += x.num_new
+        x.seq.output_ids.append(0)
+    assert s.num_preemptions == 0
+    s.schedule()
+    assert s.num_preemptions == 1

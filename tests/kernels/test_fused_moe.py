@@ -45,6 +45,8 @@ def check(backend: str, T: int, E: int, K: int, dtype: torch.dtype, pattern: str
 
 
 GRID = list(itertools.product([1, 3, 64, 257], [8, 60], [1, 2, 8]))
+# The interpreter's cost grows with the blocks it runs: 129 tokens are still odd and span many blocks.
+TRITON_GRID = list(itertools.product([1, 3, 64, 129], [8, 60], [1, 2, 8]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -55,13 +57,13 @@ def test_cpu_path(T, E, K, dtype):
 
 
 # The interpreter runs every program instance in Python: the full grid in float32, a cut of it in float16.
-@pytest.mark.parametrize("T,E,K", GRID)
+@pytest.mark.parametrize("T,E,K", TRITON_GRID)
 def test_triton_float32(T, E, K):
     check("triton", T, E, K, torch.float32, "random")
 
 
 @pytest.mark.parametrize("T,E,K,pattern", [
-    (1, 8, 2, "random"), (3, 60, 8, "expert_map"), (64, 8, 2, "one_expert"), (257, 60, 1, "expert_map"),
+    (1, 8, 2, "random"), (3, 60, 8, "expert_map"), (64, 8, 2, "one_expert"), (129, 60, 1, "expert_map"),
     (3, 8, 1, "one_expert"), (64, 60, 8, "random"),
 ])
 def test_triton_float16_and_patterns(T, E, K, pattern):
