@@ -46,6 +46,7 @@ class ServeOptions:
     """`colibri serve`: the router's options (its worker addresses come from the workers it starts) + N."""
 
     EXCLUDED = ("router.workers",)
+    HELPS = {"router.threads": "cores to split between the router and the workers (0 = all cores)"}
 
     router: RouterOptions = RouterOptions()
     workers: int = option(2, "number of expert workers (shards) to start")

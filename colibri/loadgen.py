@@ -7,7 +7,6 @@ token and inter-token latency percentiles; --json prints one JSON object on the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import threading
@@ -17,18 +16,24 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
+from colibri_common.options import option
 
-def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="load-test a running router: tok/s, TTFT and ITL percentiles",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="router address HOST:PORT")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: %(default)s)")
-    p.add_argument("--num-requests", type=int, default=32, help="requests in all (default: %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=600, help="per-request deadline in seconds")
-    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+
+@dataclass(frozen=True)
+class BenchOptions:
+    target: str = option("", "router address HOST:PORT", required=True)
+    concurrency: int = option(8, "requests in flight")
+    num_requests: int = option(32, "requests in all")
+    prompt_len: int = option(16, "prompt tokens")
+    max_tokens: int = option(64, "new tokens per request")
+    seed: int = option(0, "seed of the random prompts")
+    timeout: float = option(600.0, "per-request deadline in seconds")
+    json: bool = option(False, "print one JSON object on the last line")
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "num_requests", "prompt_len", "max_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
 
 @dataclass
@@ -118,7 +123,7 @@ def grpc_stream(client, timeout: float = 600) -> StreamFn:
     def stream(prompt: list[int], max_tokens: int, rid: str) -> Iterator[int]:
         req = make_request(prompt, max_tokens, ignore_eos=True, request_id=rid)
         for msg in client.stream(req, timeout=timeout):
-            if msg.WhichOneof("response") == "chunk":
+            if msg.WhichOneof("response") == "chunk" and msg.chunk.token_ids:   # not a last text-only chunk
                 yield len(msg.chunk.token_ids)
 
     return stream
@@ -128,8 +133,6 @@ def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, 
              seed: int = 0, timeout: float = 600, vocab_size: int | None = None) -> BenchResult:
     from colibri.client import Client
 
-    if min(concurrency, num_requests, prompt_len, max_tokens) <= 0:
-        raise ValueError("--concurrency, --num-requests, --prompt-len and --max-tokens must be positive")
     client = Client(target)
     vocab = vocab_size or client.model_info().vocab_size
     prompts = random_prompts(num_requests, prompt_len, vocab, seed)
@@ -139,7 +142,7 @@ def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, 
         client.close()
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run_bench(args: BenchOptions) -> int:
     r = run_load(args.target, args.concurrency, args.num_requests, args.prompt_len, args.max_tokens, args.seed,
                  args.timeout)
     print(f"requests      {r.requests_ok} ok, {r.requests_failed} failed, concurrency {args.concurrency}")

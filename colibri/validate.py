@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import CheckpointError
+from colibri_common.options import option
 from colibri_common.placement import shard_experts
 from colibri_common.tensors import expert_tensors, fused_expert_tensors, router_tensors
 from colibri_common.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    model: str = option("", "checkpoint directory", required=True, metavar="DIR")
+    workers: int = option(2, "size the shards for this many workers")
+
+    def __post_init__(self) -> None:
+        if self.workers <= 0:
+            raise ValueError(f"--workers must be positive, got {self.workers}")
 
 
 def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> int:

@@ -31,8 +31,8 @@ def option(default: Any, help: str, *, flag: str | None = None, choices: tuple[A
     return dataclasses.field(default=default, metadata={"cli": meta})
 
 
-def comma_list(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+def comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def upper(text: str) -> str:
@@ -66,92 +66,119 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _is_options(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _scalar(tp: Any) -> Any:
-    """int | None -> int; tuple[str, ...] -> comma_list."""
+def _strip_optional(tp: Any) -> Any:
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _scalar(args[0])
-    if typing.get_origin(tp) is tuple:
-        return comma_list
+        if len(args) != 1:
+            raise TypeError(f"option type {tp}: only X | None unions are supported")
+        return args[0]
     return tp
 
 
-def _walk(cls: type, exclude: frozenset[str], prefix: str = ""):
-    """(path, field, type) of every flag field, nested option dataclasses flattened."""
-    hints = _hints(cls)
+def _parser_of(tp: Any) -> Any:
+    """The argparse `type` of a field: int, float, str, or a comma-separated tuple of them."""
+    if typing.get_origin(tp) is tuple:
+        item = typing.get_args(tp)[0]
+
+        def parse(text: str) -> tuple[Any, ...]:
+            return tuple(item(part) for part in comma_list(text))
+
+        parse.__name__ = f"comma-separated {item.__name__}"     # argparse names it in its error message
+        return parse
+    return tp
+
+
+@dataclass(frozen=True)
+class _Flag:
+    path: str                   # "sched.max_batch_size"
+    field: dataclasses.Field
+    type: Any                   # the field's type without "| None"
+    default: Any                # the value in the default instance of the outermost options class
+
+    @property
+    def dest(self) -> str:
+        return self.path.replace(".", "__")
+
+    @property
+    def name(self) -> str:
+        return self.field.metadata["cli"]["flag"] or "--" + self.field.name.replace("_", "-")
+
+
+def _flags(cls: type, exclude: tuple[str, ...] = (), prefix: str = "", defaults: Any = None) -> list[_Flag]:
+    """Every flag field of `cls`, nested option dataclasses flattened. A nested field's default is read from
+    its parent's default instance, so `sched: SchedulerConfig = SchedulerConfig(max_waiting=8)` is honoured."""
+    hints = typing.get_type_hints(cls)
+    out = []
     for f in dataclasses.fields(cls):
-        path = prefix + f.name
+        path, tp = prefix + f.name, _strip_optional(hints[f.name])
         if path in exclude:
             continue
-        if _is_options(hints[f.name]):
-            yield from _walk(hints[f.name], exclude, path + ".")
+        if f.default is dataclasses.MISSING:
+            raise TypeError(f"option {path} needs a plain default (no default_factory)")
+        default = f.default if defaults is None else getattr(defaults, f.name)
+        if _is_options(tp):
+            out += _flags(tp, exclude, path + ".", default)
         elif "cli" in f.metadata:
-            yield path, f, hints[f.name]
+            out.append(_Flag(path, f, tp, default))
+    return out
 
 
-def flag_name(f: dataclasses.Field) -> str:
-    return f.metadata["cli"]["flag"] or "--" + f.name.replace("_", "-")
-
-
-def add_options(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = ()) -> None:
-    for path, f, tp in _walk(cls, frozenset(exclude)):
-        meta = f.metadata["cli"]
-        kw: dict[str, Any] = {"dest": path.replace(".", "__"), "help": meta["help"]}
-        if not meta["choices"] and tp is not bool:
-            kw["metavar"] = meta["metavar"] or f.name.upper()
-        if tp is bool:
-            kw.update(action=argparse.BooleanOptionalAction, default=f.default)
+def add_options(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = (),
+                helps: dict[str, str] | None = None) -> None:
+    """One flag per field (argparse refuses two fields that would make the same flag); `helps` replaces the
+    help of some paths where a command gives a flag another meaning."""
+    for flag in _flags(cls, exclude):
+        meta = flag.field.metadata["cli"]
+        help_text = (helps or {}).get(flag.path, meta["help"]).replace("%", "%%")
+        kw: dict[str, Any] = {"dest": flag.dest, "default": flag.default}
+        if flag.type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw.update(type=meta["type"] or _scalar(tp), default=f.default, choices=meta["choices"])
+            kw.update(type=meta["type"] or _parser_of(flag.type), choices=meta["choices"],
+                      metavar=None if meta["choices"] else meta["metavar"] or flag.field.name.upper())
         if meta["required"]:
             kw["required"] = True
-        elif f.default not in (None, "", ()) and tp is not bool:
-            kw["help"] += " (default: %(default)s)"
-        parser.add_argument(flag_name(f), **kw)
+        elif flag.default not in (None, "", ()) and flag.type is not bool:
+            help_text += " (default: %(default)s)"
+        parser.add_argument(flag.name, help=help_text, **kw)
 
 
-def from_args(cls: type, ns: argparse.Namespace, prefix: str = "", **overrides: Any) -> Any:
-    """Build `cls` from parsed flags; fields without a flag (excluded) keep their defaults."""
-    hints = _hints(cls)
+def from_args(cls: type, ns: argparse.Namespace, prefix: str = "") -> Any:
+    """Build `cls` from parsed flags (its `__post_init__` validates); excluded fields keep their defaults."""
+    hints = typing.get_type_hints(cls)
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         path = prefix + f.name
-        if f.name in overrides:
-            kw[f.name] = overrides[f.name]
-        elif _is_options(hints[f.name]):
-            kw[f.name] = from_args(hints[f.name], ns, path + ".")
+        if _is_options(_strip_optional(hints[f.name])):
+            kw[f.name] = from_args(_strip_optional(hints[f.name]), ns, path + ".")
         elif hasattr(ns, path.replace(".", "__")):
             kw[f.name] = getattr(ns, path.replace(".", "__"))
     return cls(**kw)
 
 
 def to_argv(opts: Any, exclude: tuple[str, ...] = ()) -> list[str]:
-    """The flags that rebuild `opts` in a child process (only values that differ from the defaults)."""
+    """The flags (`--name=value`) that rebuild `opts` in a child process: the values that differ from the
+    defaults, and the required ones."""
     out: list[str] = []
-    for path, f, tp in _walk(type(opts), frozenset(exclude)):
+    for flag in _flags(type(opts), exclude):
         value: Any = opts
-        for part in path.split("."):
+        for part in flag.path.split("."):
             value = getattr(value, part)
-        if value == f.default and not f.metadata["cli"]["required"]:
+        if value == flag.default and not flag.field.metadata["cli"]["required"]:
             continue
-        name = flag_name(f)
-        if tp is bool:
-            out.append(name if value else "--no-" + name[2:])
+        if value is None:
+            raise ValueError(f"{flag.name} is None but defaults to {flag.default!r}: no flag can say None")
+        if flag.type is bool:
+            out.append(flag.name if value else "--no-" + flag.name[2:])
         elif isinstance(value, tuple):
-            out += [name, ",".join(value)]
+            out.append(f"{flag.name}={','.join(map(str, value))}")
         else:
-            out += [name, str(value)]
+            out.append(f"{flag.name}={value}")
     return out
-
-
 def shared_fields(opts: ServiceOptions) -> dict[str, Any]:
     """The ServiceOptions part of any service's options, to build another service's options from."""
     return {f.name: getattr(opts, f.name) for f in dataclasses.fields(ServiceOptions)}

@@ -1,5 +1,9 @@
 """Block alignment for the grouped GEMM: token-expert pairs sorted by expert, each expert's run padded
-to a multiple of BLOCK_M, so every BLOCK_M-row block belongs to one expert. Vectorised torch, any device."""
+to a multiple of BLOCK_M, so every BLOCK_M-row block belongs to one expert. Vectorised torch, any device.
+
+Shapes: T tokens, K experts per token (top-k), E local experts, P = T * K token-expert pairs, P_pad pairs
+after each expert's run is padded to a multiple of BLOCK_M.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Plain float64 references for the kernels: obviously correct, slow, used by tests only."""
+"""Plain float64 references for the kernels: obviously correct, slow, used by tests only.
+
+Shapes: T tokens, H hidden size, E experts, I expert width, K experts per token (top-k).
+"""
 
 from __future__ import annotations
 

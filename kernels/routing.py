@@ -1,4 +1,7 @@
-"""Gate scores -> top-k experts: softmax over all experts in float32, top-k, optional renormalisation."""
+"""Gate scores -> top-k experts: softmax over all experts in float32, top-k, optional renormalisation.
+
+Shapes: T tokens, E experts, k experts per token.
+"""
 
 from __future__ import annotations
 

@@ -16,24 +16,22 @@ from router_service.sequence import Sequence
 @dataclass(frozen=True)
 class Step:
     micro_batches: tuple[tuple[Scheduled, ...], ...]
+    sampled: tuple[Sequence, ...]   # the sequences that sample this step, in the order of the logits rows
 
     @staticmethod
     def split(batch: list[Scheduled], num_micro_batches: int) -> Step:
         """Contiguous, balanced slices (sizes differ by at most one); never an empty micro-batch."""
         if not batch:
-            return Step(())
+            return Step((), ())
         n = min(num_micro_batches, len(batch))
         bounds = [len(batch) * j // n for j in range(n + 1)]
-        return Step(tuple(tuple(batch[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False)))
+        micro = tuple(tuple(batch[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False))
+        # fixed here, before the step runs: `Scheduled.samples` reads num_cached, which advance() moves on
+        return Step(micro, tuple(s.seq for mb in micro for s in mb if s.samples))
 
     @property
     def scheduled(self) -> list[Scheduled]:
         return [s for mb in self.micro_batches for s in mb]
-
-    @property
-    def sampled(self) -> list[Sequence]:
-        """The sequences that sample this step, in the order of the logits rows the model returns."""
-        return [s.seq for mb in self.micro_batches for s in mb if s.samples]
 
     def advance(self) -> None:
         """The step ran: every scheduled token's K/V is in the cache now."""

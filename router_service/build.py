@@ -47,6 +47,13 @@ class BuiltEngine:
     def max_model_len(self) -> int:
         return self.engine.scheduler.cfg.max_model_len
 
+    def close(self) -> None:
+        """Stop the engine (open requests end UNAVAILABLE), then close the connections to the workers."""
+        self.engine.stop()
+        close = getattr(self.experts, "close", None)
+        if close is not None:
+            close()
+
 
 def compute_dtype(requested: torch.dtype) -> torch.dtype:
     """Without native bf16 arithmetic the router's dense GEMMs run far faster in float32 (batch > 4); the

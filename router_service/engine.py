@@ -96,14 +96,14 @@ class Engine:
                 continue
             t0 = time.perf_counter()
             try:
-                sampled = step.sampled                                       # before the step advances them
                 logits = self._execute(step)                                 # [B, V]
                 with self._cv:
-                    self._postprocess(step, sampled, logits)
-                    self._update_metrics(step, len(sampled), time.perf_counter() - t0)
-            except WorkerError as exc:   # a worker failed: fail this step's requests, retryable, keep serving
+                    self._postprocess(step, logits)
+                    self._update_metrics(step, time.perf_counter() - t0)
+            except WorkerError as exc:   # a worker failed: fail this step's requests, keep serving
                 log.error("step %d failed: %s", self.metrics.steps, exc)
-                self._fail_step(step, FailureCode.UNAVAILABLE, str(exc))
+                code = FailureCode.UNAVAILABLE if exc.retryable else FailureCode.INTERNAL
+                self._fail_step(step, code, str(exc))
             except Exception as exc:     # a bug: log it whole, fail the step's requests (not retryable), go on
                 log.exception("step %d failed", self.metrics.steps)
                 self._fail_step(step, FailureCode.INTERNAL, f"internal error in the engine step: {exc!r}")
@@ -141,14 +141,14 @@ class Engine:
         self.phase["forward"] += time.perf_counter() - t1
         return logits
 
-    def _postprocess(self, step: Step, sampled: list[Sequence], logits: torch.Tensor) -> None:
+    def _postprocess(self, step: Step, logits: torch.Tensor) -> None:
         """Sample the live sequences' rows, stream their tokens, finish those that stop."""
         t0 = time.perf_counter()
-        assert logits.shape[0] == len(sampled), (logits.shape, len(sampled))  # row i belongs to sampled[i]
+        assert logits.shape[0] == len(step.sampled), (logits.shape, len(step.sampled))  # row i: step.sampled[i]
         step.advance()
-        live = [(row, seq) for row, seq in enumerate(sampled) if self.seqs.get(seq.request_id) is seq]
+        live = [(row, seq) for row, seq in enumerate(step.sampled) if self.seqs.get(seq.request_id) is seq]
         if live:
-            rows = logits if len(live) == len(sampled) else logits[[row for row, _ in live]]  # [b, V]
+            rows = logits if len(live) == len(step.sampled) else logits[[row for row, _ in live]]  # [b, V]
             tokens = self.sampler.sample(rows, [(seq.request_id, seq.sampling) for _, seq in live])
             now = time.monotonic()
             for (row, seq), tok in zip(live, tokens, strict=True):
@@ -161,12 +161,12 @@ class Engine:
                     self._finish(seq, reason)
         self.phase["postprocess"] += time.perf_counter() - t0
 
-    def _update_metrics(self, step: Step, num_sampled: int, seconds: float) -> None:
+    def _update_metrics(self, step: Step, seconds: float) -> None:
         m, sch, batch = self.metrics, self.scheduler, step.scheduled
         with m.lock:
             m.steps += 1
             m.step_seconds += seconds
-            m.generation_tokens += num_sampled
+            m.generation_tokens += len(step.sampled)
             m.preemptions = sch.num_preemptions
             m.micro_batch_overlaps = self.model.overlaps
             m.gauges.update({

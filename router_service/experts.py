@@ -29,6 +29,10 @@ log = logging.getLogger("colibri.router")
 class Handle(Protocol):
     def result(self) -> torch.Tensor: ...
 
+    def done(self) -> bool:
+        """Whether the result is computed already (result() would not wait)."""
+        ...
+
 
 class Experts(Protocol):
     """Σ_k w_k · FFN_{e_k}(x) per token for one MoE layer, maybe computed elsewhere."""
@@ -44,6 +48,9 @@ class Ready:
 
     def result(self) -> torch.Tensor:
         return self.value
+
+    def done(self) -> bool:
+        return True
 
 
 class LocalExperts:
@@ -64,6 +71,9 @@ class InFlight:
         self.owner, self.parts = owner, parts
         self.num_tokens, self.hidden_size = hidden.shape
         self.dtype = hidden.dtype
+
+    def done(self) -> bool:
+        return all(reply.done() for _, reply in self.parts)
 
     def result(self) -> torch.Tensor:
         t_start, waited, computed = time.perf_counter(), 0.0, 0.0

@@ -37,7 +37,7 @@ class RouterModel:
         self.rope = Rope(cfg.head_dim, cfg.rope_theta)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's were in flight
+        self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing
 
     @torch.inference_mode()
     def forward(self, steps: list[StepInputs], kv: KVCache, experts: Experts) -> torch.Tensor:
@@ -48,7 +48,8 @@ class RouterModel:
         while any(p is not None for p in pending):
             for j, g in enumerate(gens):
                 if pending[j] is not None:
-                    self.overlaps += sum(p is not None for p in pending) > 1
+                    others = [p for i, p in enumerate(pending) if i != j and p is not None]
+                    self.overlaps += any(not p.done() for p in others)
                     pending[j] = self._advance(g, pending[j].result(), results, j)
         return torch.cat(results)  # type: ignore[arg-type]
 

@@ -30,8 +30,22 @@ from colibri_common.serving import CHANNEL_OPTIONS
 log = logging.getLogger("colibri.router")
 
 
+# A worker that answers INTERNAL or INVALID_ARGUMENT has a bug or was sent a bad request: retrying will not help.
+_NOT_RETRYABLE = (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+
+
 class WorkerError(Exception):
-    """A worker failed, timed out or is unreachable; the message names it."""
+    """A worker failed, timed out or is unreachable; the message names it. `retryable`: whether the same
+    request may succeed later (the worker was down or slow) rather than hit the same bug again."""
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+    @staticmethod
+    def from_rpc(message: str, exc: BaseException) -> WorkerError:
+        retryable = not (isinstance(exc, grpc.RpcError) and exc.code() in _NOT_RETRYABLE)
+        return WorkerError(message, retryable)
 
 
 def _detail(exc: BaseException) -> str:
@@ -44,17 +58,24 @@ class Reply:
     def get(self) -> expert_pb2.ForwardResponse:
         raise NotImplementedError
 
+    def done(self) -> bool:
+        """Whether the answer is here (get() would not wait)."""
+        raise NotImplementedError
+
 
 class UnaryReply(Reply):
     def __init__(self, address: str, layer: int, future: grpc.Future) -> None:
         self.address, self.layer, self.future = address, layer, future
 
+    def done(self) -> bool:
+        return self.future.done()
+
     def get(self) -> expert_pb2.ForwardResponse:
         try:
             return self.future.result()
         except grpc.RpcError as exc:
-            raise WorkerError(f"expert worker {self.address} failed on layer {self.layer}: "
-                              f"{_detail(exc)}") from exc
+            raise WorkerError.from_rpc(f"expert worker {self.address} failed on layer {self.layer}: "
+                                       f"{_detail(exc)}", exc) from exc
 
 
 class StreamReply(Reply):
@@ -62,6 +83,9 @@ class StreamReply(Reply):
         self.link, self.layer = link, layer
         self.response: expert_pb2.ForwardResponse | None = None
         self.error: str | None = None            # set when its stream was reset before it was answered
+
+    def done(self) -> bool:
+        return self.response is not None or self.error is not None
 
     def get(self) -> expert_pb2.ForwardResponse:
         return self.link.receive(self)
@@ -101,61 +125,73 @@ class UnaryLink(WorkerLink):
         return UnaryReply(self.address, request.layer, self.stub.Forward.future(request, timeout=self.timeout_s))
 
 
+class _OpenStream:
+    """One ForwardStream call: requests in through a queue, answers out in order. The watchdog reads
+    `waiting_since` and cancels through this one object, so it never touches a stream opened after it."""
+
+    def __init__(self, stub: expert_pb2_grpc.ExpertWorkerStub) -> None:
+        self.requests: queue.SimpleQueue[expert_pb2.ForwardRequest | None] = queue.SimpleQueue()
+        self.responses: Iterator[expert_pb2.ForwardResponse] = stub.ForwardStream(self._pump())
+        self.waiting_since: float | None = None
+
+    def _pump(self) -> Iterator[expert_pb2.ForwardRequest]:
+        while (req := self.requests.get()) is not None:
+            yield req
+
+    def cancel(self) -> None:
+        self.requests.put(None)
+        self.responses.cancel()  # type: ignore[attr-defined]
+
+
 class StreamLink(WorkerLink):
+    """A healthy worker answers every request it was sent, in order, even for a step that failed elsewhere:
+    such an answer stays with its reply in `_awaiting` and is read off (and dropped with the failed step)
+    before the next step's. Only this link's own failure resets it, failing what was in flight on it."""
+
     def __init__(self, address: str, timeout_s: float) -> None:
         super().__init__(address, timeout_s)
-        self._requests: queue.SimpleQueue[expert_pb2.ForwardRequest | None] | None = None
-        self._responses: Iterator[expert_pb2.ForwardResponse] | None = None
+        self._stream: _OpenStream | None = None
         self._awaiting: collections.deque[StreamReply] = collections.deque()   # sent, not yet answered
-        self._waiting_since: float | None = None
-
-    def _open(self) -> None:
-        requests: queue.SimpleQueue[expert_pb2.ForwardRequest | None] = queue.SimpleQueue()
-
-        def pump() -> Iterator[expert_pb2.ForwardRequest]:
-            while (req := requests.get()) is not None:
-                yield req
-
-        self._requests, self._responses = requests, self.stub.ForwardStream(pump())
 
     def send(self, request: expert_pb2.ForwardRequest) -> Reply:
-        if self._requests is None:
-            self._open()
+        if self._stream is None:
+            self._stream = _OpenStream(self.stub)
         reply = StreamReply(self, request.layer)
         self._awaiting.append(reply)
-        self._requests.put(request)  # type: ignore[union-attr]
+        self._stream.requests.put(request)
         return reply
 
     def receive(self, reply: StreamReply) -> expert_pb2.ForwardResponse:
         """Answers come in request order: read until `reply`'s arrives, filing the earlier ones."""
         while reply.response is None:
-            if reply.error is not None or self._responses is None:
+            stream = self._stream
+            if reply.error is not None or stream is None:
                 raise WorkerError(reply.error or f"expert worker {self.address}: its stream was reset")
-            self._waiting_since = time.monotonic()
+            stream.waiting_since = time.monotonic()
             try:
-                resp = next(self._responses)
+                resp = next(stream.responses)
             except (grpc.RpcError, StopIteration) as exc:
                 message = f"expert worker {self.address} failed on layer {reply.layer}: {_detail(exc)}"
                 self.reset(f"expert worker {self.address}: its stream was reset after a failure")
-                raise WorkerError(message) from exc
+                raise WorkerError.from_rpc(message, exc) from exc
             finally:
-                self._waiting_since = None
+                stream.waiting_since = None
             self._awaiting.popleft().response = resp
         return reply.response
 
     def check_deadline(self) -> None:
-        since, responses = self._waiting_since, self._responses
-        if since is not None and responses is not None and time.monotonic() - since > self.timeout_s:
+        stream = self._stream                       # one read: the stream this check may cancel
+        since = stream.waiting_since if stream is not None else None
+        if since is not None and time.monotonic() - since > self.timeout_s:
             log.error("expert worker %s did not answer within %.0fs; cancelling its stream", self.address,
                       self.timeout_s)
-            responses.cancel()  # type: ignore[attr-defined]
+            stream.cancel()  # type: ignore[union-attr]
 
     def reset(self, why: str) -> None:
         """Drop the open stream and fail what was in flight on it; the next send reopens it."""
-        if self._requests is not None:
-            self._requests.put(None)
-            self._responses.cancel()  # type: ignore[union-attr]
-        self._requests = self._responses = None
+        if self._stream is not None:
+            self._stream.cancel()
+        self._stream = None
         for r in self._awaiting:
             r.error = why
         self._awaiting.clear()

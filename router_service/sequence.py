@@ -7,6 +7,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from colibri_common.options import option
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -15,14 +17,14 @@ class Sampling:
 
     GREEDY_BELOW = 1e-5
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 16
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    return_logits: bool = False
+    temperature: float = option(0.0, "0 = greedy")
+    top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens with this much probability; 1 = off")
+    top_k: int = option(0, "sample among the k likeliest tokens; 0 = off")
+    max_tokens: int = option(16, "new tokens at most")
+    seed: int | None = option(None, "seed of this request's sampling (default: random)")
+    stop_token_ids: tuple[int, ...] = option((), "comma-separated token ids that end the generation")
+    ignore_eos: bool = option(False, "keep generating past the model's EOS token")
+    return_logits: bool = option(False, "return the float32 logits of every sampled position")
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:

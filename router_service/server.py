@@ -128,4 +128,4 @@ def serve_router(opts: RouterOptions) -> None:
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     log.info("router loaded in %.2fs", time.perf_counter() - t0)
     service.ready(opts.host, bound)
-    service.run_until_signal(on_stop=built.engine.stop)
+    service.run_until_signal(on_stop=built.close)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+from router_service.metrics import parse
 from tests.models import build_model, save_checkpoint, small_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,6 +46,19 @@ def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = Non
                 for c in psutil.Process(p.pid).children(recursive=True):
                     c.kill()
                 p.kill()
+
+
+def metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return parse(r.read().decode())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Oracle:

@@ -74,7 +74,7 @@ class InProcess:
         return self.collect(self.submit(prompt, max_tokens, **sampling))
 
     def close(self) -> None:
-        self.engine.stop()
+        self.built.close()
 
     def __enter__(self) -> InProcess:
         return self

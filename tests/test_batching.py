@@ -5,28 +5,13 @@ from __future__ import annotations
 import random
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from colibri.client import Client, make_request
 from colibri_common.pb import generation_pb2 as pb
-from router_service.metrics import parse
-from tests.conftest import fleet
-
-
-def metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        return parse(r.read().decode())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import fleet, free_port, metrics
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from colibri.cli import build_parser, service_options
+from colibri.cli import build_parser, command_options
 
 CHART = Path(__file__).resolve().parent.parent / "charts" / "colibri"
 K8S = "1.30.0"
@@ -107,7 +107,7 @@ def test_wiring(name):
     for container in (router, expert):
         argv = [a.replace("$(SHARD_INDEX)", "0") for a in container["args"]]
         ap = build_parser()
-        opts = service_options(ap, ap.parse_args(argv))
+        opts = command_options(ap, ap.parse_args(argv))
         assert opts.model == "/models/model"
 
     # probes are native gRPC probes on the ports the containers expose; readiness names the service

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from colibri import __version__
-from colibri.cli import build_parser
+from colibri.cli import COMMANDS, build_parser
 from colibri.launcher import ServeOptions, child_argv
-from colibri_common.options import Parser, add_options, from_args
+from colibri_common.options import Parser, _flags, add_options, from_args, option, to_argv
 from expert_service.options import ExpertOptions
 from router_service.options import RouterOptions
 from router_service.scheduler import SchedulerConfig
@@ -40,6 +42,7 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
                       sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99))
     changed = {f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(RouterOptions(), f.name)}
     assert changed == {f.name for f in dataclasses.fields(RouterOptions)}        # the test sets every field
+    assert all(getattr(r.sched, f.name) != getattr(SchedulerConfig(), f.name) for f in dataclasses.fields(r.sched))
     argv = child_argv("router", r)
     assert argv[0] == "router"
     assert parse(RouterOptions, argv[1:]) == r
@@ -54,8 +57,10 @@ def test_serve_hands_its_children_the_options_it_was_given():
     e = s.expert(2, threads=1)
     assert e == ExpertOptions(model="/m", dtype="bfloat16", log_level="WARNING", host="127.0.0.1", port=0,
                               threads=1, shard="2/3")
-    router_argv = child_argv("router", dataclasses.replace(s.router, workers=("127.0.0.1:1",)))
-    assert "--max-batch-size" in router_argv and "--micro-batches" in router_argv
+    router = dataclasses.replace(s.router, workers=("127.0.0.1:1",), threads=2)
+    router_argv = child_argv("router", router)
+    assert parse(RouterOptions, router_argv[1:]) == router          # the child rebuilds exactly these options
+    assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -84,12 +89,41 @@ def test_version_and_help():
     assert "(default: 64)" in help_text                       # defaults shown, from the dataclass
 
 
-def test_the_parser_has_no_default_of_its_own():
-    """Every service flag's default is the dataclass field's: nothing in cli.py repeats one."""
+def test_cli_py_writes_no_default_and_every_command_has_an_options_dataclass():
+    """Defaults live on the options' fields; cli.py only wires commands to them."""
+    source = (Path(__file__).resolve().parent.parent / "colibri" / "cli.py").read_text()
+    assert "default=" not in source
+    assert re.findall(r'add_argument\("(--[a-z-]+)"', source) == ["--version"]
     ap = build_parser()
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
-    router = sub.choices["router"]
-    defaults = {a.dest: a.default for a in router._actions if a.dest not in ("help",)}
-    assert defaults["sched__max_batch_size"] == SchedulerConfig().max_batch_size
-    assert defaults["kv_cache_mb"] == RouterOptions().kv_cache_mb
-    assert defaults["port"] == RouterOptions().port
+    assert set(sub.choices) == set(COMMANDS)
+    for name, parser in sub.choices.items():
+        flags = {a.dest for a in parser._actions if a.dest != "help"}
+        fields = {f.path.replace(".", "__") for f in _flags(COMMANDS[name].options,
+                                                             getattr(COMMANDS[name].options, "EXCLUDED", ()))}
+        assert flags == fields, name
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    size: int = option(64, "a size")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    inner: Inner = Inner(size=8)
+    flag: bool | None = option(None, "a tri-state")
+    ids: tuple[int, ...] = option((), "ids")
+    ratio: float | None = option(0.5, "50% of it")
+    name: str = option("x", "a name")
+
+
+def test_nested_defaults_optional_and_tuple_fields():
+    assert parse(Outer, []) == Outer()                                  # the parent's nested default, 8
+    o = Outer(Inner(64), False, (3, -4), 0.25, "-dash")
+    assert parse(Outer, to_argv(o)) == o
+    with pytest.raises(ValueError, match="no flag can say None"):
+        to_argv(Outer(ratio=None))
+    p = Parser(prog="t")
+    add_options(p, Outer)
+    assert "50% of it" in p.format_help()

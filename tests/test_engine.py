@@ -6,7 +6,6 @@ import copy
 import json
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -75,13 +74,14 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(qwen3):
     assert engine.generate(PROMPT, 12, seed=3, temperature=5.0, top_k=1).token_ids == oracle.greedy(PROMPT, 12)
 
 
-def test_seeded_sampling_in_a_batch_matches_alone(qwen3):
-    _, engine = qwen3
+def test_seeded_sampling_in_a_batch_matches_alone(oracles):
     prompts = [[(5 * i + j) % 256 for j in range(2 + i)] for i in range(6)]
-    alone = [engine.generate(p, 10, seed=i, temperature=1.5).token_ids for i, p in enumerate(prompts)]
-    with ThreadPoolExecutor(6) as pool:
-        together = list(pool.map(lambda ip: engine.generate(ip[1], 10, seed=ip[0], temperature=1.5).token_ids,
-                                 enumerate(prompts)))
+    with InProcess(oracles["qwen3_moe"].path) as engine:
+        alone = [engine.generate(p, 10, seed=i, temperature=1.5).token_ids for i, p in enumerate(prompts)]
+        assert engine.metrics()["colibri_batch_size_max"] == 1
+        events = [engine.submit(p, 10, seed=i, temperature=1.5) for i, p in enumerate(prompts)]
+        together = [engine.collect(e).token_ids for e in events]
+        assert engine.metrics()["colibri_batch_size_max"] == 6    # all six shared steps
     assert together == alone
 
 
@@ -114,7 +114,9 @@ class FailOnce:
 
 
 @pytest.mark.parametrize("exc, code", [(RuntimeError("boom"), "INTERNAL"),
-                                       (WorkerError("expert worker 1.2.3.4:5 failed"), "UNAVAILABLE")])
+                                       (WorkerError("expert worker 1.2.3.4:5 failed"), "UNAVAILABLE"),
+                                       (WorkerError("expert worker 1.2.3.4:5: INTERNAL: bug", retryable=False),
+                                        "INTERNAL")])
 def test_a_failed_step_fails_its_requests_with_a_status_and_the_engine_goes_on(oracles, exc, code):
     oracle = oracles["olmoe"]
     holder = {}
@@ -140,10 +142,11 @@ def test_bfloat16_serving_against_transformers_in_bfloat16(tmp_path, arch):
     near-tie in the gate flips an expert), so comparing one with the other to 1e-4 would test nothing
     but luck: measured, transformers bf16 and Colibri bf16 differ by 2-19% of the largest logit on these
     random models. What can be held honestly is the distance to the exact result, the same bf16 weights
-    computed in float32: transformers bf16 is 2-19% away; Colibri (float32 activations where the CPU has
-    no native bf16, float32 accumulation of the experts) measured 0.3-1%. The test asks for no more than
-    1.5x transformers' own error (or 2%), on two architectures, and the same first token as the exact
-    model wherever its top-2 margin is wider than that error.
+    computed in float32: transformers bf16 is 2-19% away. Where the CPU has no native bf16 the router
+    computes its dense layers in float32 and accumulates the experts in float32: measured 0.3-1%, held
+    here to 2%. Where the CPU has native bf16 the router computes in bf16 like transformers, and is held to
+    1.5x transformers' own error. Either way the first token must be the exact model's wherever its top-2
+    margin is wider than twice the error.
     """
     model = build_model(small_config(arch), seed=11, dtype=torch.bfloat16)
     path = save_checkpoint(model, tmp_path / "bf16")
@@ -153,10 +156,11 @@ def test_bfloat16_serving_against_transformers_in_bfloat16(tmp_path, arch):
         hf_bf16 = model(torch.tensor([PROMPT])).logits[0, -1].float()
     with InProcess(path, dtype="bfloat16") as engine:
         res = engine.generate(PROMPT, 1, return_logits=True)
+        router_in_float32 = engine.built.compute_dtype == torch.float32
     scale = float(want.abs().max())
     hf_err = float((hf_bf16 - want).abs().max()) / scale
     err = float((res.logits[0] - want).abs().max()) / scale
-    assert err <= max(1.5 * hf_err, 2e-2), (err, hf_err)
+    assert err <= (2e-2 if router_in_float32 else max(1.5 * hf_err, 2e-2)), (err, hf_err)
     top2 = want.topk(2).values
     if float(top2[0] - top2[1]) > 2 * err * scale:
         assert res.token_ids[0] == int(want.argmax())
@@ -176,7 +180,9 @@ def test_max_num_tokens_is_respected_and_chunked_prefill_is_exact(oracles, budge
     assert m["colibri_batch_size_max"] >= 2                   # decodes and prefill chunks shared steps
 
 
-def test_one_micro_batch_never_overlaps_and_two_change_no_token(oracles):
+def test_micro_batches_change_no_token_and_in_process_nothing_overlaps(oracles):
+    """In-process experts compute inside submit: no wait can find another micro-batch's experts running
+    (the fleet test in test_batching sees real overlap)."""
     oracle = oracles["qwen3_moe"]
     prompts = [[(13 * i + j) % 256 for j in range(3 + 2 * i)] for i in range(6)]
     results, overlaps = {}, {}
@@ -186,7 +192,7 @@ def test_one_micro_batch_never_overlaps_and_two_change_no_token(oracles):
             results[n] = [engine.collect(e).token_ids for e in events]
             overlaps[n] = engine.metrics()["colibri_micro_batch_overlaps_total"]
     assert results[1] == results[2] == [oracle.greedy(p, 8) for p in prompts]
-    assert overlaps[1] == 0 and overlaps[2] > 0
+    assert overlaps[1] == overlaps[2] == 0
 
 
 def test_a_sharded_checkpoint_serves_the_same_tokens(oracles, tmp_path):

@@ -96,12 +96,12 @@ def test_step_pairs_logits_rows_with_the_sequences_that_sample_across_micro_batc
         assert max(sizes) - min(sizes) <= 1
         assert [s.request_id for s in step.sampled] == ["d0", "d1", "p1", "p2"]
     assert Step.split([], 2).micro_batches == ()
+    assert Step.split([], 2).sampled == ()
 
 
 def test_step_advance_moves_every_scheduled_token_into_the_cache():
     batch = [scheduled("a", 5, 4, 1), scheduled("b", 30, 0, 12)]
     step = Step.split(batch, 2)
-    sampled = step.sampled
     step.advance()
     assert [s.seq.num_cached for s in batch] == [5, 12]
-    assert [s.request_id for s in sampled] == ["a"]
+    assert [s.request_id for s in step.sampled] == ["a"]      # fixed when the step was planned

@@ -15,9 +15,11 @@ import pytest
 
 from colibri.client import Client
 from colibri_common.tokenizer import Tokenizer
-from tests.conftest import COLIBRI, fleet
+from tests.conftest import COLIBRI, fleet, free_port, metrics
 from tests.models import build_model, save_checkpoint, small_config
 from tests.tokenizer_fixtures import save_tokenizer
+
+METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def served(oracles, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("served") / "qwen3-tok"
     shutil.copytree(oracle.path, ckpt)
     save_tokenizer(ckpt)
-    with fleet(ckpt, 2) as (addr, proc):
+    with fleet(ckpt, 2, ["--metrics-port", str(METRICS_PORT)]) as (addr, proc):
         yield oracle, addr, proc
 
 
@@ -36,10 +38,12 @@ def test_concurrent_requests_get_the_tokens_they_get_alone(served):
     client = Client(addr)
     prompts = [[(7 * i + j) % 256 for j in range(1 + 3 * i)] for i in range(10)]
     alone = [client.generate(p, 12).token_ids for p in prompts]
+    assert metrics(METRICS_PORT)["colibri_batch_size_max"] == 1
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda p: client.generate(p, 12).token_ids, prompts))
     assert together == alone
     assert alone[3] == oracle.greedy(prompts[3], 12)
+    assert metrics(METRICS_PORT)["colibri_batch_size_max"] >= 3     # they really shared steps
 
 
 @pytest.mark.parametrize("prompt, max_tokens, needle", [

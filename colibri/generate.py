@@ -1,0 +1,57 @@
+"""`colibri generate`: one request to a running router, the text streamed to stdout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+
+from colibri_common.options import option
+from router_service.sequence import Sampling
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    EXCLUDED = ("sampling.return_logits",)
+
+    target: str = option("", "router address HOST:PORT", required=True)
+    prompt: str | None = option(None, "prompt text (needs the model's tokenizer.json)")
+    prompt_ids: tuple[int, ...] | None = option(None, "comma-separated prompt token ids", metavar="ID[,ID...]")
+    json: bool = option(False, "print one JSON object on the last line instead of the streamed text")
+    sampling: Sampling = Sampling()
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("give exactly one of --prompt TEXT and --prompt-ids 1,2,3")
+
+
+def run_generate(opts: GenerateOptions) -> int:
+    import grpc
+
+    from colibri.client import Client, make_request
+
+    prompt: str | list[int] = opts.prompt if opts.prompt is not None else list(opts.prompt_ids or ())
+    client = Client(opts.target)
+    req = make_request(prompt, **dataclasses.asdict(opts.sampling))
+    ids, text, reason = [], "", ""
+    try:
+        for msg in client.stream(req):
+            kind = msg.WhichOneof("response")
+            if kind == "chunk":
+                ids.extend(msg.chunk.token_ids)
+                text += msg.chunk.text
+                if not opts.json:
+                    print(msg.chunk.text, end="", flush=True)
+            elif kind == "complete":
+                reason = msg.complete.finish_reason
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if opts.json:
+        print(json.dumps({"token_ids": ids, "text": text, "finish_reason": reason}))
+    else:
+        print()
+    return 0

@@ -1,0 +1,32 @@
+"""`colibri health`: ask a service's grpc.health.v1 status, as Kubernetes' gRPC probes do."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from colibri_common.options import option
+
+
+@dataclass(frozen=True)
+class HealthOptions:
+    target: str = option("", "service address HOST:PORT", required=True)
+    service: str = option("", "'' = liveness; colibri.v1.Generation or colibri.v1.ExpertWorker = readiness")
+    timeout: float = option(10.0, "seconds")
+
+
+def run_health(opts: HealthOptions) -> int:
+    """Exit code 0 when SERVING, 1 otherwise (NOT_SERVING, unknown service, unreachable)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(opts.target) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=opts.service), timeout=opts.timeout)
+        except grpc.RpcError as exc:
+            print(f"{opts.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{opts.target} {opts.service or '(liveness)'}: {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
