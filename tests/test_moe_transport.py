@@ -1,0 +1,108 @@
+"""The stream transport's bookkeeping with a scripted stub (no worker process): answers paired with their
+requests in order, stale answers of an abandoned step drained, a failure resetting only its own link."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from colibri_common.pb import expert_pb2
+from router_service.moe_transport import StreamLink, WorkerError
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "scripted failure"
+
+
+class FakeCall:
+    """Answers each request in order with compute_ms = its step; fails on a scripted step."""
+
+    def __init__(self, requests, fail_on: int | None, code: grpc.StatusCode) -> None:
+        self.requests, self.fail_on, self.code = requests, fail_on, code
+        self.cancelled = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> expert_pb2.ForwardResponse:
+        if self.cancelled.is_set():
+            raise FakeRpcError(grpc.StatusCode.CANCELLED)
+        req = next(self.requests)
+        if req.step == self.fail_on:
+            raise FakeRpcError(self.code)
+        return expert_pb2.ForwardResponse(compute_ms=float(req.step))
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class FakeStub:
+    def __init__(self, fail_on: int | None = None, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        self.fail_on, self.code, self.calls = fail_on, code, []
+
+    def ForwardStream(self, requests):  # noqa: N802 (gRPC's name)
+        self.calls.append(FakeCall(requests, self.fail_on, self.code))
+        return self.calls[-1]
+
+
+def link(stub: FakeStub, timeout_s: float = 60.0) -> StreamLink:
+    lk = StreamLink("127.0.0.1:1", timeout_s)
+    lk.stub = stub
+    return lk
+
+
+def req(step: int, layer: int = 0) -> expert_pb2.ForwardRequest:
+    return expert_pb2.ForwardRequest(layer=layer, step=step)
+
+
+def test_answers_are_paired_with_their_requests_whatever_order_they_are_read_in():
+    lk = link(FakeStub())
+    replies = [lk.send(req(s)) for s in (1, 2, 3)]
+    assert replies[2].get().compute_ms == 3             # reading the last files the first two on the way
+    assert replies[0].done() and replies[1].done()
+    assert [r.get().compute_ms for r in replies] == [1, 2, 3]
+
+
+def test_stale_answers_of_an_abandoned_step_are_drained_before_the_next_steps():
+    lk = link(FakeStub())
+    abandoned = [lk.send(req(1, layer)) for layer in (0, 1)]   # the step failed elsewhere; nobody reads these
+    fresh = lk.send(req(2))
+    assert fresh.get().compute_ms == 2
+    assert [r.get().compute_ms for r in abandoned] == [1, 1]
+
+
+@pytest.mark.parametrize("code, retryable", [(grpc.StatusCode.UNAVAILABLE, True), (grpc.StatusCode.INTERNAL, False)])
+def test_a_failure_fails_what_was_in_flight_and_the_next_send_reopens(code, retryable):
+    stub = FakeStub(fail_on=2, code=code)
+    lk = link(stub)
+    first, failing, after = lk.send(req(1)), lk.send(req(2)), lk.send(req(3))
+    assert first.get().compute_ms == 1
+    with pytest.raises(WorkerError, match="failed on layer 0") as err:
+        failing.get()
+    assert err.value.retryable is retryable
+    assert after.done()
+    with pytest.raises(WorkerError, match="stream was reset"):
+        after.get()
+    assert stub.calls[0].cancelled.is_set()
+    assert lk.send(req(4)).get().compute_ms == 4                # a new stream
+    assert len(stub.calls) == 2
+
+
+def test_the_watchdog_cancels_only_a_stream_that_waits_too_long():
+    lk = link(FakeStub(), timeout_s=0.05)
+    lk.send(req(1))
+    lk.check_deadline()                                          # nobody is waiting: nothing to cancel
+    assert not lk.stub.calls[0].cancelled.is_set()
+    lk._stream.waiting_since = time.monotonic() - 1.0            # a read blocked for a second
+    lk.check_deadline()
+    assert lk.stub.calls[0].cancelled.is_set()
