@@ -18,6 +18,7 @@ from colibri.generate import GenerateOptions
 from colibri.health import HealthOptions
 from colibri.launcher import ServeOptions
 from colibri.loadgen import BenchOptions
+from colibri.tune import TuneOptions
 from colibri.validate import ValidateOptions
 from colibri_common.errors import ColibriError
 from colibri_common.options import Parser, add_options, from_args
@@ -66,6 +67,12 @@ def _bench(opts: BenchOptions) -> int:
     return run_bench(opts)
 
 
+def _tune(opts: TuneOptions) -> int:
+    from colibri.tune import run_tune
+
+    return run_tune(opts)
+
+
 def _health(opts: HealthOptions) -> int:
     from colibri.health import run_health
 
@@ -93,6 +100,10 @@ COMMANDS: dict[str, Command] = {
                      "--prompt-len token ids, greedy, exactly --max-tokens new tokens each (EOS ignored), "
                      "--concurrency requests in flight until --num-requests are done."),
     "health": Command(HealthOptions, _health, "ask a service's grpc.health.v1 status; exit 0 when SERVING"),
+    "tune": Command(TuneOptions, _tune, "measure the CPU linear forms for a model now (else the first start does)",
+                    "Time the candidate forms of x @ W.T (matrix-vector, GEMM, float32 upcast) for the model's "
+                    "real shapes at 1-64 rows, with the thread counts `serve --workers N` would use, and keep "
+                    "the winners where the services look for them."),
 }
 
 

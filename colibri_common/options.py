@@ -50,6 +50,10 @@ class ServiceOptions:
     dtype: str = option("float32", "compute dtype", choices=DTYPES)
     threads: int = option(0, "torch threads for this process (0 = all cores)")
     log_level: str = option("INFO", "log level", choices=LOG_LEVELS, type=upper)
+    cpu_forms: str = option("auto", "JSON file of the CPU linear forms measured on this machine, written on the "
+                                    "first start and reused after ('auto' = $COLIBRI_CACHE_DIR or "
+                                    "~/.cache/colibri/cpu-forms.json; 'off' = built-in defaults, no measurement)",
+                            metavar="PATH|auto|off")
 
     def __post_init__(self) -> None:
         if self.threads < 0:

@@ -11,10 +11,13 @@ import torch
 from colibri_common import wire
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
+from colibri_common.forms_file import FormsFile
+from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import Service, setup_logging
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard
+from kernels.cpu_forms import tune
 
 log = logging.getLogger("colibri.expert")
 SERVICE = "colibri.v1.ExpertWorker"
@@ -94,6 +97,9 @@ def serve_expert(opts: ExpertOptions) -> None:
     ckpt = Checkpoint(opts.model)
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO))
     ckpt.close()
+    forms = FormsFile(resolve_forms(opts.cpu_forms))
+    if forms.path is not None:
+        log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save)))
     log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB packed %s, loaded in %.2fs",
              shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
              experts.packed_bytes / 2**20, opts.dtype, time.perf_counter() - t0)

@@ -63,6 +63,11 @@ class ExpertShard:
                 ckpt.release(name)
         return w13, w2
 
+    def linear_shapes(self) -> list[tuple[int, int, torch.dtype]]:
+        """(Dout, Din, dtype) of each expert's two matrices: gate/up [2I, H] and down [H, I]."""
+        H, I = self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        return [(2 * I, H, self.dtype), (H, I, self.dtype)]
+
     @property
     def packed_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.w13.values(), *self.w2.values()))

@@ -1,14 +1,15 @@
-"""x @ W.T on CPU, issued in the fastest form for the row count and dtype.
+"""x @ W.T (+ bias), issued in the form measured fastest on this machine for W's shape and the row count.
 
-Measured on the 2-core AVX2 dev machine with weights streamed from memory (`benchmarks/results/kernels.md`):
-- n = 1: a matrix-vector product (≈11 GB/s bf16, ≈10 GB/s fp32); a 1-row GEMM is up to 30% slower;
+The forms and their measurement live in `kernels/cpu_forms.py`; before a measurement is installed (or for
+a shape that was not measured), the defaults are the forms measured on the 2-core AVX2 dev machine:
+- n = 1: a matrix-vector product (≈11 GB/s bf16, ≈10 GB/s fp32; a 1-row GEMM is up to 30% slower);
 - float32, n <= 4: `W @ x.T` keeps the weight-streaming GEMV shape (≈9.5 GB/s) where `x @ W.T` packs W
-  first and halves the rate (≈4.3 GB/s); above 4 rows the gain was not repeatable, so F.linear;
-- bfloat16 on a CPU without native bf16 arithmetic: the GEMM is compute-bound from n ≈ 4 (1.9 GB/s at
-  n = 8, 0.5 GB/s at n = 32); upcasting W to float32 per call is faster from n = 8 (fused MoE at T=128:
-  150-200 ms with the upcast, 240-600 ms without). Callers that batch every step over the same weights
-  should hold float32 weights instead (the router does, see router_service/build.py `compute_dtype`).
+  first and halves the rate (≈4.3 GB/s);
+- bfloat16 from n = 8 without native bf16 arithmetic: upcasting W to float32 per call beats the emulated
+  bf16 GEMM (fused MoE at T=128: 150-200 ms with the upcast, 240-600 ms without).
 CUDA tensors go straight to F.linear.
+
+Shapes: n rows, Din input features, Dout output features.
 """
 
 from __future__ import annotations
@@ -16,28 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GEMV_MAX_ROWS = 4
-BF16_UPCAST_MIN_ROWS = 8
+from kernels.cpu_forms import pick
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, Din], w [Dout, Din] (+ bias [Dout]) -> [n, Dout] in x's dtype."""
-    n = x.shape[0]
     if x.is_cuda or x.dim() != 2:
-        y = F.linear(x, w, bias)
-    elif n == 1:
-        y = torch.mv(w, x[0])[None]
-        if bias is not None:
-            y = y + bias
-    elif w.dtype == torch.bfloat16 and n >= BF16_UPCAST_MIN_ROWS:
-        y = F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
-    elif w.dtype == torch.float32 and n <= GEMV_MAX_ROWS:
-        y = torch.mm(w, x.t()).t()
-        if bias is not None:
-            y = y + bias
-    else:
-        y = F.linear(x, w, bias)
-    return y
+        return F.linear(x, w, bias)
+    y = pick(w, x.shape[0])(x, w)                                           # [n, Dout]
+    return y if bias is None else y + bias
 
 
 def cpu_has_fast_bf16() -> bool:

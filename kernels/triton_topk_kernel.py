@@ -1,4 +1,8 @@
-"""Triton top-k softmax routing kernel (jit code only)."""
+"""Triton top-k softmax routing kernel (jit code only).
+
+Shapes: E experts (BLOCK_E lanes, the next power of two), TOP_K experts per token (any k; TOPK_POW2 lanes,
+the padded ones masked).
+"""
 
 import triton
 import triton.language as tl
@@ -6,7 +10,8 @@ import triton.language as tl
 
 @triton.jit
 def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                        TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+                        TOP_K: tl.constexpr, TOPK_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
+                        RENORMALIZE: tl.constexpr):
     """One row: softmax over all experts in float32, the k largest (lowest index on ties), renormalised."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
@@ -24,6 +29,7 @@ def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
         total += best
         p = tl.where(cols == idx, -1.0, p)
     if RENORMALIZE:
-        ks = tl.arange(0, TOP_K)
-        w = tl.load(weights_ptr + row * TOP_K + ks)
-        tl.store(weights_ptr + row * TOP_K + ks, w / total)
+        slot = tl.arange(0, TOPK_POW2)
+        used = slot < TOP_K
+        w = tl.load(weights_ptr + row * TOP_K + slot, mask=used, other=0.0)
+        tl.store(weights_ptr + row * TOP_K + slot, w / total, mask=used)

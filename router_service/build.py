@@ -16,7 +16,10 @@ import torch
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import ConfigError
+from colibri_common.forms_file import FormsFile
+from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.tokenizer import Tokenizer
+from kernels.cpu_forms import tune
 from kernels.cpu_linear import cpu_has_fast_bf16
 from router_service.block_allocator import BlockAllocator
 from router_service.engine import Engine
@@ -79,6 +82,10 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     ckpt = Checkpoint(opts.model)
     weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO))
     ckpt.close()
+    forms = FormsFile(resolve_forms(opts.cpu_forms))
+    if forms.path is not None:
+        rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
+        log.info(forms.summary(tune(weights.linear_shapes(), forms.forms, forms.save, max_rows=rows)))
     per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)
     kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)

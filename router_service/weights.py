@@ -40,6 +40,12 @@ class RouterWeights:
     lm_head: torch.Tensor                 # [V, H]
     layers: list[LayerWeights]
 
+    def linear_shapes(self) -> list[tuple[int, int, torch.dtype]]:
+        """(Dout, Din, dtype) of every weight the router multiplies by (the CPU forms are measured for these)."""
+        ws = [self.lm_head] + [w for lw in self.layers for w in (lw.qkv, lw.o, lw.router, lw.mlp_gate_up,
+                                                                 lw.mlp_down, lw.shared_gate) if w is not None]
+        return list(dict.fromkeys((w.shape[0], w.shape[1], w.dtype) for w in ws))
+
     @staticmethod
     def load(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, progress: bool = False) -> RouterWeights:
         def load_all(specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:

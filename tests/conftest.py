@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,8 @@ COLIBRI = str(Path(sys.executable).parent / "colibri")
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 torch.set_num_threads(1)
+# The measured CPU forms of every service the suite starts go to one file of its own, not ~/.cache.
+os.environ.setdefault("COLIBRI_CACHE_DIR", tempfile.mkdtemp(prefix="colibri-test-cache-"))
 
 
 @contextmanager

@@ -65,6 +65,7 @@ def test_triton_float32(T, E, K):
 @pytest.mark.parametrize("T,E,K,pattern", [
     (1, 8, 2, "random"), (3, 60, 8, "expert_map"), (64, 8, 2, "one_expert"), (129, 60, 1, "expert_map"),
     (3, 8, 1, "one_expert"), (64, 60, 8, "random"),
+    (17, 61, 3, "random"), (5, 61, 7, "expert_map"), (33, 9, 5, "random"), (2, 7, 6, "one_expert"),
 ])
 def test_triton_float16_and_patterns(T, E, K, pattern):
     check("triton", T, E, K, torch.float16, pattern)
@@ -79,8 +80,10 @@ def test_no_pair_held_here_gives_zeros():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("T,E,K,renorm", [(1, 8, 2, True), (37, 60, 8, False), (64, 60, 4, True), (5, 8, 1, False)])
+@pytest.mark.parametrize("T,E,K,renorm", [(1, 8, 2, True), (37, 60, 8, False), (64, 60, 4, True), (5, 8, 1, False),
+                                          (9, 61, 3, True), (4, 61, 5, True), (7, 60, 6, True), (3, 9, 7, False)])
 def test_topk_route(backend, T, E, K, renorm):
+    """Any k (3, 5, 6, 7 too: the kernel masks its padded lanes) and odd expert counts."""
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T))
     w, ids = topk_route(logits, K, renorm, backend=backend)
     rw, rids = topk_route_reference(logits, K, renorm)

@@ -1,0 +1,60 @@
+"""`colibri tune`: measure the CPU linear forms for a model's shapes now, instead of at the first start.
+
+It measures what `colibri serve --workers N` would: the router's dense shapes with the router's thread
+count and one worker's expert shapes with a worker's, and writes them where the services look
+(`--cpu-forms`), so the fleet's first start measures nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from colibri.launcher import split_threads
+from colibri_common.options import DTYPES, option
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    model: str = option("", "Hugging Face checkpoint directory", required=True, metavar="DIR")
+    dtype: str = option("float32", "compute dtype, as for serve", choices=DTYPES)
+    workers: int = option(2, "measure for this many workers (it decides each process's thread count)")
+    threads: int = option(0, "cores to split between the router and the workers, as for serve (0 = all)")
+    cpu_forms: str = option("auto", "where to write the forms ('auto' = where the services look)",
+                            metavar="PATH|auto")
+    max_rows: int = option(64, "largest row count to measure (rows beyond it use its winner)")
+
+    def __post_init__(self) -> None:
+        if self.workers <= 0 or self.threads < 0 or self.max_rows <= 0:
+            raise ValueError("--workers and --max-rows must be positive, --threads >= 0")
+        if self.cpu_forms == "off":
+            raise ValueError("--cpu-forms off measures nothing; give a path or 'auto'")
+
+
+def run_tune(opts: TuneOptions) -> int:
+    import torch
+
+    from colibri_common.checkpoint import Checkpoint
+    from colibri_common.config import ModelConfig
+    from colibri_common.forms_file import FormsFile, resolve
+    from kernels.cpu_forms import describe, tune
+    from router_service.build import compute_dtype
+    from router_service.weights import RouterWeights
+
+    cfg = ModelConfig.from_dir(opts.model)
+    router_threads, worker_threads = split_threads(opts.threads or len(os.sched_getaffinity(0)), opts.workers)
+    router_dtype = compute_dtype(getattr(torch, opts.dtype))
+    ckpt = Checkpoint(opts.model)
+    router_shapes = RouterWeights.load(ckpt, cfg, router_dtype).linear_shapes()
+    ckpt.close()
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    expert_dtype = getattr(torch, opts.dtype)
+    jobs = [("router", router_threads, router_shapes),
+            ("expert worker", worker_threads, [(2 * I, H, expert_dtype), (H, I, expert_dtype)])]
+    for role, threads, shapes in jobs:
+        torch.set_num_threads(threads)
+        forms = FormsFile(resolve(opts.cpu_forms))
+        measured = tune(shapes, forms.forms, forms.save, max_rows=opts.max_rows)
+        print(f"{role} ({threads} threads): {forms.summary(measured)}")
+        print(f"  {describe({k: forms.forms[k] for k in measured})}" if measured else "  nothing new to measure")
+    return 0

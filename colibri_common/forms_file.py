@@ -1,0 +1,121 @@
+"""The file that keeps the CPU linear forms measured on this machine, so the next start reuses them.
+
+    {"version": 1,
+     "machine": {"cpu": "AMD EPYC ...", "isa": ["avx2", "fma", ...], "torch": "2.13.0+cpu"},
+     "forms": {"threads=2": {"1024x1024:float32:1": "mv", ...}, "threads=1": {...}}}
+
+Forms are kept per torch thread count (the router and the workers of one fleet run with different
+counts). A file written on another CPU, with other ISA flags or another torch is ignored and rebuilt; a
+corrupt one is rebuilt with a warning. Writes are atomic and merge with what another process of the same
+fleet wrote meanwhile (an flock around read-modify-write), so a router and its workers can share one file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("colibri")
+
+VERSION = 1
+ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16", "i8mm")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def cpu_isa() -> list[str]:
+    """The ISA flags that decide which GEMM forms are fast (from /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags |= set(line.split(":", 1)[1].split())
+    return [f for f in ISA_FLAGS if f in flags]
+
+
+def machine() -> dict[str, object]:
+    return {"cpu": cpu_model(), "isa": cpu_isa(), "torch": torch.__version__}
+
+
+def default_path() -> Path:
+    base = os.environ.get("COLIBRI_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "colibri")
+    return Path(base) / "cpu-forms.json"
+
+
+def resolve(setting: str) -> Path | None:
+    """`--cpu-forms`: 'auto' = the default path, 'off' = no file (the built-in defaults), else a path."""
+    if setting == "off":
+        return None
+    return default_path() if setting == "auto" else Path(setting)
+
+
+def _read(path: Path, here: dict[str, object]) -> dict[str, dict[str, str]]:
+    """The forms sections of `path` if it was written on this machine; {} otherwise (said in the log)."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("version") != VERSION or not isinstance(raw.get("forms"), dict):
+            raise ValueError("unknown layout")
+        sections = {k: {str(a): str(b) for a, b in v.items()} for k, v in raw["forms"].items()}
+    except (ValueError, AttributeError, OSError) as exc:
+        log.warning("%s is corrupt (%s); measuring the CPU forms again", path, exc)
+        return {}
+    if raw.get("machine") != here:
+        log.info("%s was measured on %s; this is %s: measuring again", path, raw.get("machine"), here)
+        return {}
+    return sections
+
+
+class FormsFile:
+    """The measured forms of this machine for this process's thread count, as a dict to fill."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.machine = machine()
+        self.section = f"threads={torch.get_num_threads()}"
+        self.forms: dict[str, str] = dict(_read(path, self.machine).get(self.section, {})) if path else {}
+        self.loaded = len(self.forms)
+
+    def summary(self, measured: list[str]) -> str:
+        where = self.path if self.path is not None else "(not kept: --cpu-forms off)"
+        return (f"CPU linear forms ({self.section}): {self.loaded} reused and {len(measured)} measured, {where}")
+
+    def save(self) -> None:
+        """Merge this process's forms into the file, atomically; a file that cannot be written is a warning."""
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                sections = _read(self.path, self.machine)
+                sections[self.section] = {**sections.get(self.section, {}), **self.forms}
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".cpu-forms-")
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"version": VERSION, "machine": self.machine, "forms": sections}, f, indent=1,
+                              sort_keys=True)
+                os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("cannot write %s (%s); the measured forms are used but not kept", self.path, exc)

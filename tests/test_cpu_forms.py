@@ -1,0 +1,100 @@
+"""The CPU linear forms: every form computes x @ W.T, the measured winners are kept in a file keyed by the
+machine, reused on the next start, rebuilt for another CPU or torch or a corrupt file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from colibri_common.forms_file import FormsFile, machine
+from kernels import cpu_forms
+from kernels.cpu_linear import linear
+from tests.conftest import COLIBRI
+from tests.inprocess import InProcess
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
+def test_every_form_computes_the_same_product(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 72, generator=g).to(dtype), torch.randn(40, 72, generator=g).to(dtype), \
+        torch.randn(40, generator=g).to(dtype)
+    want = F.linear(x.double(), w.double(), b.double())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for name in cpu_forms.candidates(dtype, cpu_forms.bucket(rows)):
+        cpu_forms.install({cpu_forms.key(40, 72, dtype, cpu_forms.bucket(rows)): name})
+        got = linear(x, w, b)
+        assert got.dtype == dtype and got.shape == (rows, 40)
+        assert float((got.double() - want).abs().max() / want.abs().max()) < tol, name
+
+
+def test_measure_fills_only_what_is_missing_and_picks_a_candidate():
+    table = {cpu_forms.key(64, 32, torch.float32, 1): "linear"}      # already known: not measured again
+    measured = cpu_forms.measure([(64, 32, torch.float32), (64, 32, torch.float32)], table, max_rows=8,
+                                 min_seconds=0.001)
+    assert measured == [cpu_forms.key(64, 32, torch.float32, b) for b in (2, 4, 8)]
+    assert table[cpu_forms.key(64, 32, torch.float32, 1)] == "linear"
+    for b in (2, 4, 8):
+        assert table[cpu_forms.key(64, 32, torch.float32, b)] in cpu_forms.candidates(torch.float32, b)
+    with pytest.raises(ValueError, match="unknown CPU linear forms"):
+        cpu_forms.install({"1x1:float32:1": "magic"})
+
+
+def start(path, oracles, caplog) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="colibri"), \
+            InProcess(oracles["olmoe"].path, cpu_forms=str(path)) as engine:
+        assert len(engine.generate([1, 2, 3], 3).token_ids) == 3
+    return next(r.getMessage() for r in caplog.records if "CPU linear forms" in r.getMessage())
+
+
+def test_written_on_first_start_reused_on_the_second_rebuilt_for_another_machine(tmp_path, oracles, caplog):
+    path = tmp_path / "forms.json"
+    first = start(path, oracles, caplog)
+    assert "0 reused and" in first and " 0 measured" not in first
+    saved = json.loads(path.read_text())
+    assert saved["machine"] == machine()
+    section = saved["forms"][f"threads={torch.get_num_threads()}"]
+    assert section and set(section.values()) <= set(cpu_forms.FORMS)
+
+    second = start(path, oracles, caplog)
+    assert f"{len(section)} reused and 0 measured" in second
+
+    saved["machine"]["torch"] = "1.0.0"                              # another torch (or CPU): ignored, rebuilt
+    path.write_text(json.dumps(saved))
+    third = start(path, oracles, caplog)
+    assert "0 reused and" in third
+    assert any("was measured on" in r.getMessage() for r in caplog.records)
+    assert json.loads(path.read_text())["machine"] == machine()
+
+
+def test_a_corrupt_file_is_rebuilt_with_a_warning(tmp_path, oracles, caplog):
+    path = tmp_path / "forms.json"
+    path.write_text("{not json")
+    msg = start(path, oracles, caplog)
+    assert "0 reused and" in msg
+    assert any(r.levelno == logging.WARNING and "corrupt" in r.getMessage() for r in caplog.records)
+    assert json.loads(path.read_text())["machine"] == machine()
+
+
+def test_off_measures_nothing(tmp_path, oracles):
+    with InProcess(oracles["olmoe"].path, cpu_forms="off") as engine:
+        assert len(engine.generate([1, 2, 3], 3).token_ids) == 3
+    assert FormsFile(None).forms == {}
+
+
+def test_tune_cli_writes_the_file_the_services_read(tmp_path, oracles):
+    path = tmp_path / "tuned.json"
+    out = subprocess.run([COLIBRI, "tune", "--model", str(oracles["qwen3_moe"].path), "--workers", "2",
+                          "--cpu-forms", str(path), "--max-rows", "4"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "router (" in out.stdout and "expert worker (" in out.stdout
+    sections = json.loads(path.read_text())["forms"]
+    assert sections and all(sections.values())
