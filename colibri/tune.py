@@ -23,6 +23,7 @@ class TuneOptions:
     cpu_forms: str = option("auto", "where to write the forms ('auto' = where the services look)",
                             metavar="PATH|auto")
     max_rows: int = option(64, "largest row count to measure (rows beyond it use its winner)")
+    quantize: str | None = option(None, "measure the int8 forms, as for serve --quantize int8", choices=("int8",))
 
     def __post_init__(self) -> None:
         if self.workers <= 0 or self.threads < 0 or self.max_rows <= 0:
@@ -45,12 +46,12 @@ def run_tune(opts: TuneOptions) -> int:
     router_threads, worker_threads = split_threads(opts.threads or len(os.sched_getaffinity(0)), opts.workers)
     router_dtype = compute_dtype(getattr(torch, opts.dtype))
     ckpt = Checkpoint(opts.model)
-    router_shapes = RouterWeights.load(ckpt, cfg, router_dtype).linear_shapes()
+    weights = RouterWeights.load(ckpt, cfg, router_dtype)
     ckpt.close()
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    expert_dtype = getattr(torch, opts.dtype)
-    jobs = [("router", router_threads, router_shapes),
-            ("expert worker", worker_threads, [(2 * I, H, expert_dtype), (H, I, expert_dtype)])]
+    expert_kind = f"int8-{opts.dtype}" if opts.quantize == "int8" else opts.dtype
+    jobs = [("router", router_threads, weights.linear_shapes(router_dtype)),
+            ("expert worker", worker_threads, [(2 * I, H, expert_kind), (H, I, expert_kind)])]
     for role, threads, shapes in jobs:
         torch.set_num_threads(threads)
         forms = FormsFile(resolve(opts.cpu_forms))

@@ -50,6 +50,9 @@ class ServiceOptions:
     dtype: str = option("float32", "compute dtype", choices=DTYPES)
     threads: int = option(0, "torch threads for this process (0 = all cores)")
     log_level: str = option("INFO", "log level", choices=LOG_LEVELS, type=upper)
+    quantize: str | None = option(None, "int8: the routed experts as symmetric per-output-channel int8 weights "
+                                        "with float32 scales, made at load time from the checkpoint (the router "
+                                        "checks that its workers serve what it was told)", choices=("int8",))
     cpu_forms: str = option("auto", "JSON file of the CPU linear forms measured on this machine, written on the "
                                     "first start and reused after ('auto' = $COLIBRI_CACHE_DIR or "
                                     "~/.cache/colibri/cpu-forms.json; 'off' = built-in defaults, no measurement)",

@@ -39,7 +39,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             model_type=cfg.architecture, shard_index=s.shard, num_shards=s.num_shards,
             moe_layers=list(cfg.moe_layers), experts=s.experts, num_experts=cfg.num_experts,
             hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
-            dtype=wire.dtype_name(s.dtype), packed_bytes=s.packed_bytes)
+            dtype=s.weight_dtype, packed_bytes=s.packed_bytes)
 
     def _compute(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
         hidden = wire.decode(request.hidden)                                 # [n, H]
@@ -95,14 +95,15 @@ def serve_expert(opts: ExpertOptions) -> None:
     # Listen (liveness answers) while the weights load; readiness turns SERVING only after.
     bound = service.start(opts.host, opts.port, [SERVICE])
     ckpt = Checkpoint(opts.model)
-    experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO))
+    experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
+                          quantize=opts.quantize)
     ckpt.close()
     forms = FormsFile(resolve_forms(opts.cpu_forms))
     if forms.path is not None:
         log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save)))
     log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB packed %s, loaded in %.2fs",
              shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
-             experts.packed_bytes / 2**20, opts.dtype, time.perf_counter() - t0)
+             experts.packed_bytes / 2**20, experts.weight_dtype, time.perf_counter() - t0)
     servicer.shard = experts
     service.ready(opts.host, bound)
     service.run_until_signal()

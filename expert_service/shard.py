@@ -20,36 +20,47 @@ from colibri_common.config import ModelConfig
 from colibri_common.placement import shard_experts
 from colibri_common.tensors import expert_tensors, fused_expert_tensors
 from kernels import fused_moe
+from kernels.cpu_forms import Weight, kind
+from kernels.quant import Int8Weight
 
 log = logging.getLogger("colibri.expert")
 
 
 class ExpertShard:
+    """`dtype` is the compute dtype of the activations; the weights are packed in it, or as int8 with a
+    float32 scale per output row when `quantize == "int8"` (quantised expert by expert as they are read)."""
+
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, shard: int, num_shards: int, dtype: torch.dtype,
-                 progress: bool = False) -> None:
+                 progress: bool = False, quantize: str | None = None) -> None:
+        if quantize not in (None, "int8"):
+            raise ValueError(f"quantize '{quantize}' is unknown; use int8 or none")
         self.cfg = cfg
         self.shard, self.num_shards = shard, num_shards
-        self.dtype = dtype
+        self.dtype, self.quantize = dtype, quantize
         self.experts = shard_experts(cfg.num_experts, shard, num_shards)
         self.expert_map = torch.full((cfg.num_experts,), -1, dtype=torch.long)  # [E] global -> local
         self.expert_map[self.experts] = torch.arange(len(self.experts))
-        self.w13: dict[int, torch.Tensor] = {}
-        self.w2: dict[int, torch.Tensor] = {}
+        self.w13: dict[int, Weight] = {}
+        self.w2: dict[int, Weight] = {}
         for layer in tqdm(cfg.moe_layers, desc=f"experts {shard}/{num_shards}", unit="layer",
                           disable=not progress):
             self.w13[layer], self.w2[layer] = self._pack(ckpt, layer)
 
-    def _pack(self, ckpt: Checkpoint, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _empty(self, *shape: int) -> Weight:
+        return Int8Weight.empty(*shape) if self.quantize == "int8" else torch.empty(shape, dtype=self.dtype)
+
+    def _pack(self, ckpt: Checkpoint, layer: int) -> tuple[Weight, Weight]:
         cfg = self.cfg
         E, H, I = len(self.experts), cfg.hidden_size, cfg.moe_intermediate_size
-        w13 = torch.empty(E, 2 * I, H, dtype=self.dtype)                     # [E_local, 2I, H]
-        w2 = torch.empty(E, H, I, dtype=self.dtype)                          # [E_local, H, I]
+        w13 = self._empty(E, 2 * I, H)                                       # [E_local, 2I, H]
+        w2 = self._empty(E, H, I)                                            # [E_local, H, I]
         fused = fused_expert_tensors(cfg, layer)
         if fused["gate_up"][0] in ckpt:
             (gu_name, gu_shape), (d_name, d_shape) = fused["gate_up"], fused["down"]
-            lo, hi = self.experts[0], self.experts[-1] + 1                   # contiguous by placement
-            w13.copy_(ckpt.view(gu_name, gu_shape)[lo:hi])
-            w2.copy_(ckpt.view(d_name, d_shape)[lo:hi])
+            gate_up, down = ckpt.view(gu_name, gu_shape), ckpt.view(d_name, d_shape)
+            for j, e in enumerate(self.experts):                             # one expert at a time: no float
+                w13[j].copy_(gate_up[e])                                     # copy of the shard when quantising
+                w2[j].copy_(down[e])
             ckpt.release(gu_name)
             ckpt.release(d_name)
             return w13, w2
@@ -63,19 +74,23 @@ class ExpertShard:
                 ckpt.release(name)
         return w13, w2
 
-    def linear_shapes(self) -> list[tuple[int, int, torch.dtype]]:
-        """(Dout, Din, dtype) of each expert's two matrices: gate/up [2I, H] and down [H, I]."""
-        H, I = self.cfg.hidden_size, self.cfg.moe_intermediate_size
-        return [(2 * I, H, self.dtype), (H, I, self.dtype)]
+    def linear_shapes(self) -> list[tuple[int, int, str]]:
+        """(Dout, Din, kind) of each expert's two matrices: gate/up [2I, H] and down [H, I]."""
+        w13, w2 = next(iter(self.w13.values())), next(iter(self.w2.values()))
+        return [(w.shape[1], w.shape[2], kind(w, self.dtype)) for w in (w13, w2)]
+
+    @property
+    def weight_dtype(self) -> str:
+        return "int8" if self.quantize == "int8" else str(self.dtype).removeprefix("torch.")
 
     @property
     def packed_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.w13.values(), *self.w2.values()))
+        return sum(w.nbytes for w in (*self.w13.values(), *self.w2.values()))
 
     def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
         """hidden [n, H], ids [n, K] global ids (others' experts ignored), weights [n, K] -> [n, H]."""
         if layer not in self.w13:
             raise KeyError(f"layer {layer} has no routed experts (MoE layers: {list(self.cfg.moe_layers)})")
-        x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
+        x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)                # [n, H]
         return fused_moe(x, self.w13[layer], self.w2[layer], ids, weights, self.expert_map)

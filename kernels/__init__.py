@@ -13,7 +13,9 @@ import os
 
 import torch
 
+from kernels.cpu_forms import Weight
 from kernels.cpu_moe import fused_moe_cpu
+from kernels.quant import Int8Weight, quantize_int8
 from kernels.routing import topk_route_torch
 
 BACKENDS = ("triton", "torch")
@@ -26,13 +28,14 @@ def _pick(x: torch.Tensor, backend: str | None) -> str:
     return choice
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
               backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_k w_k · w2[e_k] @ (silu(gate) * up) per token; gate/up are the first/second halves of w13[e] @ x.
 
     x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids/topk_weights [T, K] -> [T, H] in x's dtype (written
     into `out` when given). expert_map [E_global] maps global ids to rows of w13/w2, -1 = not held here.
+    w13 and w2 may be `Int8Weight`s (per-row int8 with float32 scales): the CPU path computes them.
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fused_moe: need x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {list(x.shape)}, "
@@ -49,6 +52,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     if x.shape[0] == 0:
         return torch.empty_like(x) if out is None else out
     if _pick(x, backend) == "triton":
+        if isinstance(w13, Int8Weight) or isinstance(w2, Int8Weight):
+            raise ValueError("fused_moe: int8 experts run on the CPU path (backend='torch'); the Triton kernels "
+                             "take float32, float16 or bfloat16 weights")
         from kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_map, out=out)
@@ -68,4 +74,4 @@ def topk_route(logits: torch.Tensor, k: int, renormalize: bool, scoring: str = "
     return topk_route_torch(logits, k, renormalize)
 
 
-__all__ = ["fused_moe", "topk_route", "BACKENDS"]
+__all__ = ["fused_moe", "topk_route", "BACKENDS", "Int8Weight", "quantize_int8"]

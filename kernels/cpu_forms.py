@@ -6,6 +6,9 @@ on a Xeon with AMX / AVX512-BF16 oneDNN's bf16 GEMM wins at every row count. So 
 `install` makes `kernels.cpu_linear.linear` use the winners. Persisting them (keyed by CPU, ISA flags and
 torch version) is the caller's business: `measure` reads and fills any mutable mapping it is given.
 
+A weight's *kind* names what the forms see: its dtype ("float32", "bfloat16"), or "int8-<activation
+dtype>" for an `Int8Weight` (kernels/quant.py) multiplied by activations of that dtype.
+
 Shapes: n rows of x, Din input features, Dout output features; W [Dout, Din].
 """
 
@@ -17,7 +20,10 @@ from collections.abc import Callable, Iterable, MutableMapping
 import torch
 import torch.nn.functional as F
 
-Form = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]      # (x [n, Din], W [Dout, Din]) -> [n, Dout]
+from kernels.quant import Int8Weight, quantize_int8, quantize_rows
+
+Weight = torch.Tensor | Int8Weight
+Form = Callable[[torch.Tensor, Weight], torch.Tensor]            # (x [n, Din], W [Dout, Din]) -> [n, Dout]
 
 
 def _mv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -36,7 +42,22 @@ def _upcast(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), w.float()).to(x.dtype)             # float32 GEMM on a converted copy of W
 
 
-FORMS: dict[str, Form] = {"mv": _mv, "gemv_t": _gemv_t, "linear": _linear, "upcast": _upcast}
+def _int8_pack(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    return torch._weight_int8pack_mm(x, w.q, w.scale.to(x.dtype))   # int8 weights, activations as they are
+
+
+def _int8_intmm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    xq, xs = quantize_rows(x)                                     # [n, Din] int8, [n] per-row scales
+    return (torch._int_mm(xq, w.q.t()).float() * xs[:, None] * w.scale).to(x.dtype)   # int32 accumulation
+
+
+def _int8_dequant(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    return (F.linear(x.float(), w.q.float()) * w.scale).to(x.dtype)   # float32 GEMM on a converted copy
+
+
+FORMS: dict[str, Form] = {"mv": _mv, "gemv_t": _gemv_t, "linear": _linear, "upcast": _upcast,
+                          "int8_pack": _int8_pack, "int8_intmm": _int8_intmm, "int8_dequant": _int8_dequant}
+INT8_FORMS = ("int8_pack", "int8_intmm", "int8_dequant")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -48,28 +69,40 @@ def bucket(n: int) -> int:
     return b
 
 
-def key(dout: int, din: int, dtype: torch.dtype, rows: int) -> str:
-    return f"{dout}x{din}:{str(dtype).removeprefix('torch.')}:{rows}"
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def candidates(dtype: torch.dtype, rows: int) -> list[str]:
+def kind(w: Weight, x_dtype: torch.dtype) -> str:
+    return f"int8-{dtype_name(x_dtype)}" if isinstance(w, Int8Weight) else dtype_name(w.dtype)
+
+
+def key(dout: int, din: int, weight_kind: str, rows: int) -> str:
+    return f"{dout}x{din}:{weight_kind}:{rows}"
+
+
+def candidates(weight_kind: str, rows: int) -> list[str]:
+    if weight_kind.startswith("int8-"):
+        return list(INT8_FORMS)
     out = ["linear"]
     if rows == 1:
         out.append("mv")
     if rows <= 8:
         out.append("gemv_t")
-    if dtype in (torch.bfloat16, torch.float16):
+    if weight_kind in ("bfloat16", "float16"):
         out.append("upcast")
     return out
 
 
-def default_form(dtype: torch.dtype, rows: int) -> str:
+def default_form(weight_kind: str, rows: int) -> str:
     """What to use before (or without) a measurement: the forms measured on the AVX2 dev machine."""
+    if weight_kind.startswith("int8-"):
+        return "int8_pack" if rows <= 4 else "int8_dequant"
     if rows == 1:
         return "mv"
-    if dtype == torch.bfloat16 and rows >= 8:
+    if weight_kind == "bfloat16" and rows >= 8:
         return "upcast"
-    if dtype == torch.float32 and rows <= 4:
+    if weight_kind == "float32" and rows <= 4:
         return "gemv_t"
     return "linear"
 
@@ -85,13 +118,13 @@ def install(table: dict[str, str]) -> None:
     _TABLE.update(table)
 
 
-def pick(w: torch.Tensor, rows: int) -> Form:
-    b = bucket(rows)
-    name = _TABLE.get(key(w.shape[0], w.shape[1], w.dtype, b)) or default_form(w.dtype, rows)
+def pick(x: torch.Tensor, w: Weight) -> Form:
+    rows, k = x.shape[0], kind(w, x.dtype)
+    name = _TABLE.get(key(w.shape[0], w.shape[1], k, bucket(rows))) or default_form(k, rows)
     return FORMS[name if rows == 1 or name != "mv" else "gemv_t"]
 
 
-def _time(form: Form, x: torch.Tensor, weights: list[torch.Tensor], min_seconds: float) -> float:
+def _time(form: Form, x: torch.Tensor, weights: list[Weight], min_seconds: float) -> float:
     """Median seconds per call, cycling through copies of W so it streams from memory as in serving."""
     times: list[float] = []
     deadline = time.perf_counter() + min_seconds
@@ -107,27 +140,35 @@ def _time(form: Form, x: torch.Tensor, weights: list[torch.Tensor], min_seconds:
     return times[len(times) // 2]
 
 
-def measure(shapes: Iterable[tuple[int, int, torch.dtype]], table: MutableMapping[str, str],
-            max_rows: int = BUCKETS[-1], stream_bytes: int = 64 * 2**20, min_seconds: float = 0.02,
-            progress: Callable[[str], None] | None = None) -> list[str]:
-    """Time the candidates of every (Dout, Din, dtype) at each row bucket up to max_rows, filling `table`
+def _sample(dout: int, din: int, weight_kind: str, g: torch.Generator) -> tuple[Weight, torch.dtype]:
+    """A random weight of this kind and the activation dtype it is multiplied by."""
+    w = torch.randn(dout, din, generator=g)                                          # [Dout, Din]
+    if weight_kind.startswith("int8-"):
+        return quantize_int8(w), getattr(torch, weight_kind.removeprefix("int8-"))
+    dtype = getattr(torch, weight_kind)
+    return w.to(dtype), dtype
+
+
+def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, str],
+            max_rows: int = BUCKETS[-1], stream_bytes: int = 64 * 2**20, min_seconds: float = 0.005) -> list[str]:
+    """Time the candidates of every (Dout, Din, kind) at each row bucket up to max_rows, filling `table`
     with the winners. Entries already in `table` are kept (a reused file measures nothing). Returns the
     keys it measured."""
     measured = []
     g = torch.Generator().manual_seed(0)
-    for dout, din, dtype in dict.fromkeys(shapes):
-        todo = [b for b in BUCKETS if b <= bucket(max_rows) and key(dout, din, dtype, b) not in table]
+    for dout, din, weight_kind in dict.fromkeys(shapes):
+        todo = [b for b in BUCKETS if b <= bucket(max_rows) and key(dout, din, weight_kind, b) not in table]
         if not todo:
             continue
-        copies = max(1, min(64, stream_bytes // max(1, dout * din * dtype.itemsize)))
-        weights = [torch.randn(dout, din, generator=g).to(dtype) for _ in range(copies)]   # [Dout, Din] each
+        first, x_dtype = _sample(dout, din, weight_kind, g)
+        itemsize = 1 if isinstance(first, Int8Weight) else first.dtype.itemsize
+        copies = max(1, min(64, stream_bytes // max(1, dout * din * itemsize)))
+        weights = [first] + [_sample(dout, din, weight_kind, g)[0] for _ in range(copies - 1)]
         for b in todo:
-            x = torch.randn(b, din, generator=g).to(dtype)                                # [n, Din]
-            seconds = {name: _time(FORMS[name], x, weights, min_seconds) for name in candidates(dtype, b)}
-            table[key(dout, din, dtype, b)] = min(seconds, key=seconds.__getitem__)
-            measured.append(key(dout, din, dtype, b))
-        if progress is not None:
-            progress(f"{dout}x{din} {str(dtype).removeprefix('torch.')}")
+            x = torch.randn(b, din, generator=g).to(x_dtype)                             # [n, Din]
+            seconds = {name: _time(FORMS[name], x, weights, min_seconds) for name in candidates(weight_kind, b)}
+            table[key(dout, din, weight_kind, b)] = min(seconds, key=seconds.__getitem__)
+            measured.append(key(dout, din, weight_kind, b))
     return measured
 
 
@@ -140,7 +181,7 @@ def describe(table: dict[str, str]) -> str:
     return "; ".join(f"{shape} {' '.join(v)}" for shape, v in by_shape.items())
 
 
-def tune(shapes: Iterable[tuple[int, int, torch.dtype]], table: MutableMapping[str, str],
+def tune(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, str],
          save: Callable[[], None], max_rows: int = BUCKETS[-1]) -> list[str]:
     """Measure what `table` lacks (a table loaded from a file is reused), `save` if anything was measured,
     and install the winners. Returns the keys measured now."""

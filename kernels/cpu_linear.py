@@ -17,14 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_forms import pick
+from kernels.cpu_forms import Weight, pick
+from kernels.quant import Int8Weight
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, Din], w [Dout, Din] (+ bias [Dout]) -> [n, Dout] in x's dtype."""
-    if x.is_cuda or x.dim() != 2:
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, Din], w [Dout, Din] float or int8 (+ bias [Dout]) -> [n, Dout] in x's dtype."""
+    if x.dim() != 2 or (x.is_cuda and not isinstance(w, Int8Weight)):
         return F.linear(x, w, bias)
-    y = pick(w, x.shape[0])(x, w)                                           # [n, Dout]
+    y = pick(x, w)(x, w)                                                    # [n, Dout]
     return y if bias is None else y + bias
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_linear import linear
+from kernels.quant import Int8Weight
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -37,7 +38,8 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     counts = torch.bincount(flat + 1, minlength=w13.shape[0] + 1).tolist()  # [1 + E]; slot 0 = dropped
     order = order[counts[0]:]                                    # [P] the pairs computed here
     rows = order // K                                            # [P] token of each pair
-    xs = (x if x.dtype == w13.dtype else x.to(w13.dtype))[rows]  # [P, H] one gather for all experts
+    same = x.dtype == w13.dtype or isinstance(w13, Int8Weight)   # int8 weights take x's dtype as it is
+    xs = (x if same else x.to(w13.dtype))[rows]                  # [P, H] one gather for all experts
     ys = torch.empty(order.numel(), H, dtype=torch.float32)      # [P, H]
     start = 0
     for e, n in enumerate(counts[1:]):

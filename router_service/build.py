@@ -69,7 +69,9 @@ def compute_dtype(requested: torch.dtype) -> torch.dtype:
 
 def remote_experts(opts: RouterOptions) -> ExpertsFactory:
     wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype)
-    return lambda cfg: RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout)
+    expect = "int8" if opts.quantize == "int8" else None
+    return lambda cfg: RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
+                                     expect_weight_dtype=expect)
 
 
 def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
@@ -82,10 +84,12 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     ckpt = Checkpoint(opts.model)
     weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO))
     ckpt.close()
+    if opts.quantize_dense:
+        weights.quantize_int8()
     forms = FormsFile(resolve_forms(opts.cpu_forms))
     if forms.path is not None:
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
-        log.info(forms.summary(tune(weights.linear_shapes(), forms.forms, forms.save, max_rows=rows)))
+        log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows)))
     per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)
     kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)

@@ -94,8 +94,10 @@ class RemoteExperts:
     """The experts on the workers at `addresses`; placement is learnt from each worker's Describe."""
 
     def __init__(self, cfg: ModelConfig, addresses: tuple[str, ...], wire_dtype: torch.dtype,
-                 transport: str = "stream", timeout_s: float = 60.0, connect_timeout_s: float = 300.0) -> None:
+                 transport: str = "stream", timeout_s: float = 60.0, connect_timeout_s: float = 300.0,
+                 expect_weight_dtype: str | None = None) -> None:
         self.cfg, self.addresses, self.wire_dtype = cfg, addresses, wire_dtype
+        self.expect_weight_dtype = expect_weight_dtype        # "int8" under --quantize int8
         self.links = Links(addresses, transport, timeout_s)
         self.owner = torch.full((cfg.num_experts,), -1, dtype=torch.long)    # [E] expert -> worker
         self.step = 0
@@ -117,6 +119,10 @@ class RemoteExperts:
                 raise WorkerError(f"expert worker {link.address} serves a different model ({d.model_type}, "
                                   f"{d.num_experts} experts, hidden {d.hidden_size}, width {d.intermediate_size}, "
                                   f"MoE layers {list(d.moe_layers)})")
+            if (d.dtype == "int8") != (self.expect_weight_dtype == "int8"):
+                want = "int8" if self.expect_weight_dtype == "int8" else "float"
+                raise WorkerError(f"expert worker {link.address} serves {d.dtype} experts but the router expects "
+                                  f"{want} ones; start router and workers with the same --quantize")
             taken = [e for e in d.experts if self.owner[e] >= 0]
             if taken:
                 raise WorkerError(f"expert worker {link.address} (shard {d.shard_index}/{d.num_shards}) holds "

@@ -26,6 +26,8 @@ class RouterOptions(ServiceOptions):
                                       "calls", choices=TRANSPORTS)
     worker_timeout: float = option(60.0, "seconds a worker may take to answer one layer before its call is "
                                          "cancelled and the step fails UNAVAILABLE")
+    quantize_dense: bool = option(False, "int8 for the router's own attention, dense MLPs, shared experts and "
+                                         "lm_head too (gates and embeddings stay): less memory, less accuracy")
     metrics_port: int | None = option(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
                                             "0 = any free port)")
     sched: SchedulerConfig = SchedulerConfig()

@@ -15,21 +15,23 @@ from tqdm import tqdm
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.tensors import model_tensors, router_layer_tensors
+from kernels.cpu_forms import Weight, kind
+from kernels.quant import quantize_int8
 
 
 @dataclass
 class LayerWeights:
     ln1: torch.Tensor                     # [H]
     ln2: torch.Tensor                     # [H]
-    qkv: torch.Tensor                     # [(Hq + 2 Hkv) D, H] q, k, v rows stacked
+    qkv: Weight                           # [(Hq + 2 Hkv) D, H] q, k, v rows stacked
     qkv_bias: torch.Tensor | None         # [(Hq + 2 Hkv) D]
-    o: torch.Tensor                       # [H, Hq D]
+    o: Weight                             # [H, Hq D]
     o_bias: torch.Tensor | None           # [H]
     q_norm: torch.Tensor | None           # [D] per head, or [Hq D] full width
     k_norm: torch.Tensor | None
     router: torch.Tensor | None = None       # [E, H] gate of a MoE layer
-    mlp_gate_up: torch.Tensor | None = None  # [2I, H] dense MLP, or the shared expert of a MoE layer
-    mlp_down: torch.Tensor | None = None     # [H, I]
+    mlp_gate_up: Weight | None = None        # [2I, H] dense MLP, or the shared expert of a MoE layer
+    mlp_down: Weight | None = None           # [H, I]
     shared_gate: torch.Tensor | None = None  # [1, H] sigmoid gate of the shared expert
 
 
@@ -37,14 +39,23 @@ class LayerWeights:
 class RouterWeights:
     embed: torch.Tensor                   # [V, H]
     norm: torch.Tensor                    # [H]
-    lm_head: torch.Tensor                 # [V, H]
+    lm_head: Weight                       # [V, H]
     layers: list[LayerWeights]
 
-    def linear_shapes(self) -> list[tuple[int, int, torch.dtype]]:
-        """(Dout, Din, dtype) of every weight the router multiplies by (the CPU forms are measured for these)."""
+    def linear_shapes(self, act_dtype: torch.dtype) -> list[tuple[int, int, str]]:
+        """(Dout, Din, kind) of every weight the router multiplies by (the CPU forms are measured for these)."""
         ws = [self.lm_head] + [w for lw in self.layers for w in (lw.qkv, lw.o, lw.router, lw.mlp_gate_up,
                                                                  lw.mlp_down, lw.shared_gate) if w is not None]
-        return list(dict.fromkeys((w.shape[0], w.shape[1], w.dtype) for w in ws))
+        return list(dict.fromkeys((w.shape[0], w.shape[1], kind(w, act_dtype)) for w in ws))
+
+    def quantize_int8(self) -> None:
+        """int8 attention, dense MLPs, shared experts and lm_head; the gates (which pick the experts), norms,
+        biases and the embedding lookup keep the compute dtype."""
+        self.lm_head = quantize_int8(self.lm_head)       # a copy even when tied: the embedding stays as it is
+        for lw in self.layers:
+            lw.qkv, lw.o = quantize_int8(lw.qkv), quantize_int8(lw.o)
+            if lw.mlp_gate_up is not None:
+                lw.mlp_gate_up, lw.mlp_down = quantize_int8(lw.mlp_gate_up), quantize_int8(lw.mlp_down)
 
     @staticmethod
     def load(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, progress: bool = False) -> RouterWeights:

@@ -81,6 +81,12 @@ class Oracle:
         return self._greedy[key]
 
     @torch.no_grad()
+    def step_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits [n, V] at each of the n = len(tokens) steps of generating `tokens` after `prompt`."""
+        seq = prompt + tokens[:-1]
+        return self.model(torch.tensor([seq])).logits[0, len(prompt) - 1:].float()
+
+    @torch.no_grad()
     def last_logits(self, prompt: list[int]) -> torch.Tensor:
         key = tuple(prompt)
         if key not in self._logits:

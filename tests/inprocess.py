@@ -39,7 +39,7 @@ class InProcess:
 
         def local(cfg):
             ckpt = Checkpoint(model_dir)
-            shard = ExpertShard(cfg, ckpt, 0, 1, getattr(torch, dtype))
+            shard = ExpertShard(cfg, ckpt, 0, 1, getattr(torch, dtype), quantize=options.quantize)
             ckpt.close()
             experts = LocalExperts(shard)
             return experts if wrap_experts is None else wrap_experts(experts)

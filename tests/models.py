@@ -59,3 +59,22 @@ def save_checkpoint(model, path: Path, max_shard_size: str | None = None) -> Pat
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kw)
     return path
+
+
+def memorize(model, steps: int = 50, seed: int = 0) -> torch.Tensor:
+    """Train `model` briefly to memorise 8 arithmetic sequences (mod 256): afterwards its greedy choices on
+    them are well separated (top-2 gaps ≈60% of the largest logit), a checkpoint on which a lossy path
+    (int8) must give exactly the oracle's tokens. Returns the sequences [8, 24]."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, 256, (8, 1), generator=g)
+    strides = torch.randint(1, 9, (8, 1), generator=g)
+    data = (starts + strides * torch.arange(24)) % 256                             # [8, 24]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=data, labels=data).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return data

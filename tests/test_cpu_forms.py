@@ -14,35 +14,45 @@ import torch.nn.functional as F
 from colibri_common.forms_file import FormsFile, machine
 from kernels import cpu_forms
 from kernels.cpu_linear import linear
+from kernels.quant import quantize_int8
 from tests.conftest import COLIBRI
 from tests.inprocess import InProcess
 
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight, act", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                         ("int8", torch.float32), ("int8", torch.bfloat16)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])
-def test_every_form_computes_the_same_product(dtype, rows):
+def test_every_form_computes_the_same_product(weight, act, rows):
     g = torch.Generator().manual_seed(rows)
-    x, w, b = torch.randn(rows, 72, generator=g).to(dtype), torch.randn(40, 72, generator=g).to(dtype), \
-        torch.randn(40, generator=g).to(dtype)
-    want = F.linear(x.double(), w.double(), b.double())
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for name in cpu_forms.candidates(dtype, cpu_forms.bucket(rows)):
-        cpu_forms.install({cpu_forms.key(40, 72, dtype, cpu_forms.bucket(rows)): name})
+    x, wf, b = torch.randn(rows, 72, generator=g).to(act), torch.randn(40, 72, generator=g), \
+        torch.randn(40, generator=g).to(act)
+    w = quantize_int8(wf) if weight == "int8" else wf.to(act)
+    exact = w.dequantize(torch.float64) if weight == "int8" else w.double()   # the product of what is held
+    want = F.linear(x.double(), exact, b.double())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[act] if weight != "int8" else \
+        {torch.float32: 2e-2, torch.bfloat16: 4e-2}[act]                      # int8 forms may quantise x too
+    k = cpu_forms.kind(w, act)
+    names = cpu_forms.candidates(k, cpu_forms.bucket(rows))
+    assert names
+    for name in names:
+        cpu_forms.install({cpu_forms.key(40, 72, k, cpu_forms.bucket(rows)): name})
         got = linear(x, w, b)
-        assert got.dtype == dtype and got.shape == (rows, 40)
+        assert got.dtype == act and got.shape == (rows, 40)
         assert float((got.double() - want).abs().max() / want.abs().max()) < tol, name
 
 
 def test_measure_fills_only_what_is_missing_and_picks_a_candidate():
-    table = {cpu_forms.key(64, 32, torch.float32, 1): "linear"}      # already known: not measured again
-    measured = cpu_forms.measure([(64, 32, torch.float32), (64, 32, torch.float32)], table, max_rows=8,
-                                 min_seconds=0.001)
-    assert measured == [cpu_forms.key(64, 32, torch.float32, b) for b in (2, 4, 8)]
-    assert table[cpu_forms.key(64, 32, torch.float32, 1)] == "linear"
-    for b in (2, 4, 8):
-        assert table[cpu_forms.key(64, 32, torch.float32, b)] in cpu_forms.candidates(torch.float32, b)
+    table = {cpu_forms.key(64, 32, "float32", 1): "linear"}          # already known: not measured again
+    shapes = [(64, 32, "float32"), (64, 32, "float32"), (48, 32, "int8-bfloat16")]
+    measured = cpu_forms.measure(shapes, table, max_rows=8, min_seconds=0.001)
+    assert measured == [cpu_forms.key(64, 32, "float32", b) for b in (2, 4, 8)] + \
+        [cpu_forms.key(48, 32, "int8-bfloat16", b) for b in (1, 2, 4, 8)]
+    assert table[cpu_forms.key(64, 32, "float32", 1)] == "linear"
+    for k in measured:
+        shape_kind, rows = k.rsplit(":", 1)
+        assert table[k] in cpu_forms.candidates(shape_kind.split(":")[1], int(rows))
     with pytest.raises(ValueError, match="unknown CPU linear forms"):
         cpu_forms.install({"1x1:float32:1": "magic"})
 

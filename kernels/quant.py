@@ -1,0 +1,72 @@
+"""Symmetric per-output-channel int8 weights: w ≈ q * scale, q in [-127, 127], one float32 scale per row.
+
+Made at load time from float checkpoints (`quantize_int8`, row by row, so no float copy of a whole shard
+is ever held), computed by the int8 forms of `kernels/cpu_forms.py` (`torch._weight_int8pack_mm`,
+`torch._int_mm` on per-row quantised activations, or a dequantising GEMM), whichever this CPU runs fastest.
+
+Shapes: E experts, Dout output features (one scale each), Din input features, n rows of x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    q: torch.Tensor          # [..., Dout, Din] int8
+    scale: torch.Tensor      # [..., Dout] float32
+
+    @staticmethod
+    def empty(*shape: int) -> Int8Weight:
+        """Uninitialised storage for `shape` = (..., Dout, Din), to be filled by `copy_`."""
+        return Int8Weight(torch.empty(shape, dtype=torch.int8), torch.empty(shape[:-1], dtype=torch.float32))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.int8
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.q.is_cuda
+
+    def dim(self) -> int:
+        return self.q.dim()
+
+    def __getitem__(self, index) -> Int8Weight:
+        return Int8Weight(self.q[index], self.scale[index])
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+    def copy_(self, w: torch.Tensor) -> Int8Weight:
+        """Quantise float `w` (same shape) into this storage."""
+        src = quantize_int8(w)
+        self.q.copy_(src.q)
+        self.scale.copy_(src.scale)
+        return self
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.q.to(torch.float32) * self.scale[..., None]).to(dtype)       # [..., Dout, Din]
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """Per output channel: scale = max|w_row| / 127, q = round(w / scale)."""
+    wf = w.float()                                                                 # [..., Dout, Din]
+    scale = (wf.abs().amax(dim=-1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)  # [..., Dout]
+    q = torch.round(wf / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scale.contiguous())
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row activation quantisation: x [n, Din] -> (int8 [n, Din], float32 scale [n])."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)   # [n]
+    return torch.round(xf / scale[:, None]).clamp(-127, 127).to(torch.int8), scale

@@ -1,0 +1,100 @@
+"""--quantize int8: per-row int8 experts made at load time, against float64 references and transformers fp32."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from colibri.client import Client
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from expert_service.shard import ExpertShard
+from kernels import fused_moe, topk_route
+from kernels.quant import Int8Weight, quantize_int8
+from kernels.reference import fused_moe_reference
+from router_service.experts import RemoteExperts
+from router_service.moe_transport import WorkerError
+from tests.conftest import ARCHS, Oracle, fleet
+from tests.inprocess import InProcess
+from tests.models import build_model, memorize, save_checkpoint, small_config
+
+torch.set_num_threads(1)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def test_quantize_int8_is_per_row_symmetric_and_close():
+    w = torch.randn(40, 72, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 40)[:, None]
+    q = quantize_int8(w)
+    assert q.q.dtype == torch.int8 and q.scale.shape == (40,) and int(q.q.abs().max()) == 127
+    err = (q.dequantize() - w).abs().amax(dim=1) / w.abs().amax(dim=1)           # per row, whatever its scale
+    assert float(err.max()) <= 0.5 / 127 + 1e-6
+    packed = Int8Weight.empty(3, 40, 72)
+    packed[1].copy_(w)
+    assert torch.equal(packed.q[1], q.q) and torch.equal(packed.scale[1], q.scale)
+    assert packed.nbytes == 3 * 40 * 72 + 3 * 40 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_moe_layer_is_within_2_percent_of_the_float64_reference(oracles, arch, dtype):
+    path = oracles[arch].path
+    cfg = ModelConfig.from_dir(path)
+    ckpt = Checkpoint(path)
+    exact = ExpertShard(cfg, ckpt, 0, 1, torch.float32)
+    q8 = ExpertShard(cfg, ckpt, 0, 1, dtype, quantize="int8")
+    ckpt.close()
+    assert q8.weight_dtype == "int8"
+    assert q8.packed_bytes < 0.3 * exact.packed_bytes                     # int8 + a scale per row vs float32
+    g = torch.Generator().manual_seed(1)
+    for layer in cfg.moe_layers:
+        x = torch.randn(33, cfg.hidden_size, generator=g)                   # [T, H]
+        w, ids = topk_route(torch.randn(33, cfg.num_experts, generator=g), cfg.top_k, True)
+        ref = fused_moe_reference(x, exact.w13[layer], exact.w2[layer], ids, w)        # float64 [T, H]
+        assert rel(q8.forward(layer, x.to(dtype), ids, w), ref) < 2e-2, layer
+    with pytest.raises(ValueError, match="CPU path"):
+        fused_moe(x, q8.w13[cfg.moe_layers[0]], q8.w2[cfg.moe_layers[0]], ids, w, backend="triton")
+
+
+@pytest.fixture(scope="module")
+def separated(tmp_path_factory) -> dict[str, tuple[Oracle, torch.Tensor]]:
+    """Per architecture: a checkpoint trained briefly to memorise a few sequences (well-separated logits)."""
+    root = tmp_path_factory.mktemp("separated")
+    out = {}
+    for i, arch in enumerate(ARCHS):
+        model = build_model(small_config(arch), seed=20 + i)
+        data = memorize(model, seed=i)
+        out[arch] = (Oracle(model, save_checkpoint(model, root / arch)), data)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int8_experts_give_the_greedy_tokens_of_transformers_fp32(separated, arch):
+    oracle, data = separated[arch]
+    prompts = [row[:8].tolist() for row in data[:4]]
+    with InProcess(oracle.path, quantize="int8") as engine:
+        for prompt in prompts:
+            res = engine.generate(prompt, 12, return_logits=True)
+            assert res.token_ids == oracle.greedy(prompt, 12), prompt
+            want = oracle.last_logits(prompt)
+            top2 = want.topk(2).values
+            assert float(top2[0] - top2[1]) > 0.2 * float(want.abs().max())   # the choice is well separated
+            assert rel(res.logits[0], want) < 3e-2
+
+
+def test_a_fleet_serves_int8_experts_and_the_router_refuses_float_workers_then(separated):
+    oracle, data = separated["qwen3_moe"]
+    prompt = data[5, :8].tolist()
+    with fleet(oracle.path, 2, ["--quantize", "int8", "--dtype", "bfloat16"]) as (addr, _):
+        client = Client(addr)
+        assert client.generate(prompt, 12).token_ids == oracle.greedy(prompt, 12)
+        workers = tuple(client.model_info().workers)
+        cfg = ModelConfig.from_dir(oracle.path)
+        with pytest.raises(WorkerError, match="serves int8 experts but the router expects float"):
+            RemoteExperts(cfg, workers, torch.bfloat16, connect_timeout_s=5)
+        with pytest.raises(grpc.RpcError) as err:                      # the fleet keeps serving meanwhile
+            client.generate([], 2)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
