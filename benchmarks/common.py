@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: timing, the machine's measured copy bandwidth, the results table."""
+"""Shared benchmark helpers: timing, the machine's measured read bandwidth, the results table."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from colibri_common.forms_file import cpu_isa, cpu_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -30,23 +32,18 @@ def time_fn(fn: Callable[[], object], min_runs: int = 5, min_seconds: float = 0.
     return statistics.median(times)
 
 
-def copy_bandwidth_gbs(nbytes: int = 512 * 2**20) -> float:
-    """Bytes copied per second for a large tensor copy (read nbytes + write nbytes counts as nbytes)."""
+def read_bandwidth_gbs(nbytes: int = 1024 * 2**20) -> float:
+    """Bytes read per second by a streaming sum over a buffer far larger than the caches: the rate a
+    weight-streaming decode step can reach (the roofline divides by this, not by the copy rate)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    return nbytes / time_fn(lambda: dst.copy_(src), min_runs=5, min_seconds=1.0) / 1e9
+    return nbytes / time_fn(lambda: src.sum(), min_runs=5, min_seconds=1.0) / 1e9
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__} "
+    """The CPU, the ISA flags that decide the fast GEMM forms, cores, torch and Python: every results file
+    starts with this line, since a result measured on one CPU says little about another."""
+    isa = " ".join(cpu_isa()) or "none found"
+    return (f"{cpu_model()} (ISA: {isa}), {len(os.sched_getaffinity(0))} cores, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
 
 

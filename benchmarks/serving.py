@@ -25,7 +25,7 @@ import psutil
 from tqdm import tqdm
 
 from benchmarks.bench_model import ensure_bench_model
-from benchmarks.common import RESULTS, copy_bandwidth_gbs, machine, table
+from benchmarks.common import RESULTS, machine, read_bandwidth_gbs, table
 from colibri.loadgen import run_load
 from colibri_common.config import ModelConfig
 from router_service.metrics import parse
@@ -41,13 +41,13 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def step_bytes(cfg: ModelConfig, streams: int, itemsize: int) -> float:
+def step_bytes(cfg: ModelConfig, streams: int, itemsize: int, expert_itemsize: int) -> float:
     """Weight bytes one decode step must read: dense + lm_head + the experts the batch touches (expected)."""
     H, I, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
     attn = H * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * H
     dense = cfg.num_layers * (attn + E * H) + cfg.vocab_size * H
     touched = E * (1 - (1 - K / E) ** streams)
-    return (dense + len(cfg.moe_layers) * touched * 3 * H * I) * itemsize
+    return dense * itemsize + len(cfg.moe_layers) * touched * 3 * H * I * expert_itemsize
 
 
 def run_fleet(model: Path, workers: int, dtype: str, streams: list[int], prompt_len: int, max_tokens: int,
@@ -107,7 +107,7 @@ def main() -> int:
     streams = [int(s) for s in args.streams.split(",")]
     model = ensure_bench_model()
     cfg = ModelConfig.from_dir(model)
-    bw = copy_bandwidth_gbs()
+    bw = read_bandwidth_gbs()
     common = ["--model", str(model), "--dtype", args.dtype, "--streams", args.streams,
               "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
     jobs = [
@@ -115,6 +115,8 @@ def main() -> int:
         ("colibri in-process", lambda: run_json("benchmarks.inprocess", common)),
         ("colibri 1 worker", lambda: run_fleet(model, 1, args.dtype, streams, args.prompt_len, args.max_tokens, [])),
         ("colibri 2 workers", lambda: run_fleet(model, 2, args.dtype, streams, args.prompt_len, args.max_tokens, [])),
+        ("colibri 2 workers int8", lambda: run_fleet(model, 2, args.dtype, streams, args.prompt_len, args.max_tokens,
+                                                     ["--quantize", "int8"])),
     ]
     results = {}
     for name, job in tqdm(jobs, desc="bench", unit="engine"):
@@ -126,7 +128,8 @@ def main() -> int:
         for c in streams:
             r = res["rows"][str(c)] if str(c) in res["rows"] else res["rows"][c]
             h = hf["rows"][str(c)]
-            roof = c / (step_bytes(cfg, c, itemsize) / (bw * 1e9))
+            expert_itemsize = 1 if name.endswith("int8") else itemsize
+            roof = c / (step_bytes(cfg, c, itemsize, expert_itemsize) / (bw * 1e9))
             rows.append([name, str(c), f"{r['output_tokens_per_s']:.1f}",
                          f"{r['output_tokens_per_s'] / h['output_tokens_per_s']:.2f}x",
                          f"{r['ttft_p50_ms']:.0f}", f"{r.get('ttft_p99_ms', float('nan')):.0f}",
@@ -135,7 +138,7 @@ def main() -> int:
     cold = [[n, f"{r['cold_start_s']:.1f} s", f"{hf['cold_start_s'] / r['cold_start_s']:.2f}x", fmt_gib(r["peak_rss"])]
             for n, r in results.items()]
     split = []
-    for name in ("colibri 1 worker", "colibri 2 workers"):
+    for name in ("colibri 1 worker", "colibri 2 workers", "colibri 2 workers int8"):
         for c in streams:
             ph = results[name]["rows"][c]["phases"]
             total = ph.get("schedule", 0) + ph.get("prepare", 0) + ph.get("forward", 0) + ph.get("postprocess", 0)
@@ -147,14 +150,14 @@ def main() -> int:
     text = "\n".join([
         f"# Serving benchmark: bench model ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_experts} experts "
         f"top-{cfg.top_k}, hidden {cfg.hidden_size}), {args.dtype}",
-        "", f"Machine: {machine()}; measured copy bandwidth {bw:.1f} GB/s.",
+        "", f"Machine: {machine()}; measured read bandwidth {bw:.1f} GB/s (streaming sum over 1 GiB).",
         f"Command: `python -m benchmarks.serving --dtype {args.dtype}` ({args.prompt_len}-token prompts, "
         f"{args.max_tokens} new tokens, one request per stream). transformers experts implementation: "
         f"{hf['experts_implementation']}.",
         "", "## Throughput and latency", "",
         table(["engine", "streams", "tok/s", "vs transformers", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
                "ITL p99 ms", "% roofline"], rows),
-        "", "Roofline: streams ÷ (weight bytes a decode step must read ÷ copy bandwidth); transformers' "
+        "", "Roofline: streams ÷ (weight bytes a decode step must read ÷ read bandwidth); transformers' "
         "TTFT/ITL are per static batch (no p99).",
         "", "## Cold start and memory", "",
         table(["engine", "start → ready", "vs transformers", "peak RSS per process"], cold),

@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-import grpc
-
 from colibri_common.options import option
 
 
@@ -89,6 +87,8 @@ def measure(stream: StreamFn, prompts: list[list[int]], concurrency: int, max_to
                     last = now
                     n += new
             except Exception as exc:  # noqa: BLE001 (reported, counted as failed)
+                import grpc
+
                 msg = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else repr(exc)
                 with lock:
                     errors.append(msg)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from colibri_common.checkpoint import Checkpoint
-from colibri_common.config import ModelConfig
-from colibri_common.errors import CheckpointError
 from colibri_common.options import option
-from colibri_common.placement import shard_experts
-from colibri_common.tensors import expert_tensors, fused_expert_tensors, router_tensors
-from colibri_common.tokenizer import Tokenizer
+
+if TYPE_CHECKING:   # the CLI builds its parser from ValidateOptions without importing torch
+    from colibri_common.checkpoint import Checkpoint
+    from colibri_common.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -25,6 +24,8 @@ class ValidateOptions:
 
 
 def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> int:
+    from colibri_common.tensors import expert_tensors, fused_expert_tensors
+
     fused = fused_expert_tensors(cfg, layer)
     if fused["gate_up"][0] in ckpt:
         return sum(ckpt.check(n, s).nbytes // cfg.num_experts for n, s in fused.values())
@@ -33,6 +34,13 @@ def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) ->
 
 def validate(model_dir: str, workers: int) -> list[str]:
     """Returns the summary lines; raises ColibriError naming the first problem."""
+    from colibri_common.checkpoint import Checkpoint
+    from colibri_common.config import ModelConfig
+    from colibri_common.errors import CheckpointError
+    from colibri_common.placement import shard_experts
+    from colibri_common.tensors import router_tensors
+    from colibri_common.tokenizer import Tokenizer
+
     cfg = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)
     router_bytes = sum(ckpt.check(n, s).nbytes for n, s in router_tensors(cfg))

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,8 @@ def test_defaults_come_from_the_dataclasses():
 def test_every_field_is_a_flag_and_round_trips_through_to_argv():
     r = RouterOptions(model="/m", workers=("h:1", "h:2"), host="0.0.0.0", port=7, dtype="bfloat16", threads=3,
                       log_level="DEBUG", kv_cache_mb=64, kv_cache_blocks=9, block_size=8, wire_dtype="float32",
-                      micro_batches=2, transport="unary", worker_timeout=2.5, metrics_port=0,
+                      micro_batches=2, transport="unary", worker_timeout=2.5, metrics_port=0, quantize="int8",
+                      quantize_dense=True, cpu_forms="/tmp/forms.json",
                       sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99))
     changed = {f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(RouterOptions(), f.name)}
     assert changed == {f.name for f in dataclasses.fields(RouterOptions)}        # the test sets every field
@@ -78,6 +80,13 @@ def test_bad_flags_are_one_clear_line_and_exit_2(argv, needle):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle.replace("_", "-") in lines[0].replace("_", "-"), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_cli_starts_without_torch_or_grpc():
+    """--help, --version and flag errors answer at once: the heavy imports wait for a command to run."""
+    code = "import sys, colibri.cli; print(sorted(m for m in ('torch', 'grpc', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
 
 
 def test_version_and_help():
