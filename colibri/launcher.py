@@ -10,12 +10,14 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from colibri_common.config import ModelConfig
 from colibri_common.options import option, shared_fields, to_argv
 from expert_service.options import ExpertOptions
 from router_service.options import RouterOptions
@@ -34,6 +36,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free on loopback now (all held open while choosing, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def split_threads(cores: int, workers: int) -> tuple[int, int]:
@@ -122,10 +136,15 @@ def serve(opts: ServeOptions) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    ModelConfig.from_dir(opts.router.model)      # an unusable config.json fails here, before any child starts
     try:
-        procs = [fleet.spawn("expert", opts.expert(i, worker_threads)) for i in range(n)]
+        # Every child starts at once (the router loads its weights while the workers load theirs, and waits
+        # for them): the workers get their ports up front, so the router knows where to find them.
+        ports = free_ports(n)
+        procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i])) for i in range(n)]
+        workers = tuple(f"127.0.0.1:{port}" for port in ports)
+        router = fleet.spawn("router", replace(opts.router, workers=workers, threads=router_threads))
         addrs = [fleet.wait_ready(p, f"expert worker {i}/{n}") for i, p in enumerate(procs)]
-        router = fleet.spawn("router", replace(opts.router, workers=tuple(addrs), threads=router_threads))
         addr = fleet.wait_ready(router, "router")
     except (RuntimeError, OSError) as exc:
         log.error("%s", exc)

@@ -28,6 +28,10 @@ from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import CHANNEL_OPTIONS
 
 log = logging.getLogger("colibri.router")
+# A worker that is still starting or was just restarted is found again within a second, not after gRPC's
+# default backoff (which grows to two minutes).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 # A worker that answers INTERNAL or INVALID_ARGUMENT has a bug or was sent a bad request: retrying will not help.
@@ -96,7 +100,7 @@ class WorkerLink:
 
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
         self.stub = expert_pb2_grpc.ExpertWorkerStub(self.channel)
 
     def describe(self, deadline: float) -> expert_pb2.DescribeResponse:
