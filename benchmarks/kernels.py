@@ -15,7 +15,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.common import RESULTS, machine, read_bandwidth_gbs, table, time_fn
+from colibri_common.forms_file import FormsFile, resolve
 from kernels import fused_moe, topk_route
+from kernels.cpu_forms import tune
 
 H, I, E, K = 1024, 512, 64, 8
 
@@ -51,6 +53,10 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tokens = [int(t) for t in args.tokens.split(",")]
+    # the CPU forms a worker of this machine would use for these shapes (measured once, kept in the forms file)
+    forms = FormsFile(resolve("auto"))
+    tune([(2 * I, H, k) for k in ("float32", "bfloat16")] + [(H, I, k) for k in ("float32", "bfloat16")],
+         forms.forms, forms.save)
     bw = read_bandwidth_gbs()
     g = torch.Generator().manual_seed(0)
     w13_32 = torch.randn(E, 2 * I, H, generator=g) * 0.02

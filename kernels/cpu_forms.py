@@ -124,20 +124,24 @@ def pick(x: torch.Tensor, w: Weight) -> Form:
     return FORMS[name if rows == 1 or name != "mv" else "gemv_t"]
 
 
-def _time(form: Form, x: torch.Tensor, weights: list[Weight], min_seconds: float) -> float:
-    """Median seconds per call, cycling through copies of W so it streams from memory as in serving."""
-    times: list[float] = []
-    deadline = time.perf_counter() + min_seconds
-    i = 0
-    form(x, weights[0])                                            # warm-up (first-call allocations)
-    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
-        w = weights[i % len(weights)]
-        t0 = time.perf_counter()
-        form(x, w)
-        times.append(time.perf_counter() - t0)
+def _race(names: list[str], x: torch.Tensor, weights: list[Weight], min_seconds: float) -> str:
+    """The form with the lowest median time per call. The candidates take turns call by call, so a slow
+    patch of a noisy machine hits them all alike; every call reads the next copy of W, so no candidate finds
+    the weight its predecessor just pulled into the cache (W streams from memory, as in serving)."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:
+        FORMS[name](x, weights[0])                                 # warm-up (first-call allocations)
+    deadline = time.perf_counter() + min_seconds * len(names)
+    i, call = 0, 0
+    while i < 5 or (time.perf_counter() < deadline and i < 200):
+        for name in names:
+            w = weights[call % len(weights)]
+            t0 = time.perf_counter()
+            FORMS[name](x, w)
+            times[name].append(time.perf_counter() - t0)
+            call += 1
         i += 1
-    times.sort()
-    return times[len(times) // 2]
+    return min(names, key=lambda name: sorted(times[name])[len(times[name]) // 2])
 
 
 def _sample(dout: int, din: int, weight_kind: str, g: torch.Generator) -> tuple[Weight, torch.dtype]:
@@ -150,7 +154,7 @@ def _sample(dout: int, din: int, weight_kind: str, g: torch.Generator) -> tuple[
 
 
 def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, str],
-            max_rows: int = BUCKETS[-1], stream_bytes: int = 64 * 2**20, min_seconds: float = 0.005) -> list[str]:
+            max_rows: int = BUCKETS[-1], stream_bytes: int = 64 * 2**20, min_seconds: float = 0.02) -> list[str]:
     """Time the candidates of every (Dout, Din, kind) at each row bucket up to max_rows, filling `table`
     with the winners. Entries already in `table` are kept (a reused file measures nothing). Returns the
     keys it measured."""
@@ -166,8 +170,7 @@ def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, s
         weights = [first] + [_sample(dout, din, weight_kind, g)[0] for _ in range(copies - 1)]
         for b in todo:
             x = torch.randn(b, din, generator=g).to(x_dtype)                             # [n, Din]
-            seconds = {name: _time(FORMS[name], x, weights, min_seconds) for name in candidates(weight_kind, b)}
-            table[key(dout, din, weight_kind, b)] = min(seconds, key=seconds.__getitem__)
+            table[key(dout, din, weight_kind, b)] = _race(candidates(weight_kind, b), x, weights, min_seconds)
             measured.append(key(dout, din, weight_kind, b))
     return measured
 
@@ -181,10 +184,23 @@ def describe(table: dict[str, str]) -> str:
     return "; ".join(f"{shape} {' '.join(v)}" for shape, v in by_shape.items())
 
 
+def valid(entry_key: str, form: str) -> bool:
+    """Whether `form` is a candidate for the kind and rows that `entry_key` names (a hand-edited or foreign
+    file could pair an int8 weight with a float form)."""
+    try:
+        _, weight_kind, rows = entry_key.split(":")
+        return form in candidates(weight_kind, int(rows))
+    except ValueError:
+        return False
+
+
 def tune(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, str],
          save: Callable[[], None], max_rows: int = BUCKETS[-1]) -> list[str]:
-    """Measure what `table` lacks (a table loaded from a file is reused), `save` if anything was measured,
-    and install the winners. Returns the keys measured now."""
+    """Measure what `table` lacks (a table loaded from a file is reused; entries that make no sense are
+    dropped and measured again), `save` if anything was measured, and install the winners. Returns the keys
+    measured now."""
+    for k in [k for k, form in table.items() if not valid(k, form)]:
+        del table[k]
     measured = measure(shapes, table, max_rows=max_rows)
     if measured:
         save()

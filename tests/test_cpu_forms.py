@@ -94,6 +94,13 @@ def test_a_corrupt_file_is_rebuilt_with_a_warning(tmp_path, oracles, caplog):
     assert json.loads(path.read_text())["machine"] == machine()
 
 
+def test_entries_that_make_no_sense_are_measured_again():
+    table = {cpu_forms.key(48, 32, "int8-float32", 1): "linear", "garbage": "mv"}   # a float form for int8
+    measured = cpu_forms.tune([(48, 32, "int8-float32")], table, save=lambda: None, max_rows=1)
+    assert measured == [cpu_forms.key(48, 32, "int8-float32", 1)] and "garbage" not in table
+    assert table[measured[0]] in cpu_forms.INT8_FORMS
+
+
 def test_off_measures_nothing(tmp_path, oracles):
     with InProcess(oracles["olmoe"].path, cpu_forms="off") as engine:
         assert len(engine.generate([1, 2, 3], 3).token_ids) == 3
