@@ -124,10 +124,14 @@ def pick(x: torch.Tensor, w: Weight) -> Form:
     return FORMS[name if rows == 1 or name != "mv" else "gemv_t"]
 
 
-def _race(names: list[str], x: torch.Tensor, weights: list[Weight], min_seconds: float) -> str:
-    """The form with the lowest median time per call. The candidates take turns call by call, so a slow
-    patch of a noisy machine hits them all alike; every call reads the next copy of W, so no candidate finds
-    the weight its predecessor just pulled into the cache (W streams from memory, as in serving)."""
+MARGIN = 0.9   # another form must take at most this share of the default's time to replace it
+
+
+def _race(names: list[str], default: str, x: torch.Tensor, weights: list[Weight], min_seconds: float) -> str:
+    """The form with the lowest median time per call, if it beats `default` by a clear margin (a noisy
+    or shared machine must not flip a choice on a few percent). The candidates take turns call by call, so
+    a slow patch hits them all alike; every call reads the next copy of W, so no candidate finds the weight
+    its predecessor just pulled into the cache (W streams from memory, as in serving)."""
     times: dict[str, list[float]] = {name: [] for name in names}
     for name in names:
         FORMS[name](x, weights[0])                                 # warm-up (first-call allocations)
@@ -141,7 +145,9 @@ def _race(names: list[str], x: torch.Tensor, weights: list[Weight], min_seconds:
             times[name].append(time.perf_counter() - t0)
             call += 1
         i += 1
-    return min(names, key=lambda name: sorted(times[name])[len(times[name]) // 2])
+    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    best = min(names, key=median.__getitem__)
+    return best if best == default or median[best] <= MARGIN * median[default] else default
 
 
 def _sample(dout: int, din: int, weight_kind: str, g: torch.Generator) -> tuple[Weight, torch.dtype]:
@@ -170,7 +176,8 @@ def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, s
         weights = [first] + [_sample(dout, din, weight_kind, g)[0] for _ in range(copies - 1)]
         for b in todo:
             x = torch.randn(b, din, generator=g).to(x_dtype)                             # [n, Din]
-            table[key(dout, din, weight_kind, b)] = _race(candidates(weight_kind, b), x, weights, min_seconds)
+            table[key(dout, din, weight_kind, b)] = _race(candidates(weight_kind, b), default_form(weight_kind, b),
+                                                          x, weights, min_seconds)
             measured.append(key(dout, din, weight_kind, b))
     return measured
 
