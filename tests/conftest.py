@@ -28,12 +28,13 @@ os.environ.setdefault("COLIBRI_CACHE_DIR", tempfile.mkdtemp(prefix="colibri-test
 
 
 @contextmanager
-def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = None, timeout: float = 120):
+def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = None, timeout: float = 120,
+          env: dict[str, str] | None = None):
     """`colibri serve` on a free port; yields (address, launcher Popen); stops it with SIGTERM."""
     cmd = [COLIBRI, "serve", "--model", str(model_dir), "--workers", str(workers), "--port", "0",
            "--log-level", "WARNING", *(extra or [])]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     try:
         line = p.stdout.readline()
         if not line.startswith("ready "):

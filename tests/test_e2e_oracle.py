@@ -9,6 +9,7 @@ the sharding, both transports and the wire.
 from __future__ import annotations
 
 import grpc
+import psutil
 import pytest
 import torch
 
@@ -58,4 +59,20 @@ def test_fleet_matches_transformers(oracles, arch, workers, transport):
                 client.generate("some text", 4)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "no tokenizer.json" in err.value.details()
+        client.close()
+
+
+def test_fleet_on_the_triton_kernels_matches_transformers(oracles):
+    """The serving path with the Triton kernels (router top-k, workers' fused MoE), run by the interpreter on
+    CPU tensors: the same code a GPU worker runs, checked against transformers without a GPU."""
+    oracle = oracles["qwen3_moe"]
+    env = {"COLIBRI_MOE_BACKEND": "triton", "TRITON_INTERPRET": "1"}
+    with fleet(oracle.path, 2, env=env) as (addr, proc):
+        for child in psutil.Process(proc.pid).children():             # router and both workers run Triton
+            assert env.items() <= child.environ().items()
+        client = Client(addr)
+        prompt = PROMPTS[0]
+        res = client.generate(prompt, 6, return_logits=True)
+        assert res.token_ids == oracle.greedy(prompt, 6)
+        assert rel_err(torch.from_numpy(res.logits[0].copy()), oracle.last_logits(prompt)) < 1e-4
         client.close()
