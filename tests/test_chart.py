@@ -24,6 +24,7 @@ VALUE_SETS = {
                                                               "$(MODEL_DIR)"]}}},
     "hpa": {"router": {"autoscaling": {"enabled": True, "maxReplicas": 6}}, "serviceMonitor": {"enabled": True}},
     "one-shard": {"experts": {"shards": 1}},
+    "int8": {"model": {"quantize": "int8"}},
     "eight-shards": {"experts": {"shards": 8, "spreadAcrossNodes": False}},
 }
 
@@ -109,6 +110,7 @@ def test_wiring(name):
         ap = build_parser()
         opts = command_options(ap, ap.parse_args(argv))
         assert opts.model == "/models/model"
+        assert opts.quantize == (values.get("model", {}).get("quantize") or None)   # router and workers agree
 
     # probes are native gRPC probes on the ports the containers expose; readiness names the service
     for container, service in ((router, "colibri.v1.Generation"), (expert, "colibri.v1.ExpertWorker")):
@@ -172,6 +174,7 @@ def test_helm_test_pod_checks_router_health():
     {"router": {"port": 70000}},
     {"router": {"gpus": -1}},
     {"model": {"dtype": "int4"}},
+    {"model": {"quantize": "int4"}},
     {"terminationGracePeriodSeconds": 2},
     {"routr": {}},
 ])
