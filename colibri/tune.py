@@ -38,7 +38,8 @@ def run_tune(opts: TuneOptions) -> int:
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
     from colibri_common.forms_file import FormsFile, resolve
-    from kernels.cpu_forms import describe, tune
+    from expert_service.shard import expert_linear_shapes
+    from kernels.cpu_forms import describe, tune, weight_kind
     from router_service.build import compute_dtype
     from router_service.weights import RouterWeights
 
@@ -48,10 +49,9 @@ def run_tune(opts: TuneOptions) -> int:
     ckpt = Checkpoint(opts.model)
     weights = RouterWeights.load(ckpt, cfg, router_dtype)
     ckpt.close()
-    H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    expert_kind = f"int8-{opts.dtype}" if opts.quantize == "int8" else opts.dtype
+    expert_kind = weight_kind(opts.quantize == "int8", getattr(torch, opts.dtype))
     jobs = [("router", router_threads, weights.linear_shapes(router_dtype)),
-            ("expert worker", worker_threads, [(2 * I, H, expert_kind), (H, I, expert_kind)])]
+            ("expert worker", worker_threads, expert_linear_shapes(cfg, expert_kind))]
     for role, threads, shapes in jobs:
         torch.set_num_threads(threads)
         forms = FormsFile(resolve(opts.cpu_forms))

@@ -20,10 +20,17 @@ from colibri_common.config import ModelConfig
 from colibri_common.placement import shard_experts
 from colibri_common.tensors import expert_tensors, fused_expert_tensors
 from kernels import fused_moe
-from kernels.cpu_forms import Weight, kind
+from kernels.cpu_forms import Weight, weight_kind
 from kernels.quant import Int8Weight
 
 log = logging.getLogger("colibri.expert")
+
+
+def expert_linear_shapes(cfg: ModelConfig, kind_: str) -> list[tuple[int, int, str]]:
+    """(Dout, Din, kind) of each expert's two matrices, gate/up [2I, H] and down [H, I]: the shapes the CPU
+    forms are measured for (by a worker at start-up and by `colibri tune`)."""
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    return [(2 * I, H, kind_), (H, I, kind_)]
 
 
 class ExpertShard:
@@ -75,9 +82,7 @@ class ExpertShard:
         return w13, w2
 
     def linear_shapes(self) -> list[tuple[int, int, str]]:
-        """(Dout, Din, kind) of each expert's two matrices: gate/up [2I, H] and down [H, I]."""
-        w13, w2 = next(iter(self.w13.values())), next(iter(self.w2.values()))
-        return [(w.shape[1], w.shape[2], kind(w, self.dtype)) for w in (w13, w2)]
+        return expert_linear_shapes(self.cfg, weight_kind(self.quantize == "int8", self.dtype))
 
     @property
     def weight_dtype(self) -> str:

@@ -73,8 +73,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def weight_kind(int8: bool, dtype: torch.dtype) -> str:
+    """The kind of a weight held in `dtype`, or held as int8 and multiplied by `dtype` activations."""
+    return f"int8-{dtype_name(dtype)}" if int8 else dtype_name(dtype)
+
+
 def kind(w: Weight, x_dtype: torch.dtype) -> str:
-    return f"int8-{dtype_name(x_dtype)}" if isinstance(w, Int8Weight) else dtype_name(w.dtype)
+    int8 = isinstance(w, Int8Weight)
+    return weight_kind(int8, x_dtype if int8 else w.dtype)
 
 
 def key(dout: int, din: int, weight_kind: str, rows: int) -> str:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from colibri_common.forms_file import FormsFile, machine
+from colibri_common.forms_file import machine
 from kernels import cpu_forms
 from kernels.cpu_linear import linear
 from kernels.quant import quantize_int8
@@ -101,10 +101,15 @@ def test_entries_that_make_no_sense_are_measured_again():
     assert table[measured[0]] in cpu_forms.INT8_FORMS
 
 
-def test_off_measures_nothing(tmp_path, oracles):
-    with InProcess(oracles["olmoe"].path, cpu_forms="off") as engine:
-        assert len(engine.generate([1, 2, 3], 3).token_ids) == 3
-    assert FormsFile(None).forms == {}
+def test_off_measures_nothing_and_auto_uses_the_cache_dir(tmp_path, oracles, monkeypatch, caplog):
+    monkeypatch.setenv("COLIBRI_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="colibri"), InProcess(oracles["olmoe"].path, cpu_forms="off") as e:
+        assert len(e.generate([1, 2, 3], 3).token_ids) == 3
+    assert not any("CPU linear forms" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "cpu-forms.json").exists()
+    with InProcess(oracles["olmoe"].path, cpu_forms="auto") as e:
+        assert len(e.generate([1, 2, 3], 3).token_ids) == 3
+    assert json.loads((tmp_path / "cpu-forms.json").read_text())["machine"] == machine()
 
 
 def test_tune_cli_writes_the_file_the_services_read(tmp_path, oracles):
