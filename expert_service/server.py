@@ -13,6 +13,7 @@ from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.forms_file import FormsFile
 from colibri_common.forms_file import resolve as resolve_forms
+from colibri_common.heap import return_free_heap
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import Service, setup_logging
 from expert_service.options import ExpertOptions
@@ -98,6 +99,7 @@ def serve_expert(opts: ExpertOptions) -> None:
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
                           quantize=opts.quantize)
     ckpt.close()
+    return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
     forms = FormsFile(resolve_forms(opts.cpu_forms))
     if forms.path is not None:
         log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save)))

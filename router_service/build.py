@@ -18,6 +18,7 @@ from colibri_common.config import ModelConfig
 from colibri_common.errors import ConfigError
 from colibri_common.forms_file import FormsFile
 from colibri_common.forms_file import resolve as resolve_forms
+from colibri_common.heap import return_free_heap
 from colibri_common.tokenizer import Tokenizer
 from kernels.cpu_forms import tune
 from kernels.cpu_linear import cpu_has_fast_bf16
@@ -86,6 +87,7 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     ckpt.close()
     if opts.quantize_dense:
         weights.quantize_int8()
+    return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
     forms = FormsFile(resolve_forms(opts.cpu_forms))
     if forms.path is not None:
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
