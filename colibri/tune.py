@@ -38,8 +38,9 @@ def run_tune(opts: TuneOptions) -> int:
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
     from colibri_common.forms_file import FormsFile, resolve
-    from expert_service.shard import expert_linear_shapes
-    from kernels.cpu_forms import describe, tune, weight_kind
+    from expert_service.shard import expert_linear_shapes, expert_moe_shape
+    from kernels.cpu_forms import describe, weight_kind
+    from kernels.cpu_tune import tune
     from router_service.build import compute_dtype
     from router_service.weights import RouterWeights
 
@@ -50,12 +51,13 @@ def run_tune(opts: TuneOptions) -> int:
     weights = RouterWeights.load(ckpt, cfg, router_dtype)
     ckpt.close()
     expert_kind = weight_kind(opts.quantize == "int8", getattr(torch, opts.dtype))
-    jobs = [("router", router_threads, weights.linear_shapes(router_dtype)),
-            ("expert worker", worker_threads, expert_linear_shapes(cfg, expert_kind))]
-    for role, threads, shapes in jobs:
+    jobs = [("router", router_threads, weights.linear_shapes(router_dtype), []),
+            ("expert worker", worker_threads, expert_linear_shapes(cfg, expert_kind),
+             [expert_moe_shape(cfg, opts.workers, expert_kind)])]
+    for role, threads, shapes, moe in jobs:
         torch.set_num_threads(threads)
         forms = FormsFile(resolve(opts.cpu_forms))
-        measured = tune(shapes, forms.forms, forms.save, max_rows=opts.max_rows)
+        measured = tune(shapes, forms.forms, forms.save, max_rows=opts.max_rows, moe=moe)
         print(f"{role} ({threads} threads): {forms.summary(measured)}")
         print(f"  {describe({k: forms.forms[k] for k in measured})}" if measured else "  nothing new to measure")
     return 0

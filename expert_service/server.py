@@ -18,7 +18,7 @@ from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import Service, setup_logging
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard
-from kernels.cpu_forms import tune
+from kernels.cpu_tune import tune
 
 log = logging.getLogger("colibri.expert")
 SERVICE = "colibri.v1.ExpertWorker"
@@ -102,7 +102,7 @@ def serve_expert(opts: ExpertOptions) -> None:
     return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
     forms = FormsFile(resolve_forms(opts.cpu_forms))
     if forms.path is not None:
-        log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save)))
+        log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()])))
     log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB packed %s, loaded in %.2fs",
              shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
              experts.packed_bytes / 2**20, experts.weight_dtype, time.perf_counter() - t0)

@@ -21,6 +21,7 @@ from colibri_common.placement import shard_experts
 from colibri_common.tensors import expert_tensors, fused_expert_tensors
 from kernels import fused_moe
 from kernels.cpu_forms import Weight, weight_kind
+from kernels.cpu_tune import MoeShape
 from kernels.quant import Int8Weight
 
 log = logging.getLogger("colibri.expert")
@@ -31,6 +32,13 @@ def expert_linear_shapes(cfg: ModelConfig, kind_: str) -> list[tuple[int, int, s
     forms are measured for (by a worker at start-up and by `colibri tune`)."""
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     return [(2 * I, H, kind_), (H, I, kind_)]
+
+
+def expert_moe_shape(cfg: ModelConfig, num_shards: int, kind_: str) -> MoeShape:
+    """The fused-MoE shape of one shard of `num_shards` (its form, loop or grouped, is measured for it)."""
+    local = len(shard_experts(cfg.num_experts, 0, num_shards))
+    pairs = max(1, min(local, round(cfg.top_k * local / cfg.num_experts)))
+    return MoeShape(local, cfg.moe_intermediate_size, cfg.hidden_size, pairs, kind_)
 
 
 class ExpertShard:
@@ -83,6 +91,9 @@ class ExpertShard:
 
     def linear_shapes(self) -> list[tuple[int, int, str]]:
         return expert_linear_shapes(self.cfg, weight_kind(self.quantize == "int8", self.dtype))
+
+    def moe_shape(self) -> MoeShape:
+        return expert_moe_shape(self.cfg, self.num_shards, weight_kind(self.quantize == "int8", self.dtype))
 
     @property
     def weight_dtype(self) -> str:

@@ -133,21 +133,21 @@ def pick(x: torch.Tensor, w: Weight) -> Form:
 MARGIN = 0.9   # another form must take at most this share of the default's time to replace it
 
 
-def _race(names: list[str], default: str, x: torch.Tensor, weights: list[Weight], min_seconds: float) -> str:
-    """The form with the lowest median time per call, if it beats `default` by a clear margin (a noisy
-    or shared machine must not flip a choice on a few percent). The candidates take turns call by call, so
-    a slow patch hits them all alike; every call reads the next copy of W, so no candidate finds the weight
-    its predecessor just pulled into the cache (W streams from memory, as in serving)."""
+def race(names: list[str] | tuple[str, ...], default: str, run: Callable[[str, int], object],
+         min_seconds: float) -> str:
+    """The candidate with the lowest median time per call of `run(name, call_index)`, if it beats `default`
+    by a clear margin (a noisy or shared machine must not flip a choice on a few percent). The candidates
+    take turns call by call, so a slow patch hits them all alike; `run` may read a different copy of the
+    weights per call index, so no candidate finds the weight its predecessor just pulled into the cache."""
     times: dict[str, list[float]] = {name: [] for name in names}
     for name in names:
-        FORMS[name](x, weights[0])                                 # warm-up (first-call allocations)
+        run(name, 0)                                               # warm-up (first-call allocations)
     deadline = time.perf_counter() + min_seconds * len(names)
     i, call = 0, 0
     while i < 5 or (time.perf_counter() < deadline and i < 200):
         for name in names:
-            w = weights[call % len(weights)]
             t0 = time.perf_counter()
-            FORMS[name](x, w)
+            run(name, call)
             times[name].append(time.perf_counter() - t0)
             call += 1
         i += 1
@@ -182,8 +182,9 @@ def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, s
         weights = [first] + [_sample(dout, din, weight_kind, g)[0] for _ in range(copies - 1)]
         for b in todo:
             x = torch.randn(b, din, generator=g).to(x_dtype)                             # [n, Din]
-            table[key(dout, din, weight_kind, b)] = _race(candidates(weight_kind, b), default_form(weight_kind, b),
-                                                          x, weights, min_seconds)
+            table[key(dout, din, weight_kind, b)] = race(
+                candidates(weight_kind, b), default_form(weight_kind, b),
+                lambda name, call, x=x, ws=weights: FORMS[name](x, ws[call % len(ws)]), min_seconds)
             measured.append(key(dout, din, weight_kind, b))
     return measured
 
@@ -201,21 +202,9 @@ def valid(entry_key: str, form: str) -> bool:
     """Whether `form` is a candidate for the kind and rows that `entry_key` names (a hand-edited or foreign
     file could pair an int8 weight with a float form)."""
     try:
-        _, weight_kind, rows = entry_key.split(":")
+        shape, weight_kind, rows = entry_key.split(":")
+        if "x" not in shape:
+            return False
         return form in candidates(weight_kind, int(rows))
     except ValueError:
         return False
-
-
-def tune(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, str],
-         save: Callable[[], None], max_rows: int = BUCKETS[-1]) -> list[str]:
-    """Measure what `table` lacks (a table loaded from a file is reused; entries that make no sense are
-    dropped and measured again), `save` if anything was measured, and install the winners. Returns the keys
-    measured now."""
-    for k in [k for k, form in table.items() if not valid(k, form)]:
-        del table[k]
-    measured = measure(shapes, table, max_rows=max_rows)
-    if measured:
-        save()
-    install(dict(table))
-    return measured

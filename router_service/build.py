@@ -20,8 +20,8 @@ from colibri_common.forms_file import FormsFile
 from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.heap import return_free_heap
 from colibri_common.tokenizer import Tokenizer
-from kernels.cpu_forms import tune
 from kernels.cpu_linear import cpu_has_fast_bf16
+from kernels.cpu_tune import tune
 from router_service.block_allocator import BlockAllocator
 from router_service.engine import Engine
 from router_service.experts import Experts, RemoteExperts

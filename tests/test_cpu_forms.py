@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from colibri_common.forms_file import machine
-from kernels import cpu_forms
+from kernels import cpu_forms, cpu_moe, cpu_tune
 from kernels.cpu_linear import linear
 from kernels.quant import quantize_int8
 from tests.conftest import COLIBRI
@@ -96,9 +96,23 @@ def test_a_corrupt_file_is_rebuilt_with_a_warning(tmp_path, oracles, caplog):
 
 def test_entries_that_make_no_sense_are_measured_again():
     table = {cpu_forms.key(48, 32, "int8-float32", 1): "linear", "garbage": "mv"}   # a float form for int8
-    measured = cpu_forms.tune([(48, 32, "int8-float32")], table, save=lambda: None, max_rows=1)
+    measured = cpu_tune.tune([(48, 32, "int8-float32")], table, save=lambda: None, max_rows=1)
     assert measured == [cpu_forms.key(48, 32, "int8-float32", 1)] and "garbage" not in table
     assert table[measured[0]] in cpu_forms.INT8_FORMS
+
+
+def test_the_moe_form_is_raced_per_row_bucket_and_kept_with_the_linear_forms():
+    shapes = [cpu_tune.MoeShape(6, 24, 40, 2, "bfloat16"), cpu_tune.MoeShape(6, 24, 40, 2, "int8-float32")]
+    table = {cpu_moe.moe_key(6, 24, 40, "bfloat16", 1): "loop", cpu_moe.moe_key(6, 24, 40, "float32", 2): "magic"}
+    saved = []
+    measured = cpu_tune.tune([], table, save=lambda: saved.append(1), max_rows=4, moe=shapes)
+    assert measured == [cpu_moe.moe_key(6, 24, 40, "bfloat16", b) for b in (2, 4)]   # int8 has one form only
+    assert saved and cpu_moe.moe_key(6, 24, 40, "float32", 2) not in table        # the nonsense entry is gone
+    assert all(table[k] in cpu_moe.MOE_FORMS for k in measured)
+    x, w13 = torch.empty(3, 40, dtype=torch.bfloat16), torch.empty(6, 48, 40, dtype=torch.bfloat16)
+    assert cpu_moe.pick_moe(x, w13) == table[cpu_moe.moe_key(6, 24, 40, "bfloat16", 4)]   # installed
+    with pytest.raises(ValueError, match="pairs <= experts"):
+        cpu_tune.MoeShape(2, 24, 40, 3, "bfloat16")
 
 
 def test_off_measures_nothing_and_auto_uses_the_cache_dir(tmp_path, oracles, monkeypatch, caplog):
@@ -120,3 +134,4 @@ def test_tune_cli_writes_the_file_the_services_read(tmp_path, oracles):
     assert "router (" in out.stdout and "expert worker (" in out.stdout
     sections = json.loads(path.read_text())["forms"]
     assert sections and all(sections.values())
+    assert any(k.startswith("moe:") for forms in sections.values() for k in forms)   # the worker's MoE form

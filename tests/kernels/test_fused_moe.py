@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from kernels import fused_moe, topk_route
+from kernels import cpu_moe, fused_moe, quantize_int8, topk_route
+from kernels.cpu_forms import bucket
 from kernels.reference import fused_moe_reference, topk_route_reference
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -49,11 +50,29 @@ GRID = list(itertools.product([1, 3, 64, 257], [8, 60], [1, 2, 8]))
 TRITON_GRID = list(itertools.product([1, 3, 64, 129], [8, 60], [1, 2, 8]))
 
 
+@pytest.fixture
+def moe_forms():
+    saved = dict(cpu_moe._TABLE)
+    yield cpu_moe.install_moe
+    cpu_moe._TABLE.clear()
+    cpu_moe._TABLE.update(saved)
+
+
+@pytest.mark.parametrize("form", cpu_moe.MOE_FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,E,K", GRID)
-def test_cpu_path(T, E, K, dtype):
+def test_cpu_path(T, E, K, dtype, form, moe_forms):
+    moe_forms({cpu_moe.moe_key(E, I, H, str(dtype).removeprefix("torch."), bucket(T)): form})
+    assert cpu_moe.pick_moe(torch.empty(T, H, dtype=dtype), torch.empty(E, 2 * I, H, dtype=dtype)) == form
     for pattern in ("random", "expert_map", "one_expert"):
         check("torch", T, E, K, dtype, pattern)
+
+
+def test_int8_experts_refuse_the_grouped_form():
+    w13, w2 = quantize_int8(torch.randn(4, 2 * I, H)), quantize_int8(torch.randn(4, H, I))
+    with pytest.raises(ValueError, match="grouped CPU MoE form takes float weights"):
+        cpu_moe.fused_moe_cpu(torch.randn(2, H), w13, w2, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
+                              form="grouped")
 
 
 # The interpreter runs every program instance in Python: the full grid in float32, a cut of it in float16.
