@@ -61,6 +61,7 @@ def engine_args(extra: list[tuple[str, dict]] | None = None) -> argparse.Namespa
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     for flag, kw in extra or []:
         ap.add_argument(flag, **kw)
     return ap.parse_args()

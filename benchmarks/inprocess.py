@@ -24,8 +24,9 @@ from router_service.sequence import Sampling, Sequence  # noqa: E402
 def main() -> None:
     args = engine_args([("--micro-batches", {"type": int, "default": 1})])
     dtype = getattr(torch, args.dtype)
-    opts = RouterOptions(model=args.model, dtype=args.dtype, micro_batches=args.micro_batches)
-    router = build_engine(opts, lambda cfg: LocalExperts(ExpertShard(cfg, Checkpoint(args.model), 0, 1, dtype)))
+    opts = RouterOptions(model=args.model, dtype=args.dtype, micro_batches=args.micro_batches, device=args.device)
+    router = build_engine(opts, lambda cfg, device: LocalExperts(
+        ExpertShard(cfg, Checkpoint(args.model), 0, 1, dtype, device=device)))
     router.engine.start()
     cold = time.perf_counter() - T_START
 

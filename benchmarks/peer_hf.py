@@ -21,18 +21,20 @@ from colibri.loadgen import random_prompts  # noqa: E402
 
 
 def generate(model, prompts: list[list[int]], n: int) -> float:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                        do_sample=False, pad_token_id=0)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
 def main() -> None:
     args = engine_args()
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     cold = time.perf_counter() - T_START
     probe = random_prompts(8, args.prompt_len, model.config.vocab_size, seed=1)
     best, best_t = None, float("inf")

@@ -64,15 +64,33 @@ class ServeOptions:
 
     router: RouterOptions = RouterOptions()
     workers: int = option(2, "number of expert workers (shards) to start")
+    gpus: tuple[int, ...] = option((), "GPUs to place the fleet on: the router on the first, worker i on GPU "
+                                       "i mod the count (each child gets --device cuda:N)", metavar="N[,N...]")
 
     def __post_init__(self) -> None:
         if self.workers <= 0:
             raise ValueError(f"--workers must be positive, got {self.workers}")
+        if self.gpus and self.router.device != "cpu":
+            raise ValueError("give --gpus (one GPU per child) or --device (all on one), not both")
+        if any(g < 0 for g in self.gpus):
+            raise ValueError(f"--gpus takes GPU indices >= 0, got {','.join(map(str, self.gpus))}")
+        if self.gpus and (self.router.quantize or self.router.quantize_dense):
+            raise ValueError("--quantize int8 / --quantize-dense are the CPU path; on GPUs serve bfloat16")
+
+    def device(self, child: int | None) -> str:
+        """The device of worker `child`, or of the router (None)."""
+        if not self.gpus:
+            return self.router.device
+        return f"cuda:{self.gpus[0 if child is None else child % len(self.gpus)]}"
 
     def expert(self, shard: int, threads: int, port: int = 0) -> ExpertOptions:
         """Worker `shard`'s options: the service options it shares with the router, on loopback."""
-        common = dict(shared_fields(self.router), host="127.0.0.1", port=port, threads=threads)
+        common = dict(shared_fields(self.router), host="127.0.0.1", port=port, threads=threads,
+                      device=self.device(shard))
         return ExpertOptions(**common, shard=f"{shard}/{self.workers}")
+
+    def router_options(self, workers: tuple[str, ...], threads: int) -> RouterOptions:
+        return replace(self.router, workers=workers, threads=threads, device=self.device(None))
 
 
 def child_argv(command: str, opts: RouterOptions | ExpertOptions) -> list[str]:
@@ -143,7 +161,7 @@ def serve(opts: ServeOptions) -> int:
         ports = free_ports(n)
         procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i])) for i in range(n)]
         workers = tuple(f"127.0.0.1:{port}" for port in ports)
-        router = fleet.spawn("router", replace(opts.router, workers=workers, threads=router_threads))
+        router = fleet.spawn("router", opts.router_options(workers, router_threads))
         addrs = [fleet.wait_ready(p, f"expert worker {i}/{n}") for i, p in enumerate(procs)]
         addr = fleet.wait_ready(router, "router")
     except (RuntimeError, OSError) as exc:

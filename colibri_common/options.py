@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import types
 import typing
@@ -22,6 +23,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEVICE_SYNTAX = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 def option(default: Any, help: str, *, flag: str | None = None, choices: tuple[Any, ...] | None = None,
@@ -53,6 +55,8 @@ class ServiceOptions:
     quantize: str | None = option(None, "int8: the routed experts as symmetric per-output-channel int8 weights "
                                         "with float32 scales, made at load time from the checkpoint (the router "
                                         "checks that its workers serve what it was told)", choices=("int8",))
+    device: str = option("cpu", "compute device: cpu, cuda or cuda:N (weights, KV cache and compute go there; "
+                                "only the wire stays on the host)", metavar="cpu|cuda[:N]")
     cpu_forms: str = option("auto", "JSON file of the CPU linear forms measured on this machine, written on the "
                                     "first start and reused after ('auto' = $COLIBRI_CACHE_DIR or "
                                     "~/.cache/colibri/cpu-forms.json; 'off' = built-in defaults, no measurement)",
@@ -63,6 +67,10 @@ class ServiceOptions:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if not DEVICE_SYNTAX.match(self.device):
+            raise ValueError(f"--device '{self.device}' is not a device; use cpu, cuda or cuda:N")
+        if self.quantize == "int8" and self.device != "cpu":
+            raise ValueError("--quantize int8 is the CPU path (int8 CPU kernels); on a GPU serve bfloat16 experts")
 
 
 class Parser(argparse.ArgumentParser):

@@ -11,6 +11,7 @@ import torch
 from colibri_common import wire
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
+from colibri_common.device import HostStaging, open_device
 from colibri_common.forms_file import FormsFile
 from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.heap import return_free_heap
@@ -27,6 +28,7 @@ SERVICE = "colibri.v1.ExpertWorker"
 class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
     def __init__(self) -> None:
         self.shard: ExpertShard | None = None   # set once the weights are packed
+        self.staging: HostStaging | None = None
 
     def _loaded(self, context) -> ExpertShard:
         if self.shard is None:
@@ -59,7 +61,9 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
                              f"{list(self.shard.cfg.moe_layers)}")
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.shard.forward(request.layer, hidden, ids, weights).to(hidden.dtype)  # [n, H]
+            hidden_d, ids_d, weights_d = self.staging.to_device(hidden, ids, weights)
+            out, = self.staging.to_host(self.shard.forward(request.layer, hidden_d, ids_d, weights_d)
+                                        .to(hidden.dtype))                   # [n, H] on the host
         ms = (time.perf_counter() - t0) * 1e3
         return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=ms)
 
@@ -88,6 +92,7 @@ def serve_expert(opts: ExpertOptions) -> None:
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
     dtype = getattr(torch, opts.dtype)
+    device = open_device(opts.device)
     cfg = ModelConfig.from_dir(opts.model)
     t0 = time.perf_counter()
     service = Service(SERVICE, max_workers=4)
@@ -97,15 +102,16 @@ def serve_expert(opts: ExpertOptions) -> None:
     bound = service.start(opts.host, opts.port, [SERVICE])
     ckpt = Checkpoint(opts.model)
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
-                          quantize=opts.quantize)
+                          quantize=opts.quantize, device=device)
     ckpt.close()
     return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
     forms = FormsFile(resolve_forms(opts.cpu_forms))
-    if forms.path is not None:
+    if forms.path is not None and device.type == "cpu":
         log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()])))
-    log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB packed %s, loaded in %.2fs",
+    log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB packed %s on %s, loaded in %.2fs",
              shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
-             experts.packed_bytes / 2**20, experts.weight_dtype, time.perf_counter() - t0)
+             experts.packed_bytes / 2**20, experts.weight_dtype, device, time.perf_counter() - t0)
+    servicer.staging = HostStaging(device)
     servicer.shard = experts
     service.ready(opts.host, bound)
     service.run_until_signal()

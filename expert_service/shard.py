@@ -46,15 +46,19 @@ class ExpertShard:
     float32 scale per output row when `quantize == "int8"` (quantised expert by expert as they are read)."""
 
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, shard: int, num_shards: int, dtype: torch.dtype,
-                 progress: bool = False, quantize: str | None = None) -> None:
+                 progress: bool = False, quantize: str | None = None, device: torch.device | None = None) -> None:
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize '{quantize}' is unknown; use int8 or none")
+        self.device = device or torch.device("cpu")
+        if quantize == "int8" and self.device.type != "cpu":
+            raise ValueError("int8 experts are computed by the CPU kernels; on a GPU pack them in bf16")
         self.cfg = cfg
         self.shard, self.num_shards = shard, num_shards
         self.dtype, self.quantize = dtype, quantize
         self.experts = shard_experts(cfg.num_experts, shard, num_shards)
-        self.expert_map = torch.full((cfg.num_experts,), -1, dtype=torch.long)  # [E] global -> local
-        self.expert_map[self.experts] = torch.arange(len(self.experts))
+        expert_map = torch.full((cfg.num_experts,), -1, dtype=torch.long)       # [E] global -> local
+        expert_map[self.experts] = torch.arange(len(self.experts))
+        self.expert_map = expert_map.to(self.device)
         self.w13: dict[int, Weight] = {}
         self.w2: dict[int, Weight] = {}
         for layer in tqdm(cfg.moe_layers, desc=f"experts {shard}/{num_shards}", unit="layer",
@@ -62,7 +66,9 @@ class ExpertShard:
             self.w13[layer], self.w2[layer] = self._pack(ckpt, layer)
 
     def _empty(self, *shape: int) -> Weight:
-        return Int8Weight.empty(*shape) if self.quantize == "int8" else torch.empty(shape, dtype=self.dtype)
+        if self.quantize == "int8":
+            return Int8Weight.empty(*shape)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)     # filled expert by expert
 
     def _pack(self, ckpt: Checkpoint, layer: int) -> tuple[Weight, Weight]:
         cfg = self.cfg
@@ -108,5 +114,6 @@ class ExpertShard:
         """hidden [n, H], ids [n, K] global ids (others' experts ignored), weights [n, K] -> [n, H]."""
         if layer not in self.w13:
             raise KeyError(f"layer {layer} has no routed experts (MoE layers: {list(self.cfg.moe_layers)})")
-        x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)                # [n, H]
-        return fused_moe(x, self.w13[layer], self.w2[layer], ids, weights, self.expert_map)
+        x = hidden.to(self.device, self.dtype)                                             # [n, H]
+        ids, weights = ids.to(self.device), weights.to(self.device)                       # [n, K]
+        return fused_moe(x, self.w13[layer], self.w2[layer], ids, weights, self.expert_map)   # [n, H] on device

@@ -1,7 +1,7 @@
 """The composition root of the router: weights, KV cache sizing, scheduler, experts client → an `Engine`.
 
 Lives apart from the gRPC server, so benchmarks and tests build an engine in-process
-(`build_engine(opts, lambda cfg: LocalExperts(...))`) without importing the server.
+(`build_engine(opts, lambda cfg, device: LocalExperts(...))`) without importing the server.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
+from colibri_common.device import open_device
 from colibri_common.errors import ConfigError
 from colibri_common.forms_file import FormsFile
 from colibri_common.forms_file import resolve as resolve_forms
@@ -33,7 +34,7 @@ from router_service.weights import RouterWeights
 
 log = logging.getLogger("colibri.router")
 
-ExpertsFactory = Callable[[ModelConfig], Experts]
+ExpertsFactory = Callable[[ModelConfig, torch.device], Experts]     # (model, the router's device)
 
 
 @dataclass
@@ -59,10 +60,12 @@ class BuiltEngine:
             close()
 
 
-def compute_dtype(requested: torch.dtype) -> torch.dtype:
+def compute_dtype(requested: torch.dtype, device: torch.device | None = None) -> torch.dtype:
     """Without native bf16 arithmetic the router's dense GEMMs run far faster in float32 (batch > 4); the
-    workers keep bf16 experts (half the bytes; see kernels/cpu_linear.py) and the wire stays bf16."""
-    if requested == torch.bfloat16 and not cpu_has_fast_bf16():
+    workers keep bf16 experts (half the bytes; see kernels/cpu_linear.py) and the wire stays bf16. A GPU
+    computes in what was asked."""
+    on_cpu = device is None or device.type == "cpu"
+    if requested == torch.bfloat16 and on_cpu and not cpu_has_fast_bf16():
         log.info("this CPU has no native bf16 arithmetic: the router computes in float32")
         return torch.float32
     return requested
@@ -71,35 +74,37 @@ def compute_dtype(requested: torch.dtype) -> torch.dtype:
 def remote_experts(opts: RouterOptions) -> ExpertsFactory:
     wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype)
     expect = "int8" if opts.quantize == "int8" else None
-    return lambda cfg: RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
-                                     expect_weight_dtype=expect)
+    return lambda cfg, device: RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
+                                             expect_weight_dtype=expect, device=device)
 
 
 def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     cfg = ModelConfig.from_dir(opts.model)
-    dtype = compute_dtype(getattr(torch, opts.dtype))
+    device = open_device(opts.device)
+    dtype = compute_dtype(getattr(torch, opts.dtype), device)
     tokenizer = Tokenizer.from_dir(opts.model)
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"{opts.model}/tokenizer.json has {tokenizer.vocab_size} tokens but config.json "
                           f"vocab_size is {cfg.vocab_size}; they must agree")
     ckpt = Checkpoint(opts.model)
-    weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO))
+    weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO), device=device)
     ckpt.close()
     if opts.quantize_dense:
         weights.quantize_int8()
     return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
     forms = FormsFile(resolve_forms(opts.cpu_forms))
-    if forms.path is not None:
+    if forms.path is not None and device.type == "cpu":
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
         log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows)))
     per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)
-    kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     sched = dataclasses.replace(opts.sched, max_model_len=min(opts.sched.max_model_len, cfg.max_position_embeddings))
     scheduler = Scheduler(sched, BlockAllocator(num_blocks, opts.block_size))
-    remote = experts(cfg)
-    engine = Engine(RouterModel(cfg, weights, dtype), kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
-    log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB)", cfg.architecture,
-             cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size,
-             num_blocks * per_block / 2**20)
+    remote = experts(cfg, device)
+    engine = Engine(RouterModel(cfg, weights, dtype, device), kv, scheduler, remote, cfg.eos_token_ids,
+                    opts.micro_batches)
+    log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB), %s on %s",
+             cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size,
+             num_blocks * per_block / 2**20, str(dtype).removeprefix("torch."), device)
     return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine)

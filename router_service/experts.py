@@ -18,6 +18,7 @@ import torch
 
 from colibri_common import wire
 from colibri_common.config import ModelConfig
+from colibri_common.device import HostStaging
 from colibri_common.pb import expert_pb2
 from router_service.moe_combine import combine
 from router_service.moe_partition import partition
@@ -70,7 +71,7 @@ class InFlight:
                  parts: list[tuple[torch.Tensor | None, Reply]]) -> None:
         self.owner, self.parts = owner, parts
         self.num_tokens, self.hidden_size = hidden.shape
-        self.dtype = hidden.dtype
+        self.dtype, self.device = hidden.dtype, hidden.device
 
     def done(self) -> bool:
         return all(reply.done() for _, reply in self.parts)
@@ -84,7 +85,7 @@ class InFlight:
             waited += time.perf_counter() - t0
             computed += resp.compute_ms / 1e3
             decoded.append((rows, wire.decode(resp.output)))                  # [n, H]
-        out = combine(self.num_tokens, self.hidden_size, self.dtype, decoded)  # [T, H]
+        out = combine(self.num_tokens, self.hidden_size, self.dtype, decoded).to(self.device)  # [T, H]
         self.owner.count(wait=waited, expert_compute=computed,
                          dispatch=time.perf_counter() - t_start - waited)
         return out
@@ -95,8 +96,9 @@ class RemoteExperts:
 
     def __init__(self, cfg: ModelConfig, addresses: tuple[str, ...], wire_dtype: torch.dtype,
                  transport: str = "stream", timeout_s: float = 60.0, connect_timeout_s: float = 300.0,
-                 expect_weight_dtype: str | None = None) -> None:
+                 expect_weight_dtype: str | None = None, device: torch.device | None = None) -> None:
         self.cfg, self.addresses, self.wire_dtype = cfg, addresses, wire_dtype
+        self.staging = HostStaging(device or torch.device("cpu"))   # the wire's pinned buffers on a GPU
         self.expect_weight_dtype = expect_weight_dtype        # "int8" under --quantize int8
         self.links = Links(addresses, transport, timeout_s)
         self.owner = torch.full((cfg.num_experts,), -1, dtype=torch.long)    # [E] expert -> worker
@@ -143,11 +145,11 @@ class RemoteExperts:
         """hidden [T, H], ids [T, K], weights [T, K] float32 -> a handle for Σ_k w_k · FFN_{e_k}(x) [T, H]."""
         t0 = time.perf_counter()
         self.step += 1
-        x = hidden.to(self.wire_dtype)                                       # [T, H] on the wire
-        ids32, w32 = ids.to(torch.int32), weights.float()                    # [T, K]
+        x, ids32, w32 = self.staging.to_host(hidden.to(self.wire_dtype),     # [T, H] on the wire
+                                             ids.to(torch.int32), weights.float())  # [T, K]
         whole: tuple[expert_pb2.Tensor, ...] | None = None                   # encoded once, sent to all
         parts: list[tuple[torch.Tensor | None, Reply]] = []
-        for wr in partition(self.owner, ids, len(self.links.links)):
+        for wr in partition(self.owner, ids32, len(self.links.links)):
             if wr.rows is None:
                 whole = whole or (wire.encode(x), wire.encode(ids32), wire.encode(w32))
                 enc = whole

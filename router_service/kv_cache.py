@@ -10,11 +10,11 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.block_size = block_size
         slots = num_blocks * block_size
-        self.k = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype)  # [NL, S, Hkv, D]
-        self.v = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype)  # [NL, S, Hkv, D]
+        self.k = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype, device=device)  # [NL, S, Hkv, D]
+        self.v = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype, device=device)  # [NL, S, Hkv, D]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,

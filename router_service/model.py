@@ -30,11 +30,13 @@ from router_service.weights import LayerWeights, RouterWeights
 
 
 class RouterModel:
-    def __init__(self, cfg: ModelConfig, weights: RouterWeights, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, weights: RouterWeights, dtype: torch.dtype,
+                 device: torch.device | None = None) -> None:
         self.cfg = cfg
         self.w = weights
         self.dtype = dtype
-        self.rope = Rope(cfg.head_dim, cfg.rope_theta)
+        self.device = device or torch.device("cpu")
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, self.device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing
@@ -65,6 +67,7 @@ class RouterModel:
     def _forward(self, step: StepInputs, kv: KVCache, experts: Experts
                  ) -> Generator[Handle, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
+        step = step.to(self.device)                                          # built on the host
         h = self.w.embed[step.token_ids]                                     # [T, H]
         cos, sin = self.rope.cos_sin(step.positions, self.dtype)             # [T, D]
         for i, lw in enumerate(self.w.layers):

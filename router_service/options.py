@@ -39,5 +39,8 @@ class RouterOptions(ServiceOptions):
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.kv_cache_blocks < 0:
             raise ValueError(f"--kv-cache-blocks must be >= 0, got {self.kv_cache_blocks}")
+        if self.quantize_dense and self.device != "cpu":
+            raise ValueError("--quantize-dense is the CPU path (int8 CPU kernels); on a GPU keep the dense "
+                             "layers in the compute dtype")
         if self.worker_timeout <= 0:
             raise ValueError(f"--worker-timeout must be positive, got {self.worker_timeout}")

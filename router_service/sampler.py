@@ -33,7 +33,7 @@ class Sampler:
                 else:
                     gen.seed()                     # from OS entropy; torch's global generator stays as it was
                 self._generators[rid] = gen
-            out.append(self._sample_row(logits[row], sp, gen))
+            out.append(self._sample_row(logits[row].cpu(), sp, gen))        # the generator is a CPU one
         return out
 
     @staticmethod

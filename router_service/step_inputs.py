@@ -32,6 +32,20 @@ class StepInputs:
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row, n, slots [ctx], mask | None)
     sample_rows: torch.Tensor        # [B] rows whose logits are sampled
 
+    def to(self, device: torch.device) -> StepInputs:
+        """These inputs on `device` (asynchronous copies on a GPU; the same object on the CPU)."""
+        if device.type == "cpu":
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return StepInputs(
+            token_ids=move(self.token_ids), positions=move(self.positions), slots=move(self.slots),
+            num_decode=self.num_decode, decode_slots=move(self.decode_slots), decode_mask=move(self.decode_mask),
+            prefills=[(row, n, move(slots), move(mask)) for row, n, slots, mask in self.prefills],
+            sample_rows=move(self.sample_rows))
+
     @staticmethod
     def build(seqs: list[SeqSlice], token_ids: list[int], block_size: int) -> StepInputs:
         """`seqs` must list decode sequences (num_new == 1, num_cached > 0) first."""

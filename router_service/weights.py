@@ -58,9 +58,10 @@ class RouterWeights:
                 lw.mlp_gate_up, lw.mlp_down = quantize_int8(lw.mlp_gate_up), quantize_int8(lw.mlp_down)
 
     @staticmethod
-    def load(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, progress: bool = False) -> RouterWeights:
+    def load(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, progress: bool = False,
+             device: torch.device | None = None) -> RouterWeights:
         def load_all(specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-            return {role: ckpt.load(name, shape, dtype) for role, (name, shape) in specs.items()}
+            return {role: ckpt.load(name, shape, dtype).to(device or "cpu") for role, (name, shape) in specs.items()}
 
         top = load_all(model_tensors(cfg))
         layers = []

@@ -37,9 +37,9 @@ class InProcess:
         if sched is not None:
             options = dataclasses.replace(options, sched=sched)
 
-        def local(cfg):
+        def local(cfg, device):
             ckpt = Checkpoint(model_dir)
-            shard = ExpertShard(cfg, ckpt, 0, 1, getattr(torch, dtype), quantize=options.quantize)
+            shard = ExpertShard(cfg, ckpt, 0, 1, getattr(torch, dtype), quantize=options.quantize, device=device)
             ckpt.close()
             experts = LocalExperts(shard)
             return experts if wrap_experts is None else wrap_experts(experts)

@@ -134,8 +134,10 @@ def test_wiring(name):
 def test_value_specific_rendering():
     gpu = render(VALUE_SETS["gpu"])
     for w in by_kind(gpu, "Deployment") + by_kind(gpu, "StatefulSet"):
-        assert w["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert "nvidia.com/gpu" not in str(render({}))
+        container = w["spec"]["template"]["spec"]["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert "--device=cuda" in container["args"]                  # the pod computes on the GPU it requests
+    assert "nvidia.com/gpu" not in str(render({})) and "--device" not in str(render({}))
 
     pvc = by_kind(render(VALUE_SETS["pvc"]), "StatefulSet")[0]["spec"]["template"]["spec"]
     assert pvc["volumes"][0]["persistentVolumeClaim"] == {"claimName": "qwen3-30b", "readOnly": True}
@@ -177,6 +179,7 @@ def test_helm_test_pod_checks_router_health():
     {"model": {"quantize": "int4"}},
     {"terminationGracePeriodSeconds": 2},
     {"routr": {}},
+    {"model": {"quantize": "int8"}, "experts": {"gpus": 1}},     # int8 experts are the CPU path
 ])
 def test_schema_rejects_wrong_values(bad):
     chart = helm.Chart.load(CHART)

@@ -42,12 +42,15 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
                       micro_batches=2, transport="unary", worker_timeout=2.5, metrics_port=0, quantize="int8",
                       quantize_dense=True, cpu_forms="/tmp/forms.json",
                       sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99))
-    changed = {f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(RouterOptions(), f.name)}
+    gpu = dataclasses.replace(r, device="cuda:1", quantize=None, quantize_dense=False)   # int8 is CPU-only
+    changed = {f.name for o in (r, gpu) for f in dataclasses.fields(o)
+               if getattr(o, f.name) != getattr(RouterOptions(), f.name)}
     assert changed == {f.name for f in dataclasses.fields(RouterOptions)}        # the test sets every field
     assert all(getattr(r.sched, f.name) != getattr(SchedulerConfig(), f.name) for f in dataclasses.fields(r.sched))
-    argv = child_argv("router", r)
-    assert argv[0] == "router"
-    assert parse(RouterOptions, argv[1:]) == r
+    for opts in (r, gpu):
+        argv = child_argv("router", opts)
+        assert argv[0] == "router"
+        assert parse(RouterOptions, argv[1:]) == opts
     e = ExpertOptions(model="/m", shard="2/4", port=0, threads=1, log_level="WARNING")
     assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e
 
@@ -65,7 +68,23 @@ def test_serve_hands_its_children_the_options_it_was_given():
     assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e
 
 
+def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
+    s = parse(ServeOptions, ["--model", "/m", "--workers", "3", "--gpus", "2,5"], ServeOptions.EXCLUDED)
+    assert [s.expert(i, threads=1).device for i in range(3)] == ["cuda:2", "cuda:5", "cuda:2"]
+    router = s.router_options(("127.0.0.1:1",), 2)
+    assert router.device == "cuda:2" and router.workers == ("127.0.0.1:1",)
+    assert "--device=cuda:5" in child_argv("expert", s.expert(1, threads=1))
+    plain = parse(ServeOptions, ["--model", "/m", "--device", "cuda"], ServeOptions.EXCLUDED)
+    assert plain.expert(1, threads=1).device == "cuda" and plain.router_options((), 1).device == "cuda"
+
+
 @pytest.mark.parametrize("argv, needle", [
+    (["serve", "--model", "m", "--device", "tpu"], "--device 'tpu' is not a device; use cpu, cuda or cuda:N"),
+    (["expert", "--model", "m", "--shard", "0/1", "--device", "cuda", "--quantize", "int8"],
+     "--quantize int8 is the CPU path"),
+    (["serve", "--model", "m", "--gpus", "0", "--device", "cuda:1"], "give --gpus (one GPU per child) or --device"),
+    (["serve", "--model", "m", "--gpus", "0,x"], "invalid comma-separated int value"),
+    (["serve", "--model", "m", "--gpus", "0", "--quantize", "int8"], "are the CPU path; on GPUs serve bfloat16"),
     (["serve", "--model", "m", "--log-level", "NOPE"], "invalid choice: 'NOPE'"),
     (["serve", "--model", "m", "--max-batch-size", "0"], "--max_batch_size must be positive"),
     (["router", "--model", "m", "--workers", "a:1", "--micro-batches", "0"], "--micro-batches must be positive"),

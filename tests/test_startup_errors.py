@@ -7,6 +7,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import COLIBRI
@@ -66,3 +67,14 @@ def test_truncated_safetensors(ckpt):
 def test_bad_shard_flag(ckpt):
     out = run("expert", "--model", str(ckpt), "--shard", "2/2", "--port", "0")
     assert out.returncode != 0 and "--shard 2/2: need 0 <= I < N" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda is valid here")
+@pytest.mark.parametrize("args", [["expert", "--shard", "0/2", "--device", "cuda"],
+                                  ["router", "--workers", "127.0.0.1:1", "--device", "cuda:0"],
+                                  ["serve", "--workers", "2", "--gpus", "0,1"]])
+def test_a_gpu_device_on_a_machine_without_one_is_a_clear_error(ckpt, args):
+    out = run(*args, "--model", str(ckpt), "--port", "0")
+    assert out.returncode != 0
+    assert "this machine has no usable CUDA GPU" in out.stderr and "use --device cpu" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
