@@ -117,6 +117,9 @@ def main() -> int:
         ("colibri 2 workers", lambda: run_fleet(model, 2, args.dtype, streams, args.prompt_len, args.max_tokens, [])),
         ("colibri 2 workers int8", lambda: run_fleet(model, 2, args.dtype, streams, args.prompt_len, args.max_tokens,
                                                      ["--quantize", "int8"])),
+        ("colibri 2 workers int8 + dense int8", lambda: run_fleet(
+            model, 2, args.dtype, streams, args.prompt_len, args.max_tokens,
+            ["--quantize", "int8", "--quantize-dense"])),
     ]
     results = {}
     for name, job in tqdm(jobs, desc="bench", unit="engine"):
@@ -128,8 +131,9 @@ def main() -> int:
         for c in streams:
             r = res["rows"][str(c)] if str(c) in res["rows"] else res["rows"][c]
             h = hf["rows"][str(c)]
-            expert_itemsize = 1 if name.endswith("int8") else itemsize
-            roof = c / (step_bytes(cfg, c, itemsize, expert_itemsize) / (bw * 1e9))
+            expert_itemsize = 1 if "int8" in name else itemsize
+            dense_itemsize = 1 if name.endswith("dense int8") else itemsize
+            roof = c / (step_bytes(cfg, c, dense_itemsize, expert_itemsize) / (bw * 1e9))
             rows.append([name, str(c), f"{r['output_tokens_per_s']:.1f}",
                          f"{r['output_tokens_per_s'] / h['output_tokens_per_s']:.2f}x",
                          f"{r['ttft_p50_ms']:.0f}", f"{r.get('ttft_p99_ms', float('nan')):.0f}",
@@ -138,7 +142,7 @@ def main() -> int:
     cold = [[n, f"{r['cold_start_s']:.1f} s", f"{hf['cold_start_s'] / r['cold_start_s']:.2f}x", fmt_gib(r["peak_rss"])]
             for n, r in results.items()]
     split = []
-    for name in ("colibri 1 worker", "colibri 2 workers", "colibri 2 workers int8"):
+    for name in [n for n in results if n.startswith("colibri") and n != "colibri in-process"]:
         for c in streams:
             ph = results[name]["rows"][c]["phases"]
             total = ph.get("schedule", 0) + ph.get("prepare", 0) + ph.get("forward", 0) + ph.get("postprocess", 0)

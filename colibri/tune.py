@@ -40,7 +40,7 @@ def run_tune(opts: TuneOptions) -> int:
     from colibri_common.forms_file import FormsFile, resolve
     from expert_service.shard import expert_linear_shapes, expert_moe_shape
     from kernels.cpu_forms import describe, weight_kind
-    from kernels.cpu_tune import tune
+    from kernels.cpu_tune import CANDIDATES, tune
     from router_service.build import compute_dtype
     from router_service.weights import RouterWeights
 
@@ -56,7 +56,7 @@ def run_tune(opts: TuneOptions) -> int:
              [expert_moe_shape(cfg, opts.workers, expert_kind)])]
     for role, threads, shapes, moe in jobs:
         torch.set_num_threads(threads)
-        forms = FormsFile(resolve(opts.cpu_forms))
+        forms = FormsFile(resolve(opts.cpu_forms), CANDIDATES)
         measured = tune(shapes, forms.forms, forms.save, max_rows=opts.max_rows, moe=moe)
         print(f"{role} ({threads} threads): {forms.summary(measured)}")
         print(f"  {describe({k: forms.forms[k] for k in measured})}" if measured else "  nothing new to measure")

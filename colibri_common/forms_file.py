@@ -91,10 +91,11 @@ def _read(path: Path, here: dict[str, object]) -> dict[str, dict[str, str]]:
 class FormsFile:
     """The measured forms of this machine for this process's thread count, as a dict to fill."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, candidates: str = "") -> None:
+        """`candidates` names the forms the caller races (a release that adds one measures again)."""
         self.path = path
         self.machine = machine()
-        self.section = f"threads={torch.get_num_threads()}"
+        self.section = f"threads={torch.get_num_threads()}" + (f" forms={candidates}" if candidates else "")
         self.forms: dict[str, str] = dict(_read(path, self.machine).get(self.section, {})) if path else {}
         self.loaded = len(self.forms)
 

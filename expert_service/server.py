@@ -19,7 +19,7 @@ from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import Service, setup_logging
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard
-from kernels.cpu_tune import tune
+from kernels.cpu_tune import CANDIDATES, tune
 
 log = logging.getLogger("colibri.expert")
 SERVICE = "colibri.v1.ExpertWorker"
@@ -105,7 +105,7 @@ def serve_expert(opts: ExpertOptions) -> None:
                           quantize=opts.quantize, device=device)
     ckpt.close()
     return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
-    forms = FormsFile(resolve_forms(opts.cpu_forms))
+    forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES)
     if forms.path is not None and device.type == "cpu":
         log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()])))
     log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB packed %s on %s, loaded in %.2fs",

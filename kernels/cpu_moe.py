@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_forms import bucket, dtype_name
-from kernels.cpu_linear import linear
+from kernels.cpu_forms import Form, bucket, dtype_name, pick_rows
 from kernels.quant import Int8Weight
 
 MOE_FORMS = ("loop", "grouped")
@@ -62,15 +61,21 @@ def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.
 
 def _loop(xs: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Tensor | Int8Weight,
           counts: list[int]) -> torch.Tensor:
+    """The linear form is looked up once per row count (every expert has the same shapes and kind), and an
+    int8 stack's per-expert views are made once: at one token this loop is most of a decode step's Python."""
     I = w2.shape[2]
     ys = torch.empty(xs.shape[0], w2.shape[1], dtype=torch.float32)           # [P, H]
+    e13 = w13.rows if isinstance(w13, Int8Weight) else w13
+    e2 = w2.rows if isinstance(w2, Int8Weight) else w2
+    forms: dict[int, tuple[Form, Form]] = {}
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        gate_up = linear(xs[start:start + n], w13[e])                         # [n, 2I]
+        f13, f2 = forms.get(n) or forms.setdefault(n, (pick_rows(n, xs.dtype, e13[e]), pick_rows(n, xs.dtype, e2[e])))
+        gate_up = f13(xs[start:start + n], e13[e])                            # [n, 2I]
         h = F.silu(gate_up[:, :I]) * gate_up[:, I:]                           # [n, I]
-        ys[start:start + n] = linear(h, w2[e])                                # [n, H]
+        ys[start:start + n] = f2(h, e2[e])                                    # [n, H]
         start += n
     return ys
 

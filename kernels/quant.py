@@ -10,6 +10,7 @@ Shapes: E experts, Dout output features (one scale each), Din input features, n 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -41,6 +42,11 @@ class Int8Weight:
 
     def __getitem__(self, index) -> Int8Weight:
         return Int8Weight(self.q[index], self.scale[index])
+
+    @cached_property
+    def rows(self) -> list[Int8Weight]:
+        """self[i] for every i along the first dimension, made once (an expert stack's per-expert views)."""
+        return [self[i] for i in range(self.q.shape[0])]
 
     @property
     def nbytes(self) -> int:

@@ -22,7 +22,7 @@ from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.heap import return_free_heap
 from colibri_common.tokenizer import Tokenizer
 from kernels.cpu_linear import cpu_has_fast_bf16
-from kernels.cpu_tune import tune
+from kernels.cpu_tune import CANDIDATES, tune
 from router_service.block_allocator import BlockAllocator
 from router_service.engine import Engine
 from router_service.experts import Experts, RemoteExperts
@@ -92,7 +92,7 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     if opts.quantize_dense:
         weights.quantize_int8()
     return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
-    forms = FormsFile(resolve_forms(opts.cpu_forms))
+    forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES)
     if forms.path is not None and device.type == "cpu":
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
         log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows)))

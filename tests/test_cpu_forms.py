@@ -71,11 +71,16 @@ def test_written_on_first_start_reused_on_the_second_rebuilt_for_another_machine
     assert "0 reused and" in first and " 0 measured" not in first
     saved = json.loads(path.read_text())
     assert saved["machine"] == machine()
-    section = saved["forms"][f"threads={torch.get_num_threads()}"]
-    assert section and set(section.values()) <= set(cpu_forms.FORMS)
+    name = f"threads={torch.get_num_threads()} forms={cpu_tune.CANDIDATES}"
+    section = saved["forms"][name]
+    assert section and set(section.values()) <= set(cpu_forms.FORMS) | set(cpu_moe.MOE_FORMS)
 
     second = start(path, oracles, caplog)
     assert f"{len(section)} reused and 0 measured" in second
+
+    saved["forms"] = {name.replace("+int8_pack_bf16", ""): section}     # chosen among fewer forms: measured again
+    path.write_text(json.dumps(saved))
+    assert "0 reused and" in start(path, oracles, caplog)
 
     saved["machine"]["torch"] = "1.0.0"                              # another torch (or CPU): ignored, rebuilt
     path.write_text(json.dumps(saved))
