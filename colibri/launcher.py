@@ -110,8 +110,10 @@ class Fleet:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         cmd = [*colibri_command(), *child_argv(command, opts)]
         log.info("starting %s", " ".join(cmd))
+        # Its own process group: a Ctrl-C in the terminal reaches serve alone, which stops the children in
+        # order (the router drains first, the workers after it).
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
-                             preexec_fn=_die_with_parent)
+                             preexec_fn=_die_with_parent, process_group=0)
         self.children.append(p)
         return p
 
@@ -125,17 +127,23 @@ class Fleet:
         code = p.wait()
         raise RuntimeError(f"{what} exited with code {code} before it was ready (its log is above)")
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, first: tuple[subprocess.Popen, ...] = (), first_timeout: float = 15.0,
+             timeout: float = 15.0) -> None:
+        """SIGTERM to `first` (the router, which drains) and wait for them; then the others; SIGKILL whatever
+        outlives its timeout."""
         self.stopping.set()
-        for p in self.children:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.children:
-            try:
-                p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        rest = [p for p in self.children if p not in first]
+        for group, wait_s in ((list(first), first_timeout), (rest, timeout)):
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    p.wait(timeout=wait_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("pid %d did not stop within %.0fs: killing it", p.pid, wait_s)
+                    p.kill()
+                    p.wait()
 
 
 def serve(opts: ServeOptions) -> int:
@@ -205,5 +213,5 @@ def serve(opts: ServeOptions) -> int:
     while not stop_signal.wait(0.5):
         pass
     failed = router.poll() not in (None, 0) and not fleet.stopping.is_set()
-    fleet.stop()
+    fleet.stop(first=(router,), first_timeout=opts.router.grace_period + 10)
     return 1 if failed else 0

@@ -12,11 +12,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-MAX_MESSAGE_BYTES = 512 * 2**20
+MAX_MESSAGE_BYTES = 512 * 2**20      # between router and workers (a step's hidden states); clients get less
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Clients (the router watching its workers) may ping every second to find a frozen peer.
+SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.max_ping_strikes", 0)]
 STOP_GRACE_S = 5.0      # for open calls to receive their final status after on_stop, then they are cancelled
 
 log = logging.getLogger("colibri")
@@ -30,9 +33,14 @@ def setup_logging(role: str, level: str = "INFO") -> None:
 class Service:
     """A gRPC server with health (liveness on "", readiness on the service name) and reflection."""
 
-    def __init__(self, service_name: str, max_workers: int) -> None:
+    def __init__(self, service_name: str, max_workers: int, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.name = service_name
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", max_receive_bytes), *SERVER_KEEPALIVE]
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
+        self._loaded = False
+        self._healthy = True       # what the service's own checks say (the router: every expert has a worker)
+        self._lock = threading.Lock()
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -48,24 +56,51 @@ class Service:
         self.server.start()
         return bound
 
+    def _publish(self) -> None:
+        with self._lock:
+            serving = self._loaded and self._healthy and not self._stopped.is_set()
+            self.health.set(self.name, health_pb2.HealthCheckResponse.SERVING if serving
+                            else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def set_serving(self, healthy: bool) -> None:
+        """Readiness from the service's own checks (it is SERVING only when loaded, healthy and not stopping)."""
+        if healthy != self._healthy:
+            log.log(logging.INFO if healthy else logging.WARNING, "readiness: %s",
+                    "SERVING" if healthy else "NOT_SERVING")
+        self._healthy = healthy
+        self._publish()
+
     def ready(self, host: str, port: int) -> None:
-        self.health.set(self.name, health_pb2.HealthCheckResponse.SERVING)
+        self._loaded = True
+        self._publish()
         log.info("serving %s on %s:%d", self.name, host, port)
         print(f"ready {host}:{port}", flush=True)
 
-    def run_until_signal(self, on_stop=None) -> None:
-        """Block until SIGINT/SIGTERM; then mark NOT_SERVING, run `on_stop` (the router fails its open requests
-        with UNAVAILABLE there: there is no drain yet), give open calls STOP_GRACE_S to send their status, stop."""
+    def run_until_signal(self, drain=None, on_stop=None) -> None:
+        """Block until SIGINT/SIGTERM; then readiness NOT_SERVING, `drain()` (the router lets its open requests
+        finish, refusing new ones), `on_stop()` (what is still open ends UNAVAILABLE), STOP_GRACE_S for the
+        calls to send their status, stop. A second signal during the drain stops at once."""
+        hurry = threading.Event()
+
         def handler(signum, _frame):
-            log.info("received %s: not serving any more; open requests end UNAVAILABLE, stopping within %.0fs",
-                     signal.Signals(signum).name, STOP_GRACE_S)
+            if self._stopped.is_set():
+                log.info("received %s again: stopping now", signal.Signals(signum).name)
+                hurry.set()
+                return
+            log.info("received %s: not serving any more, stopping", signal.Signals(signum).name)
             self._stopped.set()
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
         self._stopped.wait()
+        self._publish()                           # NOT_SERVING for the service; liveness ("") stays SERVING
+        if drain is not None:
+            t = threading.Thread(target=drain, name="drain", daemon=True)
+            t.start()
+            while t.is_alive() and not hurry.is_set():
+                t.join(timeout=0.2)
         self.health.enter_graceful_shutdown()
         if on_stop is not None:
             on_stop()
-        self.server.stop(STOP_GRACE_S).wait()
+        self.server.stop(0 if hurry.is_set() else STOP_GRACE_S).wait()
         log.info("stopped")

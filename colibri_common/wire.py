@@ -43,6 +43,8 @@ def decode(msg: expert_pb2.Tensor) -> torch.Tensor:
     """A read-only view over the message's bytes (torch warns on non-writable buffers; we never write)."""
     dtype = dtype_from_name(msg.dtype)
     shape = tuple(msg.shape)
+    if any(d < 0 for d in shape) or len(shape) > 8:
+        raise ValueError(f"tensor shape {list(shape)[:9]} is not a shape (dimensions must be >= 0, at most 8)")
     numel = 1
     for d in shape:
         numel *= d

@@ -12,9 +12,13 @@ from colibri_common.placement import parse_shard
 class ExpertOptions(ServiceOptions):
     port: int = option(50061, "port; 0 picks a free one")
     shard: str = option("", "I/N: this worker holds shard I of N (0-based)", required=True, metavar="I/N")
+    max_streams: int = option(16, "concurrent ForwardStream (and Forward) calls at most; beyond it "
+                                  "RESOURCE_EXHAUSTED (each router holds one stream per worker)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.max_streams <= 0:
+            raise ValueError(f"--max-streams must be positive, got {self.max_streams}")
         parse_shard(self.shard)      # raises ValueError with a message that says what to fix
 
     @property

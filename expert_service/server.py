@@ -14,6 +14,7 @@ from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging, open_device
 from colibri_common.forms_file import FormsFile
 from colibri_common.forms_file import resolve as resolve_forms
+from colibri_common.handlers import add_servicer
 from colibri_common.heap import return_free_heap
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import Service, setup_logging
@@ -49,13 +50,18 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         ids = wire.decode(request.topk_ids)                                  # [n, K]
         weights = wire.decode(request.topk_weights)                          # [n, K]
         H, E = self.shard.cfg.hidden_size, self.shard.cfg.num_experts
-        if hidden.dim() != 2 or hidden.shape[1] != H:
-            raise ValueError(f"hidden must be [n, {H}], got {list(hidden.shape)}")
+        if hidden.dim() != 2 or hidden.shape[1] != H or not hidden.is_floating_point():
+            raise ValueError(f"hidden must be a float [n, {H}] tensor, got {request.hidden.dtype} "
+                             f"{list(hidden.shape)}")
+        if ids.is_floating_point() or not weights.is_floating_point():
+            raise ValueError(f"topk_ids must be integers and topk_weights floats, got {request.topk_ids.dtype} "
+                             f"and {request.topk_weights.dtype}")
         if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
             raise ValueError(f"topk_ids {list(ids.shape)} and topk_weights {list(weights.shape)} must be "
                              f"[n={hidden.shape[0]}, K]")
-        if ids.numel() and int(ids.max()) >= E:
-            raise ValueError(f"expert id {int(ids.max())} out of range (the model has {E} experts)")
+        if ids.numel() and (int(ids.max()) >= E or int(ids.min()) < -1):
+            raise ValueError(f"expert ids must be in [-1, {E}) (-1 = none; the model has {E} experts), got "
+                             f"{int(ids.min())}..{int(ids.max())}")
         if request.layer not in self.shard.w13:
             raise ValueError(f"layer {request.layer} has no routed experts; MoE layers are "
                              f"{list(self.shard.cfg.moe_layers)}")
@@ -95,9 +101,12 @@ def serve_expert(opts: ExpertOptions) -> None:
     device = open_device(opts.device)
     cfg = ModelConfig.from_dir(opts.model)
     t0 = time.perf_counter()
-    service = Service(SERVICE, max_workers=4)
+    # Streams are capped (beyond the cap RESOURCE_EXHAUSTED), and the pool has threads beyond the cap, so
+    # idle or slow streams can never leave a health check, Describe or unary Forward without a thread.
+    service = Service(SERVICE, max_workers=opts.max_streams + 4)
     servicer = ExpertWorkerServicer()
-    expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, service.server)
+    add_servicer(service.server, servicer, expert_pb2.DESCRIPTOR.services_by_name["ExpertWorker"],
+                 {"ForwardStream": opts.max_streams, "Forward": opts.max_streams})
     # Listen (liveness answers) while the weights load; readiness turns SERVING only after.
     bound = service.start(opts.host, opts.port, [SERVICE])
     ckpt = Checkpoint(opts.model)

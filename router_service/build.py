@@ -100,6 +100,11 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)
     kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     sched = dataclasses.replace(opts.sched, max_model_len=min(opts.sched.max_model_len, cfg.max_position_embeddings))
+    if -(-sched.max_model_len // opts.block_size) > num_blocks:
+        raise ConfigError(f"--max-model-len {sched.max_model_len} needs {-(-sched.max_model_len // opts.block_size)} "
+                          f"KV blocks of {opts.block_size} tokens, but the KV cache holds {num_blocks} "
+                          f"({num_blocks * opts.block_size} tokens): raise --kv-cache-mb / --kv-cache-blocks or "
+                          f"lower --max-model-len to {num_blocks * opts.block_size}")
     scheduler = Scheduler(sched, BlockAllocator(num_blocks, opts.block_size))
     remote = experts(cfg, device)
     engine = Engine(RouterModel(cfg, weights, dtype, device), kv, scheduler, remote, cfg.eos_token_ids,

@@ -20,12 +20,20 @@ from router_service.kv_cache import KVCache
 from router_service.metrics import Metrics
 from router_service.model import RouterModel
 from router_service.moe_transport import WorkerError
-from router_service.sampler import Sampler
+from router_service.sampler import SampleError, Sampler
 from router_service.scheduler import QueueFull, Scheduler
 from router_service.sequence import FinishReason, Sequence
 from router_service.step_inputs import SeqSlice, StepInputs
 
 log = logging.getLogger("colibri.router")
+
+
+class Draining(Exception):
+    """The router is shutting down: new requests go to another replica (UNAVAILABLE)."""
+
+
+class DuplicateId(Exception):
+    """An open request already has this request_id (ALREADY_EXISTS)."""
 
 
 class Engine:
@@ -40,15 +48,27 @@ class Engine:
             "num_requests_running": 0, "num_requests_waiting": 0})
         self.eos = frozenset(eos_token_ids)
         self.sampler = Sampler()
-        self.outputs: dict[str, queue.SimpleQueue[Event]] = {}
-        self.seqs: dict[str, Sequence] = {}
+        self.outputs: dict[int, queue.SimpleQueue[Event]] = {}     # by Sequence.uid
+        self.seqs: dict[int, Sequence] = {}
+        self.by_request_id: dict[str, Sequence] = {}              # the clients' ids of the open requests
         self._cv = threading.Condition()
-        self._aborts: list[str] = []
+        self._aborts: list[int] = []
         self._stop = False
+        self.draining = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new requests (UNAVAILABLE) and wait up to `timeout` s for the open ones to finish; True when
+        they all did."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            self.draining = True
+            while self.seqs and time.monotonic() < deadline:
+                self._cv.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            return not self.seqs
 
     def stop(self) -> None:
         """Stop stepping; every request still open gets an error instead of waiting forever."""
@@ -62,10 +82,15 @@ class Engine:
 
     # -- called from gRPC threads ---------------------------------------------------------------
     def submit(self, seq: Sequence) -> queue.SimpleQueue[Event]:
-        """Raises QueueFull when the waiting queue is at its bound."""
+        """Raises QueueFull when the waiting queue is at its bound, Draining when the router is shutting down,
+        DuplicateId when an open request has this request_id, NeverFits (a ValueError) for a request the
+        whole KV cache cannot hold."""
         with self._cv:
-            if seq.request_id in self.seqs:
-                raise ValueError(f"request_id '{seq.request_id}' is already running; use a unique id")
+            if self.draining or self._stop:
+                raise Draining("the router is shutting down (draining); retry on another replica")
+            if seq.request_id in self.by_request_id:
+                raise DuplicateId(f"request_id '{seq.request_id}' belongs to a request still open; use a "
+                                  f"unique id (or leave it empty and the router makes one)")
             try:
                 self.scheduler.add(seq)
             except QueueFull:
@@ -75,16 +100,24 @@ class Engine:
             with self.metrics.lock:
                 self.metrics.prompt_tokens += len(seq.prompt_ids)
             q: queue.SimpleQueue[Event] = queue.SimpleQueue()
-            self.outputs[seq.request_id] = q
-            self.seqs[seq.request_id] = seq
+            self.outputs[seq.uid] = q
+            self.seqs[seq.uid] = seq
+            self.by_request_id[seq.request_id] = seq
             self._cv.notify()
         return q
 
     def abort(self, request_id: str) -> bool:
+        """The client-facing Abort: the open request with this id, if any."""
         with self._cv:
-            found = request_id in self.seqs
+            seq = self.by_request_id.get(request_id)
+        return seq is not None and self.cancel(seq)
+
+    def cancel(self, seq: Sequence) -> bool:
+        """End this very request (its client went away): by the engine's own id, never by request_id."""
+        with self._cv:
+            found = seq.uid in self.seqs
             if found:
-                self._aborts.append(request_id)
+                self._aborts.append(seq.uid)
                 self._cv.notify()
         return found
 
@@ -115,9 +148,9 @@ class Engine:
                 self._cv.wait()
             if self._stop:
                 return None
-            for rid in self._aborts:
-                if rid in self.seqs:
-                    self._finish(self.seqs[rid], FinishReason.ABORT)
+            for uid in self._aborts:
+                if uid in self.seqs:
+                    self._finish(self.seqs[uid], FinishReason.ABORT)
             self._aborts.clear()
             t0 = time.perf_counter()
             step = Step.split(self.scheduler.schedule(), self.micro_batches)
@@ -146,16 +179,20 @@ class Engine:
         t0 = time.perf_counter()
         assert logits.shape[0] == len(step.sampled), (logits.shape, len(step.sampled))  # row i: step.sampled[i]
         step.advance()
-        live = [(row, seq) for row, seq in enumerate(step.sampled) if self.seqs.get(seq.request_id) is seq]
+        live = [(row, seq) for row, seq in enumerate(step.sampled) if self.seqs.get(seq.uid) is seq]
         if live:
             rows = logits if len(live) == len(step.sampled) else logits[[row for row, _ in live]]  # [b, V]
-            tokens = self.sampler.sample(rows, [(seq.request_id, seq.sampling) for _, seq in live])
+            tokens = self.sampler.sample(rows, [(seq.uid, seq.sampling) for _, seq in live])
             now = time.monotonic()
             for (row, seq), tok in zip(live, tokens, strict=True):
+                if isinstance(tok, SampleError):        # this sequence's logits or sampling failed: it alone ends
+                    log.error("request %s: %s", seq.request_id, tok)
+                    self._fail(seq, FailureCode.INTERNAL, str(tok))
+                    continue
                 if seq.first_token_at is None:
                     seq.first_token_at = now
-                raw = [logits[row].numpy().tobytes()] if seq.sampling.return_logits else []
-                self.outputs[seq.request_id].put(Tokens([tok], raw))
+                raw = [logits[row].cpu().numpy().tobytes()] if seq.sampling.return_logits else []
+                self.outputs[seq.uid].put(Tokens([tok], raw))
                 reason = seq.append_token(tok, self.eos, self.scheduler.cfg.max_model_len)
                 if reason is not None:
                     self._finish(seq, reason)
@@ -189,7 +226,7 @@ class Engine:
                 self._fail(s.seq, code, message)
 
     def _fail(self, seq: Sequence, code: FailureCode, message: str) -> None:
-        if self.seqs.get(seq.request_id) is seq:
+        if self.seqs.get(seq.uid) is seq:
             self._retire(seq, FinishReason.ERROR, Failed(code, message))
 
     def _retire(self, seq: Sequence, reason: FinishReason, last: Event) -> None:
@@ -199,6 +236,9 @@ class Engine:
             self.metrics.requests[reason.value] += 1
             self.metrics.gauges["kv_cache_blocks_free"] = self.scheduler.alloc.num_free
             self.metrics.gauges["num_requests_running"] = len(self.scheduler.running)
-        self.outputs.pop(seq.request_id).put(last)
-        del self.seqs[seq.request_id]
-        self.sampler.forget(seq.request_id)
+        self.outputs.pop(seq.uid).put(last)
+        del self.seqs[seq.uid]
+        if self.by_request_id.get(seq.request_id) is seq:
+            del self.by_request_id[seq.request_id]
+        self.sampler.forget(seq.uid)
+        self._cv.notify_all()                     # a drain waits for the last one

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -23,6 +24,7 @@ from colibri_common.pb import expert_pb2
 from router_service.moe_combine import combine
 from router_service.moe_partition import partition
 from router_service.moe_transport import Links, Reply, WorkerError
+from router_service.worker_watch import WorkerWatch
 
 log = logging.getLogger("colibri.router")
 
@@ -102,6 +104,7 @@ class RemoteExperts:
         self.expect_weight_dtype = expect_weight_dtype        # "int8" under --quantize int8
         self.links = Links(addresses, transport, timeout_s)
         self.owner = torch.full((cfg.num_experts,), -1, dtype=torch.long)    # [E] expert -> worker
+        self.watcher: WorkerWatch | None = None
         self.step = 0
         # seconds, for metrics: dispatch = building requests + decoding and combining the partial sums
         self.timers = {"wait": 0.0, "expert_compute": 0.0, "dispatch": 0.0}
@@ -161,5 +164,11 @@ class RemoteExperts:
         self.timers["dispatch"] += time.perf_counter() - t0
         return InFlight(self, hidden, parts)
 
+    def watch(self, on_change: Callable[[bool], None]) -> None:
+        """Call `on_change(every expert has a live worker)` whenever that changes (the router's readiness)."""
+        self.watcher = WorkerWatch([(link.address, link.channel) for link in self.links.links], on_change)
+
     def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
         self.links.close()

@@ -24,8 +24,15 @@ class RouterOptions(ServiceOptions):
                                    "attention of one with the workers' experts of another")
     transport: str = option("stream", "router → worker calls: one bidirectional stream per worker, or unary "
                                       "calls", choices=TRANSPORTS)
-    worker_timeout: float = option(60.0, "seconds a worker may take to answer one layer before its call is "
-                                         "cancelled and the step fails UNAVAILABLE")
+    worker_timeout: float = option(10.0, "seconds a worker may take to answer one layer (or a health check) "
+                                         "before its call is cancelled and the step fails UNAVAILABLE")
+    grace_period: float = option(30.0, "on SIGTERM: seconds the open requests get to finish (new ones are "
+                                       "refused UNAVAILABLE, readiness is NOT_SERVING) before the router exits")
+    max_prompt_bytes: int = option(1 << 20, "largest text prompt in bytes, refused before tokenizing")
+    max_request_bytes: int = option(4 << 20, "largest message a client may send (gRPC receive limit)")
+    max_stop_token_ids: int = option(256, "most stop_token_ids one request may give")
+    stream_stall_timeout: float = option(30.0, "seconds a client may leave its stream unread (the server "
+                                               "cannot send) before the request is cancelled")
     quantize_dense: bool = option(False, "int8 for the router's own attention, dense MLPs, shared experts and "
                                          "lm_head too (gates and embeddings stay): less memory, less accuracy")
     metrics_port: int | None = option(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
@@ -42,5 +49,12 @@ class RouterOptions(ServiceOptions):
         if self.quantize_dense and self.device != "cpu":
             raise ValueError("--quantize-dense is the CPU path (int8 CPU kernels); on a GPU keep the dense "
                              "layers in the compute dtype")
-        if self.worker_timeout <= 0:
-            raise ValueError(f"--worker-timeout must be positive, got {self.worker_timeout}")
+        for name in ("worker_timeout", "grace_period", "stream_stall_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("max_prompt_bytes", "max_request_bytes", "max_stop_token_ids"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_request_bytes < self.max_prompt_bytes + 4096:
+            raise ValueError(f"--max-request-bytes ({self.max_request_bytes}) must exceed --max-prompt-bytes "
+                             f"({self.max_prompt_bytes}) by the message's own few bytes (4096)")

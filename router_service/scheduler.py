@@ -16,7 +16,11 @@ from router_service.sequence import Sequence, Status
 
 
 class QueueFull(Exception):
-    pass
+    """The waiting queue is at its bound: retry later (RESOURCE_EXHAUSTED)."""
+
+
+class NeverFits(ValueError):
+    """The request needs more KV blocks than the whole cache has: it can never run (INVALID_ARGUMENT)."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,9 @@ class Scheduler:
             raise QueueFull(f"the waiting queue is full ({self.cfg.max_waiting} requests); retry later or "
                             f"raise --max-waiting")
         if self.alloc.blocks_for(seq.num_tokens + seq.sampling.max_tokens) > self.alloc.num_blocks:
-            raise QueueFull(f"prompt + max_tokens = {seq.num_tokens + seq.sampling.max_tokens} tokens exceeds "
-                            f"the whole KV cache; lower max_tokens or raise --kv-cache-mb")
+            raise NeverFits(f"prompt + max_tokens = {seq.num_tokens + seq.sampling.max_tokens} tokens exceeds the "
+                            f"whole KV cache ({self.alloc.num_blocks * self.alloc.block_size} tokens); lower "
+                            f"max_tokens or shorten the prompt")
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:

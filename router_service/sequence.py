@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -50,8 +51,14 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+_UIDS = itertools.count(1)
+
+
 @dataclass(eq=False)
 class Sequence:
+    """`uid` is the engine's own id: every callback and abort inside the router uses it, so a client that
+    reuses another request's `request_id` can never touch that request."""
+
     request_id: str
     prompt_ids: list[int]
     sampling: Sampling
@@ -61,6 +68,7 @@ class Sequence:
     status: Status = Status.WAITING
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    uid: int = field(default_factory=lambda: next(_UIDS))
 
     @property
     def num_tokens(self) -> int:

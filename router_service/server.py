@@ -5,28 +5,37 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 import torch
 
 from colibri_common.errors import ColibriError
+from colibri_common.handlers import add_servicer
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb import generation_pb2_grpc
 from colibri_common.serving import Service, setup_logging
 from colibri_common.tokenizer import Detokenizer
 from router_service.build import BuiltEngine, build_engine, remote_experts
+from router_service.engine import Draining, DuplicateId
 from router_service.events import Failed, Finished, Tokens
 from router_service.options import RouterOptions
 from router_service.scheduler import QueueFull
 from router_service.sequence import Sampling, Sequence
+from router_service.stalls import StallWatch
 
 log = logging.getLogger("colibri.router")
 SERVICE = "colibri.v1.Generation"
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self) -> None:
+    def __init__(self, opts: RouterOptions) -> None:
+        self.opts = opts
         self.router: BuiltEngine | None = None   # set once the weights are loaded and the workers described
+        # Tokenizing a big prompt runs here, not on the threads that stream other requests' tokens.
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.stalls = StallWatch(opts.stream_stall_timeout)
 
     @property
     def r(self) -> BuiltEngine:
@@ -36,25 +45,46 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.router is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the router is still loading; retry shortly")
 
-    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
-        cfg = self.r.cfg
+    def _prompt(self, request: pb.GenerateRequest, context) -> list[int]:
+        """Sizes are checked before any work: the text's bytes before tokenizing, the ids' count before
+        reading them."""
+        cfg, limit = self.r.cfg, self.r.max_model_len
         kind = request.WhichOneof("prompt")
         if kind == "text":
+            size = len(request.text.encode("utf-8", "surrogatepass")) if len(request.text) * 4 > \
+                self.opts.max_prompt_bytes else len(request.text)
+            if size > self.opts.max_prompt_bytes:
+                raise ValueError(f"the text prompt has {size} bytes, over the router's --max-prompt-bytes "
+                                 f"{self.opts.max_prompt_bytes}")
             if self.r.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json; send the prompt as token_ids")
-            ids = self.r.tokenizer.encode(request.text)
+            left = context.time_remaining()                  # huge when the client set no deadline
+            ids = self.tokenize_pool.submit(self.r.tokenizer.encode, request.text).result(
+                timeout=left if left is not None and left < 1e6 else None)
         elif kind == "token_ids":
+            if len(request.token_ids.ids) > limit:
+                raise ValueError(f"the prompt has {len(request.token_ids.ids)} token ids, over the model's "
+                                 f"maximum length {limit}")
             ids = list(request.token_ids.ids)
         else:
             ids = []
         if not ids:
             raise ValueError("the prompt is empty; send text or at least one token id")
+        if len(ids) > limit:
+            raise ValueError(f"the prompt is {len(ids)} tokens, over the model's maximum length {limit}")
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab_size})")
         return ids
 
     def _sampling(self, p: pb.SamplingParams, prompt_len: int) -> Sampling:
+        if len(p.stop_token_ids) > self.opts.max_stop_token_ids:
+            raise ValueError(f"{len(p.stop_token_ids)} stop_token_ids, over the router's --max-stop-token-ids "
+                             f"{self.opts.max_stop_token_ids}")
+        vocab = self.r.cfg.vocab_size
+        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab})")
         sp = Sampling(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, max_tokens=p.max_tokens,
                       seed=p.seed if p.HasField("seed") else None, stop_token_ids=tuple(p.stop_token_ids),
                       ignore_eos=p.ignore_eos, return_logits=p.return_logits)
@@ -67,32 +97,44 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def Generate(self, request, context):
         self._loaded(context)
         rid = request.request_id or uuid.uuid4().hex
+        if len(rid) > 256:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id has {len(rid)} characters; at most 256")
         try:
-            ids = self._prompt(request)
+            ids = self._prompt(request, context)
             seq = Sequence(rid, ids, self._sampling(request.sampling, len(ids)))
             events = self.r.engine.submit(seq)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        if not context.add_callback(lambda: self.r.engine.abort(rid)):   # client gone: free its KV at once
-            self.r.engine.abort(rid)
+        except DuplicateId as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except Draining as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except FutureTimeout:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while tokenizing the prompt")
+        cancel = lambda: self.r.engine.cancel(seq)              # noqa: E731 (by the engine's own id)
+        if not context.add_callback(cancel):                   # client gone: free its KV at once
+            cancel()
         detok = Detokenizer(self.r.tokenizer)
-        while True:
-            ev = events.get()
-            if isinstance(ev, Tokens):
-                chunk = pb.Chunk(token_ids=ev.token_ids, text=detok.push(ev.token_ids), logits=ev.logits)
-                yield pb.GenerateResponse(request_id=rid, chunk=chunk)
-            elif isinstance(ev, Finished):
-                tail = detok.finish()                  # text held back for an unfinished character, if any
-                if tail:
-                    yield pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(text=tail))
-                yield pb.GenerateResponse(request_id=rid, complete=pb.Complete(
-                    finish_reason=ev.reason.value, prompt_tokens=ev.prompt_tokens,
-                    completion_tokens=ev.completion_tokens, ttft_ms=ev.ttft_ms))
-                return
-            elif isinstance(ev, Failed):
-                context.abort(grpc.StatusCode[ev.code.name], f"generation failed: {ev.message}")
+        with self.stalls.watch(context, cancel) as sending:
+            while True:
+                ev = events.get()
+                if isinstance(ev, Tokens):
+                    chunk = pb.Chunk(token_ids=ev.token_ids, text=detok.push(ev.token_ids), logits=ev.logits)
+                    with sending:
+                        yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+                elif isinstance(ev, Finished):
+                    tail = detok.finish()              # text held back for an unfinished character, if any
+                    with sending:
+                        if tail:
+                            yield pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(text=tail))
+                        yield pb.GenerateResponse(request_id=rid, complete=pb.Complete(
+                            finish_reason=ev.reason.value, prompt_tokens=ev.prompt_tokens,
+                            completion_tokens=ev.completion_tokens, ttft_ms=ev.ttft_ms))
+                    return
+                elif isinstance(ev, Failed):
+                    context.abort(grpc.StatusCode[ev.code.name], f"generation failed: {ev.message}")
 
     def Abort(self, request, context):
         self._loaded(context)
@@ -116,9 +158,13 @@ def serve_router(opts: RouterOptions) -> None:
         raise ColibriError("--workers must list at least one expert worker address HOST:PORT")
     t0 = time.perf_counter()
     sched = opts.sched
-    service = Service(SERVICE, max_workers=sched.max_batch_size + sched.max_waiting + 8)
-    servicer = GenerationServicer()
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, service.server)
+    # Generate calls are capped at what the engine can hold (running + waiting, + a few finishing their
+    # last sends); the pool has threads to spare beyond that, so health checks, Abort and ModelInfo always
+    # answer.
+    cap = sched.max_batch_size + sched.max_waiting + 4
+    service = Service(SERVICE, max_workers=cap + 8, max_receive_bytes=opts.max_request_bytes)
+    servicer = GenerationServicer(opts)
+    add_servicer(service.server, servicer, pb.DESCRIPTOR.services_by_name["Generation"], {"Generate": cap})
     bound = service.start(opts.host, opts.port, [SERVICE])
     built = build_engine(opts, remote_experts(opts))
     built.engine.start()
@@ -127,5 +173,17 @@ def serve_router(opts: RouterOptions) -> None:
         mport = built.engine.metrics.serve(opts.host, opts.metrics_port)
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     log.info("router loaded in %.2fs", time.perf_counter() - t0)
+    watch = getattr(built.experts, "watch", None)
+    if watch is not None:       # readiness follows the workers: NOT_SERVING while an expert has no live worker
+        watch(lambda ok: service.set_serving(ok and not built.engine.draining))
     service.ready(opts.host, bound)
-    service.run_until_signal(on_stop=built.close)
+    service.run_until_signal(drain=lambda: _drain(built, opts.grace_period), on_stop=built.close)
+
+
+def _drain(built: BuiltEngine, grace: float) -> None:
+    n = len(built.engine.seqs)
+    log.info("draining: %d open requests get up to %.0fs to finish; new ones are refused", n, grace)
+    if built.engine.drain(grace):
+        log.info("drained: every open request finished")
+    else:
+        log.warning("grace period over: %d requests still open end UNAVAILABLE", len(built.engine.seqs))

@@ -89,7 +89,7 @@ def test_preemption_recomputes_with_identical_tokens(oracles):
     oracle = oracles["qwen3_moe"]
     prompts = [[(11 * i + j) % 256 for j in range(10)] for i in range(4)]
     # 12 blocks of 4 tokens: each request (10 + 14 tokens = 6 blocks) fits alone, four at once do not
-    with InProcess(oracle.path, kv_cache_blocks=12, block_size=4) as engine:
+    with InProcess(oracle.path, kv_cache_blocks=12, block_size=4, sched=SchedulerConfig(max_model_len=48)) as engine:
         events = [engine.submit(p, 14) for p in prompts]
         results = [engine.collect(e) for e in events]
         m = engine.metrics()

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from router_service.block_allocator import BlockAllocator, OutOfBlocks
-from router_service.scheduler import QueueFull, Scheduler, SchedulerConfig
+from router_service.scheduler import NeverFits, QueueFull, Scheduler, SchedulerConfig
 from router_service.sequence import Sampling, Sequence
 
 
@@ -84,7 +84,7 @@ def test_preemption_when_kv_is_full_recomputes_later():
 
 def test_request_larger_than_the_cache_is_refused():
     s = Scheduler(SchedulerConfig(), BlockAllocator(2, 4))
-    with pytest.raises(QueueFull, match="exceeds the whole KV cache"):
+    with pytest.raises(NeverFits, match="exceeds the whole KV cache"):
         s.add(seq("a", 6, 4))
 
 

@@ -1,0 +1,225 @@
+"""One bad or unlucky request never hurts another; drain on SIGTERM; readiness that follows the workers;
+no thread pool a client can exhaust. Real fleets, real gRPC, real signals."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from colibri.client import Client, make_request
+from colibri_common.pb import expert_pb2, expert_pb2_grpc
+from colibri_common.pb import generation_pb2 as pb
+from colibri_common.pb.generation_pb2_grpc import GenerationStub
+from tests.conftest import COLIBRI, fleet
+
+PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(6)] for i in range(8)]
+N = 24
+
+
+def code_of(fn) -> grpc.StatusCode | None:
+    try:
+        fn()
+        return None
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def health(addr: str, service: str = "colibri.v1.Generation", timeout: float = 2.0) -> int:
+    with grpc.insecure_channel(addr) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                    timeout=timeout).status
+
+
+def streams_beside(addr: str, bad, n: int = N) -> tuple[list, object]:
+    """8 greedy streams of n tokens, and `bad()` while they run: (their results, what bad returned)."""
+    client = Client(addr)
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(client.generate, p, n, ignore_eos=True) for p in PROMPTS]
+        time.sleep(0.3)
+        out = bad()
+        return [f.result() for f in futs], out
+
+
+@pytest.fixture(scope="module")
+def served(oracles):
+    oracle = oracles["qwen3_moe"]
+    with fleet(oracle.path, 2, ["--max-prompt-bytes", "65536", "--max-request-bytes", "1048576",
+                                "--max-stop-token-ids", "64", "--kv-cache-blocks", "64", "--block-size", "8",
+                                "--max-model-len", "512"]) as (addr, _):
+        yield addr, oracle
+
+
+def test_bad_sampling_values_fail_alone_with_invalid_argument(served):
+    addr, oracle = served
+    client = Client(addr)
+
+    def bad():
+        return [code_of(lambda t=t: client.generate([1, 2, 3], 4, temperature=t)) for t in
+                (math.nan, math.inf, -1.0)] + [code_of(lambda: client.generate([1, 2, 3], 4, top_p=math.nan)),
+                                               code_of(lambda: client.generate([1, 2, 3], 4, top_k=-3))]
+
+    results, codes = streams_beside(addr, bad)
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 5
+    for p, r in zip(PROMPTS, results, strict=True):
+        assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, N))
+    tiny = client.generate([1, 2, 3], 4, temperature=1e-40)          # below the greedy threshold: greedy
+    assert tiny.token_ids == oracle.greedy([1, 2, 3], 4)
+
+
+def test_limits_are_checked_before_work_and_say_what_to_fix(served):
+    addr, oracle = served
+    client = Client(addr)
+    for prompt, kw, code, needle in [
+        ("x" * 200_000, {}, grpc.StatusCode.INVALID_ARGUMENT, "--max-prompt-bytes 65536"),
+        ("x" * 2_000_000, {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),   # the gRPC limit
+        ([1] * 600, {}, grpc.StatusCode.INVALID_ARGUMENT, "over the model's maximum length 512"),
+        ([1, 2], {"stop_token_ids": list(range(100))}, grpc.StatusCode.INVALID_ARGUMENT, "--max-stop-token-ids"),
+        ([1, 2], {"stop_token_ids": [5, 10**6]}, grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+        ([1] * 300, {"max_tokens": 300}, grpc.StatusCode.INVALID_ARGUMENT, "exceeds the model's maximum length"),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(prompt, kw.pop("max_tokens", 4), **kw)
+        assert err.value.code() == code and needle in err.value.details(), err.value.details()
+    assert client.generate([1, 2, 3], 4).token_ids == oracle.greedy([1, 2, 3], 4)
+
+
+def test_malformed_bytes_are_invalid_argument_not_internal(served):
+    addr, _ = served
+    bad_utf8 = b"\x12\x03\xff\xfe\xfd"               # field 2 (text, a string) holding 3 bytes that are not UTF-8
+    with grpc.insecure_channel(addr) as ch:
+        call = ch.unary_stream("/colibri.v1.Generation/Generate", request_serializer=lambda b: b,
+                               response_deserializer=pb.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(bad_utf8, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details()
+
+
+def test_request_ids_reused_back_to_back_never_abort_each_other(served):
+    """While one is open, another request with its id is refused ALREADY_EXISTS; one that finished leaves
+    nothing behind that could end (abort) the next request with the same id."""
+    addr, oracle = served
+    clients = [Client(addr), Client(addr)]
+    want = oracle.greedy([5, 6, 7], 3)
+
+    def run(c: Client) -> list[str]:
+        out = []
+        for _ in range(60):
+            try:
+                r = c.generate([5, 6, 7], 3, request_id="same", ignore_eos=True)
+                out.append(r.finish_reason if r.token_ids == want else "wrong tokens")
+            except grpc.RpcError as exc:
+                out.append(exc.code().name)
+        return out
+
+    assert run(clients[0]) == ["length"] * 60                 # back to back, one client: every one runs
+    with ThreadPoolExecutor(2) as pool:                        # two clients at once: never abort, never mixed
+        reasons = [r for f in [pool.submit(run, c) for c in clients] for r in f.result()]
+    assert set(reasons) <= {"length", "ALREADY_EXISTS"} and "length" in reasons, reasons
+
+
+def test_a_worker_rejects_a_malformed_tensor_with_invalid_argument(served, oracles):
+    path = oracles["qwen3_moe"].path
+    p = subprocess.Popen([COLIBRI, "expert", "--model", str(path), "--shard", "0/1", "--port", "0",
+                          "--log-level", "WARNING", "--max-streams", "2", "--cpu-forms", "off"],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        addr = p.stdout.readline().split()[1]
+        ch = grpc.insecure_channel(addr)
+        stub = expert_pb2_grpc.ExpertWorkerStub(ch)
+        t = expert_pb2.Tensor
+        for req, needle in [
+            (expert_pb2.ForwardRequest(layer=0, hidden=t(dtype="float32", shape=[-1, -4], data=b"\0" * 16)),
+             "not a shape"),
+            (expert_pb2.ForwardRequest(layer=0, hidden=t(dtype="complex", shape=[1])), "unknown tensor dtype"),
+        ]:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Forward(req, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+        # Idle streams up to the cap; the next is refused at once, and health still answers.
+        idle = [stub.ForwardStream(iter(threading.Event().wait, True), timeout=30) for _ in range(2)]
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as err:
+            next(stub.ForwardStream(iter([expert_pb2.ForwardRequest()]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert health(addr, "colibri.v1.ExpertWorker") == health_pb2.HealthCheckResponse.SERVING
+        for call in idle:
+            call.cancel()
+        ch.close()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+
+
+def test_clients_that_never_read_cannot_starve_health_or_others(oracles):
+    oracle = oracles["qwen3_moe"]
+    with fleet(oracle.path, 1, ["--max-batch-size", "4", "--max-waiting", "4", "--stream-stall-timeout", "2"]) \
+            as (addr, _):
+        chans = [grpc.insecure_channel(addr) for _ in range(16)]
+        calls = [GenerationStub(ch).Generate(make_request([1, 2, 3], 200, return_logits=True, ignore_eos=True),
+                                             timeout=60) for ch in chans]   # many big chunks, never read
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        assert health(addr) == health_pb2.HealthCheckResponse.SERVING
+        assert time.monotonic() - t0 < 2
+        time.sleep(4)                         # past the stall timeout: the stuck streams are cancelled
+        assert Client(addr).generate([1, 2, 3], 4, timeout=30).token_ids == oracle.greedy([1, 2, 3], 4)
+        for c in calls:
+            c.cancel()
+        for ch in chans:
+            ch.close()
+
+
+def test_sigterm_drains_open_streams_then_exits_0(oracles):
+    oracle = oracles["qwen3_moe"]
+    with fleet(oracle.path, 2, ["--grace-period", "60"]) as (addr, proc):
+        children = psutil.Process(proc.pid).children(recursive=True)
+        client = Client(addr)
+
+        def signal_then_probe():
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            return code_of(lambda: client.generate([1, 2], 2, timeout=10)), health(addr)
+
+        results, (late, ready) = streams_beside(addr, signal_then_probe, n=400)
+        assert late == grpc.StatusCode.UNAVAILABLE and ready == health_pb2.HealthCheckResponse.NOT_SERVING
+        for p, r in zip(PROMPTS, results, strict=True):
+            assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, 400))
+        assert proc.wait(timeout=60) == 0
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_readiness_follows_the_workers(oracles, how):
+    oracle = oracles["olmoe"]
+    with fleet(oracle.path, 2, ["--worker-timeout", "5"]) as (addr, proc):
+        assert health(addr) == health_pb2.HealthCheckResponse.SERVING
+        worker = next(c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline()))
+        t0 = time.monotonic()
+        worker.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        while health(addr) == health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() - t0 < 3, "readiness still SERVING 3 s after a worker was lost"
+            time.sleep(0.1)
+        if how == "stop":
+            worker.send_signal(signal.SIGCONT)      # serve restarts a killed worker itself
+        t0 = time.monotonic()
+        while health(addr) != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() - t0 < 60, "readiness did not come back"
+            time.sleep(0.2)
+        assert Client(addr).generate([1, 2, 3], 4, timeout=30).token_ids == oracle.greedy([1, 2, 3], 4)
+
+
+def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_at_start(oracles):
+    out = subprocess.run([COLIBRI, "serve", "--model", str(oracles["olmoe"].path), "--workers", "1", "--port", "0",
+                          "--kv-cache-blocks", "4", "--block-size", "8", "--max-model-len", "512"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--max-model-len 512 needs 64 KV blocks of 8 tokens, but the KV cache holds 4" in out.stderr, out.stderr
