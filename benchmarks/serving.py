@@ -72,7 +72,7 @@ def run_fleet(model: Path, workers: int, dtype: str, streams: list[int], prompt_
             r = run_load(addr, c, c, prompt_len, max_tokens)
             after = parse(urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics").read().decode())
             phases = {k.split('"')[1]: after[k] - before.get(k, 0.0) for k in after
-                      if k.startswith("colibri_engine_phase_seconds_total")}
+                      if k.startswith("colibri:engine_phase_seconds_total")}
             rows[c] = {k: getattr(r, k) for k in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                                                   "itl_p99_ms", "requests_failed")}
             rows[c]["phases"] = phases

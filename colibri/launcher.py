@@ -60,7 +60,9 @@ class ServeOptions:
     """`colibri serve`: the router's options (its worker addresses come from the workers it starts) + N."""
 
     EXCLUDED = ("router.workers",)
-    HELPS = {"router.threads": "cores to split between the router and the workers (0 = all cores)"}
+    HELPS = {"router.threads": "cores to split between the router and the workers (0 = all cores)",
+             "router.metrics_port": "serve the router's Prometheus metrics on this port P, and worker i's on "
+                                    "P + 1 + i (default: off; 0 = any free ports)"}
 
     router: RouterOptions = RouterOptions()
     workers: int = option(2, "number of expert workers (shards) to start")
@@ -87,7 +89,9 @@ class ServeOptions:
         """Worker `shard`'s options: the service options it shares with the router, on loopback."""
         common = dict(shared_fields(self.router), host="127.0.0.1", port=port, threads=threads,
                       device=self.device(shard))
-        return ExpertOptions(**common, shard=f"{shard}/{self.workers}")
+        mport = self.router.metrics_port                 # the router's port P; worker i gets P + 1 + i
+        return ExpertOptions(**common, shard=f"{shard}/{self.workers}",
+                             metrics_port=None if mport is None else (mport and mport + 1 + shard))
 
     def router_options(self, workers: tuple[str, ...], threads: int) -> RouterOptions:
         return replace(self.router, workers=workers, threads=threads, device=self.device(None))

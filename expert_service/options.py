@@ -12,6 +12,8 @@ from colibri_common.placement import parse_shard
 class ExpertOptions(ServiceOptions):
     port: int = option(50061, "port; 0 picks a free one")
     shard: str = option("", "I/N: this worker holds shard I of N (0-based)", required=True, metavar="I/N")
+    metrics_port: int | None = option(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
+                                            "0 = any free port)")
     max_streams: int = option(16, "concurrent ForwardStream (and Forward) calls at most; beyond it "
                                   "RESOURCE_EXHAUSTED (each router holds one stream per worker)")
 

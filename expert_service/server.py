@@ -18,6 +18,7 @@ from colibri_common.handlers import add_servicer
 from colibri_common.heap import return_free_heap
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import Service, setup_logging
+from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard
 from kernels.cpu_tune import CANDIDATES, tune
@@ -30,6 +31,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
     def __init__(self) -> None:
         self.shard: ExpertShard | None = None   # set once the weights are packed
         self.staging: HostStaging | None = None
+        self.metrics = WorkerMetrics()
 
     def _loaded(self, context) -> ExpertShard:
         if self.shard is None:
@@ -70,15 +72,18 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             hidden_d, ids_d, weights_d = self.staging.to_device(hidden, ids, weights)
             out, = self.staging.to_host(self.shard.forward(request.layer, hidden_d, ids_d, weights_d)
                                         .to(hidden.dtype))                   # [n, H] on the host
-        ms = (time.perf_counter() - t0) * 1e3
-        return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=ms)
+        seconds = time.perf_counter() - t0
+        self.metrics.count("ok", hidden.shape[0], seconds)
+        return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=seconds * 1e3)
 
     def _answer(self, request, context) -> expert_pb2.ForwardResponse:
         try:
             return self._compute(request)
         except ValueError as exc:
+            self.metrics.count("invalid_argument")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # noqa: BLE001 (logged whole here; the router gets a status, not a traceback)
+            self.metrics.count("internal")
             log.exception("Forward failed on layer %d (router step %d)", request.layer, request.step)
             context.abort(grpc.StatusCode.INTERNAL, f"expert compute failed on layer {request.layer}: {exc!r}")
 
@@ -88,8 +93,14 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
 
     def ForwardStream(self, request_iterator, context):
         self._loaded(context)
-        for request in request_iterator:
-            yield self._answer(request, context)
+        with self.metrics.lock:
+            self.metrics.streams_open += 1
+        try:
+            for request in request_iterator:
+                yield self._answer(request, context)
+        finally:
+            with self.metrics.lock:
+                self.metrics.streams_open -= 1
 
 
 def serve_expert(opts: ExpertOptions) -> None:
@@ -121,6 +132,10 @@ def serve_expert(opts: ExpertOptions) -> None:
              shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
              experts.packed_bytes / 2**20, experts.weight_dtype, device, time.perf_counter() - t0)
     servicer.staging = HostStaging(device)
+    servicer.metrics.resident_bytes = experts.packed_bytes
+    if opts.metrics_port is not None:
+        mport = servicer.metrics.serve(opts.host, opts.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     servicer.shard = experts
     service.ready(opts.host, bound)
     service.run_until_signal()

@@ -75,7 +75,8 @@ def remote_experts(opts: RouterOptions) -> ExpertsFactory:
     wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype)
     expect = "int8" if opts.quantize == "int8" else None
     return lambda cfg, device: RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
-                                             expect_weight_dtype=expect, device=device)
+                                             expect_weight_dtype=expect, device=device,
+                                             track_routing=opts.expert_metrics)
 
 
 def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:

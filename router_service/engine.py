@@ -41,7 +41,7 @@ class Engine:
                  eos_token_ids: tuple[int, ...], micro_batches: int = 1) -> None:
         self.model, self.kv, self.scheduler, self.experts = model, kv, scheduler, experts
         self.micro_batches = micro_batches
-        self.metrics = Metrics()
+        self.metrics = Metrics(sources=[experts] if hasattr(experts, "metric_families") else [])
         self.phase = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "postprocess": 0.0}  # seconds
         self.metrics.gauges.update({
             "kv_cache_blocks_total": scheduler.alloc.num_blocks, "kv_cache_blocks_free": scheduler.alloc.num_free,
@@ -191,6 +191,10 @@ class Engine:
                     continue
                 if seq.first_token_at is None:
                     seq.first_token_at = now
+                    self.metrics.ttft.observe(now - seq.arrival)
+                else:
+                    self.metrics.itl.observe(now - seq.last_token_at)
+                seq.last_token_at = now
                 raw = [logits[row].cpu().numpy().tobytes()] if seq.sampling.return_logits else []
                 self.outputs[seq.uid].put(Tokens([tok], raw))
                 reason = seq.append_token(tok, self.eos, self.scheduler.cfg.max_model_len)
@@ -209,7 +213,7 @@ class Engine:
             m.gauges.update({
                 "num_requests_running": len(sch.running), "num_requests_waiting": len(sch.waiting),
                 "kv_cache_blocks_total": sch.alloc.num_blocks, "kv_cache_blocks_free": sch.alloc.num_free,
-                "kv_cache_usage_ratio": 1 - sch.alloc.num_free / sch.alloc.num_blocks,
+                "kv_cache_usage_perc": 1 - sch.alloc.num_free / sch.alloc.num_blocks,
                 "batch_size": len(batch), "batch_tokens": sum(s.num_new for s in batch),
             })
             m.phases = dict(self.phase, **getattr(self.experts, "timers", {}))
@@ -232,6 +236,8 @@ class Engine:
     def _retire(self, seq: Sequence, reason: FinishReason, last: Event) -> None:
         """The one way out of the engine: free the KV blocks, count it, send the last event, forget it."""
         self.scheduler.finish(seq)
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.metrics.e2e.observe(time.monotonic() - seq.arrival)
         with self.metrics.lock:
             self.metrics.requests[reason.value] += 1
             self.metrics.gauges["kv_cache_blocks_free"] = self.scheduler.alloc.num_free

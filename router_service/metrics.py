@@ -1,14 +1,38 @@
-"""Prometheus text metrics of the router on a small HTTP endpoint (`/metrics`), for Grafana and the chart's
-ServiceMonitor. Counters are plain Python; the engine updates them between steps."""
+"""The router's metrics, named after vLLM's under a `colibri:` prefix, exposed with `prometheus_client`.
+
+Counters and gauges are plain Python values the engine updates between steps (under `lock`); a collector
+turns them into metric families at scrape time. Latencies are `prometheus_client` histograms, observed as
+tokens leave: time to first token, inter-token latency, end-to-end request latency. Other parts add
+families through `sources` (the experts client: dispatch latency per worker, tokens per worker, expert
+balance, and tokens routed per layer and expert when asked).
+"""
 
 from __future__ import annotations
 
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from colibri_common.metrics_http import LATENCY_BUCKETS, TOKEN_BUCKETS, render, serve_metrics
+from colibri_common.metrics_http import parse as parse  # noqa: PLC0414 (re-exported for callers)
+
+GAUGE_HELP = {
+    "num_requests_running": "Requests in the running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Share of KV cache blocks in use (0-1).",
+    "kv_cache_blocks_total": "KV cache blocks.",
+    "kv_cache_blocks_free": "KV cache blocks free.",
+    "batch_size": "Sequences in the last step.",
+    "batch_size_max": "Most sequences in one step since start.",
+    "batch_tokens": "Tokens (prefill + decode) in the last step.",
+    "batch_tokens_max": "Most tokens in one step since start.",
+}
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, sources: Iterable[object] = ()) -> None:
         self.lock = threading.Lock()
         self.requests = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.rejected = 0
@@ -20,68 +44,50 @@ class Metrics:
         self.micro_batch_overlaps = 0          # waits on one micro-batch's experts while another's were in flight
         self.gauges: dict[str, float] = {}
         self.phases: dict[str, float] = {}     # seconds spent per engine phase (schedule, forward, wait, ...)
+        self.sources = list(sources)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.ttft = Histogram("colibri:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("colibri:inter_token_latency_seconds", "Time between two tokens of one request.",
+                             buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("colibri:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            done = CounterMetricFamily("colibri:request_success", "Finished requests by finish reason.",
+                                       labels=["finished_reason"])
+            for reason, n in self.requests.items():
+                done.add_metric([reason], n)
+            yield done
+            for name, value, help_text in [
+                ("request_rejected", self.rejected, "Requests refused because the waiting queue was full."),
+                ("prompt_tokens", self.prompt_tokens, "Prompt tokens admitted."),
+                ("generation_tokens", self.generation_tokens, "Tokens generated."),
+                ("engine_steps", self.steps, "Engine steps run."),
+                ("engine_step_seconds", self.step_seconds, "Seconds spent in engine steps."),
+                ("num_preemptions", self.preemptions, "Running sequences preempted (KV cache full), recomputed."),
+                ("micro_batch_overlaps", self.micro_batch_overlaps,
+                 "Waits on one micro-batch's experts while another micro-batch's were in flight too."),
+            ]:
+                yield CounterMetricFamily(f"colibri:{name}", help_text, value=value)
+            phases = CounterMetricFamily("colibri:engine_phase_seconds", "Engine time by phase; wait = blocked on "
+                                         "workers, expert_compute = the workers' own compute (summed).",
+                                         labels=["phase"])
+            for phase, s in sorted(self.phases.items()):
+                phases.add_metric([phase], s)
+            yield phases
+            for name, value in sorted(self.gauges.items()):
+                yield GaugeMetricFamily(f"colibri:{name}", GAUGE_HELP.get(name, name.replace("_", " ")), value=value)
+        for source in self.sources:
+            yield from source.metric_families()
 
     def render(self) -> str:
-        with self.lock:
-            lines = [
-                "# HELP colibri_requests_total Finished requests by finish reason.",
-                "# TYPE colibri_requests_total counter",
-                *(f'colibri_requests_total{{finish_reason="{k}"}} {v}' for k, v in self.requests.items()),
-                "# TYPE colibri_requests_rejected_total counter",
-                f"colibri_requests_rejected_total {self.rejected}",
-                "# TYPE colibri_prompt_tokens_total counter",
-                f"colibri_prompt_tokens_total {self.prompt_tokens}",
-                "# TYPE colibri_generation_tokens_total counter",
-                f"colibri_generation_tokens_total {self.generation_tokens}",
-                "# TYPE colibri_engine_steps_total counter",
-                f"colibri_engine_steps_total {self.steps}",
-                "# TYPE colibri_engine_step_seconds_total counter",
-                f"colibri_engine_step_seconds_total {self.step_seconds:.6f}",
-                "# HELP colibri_preemptions_total Running sequences preempted (KV cache full) and recomputed later.",
-                "# TYPE colibri_preemptions_total counter",
-                f"colibri_preemptions_total {self.preemptions}",
-                "# HELP colibri_micro_batch_overlaps_total Waits on one micro-batch's experts while another "
-                "micro-batch's experts were in flight too.",
-                "# TYPE colibri_micro_batch_overlaps_total counter",
-                f"colibri_micro_batch_overlaps_total {self.micro_batch_overlaps}",
-            ]
-            lines += ["# HELP colibri_engine_phase_seconds_total Engine time by phase; wait = blocked on workers, "
-                      "expert_compute = the workers' own compute time (summed over workers).",
-                      "# TYPE colibri_engine_phase_seconds_total counter",
-                      *(f'colibri_engine_phase_seconds_total{{phase="{k}"}} {v:.6f}'
-                        for k, v in sorted(self.phases.items()))]
-            for name, value in sorted(self.gauges.items()):
-                lines += [f"# TYPE colibri_{name} gauge", f"colibri_{name} {value:g}"]
-        return "\n".join(lines) + "\n"
+        return render(self.registry)
 
     def serve(self, host: str, port: int) -> int:
-        metrics = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server API)
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                body = metrics.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        server = ThreadingHTTPServer((host, port), Handler)
-        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-        return server.server_address[1]
-
-
-def parse(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} (tests and the load generator read it)."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+        return serve_metrics(host, port, self.render)

@@ -68,6 +68,7 @@ class Sequence:
     status: Status = Status.WAITING
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    last_token_at: float = 0.0
     uid: int = field(default_factory=lambda: next(_UIDS))
 
     @property

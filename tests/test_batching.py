@@ -27,7 +27,7 @@ def test_staggered_concurrent_requests_with_overlapped_micro_batches_match_alone
     port = free_port()
     with fleet(oracle.path, 2, ["--micro-batches", "2", "--metrics-port", str(port)]) as (addr, _):
         client = Client(addr)
-        before = metrics(port)["colibri_micro_batch_overlaps_total"]
+        before = metrics(port)["colibri:micro_batch_overlaps_total"]
 
         def staggered(i: int) -> list[int]:
             time.sleep(0.03 * i)   # arrivals spread over the running batch
@@ -36,8 +36,8 @@ def test_staggered_concurrent_requests_with_overlapped_micro_batches_match_alone
         with ThreadPoolExecutor(16) as pool:
             together = list(pool.map(staggered, range(16)))
         m = metrics(port)
-        assert m["colibri_batch_size_max"] >= 4                   # the staggered requests really shared steps
-        assert m["colibri_micro_batch_overlaps_total"] > before   # two micro-batches' experts were in flight
+        assert m["colibri:batch_size_max"] >= 4                   # the staggered requests really shared steps
+        assert m["colibri:micro_batch_overlaps_total"] > before   # two micro-batches' experts were in flight
         alone = [client.generate(p, n).token_ids for p, n in zip(ps, lengths, strict=True)]
     assert together == alone
     assert [together[i] for i in (0, 5, 9)] == [oracle.greedy(ps[i], lengths[i]) for i in (0, 5, 9)]
@@ -48,12 +48,12 @@ def test_cancellation_frees_the_kv_cache_at_once(oracles):
     with fleet(oracles["mixtral"].path, 2, ["--metrics-port", str(port)]) as (addr, _):
         client = Client(addr)
         total = metrics(port)
-        assert total["colibri_kv_cache_blocks_total"] > 0
+        assert total["colibri:kv_cache_blocks_total"] > 0
         calls = [client.stream(make_request([1, 2, 3, 4, 5] * 20, 400, request_id=f"c{i}")) for i in range(3)]
         for call in calls:
             next(call)  # generating: its KV blocks are held
         m = metrics(port)
-        assert m["colibri_kv_cache_blocks_free"] < m["colibri_kv_cache_blocks_total"]
+        assert m["colibri:kv_cache_blocks_free"] < m["colibri:kv_cache_blocks_total"]
         calls[0].cancel()                                    # client gone
         stub_abort = client.stub.Abort(pb.AbortRequest(request_id="c1"))
         assert stub_abort.found
@@ -63,12 +63,12 @@ def test_cancellation_frees_the_kv_cache_at_once(oracles):
         deadline = time.monotonic() + 30
         while True:
             m = metrics(port)
-            if m["colibri_kv_cache_blocks_free"] == m["colibri_kv_cache_blocks_total"] and \
-                    m["colibri_num_requests_running"] == 0:
+            if m["colibri:kv_cache_blocks_free"] == m["colibri:kv_cache_blocks_total"] and \
+                    m["colibri:num_requests_running"] == 0:
                 break
             assert time.monotonic() < deadline, f"KV cache not freed: {m}"
             time.sleep(0.1)
-        assert m['colibri_requests_total{finish_reason="abort"}'] == 3
+        assert m['colibri:request_success_total{finished_reason="abort"}'] == 3
         assert len(client.generate([1, 2, 3], 4).token_ids) == 4   # still serving
 
 

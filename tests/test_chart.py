@@ -198,3 +198,20 @@ def test_the_validator_is_not_a_no_op():
     dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["grpcc"] = {"port": 1}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(dep, K8S, strict=True)
+
+
+def test_service_monitors_scrape_the_router_and_every_worker():
+    docs = render(VALUE_SETS["hpa"])
+    monitors = by_kind(docs, "ServiceMonitor")
+    services = by_kind(docs, "Service")
+    scraped = set()
+    for mon in monitors:
+        want = mon["spec"]["selector"]["matchLabels"]
+        (svc,) = [s for s in services if want.items() <= s["metadata"]["labels"].items()]
+        assert "metrics" in [p["name"] for p in svc["spec"]["ports"]]
+        scraped.add(svc["metadata"]["labels"]["app.kubernetes.io/component"])
+    assert scraped == {"router", "experts"}
+    for w in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet"):
+        c = w["spec"]["template"]["spec"]["containers"][0]
+        port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
+        assert f"--metrics-port={port}" in c["args"]

@@ -78,10 +78,10 @@ def test_seeded_sampling_in_a_batch_matches_alone(oracles):
     prompts = [[(5 * i + j) % 256 for j in range(2 + i)] for i in range(6)]
     with InProcess(oracles["qwen3_moe"].path) as engine:
         alone = [engine.generate(p, 10, seed=i, temperature=1.5).token_ids for i, p in enumerate(prompts)]
-        assert engine.metrics()["colibri_batch_size_max"] == 1
+        assert engine.metrics()["colibri:batch_size_max"] == 1
         events = [engine.submit(p, 10, seed=i, temperature=1.5) for i, p in enumerate(prompts)]
         together = [engine.collect(e).token_ids for e in events]
-        assert engine.metrics()["colibri_batch_size_max"] == 6    # all six shared steps
+        assert engine.metrics()["colibri:batch_size_max"] == 6    # all six shared steps
     assert together == alone
 
 
@@ -93,9 +93,9 @@ def test_preemption_recomputes_with_identical_tokens(oracles):
         events = [engine.submit(p, 14) for p in prompts]
         results = [engine.collect(e) for e in events]
         m = engine.metrics()
-    assert m["colibri_preemptions_total"] > 0
-    assert m["colibri_batch_size_max"] >= 2
-    assert m["colibri_kv_cache_blocks_free"] == 12
+    assert m["colibri:num_preemptions_total"] > 0
+    assert m["colibri:batch_size_max"] >= 2
+    assert m["colibri:kv_cache_blocks_free"] == 12
     for p, r in zip(prompts, results, strict=True):
         assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, 14))
 
@@ -131,7 +131,7 @@ def test_a_failed_step_fails_its_requests_with_a_status_and_the_engine_goes_on(o
             engine.generate(PROMPT, 4)
         assert str(exc) in str(err.value)
         assert engine.generate(PROMPT, 4).token_ids == oracle.greedy(PROMPT, 4)
-        assert engine.metrics()['colibri_requests_total{finish_reason="error"}'] == 1
+        assert engine.metrics()['colibri:request_success_total{finished_reason="error"}'] == 1
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -176,8 +176,8 @@ def test_max_num_tokens_is_respected_and_chunked_prefill_is_exact(oracles, budge
         m = engine.metrics()
     assert outs[0] == oracle.greedy(long_prompt, 8)
     assert outs[2] == oracle.greedy([7] * 20, 8)
-    assert 0 < m["colibri_batch_tokens_max"] <= budget
-    assert m["colibri_batch_size_max"] >= 2                   # decodes and prefill chunks shared steps
+    assert 0 < m["colibri:batch_tokens_max"] <= budget
+    assert m["colibri:batch_size_max"] >= 2                   # decodes and prefill chunks shared steps
 
 
 def test_micro_batches_change_no_token_and_in_process_nothing_overlaps(oracles):
@@ -190,7 +190,7 @@ def test_micro_batches_change_no_token_and_in_process_nothing_overlaps(oracles):
         with InProcess(oracle.path, micro_batches=n) as engine:
             events = [engine.submit(p, 8) for p in prompts]
             results[n] = [engine.collect(e).token_ids for e in events]
-            overlaps[n] = engine.metrics()["colibri_micro_batch_overlaps_total"]
+            overlaps[n] = engine.metrics()["colibri:micro_batch_overlaps_total"]
     assert results[1] == results[2] == [oracle.greedy(p, 8) for p in prompts]
     assert overlaps[1] == overlaps[2] == 0
 

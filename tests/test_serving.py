@@ -38,12 +38,12 @@ def test_concurrent_requests_get_the_tokens_they_get_alone(served):
     client = Client(addr)
     prompts = [[(7 * i + j) % 256 for j in range(1 + 3 * i)] for i in range(10)]
     alone = [client.generate(p, 12).token_ids for p in prompts]
-    assert metrics(METRICS_PORT)["colibri_batch_size_max"] == 1
+    assert metrics(METRICS_PORT)["colibri:batch_size_max"] == 1
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda p: client.generate(p, 12).token_ids, prompts))
     assert together == alone
     assert alone[3] == oracle.greedy(prompts[3], 12)
-    assert metrics(METRICS_PORT)["colibri_batch_size_max"] >= 3     # they really shared steps
+    assert metrics(METRICS_PORT)["colibri:batch_size_max"] >= 3     # they really shared steps
 
 
 @pytest.mark.parametrize("prompt, max_tokens, needle", [

@@ -1,0 +1,57 @@
+"""Prometheus exposition (`prometheus_client`) on a small HTTP endpoint, `/metrics`, for any service.
+
+Each service owns a private `CollectorRegistry` (several engines may live in one test process), and its
+scrape-time values come from collectors that read the service's own counters. Torch-free.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+# Request latencies from 1 ms to 10 min; inter-token latencies from 1 ms to 10 s (vLLM's ranges).
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+def render(registry: CollectorRegistry) -> str:
+    return generate_latest(registry).decode()
+
+
+def serve_metrics(host: str, port: int, body: Callable[[], str]) -> int:
+    """Serve `body()` at http://HOST:PORT/metrics on a daemon thread; returns the bound port."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404, "only /metrics is served here")
+                return
+            data = body().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server.server_address[1]
+
+
+def parse(text: str) -> dict[str, float]:
+    """Exposition text -> {'name{label="v",...}': value} per sample (labels sorted), with
+    `prometheus_client.parser`: what tests, the load generator and the benchmarks read."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

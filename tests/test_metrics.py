@@ -1,0 +1,56 @@
+"""/metrics of the router and of every worker, scraped and parsed with `prometheus_client.parser`: the
+names vLLM users know (under colibri:), histograms that move, MoE series per worker and per expert."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from colibri.client import Client
+from tests.conftest import fleet, free_port
+
+
+def scrape(port: int) -> dict[str, object]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+
+def value(family, name: str, **labels: str) -> float:
+    return next(s.value for s in family.samples if s.name == name and labels.items() <= s.labels.items())
+
+
+def test_router_and_worker_metrics_move_with_the_traffic(oracles):
+    oracle = oracles["qwen3_moe"]
+    port = free_port()
+    while free_port() in (port + 1, port + 2):      # the workers take P + 1 and P + 2
+        port = free_port()
+    with fleet(oracle.path, 2, ["--metrics-port", str(port), "--expert-metrics"]) as (addr, _):
+        before = scrape(port)
+        client = Client(addr)
+        for i in range(5):
+            assert len(client.generate([i + 1, 2, 3], 6, ignore_eos=True).token_ids) == 6
+        m = scrape(port)
+        for h in ("colibri:time_to_first_token_seconds", "colibri:inter_token_latency_seconds",
+                  "colibri:e2e_request_latency_seconds"):
+            assert m[h].type == "histogram"
+            moved = value(m[h], h + "_count") - value(before[h], h + "_count")
+            assert moved >= (25 if "inter_token" in h else 5), h
+        assert value(m["colibri:request_success"], "colibri:request_success_total", finished_reason="length") >= 5
+        assert value(m["colibri:generation_tokens"], "colibri:generation_tokens_total") >= 30
+        assert value(m["colibri:prompt_tokens"], "colibri:prompt_tokens_total") >= 15
+        assert m["colibri:num_requests_running"].type == "gauge" and "colibri:kv_cache_usage_perc" in m
+        workers = {s.labels["worker"] for s in m["colibri:worker_dispatch_seconds"].samples}
+        assert len(workers) == 2
+        assert 0 < value(m["colibri:expert_balance"], "colibri:expert_balance") <= 1
+        routed = [s for s in m["colibri:moe_tokens_routed"].samples if s.name.endswith("_total")]
+        cfg = oracle.model.config
+        moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if i not in cfg.mlp_only_layers)
+        # every token the model ran (3 prompt + 5 fed back; the 6th is sampled only) x top-k x MoE layers
+        assert sum(s.value for s in routed) == 5 * (3 + 6 - 1) * cfg.num_experts_per_tok * moe_layers
+        for w in (port + 1, port + 2):
+            wm = scrape(w)
+            assert value(wm["colibri:expert_compute_seconds"], "colibri:expert_compute_seconds_count") > 0
+            assert value(wm["colibri:expert_tokens"], "colibri:expert_tokens_total") > 0
+            assert value(wm["colibri:expert_resident_bytes"], "colibri:expert_resident_bytes") > 0
+            assert value(wm["colibri:expert_forward"], "colibri:expert_forward_total", code="ok") > 0
