@@ -203,3 +203,23 @@ def test_a_sharded_checkpoint_serves_the_same_tokens(oracles, tmp_path):
     prompt = [9, 8, 7, 6, 5]
     with InProcess(sharded) as engine:
         assert engine.generate(prompt, 16).token_ids == oracle.greedy(prompt, 16)
+
+
+def test_non_finite_logits_fail_that_request_alone(oracles, tmp_path):
+    """A token whose embedding is NaN poisons only the sequences that contain it: the request holding it
+    ends INTERNAL, the others in the same steps finish with transformers' tokens."""
+    oracle = oracles["qwen3_moe"]
+    prompts = [[(13 * i + j) % 200 + 1 for j in range(8)] for i in range(4)]
+    poison = next(t for t in range(255, 0, -1)
+                  if all(t not in p and t not in oracle.greedy(p, 10) for p in prompts))
+    bad = copy.deepcopy(oracle.model)
+    with torch.no_grad():
+        bad.get_input_embeddings().weight[poison] = float("nan")
+    save_checkpoint(bad, tmp_path / "nan")
+    with InProcess(tmp_path / "nan") as engine:
+        events = [engine.submit(p, 10) for p in prompts[:2]] + [engine.submit([5, poison, 6], 10)] + \
+                 [engine.submit(p, 10) for p in prompts[2:]]
+        with pytest.raises(RuntimeError, match="^INTERNAL: .*non-finite logits"):
+            engine.collect(events[2])
+        for p, ev in zip(prompts, events[:2] + events[3:], strict=True):
+            assert engine.collect(ev).token_ids == oracle.greedy(p, 10)

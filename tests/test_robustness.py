@@ -92,6 +92,19 @@ def test_limits_are_checked_before_work_and_say_what_to_fix(served):
     assert client.generate([1, 2, 3], 4).token_ids == oracle.greedy([1, 2, 3], 4)
 
 
+def test_a_50_mib_prompt_is_refused_at_once_and_nobody_waits(served):
+    addr, oracle = served
+    router = next(c for c in psutil.Process().children(recursive=True) if " router " in f" {' '.join(c.cmdline())} ")
+    rss = router.memory_info().rss
+    t0 = time.monotonic()
+    results, code = streams_beside(addr, lambda: code_of(lambda: Client(addr).generate("y" * (50 << 20), 4)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert time.monotonic() - t0 < 30
+    for p, r in zip(PROMPTS, results, strict=True):
+        assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, N))
+    assert router.memory_info().rss < rss + 100 * 2**20          # the 50 MiB were never held
+
+
 def test_malformed_bytes_are_invalid_argument_not_internal(served):
     addr, _ = served
     bad_utf8 = b"\x12\x03\xff\xfe\xfd"               # field 2 (text, a string) holding 3 bytes that are not UTF-8
