@@ -208,7 +208,8 @@ def serve(opts: ServeOptions) -> int:
         drain(p)
         code = p.wait()
         if not fleet.stopping.is_set():
-            log.error("router exited with code %s; stopping the fleet", code)
+            log.log(logging.INFO if code == 0 else logging.ERROR, "router exited with code %s; stopping the fleet",
+                    code)
             stop_signal.set()
 
     for i, p in enumerate(procs):
@@ -216,6 +217,8 @@ def serve(opts: ServeOptions) -> int:
     threading.Thread(target=supervise_router, args=(router,), daemon=True).start()
     while not stop_signal.wait(0.5):
         pass
-    failed = router.poll() not in (None, 0) and not fleet.stopping.is_set()
     fleet.stop(first=(router,), first_timeout=opts.router.grace_period + 10)
-    return 1 if failed else 0
+    if router.returncode != 0:            # it died, or did not drain and exit cleanly when told to stop
+        log.error("router exited with code %s", router.returncode)
+        return 1
+    return 0

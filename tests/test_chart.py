@@ -200,6 +200,13 @@ def test_the_validator_is_not_a_no_op():
         kubernetes_validate.validate(dep, K8S, strict=True)
 
 
+def test_the_router_drains_within_the_pods_grace_period():
+    for grace in (35, 120):
+        dep = by_kind(render({"terminationGracePeriodSeconds": grace}), "Deployment")[0]["spec"]["template"]["spec"]
+        assert dep["terminationGracePeriodSeconds"] == grace
+        assert f"--grace-period={grace - 5}" in dep["containers"][0]["args"]
+
+
 def test_service_monitors_scrape_the_router_and_every_worker():
     docs = render(VALUE_SETS["hpa"])
     monitors = by_kind(docs, "ServiceMonitor")

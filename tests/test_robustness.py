@@ -191,14 +191,16 @@ def test_clients_that_never_read_cannot_starve_health_or_others(oracles):
             ch.close()
 
 
-def test_sigterm_drains_open_streams_then_exits_0(oracles):
+@pytest.mark.parametrize("target", ["serve", "router"])
+def test_sigterm_drains_open_streams_then_exits_0(oracles, target):
     oracle = oracles["qwen3_moe"]
     with fleet(oracle.path, 2, ["--grace-period", "60"]) as (addr, proc):
         children = psutil.Process(proc.pid).children(recursive=True)
+        router = next(c for c in children if " router " in f" {' '.join(c.cmdline())} ")
         client = Client(addr)
 
         def signal_then_probe():
-            proc.send_signal(signal.SIGTERM)
+            (proc if target == "serve" else router).send_signal(signal.SIGTERM)
             time.sleep(0.2)
             return code_of(lambda: client.generate([1, 2], 2, timeout=10)), health(addr)
 
@@ -206,7 +208,7 @@ def test_sigterm_drains_open_streams_then_exits_0(oracles):
         assert late == grpc.StatusCode.UNAVAILABLE and ready == health_pb2.HealthCheckResponse.NOT_SERVING
         for p, r in zip(PROMPTS, results, strict=True):
             assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, 400))
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 0             # serve exits 0 only when its router exited 0
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
@@ -221,7 +223,10 @@ def test_readiness_follows_the_workers(oracles, how):
         while health(addr) == health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() - t0 < 3, "readiness still SERVING 3 s after a worker was lost"
             time.sleep(0.1)
-        if how == "stop":
+        if how == "stop":                           # a frozen worker: requests fail within --worker-timeout
+            t1 = time.monotonic()
+            assert code_of(lambda: Client(addr).generate([1, 2, 3], 4, timeout=60)) == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - t1 < 5 + 3
             worker.send_signal(signal.SIGCONT)      # serve restarts a killed worker itself
         t0 = time.monotonic()
         while health(addr) != health_pb2.HealthCheckResponse.SERVING:
