@@ -49,7 +49,7 @@ def _expert(opts: ExpertOptions) -> int:
 def _validate(opts: ValidateOptions) -> int:
     from colibri.validate import validate
 
-    for line in validate(opts.model, opts.workers):
+    for line in validate(opts.model, opts.workers, opts.replicas):
         print(line)
     print("ok")
     return 0

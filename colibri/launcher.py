@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -66,12 +67,16 @@ class ServeOptions:
 
     router: RouterOptions = RouterOptions()
     workers: int = option(2, "number of expert workers (shards) to start")
+    replicas: int = option(1, "every expert on this many distinct workers: with 2, a dead worker's tokens go "
+                              "to the others and no stream notices")
     gpus: tuple[int, ...] = option((), "GPUs to place the fleet on: the router on the first, worker i on GPU "
                                        "i mod the count (each child gets --device cuda:N)", metavar="N[,N...]")
 
     def __post_init__(self) -> None:
         if self.workers <= 0:
             raise ValueError(f"--workers must be positive, got {self.workers}")
+        if not 1 <= self.replicas <= self.workers:
+            raise ValueError(f"--replicas {self.replicas}: need 1 <= R <= --workers ({self.workers})")
         if self.gpus and self.router.device != "cpu":
             raise ValueError("give --gpus (one GPU per child) or --device (all on one), not both")
         if any(g < 0 for g in self.gpus):
@@ -90,7 +95,7 @@ class ServeOptions:
         common = dict(shared_fields(self.router), host="127.0.0.1", port=port, threads=threads,
                       device=self.device(shard))
         mport = self.router.metrics_port                 # the router's port P; worker i gets P + 1 + i
-        return ExpertOptions(**common, shard=f"{shard}/{self.workers}",
+        return ExpertOptions(**common, shard=f"{shard}/{self.workers}", replicas=self.replicas,
                              metrics_port=None if mport is None else (mport and mport + 1 + shard))
 
     def router_options(self, workers: tuple[str, ...], threads: int) -> RouterOptions:
@@ -187,14 +192,23 @@ def serve(opts: ServeOptions) -> int:
             pass
 
     def supervise_worker(i: int, p: subprocess.Popen) -> None:
-        """A dead worker is restarted on its own port (the router reconnects), like a pod restart."""
+        """A dead worker is restarted on its own port (the router reconnects), like a pod restart; one that
+        keeps dying soon after its restart waits 1, 2, 4 … 30 s before the next one (CrashLoopBackOff)."""
         port = int(addrs[i].rsplit(":", 1)[1])
+        delay, started, restarts = 0.0, time.monotonic(), 0
         while True:
             drain(p)
             code = p.wait()
             if fleet.stopping.is_set() or stop_signal.is_set():
                 return
-            log.error("expert worker %d/%d exited with code %s; restarting it on port %s", i, n, code, port)
+            quick = time.monotonic() - started < 60          # died soon after its (re)start
+            delay = min(30.0, max(1.0, 2 * delay)) if quick and restarts else 0.0
+            restarts = restarts + 1 if quick else 0
+            log.error("expert worker %d/%d exited with code %s; restarting it on port %s in %.0fs", i, n, code,
+                      port, delay)
+            if stop_signal.wait(delay):
+                return
+            started = time.monotonic()
             p = fleet.spawn("expert", opts.expert(i, worker_threads, port))
             try:
                 fleet.wait_ready(p, f"expert worker {i}/{n}")

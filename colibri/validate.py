@@ -17,10 +17,13 @@ if TYPE_CHECKING:   # the CLI builds its parser from ValidateOptions without imp
 class ValidateOptions:
     model: str = option("", "checkpoint directory", required=True, metavar="DIR")
     workers: int = option(2, "size the shards for this many workers")
+    replicas: int = option(1, "every expert on this many workers (as for serve --replicas)")
 
     def __post_init__(self) -> None:
         if self.workers <= 0:
             raise ValueError(f"--workers must be positive, got {self.workers}")
+        if not 1 <= self.replicas <= self.workers:
+            raise ValueError(f"--replicas {self.replicas}: need 1 <= R <= --workers ({self.workers})")
 
 
 def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> int:
@@ -32,12 +35,12 @@ def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) ->
     return sum(ckpt.check(n, s).nbytes for n, s in expert_tensors(cfg, layer, expert).values())
 
 
-def validate(model_dir: str, workers: int) -> list[str]:
+def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
     """Returns the summary lines; raises ColibriError naming the first problem."""
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
     from colibri_common.errors import CheckpointError
-    from colibri_common.placement import shard_experts
+    from colibri_common.placement import replica_experts
     from colibri_common.tensors import router_tensors
     from colibri_common.tokenizer import Tokenizer
 
@@ -68,10 +71,21 @@ def validate(model_dir: str, workers: int) -> list[str]:
         f"router holds     {router_bytes / 2**20:.1f} MiB",
     ]
     for i in range(workers):
-        experts = shard_experts(cfg.num_experts, i, workers)
+        experts = replica_experts(cfg.num_experts, i, workers, replicas)
         b = sum(per_expert[(layer, e)] for layer in cfg.moe_layers for e in experts)
-        lines.append(f"worker {i}/{workers}     experts {experts[0]}..{experts[-1]}: {b / 2**20:.1f} MiB")
+        held = f"experts {experts[0]}..{experts[-1]}" if experts == list(range(experts[0], experts[-1] + 1)) else \
+            f"{len(experts)} experts ({', '.join(_ranges(experts))})"
+        lines.append(f"worker {i}/{workers}     {held}: {b / 2**20:.1f} MiB")
     return lines
+
+
+def _ranges(ids: list[int]) -> list[str]:
+    out, start = [], ids[0]
+    for a, b in zip(ids, [*ids[1:], None], strict=True):
+        if b != a + 1:
+            out.append(f"{start}..{a}" if a != start else str(a))
+            start = b
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:

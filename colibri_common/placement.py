@@ -1,4 +1,8 @@
-"""Which expert lives on which worker: contiguous, balanced ranges, the same for every MoE layer."""
+"""Which expert lives on which worker: contiguous, balanced ranges, the same for every MoE layer.
+
+With R replicas, the experts of base range b live on workers b, b+1, …, b+R-1 (mod N): every expert on R
+distinct workers, every worker holding R ranges, the same answer wherever it is computed.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,16 @@ def shard_experts(num_experts: int, shard: int, num_shards: int) -> list[int]:
     start = shard * base + min(shard, extra)
     size = base + (1 if shard < extra else 0)
     return list(range(start, start + size))
+
+
+def replica_experts(num_experts: int, shard: int, num_shards: int, replicas: int = 1) -> list[int]:
+    """Experts held by worker `shard` when every expert lives on `replicas` distinct workers."""
+    if not 1 <= replicas <= num_shards:
+        raise ValueError(f"--replicas {replicas}: need 1 <= R <= the number of workers ({num_shards})")
+    held: set[int] = set()
+    for r in range(replicas):
+        held.update(shard_experts(num_experts, (shard - r) % num_shards, num_shards))
+    return sorted(held)
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -122,7 +122,7 @@ def serve_expert(opts: ExpertOptions) -> None:
     bound = service.start(opts.host, opts.port, [SERVICE])
     ckpt = Checkpoint(opts.model)
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
-                          quantize=opts.quantize, device=device)
+                          quantize=opts.quantize, device=device, replicas=opts.replicas)
     ckpt.close()
     return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
     forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
-from colibri_common.placement import shard_experts
+from colibri_common.placement import replica_experts
 from colibri_common.tensors import expert_tensors, fused_expert_tensors
 from kernels import fused_moe
 from kernels.cpu_forms import Weight, weight_kind
@@ -34,9 +34,9 @@ def expert_linear_shapes(cfg: ModelConfig, kind_: str) -> list[tuple[int, int, s
     return [(2 * I, H, kind_), (H, I, kind_)]
 
 
-def expert_moe_shape(cfg: ModelConfig, num_shards: int, kind_: str) -> MoeShape:
+def expert_moe_shape(cfg: ModelConfig, num_shards: int, kind_: str, replicas: int = 1) -> MoeShape:
     """The fused-MoE shape of one shard of `num_shards` (its form, loop or grouped, is measured for it)."""
-    local = len(shard_experts(cfg.num_experts, 0, num_shards))
+    local = len(replica_experts(cfg.num_experts, 0, num_shards, replicas))
     pairs = max(1, min(local, round(cfg.top_k * local / cfg.num_experts)))
     return MoeShape(local, cfg.moe_intermediate_size, cfg.hidden_size, pairs, kind_)
 
@@ -46,7 +46,8 @@ class ExpertShard:
     float32 scale per output row when `quantize == "int8"` (quantised expert by expert as they are read)."""
 
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, shard: int, num_shards: int, dtype: torch.dtype,
-                 progress: bool = False, quantize: str | None = None, device: torch.device | None = None) -> None:
+                 progress: bool = False, quantize: str | None = None, device: torch.device | None = None,
+                 replicas: int = 1) -> None:
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize '{quantize}' is unknown; use int8 or none")
         self.device = device or torch.device("cpu")
@@ -55,7 +56,8 @@ class ExpertShard:
         self.cfg = cfg
         self.shard, self.num_shards = shard, num_shards
         self.dtype, self.quantize = dtype, quantize
-        self.experts = shard_experts(cfg.num_experts, shard, num_shards)
+        self.experts = replica_experts(cfg.num_experts, shard, num_shards, replicas)
+        self.replicas = replicas
         expert_map = torch.full((cfg.num_experts,), -1, dtype=torch.long)       # [E] global -> local
         expert_map[self.experts] = torch.arange(len(self.experts))
         self.expert_map = expert_map.to(self.device)
@@ -99,7 +101,8 @@ class ExpertShard:
         return expert_linear_shapes(self.cfg, weight_kind(self.quantize == "int8", self.dtype))
 
     def moe_shape(self) -> MoeShape:
-        return expert_moe_shape(self.cfg, self.num_shards, weight_kind(self.quantize == "int8", self.dtype))
+        return expert_moe_shape(self.cfg, self.num_shards, weight_kind(self.quantize == "int8", self.dtype),
+                                self.replicas)
 
     @property
     def weight_dtype(self) -> str:

@@ -15,7 +15,7 @@ import torch
 
 from router_service.batch import Step
 from router_service.events import Event, Failed, FailureCode, Finished, Tokens
-from router_service.experts import Experts
+from router_service.experts import Experts, ExpertsUnavailable
 from router_service.kv_cache import KVCache
 from router_service.metrics import Metrics
 from router_service.model import RouterModel
@@ -133,6 +133,8 @@ class Engine:
                 with self._cv:
                     self._postprocess(step, logits)
                     self._update_metrics(step, time.perf_counter() - t0)
+            except ExpertsUnavailable as exc:   # no live worker for some tokens' experts: fail those requests
+                self._fail_unserved(step, exc)
             except WorkerError as exc:   # a worker failed: fail this step's requests, keep serving
                 log.error("step %d failed: %s", self.metrics.steps, exc)
                 code = FailureCode.UNAVAILABLE if exc.retryable else FailureCode.INTERNAL
@@ -223,6 +225,20 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
         self._retire(seq, reason, Finished(reason, len(seq.prompt_ids), len(seq.output_ids), ttft))
+
+    def _fail_unserved(self, step: Step, exc: ExpertsUnavailable) -> None:
+        """Fail the requests whose tokens needed the missing experts; the others are not advanced, so the
+        next step runs theirs again (identical tokens: their KV slots are rewritten with the same values)."""
+        rows = set(exc.rows.tolist())
+        hit, row = [], 0
+        for s in step.micro_batches[exc.micro_batch]:
+            if rows & set(range(row, row + s.num_new)):
+                hit.append(s.seq)
+            row += s.num_new
+        log.error("step %d: %s; failing %d of %d requests", self.metrics.steps, exc, len(hit), len(step.scheduled))
+        with self._cv:
+            for seq in hit or [s.seq for s in step.scheduled]:
+                self._fail(seq, FailureCode.UNAVAILABLE, str(exc))
 
     def _fail_step(self, step: Step, code: FailureCode, message: str) -> None:
         with self._cv:

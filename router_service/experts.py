@@ -24,8 +24,9 @@ from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging
 from colibri_common.metrics_http import TOKEN_BUCKETS
 from colibri_common.pb import expert_pb2
+from router_service.liveness import Liveness
 from router_service.moe_combine import combine
-from router_service.moe_partition import partition
+from router_service.moe_partition import assign, partition, split_pairs
 from router_service.moe_transport import Links, Reply, WorkerError
 from router_service.worker_watch import WorkerWatch
 
@@ -69,12 +70,27 @@ class LocalExperts:
         return Ready(self.shard.forward(layer, hidden, ids, weights).to(hidden.dtype))
 
 
-class InFlight:
-    """One MoE layer of one micro-batch: the replies on their way from the workers, combined on `result`."""
+class ExpertsUnavailable(Exception):
+    """Some tokens of a micro-batch need experts that no live worker holds: `rows` [n] are those token rows
+    (the engine fails the requests they belong to and runs the step again for the others)."""
 
-    def __init__(self, owner: RemoteExperts, hidden: torch.Tensor,
-                 parts: list[tuple[int, torch.Tensor | None, Reply]]) -> None:
-        self.owner, self.parts = owner, parts
+    def __init__(self, message: str, rows: torch.Tensor) -> None:
+        super().__init__(message)
+        self.rows = rows
+        self.micro_batch = 0
+
+
+class InFlight:
+    """One MoE layer of one micro-batch: the replies on their way from the workers, combined on `result`.
+    A worker whose reply fails is banned and its pairs are sent again to live replicas (failover within the
+    step: the sum, and so every token, is the same)."""
+
+    def __init__(self, owner: RemoteExperts, layer: int, hidden: torch.Tensor, wire_x: torch.Tensor,
+                 ids32: torch.Tensor, w32: torch.Tensor, parts: list[tuple[int, torch.Tensor | None, Reply]],
+                 assigned: torch.Tensor | None) -> None:
+        self.owner, self.layer, self.parts = owner, layer, parts
+        self.assigned = assigned                                      # [T, K] worker of each pair, or None
+        self.x, self.ids32, self.w32 = wire_x, ids32, w32            # host copies: [T, H], [T, K], [T, K]
         self.sent = time.perf_counter()
         self.num_tokens, self.hidden_size = hidden.shape
         self.dtype, self.device = hidden.dtype, hidden.device
@@ -82,12 +98,45 @@ class InFlight:
     def done(self) -> bool:
         return all(reply.done() for _, _, reply in self.parts)
 
+    def _pairs_of(self, worker: int, rows: torch.Tensor | None) -> torch.Tensor:
+        """[T, K] the pairs `worker` was sent."""
+        if self.assigned is not None:
+            held = self.assigned == worker                                                     # [T, K]
+        else:
+            held = self.owner.holders[:, worker][self.ids32.long().clamp(min=0)] & (self.ids32 >= 0)
+        if rows is None:
+            return held
+        mask = torch.zeros_like(held)
+        mask[rows] = held[rows]
+        return mask
+
+    def _failover(self, worker: int, rows: torch.Tensor | None, exc: WorkerError) -> list:
+        self.owner.liveness.failed(worker, str(exc))
+        pairs = self._pairs_of(worker, rows)
+        assigned, unplaced = assign(self.owner.holders, self.ids32, self.owner.liveness.live(), pairs)
+        if unplaced.any():
+            raise ExpertsUnavailable(f"{exc}; no live replica holds the experts some tokens need",
+                                     unplaced.nonzero().flatten()) from exc
+        self.assigned = torch.where(pairs, assigned, self.assigned if self.assigned is not None else assigned)
+        return [(wp.worker, wp.rows, self.owner.send(wp.worker, self.layer, self.x[wp.rows], wp.ids,
+                                                     self.w32[wp.rows]))
+                for wp in split_pairs(assigned, self.ids32, len(self.owner.addresses))]
+
     def result(self) -> torch.Tensor:
         t_start, waited, computed = time.perf_counter(), 0.0, 0.0
         decoded = []
-        for worker, rows, reply in self.parts:
+        todo = list(self.parts)
+        while todo:
+            worker, rows, reply = todo.pop(0)
             t0 = time.perf_counter()
-            resp = reply.get()
+            try:
+                resp = reply.get()
+            except WorkerError as exc:
+                waited += time.perf_counter() - t0
+                if not exc.retryable:
+                    raise
+                todo += self._failover(worker, rows, exc)
+                continue
             waited += time.perf_counter() - t0
             self.owner.dispatch_seconds.labels(self.owner.addresses[worker]).observe(time.perf_counter() - self.sent)
             computed += resp.compute_ms / 1e3
@@ -106,6 +155,9 @@ class RemoteExperts:
                  expect_weight_dtype: str | None = None, device: torch.device | None = None,
                  track_routing: bool = False) -> None:
         self.cfg, self.addresses, self.wire_dtype = cfg, addresses, wire_dtype
+        self.liveness = Liveness(addresses)
+        self.holders = torch.zeros(cfg.num_experts, len(addresses), dtype=torch.bool)   # [E, W] expert on worker
+        self.replicated = False
         self.staging = HostStaging(device or torch.device("cpu"))   # the wire's pinned buffers on a GPU
         self.expect_weight_dtype = expect_weight_dtype        # "int8" under --quantize int8
         self.links = Links(addresses, transport, timeout_s)
@@ -140,13 +192,11 @@ class RemoteExperts:
                 want = "int8" if self.expect_weight_dtype == "int8" else "float"
                 raise WorkerError(f"expert worker {link.address} serves {d.dtype} experts but the router expects "
                                   f"{want} ones; start router and workers with the same --quantize")
-            taken = [e for e in d.experts if self.owner[e] >= 0]
-            if taken:
-                raise WorkerError(f"expert worker {link.address} (shard {d.shard_index}/{d.num_shards}) holds "
-                                  f"experts {taken[:8]} that another worker already holds; check the --shard flags")
-            self.owner[list(d.experts)] = w
+            self.holders[list(d.experts), w] = True
+            self.owner[list(d.experts)] = torch.where(self.owner[list(d.experts)] < 0, w, self.owner[list(d.experts)])
             log.info("worker %s: shard %d/%d, experts %d..%d, %.1f MiB %s", link.address, d.shard_index,
                      d.num_shards, min(d.experts), max(d.experts), d.packed_bytes / 2**20, d.dtype)
+        self.replicated = bool(self.holders.sum(dim=1).max() > 1)
         missing = (self.owner < 0).nonzero().flatten().tolist()
         if missing:
             raise WorkerError(f"no worker holds experts {missing[:16]}{'…' if len(missing) > 16 else ''}; "
@@ -162,12 +212,16 @@ class RemoteExperts:
         mean = sum(self.worker_rows) / len(self.worker_rows)
         yield GaugeMetricFamily("colibri:expert_balance", "Mean ÷ max token rows per worker since start (1 = "
                                 "even).", value=mean / busiest if busiest else 1.0)
-        if self.watcher is not None:
-            up = GaugeMetricFamily("colibri:worker_up", "1 while the worker answers its health checks.",
-                                   labels=["worker"])
-            for address, ok in zip(self.addresses, self.watcher.up, strict=True):
-                up.add_metric([address], float(ok))
-            yield up
+        up = GaugeMetricFamily("colibri:worker_up", "1 while the worker is sent tokens (healthy, not banned).",
+                               labels=["worker"])
+        bans = CounterMetricFamily("colibri:worker_bans", "Failed calls that banned the worker.", labels=["worker"])
+        back = CounterMetricFamily("colibri:worker_readmissions", "Times a banned or unhealthy worker was "
+                                   "re-admitted.", labels=["worker"])
+        for w, (address, ok) in enumerate(zip(self.addresses, self.liveness.live(), strict=True)):
+            up.add_metric([address], float(ok))
+            bans.add_metric([address], self.liveness.bans[w])
+            back.add_metric([address], self.liveness.readmissions[w])
+        yield from (up, bans, back)
         if self.routed is not None:
             routed = CounterMetricFamily("colibri:moe_tokens_routed", "Tokens routed to each expert of each "
                                          "layer (--expert-metrics).", labels=["layer", "expert"])
@@ -187,24 +241,55 @@ class RemoteExperts:
                                              ids.to(torch.int32), weights.float())  # [T, K]
         if self.routed is not None:
             self.routed[layer] += torch.bincount(ids32.flatten().long(), minlength=self.cfg.num_experts)  # [E]
-        whole: tuple[expert_pb2.Tensor, ...] | None = None                   # encoded once, sent to all
         parts: list[tuple[int, torch.Tensor | None, Reply]] = []
-        for wr in partition(self.owner, ids32, len(self.links.links)):
-            if wr.rows is None:
-                whole = whole or (wire.encode(x), wire.encode(ids32), wire.encode(w32))
-                enc = whole
-            else:
-                enc = (wire.encode(x[wr.rows]), wire.encode(ids32[wr.rows]), wire.encode(w32[wr.rows]))
-            req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
-                                            step=self.step)
-            parts.append((wr.worker, wr.rows, self.links.links[wr.worker].send(req)))
-            self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
+        assigned: torch.Tensor | None = None
+        live = self.liveness.live()
+        if self.replicated or not all(live):
+            # each pair to one live holder of its expert, least-loaded first; tokens no live worker can
+            # serve fail here, without a call
+            assigned, unplaced = assign(self.holders, ids32, live)
+            if unplaced.any():
+                down = [a for a, ok in zip(self.addresses, live, strict=True) if not ok]
+                raise ExpertsUnavailable(f"the experts some tokens need have no live worker (down: "
+                                         f"{', '.join(down)})", unplaced.nonzero().flatten())
+            for wp in split_pairs(assigned, ids32, len(self.addresses)):
+                parts.append((wp.worker, wp.rows, self.send(wp.worker, layer, x[wp.rows], wp.ids, w32[wp.rows])))
+        else:
+            whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
+            for wr in partition(self.owner, ids32, len(self.links.links)):
+                if wr.rows is None:
+                    whole = whole or (wire.encode(x), wire.encode(ids32), wire.encode(w32))
+                    enc = whole
+                else:
+                    enc = (wire.encode(x[wr.rows]), wire.encode(ids32[wr.rows]), wire.encode(w32[wr.rows]))
+                req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
+                                                step=self.step)
+                parts.append((wr.worker, wr.rows, self.links.links[wr.worker].send(req)))
+                self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
         self.timers["dispatch"] += time.perf_counter() - t0
-        return InFlight(self, hidden, parts)
+        # a failover re-sends from the host copies: they must outlive the (GPU) staging buffers
+        keep = (lambda t: t.clone()) if self.staging.pinned else (lambda t: t)   # noqa: E731
+        return InFlight(self, layer, hidden, keep(x), keep(ids32), keep(w32), parts, assigned)
+
+    def send(self, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Reply:
+        """Worker w's share of a layer, already cut to its rows ([n, H], [n, K] with -1 for pairs computed
+        elsewhere, [n, K])."""
+        req = expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(x), topk_ids=wire.encode(ids),
+                                        topk_weights=wire.encode(weights), step=self.step)
+        self.worker_rows[w] += x.shape[0]
+        return self.links.links[w].send(req)
+
+    def covered(self) -> bool:
+        """Whether every expert has a live worker."""
+        return bool((self.holders & torch.tensor(self.liveness.live())[None, :]).any(dim=1).all())
 
     def watch(self, on_change: Callable[[bool], None]) -> None:
-        """Call `on_change(every expert has a live worker)` whenever that changes (the router's readiness)."""
-        self.watcher = WorkerWatch([(link.address, link.channel) for link in self.links.links], on_change)
+        """Call `on_change(every expert has a live worker)` whenever a worker's health changes (readiness)."""
+        def changed(up: list[bool]) -> None:
+            self.liveness.set_healthy(up)
+            on_change(self.covered())
+
+        self.watcher = WorkerWatch([(link.address, link.channel) for link in self.links.links], changed)
 
     def close(self) -> None:
         if self.watcher is not None:

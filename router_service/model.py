@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from colibri_common.config import ModelConfig
 from kernels import topk_route
 from kernels.cpu_linear import linear
-from router_service.experts import Experts, Handle
+from router_service.experts import Experts, ExpertsUnavailable, Handle
 from router_service.kv_cache import KVCache
 from router_service.layers import Rope, apply_rope, rms_norm, silu_mlp
 from router_service.step_inputs import StepInputs
@@ -46,13 +46,20 @@ class RouterModel:
         """Logits [B, V] float32 of every sampled row, micro-batches concatenated in order."""
         gens = [self._forward(s, kv, experts) for s in steps]
         results: list[torch.Tensor | None] = [None] * len(gens)
-        pending = [self._advance(g, None, results, j) for j, g in enumerate(gens)]
-        while any(p is not None for p in pending):
+        j = 0
+        try:
+            pending = []
             for j, g in enumerate(gens):
-                if pending[j] is not None:
-                    others = [p for i, p in enumerate(pending) if i != j and p is not None]
-                    self.overlaps += any(not p.done() for p in others)
-                    pending[j] = self._advance(g, pending[j].result(), results, j)
+                pending.append(self._advance(g, None, results, j))
+            while any(p is not None for p in pending):
+                for j, g in enumerate(gens):
+                    if pending[j] is not None:
+                        others = [p for i, p in enumerate(pending) if i != j and p is not None]
+                        self.overlaps += any(not p.done() for p in others)
+                        pending[j] = self._advance(g, pending[j].result(), results, j)
+        except ExpertsUnavailable as exc:
+            exc.micro_batch = j               # whose token rows these are
+            raise
         return torch.cat(results)  # type: ignore[arg-type]
 
     @staticmethod

@@ -40,3 +40,53 @@ def partition(owner: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> 
         elif n:
             out.append(WorkerRows(w, hits[:, w].nonzero().flatten()))       # [n]
     return out
+
+
+@dataclass(frozen=True)
+class WorkerPairs:
+    """The token-expert pairs one worker computes for one MoE layer (replicated placement)."""
+
+    worker: int
+    rows: torch.Tensor             # [n] token rows with at least one pair here, ascending
+    ids: torch.Tensor              # [n, K] the rows' expert ids, -1 where another worker computes the pair
+
+
+def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
+           pairs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's worker: one live holder of its expert, least-loaded first (experts with the most pairs
+    are placed first, each on the live holder with the fewest pairs so far).
+
+    holders [E, W] bool, topk_ids [T, K]; `pairs` [T, K] bool limits the pairs placed (default all).
+    Returns (worker [T, K] int64, -1 where not placed or no live holder; unplaced [T] bool: rows with a pair
+    that no live worker holds)."""
+    T, K = topk_ids.shape
+    E, W = holders.shape
+    ids = topk_ids.long()
+    todo = (ids >= 0) if pairs is None else pairs & (ids >= 0)                  # [T, K]
+    counts = torch.bincount(ids[todo], minlength=E).tolist()                   # [E]
+    alive = holders & torch.tensor(live, dtype=torch.bool)[None, :]            # [E, W]
+    load = [0] * W
+    choice = [-1] * E
+    for e in sorted((e for e in range(E) if counts[e]), key=lambda e: -counts[e]):
+        options = alive[e].nonzero().flatten().tolist()
+        if options:
+            w = min(options, key=lambda w: (load[w], w))
+            choice[e] = w
+            load[w] += counts[e]
+    chosen = torch.tensor(choice, dtype=torch.long)[ids.clamp(min=0)]          # [T, K]
+    worker = torch.where(todo, chosen, torch.full_like(ids, -1))
+    unplaced = (todo & (worker < 0)).any(dim=1)                                # [T]
+    return worker, unplaced
+
+
+def split_pairs(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerPairs]:
+    """One WorkerPairs per worker with at least one pair (worker [T, K] from `assign`)."""
+    out = []
+    for w in range(num_workers):
+        mine = worker == w                                                     # [T, K]
+        rows = mine.any(dim=1).nonzero().flatten()                             # [n]
+        if rows.numel():
+            ids = torch.where(mine[rows], topk_ids[rows].to(torch.int32), torch.full_like(topk_ids[rows], -1,
+                                                                                          dtype=torch.int32))
+            out.append(WorkerPairs(w, rows, ids))
+    return out

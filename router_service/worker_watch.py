@@ -27,7 +27,7 @@ class WorkerWatch:
     DEADLINE_S = 0.75
     MISSES = 2
 
-    def __init__(self, channels: list[tuple[str, grpc.Channel]], on_change: Callable[[bool], None]) -> None:
+    def __init__(self, channels: list[tuple[str, grpc.Channel]], on_change: Callable[[list[bool]], None]) -> None:
         self.stubs = [(address, health_pb2_grpc.HealthStub(ch)) for address, ch in channels]
         self.up = [True] * len(channels)
         self.misses = [0] * len(channels)
@@ -58,7 +58,7 @@ class WorkerWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.PERIOD_S):
-            before = self.all_up()
+            before = list(self.up)
             for i, ((address, _), ok) in enumerate(zip(self.stubs, self._checks(), strict=True)):
                 self.misses[i] = 0 if ok else self.misses[i] + 1
                 if ok and not self.up[i]:
@@ -67,8 +67,8 @@ class WorkerWatch:
                 elif not ok and self.up[i] and self.misses[i] >= self.MISSES:
                     self.up[i] = False
                     log.warning("expert worker %s is down (%d health checks failed)", address, self.misses[i])
-            if self.all_up() != before:
-                self.on_change(self.all_up())
+            if self.up != before:
+                self.on_change(list(self.up))
 
     def close(self) -> None:
         self._stop.set()

@@ -180,6 +180,8 @@ def test_helm_test_pod_checks_router_health():
     {"terminationGracePeriodSeconds": 2},
     {"routr": {}},
     {"model": {"quantize": "int8"}, "experts": {"gpus": 1}},     # int8 experts are the CPU path
+    {"experts": {"shards": 2, "replicas": 3}},                    # more replicas than pods
+    {"experts": {"replicas": 0}},
 ])
 def test_schema_rejects_wrong_values(bad):
     chart = helm.Chart.load(CHART)
@@ -198,6 +200,11 @@ def test_the_validator_is_not_a_no_op():
     dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["grpcc"] = {"port": 1}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(dep, K8S, strict=True)
+
+
+def test_replicas_reach_every_worker():
+    (sts,) = by_kind(render({"experts": {"shards": 4, "replicas": 2}}), "StatefulSet")
+    assert "--replicas=2" in sts["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_the_router_drains_within_the_pods_grace_period():

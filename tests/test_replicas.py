@@ -1,0 +1,181 @@
+"""Replicated experts and failover: with --replicas 2 a dead or frozen worker changes no token; with one
+replica only the requests that need the dead worker's experts fail, fast. Real fleets, real signals."""
+
+from __future__ import annotations
+
+import copy
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import psutil
+import pytest
+import torch
+
+from colibri.client import Client
+from colibri_common.placement import replica_experts
+from router_service.moe_partition import assign, split_pairs
+from tests.conftest import fleet, free_port, metrics
+from tests.models import save_checkpoint
+
+STREAMS = [[(5 * i + j) % 200 + 1 for j in range(5)] for i in range(16)]
+
+
+@pytest.mark.parametrize("E, N, R", [(8, 4, 2), (60, 3, 2), (60, 3, 3), (8, 2, 1), (9, 4, 3)])
+def test_every_expert_lives_on_r_distinct_workers_and_loads_are_even(E, N, R):
+    held = [replica_experts(E, w, N, R) for w in range(N)]
+    for e in range(E):
+        assert sum(e in h for h in held) == R
+    assert max(map(len, held)) - min(map(len, held)) <= R
+    with pytest.raises(ValueError, match="need 1 <= R <= the number of workers"):
+        replica_experts(E, 0, N, N + 1)
+
+
+def test_assign_places_each_pair_on_one_live_holder_least_loaded_first():
+    E, N = 8, 4
+    holders = torch.zeros(E, N, dtype=torch.bool)
+    for w in range(N):
+        holders[replica_experts(E, w, N, 2), w] = True
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(64)])        # [T, K]
+    worker, unplaced = assign(holders, ids, [True] * N)
+    assert not unplaced.any()
+    assert holders[ids, worker].all()                                              # a holder of each expert
+    loads = torch.bincount(worker.flatten(), minlength=N)
+    assert int(loads.max()) <= 2 * int(loads.min()) + 16                           # spread, not piled up
+    parts = split_pairs(worker, ids, N)
+    assert sum(int((p.ids >= 0).sum()) for p in parts) == ids.numel()             # every pair exactly once
+    worker, unplaced = assign(holders, ids, [True, False, True, True])            # worker 1 down: others take it
+    assert not unplaced.any() and not (worker == 1).any()
+    worker, unplaced = assign(holders, ids, [True, False, False, True])           # 1 and 2 down: experts 2, 3 lost
+    assert torch.equal(unplaced, ((ids == 2) | (ids == 3)).any(dim=1))
+
+
+def run_streams(addr: str, prompts: list[list[int]], n: int, during=None):
+    client = Client(addr)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [pool.submit(client.generate, p, n, ignore_eos=True, timeout=120) for p in prompts]
+        time.sleep(1.0)
+        if during is not None:
+            during()
+        out = []
+        for f in futs:
+            try:
+                out.append(f.result())
+            except grpc.RpcError as exc:
+                out.append(exc)
+        return out
+
+
+def workers_of(proc) -> list[psutil.Process]:
+    return sorted((c for c in psutil.Process(proc.pid).children() if " expert " in f" {' '.join(c.cmdline())} "),
+                  key=lambda c: next(a for a in c.cmdline() if a.startswith("--shard=")))
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_with_two_replicas_a_lost_worker_changes_no_token(oracles, how):
+    oracle = oracles["qwen3_moe"]
+    port = free_port()
+    while free_port() in range(port + 1, port + 5):
+        port = free_port()
+    with fleet(oracle.path, 4, ["--replicas", "2", "--worker-timeout", "3", "--metrics-port", str(port)]) \
+            as (addr, proc):
+        victim = workers_of(proc)[1]
+
+        def lose_one():
+            victim.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+        results = run_streams(addr, STREAMS, 200, lose_one)
+        for p, r in zip(STREAMS, results, strict=True):
+            assert not isinstance(r, Exception), r
+            assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, 200))
+        m = metrics(port)
+        assert sum(v for k, v in m.items() if k.startswith("colibri:worker_bans_total")) >= 1
+        if how == "stop":
+            victim.send_signal(signal.SIGCONT)
+        t0 = time.monotonic()
+        while sum(v for k, v in metrics(port).items() if k.startswith("colibri:worker_readmissions_total")) < 1:
+            assert time.monotonic() - t0 < 60, "the worker was not re-admitted"
+            time.sleep(0.2)
+        assert all(v == 1 for k, v in metrics(port).items() if k.startswith("colibri:worker_up"))
+        assert Client(addr).generate([9, 8, 7], 8).token_ids == oracle.greedy([9, 8, 7], 8)
+
+
+NEEDY = range(250, 256)          # the only tokens routed to worker 1's experts in the steered checkpoint
+
+
+@pytest.fixture(scope="module")
+def steered(oracles, tmp_path_factory):
+    """OLMoE with 8 experts on 2 workers (0-3, 4-7), steered by one hidden dimension: the embedding's dim 0
+    is +30 for NEEDY tokens and -30 for all others, and only experts 4-7 read dim 0 (strongly), so NEEDY
+    tokens route to experts 4-7 and every other token stays on experts 0-3."""
+    model = copy.deepcopy(oracles["olmoe"].model)
+    d = 0
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, d] = -30.0
+        emb[list(NEEDY), d] = 30.0
+        for layer in model.model.layers:
+            gate = layer.mlp.gate.weight                                         # [E, H]
+            gate[4:] = 0.0
+            gate[4:, d] = torch.tensor([50.0, 49.0, 48.0, 47.0])               # no ties among 4-7
+            gate[:4, d] = 0.0
+    path = save_checkpoint(model.eval(), tmp_path_factory.mktemp("steered") / "olmoe")
+    return model, path
+
+
+def test_with_one_replica_only_the_requests_that_need_the_dead_worker_fail(steered):
+    model, path = steered
+
+    @torch.no_grad()
+    def greedy(p, n):
+        out = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return out[0, len(p):].tolist()
+
+    candidates = [[(7 * i + j) % 240 + 1 for j in range(4)] for i in range(12)]
+    clean = [p for p in candidates if not set(greedy(p, 120)) & set(NEEDY)][:6]
+    assert len(clean) >= 3
+    needy = [[3, 252, 4, 5], [251, 6, 7, 8]]
+    with fleet(path, 2, ["--worker-timeout", "5"]) as (addr, proc):
+        victim = workers_of(proc)[1]
+        killed = threading.Event()
+        t_kill = []
+
+        def kill():
+            t_kill.append(time.monotonic())
+            victim.send_signal(signal.SIGKILL)
+            killed.set()
+
+        client = Client(addr)
+        t_fail = []
+
+        def needy_stream(p):
+            try:
+                return client.generate(p, 400, ignore_eos=True, timeout=120)
+            except grpc.RpcError as exc:
+                t_fail.append(time.monotonic())
+                return exc
+
+        with ThreadPoolExecutor(len(clean) + len(needy)) as pool:
+            futs = [pool.submit(client.generate, p, 120, ignore_eos=True, timeout=120) for p in clean]
+            time.sleep(0.5)
+            kill()                                   # mid-run: the clean streams are decoding
+            nfuts = [pool.submit(needy_stream, p) for p in needy]   # these need the dead worker's experts
+            results = [f.result() for f in futs]
+            nres = [f.result() for f in nfuts]
+        for p, r in zip(clean, results, strict=True):
+            assert (r.finish_reason, r.token_ids) == ("length", greedy(p, 120))
+        for r in nres:
+            assert isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.UNAVAILABLE, r
+        assert max(t_fail) - t_kill[0] < 2.0
+        t0 = time.monotonic()
+        while True:                                  # serve restarts the worker; then needy requests succeed
+            try:
+                r = client.generate(needy[0], 5, timeout=30)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() - t0 < 60
+                time.sleep(0.3)
+        assert r.token_ids == greedy(needy[0], 5)
