@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -50,8 +51,20 @@ def step_bytes(cfg: ModelConfig, streams: int, itemsize: int, expert_itemsize: i
     return dense * itemsize + len(cfg.moe_layers) * touched * 3 * H * I * expert_itemsize
 
 
+def kill_a_worker_after(serve_pid: int, seconds: float) -> threading.Timer:
+    """SIGKILL the fleet's last expert worker `seconds` from now (serve restarts it)."""
+    def kill() -> None:
+        workers = [c for c in psutil.Process(serve_pid).children() if " expert " in f" {' '.join(c.cmdline())} "]
+        if workers:
+            workers[-1].send_signal(signal.SIGKILL)
+
+    t = threading.Timer(seconds, kill)
+    t.start()
+    return t
+
+
 def run_fleet(model: Path, workers: int, dtype: str, streams: list[int], prompt_len: int, max_tokens: int,
-              extra: list[str]) -> dict:
+              extra: list[str], kill_after: float | None = None) -> dict:
     with socket.socket() as sock:        # a free port for the fleet's /metrics
         sock.bind(("127.0.0.1", 0))
         mport = sock.getsockname()[1]
@@ -69,19 +82,40 @@ def run_fleet(model: Path, workers: int, dtype: str, streams: list[int], prompt_
         run_load(addr, 1, 1, prompt_len, 4)                       # warm-up
         for c in streams:
             before = parse(urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics").read().decode())
+            killer = None if kill_after is None else kill_a_worker_after(p.pid, kill_after)
             r = run_load(addr, c, c, prompt_len, max_tokens)
+            if killer is not None:
+                killer.join()
+                wait_serving(addr)                                # the restarted worker is back
             after = parse(urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics").read().decode())
             phases = {k.split('"')[1]: after[k] - before.get(k, 0.0) for k in after
                       if k.startswith("colibri:engine_phase_seconds_total")}
             rows[c] = {k: getattr(r, k) for k in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                                                   "itl_p99_ms", "requests_failed")}
             rows[c]["phases"] = phases
+            rows[c]["balance"] = after.get("colibri:expert_balance", float("nan"))
         procs = psutil.Process(p.pid).children()
         rss = [peak_rss(c.pid) for c in procs]
         return {"cold_start_s": cold, "rows": rows, "peak_rss": rss}
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=60)
+
+
+def wait_serving(addr: str, timeout: float = 120) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(addr) as ch:
+        while time.monotonic() < deadline:
+            try:
+                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="colibri.v1.Generation"),
+                                                        timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
 
 
 def run_json(module: str, args: list[str]) -> dict:
@@ -103,6 +137,9 @@ def main() -> int:
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--engines", default="", help="comma-separated substrings (or =exact names): run only the "
+                                                  "matching engines (transformers always runs, for the ratios); "
+                                                  "the results go to serving-<engines>.md")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     model = ensure_bench_model()
@@ -120,7 +157,15 @@ def main() -> int:
         ("colibri 2 workers int8 + dense int8", lambda: run_fleet(
             model, 2, args.dtype, streams, args.prompt_len, args.max_tokens,
             ["--quantize", "int8", "--quantize-dense"])),
+        ("colibri 2 workers replicas 2", lambda: run_fleet(model, 2, args.dtype, streams, args.prompt_len,
+                                                           args.max_tokens, ["--replicas", "2"])),
+        ("colibri 2 workers replicas 2, one killed", lambda: run_fleet(
+            model, 2, args.dtype, streams, args.prompt_len, args.max_tokens, ["--replicas", "2"], kill_after=1.5)),
     ]
+    if args.engines:
+        wanted = [w.strip() for w in args.engines.split(",")]
+        jobs = [(n, j) for n, j in jobs if n == "transformers" or any(
+            n == w[1:] if w.startswith("=") else w in n for w in wanted)]
     results = {}
     for name, job in tqdm(jobs, desc="bench", unit="engine"):
         results[name] = job()
@@ -155,7 +200,8 @@ def main() -> int:
         f"# Serving benchmark: bench model ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_experts} experts "
         f"top-{cfg.top_k}, hidden {cfg.hidden_size}), {args.dtype}",
         "", f"Machine: {machine()}; measured read bandwidth {bw:.1f} GB/s (streaming sum over 1 GiB).",
-        f"Command: `python -m benchmarks.serving --dtype {args.dtype}` ({args.prompt_len}-token prompts, "
+        f"Command: `python -m benchmarks.serving --dtype {args.dtype}"
+        f"{' --engines ' + repr(args.engines) if args.engines else ''}` ({args.prompt_len}-token prompts, "
         f"{args.max_tokens} new tokens, one request per stream). transformers experts implementation: "
         f"{hf['experts_implementation']}.",
         "", "## Throughput and latency", "",
@@ -169,10 +215,17 @@ def main() -> int:
         table(["fleet", "streams", "orchestration (schedule, prepare, postprocess, dispatch/combine)",
                "blocked on workers",
                "worker compute (sum over workers)"], split),
+        "", "## Replicas and failover (the killed worker: SIGKILL 1.5 s into each run; serve restarts it)", "",
+        table(["fleet", "streams", "tok/s", "requests failed", "expert balance (mean ÷ max rows per worker)"],
+              [[n, str(c), f"{results[n]['rows'][c]['output_tokens_per_s']:.1f}",
+                str(results[n]['rows'][c]['requests_failed']), f"{results[n]['rows'][c]['balance']:.2f}"]
+               for n in results if n.startswith("colibri 2 workers") and "int8" not in n for c in streams]),
         ""])
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / ("serving.md" if args.dtype == "bfloat16" else f"serving-{args.dtype}.md")).write_text(text)
+    name = "serving" + ("" if args.dtype == "bfloat16" else f"-{args.dtype}") + \
+        ("" if not args.engines else "-" + "".join(ch if ch.isalnum() else "-" for ch in args.engines).strip("-"))
+    (RESULTS / f"{name}.md").write_text(text)
     return 0
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb import generation_pb2_grpc
 from colibri_common.serving import CHANNEL_OPTIONS
+from colibri_common.tls import client_channel
 
 
 @dataclass
@@ -34,8 +34,11 @@ def make_request(prompt: str | list[int], max_tokens: int, temperature: float = 
 
 
 class Client:
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, target: str, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
+        """Plaintext, or TLS when `tls_ca` (the router's CA) is given; `tls_cert`/`tls_key` for a router that
+        requires client certificates."""
+        self.channel = client_channel(target, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:

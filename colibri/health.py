@@ -13,6 +13,11 @@ class HealthOptions:
     target: str = option("", "service address HOST:PORT", required=True)
     service: str = option("", "'' = liveness; colibri.v1.Generation or colibri.v1.ExpertWorker = readiness")
     timeout: float = option(10.0, "seconds")
+    tls_ca: str | None = option(None, "PEM CA of a TLS service (TLS when given)", metavar="PATH")
+    tls_cert: str | None = option(None, "PEM client certificate, for a service that requires one", metavar="PATH")
+    tls_key: str | None = option(None, "PEM key of --tls-cert", metavar="PATH")
+    tls_server_name: str | None = option(None, "the name the service's certificate carries, when it differs from "
+                                               "the target's host (a pod probing itself on 127.0.0.1)")
 
 
 def run_health(opts: HealthOptions) -> int:
@@ -20,7 +25,10 @@ def run_health(opts: HealthOptions) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(opts.target) as channel:
+    from colibri_common.tls import client_channel
+
+    options = [("grpc.ssl_target_name_override", opts.tls_server_name)] if opts.tls_server_name else []
+    with client_channel(opts.target, options, opts.tls_ca, opts.tls_cert, opts.tls_key) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=opts.service), timeout=opts.timeout)

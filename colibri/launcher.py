@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -69,6 +70,9 @@ class ServeOptions:
     workers: int = option(2, "number of expert workers (shards) to start")
     replicas: int = option(1, "every expert on this many distinct workers: with 2, a dead worker's tokens go "
                               "to the others and no stream notices")
+    tls_self_signed: bool = option(False, "make a throw-away CA and certificate (in $COLIBRI_CACHE_DIR/tls-PID or "
+                                          "a temp dir; logged) and serve with mutual TLS between router and "
+                                          "workers and TLS to clients")
     gpus: tuple[int, ...] = option((), "GPUs to place the fleet on: the router on the first, worker i on GPU "
                                        "i mod the count (each child gets --device cuda:N)", metavar="N[,N...]")
 
@@ -172,6 +176,13 @@ def serve(opts: ServeOptions) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     ModelConfig.from_dir(opts.router.model)      # an unusable config.json fails here, before any child starts
+    if opts.tls_self_signed:
+        from colibri_common.tls import self_signed
+
+        base = os.environ.get("COLIBRI_CACHE_DIR") or tempfile.gettempdir()
+        tls = self_signed(Path(base) / f"tls-{os.getpid()}")
+        opts = replace(opts, router=replace(opts.router, tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca))
+        log.info("TLS: a throw-away CA at %s (clients: --tls-ca %s)", tls.ca, tls.ca)
     try:
         # Every child starts at once (the router loads its weights while the workers load theirs, and waits
         # for them): the workers get their ports up front, so the router knows where to find them.

@@ -57,6 +57,12 @@ class ServiceOptions:
                                         "checks that its workers serve what it was told)", choices=("int8",))
     device: str = option("cpu", "compute device: cpu, cuda or cuda:N (weights, KV cache and compute go there; "
                                 "only the wire stays on the host)", metavar="cpu|cuda[:N]")
+    tls_cert: str | None = option(None, "PEM certificate: serve TLS only (the router also shows it to its "
+                                        "workers)", metavar="PATH")
+    tls_key: str | None = option(None, "PEM private key of --tls-cert", metavar="PATH")
+    tls_ca: str | None = option(None, "PEM CA that signs the peers' certificates: a worker refuses callers "
+                                      "without one (mutual TLS); the router verifies its workers with it",
+                                metavar="PATH")
     cpu_forms: str = option("auto", "JSON file of the CPU linear forms measured on this machine, written on the "
                                     "first start and reused after ('auto' = $COLIBRI_CACHE_DIR or "
                                     "~/.cache/colibri/cpu-forms.json; 'off' = built-in defaults, no measurement)",

@@ -47,10 +47,12 @@ class Service:
         self.health.set(service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._stopped = threading.Event()
 
-    def start(self, host: str, port: int, full_names: list[str]) -> int:
+    def start(self, host: str, port: int, full_names: list[str],
+              credentials: grpc.ServerCredentials | None = None) -> int:
         reflection.enable_server_reflection([*full_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self.server)
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        bound = self.server.add_insecure_port(f"{host}:{port}") if credentials is None else \
+            self.server.add_secure_port(f"{host}:{port}", credentials)
         if bound == 0:
             raise OSError(f"cannot listen on {host}:{port} (address in use?)")
         self.server.start()

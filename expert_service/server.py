@@ -12,12 +12,14 @@ from colibri_common import wire
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging, open_device
+from colibri_common.errors import ConfigError
 from colibri_common.forms_file import FormsFile
 from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.handlers import add_servicer
 from colibri_common.heap import return_free_heap
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import Service, setup_logging
+from colibri_common.tls import TlsFiles
 from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard
@@ -119,7 +121,11 @@ def serve_expert(opts: ExpertOptions) -> None:
     add_servicer(service.server, servicer, expert_pb2.DESCRIPTOR.services_by_name["ExpertWorker"],
                  {"ForwardStream": opts.max_streams, "Forward": opts.max_streams})
     # Listen (liveness answers) while the weights load; readiness turns SERVING only after.
-    bound = service.start(opts.host, opts.port, [SERVICE])
+    tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
+    if tls is not None and tls.ca is None:
+        raise ConfigError("a worker with TLS needs --tls-ca too: it accepts only callers whose certificate that "
+                          "CA signed (mutual TLS)")
+    bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(True))
     ckpt = Checkpoint(opts.model)
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
                           quantize=opts.quantize, device=device, replicas=opts.replicas)

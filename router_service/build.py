@@ -20,6 +20,7 @@ from colibri_common.errors import ConfigError
 from colibri_common.forms_file import FormsFile
 from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.heap import return_free_heap
+from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Tokenizer
 from kernels.cpu_linear import cpu_has_fast_bf16
 from kernels.cpu_tune import CANDIDATES, tune
@@ -74,9 +75,10 @@ def compute_dtype(requested: torch.dtype, device: torch.device | None = None) ->
 def remote_experts(opts: RouterOptions) -> ExpertsFactory:
     wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype)
     expect = "int8" if opts.quantize == "int8" else None
+    tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
     return lambda cfg, device: RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
                                              expect_weight_dtype=expect, device=device,
-                                             track_routing=opts.expert_metrics)
+                                             track_routing=opts.expert_metrics, tls=tls)
 
 
 def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:

@@ -24,6 +24,7 @@ from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging
 from colibri_common.metrics_http import TOKEN_BUCKETS
 from colibri_common.pb import expert_pb2
+from colibri_common.tls import TlsFiles
 from router_service.liveness import Liveness
 from router_service.moe_combine import combine
 from router_service.moe_partition import assign, partition, split_pairs
@@ -153,14 +154,14 @@ class RemoteExperts:
     def __init__(self, cfg: ModelConfig, addresses: tuple[str, ...], wire_dtype: torch.dtype,
                  transport: str = "stream", timeout_s: float = 60.0, connect_timeout_s: float = 300.0,
                  expect_weight_dtype: str | None = None, device: torch.device | None = None,
-                 track_routing: bool = False) -> None:
+                 track_routing: bool = False, tls: TlsFiles | None = None) -> None:
         self.cfg, self.addresses, self.wire_dtype = cfg, addresses, wire_dtype
         self.liveness = Liveness(addresses)
         self.holders = torch.zeros(cfg.num_experts, len(addresses), dtype=torch.bool)   # [E, W] expert on worker
         self.replicated = False
         self.staging = HostStaging(device or torch.device("cpu"))   # the wire's pinned buffers on a GPU
         self.expect_weight_dtype = expect_weight_dtype        # "int8" under --quantize int8
-        self.links = Links(addresses, transport, timeout_s)
+        self.links = Links(addresses, transport, timeout_s, None if tls is None else tls.channel())
         self.owner = torch.full((cfg.num_experts,), -1, dtype=torch.long)    # [E] expert -> worker
         self.watcher: WorkerWatch | None = None
         self.step = 0

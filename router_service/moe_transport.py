@@ -30,8 +30,10 @@ from colibri_common.serving import CHANNEL_OPTIONS
 log = logging.getLogger("colibri.router")
 # A worker that is still starting or was just restarted is found again within a second, not after gRPC's
 # default backoff (which grows to two minutes).
+# A rescheduled pod behind a headless Service comes back with a new IP: the DNS name is resolved again
+# on reconnect, at most once a second (gRPC's default waits 30 s between resolutions).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                     ("grpc.max_reconnect_backoff_ms", 1000)]
+                     ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.dns_min_time_between_resolutions_ms", 1000)]
 
 
 # A worker that answers INTERNAL or INVALID_ARGUMENT has a bug or was sent a bad request: retrying will not help.
@@ -98,9 +100,11 @@ class StreamReply(Reply):
 class WorkerLink:
     """The router's connection to one expert worker."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
+        self.channel = grpc.insecure_channel(address, options=options) if credentials is None else \
+            grpc.secure_channel(address, credentials, options=options)     # mutual TLS to the worker
         self.stub = expert_pb2_grpc.ExpertWorkerStub(self.channel)
 
     def describe(self, deadline: float) -> expert_pb2.DescribeResponse:
@@ -152,8 +156,8 @@ class StreamLink(WorkerLink):
     such an answer stays with its reply in `_awaiting` and is read off (and dropped with the failed step)
     before the next step's. Only this link's own failure resets it, failing what was in flight on it."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+        super().__init__(address, timeout_s, credentials)
         self._stream: _OpenStream | None = None
         self._awaiting: collections.deque[StreamReply] = collections.deque()   # sent, not yet answered
 
@@ -211,10 +215,11 @@ LINKS: dict[str, type[WorkerLink]] = {"stream": StreamLink, "unary": UnaryLink}
 class Links:
     """Every worker's link, plus the watchdog thread that enforces the stream deadlines."""
 
-    def __init__(self, addresses: tuple[str, ...], transport: str, timeout_s: float) -> None:
+    def __init__(self, addresses: tuple[str, ...], transport: str, timeout_s: float,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         if transport not in LINKS:
             raise ValueError(f"transport '{transport}' is unknown; use one of {', '.join(LINKS)}")
-        self.links = [LINKS[transport](a, timeout_s) for a in addresses]
+        self.links = [LINKS[transport](a, timeout_s, credentials) for a in addresses]
         self._closed = threading.Event()
         threading.Thread(target=self._watchdog, name="moe-watchdog", daemon=True).start()
 

@@ -37,6 +37,7 @@ class RouterOptions(ServiceOptions):
                                          "lm_head too (gates and embeddings stay): less memory, less accuracy")
     metrics_port: int | None = option(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
                                             "0 = any free port)")
+    tls_client_auth: bool = option(False, "with --tls-cert: clients must show a certificate --tls-ca signed")
     expert_metrics: bool = option(False, "count the tokens routed to every (layer, expert) in /metrics "
                                          "(colibri:moe_tokens_routed; layers x experts series)")
     sched: SchedulerConfig = SchedulerConfig()

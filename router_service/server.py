@@ -16,6 +16,7 @@ from colibri_common.handlers import add_servicer
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb import generation_pb2_grpc
 from colibri_common.serving import Service, setup_logging
+from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Detokenizer
 from router_service.build import BuiltEngine, build_engine, remote_experts
 from router_service.engine import Draining, DuplicateId
@@ -165,7 +166,10 @@ def serve_router(opts: RouterOptions) -> None:
     service = Service(SERVICE, max_workers=cap + 8, max_receive_bytes=opts.max_request_bytes)
     servicer = GenerationServicer(opts)
     add_servicer(service.server, servicer, pb.DESCRIPTOR.services_by_name["Generation"], {"Generate": cap})
-    bound = service.start(opts.host, opts.port, [SERVICE])
+    tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
+    if opts.tls_client_auth and tls is None:
+        raise ColibriError("--tls-client-auth needs --tls-cert, --tls-key and --tls-ca")
+    bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(opts.tls_client_auth))
     built = build_engine(opts, remote_experts(opts))
     built.engine.start()
     servicer.router = built

@@ -16,6 +16,8 @@ CHART = Path(__file__).resolve().parent.parent / "charts" / "colibri"
 K8S = "1.30.0"
 VALUE_SETS = {
     "defaults": {},
+    "tls": {"tls": {"enabled": True, "secretName": "colibri-tls", "clientAuth": True},
+            "networkPolicy": {"enabled": True}},
     "gpu": {"router": {"gpus": 1}, "experts": {"gpus": 1, "shards": 4}},
     "pvc": {"model": {"source": "pvc", "pvc": {"claimName": "qwen3-30b", "subPath": "Qwen3-30B-A3B"}}},
     "hostPath": {"model": {"source": "hostPath", "hostPath": {"path": "/data/models/mixtral"}}},
@@ -116,8 +118,15 @@ def test_wiring(name):
     for container, service in ((router, "colibri.v1.Generation"), (expert, "colibri.v1.ExpertWorker")):
         ports = {p["containerPort"] for p in container["ports"]}
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert container[probe]["grpc"]["port"] in ports
-        assert container["readinessProbe"]["grpc"]["service"] == service
+            if "grpc" in container[probe]:
+                port, named = container[probe]["grpc"]["port"], container[probe]["grpc"].get("service", "")
+            else:                                          # over TLS: `colibri health`, parsed by our own CLI
+                cmd = container[probe]["exec"]["command"]
+                assert cmd[0] == "colibri"
+                health = command_options(ap, ap.parse_args(cmd[1:]))
+                port, named = int(health.target.rsplit(":", 1)[1]), health.service
+            assert port in ports
+            assert named == (service if probe != "livenessProbe" else "")
         assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 300
         sc = container["securityContext"]
         assert sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"]
@@ -229,3 +238,28 @@ def test_service_monitors_scrape_the_router_and_every_worker():
         c = w["spec"]["template"]["spec"]["containers"][0]
         port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
         assert f"--metrics-port={port}" in c["args"]
+
+
+def test_tls_mounts_the_secret_passes_the_flags_and_probes_over_tls():
+    docs = render(VALUE_SETS["tls"])
+    for w in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet"):
+        spec = w["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        assert {"--tls-cert=/etc/colibri/tls/tls.crt", "--tls-key=/etc/colibri/tls/tls.key",
+                "--tls-ca=/etc/colibri/tls/ca.crt"} <= set(c["args"])
+        assert {"name": "tls", "secret": {"secretName": "colibri-tls", "defaultMode": 0o440}} in spec["volumes"]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            cmd = c[probe]["exec"]["command"]                    # kubelet's gRPC probes cannot speak TLS
+            assert cmd[:2] == ["colibri", "health"] and "--tls-ca=/etc/colibri/tls/ca.crt" in cmd
+        assert any(a.startswith("--tls-server-name=") for a in c["readinessProbe"]["exec"]["command"])
+    assert "--tls-client-auth" in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    (pod,) = [d for d in docs if d["kind"] == "Pod"]
+    assert "--tls-ca=/etc/colibri/tls/ca.crt" in pod["spec"]["containers"][0]["args"]
+    (pol,) = by_kind(docs, "NetworkPolicy")
+    grpc_rule, metrics_rule = pol["spec"]["ingress"]
+    assert grpc_rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert grpc_rule["ports"] == [{"port": 50061, "protocol": "TCP"}] and "from" not in metrics_rule
+    assert pol["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "experts"
+    plain = render({})
+    assert not by_kind(plain, "NetworkPolicy") and "grpc" in by_kind(plain, "Deployment")[0]["spec"]["template"][
+        "spec"]["containers"][0]["readinessProbe"]

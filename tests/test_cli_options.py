@@ -41,7 +41,8 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
                       log_level="DEBUG", kv_cache_mb=64, kv_cache_blocks=9, block_size=8, wire_dtype="float32",
                       micro_batches=2, transport="unary", worker_timeout=2.5, metrics_port=0, quantize="int8",
                       grace_period=3.5, max_prompt_bytes=1000, max_request_bytes=9000, max_stop_token_ids=7,
-                      stream_stall_timeout=4.5, expert_metrics=True,
+                      stream_stall_timeout=4.5, expert_metrics=True, tls_client_auth=True, tls_cert="/c.pem",
+                      tls_key="/k.pem", tls_ca="/ca.pem",
                       quantize_dense=True, cpu_forms="/tmp/forms.json",
                       sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99))
     gpu = dataclasses.replace(r, device="cuda:1", quantize=None, quantize_dense=False)   # int8 is CPU-only

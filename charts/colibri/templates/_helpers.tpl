@@ -64,6 +64,12 @@ app.kubernetes.io/component: {{ .component }}
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.shm.sizeLimit }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName: a kubernetes.io/tls Secret with ca.crt (cert-manager's)" .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
 {{- end -}}
 
 {{- define "colibri.volumeMounts" -}}
@@ -77,6 +83,11 @@ app.kubernetes.io/component: {{ .component }}
   mountPath: /tmp
 - name: dshm
   mountPath: /dev/shm
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- define "colibri.initContainers" -}}
@@ -119,4 +130,36 @@ initContainers:
 {{- $_ := set $res "limits" $limits -}}
 {{- end -}}
 {{- toYaml $res -}}
+{{- end -}}
+
+{{/* TLS flags of a service (a kubernetes.io/tls Secret with ca.crt, as cert-manager writes it). */}}
+{{- define "colibri.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert={{ .Values.tls.mountPath }}/tls.crt
+- --tls-key={{ .Values.tls.mountPath }}/tls.key
+- --tls-ca={{ .Values.tls.mountPath }}/ca.crt
+{{- end }}
+{{- end -}}
+
+{{/* A health probe: kubelet's native gRPC probe, or (its probes cannot speak TLS) `colibri health` over
+     TLS from inside the pod. dict: root, port, service, serverName. */}}
+{{- define "colibri.probe" -}}
+{{- if .root.Values.tls.enabled }}
+exec:
+  command:
+    - colibri
+    - health
+    - --target=127.0.0.1:{{ .port }}
+    - --service={{ .service }}
+    - --tls-ca={{ .root.Values.tls.mountPath }}/ca.crt
+    - --tls-cert={{ .root.Values.tls.mountPath }}/tls.crt
+    - --tls-key={{ .root.Values.tls.mountPath }}/tls.key
+    - --tls-server-name={{ .serverName }}
+{{- else }}
+grpc:
+  port: {{ .port }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
+{{- end }}
 {{- end -}}

@@ -1,0 +1,105 @@
+"""TLS for the services: mutual TLS between the router and its workers, TLS (optionally mutual) between
+clients and the router, and a throw-away CA for local fleets (`serve --tls-self-signed`).
+
+A worker given `--tls-cert --tls-key --tls-ca` serves TLS only and refuses a caller without a certificate
+that CA signed. The router uses the same three files both ways: its certificate is its client certificate
+to the workers, the CA verifies them (and, with `--tls-client-auth`, its own clients). Certificates are PEM
+files; cert-manager's `tls.crt` / `tls.key` / `ca.crt` fit as they are.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from colibri_common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    cert: str
+    key: str
+    ca: str | None = None
+
+    @staticmethod
+    def of(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
+        """The files named by the flags, checked; None when TLS is off."""
+        if not (cert or key or ca):
+            return None
+        if not (cert and key):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key (and --tls-ca to verify the peers)")
+        for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path}: no such file")
+        return TlsFiles(cert, key, ca)
+
+    def _read(self) -> tuple[bytes, bytes, bytes | None]:
+        return (Path(self.cert).read_bytes(), Path(self.key).read_bytes(),
+                Path(self.ca).read_bytes() if self.ca else None)
+
+    def server(self, require_client_cert: bool) -> grpc.ServerCredentials:
+        cert, key, ca = self._read()
+        if require_client_cert and ca is None:
+            raise ConfigError("requiring client certificates needs --tls-ca (the CA that signs them)")
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=require_client_cert)
+
+    def channel(self) -> grpc.ChannelCredentials:
+        cert, key, ca = self._read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def client_channel(target: str, options: list, ca: str | None = None, cert: str | None = None,
+                   key: str | None = None) -> grpc.Channel:
+    """A plaintext channel, or TLS when a CA (and optionally a client certificate) is given."""
+    if not (ca or cert):
+        return grpc.insecure_channel(target, options=options)
+    read = lambda p: Path(p).read_bytes() if p else None          # noqa: E731
+    creds = grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
+                                         certificate_chain=read(cert))
+    return grpc.secure_channel(target, creds, options=options)
+
+
+def self_signed(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> TlsFiles:
+    """A new CA and one certificate it signs (for `hosts`, usable by servers and clients alike), written as
+    ca.pem, cert.pem, key.pem in `directory` (created, owner-only)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "colibri throw-away CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=30))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "colibri")])).issuer_name(ca_name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    (directory / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (directory / "cert.pem").write_bytes(cert.public_bytes(pem))
+    key_path = directory / "key.pem"
+    key_path.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key_path.chmod(0o600)
+    return TlsFiles(str(directory / "cert.pem"), str(key_path), str(directory / "ca.pem"))

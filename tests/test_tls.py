@@ -1,0 +1,70 @@
+"""Mutual TLS between router and workers, TLS to clients: a worker refuses plaintext callers and callers
+whose certificate another CA signed; a fleet started with --tls-self-signed serves transformers' tokens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from colibri.client import Client
+from colibri_common.pb import expert_pb2, expert_pb2_grpc
+from colibri_common.tls import client_channel, self_signed
+from tests.conftest import COLIBRI, fleet
+
+
+def describe(channel: grpc.Channel) -> grpc.StatusCode:
+    try:
+        expert_pb2_grpc.ExpertWorkerStub(channel).Describe(expert_pb2.DescribeRequest(), timeout=10)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def test_a_tls_worker_refuses_callers_its_ca_did_not_sign(oracles, tmp_path):
+    ours, theirs = self_signed(tmp_path / "ours"), self_signed(tmp_path / "theirs")
+    p = subprocess.Popen([COLIBRI, "expert", "--model", str(oracles["olmoe"].path), "--shard", "0/1", "--port", "0",
+                          "--log-level", "ERROR", "--cpu-forms", "off", "--tls-cert", ours.cert, "--tls-key", ours.key,
+                          "--tls-ca", ours.ca], stdout=subprocess.PIPE, text=True)
+    try:
+        addr = p.stdout.readline().split()[1]
+        with grpc.insecure_channel(addr) as ch:
+            assert describe(ch) == grpc.StatusCode.UNAVAILABLE                       # plaintext
+        with client_channel(addr, [], ca=ours.ca) as ch:
+            assert describe(ch) == grpc.StatusCode.UNAVAILABLE                       # no client certificate
+        with client_channel(addr, [], ca=ours.ca, cert=theirs.cert, key=theirs.key) as ch:
+            assert describe(ch) == grpc.StatusCode.UNAVAILABLE                       # another CA's certificate
+        with client_channel(addr, [], ca=ours.ca, cert=ours.cert, key=ours.key) as ch:
+            assert describe(ch) == grpc.StatusCode.OK
+        probe = [COLIBRI, "health", "--target", addr, "--service", "colibri.v1.ExpertWorker"]
+        tls = ["--tls-ca", ours.ca, "--tls-cert", ours.cert, "--tls-key", ours.key, "--tls-server-name", "localhost"]
+        assert subprocess.run(probe + tls, capture_output=True, timeout=60).returncode == 0   # the chart's probe
+        assert subprocess.run(probe, capture_output=True, timeout=60).returncode == 1
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+
+
+def test_tls_flags_that_cannot_work_are_refused_at_start(oracles, tmp_path):
+    tls = self_signed(tmp_path / "ca")
+    for extra, needle in [(["--tls-cert", tls.cert], "needs both --tls-cert and --tls-key"),
+                          (["--tls-cert", tls.cert, "--tls-key", tls.key], "needs --tls-ca too"),
+                          (["--tls-cert", "/nope.pem", "--tls-key", tls.key, "--tls-ca", tls.ca], "no such file")]:
+        out = subprocess.run([COLIBRI, "expert", "--model", str(oracles["olmoe"].path), "--shard", "0/1",
+                              "--port", "0", *extra], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_self_signed_fleet_serves_the_same_tokens_over_tls(oracles):
+    oracle = oracles["qwen3_moe"]
+    with fleet(oracle.path, 2, ["--tls-self-signed"]) as (addr, proc):
+        ca = Path(os.environ["COLIBRI_CACHE_DIR"]) / f"tls-{proc.pid}" / "ca.pem"
+        assert ca.is_file()
+        assert Client(addr, tls_ca=str(ca)).generate([1, 2, 3], 8).token_ids == oracle.greedy([1, 2, 3], 8)
+        with pytest.raises(grpc.RpcError) as err:
+            Client(addr).generate([1, 2, 3], 2, timeout=10)                        # plaintext to a TLS router
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
