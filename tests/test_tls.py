@@ -61,10 +61,14 @@ def test_tls_flags_that_cannot_work_are_refused_at_start(oracles, tmp_path):
 
 def test_a_self_signed_fleet_serves_the_same_tokens_over_tls(oracles):
     oracle = oracles["qwen3_moe"]
-    with fleet(oracle.path, 2, ["--tls-self-signed"]) as (addr, proc):
-        ca = Path(os.environ["COLIBRI_CACHE_DIR"]) / f"tls-{proc.pid}" / "ca.pem"
-        assert ca.is_file()
-        assert Client(addr, tls_ca=str(ca)).generate([1, 2, 3], 8).token_ids == oracle.greedy([1, 2, 3], 8)
+    with fleet(oracle.path, 2, ["--tls-self-signed", "--tls-client-auth"]) as (addr, proc):
+        d = Path(os.environ["COLIBRI_CACHE_DIR"]) / f"tls-{proc.pid}"
+        ca, cert, key = (str(d / f) for f in ("ca.pem", "cert.pem", "key.pem"))
+        client = Client(addr, tls_ca=ca, tls_cert=cert, tls_key=key)
+        assert client.generate([1, 2, 3], 8).token_ids == oracle.greedy([1, 2, 3], 8)
+        with pytest.raises(grpc.RpcError) as err:
+            Client(addr, tls_ca=ca).generate([1, 2, 3], 2, timeout=10)           # --tls-client-auth: no cert, no
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(grpc.RpcError) as err:
             Client(addr).generate([1, 2, 3], 2, timeout=10)                        # plaintext to a TLS router
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
