@@ -11,6 +11,7 @@ Shapes: any; the staging buffers are flat bytes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -36,6 +37,13 @@ def open_device(name: str) -> torch.device:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     return device
+
+
+def device_scope(device: torch.device):
+    """Make `device` the calling thread's current CUDA device (CUDA's current device is per thread, and
+    Triton launches on it); nothing on a CPU device. Every thread that computes enters it: the engine
+    thread, a worker's gRPC handler threads."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class HostStaging:
@@ -75,13 +83,14 @@ class HostStaging:
         offsets, total = self._layout(host)
         buf = self._buffer("h2d", total)
         out = []
-        for t, off in zip(host, offsets, strict=True):
-            n = t.numel() * t.element_size()
-            region = buf[off:off + n].view(t.dtype).view(t.shape)
-            region.copy_(t)
-            out.append(region.to(self.device, non_blocking=True))
+        with torch.cuda.device(self.device):
+            for t, off in zip(host, offsets, strict=True):
+                n = t.numel() * t.element_size()
+                region = buf[off:off + n].view(t.dtype).view(t.shape)
+                region.copy_(t)
+                out.append(region.to(self.device, non_blocking=True))
         self._local.h2d_done = torch.cuda.Event()
-        self._local.h2d_done.record()
+        self._local.h2d_done.record(torch.cuda.current_stream(self.device))   # the stream the copies ran on
         return tuple(out)
 
     def to_host(self, *dev: torch.Tensor) -> tuple[torch.Tensor, ...]:

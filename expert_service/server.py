@@ -11,7 +11,7 @@ import torch
 from colibri_common import wire
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
-from colibri_common.device import HostStaging, open_device
+from colibri_common.device import HostStaging, device_scope, open_device
 from colibri_common.errors import ConfigError
 from colibri_common.forms_file import FormsFile
 from colibri_common.forms_file import resolve as resolve_forms
@@ -70,7 +70,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             raise ValueError(f"layer {request.layer} has no routed experts; MoE layers are "
                              f"{list(self.shard.cfg.moe_layers)}")
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), device_scope(self.staging.device):     # this handler thread's GPU
             hidden_d, ids_d, weights_d = self.staging.to_device(hidden, ids, weights)
             out, = self.staging.to_host(self.shard.forward(request.layer, hidden_d, ids_d, weights_d)
                                         .to(hidden.dtype))                   # [n, H] on the host

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from colibri_common.device import device_scope
 from router_service.batch import Step
 from router_service.events import Event, Failed, FailureCode, Finished, Tokens
 from router_service.experts import Experts, ExpertsUnavailable
@@ -123,6 +124,10 @@ class Engine:
 
     # -- engine thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        with device_scope(self.model.device):          # CUDA's current device is per thread
+            self._steps()
+
+    def _steps(self) -> None:
         while (step := self._schedule()) is not None:
             if not step.micro_batches:
                 time.sleep(0.001)     # work is waiting but nothing fits yet (KV cache full)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -81,46 +82,54 @@ class ExpertsUnavailable(Exception):
         self.micro_batch = 0
 
 
+@dataclass(frozen=True)
+class Part:
+    """One message of a layer on its way: its worker, its token rows (None = all), the reply, and the
+    token-expert pairs it carries ([T, K] bool; None = the worker's experts among its rows)."""
+
+    worker: int
+    rows: torch.Tensor | None
+    reply: Reply
+    pairs: torch.Tensor | None
+
+
 class InFlight:
     """One MoE layer of one micro-batch: the replies on their way from the workers, combined on `result`.
     A worker whose reply fails is banned and its pairs are sent again to live replicas (failover within the
     step: the sum, and so every token, is the same)."""
 
     def __init__(self, owner: RemoteExperts, layer: int, hidden: torch.Tensor, wire_x: torch.Tensor,
-                 ids32: torch.Tensor, w32: torch.Tensor, parts: list[tuple[int, torch.Tensor | None, Reply]],
-                 assigned: torch.Tensor | None) -> None:
+                 ids32: torch.Tensor, w32: torch.Tensor, parts: list[Part]) -> None:
         self.owner, self.layer, self.parts = owner, layer, parts
-        self.assigned = assigned                                      # [T, K] worker of each pair, or None
         self.x, self.ids32, self.w32 = wire_x, ids32, w32            # host copies: [T, H], [T, K], [T, K]
         self.sent = time.perf_counter()
         self.num_tokens, self.hidden_size = hidden.shape
         self.dtype, self.device = hidden.dtype, hidden.device
 
     def done(self) -> bool:
-        return all(reply.done() for _, _, reply in self.parts)
+        return all(p.reply.done() for p in self.parts)
 
-    def _pairs_of(self, worker: int, rows: torch.Tensor | None) -> torch.Tensor:
-        """[T, K] the pairs `worker` was sent."""
-        if self.assigned is not None:
-            held = self.assigned == worker                                                     # [T, K]
-        else:
-            held = self.owner.holders[:, worker][self.ids32.long().clamp(min=0)] & (self.ids32 >= 0)
-        if rows is None:
+    def _pairs_of(self, part: Part) -> torch.Tensor:
+        """[T, K] the pairs that very message carried (each message knows its own: after a failover a worker
+        may hold two messages of one layer, whose rows overlap)."""
+        if part.pairs is not None:
+            return part.pairs
+        held = self.owner.holders[:, part.worker][self.ids32.long().clamp(min=0)] & (self.ids32 >= 0)   # [T, K]
+        if part.rows is None:
             return held
         mask = torch.zeros_like(held)
-        mask[rows] = held[rows]
+        mask[part.rows] = held[part.rows]
         return mask
 
-    def _failover(self, worker: int, rows: torch.Tensor | None, exc: WorkerError) -> list:
-        self.owner.liveness.failed(worker, str(exc))
-        pairs = self._pairs_of(worker, rows)
+    def _failover(self, part: Part, exc: WorkerError) -> list[Part]:
+        self.owner.liveness.failed(part.worker, str(exc))
+        pairs = self._pairs_of(part)
         assigned, unplaced = assign(self.owner.holders, self.ids32, self.owner.liveness.live(), pairs)
         if unplaced.any():
             raise ExpertsUnavailable(f"{exc}; no live replica holds the experts some tokens need",
                                      unplaced.nonzero().flatten()) from exc
-        self.assigned = torch.where(pairs, assigned, self.assigned if self.assigned is not None else assigned)
-        return [(wp.worker, wp.rows, self.owner.send(wp.worker, self.layer, self.x[wp.rows], wp.ids,
-                                                     self.w32[wp.rows]))
+        return [Part(wp.worker, wp.rows, self.owner.send(wp.worker, self.layer, self.x[wp.rows], wp.ids,
+                                                         self.w32[wp.rows]), assigned == wp.worker)
                 for wp in split_pairs(assigned, self.ids32, len(self.owner.addresses))]
 
     def result(self) -> torch.Tensor:
@@ -128,15 +137,16 @@ class InFlight:
         decoded = []
         todo = list(self.parts)
         while todo:
-            worker, rows, reply = todo.pop(0)
+            part = todo.pop(0)
+            worker, rows = part.worker, part.rows
             t0 = time.perf_counter()
             try:
-                resp = reply.get()
+                resp = part.reply.get()
             except WorkerError as exc:
                 waited += time.perf_counter() - t0
                 if not exc.retryable:
                     raise
-                todo += self._failover(worker, rows, exc)
+                todo += self._failover(part, exc)
                 continue
             waited += time.perf_counter() - t0
             self.owner.dispatch_seconds.labels(self.owner.addresses[worker]).observe(time.perf_counter() - self.sent)
@@ -242,8 +252,7 @@ class RemoteExperts:
                                              ids.to(torch.int32), weights.float())  # [T, K]
         if self.routed is not None:
             self.routed[layer] += torch.bincount(ids32.flatten().long(), minlength=self.cfg.num_experts)  # [E]
-        parts: list[tuple[int, torch.Tensor | None, Reply]] = []
-        assigned: torch.Tensor | None = None
+        parts: list[Part] = []
         live = self.liveness.live()
         if self.replicated or not all(live):
             # each pair to one live holder of its expert, least-loaded first; tokens no live worker can
@@ -254,7 +263,8 @@ class RemoteExperts:
                 raise ExpertsUnavailable(f"the experts some tokens need have no live worker (down: "
                                          f"{', '.join(down)})", unplaced.nonzero().flatten())
             for wp in split_pairs(assigned, ids32, len(self.addresses)):
-                parts.append((wp.worker, wp.rows, self.send(wp.worker, layer, x[wp.rows], wp.ids, w32[wp.rows])))
+                parts.append(Part(wp.worker, wp.rows, self.send(wp.worker, layer, x[wp.rows], wp.ids, w32[wp.rows]),
+                                  assigned == wp.worker))
         else:
             whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
             for wr in partition(self.owner, ids32, len(self.links.links)):
@@ -265,12 +275,12 @@ class RemoteExperts:
                     enc = (wire.encode(x[wr.rows]), wire.encode(ids32[wr.rows]), wire.encode(w32[wr.rows]))
                 req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
                                                 step=self.step)
-                parts.append((wr.worker, wr.rows, self.links.links[wr.worker].send(req)))
+                parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
         self.timers["dispatch"] += time.perf_counter() - t0
         # a failover re-sends from the host copies: they must outlive the (GPU) staging buffers
         keep = (lambda t: t.clone()) if self.staging.pinned else (lambda t: t)   # noqa: E731
-        return InFlight(self, layer, hidden, keep(x), keep(ids32), keep(w32), parts, assigned)
+        return InFlight(self, layer, hidden, keep(x), keep(ids32), keep(w32), parts)
 
     def send(self, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Reply:
         """Worker w's share of a layer, already cut to its rows ([n, H], [n, K] with -1 for pairs computed
@@ -286,7 +296,7 @@ class RemoteExperts:
 
     def watch(self, on_change: Callable[[bool], None]) -> None:
         """Call `on_change(every expert has a live worker)` whenever a worker's health changes (readiness)."""
-        def changed(up: list[bool]) -> None:
+        def changed(up: list[bool]) -> None:              # every round: a ban can end between health changes
             self.liveness.set_healthy(up)
             on_change(self.covered())
 

@@ -45,6 +45,8 @@ class Liveness:
     def failed(self, w: int, why: str) -> None:
         now = time.monotonic()
         with self._lock:
+            if now < self.banned_until[w]:       # the same incident (every reply in flight on it fails)
+                return
             if now - self.last_failure[w] > self.FORGIVE_S:
                 self.ban_s[w] = 0.0
             self.ban_s[w] = min(self.MAX_BAN_S, max(self.FIRST_BAN_S, 2 * self.ban_s[w]))

@@ -127,9 +127,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         yield pb.GenerateResponse(request_id=rid, chunk=chunk)
                 elif isinstance(ev, Finished):
                     tail = detok.finish()              # text held back for an unfinished character, if any
-                    with sending:
-                        if tail:
+                    if tail:
+                        with sending:
                             yield pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(text=tail))
+                    with sending:
                         yield pb.GenerateResponse(request_id=rid, complete=pb.Complete(
                             finish_reason=ev.reason.value, prompt_tokens=ev.prompt_tokens,
                             completion_tokens=ev.completion_tokens, ttft_ms=ev.ttft_ms))

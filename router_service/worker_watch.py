@@ -1,11 +1,11 @@
 """The router's view of its workers' health, for its own readiness.
 
 One thread checks every worker's readiness (`grpc.health.v1` Check on the ExpertWorker service, all at once)
-four times a second on the channel the experts travel on, with a 0.75 s deadline. A worker that fails two
-checks in a row (killed: the connection is refused at once; frozen by SIGSTOP or a hung host: the deadline passes) is
-down; one good answer brings it back. `on_change(all_up)` runs whenever the answer to "does every expert
-have a live worker" changes, so the router's readiness is NOT_SERVING within about 2 s of a worker's loss
-and SERVING again once it is back. (Polling rather than a health Watch stream: a frozen peer never closes
+four times a second on the channel the experts travel on, with a 0.75 s deadline. A worker that fails
+two checks in a row (killed: the connection is refused at once; frozen by SIGSTOP or a hung host: the
+deadline passes) is down; one good answer brings it back. `on_change(up)` runs after every round, so the
+router's readiness is NOT_SERVING within about 2 s of a worker's loss and SERVING again once it is back.
+(Polling rather than a health Watch stream: a frozen peer never closes
 a stream, while a deadline always passes.)
 """
 
@@ -58,7 +58,6 @@ class WorkerWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.PERIOD_S):
-            before = list(self.up)
             for i, ((address, _), ok) in enumerate(zip(self.stubs, self._checks(), strict=True)):
                 self.misses[i] = 0 if ok else self.misses[i] + 1
                 if ok and not self.up[i]:
@@ -67,8 +66,7 @@ class WorkerWatch:
                 elif not ok and self.up[i] and self.misses[i] >= self.MISSES:
                     self.up[i] = False
                     log.warning("expert worker %s is down (%d health checks failed)", address, self.misses[i])
-            if self.up != before:
-                self.on_change(list(self.up))
+            self.on_change(list(self.up))       # every round (bans end without a health change)
 
     def close(self) -> None:
         self._stop.set()

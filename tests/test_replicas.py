@@ -109,6 +109,18 @@ def test_with_two_replicas_a_lost_worker_changes_no_token(oracles, how):
         assert Client(addr).generate([9, 8, 7], 8).token_ids == oracle.greedy([9, 8, 7], 8)
 
 
+def test_with_three_replicas_two_workers_lost_in_one_step_change_no_token(oracles):
+    """Two failovers in the same steps (and a re-sent message failing again): each pair is still computed
+    exactly once."""
+    oracle = oracles["qwen3_moe"]
+    with fleet(oracle.path, 4, ["--replicas", "3", "--worker-timeout", "3"]) as (addr, proc):
+        victims = workers_of(proc)[1:3]
+        results = run_streams(addr, STREAMS[:8], 150, lambda: [v.send_signal(signal.SIGKILL) for v in victims])
+        for p, r in zip(STREAMS[:8], results, strict=True):
+            assert not isinstance(r, Exception), r
+            assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, 150))
+
+
 NEEDY = range(250, 256)          # the only tokens routed to worker 1's experts in the steered checkpoint
 
 
