@@ -49,8 +49,13 @@ class TlsFiles:
                                            require_client_auth=require_client_cert)
 
     def channel(self) -> grpc.ChannelCredentials:
-        cert, key, ca = self._read()
-        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        return channel_credentials(self.ca, self.cert, self.key)
+
+
+def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials:
+    read = lambda p: Path(p).read_bytes() if p else None          # noqa: E731
+    return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
+                                        certificate_chain=read(cert))
 
 
 def client_channel(target: str, options: list, ca: str | None = None, cert: str | None = None,
@@ -58,10 +63,7 @@ def client_channel(target: str, options: list, ca: str | None = None, cert: str 
     """A plaintext channel, or TLS when a CA (and optionally a client certificate) is given."""
     if not (ca or cert):
         return grpc.insecure_channel(target, options=options)
-    read = lambda p: Path(p).read_bytes() if p else None          # noqa: E731
-    creds = grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
-                                         certificate_chain=read(cert))
-    return grpc.secure_channel(target, creds, options=options)
+    return grpc.secure_channel(target, channel_credentials(ca, cert, key), options=options)
 
 
 def self_signed(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> TlsFiles:

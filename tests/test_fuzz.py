@@ -43,6 +43,16 @@ def mostly(valid: st.SearchStrategy, extreme: st.SearchStrategy) -> st.SearchStr
     return st.one_of(valid, valid, extreme)
 
 
+def raw_call(ch: grpc.Channel, path: str, data: bytes, kind: str) -> grpc.StatusCode:
+    """Call `path` with `data` as the serialized request (twice in a client stream); kind '' = unary."""
+    raw = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
+    if kind == "unary_stream":
+        return status(lambda: list(ch.unary_stream(path, **raw)(data, timeout=DEADLINE)))
+    if kind == "stream_stream":
+        return status(lambda: list(ch.stream_stream(path, **raw)(iter([data, data]), timeout=DEADLINE)))
+    return status(lambda: ch.unary_unary(path, **raw)(data, timeout=DEADLINE))
+
+
 @st.composite
 def generate_requests(draw) -> pb.GenerateRequest:
     sp = pb.SamplingParams(
@@ -87,13 +97,7 @@ def test_generate_never_blames_itself(router, req):
 @given(data=st.binary(max_size=400), method=st.sampled_from(["Generate", "Abort", "ModelInfo"]))
 def test_raw_bytes_to_the_router_are_refused_cleanly(router, data, method):
     _, _, _, ch = router
-    path = f"/colibri.v1.Generation/{method}"
-    if method == "Generate":
-        call = ch.unary_stream(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        code = status(lambda: list(call(data, timeout=DEADLINE)))
-    else:
-        call = ch.unary_unary(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        code = status(lambda: call(data, timeout=DEADLINE))
+    code = raw_call(ch, f"/colibri.v1.Generation/{method}", data, "unary_stream" if method == "Generate" else "")
     assert code in CLIENT_ERRORS, (code, data)
 
 
@@ -186,13 +190,8 @@ def test_forward_never_blames_itself(worker, data):
 @given(data=st.binary(max_size=400), method=st.sampled_from(["Describe", "Forward", "ForwardStream"]))
 def test_raw_bytes_to_a_worker_are_refused_cleanly(worker, data, method):
     _, _, ch, _ = worker
-    path = f"/colibri.v1.ExpertWorker/{method}"
-    if method == "ForwardStream":
-        call = ch.stream_stream(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        code = status(lambda: list(call(iter([data, data]), timeout=DEADLINE)))
-    else:
-        call = ch.unary_unary(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        code = status(lambda: call(data, timeout=DEADLINE))
+    code = raw_call(ch, f"/colibri.v1.ExpertWorker/{method}", data,
+                    "stream_stream" if method == "ForwardStream" else "")
     assert code in CLIENT_ERRORS, (code, data)
 
 
