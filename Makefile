@@ -7,7 +7,7 @@ PB := colibri_common/pb
 PROTOS := $(wildcard protos/*.proto)
 PB_STAMP := $(PB)/.generated
 
-.PHONY: setup demo test lint bench bench-kernels bench-gpu chart-check clean
+.PHONY: setup demo test lint bench bench-kernels bench-cache bench-gpu chart-check clean
 
 setup: $(STAMP) $(PB_STAMP)
 
@@ -40,6 +40,10 @@ bench: setup
 
 bench-kernels: setup
 	$(PY) -m benchmarks.kernels
+
+# The expert tiers on a skewed checkpoint (built once in .cache/): writes benchmarks/results/expert_cache.md.
+bench-cache: setup
+	$(PY) -m benchmarks.expert_cache
 
 # Needs a CUDA GPU (and a CUDA build of torch 2.13.0 with triton 3.7.1); writes benchmarks/results/gpu.md.
 bench-gpu: setup

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from colibri_common.config import ModelConfig
 from colibri_common.options import option, shared_fields, to_argv
-from expert_service.options import ExpertOptions
+from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.options import RouterOptions
 
 log = logging.getLogger("colibri.serve")
@@ -75,6 +75,7 @@ class ServeOptions:
                                           "workers and TLS to clients")
     gpus: tuple[int, ...] = option((), "GPUs to place the fleet on: the router on the first, worker i on GPU "
                                        "i mod the count (each child gets --device cuda:N)", metavar="N[,N...]")
+    cache: ExpertCacheOptions = ExpertCacheOptions()
 
     def __post_init__(self) -> None:
         if self.workers <= 0:
@@ -99,7 +100,7 @@ class ServeOptions:
         common = dict(shared_fields(self.router), host="127.0.0.1", port=port, threads=threads,
                       device=self.device(shard))
         mport = self.router.metrics_port                 # the router's port P; worker i gets P + 1 + i
-        return ExpertOptions(**common, shard=f"{shard}/{self.workers}", replicas=self.replicas,
+        return ExpertOptions(**common, shard=f"{shard}/{self.workers}", replicas=self.replicas, cache=self.cache,
                              metrics_port=None if mport is None else (mport and mport + 1 + shard))
 
     def router_options(self, workers: tuple[str, ...], threads: int) -> RouterOptions:

@@ -137,17 +137,41 @@ class Checkpoint:
         return torch.frombuffer(buf, dtype=dtype, offset=e.start, count=e.nbytes // dtype.itemsize
                                 ).view(e.shape)
 
-    def release(self, name: str) -> None:
-        """Drop the resident pages of a tensor already copied out (MADV_DONTNEED on its whole pages), so a
-        worker's peak RSS stays near what it packs. A later view simply reads the file again."""
+    def _range(self, name: str, index: int | None) -> tuple[TensorEntry, int, int]:
+        """The byte range of a tensor, or of its slice `index` along the first dimension (one expert of a
+        fused [E, ...] tensor)."""
         e = self.entry(name)
+        if index is None:
+            return e, e.start, e.end
+        if not e.shape or not 0 <= index < e.shape[0]:
+            raise CheckpointError(f"{e.file}: tensor '{name}' {list(e.shape)} has no slice {index}")
+        step = e.nbytes // e.shape[0]
+        return e, e.start + index * step, e.start + (index + 1) * step
+
+    def _advise(self, name: str, index: int | None, advice: int, whole_pages_only: bool) -> None:
+        e, start, end = self._range(name, index)
         m = self._maps.get(e.file)
-        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+        if m is None:
             return
-        lo = -(-e.start // mmap.PAGESIZE) * mmap.PAGESIZE       # only pages wholly inside the tensor
-        hi = e.end // mmap.PAGESIZE * mmap.PAGESIZE
+        if whole_pages_only:                                    # never drop a page a neighbour still uses
+            lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        else:
+            lo, hi = start // mmap.PAGESIZE * mmap.PAGESIZE, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+            hi = min(hi, len(m))
         if hi > lo:
-            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            m.madvise(advice, lo, hi - lo)
+
+    def release(self, name: str, index: int | None = None) -> None:
+        """Drop the resident pages of a tensor (or of its slice `index`) already copied out (MADV_DONTNEED on
+        its whole pages), so a worker's RSS stays near what it packs. A later view reads the file again."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._advise(name, index, mmap.MADV_DONTNEED, True)
+
+    def will_need(self, name: str, index: int | None = None) -> None:
+        """Ask the kernel to read a tensor's (or slice's) pages ahead, off the critical path (MADV_WILLNEED)."""
+        if hasattr(mmap, "MADV_WILLNEED"):
+            self._map(self.entry(name).file)
+            self._advise(name, index, mmap.MADV_WILLNEED, False)
 
     def load(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
              ) -> torch.Tensor:

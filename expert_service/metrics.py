@@ -3,6 +3,10 @@
 - colibri:expert_compute_seconds (histogram): one Forward's fused-MoE compute.
 - colibri:expert_tokens_total: token rows computed; colibri:expert_forward_total{code}: calls by outcome.
 - colibri:expert_resident_bytes: bytes of packed expert weights held; colibri:expert_streams_open.
+- With a bounded expert cache: colibri:expert_cache_{hits,misses,evictions}_total,
+  colibri:expert_cache_prefetch_{packed,used,wasted}_total (experts packed ahead on the router's prediction,
+  then hit or evicted unused), colibri:expert_cache_resident_bytes{tier="hot"|"warm"|"mapped"},
+  colibri:expert_cache_hit_rate_1m and colibri:expert_cache_slots.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ class WorkerMetrics:
         self.tokens = 0
         self.calls = {"ok": 0, "invalid_argument": 0, "internal": 0}
         self.resident_bytes = 0
+        self.cache = None          # the shard's ExpertCache, when its capacity is bounded
+        self.mapped_bytes = 0      # the shard's experts in the checkpoint files (the cold tier)
         self.streams_open = 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.compute = Histogram("colibri:expert_compute_seconds", "One Forward's fused-MoE compute.",
@@ -39,10 +45,35 @@ class WorkerMetrics:
             for code, n in self.calls.items():
                 calls.add_metric([code], n)
             yield calls
+            resident = self.resident_bytes if self.cache is None else sum(self.cache.resident_bytes.values())
             yield GaugeMetricFamily("colibri:expert_resident_bytes", "Bytes of packed expert weights held.",
-                                    value=self.resident_bytes)
+                                    value=resident)
             yield GaugeMetricFamily("colibri:expert_streams_open", "ForwardStream calls open.",
                                     value=self.streams_open)
+        if self.cache is not None:
+            yield from self._cache_families()
+
+    def _cache_families(self) -> Iterator[Metric]:
+        c = self.cache
+        st = c.stats
+        for name, value, text in (
+                ("hits", st.hits, "Expert lookups found hot (packed)."),
+                ("misses", st.misses, "Expert lookups that packed the expert from the checkpoint."),
+                ("evictions", st.evictions, "Hot experts evicted to make room."),
+                ("prefetch_packed", st.prefetched, "Experts packed ahead on the router's prediction."),
+                ("prefetch_used", st.prefetch_used, "Prefetched experts hit before they were evicted."),
+                ("prefetch_wasted", st.prefetch_wasted, "Prefetched experts evicted without a hit.")):
+            yield CounterMetricFamily(f"colibri:expert_cache_{name}", text, value=value)
+        tiers = GaugeMetricFamily("colibri:expert_cache_resident_bytes", "Bytes of experts per tier: packed hot, "
+                                  "pinned host (warm, GPU workers), and mapped from the checkpoint.", labels=["tier"])
+        for tier, n in c.resident_bytes.items():
+            tiers.add_metric([tier], n)
+        tiers.add_metric(["mapped"], self.mapped_bytes)
+        yield tiers
+        yield GaugeMetricFamily("colibri:expert_cache_hit_rate_1m", "Hits ÷ lookups over the last minute.",
+                                value=st.hit_rate_last_minute())
+        yield GaugeMetricFamily("colibri:expert_cache_slots", "Hot slots of the expert cache.",
+                                value=c.hot.w13.shape[0])
 
     def count(self, code: str, rows: int = 0, seconds: float | None = None) -> None:
         with self.lock:

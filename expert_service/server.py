@@ -18,11 +18,15 @@ from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.handlers import add_servicer
 from colibri_common.heap import return_free_heap
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
+from colibri_common.placement import replica_experts
 from colibri_common.serving import Service, setup_logging
 from colibri_common.tls import TlsFiles
+from expert_service.heat_file import heat_path
+from expert_service.heat_file import load as load_heat
+from expert_service.heat_file import save as save_heat
 from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
-from expert_service.shard import ExpertShard
+from expert_service.shard import ExpertShard, cache_setting
 from kernels.cpu_tune import CANDIDATES, tune
 
 log = logging.getLogger("colibri.expert")
@@ -47,7 +51,8 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             model_type=cfg.architecture, shard_index=s.shard, num_shards=s.num_shards,
             moe_layers=list(cfg.moe_layers), experts=s.experts, num_experts=cfg.num_experts,
             hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
-            dtype=s.weight_dtype, packed_bytes=s.packed_bytes)
+            dtype=s.weight_dtype, packed_bytes=s.packed_bytes,
+            expert_cache_slots=0 if s.cache is None else s.cache.hot.w13.shape[0])
 
     def _compute(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
         hidden = wire.decode(request.hidden)                                 # [n, H]
@@ -66,7 +71,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         if ids.numel() and (int(ids.max()) >= E or int(ids.min()) < -1):
             raise ValueError(f"expert ids must be in [-1, {E}) (-1 = none; the model has {E} experts), got "
                              f"{int(ids.min())}..{int(ids.max())}")
-        if request.layer not in self.shard.w13:
+        if request.layer not in self.shard.cfg.moe_layers:
             raise ValueError(f"layer {request.layer} has no routed experts; MoE layers are "
                              f"{list(self.shard.cfg.moe_layers)}")
         t0 = time.perf_counter()
@@ -80,7 +85,10 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
 
     def _answer(self, request, context) -> expert_pb2.ForwardResponse:
         try:
-            return self._compute(request)
+            reply = self._compute(request)
+            if request.HasField("prefetch"):                  # packed on the cache's own thread, after this
+                self.shard.hint(request.prefetch.layer, list(request.prefetch.experts))
+            return reply
         except ValueError as exc:
             self.metrics.count("invalid_argument")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -127,21 +135,36 @@ def serve_expert(opts: ExpertOptions) -> None:
                           "CA signed (mutual TLS)")
     bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(True))
     ckpt = Checkpoint(opts.model)
+    c = opts.cache
+    cache = cache_setting(cfg, len(replica_experts(cfg.num_experts, shard, num_shards, opts.replicas)), dtype,
+                          opts.quantize, c.expert_cache_capacity, c.expert_cache_policy, c.expert_cache_half_life,
+                          c.expert_cache_host_capacity)
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
-                          quantize=opts.quantize, device=device, replicas=opts.replicas)
-    ckpt.close()
+                          quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache)
+    experts.loaded()                            # without a cache every expert is packed: unmap the files
+    heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas)
+    if experts.cache is not None:
+        warm = experts.cache.preload(load_heat(heat, opts.model))
+        if warm:
+            log.info("packed the %d hottest experts of the last run (%s); the rest stay mapped", warm, heat)
     return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
     forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES)
     if forms.path is not None and device.type == "cpu":
         log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()])))
-    log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB packed %s on %s, loaded in %.2fs",
+    tier = "all packed" if experts.cache is None else (
+        f"expert cache of {experts.cache.hot.w13.shape[0]} slots ({opts.cache.expert_cache_capacity}, "
+        f"{opts.cache.expert_cache_policy}); the rest mapped")
+    log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB %s (%s) on %s, ready in %.2fs",
              shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
-             experts.packed_bytes / 2**20, experts.weight_dtype, device, time.perf_counter() - t0)
+             experts.shard_bytes / 2**20, experts.weight_dtype, tier, device, time.perf_counter() - t0)
     servicer.staging = HostStaging(device)
     servicer.metrics.resident_bytes = experts.packed_bytes
+    servicer.metrics.cache, servicer.metrics.mapped_bytes = experts.cache, experts.shard_bytes
     if opts.metrics_port is not None:
         mport = servicer.metrics.serve(opts.host, opts.metrics_port)
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     servicer.shard = experts
     service.ready(opts.host, bound)
     service.run_until_signal()
+    if experts.cache is not None:
+        save_heat(heat, opts.model, experts.cache.hottest())

@@ -5,12 +5,16 @@ Packed: for each MoE layer, w13 [E_local, 2I, H] (gate rows, then up rows) and w
 compute dtype, in anonymous memory. After packing the mappings are released, so the worker's resident
 memory is its shard, not the model.
 
+With a bounded `--expert-cache-capacity` nothing is packed at start: the files stay mapped (cold) and an
+`ExpertCache` packs the experts the calls need into its slots (hot), evicting by its policy.
+
 Shapes: E_local experts held here, H hidden size, I expert width, n tokens of a call, K experts per token.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -18,7 +22,9 @@ from tqdm import tqdm
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.placement import replica_experts
-from colibri_common.tensors import expert_tensors, fused_expert_tensors
+from expert_service.cache_capacity import CacheCapacity, parse_capacity
+from expert_service.expert_cache import ExpertCache
+from expert_service.packing import pack_expert
 from kernels import fused_moe
 from kernels.cpu_forms import Weight, weight_kind
 from kernels.cpu_tune import MoeShape
@@ -34,11 +40,44 @@ def expert_linear_shapes(cfg: ModelConfig, kind_: str) -> list[tuple[int, int, s
     return [(2 * I, H, kind_), (H, I, kind_)]
 
 
-def expert_moe_shape(cfg: ModelConfig, num_shards: int, kind_: str, replicas: int = 1) -> MoeShape:
-    """The fused-MoE shape of one shard of `num_shards` (its form, loop or grouped, is measured for it)."""
+def expert_moe_shape(cfg: ModelConfig, num_shards: int, kind_: str, replicas: int = 1,
+                     slots: int | None = None) -> MoeShape:
+    """The fused-MoE shape of one shard of `num_shards` (its form, loop or grouped, is measured for it);
+    with an expert cache the kernel runs over its `slots`."""
     local = len(replica_experts(cfg.num_experts, 0, num_shards, replicas))
     pairs = max(1, min(local, round(cfg.top_k * local / cfg.num_experts)))
-    return MoeShape(local, cfg.moe_intermediate_size, cfg.hidden_size, pairs, kind_)
+    return MoeShape(slots or local, cfg.moe_intermediate_size, cfg.hidden_size, min(pairs, slots or local), kind_)
+
+
+def packed_expert_bytes(cfg: ModelConfig, dtype: torch.dtype, quantize: str | None) -> int:
+    """One expert's gate/up/down, packed: int8 values and a float32 scale per row, or the compute dtype."""
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    if quantize == "int8":
+        return 3 * H * I + (2 * I + H) * 4
+    return 3 * H * I * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class CacheSetting:
+    """The hot tier's slots and policy; `warm` is the pinned host tier of a GPU worker (None = off)."""
+
+    capacity: CacheCapacity
+    policy: str = "lru"
+    half_life: float = 256.0
+    warm: CacheCapacity | None = None
+
+
+def cache_setting(cfg: ModelConfig, num_local: int, dtype: torch.dtype, quantize: str | None, capacity: str,
+                  policy: str = "lru", half_life: float = 256.0, host_capacity: str = "all") -> CacheSetting | None:
+    """The cache a worker holding `num_local` experts per layer gets from its flags; None = all hot."""
+    each = packed_expert_bytes(cfg, dtype, quantize)
+    hot = parse_capacity(capacity, num_local, len(cfg.moe_layers), each)
+    if not hot.bounded:
+        return None
+    warm = parse_capacity(host_capacity, num_local, len(cfg.moe_layers), each)
+    if not warm.bounded:                    # all of the shard in pinned host memory
+        warm = CacheCapacity(num_local, per_layer=True)
+    return CacheSetting(hot, policy, half_life, warm)
 
 
 class ExpertShard:
@@ -47,7 +86,7 @@ class ExpertShard:
 
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, shard: int, num_shards: int, dtype: torch.dtype,
                  progress: bool = False, quantize: str | None = None, device: torch.device | None = None,
-                 replicas: int = 1) -> None:
+                 replicas: int = 1, cache: CacheSetting | None = None) -> None:
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize '{quantize}' is unknown; use int8 or none")
         self.device = device or torch.device("cpu")
@@ -63,6 +102,14 @@ class ExpertShard:
         self.expert_map = expert_map.to(self.device)
         self.w13: dict[int, Weight] = {}
         self.w2: dict[int, Weight] = {}
+        self.cache: ExpertCache | None = None
+        self.ckpt = ckpt
+        if cache is not None and cache.capacity.bounded:
+            pin = self.device.type == "cuda"
+            self.cache = ExpertCache(cfg, ckpt, self.experts, cache.capacity, cache.policy, self._empty, self.device,
+                                     cache.half_life, cache.warm if pin else None,
+                                     lambda *shape: torch.empty(shape, dtype=dtype, pin_memory=True))
+            return
         for layer in tqdm(cfg.moe_layers, desc=f"experts {shard}/{num_shards}", unit="layer",
                           disable=not progress):
             self.w13[layer], self.w2[layer] = self._pack(ckpt, layer)
@@ -77,32 +124,27 @@ class ExpertShard:
         E, H, I = len(self.experts), cfg.hidden_size, cfg.moe_intermediate_size
         w13 = self._empty(E, 2 * I, H)                                       # [E_local, 2I, H]
         w2 = self._empty(E, H, I)                                            # [E_local, H, I]
-        fused = fused_expert_tensors(cfg, layer)
-        if fused["gate_up"][0] in ckpt:
-            (gu_name, gu_shape), (d_name, d_shape) = fused["gate_up"], fused["down"]
-            gate_up, down = ckpt.view(gu_name, gu_shape), ckpt.view(d_name, d_shape)
-            for j, e in enumerate(self.experts):                             # one expert at a time: no float
-                w13[j].copy_(gate_up[e])                                     # copy of the shard when quantising
-                w2[j].copy_(down[e])
-            ckpt.release(gu_name)
-            ckpt.release(d_name)
-            return w13, w2
-        for j, e in enumerate(self.experts):
-            t = expert_tensors(cfg, layer, e)
-            (g, gs), (u, us), (d, ds) = t["gate"], t["up"], t["down"]
-            w13[j, :I].copy_(ckpt.view(g, gs))
-            w13[j, I:].copy_(ckpt.view(u, us))
-            w2[j].copy_(ckpt.view(d, ds))
-            for name in (g, u, d):
-                ckpt.release(name)
+        for j, e in enumerate(self.experts):                                 # one expert at a time: no float
+            pack_expert(cfg, ckpt, layer, e, w13[j], w2[j])                  # copy of the shard when quantising
         return w13, w2
+
+    def loaded(self) -> None:
+        """Start-up is over: without a cache every expert is packed, so the mappings go."""
+        if self.cache is None:
+            self.ckpt.close()
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        self.ckpt.close()
 
     def linear_shapes(self) -> list[tuple[int, int, str]]:
         return expert_linear_shapes(self.cfg, weight_kind(self.quantize == "int8", self.dtype))
 
     def moe_shape(self) -> MoeShape:
+        slots = None if self.cache is None else self.cache.hot.w13.shape[0]
         return expert_moe_shape(self.cfg, self.num_shards, weight_kind(self.quantize == "int8", self.dtype),
-                                self.replicas)
+                                self.replicas, slots)
 
     @property
     def weight_dtype(self) -> str:
@@ -110,13 +152,28 @@ class ExpertShard:
 
     @property
     def packed_bytes(self) -> int:
+        """Bytes of packed experts held now (the hot tier's filled slots with a cache)."""
+        if self.cache is not None:
+            return self.cache.hot.resident_bytes
         return sum(w.nbytes for w in (*self.w13.values(), *self.w2.values()))
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes the whole shard takes packed."""
+        return packed_expert_bytes(self.cfg, self.dtype, self.quantize) * len(self.experts) * len(self.cfg.moe_layers)
+
+    def hint(self, layer: int, experts: list[int]) -> None:
+        """The router's prediction of the experts `layer` needs next; packed ahead with a cache."""
+        if self.cache is not None:
+            self.cache.hint(layer, experts)
 
     def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
         """hidden [n, H], ids [n, K] global ids (others' experts ignored), weights [n, K] -> [n, H]."""
-        if layer not in self.w13:
+        if layer not in self.cfg.moe_layers:
             raise KeyError(f"layer {layer} has no routed experts (MoE layers: {list(self.cfg.moe_layers)})")
         x = hidden.to(self.device, self.dtype)                                             # [n, H]
         ids, weights = ids.to(self.device), weights.to(self.device)                       # [n, K]
+        if self.cache is not None:
+            return self.cache.forward(layer, x, ids, weights)                              # [n, H]
         return fused_moe(x, self.w13[layer], self.w2[layer], ids, weights, self.expert_map)   # [n, H] on device

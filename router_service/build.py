@@ -110,8 +110,10 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
                           f"lower --max-model-len to {num_blocks * opts.block_size}")
     scheduler = Scheduler(sched, BlockAllocator(num_blocks, opts.block_size))
     remote = experts(cfg, device)
-    engine = Engine(RouterModel(cfg, weights, dtype, device), kv, scheduler, remote, cfg.eos_token_ids,
-                    opts.micro_batches)
+    model = RouterModel(cfg, weights, dtype, device)
+    model.prefetch = opts.expert_prefetch
+    model.track_routing = sched.routing_aware_batching
+    engine = Engine(model, kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
     log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB), %s on %s",
              cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size,
              num_blocks * per_block / 2**20, str(dtype).removeprefix("torch."), device)

@@ -86,6 +86,9 @@ class Engine:
         """Raises QueueFull when the waiting queue is at its bound, Draining when the router is shutting down,
         DuplicateId when an open request has this request_id, NeverFits (a ValueError) for a request the
         whole KV cache cannot hold."""
+        if self.model.track_routing and not seq.experts:     # routing-aware batching: its likely experts
+            with device_scope(self.model.device):
+                seq.experts = self.model.predict_experts(seq.prompt_ids)
         with self._cv:
             if self.draining or self._stop:
                 raise Draining("the router is shutting down (draining); retry on another replica")
@@ -185,6 +188,8 @@ class Engine:
         """Sample the live sequences' rows, stream their tokens, finish those that stop."""
         t0 = time.perf_counter()
         assert logits.shape[0] == len(step.sampled), (logits.shape, len(step.sampled))  # row i: step.sampled[i]
+        if self.model.last_routing:
+            self._remember_routing(step)
         step.advance()
         live = [(row, seq) for row, seq in enumerate(step.sampled) if self.seqs.get(seq.uid) is seq]
         if live:
@@ -209,6 +214,19 @@ class Engine:
                     self._finish(seq, reason)
         self.phase["postprocess"] += time.perf_counter() - t0
 
+    def _remember_routing(self, step: Step) -> None:
+        """Each scheduled sequence's experts at its last row of this step, as layer·E + e (torch-free after)."""
+        E = self.model.cfg.num_experts
+        for mb, ids in zip(step.micro_batches, self.model.last_routing, strict=True):
+            last, row = [], -1
+            for s in mb:
+                row += s.num_new
+                last.append(row)
+            per_layer = torch.stack(ids)[:, last].permute(1, 0, 2).tolist()       # [B, L_moe, K]
+            for s, layers in zip(mb, per_layer, strict=True):
+                s.seq.experts = frozenset(j * E + e for j, es in zip(self.model.moe_layers, layers,
+                                                                       strict=True) for e in es)
+
     def _update_metrics(self, step: Step, seconds: float) -> None:
         m, sch, batch = self.metrics, self.scheduler, step.scheduled
         with m.lock:
@@ -217,6 +235,7 @@ class Engine:
             m.generation_tokens += len(step.sampled)
             m.preemptions = sch.num_preemptions
             m.micro_batch_overlaps = self.model.overlaps
+            m.prefetch_predicted, m.prefetch_right = self.model.predicted, self.model.predicted_right
             m.gauges.update({
                 "num_requests_running": len(sch.running), "num_requests_waiting": len(sch.waiting),
                 "kv_cache_blocks_total": sch.alloc.num_blocks, "kv_cache_blocks_free": sch.alloc.num_free,

@@ -43,10 +43,15 @@ class Handle(Protocol):
         ...
 
 
-class Experts(Protocol):
-    """Σ_k w_k · FFN_{e_k}(x) per token for one MoE layer, maybe computed elsewhere."""
+Prefetch = tuple[int, list[int]]          # (the next MoE layer, the global expert ids it will probably need)
 
-    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Handle: ...
+
+class Experts(Protocol):
+    """Σ_k w_k · FFN_{e_k}(x) per token for one MoE layer, maybe computed elsewhere. `prefetch`, when given,
+    is the router's prediction for the next MoE layer: the experts' holders may pack them ahead."""
+
+    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               prefetch: Prefetch | None = None) -> Handle: ...
 
 
 class Ready:
@@ -68,8 +73,12 @@ class LocalExperts:
     def __init__(self, shard) -> None:
         self.shard = shard
 
-    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Ready:
-        return Ready(self.shard.forward(layer, hidden, ids, weights).to(hidden.dtype))
+    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               prefetch: Prefetch | None = None) -> Ready:
+        out = self.shard.forward(layer, hidden, ids, weights).to(hidden.dtype)
+        if prefetch is not None and hasattr(self.shard, "hint"):
+            self.shard.hint(*prefetch)
+        return Ready(out)
 
 
 class ExpertsUnavailable(Exception):
@@ -175,6 +184,7 @@ class RemoteExperts:
         self.owner = torch.full((cfg.num_experts,), -1, dtype=torch.long)    # [E] expert -> worker
         self.watcher: WorkerWatch | None = None
         self.step = 0
+        self.ahead: expert_pb2.Prefetch | None = None       # the prediction that goes with this layer's messages
         # metrics: a layer's send → answer per worker; token rows sent per worker; optionally the tokens
         # routed to each (layer, expert), for finding hot experts
         self.dispatch_seconds = Histogram("colibri:worker_dispatch_seconds", "One MoE layer's send to answer, "
@@ -244,9 +254,11 @@ class RemoteExperts:
         for name, s in seconds.items():
             self.timers[name] += s
 
-    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> InFlight:
+    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               prefetch: Prefetch | None = None) -> InFlight:
         """hidden [T, H], ids [T, K], weights [T, K] float32 -> a handle for Σ_k w_k · FFN_{e_k}(x) [T, H]."""
         t0 = time.perf_counter()
+        self.ahead = None if prefetch is None else expert_pb2.Prefetch(layer=prefetch[0], experts=prefetch[1])
         self.step += 1
         x, ids32, w32 = self.staging.to_host(hidden.to(self.wire_dtype),     # [T, H] on the wire
                                              ids.to(torch.int32), weights.float())  # [T, K]
@@ -274,7 +286,7 @@ class RemoteExperts:
                 else:
                     enc = (wire.encode(x[wr.rows]), wire.encode(ids32[wr.rows]), wire.encode(w32[wr.rows]))
                 req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
-                                                step=self.step)
+                                                step=self.step, prefetch=self.ahead)
                 parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
         self.timers["dispatch"] += time.perf_counter() - t0
@@ -286,7 +298,7 @@ class RemoteExperts:
         """Worker w's share of a layer, already cut to its rows ([n, H], [n, K] with -1 for pairs computed
         elsewhere, [n, K])."""
         req = expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(x), topk_ids=wire.encode(ids),
-                                        topk_weights=wire.encode(weights), step=self.step)
+                                        topk_weights=wire.encode(weights), step=self.step, prefetch=self.ahead)
         self.worker_rows[w] += x.shape[0]
         return self.links.links[w].send(req)
 

@@ -42,6 +42,8 @@ class Metrics:
         self.step_seconds = 0.0
         self.preemptions = 0
         self.micro_batch_overlaps = 0          # waits on one micro-batch's experts while another's were in flight
+        self.prefetch_predicted = 0            # --expert-prefetch: experts predicted for the next MoE layer
+        self.prefetch_right = 0                # ... that the layer then routed to
         self.gauges: dict[str, float] = {}
         self.phases: dict[str, float] = {}     # seconds spent per engine phase (schedule, forward, wait, ...)
         self.sources = list(sources)
@@ -73,6 +75,9 @@ class Metrics:
                 ("num_preemptions", self.preemptions, "Running sequences preempted (KV cache full), recomputed."),
                 ("micro_batch_overlaps", self.micro_batch_overlaps,
                  "Waits on one micro-batch's experts while another micro-batch's were in flight too."),
+                ("expert_prefetch_predicted", self.prefetch_predicted,
+                 "Experts predicted for the next MoE layer (--expert-prefetch)."),
+                ("expert_prefetch_right", self.prefetch_right, "Predicted experts the next MoE layer routed to."),
             ]:
                 yield CounterMetricFamily(f"colibri:{name}", help_text, value=value)
             phases = CounterMetricFamily("colibri:engine_phase_seconds", "Engine time by phase; wait = blocked on "

@@ -7,6 +7,12 @@ Each micro-batch's forward is a generator that yields at every expert dispatch; 
 turn, so the router computes attention for one micro-batch while the workers compute experts for another
 (ping-pong). With one micro-batch it is the plain sequential forward.
 
+Two optional by-products for the expert tiers (issue 12), both off by default:
+- `prefetch`: at each MoE layer the *next* MoE layer's gate is applied to this layer's hidden states
+  (pre-gating); the predicted experts travel with this layer's dispatch, so the workers pack them ahead.
+- `track_routing`: each micro-batch's top-k ids per MoE layer are kept (`last_routing`), so the engine knows
+  each sequence's recent experts (routing-aware batching).
+
 Shapes: T tokens in the micro-batch, B of them sampled, H hidden size, V vocabulary, E experts per layer,
 K experts per token (top-k), Hq / Hkv query / key-value heads, D head dim, Bd decode sequences, C context
 length (cached + new tokens), n new tokens of one prefill.
@@ -40,11 +46,19 @@ class RouterModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing
+        self.prefetch = False
+        self.track_routing = False
+        self.last_routing: list[list[torch.Tensor]] = []      # per micro-batch: ids [T, K] per MoE layer
+        self.predicted = self.predicted_right = 0            # prefetch: experts predicted, and then routed to
+        moe = [i for i, lw in enumerate(weights.layers) if lw.router is not None]
+        self.next_moe = {a: b for a, b in zip(moe, moe[1:], strict=False)}   # MoE layer -> the next MoE layer
+        self.moe_layers = moe                                                # the MoE layers, in order
 
     @torch.inference_mode()
     def forward(self, steps: list[StepInputs], kv: KVCache, experts: Experts) -> torch.Tensor:
         """Logits [B, V] float32 of every sampled row, micro-batches concatenated in order."""
-        gens = [self._forward(s, kv, experts) for s in steps]
+        routes: list[list[torch.Tensor]] = [[] for _ in steps]
+        gens = [self._forward(s, kv, experts, routes[j]) for j, s in enumerate(steps)]
         results: list[torch.Tensor | None] = [None] * len(gens)
         j = 0
         try:
@@ -60,7 +74,29 @@ class RouterModel:
         except ExpertsUnavailable as exc:
             exc.micro_batch = j               # whose token rows these are
             raise
+        self.last_routing = routes if self.track_routing else []
         return torch.cat(results)  # type: ignore[arg-type]
+
+    def _gate(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s routing of residual states h [T, H]: weights [T, K] float32, ids [T, K]."""
+        lw = self.w.layers[layer]
+        r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
+        return topk_route(linear(r, lw.router), self.cfg.top_k, self.cfg.norm_topk_prob)
+
+    @torch.inference_mode()
+    def predict_experts(self, token_ids: list[int]) -> frozenset[int]:
+        """A prompt's likely experts before it runs: every MoE layer's gate on the token embeddings (the part
+        of the residual stream the layers add to), the top-k by summed weight per layer, as layer·E + e."""
+        cfg = self.cfg
+        h = self.w.embed[torch.tensor(token_ids[-16:], device=self.device)]          # [n, H]
+        out: set[int] = set()
+        for i, lw in enumerate(self.w.layers):
+            if lw.router is None:
+                continue
+            weights, ids = self._gate(i, h)                                            # [n, K]
+            mass = torch.zeros(cfg.num_experts, device=self.device).index_add_(0, ids.flatten(), weights.flatten())
+            out.update(i * cfg.num_experts + e for e in mass.topk(cfg.top_k).indices.tolist())
+        return frozenset(out)
 
     @staticmethod
     def _advance(gen: Generator[Handle, torch.Tensor, torch.Tensor], value: torch.Tensor | None,
@@ -71,12 +107,13 @@ class RouterModel:
             results[j] = stop.value
             return None
 
-    def _forward(self, step: StepInputs, kv: KVCache, experts: Experts
+    def _forward(self, step: StepInputs, kv: KVCache, experts: Experts, routes: list[torch.Tensor]
                  ) -> Generator[Handle, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         step = step.to(self.device)                                          # built on the host
         h = self.w.embed[step.token_ids]                                     # [T, H]
         cos, sin = self.rope.cos_sin(step.positions, self.dtype)             # [T, D]
+        guess: set[int] | None = None                                        # prefetch: this layer's prediction
         for i, lw in enumerate(self.w.layers):
             r = rms_norm(h, lw.ln1, cfg.rms_norm_eps)
             h = h + self._attention(i, lw, r, cos, sin, step, kv)
@@ -86,7 +123,17 @@ class RouterModel:
                 continue
             scores = linear(r, lw.router)                                  # [T, E]  route
             weights, ids = topk_route(scores, cfg.top_k, cfg.norm_topk_prob)  # [T, K] f32, [T, K]
-            handle = experts.submit(i, r, ids, weights)                      # partition → transport
+            if self.track_routing:
+                routes.append(ids)
+            ahead = None
+            if self.prefetch:
+                if guess is not None:                                        # how good was the last guess
+                    self.predicted += len(guess)
+                    self.predicted_right += len(guess & set(ids.unique().tolist()))
+                nxt = self.next_moe.get(i)
+                guess = None if nxt is None else set(self._gate(nxt, h)[1].unique().tolist())
+                ahead = None if nxt is None else (nxt, sorted(guess))
+            handle = experts.submit(i, r, ids, weights, ahead)               # partition → transport
             shared = None
             if lw.shared_gate is not None:                                   # computed while the experts run
                 shared = torch.sigmoid(linear(r, lw.shared_gate)) * silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)

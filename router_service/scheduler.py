@@ -3,10 +3,17 @@
 Each step: running sequences decode one token each (decodes first), then waiting sequences are admitted
 FIFO with (chunked) prefill while the token budget and batch size allow. When the KV cache is full, the
 newest running sequence is preempted (its blocks freed, recomputed later).
+
+Routing-aware batching (`--routing-aware-batching`): when more requests wait than fit, the next one
+admitted is the one whose recent experts (`Sequence.experts`, kept by the engine) overlap the running
+batch's most, so a batch shares experts and a bounded expert cache hits. A request passed over by a
+younger one `max_passed_over` times goes next whatever its experts, so none starves; a preempted one
+goes first.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -29,9 +36,13 @@ class SchedulerConfig:
     max_num_tokens: int = option(512, "tokens (prefill + decode) in one step; longer prompts prefill in chunks")
     max_waiting: int = option(256, "bounded waiting queue; beyond it RESOURCE_EXHAUSTED")
     max_model_len: int = option(4096, "prompt + output tokens of one request (capped by the model's own limit)")
+    routing_aware_batching: bool = option(False, "admit first the waiting requests whose recent experts overlap "
+                                                 "the running batch's (a bounded expert cache hits more)")
+    max_passed_over: int = option(8, "routing-aware batching: times a request may be passed over by younger "
+                                     "ones before it goes next")
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_num_tokens", "max_waiting", "max_model_len"):
+        for name in ("max_batch_size", "max_num_tokens", "max_waiting", "max_model_len", "max_passed_over"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
@@ -79,8 +90,24 @@ class Scheduler:
         self.running.remove(seq)
         self.alloc.release(seq.block_table)
         seq.num_cached, seq.status = 0, Status.WAITING
+        seq.passed_over = self.cfg.max_passed_over          # it was running: it goes back first
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _next_waiting(self, batch: set[int]) -> int:
+        """The index in `waiting` of the request to admit next: FIFO, or with routing-aware batching the
+        first one passed over too often, else the largest share of its experts already in the batch (the
+        oldest among equals)."""
+        if not self.cfg.routing_aware_batching or len(self.waiting) == 1:
+            return 0
+        best, best_share = 0, -1.0
+        for i, seq in enumerate(self.waiting):
+            if seq.passed_over >= self.cfg.max_passed_over:
+                return i
+            share = len(seq.experts & batch) / len(seq.experts) if seq.experts else 0.0
+            if share > best_share:
+                best, best_share = i, share
+        return best
 
     def schedule(self) -> list[Scheduled]:
         out: list[Scheduled] = []
@@ -101,14 +128,19 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 out.append(Scheduled(seq, num_new))
                 budget -= num_new
+        batch = set().union(*(s.experts for s in self.running)) if self.cfg.routing_aware_batching else set()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
-            seq = self.waiting[0]
+            i = self._next_waiting(batch)
+            seq = self.waiting[i]
             num_new = min(seq.num_tokens - seq.num_cached, budget)
             try:
                 self.alloc.grow(seq.block_table, seq.num_cached + num_new)
             except OutOfBlocks:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            for older in itertools.islice(self.waiting, i):     # a younger request went ahead of these
+                older.passed_over += 1
+            batch |= seq.experts
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.append(Scheduled(seq, num_new))

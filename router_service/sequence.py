@@ -70,6 +70,8 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float = 0.0
     uid: int = field(default_factory=lambda: next(_UIDS))
+    experts: frozenset[int] = frozenset()   # recent routing, layer·E + e (routing-aware batching)
+    passed_over: int = 0                     # times a younger request was admitted first
 
     @property
     def num_tokens(self) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from colibri_common.checkpoint import Checkpoint
-from expert_service.shard import ExpertShard
+from expert_service.shard import CacheSetting, ExpertShard
 from router_service.build import BuiltEngine, build_engine
 from router_service.events import Failed, Finished, Tokens
 from router_service.experts import LocalExperts
@@ -32,15 +32,17 @@ class Result:
 
 class InProcess:
     def __init__(self, model_dir: Path | str, dtype: str = "float32", sched: SchedulerConfig | None = None,
-                 wrap_experts=None, **opts) -> None:
+                 wrap_experts=None, cache: CacheSetting | None = None, **opts) -> None:
         options = RouterOptions(model=str(model_dir), dtype=dtype, **opts)
         if sched is not None:
             options = dataclasses.replace(options, sched=sched)
 
         def local(cfg, device):
             ckpt = Checkpoint(model_dir)
-            shard = ExpertShard(cfg, ckpt, 0, 1, getattr(torch, dtype), quantize=options.quantize, device=device)
-            ckpt.close()
+            shard = ExpertShard(cfg, ckpt, 0, 1, getattr(torch, dtype), quantize=options.quantize, device=device,
+                                cache=cache)
+            shard.loaded()
+            self.shard = shard
             experts = LocalExperts(shard)
             return experts if wrap_experts is None else wrap_experts(experts)
 
@@ -75,6 +77,8 @@ class InProcess:
 
     def close(self) -> None:
         self.built.close()
+        if getattr(self, "shard", None) is not None:
+            self.shard.close()
 
     def __enter__(self) -> InProcess:
         return self

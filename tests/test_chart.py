@@ -28,6 +28,8 @@ VALUE_SETS = {
     "one-shard": {"experts": {"shards": 1}},
     "int8": {"model": {"quantize": "int8"}},
     "eight-shards": {"experts": {"shards": 8, "spreadAcrossNodes": False}},
+    "expert-cache": {"experts": {"cache": {"capacity": "25%", "policy": "lfu", "hostCapacity": "8GiB"}},
+                     "router": {"expertPrefetch": True, "routingAwareBatching": True}},
 }
 
 
@@ -191,6 +193,8 @@ def test_helm_test_pod_checks_router_health():
     {"model": {"quantize": "int8"}, "experts": {"gpus": 1}},     # int8 experts are the CPU path
     {"experts": {"shards": 2, "replicas": 3}},                    # more replicas than pods
     {"experts": {"replicas": 0}},
+    {"experts": {"cache": {"capacity": "lots"}}},
+    {"experts": {"cache": {"policy": "fifo"}}},
 ])
 def test_schema_rejects_wrong_values(bad):
     chart = helm.Chart.load(CHART)
@@ -209,6 +213,19 @@ def test_the_validator_is_not_a_no_op():
     dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["grpcc"] = {"port": 1}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(dep, K8S, strict=True)
+
+
+def test_the_expert_cache_settings_reach_the_workers_and_the_router():
+    docs = render(VALUE_SETS["expert-cache"])
+    worker = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    router = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    want = {"--expert-cache-capacity=25%", "--expert-cache-policy=lfu", "--expert-cache-host-capacity=8GiB"}
+    assert want <= set(worker)
+    assert {"--expert-prefetch", "--routing-aware-batching"} <= set(router)
+    plain = render({})
+    assert "--expert-cache-capacity=all" in by_kind(plain, "StatefulSet")[0]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert "--expert-prefetch" not in str(plain)
 
 
 def test_replicas_reach_every_worker():

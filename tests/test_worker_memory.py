@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from colibri.client import Client
-from tests.conftest import COLIBRI, fleet
+from tests.conftest import COLIBRI, fleet, free_port, metrics
 from tests.models import small_config
 
 H, I, E, L = 512, 768, 32, 8
@@ -106,3 +106,28 @@ def test_int8_experts_take_about_half_the_memory_of_bf16(big):
           f"{peaks[1] / 2**20:.0f}); bf16 experts {expert_bytes_bf16 / 2**20:.0f} MiB"
     assert 0.4 * expert_bytes_bf16 < saved < 0.6 * expert_bytes_bf16, msg      # the experts' half is gone
     assert peaks[1] < peaks[0], msg                          # quantising expert by expert: no float shard copy
+
+
+def test_a_quarter_capacity_cache_holds_under_half_the_memory_of_a_full_one(big):
+    """One worker holds all 256 experts (1.15 GiB in float32); at 25% capacity it packs at most 64 of them,
+    evicts as the traffic moves and drops the mapped pages it read (its tokens: tests/test_expert_cache.py)."""
+    path, _ = big
+    mport = free_port()
+    prompts = [[1 + i, 7 * i % 250, 3, 4 + i] for i in range(6)]
+    with fleet(path, 1, ["--expert-cache-capacity", "25%", "--expert-prefetch", "--routing-aware-batching",
+                         "--metrics-port", str(mport)]) as (addr, proc):
+        assert all(len(Client(addr).generate(p, 8).token_ids) == 8 for p in prompts)
+        worker = next(c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline()))
+        rss, peak = worker.memory_info().rss, peak_rss(worker.pid)
+        m = metrics(mport + 1)
+    shard = m['colibri:expert_cache_resident_bytes{tier="mapped"}']
+    hot = m['colibri:expert_cache_resident_bytes{tier="hot"}']
+    assert shard == pytest.approx(E * L * 3 * H * I * 4)
+    assert 0 < hot <= 0.25 * shard and m["colibri:expert_cache_slots"] == E * L // 4
+    assert m["colibri:expert_cache_evictions_total"] > 0 and m["colibri:expert_cache_misses_total"] > 0
+    assert m["colibri:expert_cache_prefetch_packed_total"] > 0
+    full = shard + (rss - hot)              # the same process with every expert packed instead
+    msg = f"worker RSS {rss / 2**20:.0f} MiB (peak {peak / 2**20:.0f}), hot {hot / 2**20:.0f} MiB, " \
+          f"shard {shard / 2**20:.0f} MiB"
+    assert rss < 0.5 * full, msg
+    assert peak < 0.5 * full, msg           # no moment held the shard, packed or mapped

@@ -1,0 +1,236 @@
+"""A worker's expert tiers: a bounded set of hot (packed) experts over the cold checkpoint mapping.
+
+- **hot**: slots of packed, compute-ready experts (compute dtype or int8) on the compute device, in two
+  stacks w13 [S, 2I, H] and w2 [S, H, I]; the fused MoE kernel reads them through a slot map, as it reads
+  a full shard through its expert map, so Triton and the CPU forms run unchanged.
+- **warm** (GPU workers only): slots of pinned host memory; a hot miss found there is one H2D copy.
+- **cold**: the checkpoint's mmap; a miss packs the expert from it and drops the pages it read.
+
+A miss is served at once: the expert is packed into a free slot or the policy's victim's (an expert the
+call in progress needs is never the victim), and the call computes on it. A layer that needs more
+experts than its pool has slots is computed in rounds of at most that many. Memory is bounded by the
+slots: an evicted expert's packed copy is overwritten by the next one and its mapped pages are dropped.
+
+Prefetch: `hint(layer, experts)` (the router's prediction for the next layer) packs those experts on a
+thread of its own, one per lock hold, so a call waiting for the lock gets it between two packs.
+
+Shapes: S slots, T tokens of a call, H hidden size, I expert width, K experts per token, E experts per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.device import device_scope
+from expert_service.cache_capacity import CacheCapacity
+from expert_service.cache_policy import Policy, make_policy
+from expert_service.cache_stats import CacheStats
+from expert_service.packing import pack_expert, will_need
+from kernels import fused_moe
+from kernels.cpu_forms import Weight
+
+log = logging.getLogger("colibri.expert")
+Key = tuple[int, int]                     # (layer, global expert id)
+
+
+class Pool:
+    """The slots one set of keys competes for (one per MoE layer, or one for all of them)."""
+
+    def __init__(self, slots: list[int], policy: Policy) -> None:
+        self.free, self.policy, self.size = list(reversed(slots)), policy, len(slots)
+
+
+class Tier:
+    """Packed experts in one memory: slots, the key in each, the pools that evict."""
+
+    def __init__(self, name: str, cfg: ModelConfig, capacity: CacheCapacity, policy: str, half_life: float,
+                 make: Callable[..., Weight]) -> None:
+        L, H, I = len(cfg.moe_layers), cfg.hidden_size, cfg.moe_intermediate_size
+        total = capacity.total_slots(L)
+        assert total is not None, "a tier has a bounded number of slots"
+        self.name = name
+        self.w13 = make(total, 2 * I, H)                                    # [S, 2I, H] untouched until filled
+        self.w2 = make(total, H, I)                                         # [S, H, I]
+        if capacity.per_layer:
+            n = capacity.slots or 0
+            pools = [Pool(list(range(i * n, (i + 1) * n)), make_policy(policy, half_life)) for i in range(L)]
+            self._pool = {layer: pools[i] for i, layer in enumerate(cfg.moe_layers)}
+        else:
+            shared = Pool(list(range(total)), make_policy(policy, half_life))
+            self._pool = {layer: shared for layer in cfg.moe_layers}
+        self.slot_of: dict[Key, int] = {}
+        self.expert_bytes = (self.w13.nbytes + self.w2.nbytes) // total
+
+    def pool(self, layer: int) -> Pool:
+        return self._pool[layer]
+
+    def take(self, key: Key, pinned: set[Key]) -> tuple[int, Key | None]:
+        """A slot for `key` (admitted now): a free one, or the victim's; returns (slot, evicted key)."""
+        pool = self._pool[key[0]]
+        evicted = None
+        if pool.free:
+            slot = pool.free.pop()
+        else:
+            evicted = pool.policy.victim(pinned)
+            pool.policy.remove(evicted)
+            slot = self.slot_of.pop(evicted)
+        pool.policy.admit(key)
+        self.slot_of[key] = slot
+        return slot, evicted
+
+    @property
+    def resident_bytes(self) -> int:
+        return len(self.slot_of) * self.expert_bytes
+
+
+class ExpertCache:
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, experts: list[int], capacity: CacheCapacity,
+                 policy: str, make: Callable[..., Weight], device: torch.device, half_life: float = 256.0,
+                 warm: CacheCapacity | None = None, make_warm: Callable[..., Weight] | None = None) -> None:
+        self.cfg, self.ckpt, self.device = cfg, ckpt, device
+        self.held = set(experts)
+        self.hot = Tier("hot", cfg, capacity, policy, half_life, make)
+        self.warm = None if warm is None or make_warm is None else Tier("warm", cfg, warm, policy, half_life,
+                                                                        make_warm)
+        self.stats = CacheStats()
+        self.prefetched: set[Key] = set()
+        self.lock = threading.Lock()
+        self._hints: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
+        self._thread.start()
+
+    # -- filling -------------------------------------------------------------------------------------
+    def _fill(self, key: Key, pinned: set[Key], prefetch: bool) -> int:
+        """Pack `key` into a hot slot (through the warm tier on GPUs); the caller holds the lock."""
+        slot, evicted = self.hot.take(key, pinned)
+        if evicted is not None:
+            self.stats.evictions += 1
+            if evicted in self.prefetched:
+                self.prefetched.discard(evicted)
+                self.stats.prefetch_wasted += 1
+        layer, e = key
+        if self.warm is None:
+            pack_expert(self.cfg, self.ckpt, layer, e, self.hot.w13[slot], self.hot.w2[slot])
+        else:
+            wslot = self.warm.slot_of.get(key)
+            if wslot is None:
+                wslot, _ = self.warm.take(key, set())
+                pack_expert(self.cfg, self.ckpt, layer, e, self.warm.w13[wslot], self.warm.w2[wslot])
+            else:
+                self.warm.pool(layer).policy.access(key)
+            self.hot.w13[slot].copy_(self.warm.w13[wslot], non_blocking=True)
+            self.hot.w2[slot].copy_(self.warm.w2[wslot], non_blocking=True)
+        if prefetch:
+            self.prefetched.add(key)
+            self.stats.prefetched += 1
+        return slot
+
+    def _ensure(self, layer: int, experts: list[int]) -> list[int]:
+        """Hot slots of `experts` (global ids) of `layer`, missing ones packed now; the caller holds the lock."""
+        pinned = {(layer, e) for e in experts}
+        slots = []
+        for e in experts:
+            key = (layer, e)
+            slot = self.hot.slot_of.get(key)
+            self.stats.lookup(slot is not None)
+            if slot is None:
+                slot = self._fill(key, pinned, prefetch=False)
+            else:
+                self.hot.pool(layer).policy.access(key)
+                if key in self.prefetched:
+                    self.prefetched.discard(key)
+                    self.stats.prefetch_used += 1
+            slots.append(slot)
+        return slots
+
+    # -- compute -------------------------------------------------------------------------------------
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids [T, K] global ids (-1 or others' experts ignored), weights [T, K] -> [T, H]."""
+        E = self.cfg.num_experts
+        valid = ids[ids >= 0].unique().tolist()                                # experts the call names
+        need = [e for e in valid if e in self.held]
+        cap = self.hot.pool(layer).size
+        out: torch.Tensor | None = None
+        with self.lock:
+            for start in range(0, max(1, len(need)), cap):                    # rounds of at most `cap`
+                chunk = need[start:start + cap]
+                slot_map = torch.full((E,), -1, dtype=torch.long)              # [E] global -> hot slot
+                if chunk:
+                    slot_map[chunk] = torch.tensor(self._ensure(layer, chunk))
+                y = fused_moe(x, self.hot.w13, self.hot.w2, ids, weights, slot_map.to(self.device))  # [T, H]
+                out = y if out is None else out + y
+        assert out is not None
+        return out
+
+    # -- prefetch ------------------------------------------------------------------------------------
+    def hint(self, layer: int, experts: list[int]) -> None:
+        """The router predicts `layer` will need `experts` (global ids) next: pack them off the critical path."""
+        mine = [e for e in experts if e in self.held]
+        if mine and layer in self.cfg.moe_layers:
+            self.stats.prefetch_hints += 1
+            self._hints.put((layer, mine))
+
+    def _prefetch_loop(self) -> None:
+        with device_scope(self.device):
+            while True:
+                item = self._hints.get()
+                while item is not None and not self._hints.empty():          # only the latest hint matters
+                    item = self._hints.get()
+                if item is None:
+                    return
+                layer, experts = item
+                try:
+                    self._prefetch(layer, experts)
+                except Exception:  # noqa: BLE001 (a prefetch is an optimisation: log it, serve on)
+                    log.exception("prefetch of layer %d failed", layer)
+
+    def _prefetch(self, layer: int, experts: list[int]) -> None:
+        cap = self.hot.pool(layer).size
+        for i, e in enumerate(experts):
+            key = (layer, e)
+            if i >= cap // 2:                       # never push out more than half a pool on a guess
+                will_need(self.cfg, self.ckpt, layer, e)
+                continue
+            with self.lock:
+                if key not in self.hot.slot_of:
+                    self._fill(key, set(), prefetch=True)
+
+    # -- warm start ----------------------------------------------------------------------------------
+    def hottest(self) -> list[Key]:
+        """The hot keys, hottest first in each pool (what a restart should pack first)."""
+        with self.lock:
+            pools = {id(p): p for p in self.hot._pool.values()}.values()
+            return [key for pool in pools for key in pool.policy.ranked()]          # type: ignore[misc]
+
+    def preload(self, keys: list[Key]) -> int:
+        """Pack `keys` (hottest first) into free slots, the coldest first so the policy ranks them as given;
+        keys of unknown layers or experts, or beyond a pool's free slots, are skipped. Returns how many."""
+        take: list[Key] = []
+        room = {id(p): len(p.free) for p in self.hot._pool.values()}
+        for key in keys:
+            layer, e = key
+            if layer in self.hot._pool and e in self.held and key not in take and room[id(self.hot.pool(layer))]:
+                room[id(self.hot.pool(layer))] -= 1
+                take.append(key)
+        with self.lock:
+            for key in reversed(take):
+                self._fill(key, set(), prefetch=False)
+        return len(take)
+
+    def close(self) -> None:
+        self._hints.put(None)
+        self._thread.join(timeout=5)
+
+    @property
+    def resident_bytes(self) -> dict[str, int]:
+        out = {"hot": self.hot.resident_bytes}
+        if self.warm is not None:
+            out["warm"] = self.warm.resident_bytes
+        return out

@@ -1,0 +1,52 @@
+"""Pack one expert from the checkpoint's mapped bytes into compute-ready storage, in any layout on disk.
+
+The published layouts: one tensor per expert and projection (`experts.{e}.gate_proj.weight`, …), or the
+experts of a layer fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). Packing
+converts to the storage's dtype (or quantises to int8) as it copies, then drops the mapped pages it read,
+so reading an expert costs its packed size in memory and nothing more.
+
+Shapes: H hidden size, I expert width, E experts per layer.
+"""
+
+from __future__ import annotations
+
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.tensors import expert_tensors, fused_expert_tensors
+from kernels.cpu_forms import Weight
+
+
+def is_fused(cfg: ModelConfig, ckpt: Checkpoint, layer: int) -> bool:
+    return fused_expert_tensors(cfg, layer)["gate_up"][0] in ckpt
+
+
+def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13: Weight, w2: Weight,
+                release: bool = True) -> None:
+    """Global `expert` of `layer` into w13 [2I, H] (gate rows, then up rows) and w2 [H, I]."""
+    I = cfg.moe_intermediate_size
+    if is_fused(cfg, ckpt, layer):
+        (gu_name, gu_shape), (d_name, d_shape) = fused_expert_tensors(cfg, layer).values()
+        w13.copy_(ckpt.view(gu_name, gu_shape)[expert])
+        w2.copy_(ckpt.view(d_name, d_shape)[expert])
+        if release:
+            ckpt.release(gu_name, expert)
+            ckpt.release(d_name, expert)
+        return
+    t = expert_tensors(cfg, layer, expert)
+    (g, gs), (u, us), (d, ds) = t["gate"], t["up"], t["down"]
+    w13[:I].copy_(ckpt.view(g, gs))
+    w13[I:].copy_(ckpt.view(u, us))
+    w2.copy_(ckpt.view(d, ds))
+    if release:
+        for name in (g, u, d):
+            ckpt.release(name)
+
+
+def will_need(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int) -> None:
+    """Start reading an expert's bytes from disk in the background (MADV_WILLNEED)."""
+    if is_fused(cfg, ckpt, layer):
+        for name, _ in fused_expert_tensors(cfg, layer).values():
+            ckpt.will_need(name, expert)
+        return
+    for name, _ in expert_tensors(cfg, layer, expert).values():
+        ckpt.will_need(name)
