@@ -8,9 +8,10 @@ The workload: --requests prompts, topics shuffled, all sent at once to a router 
 - hit rate: the workers' expert-cache hits ÷ lookups during the run (1.0 with every expert packed);
 - tok/s and P99 inter-token latency of the run (all requests together);
 - worker RSS: the larger worker's resident memory after the run (psutil);
-- start → ready: `serve` start to its `ready` line (each configuration is started once before, so the CPU
-  forms a new cache shape needs are measured then, not in this figure); the last row restarts the one
-  before it with the hottest experts that run left (`--expert-cache-heat`), the others start cold;
+- start → ready: `serve` start to its `ready` line, from a cold page cache (the checkpoint's pages are
+  dropped first with `posix_fadvise(DONTNEED)`, as on a fresh node); each configuration is started once
+  before, so the CPU forms a new cache shape needs are measured then, not in this figure. The last row
+  restarts the one before it with the hottest experts that run left (`--expert-cache-heat`);
 - prefetch used / wasted: experts packed ahead on the router's prediction, then hit / evicted unused.
 
 transformers runs the same prompts in static batches of --max-batch-size (`model.generate`, greedy).
@@ -61,6 +62,16 @@ def scrape(port: int) -> dict[str, float]:
         return parse(r.read().decode())
 
 
+def drop_page_cache(model: Path) -> None:
+    """Evict the checkpoint's clean pages from the page cache (no root needed), so a start reads from disk."""
+    for f in model.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()  # type: ignore[union-attr]
@@ -91,6 +102,7 @@ def run_config(model: Path, capacity: str, policy: str, aware: bool, prefetch: b
     else:
         cmd += ["--expert-cache-heat", "off"]
     stop(start([*cmd[:cmd.index("--expert-cache-heat")], "--expert-cache-heat", "off"])[0])   # CPU forms measured
+    drop_page_cache(model)
     t0 = time.perf_counter()
     p, addr = start(cmd)
     try:

@@ -187,16 +187,23 @@ def serve(opts: ServeOptions) -> int:
     try:
         # Every child starts at once (the router loads its weights while the workers load theirs, and waits
         # for them): the workers get their ports up front, so the router knows where to find them.
+        t_start = time.monotonic()
         ports = free_ports(n)
         procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i])) for i in range(n)]
         workers = tuple(f"127.0.0.1:{port}" for port in ports)
         router = fleet.spawn("router", opts.router_options(workers, router_threads))
-        addrs = [fleet.wait_ready(p, f"expert worker {i}/{n}") for i, p in enumerate(procs)]
+        addrs, ready_s = [], []
+        for i, p in enumerate(procs):
+            addrs.append(fleet.wait_ready(p, f"expert worker {i}/{n}"))
+            ready_s.append(time.monotonic() - t_start)
         addr = fleet.wait_ready(router, "router")
     except (RuntimeError, OSError) as exc:
         log.error("%s", exc)
         fleet.stop()
         return 1
+    cache = opts.cache.expert_cache_capacity
+    log.info("fleet ready in %.1fs (workers ready after %s s; expert cache: %s)", time.monotonic() - t_start,
+             ", ".join(f"{t:.1f}" for t in ready_s), "every expert packed" if cache == "all" else cache)
     print(f"ready {addr}", flush=True)
 
     def drain(p: subprocess.Popen) -> None:

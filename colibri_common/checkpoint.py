@@ -127,6 +127,11 @@ class Checkpoint:
                 os.close(fd)
         return self._maps[path]
 
+    def map_all(self) -> None:
+        """Map every file now (a reader that maps lazily from several threads could map one twice)."""
+        for e in self.entries.values():
+            self._map(e.file)
+
     def view(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """A zero-copy tensor over the mapped bytes (no page is read until used)."""
         e = self.check(name, shape) if shape is not None else self.entry(name)

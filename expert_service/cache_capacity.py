@@ -19,7 +19,7 @@ from dataclasses import dataclass
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SPEC = re.compile(r"^\s*(?:(?P<all>all)|(?P<n>\d+)\s*(?P<per>/\s*layer)?|(?P<pct>\d+(?:\.\d+)?)\s*%"
-                   r"|(?P<size>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]?i?b))\s*$", re.IGNORECASE)
+                   r"|(?P<size>\d+(?:\.\d+)?)\s*(?P<unit>(?:[kmgt]i?)?b))\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,10 @@ def check_capacity(spec: str) -> None:
     m = _SPEC.match(spec)
     if m and m["pct"] is not None and not 0 < float(m["pct"]) <= 100:
         raise ValueError(f"--expert-cache-capacity {spec}: a share must be in (0, 100]%")
+    if m and m["n"] is not None and int(m["n"]) < 1:
+        raise ValueError(f"--expert-cache-capacity {spec}: at least 1 expert")
+    if m and m["size"] is not None and not float(m["size"]) > 0:
+        raise ValueError(f"--expert-cache-capacity {spec}: a byte budget must be positive")
 
 
 def parse_capacity(spec: str, experts_per_layer: int, num_layers: int, expert_bytes: int) -> CacheCapacity:

@@ -95,6 +95,7 @@ class ExpertCache:
                  policy: str, make: Callable[..., Weight], device: torch.device, half_life: float = 256.0,
                  warm: CacheCapacity | None = None, make_warm: Callable[..., Weight] | None = None) -> None:
         self.cfg, self.ckpt, self.device = cfg, ckpt, device
+        ckpt.map_all()                          # every file mapped once, before any thread reads through it
         self.held = set(experts)
         self.hot = Tier("hot", cfg, capacity, policy, half_life, make)
         self.warm = None if warm is None or make_warm is None else Tier("warm", cfg, warm, policy, half_life,
@@ -125,8 +126,9 @@ class ExpertCache:
                 pack_expert(self.cfg, self.ckpt, layer, e, self.warm.w13[wslot], self.warm.w2[wslot])
             else:
                 self.warm.pool(layer).policy.access(key)
-            self.hot.w13[slot].copy_(self.warm.w13[wslot], non_blocking=True)
-            self.hot.w2[slot].copy_(self.warm.w2[wslot], non_blocking=True)
+            # a blocking copy: the warm slot may be re-packed by the CPU as soon as the lock is let go
+            self.hot.w13[slot].copy_(self.warm.w13[wslot])
+            self.hot.w2[slot].copy_(self.warm.w2[wslot])
         if prefetch:
             self.prefetched.add(key)
             self.stats.prefetched += 1
@@ -153,28 +155,33 @@ class ExpertCache:
     # -- compute -------------------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids [T, K] global ids (-1 or others' experts ignored), weights [T, K] -> [T, H]."""
-        E = self.cfg.num_experts
         valid = ids[ids >= 0].unique().tolist()                                # experts the call names
-        need = [e for e in valid if e in self.held]
         cap = self.hot.pool(layer).size
-        out: torch.Tensor | None = None
         with self.lock:
-            for start in range(0, max(1, len(need)), cap):                    # rounds of at most `cap`
-                chunk = need[start:start + cap]
-                slot_map = torch.full((E,), -1, dtype=torch.long)              # [E] global -> hot slot
-                if chunk:
-                    slot_map[chunk] = torch.tensor(self._ensure(layer, chunk))
-                y = fused_moe(x, self.hot.w13, self.hot.w2, ids, weights, slot_map.to(self.device))  # [T, H]
-                out = y if out is None else out + y
-        assert out is not None
-        return out
+            # the hot ones first: a round's misses never evict an expert a later round needs and has
+            need = sorted((e for e in valid if e in self.held), key=lambda e: (layer, e) not in self.hot.slot_of)
+            if len(need) <= cap:                                              # the usual case: one round
+                return fused_moe(x, self.hot.w13, self.hot.w2, ids, weights, self._slot_map(layer, need))
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H] rounds summed in float32
+            for start in range(0, len(need), cap):                            # rounds of at most `cap`
+                out += fused_moe(x, self.hot.w13, self.hot.w2, ids, weights,
+                                 self._slot_map(layer, need[start:start + cap])).float()
+            return out.to(x.dtype)
+
+    def _slot_map(self, layer: int, experts: list[int]) -> torch.Tensor:
+        """[E] global id -> hot slot for `experts` (packed now if missing), -1 for every other id."""
+        slot_map = torch.full((self.cfg.num_experts,), -1, dtype=torch.long)
+        if experts:
+            slot_map[experts] = torch.tensor(self._ensure(layer, experts))
+        return slot_map.to(self.device)
 
     # -- prefetch ------------------------------------------------------------------------------------
     def hint(self, layer: int, experts: list[int]) -> None:
         """The router predicts `layer` will need `experts` (global ids) next: pack them off the critical path."""
         mine = [e for e in experts if e in self.held]
         if mine and layer in self.cfg.moe_layers:
-            self.stats.prefetch_hints += 1
+            with self.lock:
+                self.stats.prefetch_hints += 1
             self._hints.put((layer, mine))
 
     def _prefetch_loop(self) -> None:
@@ -192,15 +199,14 @@ class ExpertCache:
                     log.exception("prefetch of layer %d failed", layer)
 
     def _prefetch(self, layer: int, experts: list[int]) -> None:
-        cap = self.hot.pool(layer).size
-        for i, e in enumerate(experts):
-            key = (layer, e)
-            if i >= cap // 2:                       # never push out more than half a pool on a guess
-                will_need(self.cfg, self.ckpt, layer, e)
-                continue
+        take = experts[:self.hot.pool(layer).size // 2]          # never push out more than half a pool on a guess
+        batch = {(layer, e) for e in take}                       # nor one guess's expert for another of it
+        for e in experts[len(take):]:
+            will_need(self.cfg, self.ckpt, layer, e)
+        for e in take:
             with self.lock:
-                if key not in self.hot.slot_of:
-                    self._fill(key, set(), prefetch=True)
+                if (layer, e) not in self.hot.slot_of:
+                    self._fill((layer, e), batch, prefetch=True)
 
     # -- warm start ----------------------------------------------------------------------------------
     def hottest(self) -> list[Key]:

@@ -14,23 +14,26 @@ from expert_service.cache_policy import POLICIES
 class ExpertCacheOptions:
     """The hot-expert cache of a worker (`serve` gives every worker the same)."""
 
-    expert_cache_capacity: str = option("all", "experts kept packed and ready: all, N in total, N/layer, a share "
-                                               "of this worker's experts (25%) or bytes (2GiB); the rest stay "
-                                               "mapped from the checkpoint and are packed when a call needs them",
+    expert_cache_capacity: str = option("all", "experts kept packed and ready: all, N in total (one pool), N/layer, "
+                                               "a share of this worker's experts (25%) or bytes (2GiB), a share or "
+                                               "bytes split evenly over the MoE layers; the rest stay mapped from "
+                                               "the checkpoint and are packed when a call needs them",
                                         metavar="all|N|N/layer|P%|BYTES")
     expert_cache_policy: str = option("lru", "which hot expert a miss evicts: least recently used, or least "
                                              "frequently used with aging (--expert-cache-half-life)", choices=POLICIES)
     expert_cache_half_life: float = option(256.0, "LFU: accesses after which an expert's past use counts half")
-    expert_cache_host_capacity: str = option("all", "GPU workers: experts also kept in pinned host memory (a "
-                                                    "warm tier: a GPU miss found there is one copy)",
-                                             metavar="all|N|N/layer|P%|BYTES")
+    expert_cache_host_capacity: str = option("off", "GPU workers with a bounded cache: experts also kept in pinned "
+                                                    "host memory (a warm tier: a GPU miss found there is one copy; "
+                                                    "its slots are pinned at start)",
+                                             metavar="off|all|N|N/layer|P%|BYTES")
     expert_cache_heat: str = option("auto", "JSON file of the hottest experts, written on stop and packed on the next "
                                             "start before ready ('auto' = one per checkpoint and shard beside the "
                                             "CPU forms file; 'off' = start cold)", metavar="PATH|auto|off")
 
     def __post_init__(self) -> None:
         check_capacity(self.expert_cache_capacity)
-        check_capacity(self.expert_cache_host_capacity)
+        if self.expert_cache_host_capacity != "off":
+            check_capacity(self.expert_cache_host_capacity)
         if not self.expert_cache_half_life > 0:
             raise ValueError(f"--expert-cache-half-life must be positive, got {self.expert_cache_half_life}")
 

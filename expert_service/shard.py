@@ -22,6 +22,7 @@ from tqdm import tqdm
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.placement import replica_experts
+from colibri_common.tensors import expert_tensors, fused_expert_tensors
 from expert_service.cache_capacity import CacheCapacity, parse_capacity
 from expert_service.expert_cache import ExpertCache
 from expert_service.packing import pack_expert
@@ -68,14 +69,14 @@ class CacheSetting:
 
 
 def cache_setting(cfg: ModelConfig, num_local: int, dtype: torch.dtype, quantize: str | None, capacity: str,
-                  policy: str = "lru", half_life: float = 256.0, host_capacity: str = "all") -> CacheSetting | None:
+                  policy: str = "lru", half_life: float = 256.0, host_capacity: str = "off") -> CacheSetting | None:
     """The cache a worker holding `num_local` experts per layer gets from its flags; None = all hot."""
     each = packed_expert_bytes(cfg, dtype, quantize)
     hot = parse_capacity(capacity, num_local, len(cfg.moe_layers), each)
     if not hot.bounded:
         return None
-    warm = parse_capacity(host_capacity, num_local, len(cfg.moe_layers), each)
-    if not warm.bounded:                    # all of the shard in pinned host memory
+    warm = None if host_capacity == "off" else parse_capacity(host_capacity, num_local, len(cfg.moe_layers), each)
+    if warm is not None and not warm.bounded:                    # all of the shard in pinned host memory
         warm = CacheCapacity(num_local, per_layer=True)
     return CacheSetting(hot, policy, half_life, warm)
 
@@ -105,6 +106,7 @@ class ExpertShard:
         self.cache: ExpertCache | None = None
         self.ckpt = ckpt
         if cache is not None and cache.capacity.bounded:
+            self._check_tensors(ckpt)
             pin = self.device.type == "cuda"
             self.cache = ExpertCache(cfg, ckpt, self.experts, cache.capacity, cache.policy, self._empty, self.device,
                                      cache.half_life, cache.warm if pin else None,
@@ -113,6 +115,19 @@ class ExpertShard:
         for layer in tqdm(cfg.moe_layers, desc=f"experts {shard}/{num_shards}", unit="layer",
                           disable=not progress):
             self.w13[layer], self.w2[layer] = self._pack(ckpt, layer)
+
+    def _check_tensors(self, ckpt: Checkpoint) -> None:
+        """Every expert tensor this shard will read exists with its shape (headers only): a cache packs them
+        later, so a bad checkpoint must fail here, at start, not at some call's first miss."""
+        for layer in self.cfg.moe_layers:
+            fused = fused_expert_tensors(self.cfg, layer)
+            if fused["gate_up"][0] in ckpt:
+                for name, shape in fused.values():
+                    ckpt.check(name, shape)
+                continue
+            for e in self.experts:
+                for name, shape in expert_tensors(self.cfg, layer, e).values():
+                    ckpt.check(name, shape)
 
     def _empty(self, *shape: int) -> Weight:
         if self.quantize == "int8":

@@ -86,9 +86,8 @@ class Engine:
         """Raises QueueFull when the waiting queue is at its bound, Draining when the router is shutting down,
         DuplicateId when an open request has this request_id, NeverFits (a ValueError) for a request the
         whole KV cache cannot hold."""
-        if self.model.track_routing and not seq.experts:     # routing-aware batching: its likely experts
-            with device_scope(self.model.device):
-                seq.experts = self.model.predict_experts(seq.prompt_ids)
+        if self.model.track_routing and not seq.experts and not self.draining:   # routing-aware batching
+            seq.experts = self._likely_experts(seq)
         with self._cv:
             if self.draining or self._stop:
                 raise Draining("the router is shutting down (draining); retry on another replica")
@@ -109,6 +108,15 @@ class Engine:
             self.by_request_id[seq.request_id] = seq
             self._cv.notify()
         return q
+
+    def _likely_experts(self, seq: Sequence) -> frozenset[int]:
+        """A new prompt's likely experts (its gates on its embeddings); none if that fails: it is only a hint."""
+        try:
+            with device_scope(self.model.device):
+                return self.model.predict_experts(seq.prompt_ids)
+        except Exception:  # noqa: BLE001 (admission goes on without the hint)
+            log.exception("request %s: predicting its experts failed; admitted without them", seq.request_id)
+            return frozenset()
 
     def abort(self, request_id: str) -> bool:
         """The client-facing Abort: the open request with this id, if any."""

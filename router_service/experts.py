@@ -184,7 +184,6 @@ class RemoteExperts:
         self.owner = torch.full((cfg.num_experts,), -1, dtype=torch.long)    # [E] expert -> worker
         self.watcher: WorkerWatch | None = None
         self.step = 0
-        self.ahead: expert_pb2.Prefetch | None = None       # the prediction that goes with this layer's messages
         # metrics: a layer's send → answer per worker; token rows sent per worker; optionally the tokens
         # routed to each (layer, expert), for finding hot experts
         self.dispatch_seconds = Histogram("colibri:worker_dispatch_seconds", "One MoE layer's send to answer, "
@@ -215,8 +214,10 @@ class RemoteExperts:
                                   f"{want} ones; start router and workers with the same --quantize")
             self.holders[list(d.experts), w] = True
             self.owner[list(d.experts)] = torch.where(self.owner[list(d.experts)] < 0, w, self.owner[list(d.experts)])
-            log.info("worker %s: shard %d/%d, experts %d..%d, %.1f MiB %s", link.address, d.shard_index,
-                     d.num_shards, min(d.experts), max(d.experts), d.packed_bytes / 2**20, d.dtype)
+            held = (f"{d.packed_bytes / 2**20:.1f} MiB" if not d.expert_cache_slots else
+                    f"an expert cache of {d.expert_cache_slots} slots")
+            log.info("worker %s: shard %d/%d, experts %d..%d, %s %s", link.address, d.shard_index,
+                     d.num_shards, min(d.experts), max(d.experts), held, d.dtype)
         self.replicated = bool(self.holders.sum(dim=1).max() > 1)
         missing = (self.owner < 0).nonzero().flatten().tolist()
         if missing:
@@ -258,7 +259,7 @@ class RemoteExperts:
                prefetch: Prefetch | None = None) -> InFlight:
         """hidden [T, H], ids [T, K], weights [T, K] float32 -> a handle for Σ_k w_k · FFN_{e_k}(x) [T, H]."""
         t0 = time.perf_counter()
-        self.ahead = None if prefetch is None else expert_pb2.Prefetch(layer=prefetch[0], experts=prefetch[1])
+        ahead = None if prefetch is None else expert_pb2.Prefetch(layer=prefetch[0], experts=prefetch[1])
         self.step += 1
         x, ids32, w32 = self.staging.to_host(hidden.to(self.wire_dtype),     # [T, H] on the wire
                                              ids.to(torch.int32), weights.float())  # [T, K]
@@ -275,8 +276,8 @@ class RemoteExperts:
                 raise ExpertsUnavailable(f"the experts some tokens need have no live worker (down: "
                                          f"{', '.join(down)})", unplaced.nonzero().flatten())
             for wp in split_pairs(assigned, ids32, len(self.addresses)):
-                parts.append(Part(wp.worker, wp.rows, self.send(wp.worker, layer, x[wp.rows], wp.ids, w32[wp.rows]),
-                                  assigned == wp.worker))
+                parts.append(Part(wp.worker, wp.rows, self.send(wp.worker, layer, x[wp.rows], wp.ids, w32[wp.rows],
+                                                                ahead), assigned == wp.worker))
         else:
             whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
             for wr in partition(self.owner, ids32, len(self.links.links)):
@@ -286,7 +287,7 @@ class RemoteExperts:
                 else:
                     enc = (wire.encode(x[wr.rows]), wire.encode(ids32[wr.rows]), wire.encode(w32[wr.rows]))
                 req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
-                                                step=self.step, prefetch=self.ahead)
+                                                step=self.step, prefetch=ahead)
                 parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
         self.timers["dispatch"] += time.perf_counter() - t0
@@ -294,11 +295,12 @@ class RemoteExperts:
         keep = (lambda t: t.clone()) if self.staging.pinned else (lambda t: t)   # noqa: E731
         return InFlight(self, layer, hidden, keep(x), keep(ids32), keep(w32), parts)
 
-    def send(self, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Reply:
+    def send(self, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             ahead: expert_pb2.Prefetch | None = None) -> Reply:
         """Worker w's share of a layer, already cut to its rows ([n, H], [n, K] with -1 for pairs computed
-        elsewhere, [n, K])."""
+        elsewhere, [n, K]); `ahead` the next layer's predicted experts (a failover re-send carries none)."""
         req = expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(x), topk_ids=wire.encode(ids),
-                                        topk_weights=wire.encode(weights), step=self.step, prefetch=self.ahead)
+                                        topk_weights=wire.encode(weights), step=self.step, prefetch=ahead)
         self.worker_rows[w] += x.shape[0]
         return self.links.links[w].send(req)
 

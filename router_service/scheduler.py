@@ -6,9 +6,10 @@ newest running sequence is preempted (its blocks freed, recomputed later).
 
 Routing-aware batching (`--routing-aware-batching`): when more requests wait than fit, the next one
 admitted is the one whose recent experts (`Sequence.experts`, kept by the engine) overlap the running
-batch's most, so a batch shares experts and a bounded expert cache hits. A request passed over by a
-younger one `max_passed_over` times goes next whatever its experts, so none starves; a preempted one
-goes first.
+batch's most, so a batch shares experts and a bounded expert cache hits. A request passed over (a
+younger one admitted while it waits) in `max_passed_over` rounds of admission goes next whatever its
+experts, so none starves; a preempted one goes first. Only the `SCAN` oldest waiting requests are
+scored, so an admission costs O(SCAN · |experts|).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from colibri_common.options import option
 from router_service.block_allocator import BlockAllocator, OutOfBlocks
 from router_service.sequence import Sequence, Status
+
+SCAN = 64        # routing-aware batching looks at this many of the oldest waiting requests per admission
 
 
 class QueueFull(Exception):
@@ -38,8 +41,8 @@ class SchedulerConfig:
     max_model_len: int = option(4096, "prompt + output tokens of one request (capped by the model's own limit)")
     routing_aware_batching: bool = option(False, "admit first the waiting requests whose recent experts overlap "
                                                  "the running batch's (a bounded expert cache hits more)")
-    max_passed_over: int = option(8, "routing-aware batching: times a request may be passed over by younger "
-                                     "ones before it goes next")
+    max_passed_over: int = option(8, "routing-aware batching: admission rounds in which a request may be passed "
+                                     "over by younger ones before it goes next")
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_waiting", "max_model_len", "max_passed_over"):
@@ -101,7 +104,7 @@ class Scheduler:
         if not self.cfg.routing_aware_batching or len(self.waiting) == 1:
             return 0
         best, best_share = 0, -1.0
-        for i, seq in enumerate(self.waiting):
+        for i, seq in enumerate(itertools.islice(self.waiting, SCAN)):
             if seq.passed_over >= self.cfg.max_passed_over:
                 return i
             share = len(seq.experts & batch) / len(seq.experts) if seq.experts else 0.0
@@ -129,6 +132,7 @@ class Scheduler:
                 out.append(Scheduled(seq, num_new))
                 budget -= num_new
         batch = set().union(*(s.experts for s in self.running)) if self.cfg.routing_aware_batching else set()
+        youngest = 0                                   # the youngest request admitted in this round
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
             i = self._next_waiting(batch)
             seq = self.waiting[i]
@@ -136,15 +140,24 @@ class Scheduler:
             try:
                 self.alloc.grow(seq.block_table, seq.num_cached + num_new)
             except OutOfBlocks:
-                break
+                if i == 0:
+                    break
+                i, seq = 0, self.waiting[0]                     # the preferred one does not fit: the oldest may
+                num_new = min(seq.num_tokens - seq.num_cached, budget)
+                try:
+                    self.alloc.grow(seq.block_table, seq.num_cached + num_new)
+                except OutOfBlocks:
+                    break
             del self.waiting[i]
-            for older in itertools.islice(self.waiting, i):     # a younger request went ahead of these
-                older.passed_over += 1
+            youngest = max(youngest, seq.uid)
             batch |= seq.experts
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.append(Scheduled(seq, num_new))
             budget -= num_new
+        for older in self.waiting:                     # passed over in this round: a younger one went ahead
+            if older.uid < youngest:
+                older.passed_over += 1
         # decode sequences (one new token after a cached prefix) first, as StepInputs expects
         out.sort(key=lambda s: 0 if s.num_new == 1 and s.seq.num_cached > 0 else 1)
         return out

@@ -71,7 +71,7 @@ class Sequence:
     last_token_at: float = 0.0
     uid: int = field(default_factory=lambda: next(_UIDS))
     experts: frozenset[int] = frozenset()   # recent routing, layer·E + e (routing-aware batching)
-    passed_over: int = 0                     # times a younger request was admitted first
+    passed_over: int = 0                     # admission rounds in which a younger request went first
 
     @property
     def num_tokens(self) -> int:

@@ -67,11 +67,17 @@ def test_capacity_forms(spec, want):
 
 
 @pytest.mark.parametrize("spec, message", [("lots", "not understood"), ("0%", r"\(0, 100\]"), ("150%", "100"),
-                                           ("0", "at least 1"), ("100KiB", "holds no expert")])
-def test_bad_capacities_say_what_to_write(spec, message):
+                                           ("0", "at least 1"), ("0/layer", "at least 1"), ("2ib", "not understood"),
+                                           ("0GiB", "positive")])
+def test_bad_capacities_are_refused_before_anything_loads(spec, message):
     with pytest.raises(ValueError, match=message):
         check_capacity(spec)
-        parse_capacity(spec, 8, 8, 2**20)
+
+
+def test_a_budget_under_one_expert_is_refused_with_its_size():
+    check_capacity("100KiB")
+    with pytest.raises(ValueError, match="holds no expert: one takes 1.0 MiB"):
+        parse_capacity("100KiB", 8, 8, 2**20)
 
 
 def test_hit_rate_of_the_last_minute_forgets_older_lookups():
@@ -154,3 +160,18 @@ def test_a_preempted_sequence_goes_back_first_under_routing_aware_batching():
     sched.add(_seq("c", {1}))                          # overlaps the running batch ({1}) more than b ({2})
     sched.schedule()                                   # one free slot: b takes it back, c waits
     assert [s.request_id for s in sched.running] == ["a", "b"]
+
+
+def test_one_round_of_admissions_passes_a_request_over_once():
+    sched = _sched(True, bound=3, batch=4)
+    anchor = _seq("anchor", {1, 2})
+    sched.add(anchor)
+    sched.schedule()
+    anchor.num_cached = anchor.num_tokens
+    odd = _seq("odd", {100})
+    sched.add(odd)
+    for i in range(3):
+        sched.add(_seq(f"m{i}", {1, 2}))
+    admitted = [s.seq.request_id for s in sched.schedule() if s.seq is not anchor]
+    assert admitted == ["m0", "m1", "m2"]                  # three younger ones went first, in one round...
+    assert odd.passed_over == 1                            # ... which counts once
