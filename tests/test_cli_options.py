@@ -16,7 +16,7 @@ from colibri import __version__
 from colibri.cli import COMMANDS, build_parser
 from colibri.launcher import ServeOptions, child_argv
 from colibri_common.options import Parser, _flags, add_options, from_args, option, to_argv
-from expert_service.options import ExpertOptions
+from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.options import RouterOptions
 from router_service.scheduler import SchedulerConfig
 from tests.conftest import COLIBRI
@@ -43,8 +43,9 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
                       grace_period=3.5, max_prompt_bytes=1000, max_request_bytes=9000, max_stop_token_ids=7,
                       stream_stall_timeout=4.5, expert_metrics=True, tls_client_auth=True, tls_cert="/c.pem",
                       tls_key="/k.pem", tls_ca="/ca.pem",
-                      quantize_dense=True, cpu_forms="/tmp/forms.json",
-                      sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99))
+                      quantize_dense=True, cpu_forms="/tmp/forms.json", expert_prefetch=True,
+                      sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99,
+                                            routing_aware_batching=True, max_passed_over=3))
     gpu = dataclasses.replace(r, device="cuda:1", quantize=None, quantize_dense=False)   # int8 is CPU-only
     changed = {f.name for o in (r, gpu) for f in dataclasses.fields(o)
                if getattr(o, f.name) != getattr(RouterOptions(), f.name)}
@@ -56,13 +57,22 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
         assert parse(RouterOptions, argv[1:]) == opts
     e = ExpertOptions(model="/m", shard="2/4", port=0, threads=1, log_level="WARNING")
     assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e
+    c = ExpertCacheOptions(expert_cache_capacity="3/layer", expert_cache_policy="lfu", expert_cache_half_life=9.5,
+                           expert_cache_host_capacity="2GiB", expert_cache_heat="/h.json")
+    assert all(getattr(c, f.name) != getattr(ExpertCacheOptions(), f.name) for f in dataclasses.fields(c))
+    e = dataclasses.replace(e, cache=c)
+    assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e
 
 
 def test_serve_hands_its_children_the_options_it_was_given():
     s = parse(ServeOptions, ["--model", "/m", "--workers", "3", "--dtype", "bfloat16", "--log-level", "warning",
-                             "--max-batch-size", "4", "--micro-batches", "2"], ServeOptions.EXCLUDED)
+                             "--max-batch-size", "4", "--micro-batches", "2", "--expert-cache-capacity", "25%",
+                             "--routing-aware-batching"], ServeOptions.EXCLUDED)
     assert s.workers == 3 and s.router.sched.max_batch_size == 4 and s.router.log_level == "WARNING"
+    assert s.router.sched.routing_aware_batching
     e = s.expert(2, threads=1)
+    assert e.cache == ExpertCacheOptions(expert_cache_capacity="25%")         # every worker gets the cache flags
+    e = dataclasses.replace(e, cache=ExpertCacheOptions())
     assert e == ExpertOptions(model="/m", dtype="bfloat16", log_level="WARNING", host="127.0.0.1", port=0,
                               threads=1, shard="2/3")
     router = dataclasses.replace(s.router, workers=("127.0.0.1:1",), threads=2)

@@ -106,11 +106,11 @@ class FailOnce:
     def __init__(self, inner, exc: Exception) -> None:
         self.inner, self.exc, self.armed = inner, exc, threading.Event()
 
-    def submit(self, layer, hidden, ids, weights):
+    def submit(self, layer, hidden, ids, weights, prefetch=None):
         if self.armed.is_set():
             self.armed.clear()
             raise self.exc
-        return self.inner.submit(layer, hidden, ids, weights)
+        return self.inner.submit(layer, hidden, ids, weights, prefetch)
 
 
 @pytest.mark.parametrize("exc, code", [(RuntimeError("boom"), "INTERNAL"),

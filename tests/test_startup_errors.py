@@ -52,6 +52,9 @@ def test_missing_tensor(ckpt, victim):
     assert out.returncode != 0 and f"missing tensor '{victim}'" in out.stderr
     out = run("serve", "--model", str(ckpt), "--workers", "2", "--port", "0")
     assert out.returncode != 0 and f"missing tensor '{victim}'" in out.stderr   # the child's error, reported
+    if ".experts." in victim:        # a worker that packs lazily still checks every tensor before ready
+        out = run("expert", "--model", str(ckpt), "--shard", "1/2", "--port", "0", "--expert-cache-capacity", "1")
+        assert out.returncode != 0 and f"missing tensor '{victim}'" in out.stderr
 
 
 def test_truncated_safetensors(ckpt):
