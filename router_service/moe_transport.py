@@ -162,6 +162,9 @@ class StreamLink(WorkerLink):
         self._awaiting: collections.deque[StreamReply] = collections.deque()   # sent, not yet answered
 
     def send(self, request: expert_pb2.ForwardRequest) -> Reply:
+        if self._stream is not None and self._stream.responses.done():  # type: ignore[attr-defined]
+            # it ended while idle (the worker died or restarted between steps): a new one, not a failed step
+            self.reset(f"expert worker {self.address}: its stream ended")
         if self._stream is None:
             self._stream = _OpenStream(self.stub)
         reply = StreamReply(self, request.layer)

@@ -23,8 +23,32 @@ COLIBRI = str(Path(sys.executable).parent / "colibri")
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 torch.set_num_threads(1)
-# The measured CPU forms of every service the suite starts go to one file of its own, not ~/.cache.
-os.environ.setdefault("COLIBRI_CACHE_DIR", tempfile.mkdtemp(prefix="colibri-test-cache-"))
+# The measured CPU forms (and expert heat files) of every service the suite starts go to a directory of
+# this run's own, not ~/.cache: one for the whole run, shared by pytest-xdist's workers (the forms file is
+# written under a lock), removed when the run ends.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if "COLIBRI_CACHE_DIR" not in os.environ:
+    if _RUN:
+        os.environ["COLIBRI_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"colibri-test-cache-{_RUN}")
+        os.makedirs(os.environ["COLIBRI_CACHE_DIR"], exist_ok=True)
+    else:
+        os.environ["COLIBRI_CACHE_DIR"] = tempfile.mkdtemp(prefix="colibri-test-cache-")
+    _OWN_CACHE = os.environ["COLIBRI_CACHE_DIR"]
+else:
+    _OWN_CACHE = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The run's cache directory goes when the run ends (on the controller, after every xdist worker)."""
+    import shutil
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if _OWN_CACHE:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    uid = getattr(session.config.option, "testrunuid", None)          # the workers' shared one
+    if uid:
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), f"colibri-test-cache-{uid}"), ignore_errors=True)
 
 
 @contextmanager

@@ -45,7 +45,7 @@ def test_staggered_concurrent_requests_with_overlapped_micro_batches_match_alone
 
 def test_cancellation_frees_the_kv_cache_at_once(oracles):
     port = free_port()
-    with fleet(oracles["mixtral"].path, 2, ["--metrics-port", str(port)]) as (addr, _):
+    with fleet(oracles["mixtral"].path, 1, ["--metrics-port", str(port)]) as (addr, _):
         client = Client(addr)
         total = metrics(port)
         assert total["colibri:kv_cache_blocks_total"] > 0

@@ -4,10 +4,8 @@ a hang or a crash; and a valid request afterwards is served with the right token
 
 from __future__ import annotations
 
-import signal
-import subprocess
-
 import grpc
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,7 +13,7 @@ from hypothesis import strategies as st
 from colibri.client import Client
 from colibri_common.pb import expert_pb2, expert_pb2_grpc, generation_pb2_grpc
 from colibri_common.pb import generation_pb2 as pb
-from tests.conftest import COLIBRI, fleet
+from tests.conftest import fleet
 
 CLIENT_ERRORS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
@@ -73,12 +71,19 @@ def generate_requests(draw) -> pb.GenerateRequest:
 
 
 @pytest.fixture(scope="module")
-def router(oracles):
+def served(oracles):
+    """One fleet for the module: the router's RPCs and one of its workers' are fuzzed."""
     oracle = oracles["olmoe"]
     with fleet(oracle.path, 2, ["--max-model-len", "64", "--max-batch-size", "8", "--max-waiting", "8"]) \
-            as (addr, _):
-        with grpc.insecure_channel(addr) as ch:
-            yield addr, oracle, generation_pb2_grpc.GenerationStub(ch), ch
+            as (addr, proc):
+        yield addr, proc, oracle
+
+
+@pytest.fixture(scope="module")
+def router(served):
+    addr, _, oracle = served
+    with grpc.insecure_channel(addr) as ch:
+        yield addr, oracle, generation_pb2_grpc.GenerationStub(ch), ch
 
 
 def still_serves(addr: str, oracle) -> None:
@@ -134,18 +139,16 @@ def tensors(draw, shape_hint: list[int], dtype_hint: str) -> expert_pb2.Tensor:
 
 
 @pytest.fixture(scope="module")
-def worker(oracles):
-    oracle = oracles["olmoe"]
-    p = subprocess.Popen([COLIBRI, "expert", "--model", str(oracle.path), "--shard", "0/2", "--port", "0",
-                          "--log-level", "ERROR", "--cpu-forms", "off", "--threads", "1"],
-                         stdout=subprocess.PIPE, text=True)
-    try:
-        addr = p.stdout.readline().split()[1]
-        with grpc.insecure_channel(addr) as ch:
-            yield expert_pb2_grpc.ExpertWorkerStub(ch), oracle.model.config, ch, addr
-    finally:
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=30)
+def worker(served):
+    """The fleet's worker of shard 0/2, as a process (its pid, to tell a crash and restart by serve from
+    surviving) and at its own address (serve starts it with --port=P)."""
+    _, proc, oracle = served
+    (w,) = [c for c in psutil.Process(proc.pid).children()
+            if "expert" in c.cmdline() and "--shard=0/2" in c.cmdline()]
+    port = next(a for a in w.cmdline() if a.startswith("--port=")).removeprefix("--port=")
+    addr = f"127.0.0.1:{port}"
+    with grpc.insecure_channel(addr) as ch:
+        yield expert_pb2_grpc.ExpertWorkerStub(ch), oracle.model.config, ch, w
 
 
 @st.composite
@@ -195,19 +198,12 @@ def test_raw_bytes_to_a_worker_are_refused_cleanly(worker, data, method):
     assert code in CLIENT_ERRORS, (code, data)
 
 
-def test_the_fuzzed_worker_still_gives_transformers_tokens(worker, oracles):
-    """The fuzzed worker (shard 0/2), a fresh shard 1/2 and a router: greedy tokens equal transformers'."""
-    _, _, _, addr = worker
-    oracle = oracles["olmoe"]
-    procs = [subprocess.Popen([COLIBRI, "expert", "--model", str(oracle.path), "--shard", "1/2", "--port", "0",
-                               "--log-level", "ERROR", "--cpu-forms", "off"], stdout=subprocess.PIPE, text=True)]
-    try:
-        other = procs[0].stdout.readline().split()[1]
-        procs.append(subprocess.Popen([COLIBRI, "router", "--model", str(oracle.path), "--workers", f"{addr},{other}",
-                                       "--port", "0", "--log-level", "ERROR", "--cpu-forms", "off"],
-                                      stdout=subprocess.PIPE, text=True))
-        still_serves(procs[1].stdout.readline().split()[1], oracle)
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-            p.wait(timeout=30)
+def test_the_fuzzed_worker_still_gives_transformers_tokens(served, worker):
+    """The fuzzed worker (shard 0/2) is the very process it was before the fuzzing (not one serve restarted
+    after a crash), and its fleet's greedy tokens equal transformers'."""
+    addr, proc, oracle = served
+    w = worker[3]
+    assert w.is_running() and w.status() != psutil.STATUS_ZOMBIE, "the fuzzed worker died"
+    assert w.pid in [c.pid for c in psutil.Process(proc.pid).children()
+                     if "--shard=0/2" in c.cmdline()], "serve restarted the fuzzed worker"
+    still_serves(addr, oracle)

@@ -30,6 +30,10 @@ class FakeCall:
     def __init__(self, requests, fail_on: int | None, code: grpc.StatusCode) -> None:
         self.requests, self.fail_on, self.code = requests, fail_on, code
         self.cancelled = threading.Event()
+        self.ended = False                    # the call terminated (it raised, or the worker went away)
+
+    def done(self) -> bool:
+        return self.ended or self.cancelled.is_set()
 
     def __iter__(self):
         return self
@@ -39,6 +43,7 @@ class FakeCall:
             raise FakeRpcError(grpc.StatusCode.CANCELLED)
         req = next(self.requests)
         if req.step == self.fail_on:
+            self.ended = True
             raise FakeRpcError(self.code)
         return expert_pb2.ForwardResponse(compute_ms=float(req.step))
 
@@ -106,3 +111,13 @@ def test_the_watchdog_cancels_only_a_stream_that_waits_too_long():
     lk._stream.waiting_since = time.monotonic() - 1.0            # a read blocked for a second
     lk.check_deadline()
     assert lk.stub.calls[0].cancelled.is_set()
+
+
+def test_a_stream_that_ended_between_steps_is_replaced_not_failed_on():
+    """The worker died (or was restarted) while no step was in flight: the next send opens a new stream."""
+    stub = FakeStub()
+    lk = link(stub)
+    assert lk.send(expert_pb2.ForwardRequest(layer=0, step=1)).get().compute_ms == 1.0
+    stub.calls[0].ended = True                                   # as gRPC reports a call its peer dropped
+    assert lk.send(expert_pb2.ForwardRequest(layer=0, step=2)).get().compute_ms == 2.0
+    assert len(stub.calls) == 2

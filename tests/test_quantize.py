@@ -88,7 +88,7 @@ def test_int8_experts_give_the_greedy_tokens_of_transformers_fp32(separated, arc
 def test_a_fleet_serves_int8_experts_and_the_router_refuses_float_workers_then(separated):
     oracle, data = separated["qwen3_moe"]
     prompt = data[5, :8].tolist()
-    with fleet(oracle.path, 2, ["--quantize", "int8", "--dtype", "bfloat16"]) as (addr, _):
+    with fleet(oracle.path, 1, ["--quantize", "int8", "--dtype", "bfloat16"]) as (addr, _):
         client = Client(addr)
         assert client.generate(prompt, 12).token_ids == oracle.greedy(prompt, 12)
         workers = tuple(client.model_info().workers)

@@ -39,12 +39,15 @@ def health(addr: str, service: str = "colibri.v1.Generation", timeout: float = 2
                                                     timeout=timeout).status
 
 
-def streams_beside(addr: str, bad, n: int = N) -> tuple[list, object]:
-    """8 greedy streams of n tokens, and `bad()` while they run: (their results, what bad returned)."""
+def streams_beside(addr: str, bad, n: int = N, still_open: bool = False) -> tuple[list, object]:
+    """8 greedy streams of n tokens, and `bad()` while they run: (their results, what bad returned).
+    still_open: assert that none of them has finished when `bad` starts."""
     client = Client(addr)
     with ThreadPoolExecutor(8) as pool:
         futs = [pool.submit(client.generate, p, n, ignore_eos=True) for p in PROMPTS]
         time.sleep(0.3)
+        if still_open:
+            assert not [f for f in futs if f.done()], "a stream ended before bad() began"
         out = bad()
         return [f.result() for f in futs], out
 
@@ -191,6 +194,9 @@ def test_clients_that_never_read_cannot_starve_health_or_others(oracles):
             ch.close()
 
 
+DRAIN_N = 150
+
+
 @pytest.mark.parametrize("target", ["serve", "router"])
 def test_sigterm_drains_open_streams_then_exits_0(oracles, target):
     oracle = oracles["qwen3_moe"]
@@ -204,40 +210,51 @@ def test_sigterm_drains_open_streams_then_exits_0(oracles, target):
             time.sleep(0.2)
             return code_of(lambda: client.generate([1, 2], 2, timeout=10)), health(addr)
 
-        results, (late, ready) = streams_beside(addr, signal_then_probe, n=400)
+        # 150 tokens: every stream is still open when SIGTERM lands (checked), so each must be drained
+        results, (late, ready) = streams_beside(addr, signal_then_probe, n=DRAIN_N, still_open=True)
         assert late == grpc.StatusCode.UNAVAILABLE and ready == health_pb2.HealthCheckResponse.NOT_SERVING
         for p, r in zip(PROMPTS, results, strict=True):
-            assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, 400))
+            assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, DRAIN_N))
         assert proc.wait(timeout=60) == 0             # serve exits 0 only when its router exited 0
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
-def test_readiness_follows_the_workers(oracles, how):
+WORKER_TIMEOUT = 3
+
+
+def test_readiness_follows_the_workers(oracles):
+    """One fleet, two phases: a worker SIGKILLed (serve restarts it), then the other one frozen by SIGSTOP
+    (then SIGCONT). Each time readiness turns NOT_SERVING within 3 s and SERVING again once the worker is back.
+    The kill comes first, before any request has opened the router's streams to the workers, as it did on a
+    fleet of its own."""
     oracle = oracles["olmoe"]
-    with fleet(oracle.path, 2, ["--worker-timeout", "5"]) as (addr, proc):
+    with fleet(oracle.path, 2, ["--worker-timeout", str(WORKER_TIMEOUT)]) as (addr, proc):
         assert health(addr) == health_pb2.HealthCheckResponse.SERVING
-        worker = next(c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline()))
-        t0 = time.monotonic()
-        worker.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-        while health(addr) == health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() - t0 < 3, "readiness still SERVING 3 s after a worker was lost"
-            time.sleep(0.1)
-        if how == "stop":                           # a frozen worker: requests fail within --worker-timeout
-            t1 = time.monotonic()
-            assert code_of(lambda: Client(addr).generate([1, 2, 3], 4, timeout=60)) == grpc.StatusCode.UNAVAILABLE
-            assert time.monotonic() - t1 < 5 + 3
-            worker.send_signal(signal.SIGCONT)      # serve restarts a killed worker itself
-        t0 = time.monotonic()
-        while health(addr) != health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() - t0 < 60, "readiness did not come back"
-            time.sleep(0.2)
-        assert Client(addr).generate([1, 2, 3], 4, timeout=30).token_ids == oracle.greedy([1, 2, 3], 4)
+        workers = [c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline())]
+        assert len(workers) == 2
+        for how, worker in (("kill", workers[0]), ("stop", workers[1])):
+            t0 = time.monotonic()
+            worker.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            while health(addr) == health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() - t0 < 3, f"{how}: readiness still SERVING 3 s after a worker was lost"
+                time.sleep(0.1)
+            if how == "stop":                       # a frozen worker: requests fail within --worker-timeout
+                t1 = time.monotonic()
+                assert code_of(lambda: Client(addr).generate([1, 2, 3], 4, timeout=60)) == \
+                    grpc.StatusCode.UNAVAILABLE
+                assert time.monotonic() - t1 < WORKER_TIMEOUT + 3
+                worker.send_signal(signal.SIGCONT)  # serve restarts a killed worker itself
+            t0 = time.monotonic()
+            while health(addr) != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() - t0 < 60, f"{how}: readiness did not come back"
+                time.sleep(0.2)
+            assert Client(addr).generate([1, 2, 3], 4, timeout=30).token_ids == oracle.greedy([1, 2, 3], 4), how
 
 
 def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_at_start(oracles):
-    out = subprocess.run([COLIBRI, "serve", "--model", str(oracles["olmoe"].path), "--workers", "1", "--port", "0",
-                          "--kv-cache-blocks", "4", "--block-size", "8", "--max-model-len", "512"],
-                         capture_output=True, text=True, timeout=120)
+    # the router alone: it sizes its KV cache before it contacts a worker (this address has none)
+    out = subprocess.run([COLIBRI, "router", "--model", str(oracles["olmoe"].path), "--workers", "127.0.0.1:1",
+                          "--port", "0", "--cpu-forms", "off", "--kv-cache-blocks", "4", "--block-size", "8",
+                          "--max-model-len", "512"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "--max-model-len 512 needs 64 KV blocks of 8 tokens, but the KV cache holds 4" in out.stderr, out.stderr

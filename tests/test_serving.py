@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from colibri.client import Client
 from colibri_common.tokenizer import Tokenizer
@@ -97,22 +98,15 @@ def test_generate_cli_json(served):
     assert last["finish_reason"] == "length"
 
 
-def test_sigterm_stops_every_child(oracles):
-    with fleet(oracles["olmoe"].path, 2) as (addr, proc):
-        children = psutil.Process(proc.pid).children(recursive=True)
-        cmdlines = [" ".join(c.cmdline()) for c in children]
-        assert sum("colibri expert --model" in c and "--shard" in c for c in cmdlines) == 2
-        assert sum("colibri router --model" in c for c in cmdlines) == 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        gone, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive
-
-
-def test_worker_death_is_unavailable_then_the_worker_is_restarted(tmp_path):
+def test_worker_death_is_unavailable_then_the_worker_is_restarted_and_sigterm_stops_every_child(tmp_path):
+    """serve's children are named by role; a killed worker fails requests UNAVAILABLE and is restarted; then
+    SIGTERM to serve stops every child, the restarted worker too, and serve exits 0."""
     model = build_model(small_config("olmoe"), seed=5)
     path = save_checkpoint(model, tmp_path / "m")
     with fleet(path, 2) as (addr, proc):
+        cmdlines = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert sum("colibri expert --model" in c and "--shard" in c for c in cmdlines) == 2
+        assert sum("colibri router --model" in c for c in cmdlines) == 1
         client = Client(addr)
         model_tokens = client.generate([1, 2, 3], 4).token_ids
         assert len(model_tokens) == 4
@@ -132,6 +126,28 @@ def test_worker_death_is_unavailable_then_the_worker_is_restarted(tmp_path):
             except grpc.RpcError:
                 assert time.monotonic() < deadline, "the fleet did not recover from a dead worker"
                 time.sleep(1)
+        # a worker that dies between requests is restarted, and once the router is SERVING again the very
+        # next request succeeds: the router's stream to the old process is replaced, not failed on
+        worker = next(c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline()))
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(addr))
+        check = health_pb2.HealthCheckRequest(service="colibri.v1.Generation")
+        while health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "readiness never noticed the dead worker"
+            time.sleep(0.05)
+        while health.Check(check, timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "the worker was not restarted"
+            time.sleep(0.1)
+        assert client.generate([1, 2, 3], 4, timeout=60).token_ids == model_tokens
+        children = psutil.Process(proc.pid).children(recursive=True)
+        cmdlines = [" ".join(c.cmdline()) for c in children]
+        assert sum("colibri expert --model" in c and "--shard" in c for c in cmdlines) == 2
+        assert sum("colibri router --model" in c for c in cmdlines) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive
 
 
 def test_bench_cli_json(served):

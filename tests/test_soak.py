@@ -40,7 +40,7 @@ def one(client: Client, i: int) -> str:
 def test_a_thousand_requests_with_cancels_and_deadlines_leave_nothing_behind(oracles):
     oracle = oracles["qwen2_moe"]
     port = free_port()
-    with fleet(oracle.path, 2, ["--metrics-port", str(port), "--max-batch-size", "16"]) as (addr, proc):
+    with fleet(oracle.path, 1, ["--metrics-port", str(port), "--max-batch-size", "16"]) as (addr, proc):
         router = next(c for c in psutil.Process(proc.pid).children() if " router " in f" {' '.join(c.cmdline())} ")
         client = Client(addr)
         with ThreadPoolExecutor(16) as pool:

@@ -50,7 +50,7 @@ def test_missing_tensor(ckpt, victim):
     save_file(tensors, ckpt / "model.safetensors")
     out = run("validate", "--model", str(ckpt))
     assert out.returncode != 0 and f"missing tensor '{victim}'" in out.stderr
-    out = run("serve", "--model", str(ckpt), "--workers", "2", "--port", "0")
+    out = run("serve", "--model", str(ckpt), "--workers", "1", "--port", "0")
     assert out.returncode != 0 and f"missing tensor '{victim}'" in out.stderr   # the child's error, reported
     if ".experts." in victim:        # a worker that packs lazily still checks every tensor before ready
         out = run("expert", "--model", str(ckpt), "--shard", "1/2", "--port", "0", "--expert-cache-capacity", "1")
@@ -75,7 +75,7 @@ def test_bad_shard_flag(ckpt):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda is valid here")
 @pytest.mark.parametrize("args", [["expert", "--shard", "0/2", "--device", "cuda"],
                                   ["router", "--workers", "127.0.0.1:1", "--device", "cuda:0"],
-                                  ["serve", "--workers", "2", "--gpus", "0,1"]])
+                                  ["serve", "--workers", "1", "--gpus", "0,1"]])
 def test_a_gpu_device_on_a_machine_without_one_is_a_clear_error(ckpt, args):
     out = run(*args, "--model", str(ckpt), "--port", "0")
     assert out.returncode != 0

@@ -81,20 +81,24 @@ def test_each_worker_holds_about_its_shard(big):
 
 
 def start_expert(path, *extra: str) -> subprocess.Popen:
-    p = subprocess.Popen([COLIBRI, "expert", "--model", str(path), "--shard", "0/2", "--port", "0", "--threads", "1",
-                          "--dtype", "bfloat16", "--log-level", "WARNING", "--cpu-forms", "off", *extra],
-                         stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([COLIBRI, "expert", "--model", str(path), "--shard", "0/2", "--port", "0", "--threads",
+                             "1", "--dtype", "bfloat16", "--log-level", "WARNING", "--cpu-forms", "off", *extra],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def wait_ready(p: subprocess.Popen) -> None:
     line = p.stdout.readline()
     assert line.startswith("ready "), line
-    return p
 
 
 def test_int8_experts_take_about_half_the_memory_of_bf16(big):
     """Half of the 32 experts x 8 layers: 302 MB in bf16, 151 MB (+ 0.5 MB of scales) in int8."""
     path, _ = big
     expert_bytes_bf16 = 16 * L * 3 * H * I * 2
-    procs = [start_expert(path), start_expert(path, "--quantize", "int8")]
+    procs = [start_expert(path), start_expert(path, "--quantize", "int8")]     # both load at once
     try:
+        for p in procs:
+            wait_ready(p)
         rss = [psutil.Process(p.pid).memory_info().rss for p in procs]
         peaks = [peak_rss(p.pid) for p in procs]
     finally:
