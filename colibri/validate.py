@@ -27,12 +27,10 @@ class ValidateOptions:
 
 
 def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> int:
-    from colibri_common.tensors import expert_tensors, fused_expert_tensors
+    from colibri_common.tensors import stored_expert_tensors
 
-    fused = fused_expert_tensors(cfg, layer)
-    if fused["gate_up"][0] in ckpt:
-        return sum(ckpt.check(n, s).nbytes // cfg.num_experts for n, s in fused.values())
-    return sum(ckpt.check(n, s).nbytes for n, s in expert_tensors(cfg, layer, expert).values())
+    fused, specs = stored_expert_tensors(cfg, layer, expert, ckpt)
+    return sum(ckpt.check(n, s).nbytes // (cfg.num_experts if fused else 1) for n, s in specs.values())
 
 
 def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:

@@ -7,6 +7,8 @@ I an expert's (or a dense MLP's) width.
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from colibri_common.config import ModelConfig
 
 Spec = tuple[str, tuple[int, ...]]
@@ -86,6 +88,16 @@ def expert_tensors(cfg: ModelConfig, layer: int, expert: int) -> dict[str, Spec]
     """Roles gate, up, down of one routed expert, in the per-expert layout checkpoints are published in."""
     prefix = f"{layer_prefix(layer)}{cfg.arch.moe_prefix}.experts.{expert}."
     return mlp_tensors(prefix, cfg.moe_intermediate_size, cfg.hidden_size, cfg.arch.expert_names)
+
+
+def stored_expert_tensors(cfg: ModelConfig, layer: int, expert: int, names: Container[str]
+                          ) -> tuple[bool, dict[str, Spec]]:
+    """The tensors that hold `expert` in a checkpoint whose tensor names are `names`: (fused, specs), the
+    fused layer-wide tensors (expert = first index) when the checkpoint has them, else the per-expert ones."""
+    fused = fused_expert_tensors(cfg, layer)
+    if fused["gate_up"][0] in names:
+        return True, fused
+    return False, expert_tensors(cfg, layer, expert)
 
 
 def fused_expert_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:

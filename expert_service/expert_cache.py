@@ -50,12 +50,11 @@ class Pool:
 class Tier:
     """Packed experts in one memory: slots, the key in each, the pools that evict."""
 
-    def __init__(self, name: str, cfg: ModelConfig, capacity: CacheCapacity, policy: str, half_life: float,
+    def __init__(self, cfg: ModelConfig, capacity: CacheCapacity, policy: str, half_life: float,
                  make: Callable[..., Weight]) -> None:
         L, H, I = len(cfg.moe_layers), cfg.hidden_size, cfg.moe_intermediate_size
         total = capacity.total_slots(L)
         assert total is not None, "a tier has a bounded number of slots"
-        self.name = name
         self.w13 = make(total, 2 * I, H)                                    # [S, 2I, H] untouched until filled
         self.w2 = make(total, H, I)                                         # [S, H, I]
         if capacity.per_layer:
@@ -70,6 +69,16 @@ class Tier:
 
     def pool(self, layer: int) -> Pool:
         return self._pool[layer]
+
+    def pools(self) -> list[Pool]:
+        """Each pool once (one per layer, or one shared by all)."""
+        return list({id(p): p for p in self._pool.values()}.values())
+
+    def drop(self, key: Key) -> None:
+        """Forget `key` and free its slot (a pack that failed must leave no half-written expert behind)."""
+        pool = self._pool[key[0]]
+        pool.policy.remove(key)
+        pool.free.append(self.slot_of.pop(key))
 
     def take(self, key: Key, pinned: set[Key]) -> tuple[int, Key | None]:
         """A slot for `key` (admitted now): a free one, or the victim's; returns (slot, evicted key)."""
@@ -97,8 +106,8 @@ class ExpertCache:
         self.cfg, self.ckpt, self.device = cfg, ckpt, device
         ckpt.map_all()                          # every file mapped once, before any thread reads through it
         self.held = set(experts)
-        self.hot = Tier("hot", cfg, capacity, policy, half_life, make)
-        self.warm = None if warm is None or make_warm is None else Tier("warm", cfg, warm, policy, half_life,
+        self.hot = Tier(cfg, capacity, policy, half_life, make)
+        self.warm = None if warm is None or make_warm is None else Tier(cfg, warm, policy, half_life,
                                                                         make_warm)
         self.stats = CacheStats()
         self.prefetched: set[Key] = set()
@@ -116,23 +125,34 @@ class ExpertCache:
             if evicted in self.prefetched:
                 self.prefetched.discard(evicted)
                 self.stats.prefetch_wasted += 1
-        layer, e = key
-        if self.warm is None:
-            pack_expert(self.cfg, self.ckpt, layer, e, self.hot.w13[slot], self.hot.w2[slot])
-        else:
-            wslot = self.warm.slot_of.get(key)
-            if wslot is None:
-                wslot, _ = self.warm.take(key, set())
-                pack_expert(self.cfg, self.ckpt, layer, e, self.warm.w13[wslot], self.warm.w2[wslot])
-            else:
-                self.warm.pool(layer).policy.access(key)
-            # a blocking copy: the warm slot may be re-packed by the CPU as soon as the lock is let go
-            self.hot.w13[slot].copy_(self.warm.w13[wslot])
-            self.hot.w2[slot].copy_(self.warm.w2[wslot])
+        try:
+            self._pack_into(key, slot)
+        except BaseException:
+            self.hot.drop(key)                 # the call fails; no later call may read this slot's bytes
+            raise
         if prefetch:
             self.prefetched.add(key)
             self.stats.prefetched += 1
         return slot
+
+    def _pack_into(self, key: Key, slot: int) -> None:
+        layer, e = key
+        if self.warm is None:
+            pack_expert(self.cfg, self.ckpt, layer, e, self.hot.w13[slot], self.hot.w2[slot])
+            return
+        wslot = self.warm.slot_of.get(key)
+        if wslot is None:
+            wslot, _ = self.warm.take(key, set())
+            try:
+                pack_expert(self.cfg, self.ckpt, layer, e, self.warm.w13[wslot], self.warm.w2[wslot])
+            except BaseException:
+                self.warm.drop(key)
+                raise
+        else:
+            self.warm.pool(layer).policy.access(key)
+        # a blocking copy: the warm slot may be re-packed by the CPU as soon as the lock is let go
+        self.hot.w13[slot].copy_(self.warm.w13[wslot])
+        self.hot.w2[slot].copy_(self.warm.w2[wslot])
 
     def _ensure(self, layer: int, experts: list[int]) -> list[int]:
         """Hot slots of `experts` (global ids) of `layer`, missing ones packed now; the caller holds the lock."""
@@ -212,17 +232,16 @@ class ExpertCache:
     def hottest(self) -> list[Key]:
         """The hot keys, hottest first in each pool (what a restart should pack first)."""
         with self.lock:
-            pools = {id(p): p for p in self.hot._pool.values()}.values()
-            return [key for pool in pools for key in pool.policy.ranked()]          # type: ignore[misc]
+            return [key for pool in self.hot.pools() for key in pool.policy.ranked()]   # type: ignore[misc]
 
     def preload(self, keys: list[Key]) -> int:
         """Pack `keys` (hottest first) into free slots, the coldest first so the policy ranks them as given;
         keys of unknown layers or experts, or beyond a pool's free slots, are skipped. Returns how many."""
         take: list[Key] = []
-        room = {id(p): len(p.free) for p in self.hot._pool.values()}
-        for key in keys:
+        room = {id(p): len(p.free) for p in self.hot.pools()}
+        for key in dict.fromkeys(keys):                                   # each key once, in order
             layer, e = key
-            if layer in self.hot._pool and e in self.held and key not in take and room[id(self.hot.pool(layer))]:
+            if layer in self.cfg.moe_layers and e in self.held and room[id(self.hot.pool(layer))]:
                 room[id(self.hot.pool(layer))] -= 1
                 take.append(key)
         with self.lock:

@@ -12,27 +12,23 @@ from __future__ import annotations
 
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
-from colibri_common.tensors import expert_tensors, fused_expert_tensors
+from colibri_common.tensors import stored_expert_tensors
 from kernels.cpu_forms import Weight
-
-
-def is_fused(cfg: ModelConfig, ckpt: Checkpoint, layer: int) -> bool:
-    return fused_expert_tensors(cfg, layer)["gate_up"][0] in ckpt
 
 
 def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13: Weight, w2: Weight,
                 release: bool = True) -> None:
     """Global `expert` of `layer` into w13 [2I, H] (gate rows, then up rows) and w2 [H, I]."""
     I = cfg.moe_intermediate_size
-    if is_fused(cfg, ckpt, layer):
-        (gu_name, gu_shape), (d_name, d_shape) = fused_expert_tensors(cfg, layer).values()
+    fused, t = stored_expert_tensors(cfg, layer, expert, ckpt)
+    if fused:
+        (gu_name, gu_shape), (d_name, d_shape) = t["gate_up"], t["down"]
         w13.copy_(ckpt.view(gu_name, gu_shape)[expert])
         w2.copy_(ckpt.view(d_name, d_shape)[expert])
         if release:
             ckpt.release(gu_name, expert)
             ckpt.release(d_name, expert)
         return
-    t = expert_tensors(cfg, layer, expert)
     (g, gs), (u, us), (d, ds) = t["gate"], t["up"], t["down"]
     w13[:I].copy_(ckpt.view(g, gs))
     w13[I:].copy_(ckpt.view(u, us))
@@ -42,11 +38,15 @@ def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13
             ckpt.release(name)
 
 
+def check_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int) -> None:
+    """The tensors of `expert` exist with their shapes (headers only); CheckpointError names the first that
+    does not."""
+    for name, shape in stored_expert_tensors(cfg, layer, expert, ckpt)[1].values():
+        ckpt.check(name, shape)
+
+
 def will_need(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int) -> None:
     """Start reading an expert's bytes from disk in the background (MADV_WILLNEED)."""
-    if is_fused(cfg, ckpt, layer):
-        for name, _ in fused_expert_tensors(cfg, layer).values():
-            ckpt.will_need(name, expert)
-        return
-    for name, _ in expert_tensors(cfg, layer, expert).values():
-        ckpt.will_need(name)
+    fused, t = stored_expert_tensors(cfg, layer, expert, ckpt)
+    for name, _ in t.values():
+        ckpt.will_need(name, expert if fused else None)

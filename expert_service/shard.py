@@ -22,10 +22,9 @@ from tqdm import tqdm
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.placement import replica_experts
-from colibri_common.tensors import expert_tensors, fused_expert_tensors
 from expert_service.cache_capacity import CacheCapacity, parse_capacity
 from expert_service.expert_cache import ExpertCache
-from expert_service.packing import pack_expert
+from expert_service.packing import check_expert, pack_expert
 from kernels import fused_moe
 from kernels.cpu_forms import Weight, weight_kind
 from kernels.cpu_tune import MoeShape
@@ -120,14 +119,8 @@ class ExpertShard:
         """Every expert tensor this shard will read exists with its shape (headers only): a cache packs them
         later, so a bad checkpoint must fail here, at start, not at some call's first miss."""
         for layer in self.cfg.moe_layers:
-            fused = fused_expert_tensors(self.cfg, layer)
-            if fused["gate_up"][0] in ckpt:
-                for name, shape in fused.values():
-                    ckpt.check(name, shape)
-                continue
             for e in self.experts:
-                for name, shape in expert_tensors(self.cfg, layer, e).values():
-                    ckpt.check(name, shape)
+                check_expert(self.cfg, ckpt, layer, e)
 
     def _empty(self, *shape: int) -> Weight:
         if self.quantize == "int8":

@@ -134,20 +134,17 @@ class Scheduler:
         batch = set().union(*(s.experts for s in self.running)) if self.cfg.routing_aware_batching else set()
         youngest = 0                                   # the youngest request admitted in this round
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
-            i = self._next_waiting(batch)
-            seq = self.waiting[i]
-            num_new = min(seq.num_tokens - seq.num_cached, budget)
-            try:
-                self.alloc.grow(seq.block_table, seq.num_cached + num_new)
-            except OutOfBlocks:
-                if i == 0:
-                    break
-                i, seq = 0, self.waiting[0]                     # the preferred one does not fit: the oldest may
+            pick = self._next_waiting(batch)
+            for i in dict.fromkeys((pick, 0)):                 # the preferred one; if it does not fit, the oldest
+                seq = self.waiting[i]
                 num_new = min(seq.num_tokens - seq.num_cached, budget)
                 try:
                     self.alloc.grow(seq.block_table, seq.num_cached + num_new)
-                except OutOfBlocks:
                     break
+                except OutOfBlocks:
+                    continue
+            else:
+                break
             del self.waiting[i]
             youngest = max(youngest, seq.uid)
             batch |= seq.experts

@@ -133,3 +133,38 @@ def test_a_restart_packs_the_hottest_experts_of_the_last_run_first(oracles, tmp_
     assert heat_path("off", path, "0/2", 1) is None
     assert heat_path("auto", path, "0/2", 1) != heat_path("auto", path, "1/2", 1)
     assert heat_path(str(tmp_path / "h.json"), path, "1/2", 1) == tmp_path / "h.1-of-2.json"
+
+
+def test_a_pack_that_fails_fails_its_call_alone_and_leaves_no_half_written_expert(oracles, monkeypatch):
+    import expert_service.expert_cache as ec
+
+    path = oracles["mixtral"].path
+    cfg = ModelConfig.from_dir(path)
+    ckpt = Checkpoint(path)
+    full = ExpertShard(cfg, ckpt, 0, 1, torch.float32)
+    cache = ExpertCache(cfg, ckpt, list(range(cfg.num_experts)), CacheCapacity(2), "lru",
+                        lambda *s: torch.empty(s), torch.device("cpu"))
+    real = ec.pack_expert
+    calls = {"n": 0}
+
+    def flaky(cfg_, ckpt_, layer, e, w13, w2):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            w13.fill_(float("nan"))                          # a torn read: garbage in the slot, then an error
+            raise OSError("I/O error reading the checkpoint")
+        return real(cfg_, ckpt_, layer, e, w13, w2)
+
+    monkeypatch.setattr(ec, "pack_expert", flaky)
+    layer = cfg.moe_layers[0]
+    x = torch.randn(3, cfg.hidden_size)                                           # [T, H]
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1]])                                  # [T, K]
+    w = torch.rand(3, 2)
+    try:
+        with pytest.raises(OSError):
+            cache.forward(layer, x, ids, w)
+        assert (layer, 0) not in cache.hot.slot_of and len(cache.hot.pool(layer).free) == 2
+        torch.testing.assert_close(cache.forward(layer, x, ids, w), full.forward(layer, x, ids, w),
+                                   rtol=1e-5, atol=1e-6)
+    finally:
+        cache.close()
+        ckpt.close()
