@@ -7,7 +7,7 @@ PB := colibri_common/pb
 PROTOS := $(wildcard protos/*.proto)
 PB_STAMP := $(PB)/.generated
 
-.PHONY: setup demo test lint bench bench-kernels bench-cache bench-gpu chart-check clean
+.PHONY: setup demo test lint bench bench-kernels bench-cache bench-openai bench-gpu chart-check clean
 
 setup: $(STAMP) $(PB_STAMP)
 
@@ -44,6 +44,10 @@ bench-kernels: setup
 # The expert tiers on a skewed checkpoint (built once in .cache/): writes benchmarks/results/expert_cache.md.
 bench-cache: setup
 	$(PY) -m benchmarks.expert_cache
+
+# The OpenAI HTTP front against the gRPC API at 1 and 32 streams: writes benchmarks/results/openai_front.md.
+bench-openai: setup
+	$(PY) -m benchmarks.openai_front
 
 # Needs a CUDA GPU (and a CUDA build of torch 2.13.0 with triton 3.7.1); writes benchmarks/results/gpu.md.
 bench-gpu: setup

@@ -1,7 +1,7 @@
-"""The `colibri` command: serve, router, expert, validate, generate, bench, health.
+"""The `colibri` command: serve, router, expert, openai, validate, generate, bench, health, tune.
 
 Every command's flags come from its options dataclass (`ServeOptions`, `RouterOptions`, `ExpertOptions`,
-`ValidateOptions`, `GenerateOptions`, `BenchOptions`, `HealthOptions`): each flag, default and help is
+`OpenAIOptions`, `ValidateOptions`, `GenerateOptions`, `BenchOptions`, `HealthOptions`): each flag, default and help is
 written once, on the field, and the dataclass validates the values. Heavy imports (torch, gRPC) wait until
 a command runs, so `--help` and `--version` are instant.
 """
@@ -18,6 +18,7 @@ from colibri.generate import GenerateOptions
 from colibri.health import HealthOptions
 from colibri.launcher import ServeOptions
 from colibri.loadgen import BenchOptions
+from colibri.openai_api.options import OpenAIOptions
 from colibri.tune import TuneOptions
 from colibri.validate import ValidateOptions
 from colibri_common.errors import ColibriError
@@ -44,6 +45,12 @@ def _expert(opts: ExpertOptions) -> int:
 
     serve_expert(opts)
     return 0
+
+
+def _openai(opts: OpenAIOptions) -> int:
+    from colibri.openai_api.server import run_front
+
+    return run_front(opts)
 
 
 def _validate(opts: ValidateOptions) -> int:
@@ -93,6 +100,10 @@ COMMANDS: dict[str, Command] = {
                      "them, print 'ready HOST:PORT' once every service is SERVING, and stop them together."),
     "router": Command(RouterOptions, _router, "run the router alone (Kubernetes)"),
     "expert": Command(ExpertOptions, _expert, "run one expert worker alone (Kubernetes)"),
+    "openai": Command(OpenAIOptions, _openai, "an OpenAI-compatible HTTP API in front of a router (stateless)",
+                      "Serve /v1/completions, /v1/chat/completions and /v1/models (streamed as server-sent events "
+                      "or not), /health and /metrics over HTTP, turning each request into gRPC calls to the "
+                      "router at --target. Holds no model: run as many as the traffic needs."),
     "validate": Command(ValidateOptions, _validate, "check a checkpoint and size its shards"),
     "generate": Command(GenerateOptions, _generate, "generate from a running router, streaming the text"),
     "bench": Command(BenchOptions, _bench, "load-test a running router: tok/s, TTFT and ITL percentiles",

@@ -1,10 +1,26 @@
-"""A small Python client of the Generation service (used by `colibri generate`, `colibri bench`, tests)."""
+"""The Python client of the Generation service: `Client` (blocking) and `AsyncClient` (asyncio), alike.
+
+    from colibri.client import Client
+
+    with Client("127.0.0.1:50051") as client:                 # tls_ca=... for a TLS router
+        res = client.generate("The capital of France is", max_tokens=16, timeout=30)
+        print(res.text, res.finish_reason)
+        for delta in client.stream_text("Once upon a time", max_tokens=64, stop=("\\n",)):
+            print(delta.text, end="", flush=True)
+
+`generate` collects every choice of a request (`n`, `logprobs`, `stop`, penalties: every SamplingParams field
+is a keyword); `stream_text` yields each piece as it comes; `abort(request_id)` ends an open request from
+anywhere; `timeout` is the call's deadline in seconds. A failed call raises `GenerationError`, a
+`grpc.RpcError` whose `code()` says what happened: INVALID_ARGUMENT (fix the request), RESOURCE_EXHAUSTED
+(queue full: retry later), UNAVAILABLE (retry, possibly elsewhere), DEADLINE_EXCEEDED.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 
 from colibri_common.pb import generation_pb2 as pb
@@ -12,20 +28,120 @@ from colibri_common.pb import generation_pb2_grpc
 from colibri_common.serving import CHANNEL_OPTIONS
 from colibri_common.tls import client_channel
 
+DEFAULT_TIMEOUT = 300.0
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+class GenerationError(grpc.RpcError):
+    """A failed call: `code()` is the gRPC status, `details()` the router's message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self._code, self._message = code, message
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._message
+
+    @property
+    def retryable(self) -> bool:
+        return self._code in RETRYABLE
+
+    @staticmethod
+    def of(exc: grpc.RpcError) -> GenerationError:
+        if isinstance(exc, GenerationError):
+            return exc
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        return GenerationError(code or grpc.StatusCode.UNKNOWN, exc.details() if hasattr(exc, "details") else "")
+
 
 @dataclass
-class Result:
+class Choice:
+    index: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
+    stop_reason: str = ""                 # the stop string or stop token id that ended it
+    completion_tokens: int = 0
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """A whole request: its choices, and choice 0's fields at the top for the usual n = 1."""
+
+    request_id: str = ""
+    choices: list[Choice] = field(default_factory=list)
+    prompt_tokens: int = 0
     ttft_ms: float = 0.0
 
+    def _first(self) -> Choice:
+        return self.choices[0] if self.choices else Choice()
 
-def make_request(prompt: str | list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+    @property
+    def token_ids(self) -> list[int]:
+        return self._first().token_ids
+
+    @property
+    def text(self) -> str:
+        return self._first().text
+
+    @property
+    def finish_reason(self) -> str:
+        return self._first().finish_reason
+
+    @property
+    def logits(self) -> list[np.ndarray]:
+        return self._first().logits
+
+    @property
+    def logprobs(self) -> list[pb.TokenLogprob]:
+        return self._first().logprobs
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    def add(self, msg: pb.GenerateResponse) -> None:
+        """Fold one streamed message in."""
+        self.request_id = msg.request_id
+        kind = msg.WhichOneof("response")
+        if kind is None:
+            return
+        part = getattr(msg, kind)
+        while len(self.choices) <= part.index:
+            self.choices.append(Choice(index=len(self.choices)))
+        choice = self.choices[part.index]
+        if kind == "chunk":
+            choice.token_ids.extend(part.token_ids)
+            choice.text += part.text
+            choice.logprobs.extend(part.logprobs)
+            choice.logits.extend(np.frombuffer(b, dtype="<f4") for b in part.logits)
+        else:
+            choice.finish_reason, choice.stop_reason = part.finish_reason, part.stop_reason
+            choice.completion_tokens = part.completion_tokens
+            self.prompt_tokens = part.prompt_tokens
+            self.ttft_ms = max(self.ttft_ms, part.ttft_ms) if part.index else part.ttft_ms
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed piece of one choice; `finish_reason` is set on its last."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str = ""
+
+
+def make_request(prompt: str | list[int], max_tokens: int = 0, temperature: float = 0.0, seed: int | None = None,
                  return_logits: bool = False, request_id: str = "", **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest; `sampling` takes any SamplingParams field (top_p, stop, n, logprobs, ...)."""
     sp = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, return_logits=return_logits,
-                           **sampling)
+                           **{k: v for k, v in sampling.items() if v is not None})
     if seed is not None:
         sp.seed = seed
     if isinstance(prompt, str):
@@ -33,32 +149,123 @@ def make_request(prompt: str | list[int], max_tokens: int, temperature: float = 
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling=sp)
 
 
+def _delta(msg: pb.GenerateResponse) -> Delta | None:
+    kind = msg.WhichOneof("response")
+    if kind == "chunk":
+        return Delta(msg.chunk.index, msg.chunk.text, tuple(msg.chunk.token_ids))
+    if kind == "complete":
+        return Delta(msg.complete.index, "", (), msg.complete.finish_reason)
+    return None
+
+
 class Client:
     def __init__(self, target: str, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
         """Plaintext, or TLS when `tls_ca` (the router's CA) is given; `tls_cert`/`tls_key` for a router that
-        requires client certificates."""
+        requires client certificates. `timeout` is every call's default deadline (None: none)."""
         self.channel = client_channel(target, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.timeout = timeout
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
+        """The raw response stream of one request (cancel it with `.cancel()` or let it go)."""
         return self.stub.Generate(request, timeout=timeout)
 
-    def generate(self, prompt: str | list[int], max_tokens: int, timeout: float | None = 300, **kw) -> Result:
+    def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
+                 **sampling) -> Result:
+        """One whole request; `max_tokens` 0 = as many as fit. Raises GenerationError."""
         res = Result()
-        for msg in self.stream(make_request(prompt, max_tokens, **kw), timeout=timeout):
-            kind = msg.WhichOneof("response")
-            if kind == "chunk":
-                res.token_ids.extend(msg.chunk.token_ids)
-                res.text += msg.chunk.text
-                res.logits.extend(np.frombuffer(b, dtype="<f4") for b in msg.chunk.logits)
-            elif kind == "complete":
-                res.finish_reason = msg.complete.finish_reason
-                res.ttft_ms = msg.complete.ttft_ms
+        try:
+            for msg in self.stream(make_request(prompt, max_tokens, **sampling), self._deadline(timeout)):
+                res.add(msg)
+        except grpc.RpcError as exc:
+            raise GenerationError.of(exc) from None
         return res
+
+    def stream_text(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
+                    **sampling) -> Iterator[Delta]:
+        """Each piece as it comes. Leaving the loop early (break, an exception) cancels the request."""
+        call = self.stream(make_request(prompt, max_tokens, **sampling), self._deadline(timeout))
+        try:
+            for msg in call:
+                delta = _delta(msg)
+                if delta is not None:
+                    yield delta
+        except grpc.RpcError as exc:
+            raise GenerationError.of(exc) from None
+        finally:
+            call.cancel()
+
+    def abort(self, request_id: str) -> bool:
+        """End the open request with this id (every choice); False when none is open."""
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30).found
 
     def model_info(self) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
 
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is not None and timeout < 0 else timeout
+
     def close(self) -> None:
         self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """`Client` for asyncio (grpc.aio): the same calls, awaited; streams are async iterators."""
+
+    def __init__(self, target: str, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        self.channel = client_channel(target, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key, aio=True)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.timeout = timeout
+
+    def stream(self, request: pb.GenerateRequest, timeout: float | None = None):
+        """The raw response call: iterate it with `async for`; `.cancel()` ends the request."""
+        return self.stub.Generate(request, timeout=timeout)
+
+    async def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
+                       **sampling) -> Result:
+        res = Result()
+        try:
+            async for msg in self.stream(make_request(prompt, max_tokens, **sampling), self._deadline(timeout)):
+                res.add(msg)
+        except grpc.RpcError as exc:
+            raise GenerationError.of(exc) from None
+        return res
+
+    async def stream_text(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
+                          **sampling) -> AsyncIterator[Delta]:
+        call = self.stream(make_request(prompt, max_tokens, **sampling), self._deadline(timeout))
+        try:
+            async for msg in call:
+                delta = _delta(msg)
+                if delta is not None:
+                    yield delta
+        except grpc.RpcError as exc:
+            raise GenerationError.of(exc) from None
+        finally:
+            call.cancel()
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30)).found
+
+    async def model_info(self) -> pb.ModelInfoResponse:
+        return await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is not None and timeout < 0 else timeout
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from colibri.openai_api.options import OpenAIOptions
 from colibri_common.config import ModelConfig
 from colibri_common.options import option, shared_fields, to_argv
 from expert_service.options import ExpertCacheOptions, ExpertOptions
@@ -76,8 +77,14 @@ class ServeOptions:
     gpus: tuple[int, ...] = option((), "GPUs to place the fleet on: the router on the first, worker i on GPU "
                                        "i mod the count (each child gets --device cuda:N)", metavar="N[,N...]")
     cache: ExpertCacheOptions = ExpertCacheOptions()
+    openai_port: int | None = option(None, "also start the OpenAI-compatible HTTP front (`colibri openai`) on "
+                                           "this port of the router's host (0 = any free port)")
+    served_model_name: str = option("", "with --openai-port: the model's name in the HTTP API (default: the "
+                                        "checkpoint directory's name)")
 
     def __post_init__(self) -> None:
+        if self.openai_port is not None and not 0 <= self.openai_port <= 65535:
+            raise ValueError(f"--openai-port must be in [0, 65535], got {self.openai_port}")
         if self.workers <= 0:
             raise ValueError(f"--workers must be positive, got {self.workers}")
         if not 1 <= self.replicas <= self.workers:
@@ -106,8 +113,19 @@ class ServeOptions:
     def router_options(self, workers: tuple[str, ...], threads: int) -> RouterOptions:
         return replace(self.router, workers=workers, threads=threads, device=self.device(None))
 
+    def front(self, router: str) -> OpenAIOptions:
+        """The HTTP front's options: on the router's host, a client of the router (its CA when TLS)."""
+        assert self.openai_port is not None
+        r = self.router
+        return OpenAIOptions(target=router, host=r.host, port=self.openai_port,
+                             served_model_name=self.served_model_name or Path(r.model).resolve().name,
+                             tls_ca=r.tls_ca if r.tls_cert else None,
+                             tls_cert=r.tls_cert if r.tls_client_auth else None,
+                             tls_key=r.tls_key if r.tls_client_auth else None, log_level=r.log_level,
+                             grace_period=r.grace_period)
 
-def child_argv(command: str, opts: RouterOptions | ExpertOptions) -> list[str]:
+
+def child_argv(command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> list[str]:
     """The one way `serve` hands options to a child: the flags that rebuild `opts` there."""
     return [command, *to_argv(opts)]
 
@@ -117,10 +135,10 @@ class Fleet:
         self.children: list[subprocess.Popen] = []
         self.stopping = threading.Event()
 
-    def spawn(self, command: str, opts: RouterOptions | ExpertOptions) -> subprocess.Popen:
+    def spawn(self, command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> subprocess.Popen:
         # PASSIVE: a process waiting on another (router on workers, workers on the router) must not keep
         # spinning OpenMP threads on the shared cores (measured: router step 109 -> 80 ms on 2 cores).
-        env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS=str(getattr(opts, "threads", 1)), PYTHONUNBUFFERED="1")
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         cmd = [*colibri_command(), *child_argv(command, opts)]
         log.info("starting %s", " ".join(cmd))
@@ -197,6 +215,11 @@ def serve(opts: ServeOptions) -> int:
             addrs.append(fleet.wait_ready(p, f"expert worker {i}/{n}"))
             ready_s.append(time.monotonic() - t_start)
         addr = fleet.wait_ready(router, "router")
+        front = None
+        if opts.openai_port is not None:
+            front = fleet.spawn("openai", opts.front(addr))
+            http = fleet.wait_ready(front, "OpenAI front")
+            print(f"openai http://{http}/v1", flush=True)
     except (RuntimeError, OSError) as exc:
         log.error("%s", exc)
         fleet.stop()
@@ -245,12 +268,23 @@ def serve(opts: ServeOptions) -> int:
                     code)
             stop_signal.set()
 
+    def supervise_front(p: subprocess.Popen) -> None:
+        drain(p)
+        code = p.wait()
+        if not fleet.stopping.is_set():
+            log.error("the OpenAI front exited with code %s; stopping the fleet", code)
+            stop_signal.set()
+
     for i, p in enumerate(procs):
         threading.Thread(target=supervise_worker, args=(i, p), daemon=True).start()
     threading.Thread(target=supervise_router, args=(router,), daemon=True).start()
+    if front is not None:
+        threading.Thread(target=supervise_front, args=(front,), daemon=True).start()
     while not stop_signal.wait(0.5):
         pass
-    fleet.stop(first=(router,), first_timeout=opts.router.grace_period + 10)
+    # The front and the router drain together (the front's open streams are the router's open requests).
+    first = (router,) if front is None else (front, router)
+    fleet.stop(first=first, first_timeout=opts.router.grace_period + 10)
     if router.returncode != 0:            # it died, or did not drain and exit cleanly when told to stop
         log.error("router exited with code %s", router.returncode)
         return 1

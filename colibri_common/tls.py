@@ -59,11 +59,13 @@ def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> gr
 
 
 def client_channel(target: str, options: list, ca: str | None = None, cert: str | None = None,
-                   key: str | None = None) -> grpc.Channel:
-    """A plaintext channel, or TLS when a CA (and optionally a client certificate) is given."""
+                   key: str | None = None, aio: bool = False) -> grpc.Channel:
+    """A plaintext channel, or TLS when a CA (and optionally a client certificate) is given; a grpc.aio
+    channel when `aio`."""
+    api = grpc.aio if aio else grpc
     if not (ca or cert):
-        return grpc.insecure_channel(target, options=options)
-    return grpc.secure_channel(target, channel_credentials(ca, cert, key), options=options)
+        return api.insecure_channel(target, options=options)
+    return api.secure_channel(target, channel_credentials(ca, cert, key), options=options)
 
 
 def self_signed(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> TlsFiles:

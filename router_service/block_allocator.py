@@ -1,4 +1,8 @@
-"""KV-cache block bookkeeping: plain Python, no torch."""
+"""KV-cache block bookkeeping: plain Python, no torch.
+
+A block may be in several tables (the n choices of one request share their prompt's full blocks): each block
+counts its tables, and returns to the free list when the last one releases it.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_blocks                                  # tables holding each block
 
     @property
     def num_free(self) -> int:
@@ -29,8 +34,25 @@ class BlockAllocator:
             return
         if need > len(self._free):
             raise OutOfBlocks(f"need {need} KV blocks, {len(self._free)} free")
-        table.extend(self._free.pop() for _ in range(need))
+        for _ in range(need):
+            block = self._free.pop()
+            self._refs[block] = 1
+            table.append(block)
+
+    def share(self, blocks: list[int]) -> list[int]:
+        """A new table holding these (already held, full) blocks too."""
+        for block in blocks:
+            assert self._refs[block] > 0, f"block {block} is not held"
+            self._refs[block] += 1
+        return list(blocks)
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
 
     def release(self, table: list[int]) -> None:
-        self._free.extend(reversed(table))
+        for block in reversed(table):
+            self._refs[block] -= 1
+            assert self._refs[block] >= 0, f"block {block} released twice"
+            if self._refs[block] == 0:
+                self._free.append(block)
         table.clear()

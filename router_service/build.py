@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from colibri_common.chat_template import load_chat_template
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.device import open_device
@@ -48,6 +49,8 @@ class BuiltEngine:
     compute_dtype: torch.dtype
     experts: Experts
     engine: Engine
+    chat_template: str | None = None           # the checkpoint's, handed to the OpenAI front in ModelInfo
+    special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def max_model_len(self) -> int:
@@ -117,4 +120,5 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB), %s on %s",
              cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size,
              num_blocks * per_block / 2**20, str(dtype).removeprefix("torch."), device)
-    return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine)
+    template, special = load_chat_template(opts.model)
+    return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special)

@@ -48,12 +48,14 @@ class Engine:
             "kv_cache_blocks_total": scheduler.alloc.num_blocks, "kv_cache_blocks_free": scheduler.alloc.num_free,
             "num_requests_running": 0, "num_requests_waiting": 0})
         self.eos = frozenset(eos_token_ids)
-        self.sampler = Sampler()
-        self.outputs: dict[int, queue.SimpleQueue[Event]] = {}     # by Sequence.uid
+        self.sampler = Sampler(self.eos)
+        self.outputs: dict[int, queue.SimpleQueue[Event]] = {}     # by Sequence.uid (a request's choices share one)
         self.seqs: dict[int, Sequence] = {}
-        self.by_request_id: dict[str, Sequence] = {}              # the clients' ids of the open requests
+        self.by_request_id: dict[str, list[Sequence]] = {}        # the clients' ids of the open requests
+        self._forks: dict[int, list[Sequence]] = {}               # by the first choice's uid: the choices that
+                                                                  # share its prompt's blocks once it is cached
         self._cv = threading.Condition()
-        self._aborts: list[int] = []
+        self._aborts: list[tuple[int, FinishReason]] = []
         self._stop = False
         self.draining = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -82,12 +84,20 @@ class Engine:
                 self._fail(seq, FailureCode.UNAVAILABLE, "the router is shutting down; retry on another replica")
 
     # -- called from gRPC threads ---------------------------------------------------------------
-    def submit(self, seq: Sequence) -> queue.SimpleQueue[Event]:
-        """Raises QueueFull when the waiting queue is at its bound, Draining when the router is shutting down,
+    def submit(self, choices: Sequence | list[Sequence]) -> queue.SimpleQueue[Event]:
+        """One request: one sequence, or its n choices (same request_id and prompt, `index` 0..n-1). The first
+        choice prefills the prompt; the others then share its full blocks and compute only the rest.
+
+        Raises QueueFull when the waiting queue is at its bound, Draining when the router is shutting down,
         DuplicateId when an open request has this request_id, NeverFits (a ValueError) for a request the
         whole KV cache cannot hold."""
+        group = choices if isinstance(choices, list) else [choices]
+        seq = group[0]
         if self.model.track_routing and not seq.experts and not self.draining:   # routing-aware batching
             seq.experts = self._likely_experts(seq)
+            for other in group[1:]:
+                other.experts = seq.experts
+        shared = (len(seq.prompt_ids) - 1) // self.kv.block_size   # full prompt blocks; >= 1 token left to run
         with self._cv:
             if self.draining or self._stop:
                 raise Draining("the router is shutting down (draining); retry on another replica")
@@ -95,17 +105,24 @@ class Engine:
                 raise DuplicateId(f"request_id '{seq.request_id}' belongs to a request still open; use a "
                                   f"unique id (or leave it empty and the router makes one)")
             try:
-                self.scheduler.add(seq)
+                self.scheduler.add(seq, siblings=len(group) - 1)
             except QueueFull:
                 with self.metrics.lock:
                     self.metrics.rejected += 1
                 raise
+            if len(group) > 1:
+                if shared:
+                    self._forks[seq.uid] = group[1:]
+                else:                                  # a prompt within one block: nothing to share
+                    for other in group[1:]:
+                        self.scheduler.add_fork(other)
             with self.metrics.lock:
-                self.metrics.prompt_tokens += len(seq.prompt_ids)
+                self.metrics.prompt_tokens += len(seq.prompt_ids) * len(group)
             q: queue.SimpleQueue[Event] = queue.SimpleQueue()
-            self.outputs[seq.uid] = q
-            self.seqs[seq.uid] = seq
-            self.by_request_id[seq.request_id] = seq
+            for member in group:
+                self.outputs[member.uid] = q
+                self.seqs[member.uid] = member
+            self.by_request_id[seq.request_id] = list(group)     # its own list: retiring edits it
             self._cv.notify()
         return q
 
@@ -119,17 +136,18 @@ class Engine:
             return frozenset()
 
     def abort(self, request_id: str) -> bool:
-        """The client-facing Abort: the open request with this id, if any."""
+        """The client-facing Abort: every choice of the open request with this id, if any."""
         with self._cv:
-            seq = self.by_request_id.get(request_id)
-        return seq is not None and self.cancel(seq)
+            group = list(self.by_request_id.get(request_id, ()))
+        return any([self.cancel(seq) for seq in group])
 
-    def cancel(self, seq: Sequence) -> bool:
-        """End this very request (its client went away): by the engine's own id, never by request_id."""
+    def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """End this very sequence before the next step (its client went away: ABORT; a stop string the handler
+        found in its text: STOP): by the engine's own id, never by request_id."""
         with self._cv:
             found = seq.uid in self.seqs
             if found:
-                self._aborts.append(seq.uid)
+                self._aborts.append((seq.uid, reason))
                 self._cv.notify()
         return found
 
@@ -166,9 +184,9 @@ class Engine:
                 self._cv.wait()
             if self._stop:
                 return None
-            for uid in self._aborts:
+            for uid, reason in self._aborts:
                 if uid in self.seqs:
-                    self._finish(self.seqs[uid], FinishReason.ABORT)
+                    self._finish(self.seqs[uid], reason)
             self._aborts.clear()
             t0 = time.perf_counter()
             step = Step.split(self.scheduler.schedule(), self.micro_batches)
@@ -202,13 +220,16 @@ class Engine:
         live = [(row, seq) for row, seq in enumerate(step.sampled) if self.seqs.get(seq.uid) is seq]
         if live:
             rows = logits if len(live) == len(step.sampled) else logits[[row for row, _ in live]]  # [b, V]
-            tokens = self.sampler.sample(rows, [(seq.uid, seq.sampling) for _, seq in live])
+            sampled = self.sampler.sample(rows, [seq for _, seq in live])
             now = time.monotonic()
-            for (row, seq), tok in zip(live, tokens, strict=True):
-                if isinstance(tok, SampleError):        # this sequence's logits or sampling failed: it alone ends
-                    log.error("request %s: %s", seq.request_id, tok)
-                    self._fail(seq, FailureCode.INTERNAL, str(tok))
+            for (row, seq), out in zip(live, sampled, strict=True):
+                if isinstance(out, SampleError):        # this sequence's logits or sampling failed: it alone ends
+                    log.error("request %s: %s", seq.request_id, out)
+                    self._fail(seq, FailureCode.INTERNAL, str(out))
                     continue
+                if seq.uid in self._forks:               # its prompt is cached: the other choices share it now
+                    self._fork(seq)
+                tok = out.token
                 if seq.first_token_at is None:
                     seq.first_token_at = now
                     self.metrics.ttft.observe(now - seq.arrival)
@@ -216,11 +237,24 @@ class Engine:
                     self.metrics.itl.observe(now - seq.last_token_at)
                 seq.last_token_at = now
                 raw = [logits[row].cpu().numpy().tobytes()] if seq.sampling.return_logits else []
-                self.outputs[seq.uid].put(Tokens([tok], raw))
+                lps = (out,) if seq.sampling.wants_logprobs else ()
+                self.outputs[seq.uid].put(Tokens([tok], raw, seq.index, lps))
                 reason = seq.append_token(tok, self.eos, self.scheduler.cfg.max_model_len)
                 if reason is not None:
                     self._finish(seq, reason)
         self.phase["postprocess"] += time.perf_counter() - t0
+
+    def _fork(self, first: Sequence) -> None:
+        """`first` has its prompt cached: its other choices take its full prompt blocks and queue for the rest."""
+        shared = (len(first.prompt_ids) - 1) // self.kv.block_size
+        for seq in self._forks.pop(first.uid):
+            if self.seqs.get(seq.uid) is not seq:       # aborted while it waited
+                continue
+            seq.block_table = self.scheduler.alloc.share(first.block_table[:shared])
+            seq.num_cached = shared * self.kv.block_size
+            self.scheduler.add_fork(seq)
+            with self.metrics.lock:
+                self.metrics.kv_blocks_shared += shared
 
     def _remember_routing(self, step: Step) -> None:
         """Each scheduled sequence's experts at its last row of this step, as layer·E + e (torch-free after)."""
@@ -256,7 +290,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
-        self._retire(seq, reason, Finished(reason, len(seq.prompt_ids), len(seq.output_ids), ttft))
+        self._retire(seq, reason, Finished(reason, len(seq.prompt_ids), len(seq.output_ids), ttft, seq.index))
 
     def _fail_unserved(self, step: Step, exc: ExpertsUnavailable) -> None:
         """Fail the requests whose tokens needed the missing experts; the others are not advanced, so the
@@ -292,7 +326,15 @@ class Engine:
             self.metrics.gauges["num_requests_running"] = len(self.scheduler.running)
         self.outputs.pop(seq.uid).put(last)
         del self.seqs[seq.uid]
-        if self.by_request_id.get(seq.request_id) is seq:
-            del self.by_request_id[seq.request_id]
+        group = self.by_request_id.get(seq.request_id)
+        if group is not None and seq in group:
+            group.remove(seq)
+            if not group:
+                del self.by_request_id[seq.request_id]
         self.sampler.forget(seq.uid)
+        for waiting in self._forks.pop(seq.uid, ()):   # its choices that never got its prompt end as it did
+            if isinstance(last, Failed):
+                self._fail(waiting, last.code, last.message)
+            else:
+                self._finish(waiting, reason)
         self._cv.notify_all()                     # a drain waits for the last one

@@ -1,11 +1,12 @@
-"""What the engine sends back to a request's handler: tokens, then one `Finished` or `Failed`. No torch."""
+"""What the engine sends back to a request's handler: tokens, then one `Finished` per choice or a `Failed`.
+No torch."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
-from router_service.sequence import FinishReason
+from router_service.sequence import FinishReason, Sampled
 
 
 class FailureCode(enum.Enum):
@@ -19,6 +20,8 @@ class FailureCode(enum.Enum):
 class Tokens:
     token_ids: list[int]
     logits: list[bytes]             # float32 [V] per token, when the request asked for them
+    index: int = 0                  # which of the request's n choices
+    logprobs: tuple[Sampled, ...] = ()   # per token, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     ttft_ms: float
+    index: int = 0
 
 
 @dataclass(frozen=True)

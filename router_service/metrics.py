@@ -41,6 +41,7 @@ class Metrics:
         self.steps = 0
         self.step_seconds = 0.0
         self.preemptions = 0
+        self.kv_blocks_shared = 0              # prompt blocks the n > 1 choices of a request took from the first
         self.micro_batch_overlaps = 0          # waits on one micro-batch's experts while another's were in flight
         self.prefetch_predicted = 0            # --expert-prefetch: experts predicted for the next MoE layer
         self.prefetch_right = 0                # ... that the layer then routed to
@@ -72,6 +73,8 @@ class Metrics:
                 ("generation_tokens", self.generation_tokens, "Tokens generated."),
                 ("engine_steps", self.steps, "Engine steps run."),
                 ("engine_step_seconds", self.step_seconds, "Seconds spent in engine steps."),
+                ("kv_cache_blocks_shared", self.kv_blocks_shared,
+                 "Prompt KV blocks shared by the choices of n > 1 requests instead of recomputed."),
                 ("num_preemptions", self.preemptions, "Running sequences preempted (KV cache full), recomputed."),
                 ("micro_batch_overlaps", self.micro_batch_overlaps,
                  "Waits on one micro-batch's experts while another micro-batch's were in flight too."),

@@ -31,6 +31,7 @@ class RouterOptions(ServiceOptions):
     max_prompt_bytes: int = option(1 << 20, "largest text prompt in bytes, refused before tokenizing")
     max_request_bytes: int = option(4 << 20, "largest message a client may send (gRPC receive limit)")
     max_stop_token_ids: int = option(256, "most stop_token_ids one request may give")
+    max_stop_strings: int = option(16, "most stop strings one request may give")
     stream_stall_timeout: float = option(30.0, "seconds a client may leave its stream unread (the server "
                                                "cannot send) before the request is cancelled")
     quantize_dense: bool = option(False, "int8 for the router's own attention, dense MLPs, shared experts and "
@@ -58,7 +59,7 @@ class RouterOptions(ServiceOptions):
         for name in ("worker_timeout", "grace_period", "stream_stall_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("max_prompt_bytes", "max_request_bytes", "max_stop_token_ids"):
+        for name in ("max_prompt_bytes", "max_request_bytes", "max_stop_token_ids", "max_stop_strings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.max_request_bytes < self.max_prompt_bytes + 4096:

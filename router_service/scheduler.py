@@ -68,8 +68,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.cfg.max_waiting:
+    def add(self, seq: Sequence, siblings: int = 0) -> None:
+        """Queue a new request; `siblings` more of its choices will join later (`add_fork`), counted now."""
+        if len(self.waiting) + siblings >= self.cfg.max_waiting:
             raise QueueFull(f"the waiting queue is full ({self.cfg.max_waiting} requests); retry later or "
                             f"raise --max-waiting")
         if self.alloc.blocks_for(seq.num_tokens + seq.sampling.max_tokens) > self.alloc.num_blocks:
@@ -77,6 +78,10 @@ class Scheduler:
                             f"whole KV cache ({self.alloc.num_blocks * self.alloc.block_size} tokens); lower "
                             f"max_tokens or shorten the prompt")
         self.waiting.append(seq)
+
+    def add_fork(self, seq: Sequence) -> None:
+        """Queue a choice of a request already admitted (its prompt's blocks shared in `seq.block_table`)."""
+        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED

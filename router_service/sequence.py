@@ -13,29 +13,81 @@ from colibri_common.options import option
 
 @dataclass(frozen=True)
 class Sampling:
-    """One request's sampling parameters; temperatures below GREEDY_BELOW sample greedily (as vLLM does: a
-    smaller temperature would overflow logits / T)."""
+    """One request's sampling parameters, as vLLM names them; temperatures below GREEDY_BELOW sample greedily
+    (a smaller temperature would overflow logits / T).
+
+    Order on the logits (`Sampler`): repetition, frequency and presence penalties; `min_tokens` masks the stop
+    tokens; then greedy takes the argmax, or temperature, top-k, top-p and min-p shape the distribution that
+    is sampled. Log-probabilities are those of the penalised logits over the temperature (1 when greedy),
+    before top-k / top-p / min-p cut them.
+    """
 
     GREEDY_BELOW = 1e-5
+    MAX_TOP_LOGPROBS = 20
 
     temperature: float = option(0.0, "0 = greedy")
     top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens with this much probability; 1 = off")
     top_k: int = option(0, "sample among the k likeliest tokens; 0 = off")
+    min_p: float = option(0.0, "drop tokens less likely than min_p times the likeliest one; 0 = off")
     max_tokens: int = option(16, "new tokens at most")
+    min_tokens: int = option(0, "new tokens before EOS, a stop token or a stop string may end the generation")
+    presence_penalty: float = option(0.0, "subtracted from the logit of every token already generated (-2..2)")
+    frequency_penalty: float = option(0.0, "subtracted per occurrence of a token already generated (-2..2)")
+    repetition_penalty: float = option(1.0, "divides positive / multiplies negative logits of the tokens in the "
+                                            "prompt or the output (> 0; 1 = off)")
     seed: int | None = option(None, "seed of this request's sampling (default: random)")
     stop_token_ids: tuple[int, ...] = option((), "comma-separated token ids that end the generation")
+    stop: tuple[str, ...] = option((), "comma-separated strings that end the generation (not included in the text)")
     ignore_eos: bool = option(False, "keep generating past the model's EOS token")
+    logprobs: bool = option(False, "return the log-probability of every sampled token")
+    top_logprobs: int = option(0, f"with each sampled token, the N likeliest tokens and their log-probabilities "
+                                  f"(0-{MAX_TOP_LOGPROBS})")
     return_logits: bool = option(False, "return the float32 logits of every sampled position")
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"top_p must be in [0, 1] (0 or 1 = off), got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
+                             f"{self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= self.MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {self.MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < self.GREEDY_BELOW
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled token, with its log-probabilities when the request asked for them."""
+
+    token: int
+    logprob: float | None = None                    # log-probability of `token`
+    top: tuple[tuple[int, float], ...] = ()          # the N likeliest (token, log-probability), likeliest first
 
 
 class FinishReason(enum.StrEnum):
@@ -72,6 +124,7 @@ class Sequence:
     uid: int = field(default_factory=lambda: next(_UIDS))
     experts: frozenset[int] = frozenset()   # recent routing, layer·E + e (routing-aware batching)
     passed_over: int = 0                     # admission rounds in which a younger request went first
+    index: int = 0                           # which of the request's n choices this is
 
     @property
     def num_tokens(self) -> int:
@@ -84,12 +137,14 @@ class Sequence:
     def append_token(self, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
         """Record a sampled token; returns why the sequence is finished now, or None while it goes on.
 
-        Stop tokens and EOS (unless ignore_eos) end it with STOP; reaching max_tokens or the model's
+        Stop tokens and EOS (unless ignore_eos) end it with STOP once more than `min_tokens` tokens are out (the
+        sampler masks them before); reaching max_tokens or the model's
         maximum length (prompt + output) ends it with LENGTH. A stop token wins over the length limit.
         """
         self.output_ids.append(token)
         sp = self.sampling
-        if token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_token_ids):
+        stops = token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_token_ids)
+        if stops and len(self.output_ids) > sp.min_tokens:
             return FinishReason.STOP
         if len(self.output_ids) >= sp.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH

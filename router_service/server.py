@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -17,17 +18,18 @@ from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb import generation_pb2_grpc
 from colibri_common.serving import Service, setup_logging
 from colibri_common.tls import TlsFiles
-from colibri_common.tokenizer import Detokenizer
 from router_service.build import BuiltEngine, build_engine, remote_experts
 from router_service.engine import Draining, DuplicateId
-from router_service.events import Failed, Finished, Tokens
+from router_service.events import Failed, Tokens
 from router_service.options import RouterOptions
 from router_service.scheduler import QueueFull
-from router_service.sequence import Sampling, Sequence
+from router_service.sequence import FinishReason, Sampled, Sampling, Sequence
 from router_service.stalls import StallWatch
+from router_service.text_output import ChoiceText
 
 log = logging.getLogger("colibri.router")
 SERVICE = "colibri.v1.Generation"
+MAX_STOP_CHARS = 1024
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -78,22 +80,44 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab_size})")
         return ids
 
-    def _sampling(self, p: pb.SamplingParams, prompt_len: int) -> Sampling:
-        if len(p.stop_token_ids) > self.opts.max_stop_token_ids:
+    def _sampling(self, p: pb.SamplingParams, prompt_len: int) -> list[Sampling]:
+        """The request's sampling, one per choice (choice i seeded seed + i); ValueError names what to fix."""
+        opts = self.opts
+        if len(p.stop_token_ids) > opts.max_stop_token_ids:
             raise ValueError(f"{len(p.stop_token_ids)} stop_token_ids, over the router's --max-stop-token-ids "
-                             f"{self.opts.max_stop_token_ids}")
+                             f"{opts.max_stop_token_ids}")
+        if len(p.stop) > opts.max_stop_strings or any(len(s) > MAX_STOP_CHARS for s in p.stop):
+            raise ValueError(f"at most {opts.max_stop_strings} stop strings (--max-stop-strings) of at most "
+                             f"{MAX_STOP_CHARS} characters each; got {len(p.stop)}")
+        if p.stop and self.r.tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer.json; this model has none (use stop_token_ids)")
         vocab = self.r.cfg.vocab_size
         bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab})")
-        sp = Sampling(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, max_tokens=p.max_tokens,
-                      seed=p.seed if p.HasField("seed") else None, stop_token_ids=tuple(p.stop_token_ids),
-                      ignore_eos=p.ignore_eos, return_logits=p.return_logits)
+        n = p.n or 1
+        if not 1 <= n <= self.r.engine.scheduler.cfg.max_batch_size:
+            raise ValueError(f"n must be in [1, --max-batch-size = {self.r.engine.scheduler.cfg.max_batch_size}], "
+                             f"got {n}")
         limit = self.r.max_model_len
-        if prompt_len + sp.max_tokens > limit:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) exceeds the model's "
+        if p.max_tokens < 0:
+            raise ValueError(f"max_tokens must be > 0 (or 0 = as many as fit), got {p.max_tokens}")
+        max_tokens = p.max_tokens or limit - prompt_len            # 0: what the model's length leaves
+        if max_tokens <= 0:
+            raise ValueError(f"the prompt ({prompt_len} tokens) leaves no room under the model's maximum length "
+                             f"{limit}; shorten it")
+        seed = p.seed if p.HasField("seed") else None
+        base = Sampling(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p,
+                        max_tokens=max_tokens, min_tokens=p.min_tokens, presence_penalty=p.presence_penalty,
+                        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty or 1.0,
+                        seed=seed, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),
+                        ignore_eos=p.ignore_eos, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+                        return_logits=p.return_logits)
+        if prompt_len + base.max_tokens > limit:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({base.max_tokens}) exceeds the model's "
                              f"maximum length {limit}")
-        return sp
+        return [base if seed is None or i == 0 else dataclasses.replace(base, seed=(seed + i) % 2**64)
+                for i in range(n)]
 
     def Generate(self, request, context):
         self._loaded(context)
@@ -102,8 +126,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id has {len(rid)} characters; at most 256")
         try:
             ids = self._prompt(request, context)
-            seq = Sequence(rid, ids, self._sampling(request.sampling, len(ids)))
-            events = self.r.engine.submit(seq)
+            group = [Sequence(rid, ids, sp, index=i) for i, sp in enumerate(self._sampling(request.sampling, len(ids)))]
+            events = self.r.engine.submit(group)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
@@ -114,29 +138,59 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except FutureTimeout:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while tokenizing the prompt")
-        cancel = lambda: self.r.engine.cancel(seq)              # noqa: E731 (by the engine's own id)
+        engine = self.r.engine
+
+        def cancel() -> None:                                  # by the engine's own ids, never by request_id
+            for seq in group:
+                engine.cancel(seq)
+
         if not context.add_callback(cancel):                   # client gone: free its KV at once
             cancel()
-        detok = Detokenizer(self.r.tokenizer)
+        yield from self._stream(context, rid, group, events, cancel)
+
+    def _stream(self, context, rid: str, group: list[Sequence], events, cancel):
+        """Every choice's tokens and text as they come; one Complete per choice; then the call ends."""
+        texts = [ChoiceText(self.r.tokenizer, seq.sampling.stop, seq.sampling.min_tokens) for seq in group]
+        last = [-1] * len(group)
+        left = len(group)
         with self.stalls.watch(context, cancel) as sending:
-            while True:
+            while left:
                 ev = events.get()
+                if isinstance(ev, Failed):
+                    cancel()                                   # the other choices go too: the call ends here
+                    context.abort(grpc.StatusCode[ev.code.name], f"generation failed: {ev.message}")
+                i = ev.index
+                seq, text = group[i], texts[i]
+                if text.done:                  # this choice already ended at a stop string; the engine lags
+                    continue
                 if isinstance(ev, Tokens):
-                    chunk = pb.Chunk(token_ids=ev.token_ids, text=detok.push(ev.token_ids), logits=ev.logits)
+                    piece = text.push(ev.token_ids)
+                    last[i] = ev.token_ids[-1]
+                    chunk = pb.Chunk(token_ids=ev.token_ids, text=piece.text, logits=ev.logits, index=i,
+                                     logprobs=[_logprob(text, s) for s in ev.logprobs])
                     with sending:
                         yield pb.GenerateResponse(request_id=rid, chunk=chunk)
-                elif isinstance(ev, Finished):
-                    tail = detok.finish()              # text held back for an unfinished character, if any
-                    if tail:
+                    if piece.stop is None:
+                        continue
+                    self.r.engine.cancel(seq, FinishReason.STOP)
+                    reason, stop_reason, done = FinishReason.STOP, piece.stop, text.num_tokens
+                    ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
+                else:                                          # Finished
+                    piece = text.finish()                  # text held back (a character, a stop string's start)
+                    if piece.text:
                         with sending:
-                            yield pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(text=tail))
-                    with sending:
-                        yield pb.GenerateResponse(request_id=rid, complete=pb.Complete(
-                            finish_reason=ev.reason.value, prompt_tokens=ev.prompt_tokens,
-                            completion_tokens=ev.completion_tokens, ttft_ms=ev.ttft_ms))
-                    return
-                elif isinstance(ev, Failed):
-                    context.abort(grpc.StatusCode[ev.code.name], f"generation failed: {ev.message}")
+                            yield pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(text=piece.text, index=i))
+                    reason, done, ttft = ev.reason, ev.completion_tokens, ev.ttft_ms
+                    stop_reason = piece.stop or ""
+                    if piece.stop is not None:
+                        reason = FinishReason.STOP
+                    elif reason is FinishReason.STOP and last[i] in seq.sampling.stop_token_ids:
+                        stop_reason = str(last[i])
+                left -= 1
+                with sending:
+                    yield pb.GenerateResponse(request_id=rid, complete=pb.Complete(
+                        finish_reason=reason.value, prompt_tokens=len(seq.prompt_ids), completion_tokens=done,
+                        ttft_ms=ttft, index=i, stop_reason=stop_reason))
 
     def Abort(self, request, context):
         self._loaded(context)
@@ -149,7 +203,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             model_path=r.opts.model, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             num_layers=cfg.num_layers, num_experts=cfg.num_experts, experts_per_token=cfg.top_k,
             dtype=r.opts.dtype, workers=list(r.opts.workers), max_model_len=r.max_model_len,
-            eos_token_ids=list(cfg.eos_token_ids))
+            eos_token_ids=list(cfg.eos_token_ids), has_tokenizer=r.tokenizer is not None,
+            chat_template=r.chat_template or "", special_tokens=r.special_tokens)
+
+
+def _logprob(text: ChoiceText, s: Sampled) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=s.token, logprob=s.logprob or 0.0, token=text.token_text(s.token),
+                           top=[pb.TopLogprob(token_id=t, logprob=v, token=text.token_text(t)) for t, v in s.top])
 
 
 def serve_router(opts: RouterOptions) -> None:

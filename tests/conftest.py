@@ -60,7 +60,11 @@ def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = Non
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                          env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     try:
+        p.openai = None                  # type: ignore[attr-defined]  (the HTTP front's base URL, when started)
         line = p.stdout.readline()
+        if line.startswith("openai "):   # --openai-port: its line comes just before the fleet's ready line
+            p.openai = line.split()[1]   # type: ignore[attr-defined]
+            line = p.stdout.readline()
         if not line.startswith("ready "):
             p.wait(timeout=30)
             raise RuntimeError(f"colibri serve did not become ready (exit {p.returncode}): {line!r}")

@@ -30,6 +30,14 @@ VALUE_SETS = {
     "eight-shards": {"experts": {"shards": 8, "spreadAcrossNodes": False}},
     "expert-cache": {"experts": {"cache": {"capacity": "25%", "policy": "lfu", "hostCapacity": "8GiB"}},
                      "router": {"expertPrefetch": True, "routingAwareBatching": True}},
+    "openai": {"openai": {"enabled": True, "servedModelName": "qwen3-moe", "autoscaling": {"enabled": True},
+                          "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "spot", "operator": "Exists"}],
+                          "networkPolicy": {"from": [{"namespaceSelector": {"matchLabels": {
+                              "kubernetes.io/metadata.name": "ingress"}}}]}},
+               "serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True}},
+    "openai-tls": {"openai": {"enabled": True, "service": {"type": "LoadBalancer"}},
+                   "tls": {"enabled": True, "secretName": "colibri-tls", "clientAuth": True},
+                   "networkPolicy": {"enabled": True}},
 }
 
 
@@ -48,6 +56,12 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
 
 
+def of(docs: list[dict], kind: str, component: str) -> list[dict]:
+    """The objects of one kind that belong to one component (router, experts, openai)."""
+    return [d for d in by_kind(docs, kind)
+            if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == component]
+
+
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_lint_strict(name):
     report = helm.lint(CHART, VALUE_SETS[name], strict=True, kube_version=f"v{K8S}")
@@ -61,7 +75,7 @@ def test_every_manifest_validates_against_kubernetes(name):
     assert docs
     for doc in docs:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            assert doc["kind"] == "ServiceMonitor" and doc["spec"]["endpoints"][0]["port"] == "metrics"
+            assert doc["kind"] == "ServiceMonitor" and doc["spec"]["endpoints"][0]["port"] in ("metrics", "http")
             continue
         kubernetes_validate.validate(doc, K8S, strict=True)
 
@@ -72,7 +86,7 @@ def test_wiring(name):
     docs = render(values)
     shards = values.get("experts", {}).get("shards", 2)
     (sts,) = by_kind(docs, "StatefulSet")
-    (dep,) = by_kind(docs, "Deployment")
+    (dep,) = of(docs, "Deployment", "router")
     services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
     headless = services[sts["spec"]["serviceName"]]
     assert headless["spec"]["clusterIP"] == "None"
@@ -99,14 +113,14 @@ def test_wiring(name):
         sel = workload["spec"]["selector"]["matchLabels"]
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert sel.items() <= labels.items()
-    router_svc = next(s for s in services.values() if s["spec"].get("clusterIP") != "None")
+    (router_svc,) = of(docs, "Service", "router")
     assert router_svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert headless["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
     grpc_port = next(p for p in router_svc["spec"]["ports"] if p["name"] == "grpc")
     assert grpc_port["appProtocol"] == "grpc"
     for pdb in by_kind(docs, "PodDisruptionBudget"):
         assert any(pdb["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
-                   for w in (dep, sts))
+                   for w in (dep, sts, *of(docs, "Deployment", "openai")))
 
     # every flag the chart passes is one the CLI knows, with a value its option dataclass accepts
     for container in (router, expert):
@@ -176,7 +190,7 @@ def test_helm_test_pod_checks_router_health():
     (pod,) = [d for d in by_kind(docs, "Pod") if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
     args = pod["spec"]["containers"][0]["args"]
     assert args[0] == "health" and "--service=colibri.v1.Generation" in args
-    router_svc = next(s for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") != "None")
+    (router_svc,) = of(docs, "Service", "router")
     assert re.match(rf"--target={router_svc['metadata']['name']}\.llm\.svc\.cluster\.local:50051$", args[1])
 
 
@@ -195,6 +209,19 @@ def test_helm_test_pod_checks_router_health():
     {"experts": {"replicas": 0}},
     {"experts": {"cache": {"capacity": "lots"}}},
     {"experts": {"cache": {"policy": "fifo"}}},
+    {"openai": {"replicas": -1}},
+    {"openai": {"replicas": 0}},
+    {"openai": {"port": "x"}},
+    {"openai": {"port": 0}},
+    {"openai": {"port": 65536}},
+    {"openai": {"enabled": "yes"}},
+    {"openai": {"servedModelName": 7}},
+    {"openai": {"extraArgs": "--foo"}},
+    {"openai": {"service": {"type": "Ingress"}}},
+    {"openai": {"autoscaling": {"maxReplicas": 0}}},
+    {"openai": {"pdb": {"maxUnavailable": 0}}},
+    {"openai": {"networkPolicy": {"from": "everyone"}}},
+    {"openai": {"replica": 2}},                                   # a typo is refused, not ignored
 ])
 def test_schema_rejects_wrong_values(bad):
     chart = helm.Chart.load(CHART)
@@ -280,3 +307,187 @@ def test_tls_mounts_the_secret_passes_the_flags_and_probes_over_tls():
     plain = render({})
     assert not by_kind(plain, "NetworkPolicy") and "grpc" in by_kind(plain, "Deployment")[0]["spec"]["template"][
         "spec"]["containers"][0]["readinessProbe"]
+
+
+# The OpenAI-compatible HTTP front (`colibri openai`), off unless openai.enabled.
+
+def front(values: dict) -> tuple[list[dict], dict, dict]:
+    """The documents, the front's Deployment and its container."""
+    docs = render(values)
+    (dep,) = of(docs, "Deployment", "openai")
+    return docs, dep, dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_the_openai_front_is_off_by_default():
+    everything_on = {"serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True}}
+    for values in ({}, everything_on, {**everything_on, "openai": {"autoscaling": {"enabled": True}}}):
+        docs = render(values)
+        assert [d["metadata"]["name"] for d in docs if "openai" in d["metadata"]["name"]] == []
+        assert "openai" not in str([d for d in docs if d["kind"] != "Pod"])
+        assert not of(docs, "HorizontalPodAutoscaler", "openai")
+    notes = helm.Chart.load(CHART).render({}, name="prod", namespace="llm", is_install=True)
+    assert "/v1/chat/completions" not in next(v for k, v in notes.items() if k.endswith("NOTES.txt"))
+
+
+def test_the_openai_front_dials_the_router_service_and_serves_its_port():
+    docs, dep, c = front({"openai": {"enabled": True}})
+    for doc in of(docs, "Deployment", "openai") + of(docs, "Service", "openai"):
+        kubernetes_validate.validate(doc, K8S, strict=True)
+    (router_svc,) = of(docs, "Service", "router")
+    grpc = next(p["port"] for p in router_svc["spec"]["ports"] if p["name"] == "grpc")
+    target = f"{router_svc['metadata']['name']}.llm.svc.cluster.local:{grpc}"
+    assert c["args"] == ["openai", f"--target={target}", "--host=0.0.0.0", "--port=8000", "--log-level=INFO"]
+    assert dep["spec"]["replicas"] == 1
+
+    # one named port, reached by the Service, the readiness probe (/health) and the liveness probe
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["livenessProbe"]["tcpSocket"] == {"port": "http"}      # a router outage unreadies, never restarts
+    assert "httpGet" not in c["livenessProbe"] and "startupProbe" not in c
+    (svc,) = of(docs, "Service", "openai")
+    assert svc["spec"]["type"] == "ClusterIP"
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+                                     "appProtocol": "http"}]
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    router_pods = of(docs, "Deployment", "router")[0]["spec"]["template"]["metadata"]["labels"]
+    assert not svc["spec"]["selector"].items() <= router_pods.items()
+    assert not router_svc["spec"]["selector"].items() <= pod_labels.items()
+
+    # the router's pod conventions; no model, no /dev/shm, no Kubernetes API token
+    spec = dep["spec"]["template"]["spec"]
+    router_spec = of(docs, "Deployment", "router")[0]["spec"]["template"]["spec"]
+    assert spec["securityContext"] == router_spec["securityContext"]
+    assert c["securityContext"] == router_spec["containers"][0]["securityContext"]
+    assert c["image"] == router_spec["containers"][0]["image"]
+    assert spec["automountServiceAccountToken"] is False
+    assert {v["name"] for v in spec["volumes"]} == {"tmp"}
+    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert {"name": "HOME", "value": "/tmp"} in c["env"]
+    assert c["resources"]["requests"]["cpu"] and "nvidia.com/gpu" not in str(c["resources"])
+
+
+def test_the_openai_front_follows_its_values():
+    docs, dep, c = front({"openai": {"enabled": True, "port": 9000, "replicas": 3, "servedModelName": "org/qwen3: moe",
+                                     "extraArgs": ["--max-tokens-default", "256"], "service": {"type": "NodePort"}},
+                          "router": {"port": 50052}, "logLevel": "DEBUG"})
+    assert c["args"] == ["openai", "--target=prod-colibri-router.llm.svc.cluster.local:50052", "--host=0.0.0.0",
+                         "--port=9000", "--served-model-name=org/qwen3: moe", "--log-level=DEBUG",
+                         "--max-tokens-default", "256"]
+    assert c["ports"][0]["containerPort"] == 9000 and dep["spec"]["replicas"] == 3
+    (svc,) = of(docs, "Service", "openai")
+    assert svc["spec"]["type"] == "NodePort" and svc["spec"]["ports"][0]["port"] == 9000
+
+    docs, dep, c = front(VALUE_SETS["openai"])
+    spec = dep["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"pool": "cpu"} and spec["tolerations"] == [{"key": "spot", "operator": "Exists"}]
+    assert "--served-model-name=qwen3-moe" in c["args"]
+    (hpa,) = of(docs, "HorizontalPodAutoscaler", "openai")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": dep["metadata"]["name"]}
+    assert "replicas" not in dep["spec"]                                  # the HPA owns it
+    assert "replicas" in of(docs, "Deployment", "router")[0]["spec"]     # ... the router's own stays
+    (pdb,) = of(docs, "PodDisruptionBudget", "openai")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert not of(render({"openai": {"enabled": True, "pdb": {"enabled": False}}}), "PodDisruptionBudget", "openai")
+
+
+def test_the_openai_fronts_flags_are_ones_the_cli_knows():
+    from colibri.cli import COMMANDS
+
+    if "openai" not in COMMANDS:
+        pytest.skip("`colibri openai` is not in the CLI yet")
+    for values in (VALUE_SETS["openai"], VALUE_SETS["openai-tls"]):
+        ap = build_parser()
+        opts = command_options(ap, ap.parse_args(front(values)[2]["args"]))
+        assert opts.target == "prod-colibri-router.llm.svc.cluster.local:50051" and opts.port == 8000
+
+
+def test_the_service_monitor_scrapes_the_fronts_metrics():
+    docs, dep, c = front(VALUE_SETS["openai"])
+    (mon,) = [m for m in by_kind(docs, "ServiceMonitor") if m["metadata"]["name"] == dep["metadata"]["name"]]
+    (svc,) = [s for s in by_kind(docs, "Service")
+              if mon["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+    assert svc["metadata"]["labels"]["app.kubernetes.io/component"] == "openai"
+    (endpoint,) = mon["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["port"] in [p["name"] for p in svc["spec"]["ports"]]
+    assert len(by_kind(docs, "ServiceMonitor")) == 3
+    assert not [m for m in by_kind(render({"openai": {"enabled": True}}), "ServiceMonitor")]
+
+
+def test_network_policies_let_clients_reach_the_front_and_the_front_reach_the_router():
+    docs, dep, c = front(VALUE_SETS["openai"])
+    front_pods = dep["spec"]["template"]["metadata"]["labels"]
+    router_dep = of(docs, "Deployment", "router")[0]
+    router_pods = router_dep["spec"]["template"]["metadata"]["labels"]
+    router_port = next(p["containerPort"] for p in router_dep["spec"]["template"]["spec"]["containers"][0]["ports"]
+                       if p["name"] == "grpc")
+    policies = by_kind(docs, "NetworkPolicy")
+    (pol,) = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= front_pods.items()]
+    (rule,) = pol["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}]
+    (anyone,) = of(render({"openai": {"enabled": True}, "networkPolicy": {"enabled": True}}), "NetworkPolicy", "openai")
+    assert "from" not in anyone["spec"]["ingress"][0]                     # [] = any client
+    # every policy that selects the router admits the front on the router's gRPC port (none does today)
+    for p in policies:
+        if p["spec"]["podSelector"]["matchLabels"].items() <= router_pods.items():
+            assert any(r.get("from") is None or any(
+                peer.get("podSelector", {}).get("matchLabels", {}).items() <= front_pods.items() for peer in r["from"])
+                for r in p["spec"]["ingress"] if router_port in [x["port"] for x in r.get("ports", [])])
+    # the workers' policy still admits only the router
+    (experts_pol,) = [p for p in policies if p["metadata"]["name"].endswith("-experts")]
+    assert experts_pol["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "router"
+    assert not by_kind(render({"openai": {"enabled": True}}), "NetworkPolicy")
+
+
+def test_the_openai_front_dials_the_router_over_tls():
+    docs, dep, c = front(VALUE_SETS["openai-tls"])                        # the router requires client certificates
+    assert {"--tls-ca=/etc/colibri/tls/ca.crt", "--tls-cert=/etc/colibri/tls/tls.crt",
+            "--tls-key=/etc/colibri/tls/tls.key"} <= set(c["args"])
+    assert next(a for a in c["args"] if a.startswith("--target=")).split("=", 1)[1].startswith(
+        "prod-colibri-router.llm.svc.cluster.local:")                       # the name the router's certificate carries
+    spec = dep["spec"]["template"]["spec"]
+    assert {"name": "tls", "secret": {"secretName": "colibri-tls", "defaultMode": 0o440}} in spec["volumes"]
+    assert {"name": "tls", "mountPath": "/etc/colibri/tls", "readOnly": True} in c["volumeMounts"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"             # its own HTTP port stays plain
+    (svc,) = of(docs, "Service", "openai")
+    assert svc["spec"]["type"] == "LoadBalancer"
+
+    # without client auth: the CA alone, and only the CA from the Secret is mounted
+    docs, dep, c = front({"openai": {"enabled": True}, "tls": {"enabled": True, "secretName": "colibri-tls"}})
+    tls_args = [a for a in c["args"] if a.startswith("--tls")]
+    assert tls_args == ["--tls-ca=/etc/colibri/tls/ca.crt"]
+    (vol,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+    assert vol["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    kubernetes_validate.validate(dep, K8S, strict=True)
+    with pytest.raises(helm.HelmError, match="tls.secretName"):
+        render({"openai": {"enabled": True}, "tls": {"enabled": True}})
+    assert "--tls" not in str(front({"openai": {"enabled": True}})[2])
+
+
+@pytest.mark.parametrize(("bad", "where"), [
+    ({"replicas": -1}, "/openai/replicas"),
+    ({"port": "x"}, "/openai/port"),
+    ({"port": 70000}, "/openai/port"),
+    ({"servedModelName": ["a"]}, "/openai/servedModelName"),
+    ({"service": {"type": "Ingress"}}, "/openai/service/type"),
+])
+def test_the_schema_names_the_wrong_openai_value(bad, where):
+    with pytest.raises(helm.HelmError, match=f"(?s)schema.*at '{where}'"):
+        helm.Chart.load(CHART).render({"openai": {"enabled": True, **bad}}, name="prod", namespace="llm",
+                                      is_install=True)
+
+
+def test_notes_say_how_to_reach_the_front():
+    def notes(values):
+        out = helm.Chart.load(CHART).render(values, name="prod", namespace="llm", is_install=True)
+        return next(v for k, v in out.items() if k.endswith("NOTES.txt"))
+
+    text = notes({"openai": {"enabled": True, "servedModelName": "qwen3-moe"}})
+    assert "http://prod-colibri-openai.llm.svc.cluster.local:8000/v1" in text
+    assert "port-forward svc/prod-colibri-openai 8000" in text and "localhost:8000/v1/chat/completions" in text
+    assert '"model": "qwen3-moe"' in text
+    assert "EXTERNAL-IP" in notes({"openai": {"enabled": True, "service": {"type": "LoadBalancer"}}})

@@ -15,6 +15,7 @@ import pytest
 from colibri import __version__
 from colibri.cli import COMMANDS, build_parser
 from colibri.launcher import ServeOptions, child_argv
+from colibri.openai_api.options import OpenAIOptions
 from colibri_common.options import Parser, _flags, add_options, from_args, option, to_argv
 from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.options import RouterOptions
@@ -41,8 +42,8 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
                       log_level="DEBUG", kv_cache_mb=64, kv_cache_blocks=9, block_size=8, wire_dtype="float32",
                       micro_batches=2, transport="unary", worker_timeout=2.5, metrics_port=0, quantize="int8",
                       grace_period=3.5, max_prompt_bytes=1000, max_request_bytes=9000, max_stop_token_ids=7,
-                      stream_stall_timeout=4.5, expert_metrics=True, tls_client_auth=True, tls_cert="/c.pem",
-                      tls_key="/k.pem", tls_ca="/ca.pem",
+                      max_stop_strings=5, stream_stall_timeout=4.5, expert_metrics=True, tls_client_auth=True,
+                      tls_cert="/c.pem", tls_key="/k.pem", tls_ca="/ca.pem",
                       quantize_dense=True, cpu_forms="/tmp/forms.json", expert_prefetch=True,
                       sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99,
                                             routing_aware_batching=True, max_passed_over=3))
@@ -62,6 +63,24 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
     assert all(getattr(c, f.name) != getattr(ExpertCacheOptions(), f.name) for f in dataclasses.fields(c))
     e = dataclasses.replace(e, cache=c)
     assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e
+    o = OpenAIOptions(target="h:9", host="0.0.0.0", port=8001, served_model_name="m", request_timeout=5.5,
+                      grace_period=2.5, tls_ca="/ca.pem", tls_cert="/c.pem", tls_key="/k.pem", access_log=True,
+                      log_level="DEBUG")
+    assert all(getattr(o, f.name) != getattr(OpenAIOptions(), f.name) for f in dataclasses.fields(o))
+    assert parse(OpenAIOptions, child_argv("openai", o)[1:]) == o
+
+
+def test_serve_starts_the_openai_front_as_a_client_of_its_router():
+    s = parse(ServeOptions, ["--model", "/models/qwen", "--openai-port", "8080", "--tls-cert", "/c", "--tls-key",
+                             "/k", "--tls-ca", "/ca", "--log-level", "warning"], ServeOptions.EXCLUDED)
+    front = s.front("127.0.0.1:5000")
+    assert (front.target, front.port, front.served_model_name, front.tls_ca) == ("127.0.0.1:5000", 8080, "qwen",
+                                                                                 "/ca")
+    assert front.tls_cert is None and front.log_level == "WARNING"      # no client auth: no client certificate
+    with pytest.raises(ValueError, match="--openai-port"):
+        parse(ServeOptions, ["--model", "/m", "--openai-port", "70000"], ServeOptions.EXCLUDED)
+    with pytest.raises(ValueError, match="--tls-key"):
+        parse(OpenAIOptions, ["--target", "h:1", "--tls-cert", "/c"])     # a certificate without its key
 
 
 def test_serve_hands_its_children_the_options_it_was_given():

@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from router_service.sampler import Sampler
+from router_service.sampler import SampleError, Sampler
 from router_service.sequence import Sampling
 
 torch.set_num_threads(1)
+
+
+@dataclass
+class Row:
+    """What the sampler reads of a sequence."""
+
+    uid: str
+    sampling: Sampling
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+
+
+def rows(pairs: list[tuple[str, Sampling]]) -> list[Row]:
+    return [Row(uid, sp) for uid, sp in pairs]
 
 try:
     from scipy.stats import chisquare
@@ -42,7 +57,7 @@ def restricted(probs: torch.Tensor, support: set[int]) -> torch.Tensor:
 def draw(sampler: Sampler, logits: torch.Tensor, sp: Sampling, n: int, rid: str = "r") -> list[int]:
     """n single-row steps of one request, so its generator is reused from step to step."""
     row = logits.reshape(1, -1)
-    return [sampler.sample(row, [(rid, sp)])[0] for _ in range(n)]
+    return [sampler.tokens(row, rows([(rid, sp)]))[0] for _ in range(n)]
 
 
 def mismatch(tokens: list[int], expected: torch.Tensor, sigmas: float = SIGMAS) -> str | None:
@@ -98,20 +113,20 @@ def test_greedy_rows_take_the_argmax_and_rows_stay_paired_with_their_requests() 
     s = Sampler()
     seen: list[set[int]] = [set() for _ in requests]
     for _ in range(60):
-        out = s.sample(logits, requests)
+        out = s.tokens(logits, rows(requests))
         assert len(out) == len(requests) and all(isinstance(t, int) for t in out)
         for r, t in enumerate(out):
             seen[r].add(t)
     assert seen[0] == {5} and seen[2] == {3}, seen
     # The sampled rows really sample (both of their top-2 show up) and never leave their own row's top-2.
     assert seen[1] == {0, 7} and seen[3] == {6, 4}, seen
-    assert Sampler().sample(logits, [(f"g{r}", Sampling()) for r in range(len(top))]) == [a for a, _ in top]
+    assert Sampler().tokens(logits, rows([(f"g{r}", Sampling()) for r in range(len(top))])) == [a for a, _ in top]
 
 
 def test_greedy_never_samples_even_on_nearly_flat_logits() -> None:
     logits = torch.tensor([[0.0, 0.01, 0.0, -0.01, 0.0, 0.0]])
     s = Sampler()
-    assert {s.sample(logits, [("g", Sampling(seed=5))])[0] for _ in range(200)} == {1}
+    assert {s.tokens(logits, rows([("g", Sampling(seed=5))]))[0] for _ in range(200)} == {1}
 
 
 # ------------------------------------------------------------------------------------------------ temperature
@@ -227,10 +242,10 @@ def test_requests_in_one_batch_have_their_own_generators() -> None:
     sp = Sampling(temperature=1.0, seed=7)
     reference = draw(Sampler(), FLAT, sp, 50)
     s = Sampler()
-    rows = [s.sample(FLAT.expand(3, -1), [("a", sp), ("greedy", Sampling()), ("b", sp)]) for _ in range(50)]
-    assert [r[0] for r in rows] == reference
-    assert [r[2] for r in rows] == reference
-    assert {r[1] for r in rows} == {0}
+    out = [s.tokens(FLAT.expand(3, -1), rows([("a", sp), ("greedy", Sampling()), ("b", sp)])) for _ in range(50)]
+    assert [r[0] for r in out] == reference
+    assert [r[2] for r in out] == reference
+    assert {r[1] for r in out} == {0}
 
 
 def test_unseeded_requests_get_different_sequences() -> None:
@@ -277,12 +292,85 @@ def test_tiny_temperature_acts_as_greedy_or_is_rejected() -> None:
         sp = Sampling(temperature=1e-40)
     except ValueError:
         return
-    assert Sampler().sample(LOGITS.reshape(1, -1), [("tiny", sp)]) == [ARGMAX]
+    assert Sampler().tokens(LOGITS.reshape(1, -1), rows([("tiny", sp)])) == [ARGMAX]
 
 
 def test_unseeded_request_leaves_the_global_rng_alone() -> None:
     torch.manual_seed(0)
     expected = torch.rand(4)
     torch.manual_seed(0)
-    Sampler().sample(LOGITS.reshape(1, -1), [("unseeded", Sampling(temperature=1.0))])
+    Sampler().tokens(LOGITS.reshape(1, -1), rows([("unseeded", Sampling(temperature=1.0))]))
     assert torch.equal(torch.rand(4), expected)
+
+
+# --------------------------------------------------------------------------------- min-p, penalties, logprobs
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_the_likeliest() -> None:
+    # p_max = 0.40: min_p 0.3 keeps p >= 0.12, i.e. {3, 1, 5}; min_p 0.5 keeps p >= 0.20, i.e. {3, 1}.
+    for min_p, support in ((0.3, {3, 1, 5}), (0.5, {3, 1})):
+        tokens = draw(Sampler(), LOGITS, Sampling(temperature=1.0, min_p=min_p, seed=51), N_SUPPORT)
+        assert set(tokens) == support
+        assert_distribution(tokens, restricted(tempered(1.0), support), wrong=[tempered(1.0)])
+
+
+def penalised_reference(logits: torch.Tensor, prompt: list[int], output: list[int], rep: float, freq: float,
+                        pres: float) -> torch.Tensor:
+    """The penalties written out token by token in float64: transformers' repetition penalty over prompt +
+    output, OpenAI's frequency and presence penalties over the output."""
+    x = logits.double().clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+    for t in set(output):
+        x[t] -= freq * output.count(t) + pres
+    return x
+
+
+@pytest.mark.parametrize(("rep", "freq", "pres"), [(1.3, 0.0, 0.0), (1.0, 0.7, 0.0), (1.0, 0.0, 1.1),
+                                                   (0.8, -0.4, 0.5)])
+def test_penalties_and_logprobs_match_the_written_out_formulas(rep: float, freq: float, pres: float) -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 12, generator=g) * 2                                  # [2, V]
+    histories = [([1, 4], [4, 7, 7, 2, 7]), ([9], [])]
+    sp = Sampling(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres, logprobs=True,
+                  top_logprobs=12)
+    batch = [Row(f"p{i}", sp, p, o) for i, (p, o) in enumerate(histories)]
+    out = Sampler().sample(logits, batch)
+    for i, (prompt, output) in enumerate(histories):
+        ref = penalised_reference(logits[i], prompt, output, rep, freq, pres)
+        ref_lp = torch.log_softmax(ref, dim=-1)
+        assert out[i].token == int(ref.argmax())                                  # greedy on the penalised logits
+        assert out[i].logprob == pytest.approx(float(ref_lp[out[i].token]), abs=1e-5)
+        got = dict(out[i].top)
+        assert [t for t, _ in out[i].top] == ref_lp.argsort(descending=True).tolist()
+        assert all(got[t] == pytest.approx(float(ref_lp[t]), abs=1e-5) for t in range(12))
+    # the penalties change the answer for the row with a history (else this test could not fail)
+    assert not torch.allclose(penalised_reference(logits[0], *histories[0], rep, freq, pres).float(), logits[0])
+
+
+def test_logprobs_are_of_the_tempered_distribution_and_top_is_cut_to_n() -> None:
+    sp = Sampling(temperature=2.0, seed=8, logprobs=True, top_logprobs=2)
+    out = Sampler().sample(LOGITS.reshape(1, -1), [Row("t", sp)])[0]
+    ref = torch.log_softmax(LOGITS.double() / 2.0, dim=-1)
+    assert out.logprob == pytest.approx(float(ref[out.token]), abs=1e-6)
+    assert [t for t, _ in out.top] == [3, 1]
+    assert Sampler().sample(LOGITS.reshape(1, -1), [Row("n", Sampling())])[0].logprob is None   # not asked
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_enough_are_out() -> None:
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.0, 3.0]])               # 2 (EOS here) > 3 (stop token) > 4
+    s = Sampler(eos_token_ids=frozenset({2}))
+    sp = Sampling(min_tokens=2, stop_token_ids=(3,))
+    assert s.tokens(logits, [Row("m", sp, [0], [])]) == [4]
+    assert s.tokens(logits, [Row("m", sp, [0], [4])]) == [4]
+    assert s.tokens(logits, [Row("m", sp, [0], [4, 4])]) == [2]       # two out: EOS may come
+    ignore = Sampling(min_tokens=2, stop_token_ids=(3,), ignore_eos=True)
+    assert s.tokens(logits, [Row("i", ignore, [0], [])]) == [2]     # ignore_eos: EOS is just a token
+
+
+def test_a_non_finite_row_fails_alone_beside_penalised_and_sampled_rows() -> None:
+    logits = torch.stack([LOGITS, torch.full((6,), math.nan), LOGITS])
+    out = Sampler().sample(logits, [Row("a", Sampling(repetition_penalty=1.2), [3], []), Row("b", Sampling()),
+                                    Row("c", Sampling(temperature=1.0, min_p=0.5, seed=1))])
+    assert isinstance(out[1], SampleError)
+    assert out[0].token in range(6) and out[2].token in {3, 1}

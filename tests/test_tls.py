@@ -3,6 +3,7 @@ whose certificate another CA signed; a fleet started with --tls-self-signed serv
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -10,10 +11,11 @@ import subprocess
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from colibri.cli import build_parser, command_options
-from colibri.client import Client
+from colibri.client import AsyncClient, Client
 from colibri_common.errors import ColibriError, ConfigError
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.tls import TlsFiles, client_channel, self_signed
@@ -74,11 +76,27 @@ def test_tls_flags_that_cannot_work_are_refused_at_start(oracles, tmp_path):
 
 def test_a_self_signed_fleet_serves_the_same_tokens_over_tls(oracles):
     oracle = oracles["qwen3_moe"]
-    with fleet(oracle.path, 2, ["--tls-self-signed", "--tls-client-auth"]) as (addr, proc):
+    with fleet(oracle.path, 2, ["--tls-self-signed", "--tls-client-auth", "--openai-port", "0"]) as (addr, proc):
         d = Path(os.environ["COLIBRI_CACHE_DIR"]) / f"tls-{proc.pid}"
         ca, cert, key = (str(d / f) for f in ("ca.pem", "cert.pem", "key.pem"))
         client = Client(addr, tls_ca=ca, tls_cert=cert, tls_key=key)
         assert client.generate([1, 2, 3], 8).token_ids == oracle.greedy([1, 2, 3], 8)
+
+        async def over_aio() -> list[int]:
+            async with AsyncClient(addr, tls_ca=ca, tls_cert=cert, tls_key=key) as aio:
+                return (await aio.generate([1, 2, 3], 8)).token_ids
+
+        assert asyncio.run(over_aio()) == oracle.greedy([1, 2, 3], 8)
+        # The HTTP front `serve` started is the router's TLS client (with the client certificate it requires);
+        # a model without a tokenizer takes token ids, and its log-probabilities name tokens by id.
+        api = openai.OpenAI(base_url=proc.openai, api_key="x", max_retries=0, timeout=60)
+        res = api.completions.create(model=oracle.path.name, prompt=[1, 2, 3], max_tokens=8, temperature=0,
+                                     logprobs=1)
+        assert res.choices[0].logprobs.tokens == [f"token_id:{t}" for t in oracle.greedy([1, 2, 3], 8)]
+        with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+            api.completions.create(model=oracle.path.name, prompt="text", max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            api.chat.completions.create(model=oracle.path.name, messages=[{"role": "user", "content": "hi"}])
         with pytest.raises(grpc.RpcError) as err:
             Client(addr, tls_ca=ca).generate([1, 2, 3], 2, timeout=10)           # --tls-client-auth: no cert, no
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -13,6 +13,12 @@
 
 {{- define "colibri.routerName" -}}{{ include "colibri.fullname" . }}-router{{- end -}}
 {{- define "colibri.expertsName" -}}{{ include "colibri.fullname" . }}-experts{{- end -}}
+{{- define "colibri.openaiName" -}}{{ include "colibri.fullname" . }}-openai{{- end -}}
+
+{{/* The router Service's in-cluster address: the name its TLS certificate carries. */}}
+{{- define "colibri.routerAddress" -}}
+{{ include "colibri.routerName" . }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.router.port }}
+{{- end -}}
 
 {{- define "colibri.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}

@@ -1,0 +1,280 @@
+"""`colibri openai`: an OpenAI-compatible HTTP front, a stateless process that speaks gRPC to a router.
+
+Starlette on uvicorn (httptools), chosen by measurement (benchmarks/results/http_frameworks.md): per streamed
+event it costs what aiohttp does, and it cancels a stream within ~1 ms of the client leaving, which is what
+aborts the request on the router and frees its KV cache.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (each streamed as server-sent events
+or not), GET /health (200 when the router answers SERVING), GET /metrics (Prometheus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from colibri.client import AsyncClient
+from colibri.openai_api.errors import ApiError, bad
+from colibri.openai_api.metrics import FrontMetrics
+from colibri.openai_api.options import OpenAIOptions
+from colibri.openai_api.protocol import Parsed, check_model, parse_chat, parse_completion
+from colibri.openai_api.responses import Reply, sse
+from colibri_common.chat_template import ChatTemplate, TemplateError
+from colibri_common.pb import generation_pb2 as pb
+
+log = logging.getLogger("colibri.openai")
+ROUTER_SERVICE = "colibri.v1.Generation"
+DONE = "[DONE]"
+
+
+class Front:
+    def __init__(self, opts: OpenAIOptions) -> None:
+        self.opts = opts
+        self.client = AsyncClient(opts.target, opts.tls_ca, opts.tls_cert, opts.tls_key,
+                                  timeout=opts.request_timeout)
+        self.metrics = FrontMetrics()
+        self._info: pb.ModelInfoResponse | None = None
+        self._template: ChatTemplate | None = None
+
+    # -- what the router serves -------------------------------------------------------------------------
+    async def info(self) -> pb.ModelInfoResponse:
+        """The router's ModelInfo, asked once (a router still loading is a 503 the client retries)."""
+        if self._info is None:
+            try:
+                info = await self.client.model_info()
+            except grpc.RpcError as exc:
+                raise ApiError.of_grpc(exc) if exc.code() != grpc.StatusCode.UNAVAILABLE else ApiError(
+                    503, f"the router at {self.opts.target} is not ready: {exc.details()}") from None
+            self._info = info
+            if info.chat_template:
+                self._template = ChatTemplate(info.chat_template, dict(info.special_tokens))
+            log.info("serving %s (%s) from the router at %s as '%s'", info.model_path, info.architecture,
+                     self.opts.target, self.model_name(info))
+        return self._info
+
+    def model_name(self, info: pb.ModelInfoResponse) -> str:
+        return self.opts.served_model_name or os.path.basename(info.model_path.rstrip("/")) or "colibri"
+
+    async def health(self) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            stub = health_pb2_grpc.HealthStub(self.client.channel)
+            res = await stub.Check(health_pb2.HealthCheckRequest(service=ROUTER_SERVICE), timeout=2)
+        except grpc.RpcError:
+            return False
+        return res.status == health_pb2.HealthCheckResponse.SERVING
+
+    # -- routes -----------------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        info = await self.info()
+        card = {"id": self.model_name(info), "object": "model", "created": int(time.time()), "owned_by": "colibri",
+                "root": info.model_path, "max_model_len": info.max_model_len}
+        if "model" in request.path_params:
+            if request.path_params["model"] != card["id"]:
+                raise ApiError(404, f"the model '{request.path_params['model']}' does not exist", "model",
+                               "model_not_found")
+            return JSONResponse(card)
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad(f"the request body is not valid JSON: {exc}") from None
+        parsed = parse_chat(body) if chat else parse_completion(body)
+        info = await self.info()
+        name = self.model_name(info)
+        check_model(parsed, name)
+        prompts = [self._render(parsed)] if chat else parsed.prompts
+        if any(isinstance(p, str) for p in prompts) and not info.has_tokenizer:
+            raise bad("this model has no tokenizer.json: send the prompt as token ids", "prompt")
+        reply = Reply(chat, name, parsed.sampling.n or 1, info.has_tokenizer,
+                      parsed.sampling.logprobs or parsed.sampling.top_logprobs > 0)
+        calls = [self.client.stream(_request(p, parsed.sampling, f"{reply.id}-{i}"), self.opts.request_timeout)
+                 for i, p in enumerate(prompts)]
+        messages = _merge(calls)
+        try:
+            first = await anext(messages)            # the router's verdict on the request, before any byte is sent
+        except StopAsyncIteration:
+            raise ApiError(500, "the router ended the call without an answer") from None
+        except grpc.RpcError as exc:
+            _cancel(calls)
+            raise ApiError.of_grpc(exc) from None
+        except BaseException:
+            _cancel(calls)
+            raise
+        self.metrics.started(chat)
+        if parsed.stream:
+            return StreamingResponse(self._events(reply, first, messages, calls, parsed.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._whole(request, reply, first, messages, calls)
+
+    def _render(self, parsed: Parsed) -> str:
+        if self._template is None:
+            raise bad("this model has no chat template (its tokenizer_config.json or chat_template.jinja has "
+                      "none): use /v1/completions with the prompt as text", "messages")
+        try:
+            return self._template.render(parsed.messages, parsed.add_generation_prompt, **parsed.template_kwargs)
+        except TemplateError as exc:
+            raise bad(str(exc), "messages") from None
+
+    async def _whole(self, request: Request, reply: Reply, first: tuple[int, pb.GenerateResponse],
+                     messages: AsyncIterator[tuple[int, pb.GenerateResponse]], calls: list) -> Response:
+        """Collect the whole answer; a client that leaves first cancels the calls (the router frees the KV)."""
+
+        async def collect() -> None:
+            self._fold(reply, *first)
+            async for prompt, msg in messages:
+                self._fold(reply, prompt, msg)
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                _cancel(calls)
+                log.info("%s: the client went away; its request was cancelled on the router", reply.id)
+        if work.cancelled():
+            self.metrics.finished(reply, "abort")
+            return Response(status_code=499)
+        try:
+            work.result()
+        except grpc.RpcError as exc:
+            raise ApiError.of_grpc(exc) from None
+        self.metrics.finished(reply, "ok")
+        return JSONResponse(reply.body())
+
+    def _fold(self, reply: Reply, prompt: int, msg: pb.GenerateResponse) -> tuple[int, str, list, str | None]:
+        out = reply.add(prompt, msg)
+        if msg.WhichOneof("response") == "chunk":
+            self.metrics.tokens(len(msg.chunk.token_ids))
+        return out
+
+    async def _events(self, reply: Reply, first: tuple[int, pb.GenerateResponse],
+                      messages: AsyncIterator[tuple[int, pb.GenerateResponse]], calls: list,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE stream. A client that leaves cancels this generator (CancelledError): the finally cancels the
+        router calls, and the router frees the request's KV blocks."""
+        status = "abort"
+        try:
+            chunk = reply.chunk(*self._fold(reply, *first), include_usage)
+            if chunk is not None:
+                yield sse(chunk)
+            async for prompt, msg in messages:
+                chunk = reply.chunk(*self._fold(reply, prompt, msg), include_usage)
+                if chunk is not None:
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(reply.usage_chunk())
+            status = "ok"
+        except grpc.RpcError as exc:              # mid-stream: the status line is sent; the error goes as an event
+            err = ApiError.of_grpc(exc)
+            status = str(err.status)
+            yield sse(err.body())
+        finally:
+            _cancel(calls)
+            self.metrics.finished(reply, status)
+        yield sse(DONE)
+
+    async def metrics_route(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def health_route(self, request: Request) -> Response:
+        if await self.health():
+            return JSONResponse({"status": "ok", "router": self.opts.target})
+        return JSONResponse({"status": "unavailable", "router": self.opts.target}, status_code=503)
+
+
+def _request(prompt: str | list[int], sampling: pb.SamplingParams, request_id: str) -> pb.GenerateRequest:
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=sampling)
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+
+
+def _cancel(calls: list) -> None:
+    for call in calls:
+        call.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _merge(calls: list) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """(prompt index, message) from every call as they come; one call is read directly."""
+    if len(calls) == 1:
+        async for msg in calls[0]:
+            yield 0, msg
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, call: Any) -> None:
+        try:
+            async for msg in call:
+                await queue.put((i, msg))
+            await queue.put((i, end))
+        except grpc.RpcError as exc:
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(calls)]
+    left = len(calls)
+    try:
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, grpc.RpcError):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def build_app(front: Front) -> Starlette:
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        front.metrics.refused(exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+        front.metrics.refused(500)
+        return JSONResponse(ApiError(500, f"internal error in the front: {exc!r}").body(), status_code=500)
+
+    routes = [
+        Route("/v1/models", front.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", front.models, methods=["GET"]),
+        Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/chat/completions", front.chat, methods=["POST"]),
+        Route("/health", front.health_route, methods=["GET"]),
+        Route("/metrics", front.metrics_route, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error, Exception: internal})

@@ -1,0 +1,60 @@
+"""Errors in OpenAI's JSON shape, with the HTTP codes the OpenAI clients act on.
+
+The official clients raise by status (400 BadRequestError, 404 NotFoundError, 429 RateLimitError, 5xx
+InternalServerError) and retry 408, 409, 429 and 5xx by themselves, honouring `Retry-After`. So a bad request is
+400 (never retried), a full queue 429 and a router not ready or gone 503 (retried), a deadline 504.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+HTTP_OF = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+}
+TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+           404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error", 503: "service_unavailable",
+           504: "timeout"}
+RETRY_AFTER_S = {429: 1, 503: 1}
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status, message, and the request field it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": TYPE_OF.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code or str(self.status)}}
+
+    def headers(self) -> dict[str, str]:
+        wait = RETRY_AFTER_S.get(self.status)
+        return {"Retry-After": str(wait)} if wait else {}
+
+    @staticmethod
+    def of_grpc(exc: grpc.RpcError) -> ApiError:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        if code is None:
+            return ApiError(500, f"the router failed: {details}")
+        status = HTTP_OF.get(code, 500)
+        if code is grpc.StatusCode.UNAVAILABLE and not details:
+            details = "the router is not reachable"
+        return ApiError(status, details or code.name, code=code.name.lower())
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)

@@ -1,0 +1,44 @@
+"""The front's own Prometheus metrics (`colibri_openai:` prefix): requests by endpoint and outcome, in flight,
+latency to the last byte, tokens streamed. The router's metrics stay on the router."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from colibri.openai_api.responses import Reply
+from colibri_common.metrics_http import LATENCY_BUCKETS, render
+
+
+class FrontMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("colibri_openai:requests", "HTTP generation requests by endpoint and outcome "
+                                "(ok, abort = the client left, or the HTTP status).", ["endpoint", "outcome"],
+                                registry=self.registry)
+        self.in_flight = Gauge("colibri_openai:requests_in_flight", "Generation requests open now.",
+                               registry=self.registry)
+        self.latency = Histogram("colibri_openai:request_seconds", "From the router's first answer to the last "
+                                 "byte, by endpoint.", ["endpoint"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.generated = Counter("colibri_openai:generation_tokens", "Tokens passed on to clients.",
+                                 registry=self.registry)
+        self.errors = Counter("colibri_openai:refused", "Requests answered with an error status.", ["status"],
+                              registry=self.registry)
+    def started(self, chat: bool) -> None:
+        self.in_flight.inc()
+
+    def finished(self, reply: Reply, outcome: str) -> None:
+        endpoint = "chat" if reply.chat else "completions"
+        self.in_flight.dec()
+        self.requests.labels(endpoint, outcome).inc()
+        self.latency.labels(endpoint).observe(time.monotonic() - reply.t0)
+
+    def tokens(self, n: int) -> None:
+        self.generated.inc(n)
+
+    def refused(self, status: int) -> None:
+        self.errors.labels(str(status)).inc()
+
+    def render(self) -> str:
+        return render(self.registry)

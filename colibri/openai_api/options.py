@@ -1,0 +1,35 @@
+"""`colibri openai`'s options: one frozen dataclass, its flags built from it (torch-free, fast --help)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colibri_common.options import LOG_LEVELS, option, upper
+
+
+@dataclass(frozen=True)
+class OpenAIOptions:
+    target: str = option("", "the router's gRPC address HOST:PORT", required=True)
+    host: str = option("127.0.0.1", "address to listen on (0.0.0.0 in a container)")
+    port: int = option(8000, "HTTP port; 0 picks a free one")
+    served_model_name: str = option("", "the model's name in /v1/models and in requests' 'model' (default: the "
+                                        "checkpoint directory's name)")
+    request_timeout: float = option(600.0, "seconds one request may take before it ends with 504")
+    grace_period: float = option(30.0, "on SIGTERM: seconds open requests get to finish")
+    tls_ca: str | None = option(None, "PEM CA of the router's certificate: talk TLS to the router", metavar="PATH")
+    tls_cert: str | None = option(None, "PEM client certificate, for a router with --tls-client-auth",
+                                  metavar="PATH")
+    tls_key: str | None = option(None, "PEM private key of --tls-cert", metavar="PATH")
+    access_log: bool = option(False, "log every HTTP request")
+    log_level: str = option("INFO", "log level", choices=LOG_LEVELS, type=upper)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for name in ("request_timeout", "grace_period"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give --tls-cert and --tls-key together")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise ValueError("--tls-cert needs --tls-ca (the router's CA)")

@@ -1,0 +1,199 @@
+"""OpenAI request bodies -> the router's SamplingParams and prompts, checked field by field.
+
+Each wrong field is a 400 that names it (`param`). Fields OpenAI defines that Colibri cannot honour (tools,
+logit_bias, suffix, echo, best_of != n, non-text content parts) are refused, never ignored; unknown fields
+are ignored, as OpenAI's own server does, so clients that send extras work. vLLM's extra sampling fields
+(top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) are accepted too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from colibri.openai_api.errors import ApiError, bad
+from colibri_common.pb import generation_pb2 as pb
+
+MAX_TOP_LOGPROBS = 20
+MAX_N = 64
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """One HTTP request's work: its prompts (text or ids) and the sampling every prompt shares."""
+
+    prompts: list[str | list[int]]
+    sampling: pb.SamplingParams
+    stream: bool
+    include_usage: bool
+    model: str | None
+    messages: list[dict[str, Any]] = field(default_factory=list)      # chat: rendered by the front
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+
+
+def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:               # JSON true is not a number here
+        raise bad(f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got a boolean", name)
+    if not isinstance(value, kinds):
+        raise bad(f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad(f"'{name}' must be a finite number", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = float(_get(body, name, (int, float), default))
+    if not lo <= value <= hi:
+        raise bad(f"'{name}' must be in [{lo:g}, {hi:g}], got {value:g}", name)
+    return value
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int = 2**31 - 1) -> int | None:
+    value = _get(body, name, (int,), default)
+    if value is not None and not lo <= value <= hi:
+        raise bad(f"'{name}' must be an integer in [{lo}, {hi}], got {value}", name)
+    return value
+
+
+def _refuse(body: dict[str, Any], names: tuple[str, ...]) -> None:
+    for name in names:
+        value = body.get(name)
+        if value not in (None, False, [], {}, ""):
+            raise bad(f"'{name}' is not supported by this server", name)
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad("'stop' must be a non-empty string or a list of them", "stop")
+    return stops
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: bool, top_logprobs: int) -> pb.SamplingParams:
+    n = _int(body, "n", 1, 1, MAX_N)
+    best_of = _int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise bad("'best_of' other than n is not supported by this server", "best_of")
+    top_k = _int(body, "top_k", 0, -1)
+    sp = pb.SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=max(0, top_k or 0), min_p=_number(body, "min_p", 0.0, 0.0, 1.0), max_tokens=max_tokens or 0,
+        min_tokens=_int(body, "min_tokens", 0, 0) or 0,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, 100.0),
+        stop=_stop(body), ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)),
+        logprobs=logprobs, top_logprobs=top_logprobs, n=n or 1)
+    stop_ids = _get(body, "stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    sp.stop_token_ids.extend(stop_ids)
+    seed = _get(body, "seed", (int,), None)
+    if seed is not None:
+        sp.seed = seed % 2**64
+    return sp
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    opts = _get(body, "stream_options", (dict,), None)
+    if opts is None:
+        return False
+    if not stream:
+        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+    return bool(_get(opts, "include_usage", (bool,), False))
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    return _get(body, "model", (str,), None)
+
+
+def parse_completion(body: Any) -> Parsed:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _refuse(body, ("suffix", "logit_bias", "echo", "include_stop_str_in_output"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+            for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise bad("'prompt' must be a non-empty string, a list of strings, a list of token ids or a list of "
+                  "such lists", "prompt")
+    if any(isinstance(p, str) and not p for p in prompts):
+        raise bad("'prompt' must not be empty", "prompt")
+    logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    stream = bool(_get(body, "stream", (bool,), False))
+    return Parsed(prompts, _sampling(body, _int(body, "max_tokens", 16, 1), logprobs is not None, logprobs or 0),
+                  stream, _stream_options(body, stream), _model(body))
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"{where} must be an object with a string 'role'", where)
+        content = m.get("content")
+        if isinstance(content, list):             # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported "
+                              f"by this model", f"{where}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise bad(f"{where}.content must be a string, a list of text parts or null", f"{where}.content")
+        msg = {k: v for k, v in m.items() if k != "content"}
+        msg["content"] = content if content is not None else ""
+        out.append(msg)
+    return out
+
+
+def parse_chat(body: Any) -> Parsed:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _refuse(body, ("tools", "functions", "logit_bias", "echo", "include_stop_str_in_output",
+                   "continue_final_message"))
+    fmt = _get(body, "response_format", (dict,), None)
+    if fmt is not None and fmt.get("type") not in (None, "text"):
+        raise bad("'response_format' other than {'type': 'text'} is not supported by this server",
+                  "response_format")
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "none"):
+        raise bad("'tool_choice' is not supported by this server", "tool_choice")
+    logprobs = bool(_get(body, "logprobs", (bool,), False))
+    top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    max_tokens = _int(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, 1)        # the older name; None: as many as fit
+    stream = bool(_get(body, "stream", (bool,), False))
+    kwargs = _get(body, "chat_template_kwargs", (dict,), {})
+    return Parsed([], _sampling(body, max_tokens, logprobs, top or 0), stream, _stream_options(body, stream),
+                  _model(body), _messages(body), kwargs,
+                  bool(_get(body, "add_generation_prompt", (bool,), True)))
+
+
+def check_model(parsed: Parsed, served: str) -> None:
+    if parsed.model is not None and parsed.model != served:
+        raise ApiError(404, f"the model '{parsed.model}' does not exist; this server serves '{served}'", "model",
+                       "model_not_found")

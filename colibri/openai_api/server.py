@@ -1,0 +1,66 @@
+"""Run the front: uvicorn (httptools, asyncio) on a socket bound first, so `--port 0` works and the
+`ready HOST:PORT` line (what `colibri serve` and tests wait for) names the real port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+
+from colibri.openai_api.app import Front, build_app
+from colibri.openai_api.options import OpenAIOptions
+from colibri_common.errors import ColibriError
+from colibri_common.serving import setup_logging
+
+log = logging.getLogger("colibri.openai")
+
+
+def run_front(opts: OpenAIOptions) -> int:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            """SIGTERM / SIGINT: stop accepting, let open requests finish (--grace-period), exit 0 (uvicorn's
+            own handler re-raises the signal after shutdown, so the exit status would read as killed)."""
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            yield
+
+    setup_logging("openai", opts.log_level)
+    sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((opts.host, opts.port))
+    except OSError as exc:
+        raise ColibriError(f"cannot listen on {opts.host}:{opts.port}: {exc.strerror}") from None
+    sock.listen(2048)
+    host, port = sock.getsockname()[:2]
+
+    async def main() -> None:
+        front = Front(opts)                  # its grpc.aio channel belongs to this event loop
+        config = uvicorn.Config(build_app(front), http="httptools", loop="asyncio", lifespan="off",
+                                log_config=None, access_log=opts.access_log,
+                                timeout_graceful_shutdown=int(opts.grace_period), log_level=opts.log_level.lower())
+        server = Server(config)
+
+        async def announce() -> None:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            log.info("OpenAI-compatible API on http://%s:%d/v1 for the router at %s", host, port, opts.target)
+            print(f"ready {host}:{port}", flush=True)
+
+        task = asyncio.ensure_future(announce())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            task.cancel()
+            await front.client.close()
+
+    asyncio.run(main())
+    log.info("stopped")
+    return 0

@@ -1,0 +1,413 @@
+"""The OpenAI-compatible front through the official `openai` client, against a real fleet (router + worker +
+front processes on loopback) and transformers' greedy tokens and logits."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import subprocess
+import time
+from contextlib import contextmanager
+from urllib.parse import urlparse
+
+import grpc
+import openai
+import pytest
+import torch
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from colibri.client import AsyncClient, Client, GenerationError
+from colibri.openai_api.errors import ApiError
+from colibri_common.chat_template import ChatTemplate, load_chat_template
+from colibri_common.tokenizer import Tokenizer
+from tests.chat_fixtures import chat_checkpoint
+from tests.conftest import COLIBRI, fleet, free_port, metrics
+
+METRICS_PORT = free_port()
+MAX_LEN = 96
+EXPERT_METHODS = {"Describe", "Forward", "ForwardStream"}
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "  Say hi.  "}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat") / "chatty"
+    oracle, hf_tok = chat_checkpoint(path)
+    extra = ["--openai-port", "0", "--max-model-len", str(MAX_LEN), "--metrics-port", str(METRICS_PORT)]
+    with fleet(path, 1, extra) as (addr, proc):
+        api = openai.OpenAI(base_url=proc.openai, api_key="unused", max_retries=0, timeout=60)
+        yield oracle, hf_tok, addr, proc.openai, api
+
+
+def greedy_text(oracle, tok: Tokenizer, ids: list[int], n: int) -> str:
+    return tok.decode(oracle.greedy(ids, n))
+
+
+def test_models_lists_the_checkpoint_by_its_directory_name(served):
+    *_, api = served
+    assert [m.id for m in api.models.list()] == ["chatty"]
+    assert api.models.retrieve("chatty").id == "chatty"
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("other")
+
+
+def test_completion_text_equals_the_grpc_api_and_transformers(served):
+    oracle, _, addr, _, api = served
+    tok = Tokenizer.from_dir(oracle.path)
+    prompt = "The sky is"
+    ref = greedy_text(oracle, tok, tok.encode(prompt), 12)
+    grpc_text = Client(addr).generate(prompt, 12).text
+    res = api.completions.create(model="chatty", prompt=prompt, max_tokens=12, temperature=0)
+    assert res.choices[0].text == grpc_text == ref
+    assert res.choices[0].finish_reason == "length"
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(tok.encode(prompt)), 12)
+    streamed = api.completions.create(model="chatty", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                      stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_token_id_prompts_and_lists_of_prompts(served):
+    oracle, _, _, _, api = served
+    tok = Tokenizer.from_dir(oracle.path)
+    prompts = [[5, 6, 7, 8], [40, 41]]
+    res = api.completions.create(model="chatty", prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in res.choices] == [0, 1]
+    assert [c.text for c in res.choices] == [greedy_text(oracle, tok, p, 6) for p in prompts]
+    assert res.usage.prompt_tokens == 6 and res.usage.completion_tokens == 12
+
+
+def test_chat_template_is_rendered_as_transformers_renders_it(served):
+    oracle, hf_tok, *_ = served
+    template, special = load_chat_template(oracle.path)
+    ours = ChatTemplate(template, special).render(MESSAGES, add_generation_prompt=True)
+    assert ours == hf_tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert ours.startswith("<s><|system|>You are terse.</s>") and ours.endswith("<|assistant|>")
+    bad = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]
+    with pytest.raises(Exception, match="system message must come first"):
+        hf_tok.apply_chat_template(bad, tokenize=False)
+    with pytest.raises(ValueError, match="system message must come first"):
+        ChatTemplate(template, special).render(bad)
+
+
+def test_chat_greedy_equals_transformers_on_the_templated_prompt(served):
+    oracle, hf_tok, _, _, api = served
+    tok = Tokenizer.from_dir(oracle.path)
+    ids = hf_tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    ref = greedy_text(oracle, tok, list(ids), 10)
+    res = api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=10, temperature=0)
+    assert res.choices[0].message.content == ref and res.choices[0].message.role == "assistant"
+    assert res.usage.prompt_tokens == len(ids)
+    stream = api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=10, temperature=0,
+                                         stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # a template that refuses the messages is the client's 400, with the template's own words
+    with pytest.raises(openai.BadRequestError, match="system message must come first"):
+        api.chat.completions.create(model="chatty", messages=[{"role": "user", "content": "a"},
+                                                              {"role": "system", "content": "b"}])
+
+
+def test_max_tokens_defaults_to_what_fits(served):
+    *_, api = served
+    res = api.chat.completions.create(model="chatty", messages=MESSAGES, temperature=0)
+    assert res.choices[0].finish_reason == "length"
+    assert res.usage.prompt_tokens + res.usage.completion_tokens == MAX_LEN
+
+
+def test_n_choices_share_prompt_blocks_and_greedy_choices_agree(served):
+    oracle, _, _, _, api = served
+    tok = Tokenizer.from_dir(oracle.path)
+    prompt = "A long enough prompt to fill more than one KV block of sixteen tokens"
+    before = metrics(METRICS_PORT)["colibri:kv_cache_blocks_shared_total"]
+    res = api.completions.create(model="chatty", prompt=prompt, max_tokens=8, temperature=0, n=2)
+    ref = greedy_text(oracle, tok, tok.encode(prompt), 8)
+    assert [c.text for c in res.choices] == [ref, ref] and [c.index for c in res.choices] == [0, 1]
+    assert res.usage.completion_tokens == 16
+    shared = (len(tok.encode(prompt)) - 1) // 16
+    assert shared >= 2
+    assert metrics(METRICS_PORT)["colibri:kv_cache_blocks_shared_total"] - before == shared
+    sampled = api.completions.create(model="chatty", prompt=prompt, max_tokens=8, temperature=1.0, n=2, seed=5)
+    again = api.completions.create(model="chatty", prompt=prompt, max_tokens=8, temperature=1.0, n=2, seed=5)
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]   # seeded: reproducible
+    assert sampled.choices[0].text != sampled.choices[1].text                     # choice i has seed + i
+
+
+def test_stop_strings_end_the_text_before_the_match(served):
+    oracle, _, addr, _, api = served
+    tok = Tokenizer.from_dir(oracle.path)
+    prompt = "Once upon a time"
+    full = greedy_text(oracle, tok, tok.encode(prompt), 30)
+    at = next(i for i in range(4, len(full) - 2) if "\ufffd" not in full[i:i + 2] and full[i:i + 2] not in full[:i])
+    stop = full[at:at + 2]
+    for stream in (False, True):
+        res = api.completions.create(model="chatty", prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "zzzz"],
+                                     stream=stream)
+        if stream:
+            chunks = list(res)
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = res.choices[0].text, res.choices[0].finish_reason
+        assert (text, reason) == (full[:at], "stop")
+    res = Client(addr).generate(prompt, 30, stop=[stop])
+    assert (res.text, res.finish_reason, res.choices[0].stop_reason) == (full[:at], "stop", stop)
+    ids = tok.encode(prompt)
+    used = next(k for k in range(1, 31) if stop in tok.decode(oracle.greedy(ids, 30)[:k]))
+    assert res.token_ids == oracle.greedy(ids, 30)[:used]      # up to the token that completed the match
+
+
+def test_logprobs_match_the_oracles_log_softmax(served):
+    oracle, hf_tok, _, _, api = served
+    tok = Tokenizer.from_dir(oracle.path)
+    prompt = "Numbers:"
+    ids = tok.encode(prompt)
+    res = api.completions.create(model="chatty", prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    gen = oracle.greedy(ids, 6)
+    ref = torch.log_softmax(oracle.step_logits(ids, gen).double(), dim=-1)        # [6, V]
+    lp = res.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([float(ref[t, g]) for t, g in enumerate(gen)], abs=1e-4)
+    for t, top in enumerate(lp.top_logprobs):   # {token text: logprob}: byte tokens that print alike merge
+        best = ref[t].topk(3).values.tolist()
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(best[0], abs=1e-4)
+        assert all(any(abs(v - b) < 1e-4 for b in best) for v in top.values())
+    assert max(len(top) for top in lp.top_logprobs) == 3
+    chat_ids = hf_tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+    chat = api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    cgen = oracle.greedy(chat_ids, 4)
+    cref = torch.log_softmax(oracle.step_logits(chat_ids, cgen).double(), dim=-1)
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([float(cref[t, g]) for t, g in enumerate(cgen)], abs=1e-4)
+    assert [len(c.top_logprobs) for c in content] == [2] * 4
+    assert content[0].bytes == list(content[0].token.encode())
+
+
+def test_penalties_and_vllm_extras_reach_the_sampler(served):
+    oracle, _, _, _, api = served
+    tok = Tokenizer.from_dir(oracle.path)
+    prompt = "aaaa"
+    ids = tok.encode(prompt)
+    ref: list[int] = []                     # the frequency penalty by hand on transformers' logits
+    for _ in range(10):
+        x = oracle.last_logits(ids + ref).double().clone()
+        for t in set(ref):
+            x[t] -= 1.5 * ref.count(t)
+        ref.append(int(x.argmax()))
+    res = api.completions.create(model="chatty", prompt=prompt, max_tokens=10, temperature=0, frequency_penalty=1.5)
+    assert res.choices[0].text == tok.decode(ref)
+    stop_id = oracle.greedy(ids, 10)[0]
+    held = api.completions.create(model="chatty", prompt=prompt, max_tokens=10, temperature=0,
+                                  extra_body={"stop_token_ids": [stop_id], "min_tokens": 3})
+    assert held.usage.completion_tokens >= 3
+    cut = api.completions.create(model="chatty", prompt=prompt, max_tokens=10, temperature=0,
+                                 extra_body={"stop_token_ids": [stop_id]})
+    assert (cut.usage.completion_tokens, cut.choices[0].finish_reason) == (1, "stop")
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"temperature": 3}, "temperature"),
+    ({"top_p": -1}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 10_000}, None),                         # the router's own check: over the model's length
+    ({"logprobs": 50}, "logprobs"),
+    ({"extra_body": {"logit_bias": {"5": 1}}}, "logit_bias"),
+    ({"extra_body": {"echo": True}}, "echo"),
+    ({"stop": [""]}, "stop"),
+])
+def test_bad_fields_are_400_naming_the_field(served, kwargs, param):
+    *_, api = served
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model="chatty", prompt="x", **{"max_tokens": 4, **kwargs})
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert body["param"] == param and body["type"] == "invalid_request_error"
+    assert api.completions.create(model="chatty", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_unknown_model_is_404_and_bad_json_is_400(served):
+    *_, url, api = served
+    with pytest.raises(openai.NotFoundError):
+        api.chat.completions.create(model="gpt-4", messages=MESSAGES)
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=b"{not json", headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 400 and "not valid JSON" in json.loads(resp.read())["error"]["message"]
+
+
+def test_health_and_metrics(served):
+    *_, url, api = served
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    assert 'colibri_openai:requests_total{endpoint="completions",outcome="ok"}' in text
+
+
+def kv_free() -> float:
+    return metrics(METRICS_PORT)["colibri:kv_cache_blocks_free"]
+
+
+def wait_kv(total: float, within: float) -> float:
+    t0 = time.monotonic()
+    while kv_free() != total:
+        assert time.monotonic() - t0 < within, f"KV not freed within {within}s: {kv_free()} of {total} free"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_kv_within_a_second(served, stream):
+    *_, url, _ = served
+    total = metrics(METRICS_PORT)["colibri:kv_cache_blocks_total"]
+    assert kv_free() == total
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    body = {"model": "chatty", "prompt": "x" * 20, "max_tokens": 40, "temperature": 0, "stream": stream,
+            "extra_body": None, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")               # the stream is flowing
+    else:
+        t0 = time.monotonic()
+        while kv_free() == total:                                  # the request is running on the router
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.005)
+    assert kv_free() < total
+    conn.sock.shutdown(2)
+    conn.close()
+    wait_kv(total, within=1.0)
+
+
+@contextmanager
+def front(target: str, *extra: str):
+    """`colibri openai` alone (no model, no torch) in front of `target`; yields (host, port, client)."""
+    p = subprocess.Popen([COLIBRI, "openai", "--target", target, "--port", "0", "--log-level", "WARNING", *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("ready "), p.stderr.read()
+        host, port = line.split()[1].rsplit(":", 1)
+        yield host, int(port), openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="x", max_retries=0,
+                                             timeout=30)
+    finally:
+        p.terminate()
+        assert p.wait(timeout=30) == 0                 # SIGTERM: a clean stop, exit 0
+
+
+def test_a_front_without_a_router_answers_503_and_says_not_ready():
+    with front(f"127.0.0.1:{free_port()}") as (host, port, api):
+        with pytest.raises(openai.InternalServerError) as err:
+            api.completions.create(model="m", prompt="x", max_tokens=2)
+        assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "1"
+        assert "not ready" in err.value.body["message"]
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 503
+
+
+def test_a_request_past_the_fronts_deadline_is_504_and_frees_its_kv(served):
+    _, _, addr, *_ = served
+    total = metrics(METRICS_PORT)["colibri:kv_cache_blocks_total"]
+    with front(addr, "--request-timeout", "0.1") as (_, _, api):
+        with pytest.raises(openai.InternalServerError) as err:
+            api.completions.create(model="chatty", prompt="x", max_tokens=90, extra_body={"ignore_eos": True})
+        assert err.value.status_code == 504
+    wait_kv(total, within=1.0)
+
+
+def test_grpc_statuses_map_to_the_codes_openai_clients_retry_on():
+    class Rpc(grpc.RpcError):
+        def __init__(self, code: grpc.StatusCode) -> None:
+            self._code = code
+
+        def code(self) -> grpc.StatusCode:
+            return self._code
+
+        def details(self) -> str:
+            return "why"
+
+    got = {c: ApiError.of_grpc(Rpc(c)) for c in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                 grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                 grpc.StatusCode.INTERNAL)}
+    assert {c.name: e.status for c, e in got.items()} == {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429,
+                                                          "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
+                                                          "INTERNAL": 500}
+    assert got[grpc.StatusCode.RESOURCE_EXHAUSTED].headers() == {"Retry-After": "1"}
+    assert got[grpc.StatusCode.INVALID_ARGUMENT].headers() == {}
+    assert got[grpc.StatusCode.INTERNAL].body()["error"]["type"] == "server_error"
+
+
+def test_reflection_lists_both_services_and_their_methods(served):
+    _, _, addr, *_ = served
+    workers = list(Client(addr).model_info().workers)
+    for target, service, methods in ((addr, "colibri.v1.Generation", {"Generate", "Abort", "ModelInfo"}),
+                                     (workers[0], "colibri.v1.ExpertWorker", EXPERT_METHODS)):
+        with grpc.insecure_channel(target) as channel:
+            db = ProtoReflectionDescriptorDatabase(channel)
+            assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(
+                db.get_services())
+            found = {m.name for m in DescriptorPool(db).FindServiceByName(service).methods}
+            assert found == methods
+
+
+# ------------------------------------------------------------------------------- the Python client (gRPC)
+
+
+def test_async_client_equals_the_blocking_one_and_collects_every_choice(served):
+    oracle, _, addr, _, _ = served
+    tok = Tokenizer.from_dir(oracle.path)
+
+    async def run():
+        async with AsyncClient(addr) as aio:
+            whole = await aio.generate("Hello", 8, n=2)
+            pieces = [d async for d in aio.stream_text("Hello", 8)]
+            return whole, pieces
+
+    whole, pieces = asyncio.run(run())
+    ref = greedy_text(oracle, tok, tok.encode("Hello"), 8)
+    with Client(addr) as client:
+        assert client.generate("Hello", 8).text == ref
+        assert "".join(d.text for d in client.stream_text("Hello", 8)) == ref
+    assert [c.text for c in whole.choices] == [ref, ref] and whole.completion_tokens == 16
+    assert "".join(d.text for d in pieces) == ref and pieces[-1].finish_reason == "length"
+
+
+def test_client_deadline_abort_and_leaving_a_stream_early(served):
+    *_, addr, _, _ = served
+    total = metrics(METRICS_PORT)["colibri:kv_cache_blocks_total"]
+    with Client(addr) as client:
+        with pytest.raises(GenerationError) as err:
+            client.generate("x", 80, timeout=0.05, ignore_eos=True)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not err.value.retryable
+        wait_kv(total, within=5.0)
+        stream = client.stream_text("x", 80, ignore_eos=True)
+        next(stream)
+        stream.close()                                    # leaving the loop early cancels the request
+        wait_kv(total, within=1.0)
+        other = Client(addr)
+        deltas = other.stream_text("x", 80, ignore_eos=True, request_id="to-abort")
+        assert next(deltas).index == 0
+        assert client.abort("to-abort") and not client.abort("no-such-request")
+        assert [d.finish_reason for d in deltas][-1] == "abort"
+        other.close()
+        with pytest.raises(GenerationError) as err:
+            client.generate([5], 4, temperature=-1)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+    with pytest.raises(ValueError):
+        client.generate("x", 2)                           # the context manager closed the channel
