@@ -124,7 +124,8 @@ class Result:
             choice.finish_reason, choice.stop_reason = part.finish_reason, part.stop_reason
             choice.completion_tokens = part.completion_tokens
             self.prompt_tokens = part.prompt_tokens
-            self.ttft_ms = max(self.ttft_ms, part.ttft_ms) if part.index else part.ttft_ms
+            if part.index == 0:
+                self.ttft_ms = part.ttft_ms
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,8 @@ class Delta:
 def make_request(prompt: str | list[int], max_tokens: int = 0, temperature: float = 0.0, seed: int | None = None,
                  return_logits: bool = False, request_id: str = "", **sampling) -> pb.GenerateRequest:
     """A GenerateRequest; `sampling` takes any SamplingParams field (top_p, stop, n, logprobs, ...)."""
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = (sampling["stop"],)              # one stop string, not its characters
     sp = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, return_logits=return_logits,
                            **{k: v for k, v in sampling.items() if v is not None})
     if seed is not None:
@@ -167,9 +170,9 @@ class Client:
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
 
-    def stream(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
-        """The raw response stream of one request (cancel it with `.cancel()` or let it go)."""
-        return self.stub.Generate(request, timeout=timeout)
+    def stream(self, request: pb.GenerateRequest, timeout: float | None = -1.0) -> Iterator[pb.GenerateResponse]:
+        """The raw response stream of one request (cancel it with `.cancel()` or let it go); raw grpc.RpcErrors."""
+        return self.stub.Generate(request, timeout=self._deadline(timeout))
 
     def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
                  **sampling) -> Result:
@@ -196,12 +199,18 @@ class Client:
         finally:
             call.cancel()
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, timeout: float = 30.0) -> bool:
         """End the open request with this id (every choice); False when none is open."""
-        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30).found
+        try:
+            return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found
+        except grpc.RpcError as exc:
+            raise GenerationError.of(exc) from None
 
-    def model_info(self) -> pb.ModelInfoResponse:
-        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
+    def model_info(self, timeout: float = 30.0) -> pb.ModelInfoResponse:
+        try:
+            return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise GenerationError.of(exc) from None
 
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is not None and timeout < 0 else timeout
@@ -225,9 +234,9 @@ class AsyncClient:
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
 
-    def stream(self, request: pb.GenerateRequest, timeout: float | None = None):
+    def stream(self, request: pb.GenerateRequest, timeout: float | None = -1.0):
         """The raw response call: iterate it with `async for`; `.cancel()` ends the request."""
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=self._deadline(timeout))
 
     async def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
                        **sampling) -> Result:
@@ -241,6 +250,8 @@ class AsyncClient:
 
     async def stream_text(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
                           **sampling) -> AsyncIterator[Delta]:
+        """Each piece as it comes. To stop early, leave an `async with contextlib.aclosing(...)` block (or
+        `await gen.aclose()`): an async generator left by `break` alone is closed only when it is collected."""
         call = self.stream(make_request(prompt, max_tokens, **sampling), self._deadline(timeout))
         try:
             async for msg in call:
@@ -252,11 +263,17 @@ class AsyncClient:
         finally:
             call.cancel()
 
-    async def abort(self, request_id: str) -> bool:
-        return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30)).found
+    async def abort(self, request_id: str, timeout: float = 30.0) -> bool:
+        try:
+            return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)).found
+        except grpc.RpcError as exc:
+            raise GenerationError.of(exc) from None
 
-    async def model_info(self) -> pb.ModelInfoResponse:
-        return await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
+    async def model_info(self, timeout: float = 30.0) -> pb.ModelInfoResponse:
+        try:
+            return await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise GenerationError.of(exc) from None
 
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is not None and timeout < 0 else timeout

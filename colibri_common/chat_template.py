@@ -75,7 +75,7 @@ def load_chat_template(model_dir: str | Path) -> tuple[str | None, dict[str, str
 class ChatTemplate:
     source: str
     special_tokens: dict[str, str] = field(default_factory=dict)
-    _compiled: Any = None
+    _compiled: Any = field(default=None, compare=False, repr=False)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                **extra: Any) -> str:
@@ -90,6 +90,8 @@ class ChatTemplate:
                                          **{**self.special_tokens, **extra})
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the model's chat template refused the messages: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 (a template is code: any error in it is about these messages)
+            raise TemplateError(f"the model's chat template failed on the messages: {exc!r}") from exc
 
 
 def _environment() -> Any:

@@ -46,9 +46,6 @@ class BlockAllocator:
             self._refs[block] += 1
         return list(blocks)
 
-    def refs(self, block: int) -> int:
-        return self._refs[block]
-
     def release(self, table: list[int]) -> None:
         for block in reversed(table):
             self._refs[block] -= 1

@@ -115,7 +115,7 @@ class Engine:
                     self._forks[seq.uid] = group[1:]
                 else:                                  # a prompt within one block: nothing to share
                     for other in group[1:]:
-                        self.scheduler.add_fork(other)
+                        self.scheduler.add_fork(other, first=False)
             with self.metrics.lock:
                 self.metrics.prompt_tokens += len(seq.prompt_ids) * len(group)
             q: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -313,7 +313,7 @@ class Engine:
 
     def _fail(self, seq: Sequence, code: FailureCode, message: str) -> None:
         if self.seqs.get(seq.uid) is seq:
-            self._retire(seq, FinishReason.ERROR, Failed(code, message))
+            self._retire(seq, FinishReason.ERROR, Failed(code, message, seq.index))
 
     def _retire(self, seq: Sequence, reason: FinishReason, last: Event) -> None:
         """The one way out of the engine: free the KV blocks, count it, send the last event, forget it."""
@@ -324,6 +324,7 @@ class Engine:
             self.metrics.requests[reason.value] += 1
             self.metrics.gauges["kv_cache_blocks_free"] = self.scheduler.alloc.num_free
             self.metrics.gauges["num_requests_running"] = len(self.scheduler.running)
+            self.metrics.gauges["num_requests_waiting"] = len(self.scheduler.waiting)
         self.outputs.pop(seq.uid).put(last)
         del self.seqs[seq.uid]
         group = self.by_request_id.get(seq.request_id)

@@ -37,6 +37,7 @@ class Finished:
 class Failed:
     code: FailureCode
     message: str
+    index: int = 0                  # the choice that failed (the handler ends the whole request)
 
 
 Event = Tokens | Finished | Failed

@@ -4,7 +4,9 @@ per-request seeds, log-probabilities.
 Every stage is one tensor operation over the rows that use it (a row's knobs are gathered into [b] vectors);
 Python runs per row only to gather those vectors and to draw a seeded row's noise from its own generator.
 A token is drawn as argmax(p / q) with q ~ Exp(1) i.i.d. (the exponential race, the same law as sampling from
-p), so unseeded rows share one batched noise draw and a seeded row reproduces whatever batch it is in.
+p), so unseeded rows share one batched noise draw and a seeded row reproduces whatever batch it is in (its noise
+is indexed by token id on every path). Knob tensors are built on the logits' device; the noise comes from CPU
+generators and is copied there.
 
 A row whose logits are not finite, or whose sampling raises, gets a `SampleError` instead of a token: that
 sequence alone fails, the others in the batch go on.
@@ -84,20 +86,24 @@ class Sampler:
         idx = [i for i, row in enumerate(rows) if row.sampling.penalised]
         if not idx:
             return x
-        V = x.shape[1]
+        V, dev = x.shape[1], x.device
         sps = [rows[i].sampling for i in idx]
         longest = max(1, *(len(rows[i].output_ids) for i in idx))
-        out_ids = torch.tensor([rows[i].output_ids + [V] * (longest - len(rows[i].output_ids)) for i in idx])
-        counts = torch.zeros(len(idx), V + 1).scatter_add_(1, out_ids, torch.ones(out_ids.shape))[:, :V]  # [p, V]
-        sub = x[idx]                                                                                   # [p, V]
+        out_ids = torch.tensor([rows[i].output_ids + [V] * (longest - len(rows[i].output_ids)) for i in idx],
+                               device=dev)                                                             # [p, n]
+        counts = torch.zeros(len(idx), V + 1, device=dev).scatter_add_(
+            1, out_ids, torch.ones(out_ids.shape, device=dev))[:, :V]                                  # [p, V]
+        sub = x[idx].float()                                                                           # [p, V]
         if any(sp.repetition_penalty != 1 for sp in sps):
             longest_p = max(len(rows[i].prompt_ids) for i in idx)
-            prompt = torch.tensor([rows[i].prompt_ids + [V] * (longest_p - len(rows[i].prompt_ids)) for i in idx])
-            seen = torch.zeros(len(idx), V + 1, dtype=torch.bool).scatter_(1, prompt, True)[:, :V] | (counts > 0)
-            pen = torch.tensor([sp.repetition_penalty for sp in sps])[:, None]                     # [p, 1]
+            prompt = torch.tensor([rows[i].prompt_ids + [V] * (longest_p - len(rows[i].prompt_ids)) for i in idx],
+                                  device=dev)                                                          # [p, P]
+            seen = torch.zeros(len(idx), V + 1, dtype=torch.bool, device=dev).scatter_(
+                1, prompt, True)[:, :V] | (counts > 0)                                                 # [p, V]
+            pen = torch.tensor([sp.repetition_penalty for sp in sps], device=dev)[:, None]         # [p, 1]
             sub = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
-        freq = torch.tensor([sp.frequency_penalty for sp in sps])[:, None]                          # [p, 1]
-        pres = torch.tensor([sp.presence_penalty for sp in sps])[:, None]                           # [p, 1]
+        freq = torch.tensor([sp.frequency_penalty for sp in sps], device=dev)[:, None]              # [p, 1]
+        pres = torch.tensor([sp.presence_penalty for sp in sps], device=dev)[:, None]               # [p, 1]
         sub = sub - freq * counts - pres * (counts > 0)
         x = x.clone()
         x[idx] = sub.to(x.dtype)
@@ -118,28 +124,30 @@ class Sampler:
         if not cells_r:
             return x
         x = x.clone()
-        x[cells_r, cells_t] = float("-inf")
+        x[torch.tensor(cells_r, device=x.device), torch.tensor(cells_t, device=x.device)] = float("-inf")
         return x
 
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Sample one token per row of x [b, V] (every row has temperature > 0) -> [b]."""
         b, V = x.shape
+        dev = x.device
         sps = [row.sampling for row in rows]
-        scores = x / torch.tensor([sp.temperature for sp in sps], dtype=x.dtype)[:, None]           # [b, V]
-        noise = self._noise(b, V, rows)                                                              # [b, V]
+        temps = torch.tensor([sp.temperature for sp in sps], device=dev)[:, None]                   # [b, 1]
+        scores = x.float() / temps                                                                   # [b, V]
+        noise = self._noise(b, V, rows).to(dev)                                                      # [b, V]
         if all(sp.top_k <= 0 and sp.top_p >= 1.0 and sp.min_p <= 0 for sp in sps):
             probs = torch.softmax(scores, dim=-1)
             return (probs / noise).argmax(dim=-1)
         scores, order = scores.sort(dim=-1, descending=True)                                       # [b, V]
-        rank = torch.arange(V)[None, :]                                                              # [1, V]
-        k = torch.tensor([sp.top_k if sp.top_k > 0 else V for sp in sps])[:, None]                  # [b, 1]
+        rank = torch.arange(V, device=dev)[None, :]                                                  # [1, V]
+        k = torch.tensor([sp.top_k if sp.top_k > 0 else V for sp in sps], device=dev)[:, None]      # [b, 1]
         probs = torch.softmax(scores.masked_fill(rank >= k, float("-inf")), dim=-1)                # top-k, renormed
-        top_p = torch.tensor([sp.top_p if 0 < sp.top_p < 1 else 2.0 for sp in sps])[:, None]       # [b, 1]
+        top_p = torch.tensor([sp.top_p if 0 < sp.top_p < 1 else 2.0 for sp in sps], device=dev)[:, None]
         cut = (probs.cumsum(dim=-1) - probs) >= top_p               # keeps the smallest prefix reaching top_p
-        min_p = torch.tensor([sp.min_p for sp in sps], dtype=probs.dtype)[:, None]                 # [b, 1]
+        min_p = torch.tensor([sp.min_p for sp in sps], device=dev)[:, None]                         # [b, 1]
         cut |= probs < min_p * probs[:, :1]                         # probs[:, 0] is each row's likeliest token
         probs = probs.masked_fill(cut, 0.0)
-        choice = (probs / noise).argmax(dim=-1, keepdim=True)                                       # [b, 1]
+        choice = (probs / noise.gather(1, order)).argmax(dim=-1, keepdim=True)   # each token id keeps its noise
         return order.gather(1, choice).squeeze(1)
 
     def _noise(self, b: int, V: int, rows: list[SampleRow]) -> torch.Tensor:
@@ -166,9 +174,10 @@ class Sampler:
         idx = [i for i, row in enumerate(rows) if row.sampling.wants_logprobs]
         if not idx:
             return {}
-        temps = torch.tensor([1.0 if rows[i].sampling.greedy else rows[i].sampling.temperature for i in idx])
-        lp = torch.log_softmax(x[idx].float() / temps[:, None], dim=-1)                            # [l, V]
-        chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()                             # [l]
+        temps = torch.tensor([1.0 if rows[i].sampling.greedy else rows[i].sampling.temperature for i in idx],
+                             device=x.device)
+        lp = torch.log_softmax(x[idx].float() / temps[:, None], dim=-1).cpu()                      # [l, V]
+        chosen = lp.gather(1, tokens[idx].cpu()[:, None]).squeeze(1).tolist()                       # [l]
         n = max(rows[i].sampling.top_logprobs for i in idx)
         top_v, top_i = lp.topk(min(n, lp.shape[1]), dim=-1) if n else (lp[:, :0], lp[:, :0].long())  # [l, N]
         top_v, top_i = top_v.tolist(), top_i.tolist()

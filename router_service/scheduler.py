@@ -79,9 +79,13 @@ class Scheduler:
                             f"max_tokens or shorten the prompt")
         self.waiting.append(seq)
 
-    def add_fork(self, seq: Sequence) -> None:
-        """Queue a choice of a request already admitted (its prompt's blocks shared in `seq.block_table`)."""
-        self.waiting.appendleft(seq)
+    def add_fork(self, seq: Sequence, first: bool = True) -> None:
+        """Queue a choice of a request already admitted: at the head once it shares its first choice's prompt
+        blocks (that request is running), else at the tail like any new request. Counted by `add`."""
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED

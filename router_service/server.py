@@ -96,9 +96,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if bad:
             raise ValueError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab})")
         n = p.n or 1
-        if not 1 <= n <= self.r.engine.scheduler.cfg.max_batch_size:
-            raise ValueError(f"n must be in [1, --max-batch-size = {self.r.engine.scheduler.cfg.max_batch_size}], "
-                             f"got {n}")
+        sched = self.r.engine.scheduler.cfg
+        if not 1 <= n <= min(sched.max_batch_size, sched.max_waiting):
+            raise ValueError(f"n must be in [1, {min(sched.max_batch_size, sched.max_waiting)}] (the router's "
+                             f"--max-batch-size and --max-waiting), got {n}")
         limit = self.r.max_model_len
         if p.max_tokens < 0:
             raise ValueError(f"max_tokens must be > 0 (or 0 = as many as fit), got {p.max_tokens}")
@@ -156,23 +157,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         with self.stalls.watch(context, cancel) as sending:
             while left:
                 ev = events.get()
-                if isinstance(ev, Failed):
-                    cancel()                                   # the other choices go too: the call ends here
-                    context.abort(grpc.StatusCode[ev.code.name], f"generation failed: {ev.message}")
                 i = ev.index
                 seq, text = group[i], texts[i]
                 if text.done:                  # this choice already ended at a stop string; the engine lags
                     continue
+                if isinstance(ev, Failed):
+                    cancel()                                   # the other choices go too: the call ends here
+                    context.abort(grpc.StatusCode[ev.code.name], f"generation failed: {ev.message}")
                 if isinstance(ev, Tokens):
                     piece = text.push(ev.token_ids)
                     last[i] = ev.token_ids[-1]
+                    if piece.stop is not None:         # end it in the engine first: a slow reader costs no steps
+                        self.r.engine.cancel(seq, FinishReason.STOP)
                     chunk = pb.Chunk(token_ids=ev.token_ids, text=piece.text, logits=ev.logits, index=i,
                                      logprobs=[_logprob(text, s) for s in ev.logprobs])
                     with sending:
                         yield pb.GenerateResponse(request_id=rid, chunk=chunk)
                     if piece.stop is None:
                         continue
-                    self.r.engine.cancel(seq, FinishReason.STOP)
                     reason, stop_reason, done = FinishReason.STOP, piece.stop, text.num_tokens
                     ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
                 else:                                          # Finished

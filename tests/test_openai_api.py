@@ -223,26 +223,51 @@ def test_penalties_and_vllm_extras_reach_the_sampler(served):
     ({"extra_body": {"logit_bias": {"5": 1}}}, "logit_bias"),
     ({"extra_body": {"echo": True}}, "echo"),
     ({"stop": [""]}, "stop"),
+    ({"top_p": 0}, "top_p"),                                 # 0 would read as "off" on the wire
+    ({"temperature": 10**400}, "temperature"),               # a JSON integer no float holds
+    ({"prompt": [1, 2**40]}, "prompt"),                      # token ids travel as int32
+    ({"extra_body": {"stop_token_ids": [2**40]}}, "stop_token_ids"),
+    ({"prompt": ["x"] * 65}, "prompt"),                      # at most 64 prompts per request
 ])
 def test_bad_fields_are_400_naming_the_field(served, kwargs, param):
     *_, api = served
     with pytest.raises(openai.BadRequestError) as err:
-        api.completions.create(model="chatty", prompt="x", **{"max_tokens": 4, **kwargs})
+        api.completions.create(model="chatty", **{"prompt": "x", "max_tokens": 4, **kwargs})
     assert err.value.status_code == 400
     body = err.value.body
     assert body["param"] == param and body["type"] == "invalid_request_error"
     assert api.completions.create(model="chatty", prompt="x", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_unknown_model_is_404_and_bad_json_is_400(served):
+def raw(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    return resp.status, json.loads(data) if data else {}
+
+
+def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
     *_, url, api = served
     with pytest.raises(openai.NotFoundError):
         api.chat.completions.create(model="gpt-4", messages=MESSAGES)
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=b"{not json", headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 400 and "not valid JSON" in json.loads(resp.read())["error"]["message"]
+    for body, needle in ((b"{not json", "not valid JSON"), (b"[" * 100_000, "not valid JSON"),
+                         (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),
+                         (b"[1, 2]", "JSON object"),
+                         (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "lone surrogate")):   # UTF-8 cannot carry
+        status, err = raw(url, "POST", "/v1/completions", body)
+        assert status == 400 and needle in err["error"]["message"], (status, err)
+    status, err = raw(url, "POST", "/v1/completions", json.dumps({"prompt": "x" * (5 << 20)}).encode())
+    assert status == 413 and "--max-body-bytes" in err["error"]["message"]
+    for kw, param in (({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                      ({"messages": [{"role": "banana", "content": "x"}]}, "messages[0].role")):
+        status, err = raw(url, "POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, **kw}).encode())
+        assert (status, err["error"]["param"]) == (400, param), err
+    status, err = raw(url, "GET", "/v1/embeddings")
+    assert status == 404 and "/v1/chat/completions" in err["error"]["message"]
+    status, err = raw(url, "GET", "/v1/completions")
+    assert status == 405 and "GET is not allowed" in err["error"]["message"]
 
 
 def test_health_and_metrics(served):
@@ -292,6 +317,12 @@ def test_a_client_that_disconnects_frees_its_kv_within_a_second(served, stream):
     conn.sock.shutdown(2)
     conn.close()
     wait_kv(total, within=1.0)
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    assert "colibri_openai:requests_in_flight 0.0" in text          # counted out, as an abort
+    assert 'outcome="abort"' in text
 
 
 @contextmanager

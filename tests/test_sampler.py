@@ -374,3 +374,14 @@ def test_a_non_finite_row_fails_alone_beside_penalised_and_sampled_rows() -> Non
                                     Row("c", Sampling(temperature=1.0, min_p=0.5, seed=1))])
     assert isinstance(out[1], SampleError)
     assert out[0].token in range(6) and out[2].token in {3, 1}
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_its_batch_neighbours_ask_for() -> None:
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(4))
+    sp = Sampling(temperature=1.0, seed=123)
+    alone = draw(Sampler(), logits[0], sp, 30)
+    s = Sampler()
+    beside = [s.tokens(logits.expand(2, -1), [Row("x", sp), Row("k", Sampling(temperature=1.0, top_k=5, seed=9))])[0]
+              for _ in range(30)]
+    assert beside == alone                     # a neighbour's top-k sends the batch down the sorted path
+    assert len(set(alone)) > 5

@@ -11,16 +11,18 @@ or not), GET /health (200 when the router answers SERVING), GET /metrics (Promet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -28,7 +30,7 @@ from colibri.client import AsyncClient
 from colibri.openai_api.errors import ApiError, bad
 from colibri.openai_api.metrics import FrontMetrics
 from colibri.openai_api.options import OpenAIOptions
-from colibri.openai_api.protocol import Parsed, check_model, parse_chat, parse_completion
+from colibri.openai_api.protocol import Parsed, check_model, check_text, parse_chat, parse_completion
 from colibri.openai_api.responses import Reply, sse
 from colibri_common.chat_template import ChatTemplate, TemplateError
 from colibri_common.pb import generation_pb2 as pb
@@ -36,6 +38,7 @@ from colibri_common.pb import generation_pb2 as pb
 log = logging.getLogger("colibri.openai")
 ROUTER_SERVICE = "colibri.v1.Generation"
 DONE = "[DONE]"
+CLIENT_GONE = 499          # nginx's "client closed request": nobody reads it, the metrics count it
 
 
 class Front:
@@ -46,6 +49,7 @@ class Front:
         self.metrics = FrontMetrics()
         self._info: pb.ModelInfoResponse | None = None
         self._template: ChatTemplate | None = None
+        self.started = int(time.time())
 
     # -- what the router serves -------------------------------------------------------------------------
     async def info(self) -> pb.ModelInfoResponse:
@@ -79,7 +83,7 @@ class Front:
     # -- routes -----------------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         info = await self.info()
-        card = {"id": self.model_name(info), "object": "model", "created": int(time.time()), "owned_by": "colibri",
+        card = {"id": self.model_name(info), "object": "model", "created": self.started, "owned_by": "colibri",
                 "root": info.model_path, "max_model_len": info.max_model_len}
         if "model" in request.path_params:
             if request.path_params["model"] != card["id"]:
@@ -95,10 +99,7 @@ class Front:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad(f"the request body is not valid JSON: {exc}") from None
+        body = await _read_json(request, self.opts.max_body_bytes)
         parsed = parse_chat(body) if chat else parse_completion(body)
         info = await self.info()
         name = self.model_name(info)
@@ -110,38 +111,58 @@ class Front:
                       parsed.sampling.logprobs or parsed.sampling.top_logprobs > 0)
         calls = [self.client.stream(_request(p, parsed.sampling, f"{reply.id}-{i}"), self.opts.request_timeout)
                  for i, p in enumerate(prompts)]
-        messages = _merge(calls)
+        streams = [aiter(call) for call in calls]
+        # Every call's first message is the router's verdict on its prompt (a refusal is a status code, before
+        # any byte is sent); a client that leaves while the router queues or prefills cancels them.
+        firsts = asyncio.ensure_future(asyncio.gather(*(anext(it) for it in streams)))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            first = await anext(messages)            # the router's verdict on the request, before any byte is sent
-        except StopAsyncIteration:
-            raise ApiError(500, "the router ended the call without an answer") from None
+            await asyncio.wait({firsts, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not firsts.done() or (gone.done() and not gone.cancelled()):      # it left (or both at once)
+            firsts.cancel()
+            _cancel(calls)
+            log.info("%s: the client went away before the first token; cancelled on the router", reply.id)
+            return Response(status_code=499)
+        try:
+            first = firsts.result()
         except grpc.RpcError as exc:
             _cancel(calls)
             raise ApiError.of_grpc(exc) from None
-        except BaseException:
+        except StopAsyncIteration:
             _cancel(calls)
-            raise
-        self.metrics.started(chat)
+            raise ApiError(500, "the router ended a call without an answer") from None
+        messages = _merge(streams, first)
+        self.metrics.started(reply)
         if parsed.stream:
-            return StreamingResponse(self._events(reply, first, messages, calls, parsed.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._whole(request, reply, first, messages, calls)
+            return _Stream(self._events(reply, messages, parsed.include_usage),
+                           on_close=lambda: self._close(reply, calls, "abort"))
+        try:
+            return await self._whole(request, reply, messages, calls)
+        finally:
+            self._close(reply, calls, "error")
+
+    def _close(self, reply: Reply, calls: list, outcome: str) -> None:
+        """Every way out of a request: its router calls cancelled (a no-op once they ended), counted once."""
+        _cancel(calls)
+        self.metrics.finished(reply, outcome)
 
     def _render(self, parsed: Parsed) -> str:
         if self._template is None:
             raise bad("this model has no chat template (its tokenizer_config.json or chat_template.jinja has "
                       "none): use /v1/completions with the prompt as text", "messages")
         try:
-            return self._template.render(parsed.messages, parsed.add_generation_prompt, **parsed.template_kwargs)
+            text = self._template.render(parsed.messages, parsed.add_generation_prompt, **parsed.template_kwargs)
         except TemplateError as exc:
             raise bad(str(exc), "messages") from None
+        return check_text(text, "messages")
 
-    async def _whole(self, request: Request, reply: Reply, first: tuple[int, pb.GenerateResponse],
+    async def _whole(self, request: Request, reply: Reply,
                      messages: AsyncIterator[tuple[int, pb.GenerateResponse]], calls: list) -> Response:
         """Collect the whole answer; a client that leaves first cancels the calls (the router frees the KV)."""
 
         async def collect() -> None:
-            self._fold(reply, *first)
             async for prompt, msg in messages:
                 self._fold(reply, prompt, msg)
 
@@ -151,17 +172,20 @@ class Front:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not work.done():
-                work.cancel()
-                _cancel(calls)
-                log.info("%s: the client went away; its request was cancelled on the router", reply.id)
-        if work.cancelled():
+        if not work.done():
+            work.cancel()
+            _cancel(calls)
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                await work
+            log.info("%s: the client went away; its request was cancelled on the router", reply.id)
             self.metrics.finished(reply, "abort")
             return Response(status_code=499)
         try:
             work.result()
         except grpc.RpcError as exc:
-            raise ApiError.of_grpc(exc) from None
+            err = ApiError.of_grpc(exc)
+            self.metrics.finished(reply, str(err.status))
+            raise err from None
         self.metrics.finished(reply, "ok")
         return JSONResponse(reply.body())
 
@@ -171,30 +195,22 @@ class Front:
             self.metrics.tokens(len(msg.chunk.token_ids))
         return out
 
-    async def _events(self, reply: Reply, first: tuple[int, pb.GenerateResponse],
-                      messages: AsyncIterator[tuple[int, pb.GenerateResponse]], calls: list,
+    async def _events(self, reply: Reply, messages: AsyncIterator[tuple[int, pb.GenerateResponse]],
                       include_usage: bool) -> AsyncIterator[bytes]:
-        """The SSE stream. A client that leaves cancels this generator (CancelledError): the finally cancels the
-        router calls, and the router frees the request's KV blocks."""
-        status = "abort"
+        """The SSE stream. A client that leaves cancels this generator (CancelledError) or the response before
+        it starts; `_Stream` then cancels the router calls, and the router frees the request's KV blocks."""
         try:
-            chunk = reply.chunk(*self._fold(reply, *first), include_usage)
-            if chunk is not None:
-                yield sse(chunk)
             async for prompt, msg in messages:
                 chunk = reply.chunk(*self._fold(reply, prompt, msg), include_usage)
                 if chunk is not None:
                     yield sse(chunk)
             if include_usage:
                 yield sse(reply.usage_chunk())
-            status = "ok"
+            self.metrics.finished(reply, "ok")
         except grpc.RpcError as exc:              # mid-stream: the status line is sent; the error goes as an event
             err = ApiError.of_grpc(exc)
-            status = str(err.status)
+            self.metrics.finished(reply, str(err.status))
             yield sse(err.body())
-        finally:
-            _cancel(calls)
-            self.metrics.finished(reply, status)
         yield sse(DONE)
 
     async def metrics_route(self, request: Request) -> Response:
@@ -225,25 +241,28 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _merge(calls: list) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
-    """(prompt index, message) from every call as they come; one call is read directly."""
-    if len(calls) == 1:
-        async for msg in calls[0]:
+async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """(prompt index, message) from every call as they come, each call's first message first; one call is read
+    directly. The queue is bounded, so a slow HTTP client slows the router's streams (its stall watch sees it)."""
+    for i, msg in enumerate(firsts):
+        yield i, msg
+    if len(streams) == 1:
+        async for msg in streams[0]:
             yield 0, msg
         return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=4 * len(streams))
     end = object()
 
-    async def pump(i: int, call: Any) -> None:
+    async def pump(i: int, stream: Any) -> None:
         try:
-            async for msg in call:
+            async for msg in stream:
                 await queue.put((i, msg))
             await queue.put((i, end))
         except grpc.RpcError as exc:
             await queue.put((i, exc))
 
-    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(calls)]
-    left = len(calls)
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(streams)]
+    left = len(streams)
     try:
         while left:
             i, item = await queue.get()
@@ -258,11 +277,57 @@ async def _merge(calls: list) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
             t.cancel()
 
 
+class _Stream(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends: done, failed, or cancelled by a client that
+    left (even before the body iterator started, when the generator's own `finally` would never run)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, read up to `limit` bytes (413 beyond it, before anything is parsed)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body has {length} bytes, over the front's --max-body-bytes {limit}")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over the front's --max-body-bytes {limit}")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(CLIENT_GONE, "the client went away while sending its request") from None
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as exc:     # bad JSON or UTF-8, nesting too deep, a 5000-digit integer
+        raise bad(f"the request body is not valid JSON: {exc}") from None
+
+
 def build_app(front: Front) -> Starlette:
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         front.metrics.refused(exc.status)
+        if exc.status == CLIENT_GONE:
+            return Response(status_code=CLIENT_GONE)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's shape."""
+        assert isinstance(exc, HTTPException)
+        what = {404: f"no route {request.url.path}; this server has /v1/models, /v1/completions, "
+                     f"/v1/chat/completions, /health, /metrics",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        err = ApiError(exc.status_code, what)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=dict(exc.headers or {}))
 
     async def internal(request: Request, exc: Exception) -> Response:
         log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
@@ -277,4 +342,5 @@ def build_app(front: Front) -> Starlette:
         Route("/health", front.health_route, methods=["GET"]),
         Route("/metrics", front.metrics_route, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error, Exception: internal})
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                        Exception: internal})

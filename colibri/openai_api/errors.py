@@ -20,11 +20,13 @@ HTTP_OF = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
 }
 TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-           404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error", 503: "service_unavailable",
+           404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+           503: "service_unavailable",
            504: "timeout"}
 RETRY_AFTER_S = {429: 1, 503: 1}
 
@@ -51,6 +53,8 @@ class ApiError(Exception):
         if code is None:
             return ApiError(500, f"the router failed: {details}")
         status = HTTP_OF.get(code, 500)
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+            status = 413         # gRPC's message-size limit: the request is too big, retrying cannot help
         if code is grpc.StatusCode.UNAVAILABLE and not details:
             details = "the router is not reachable"
         return ApiError(status, details or code.name, code=code.name.lower())

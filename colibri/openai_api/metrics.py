@@ -25,10 +25,15 @@ class FrontMetrics:
                                  registry=self.registry)
         self.errors = Counter("colibri_openai:refused", "Requests answered with an error status.", ["status"],
                               registry=self.registry)
-    def started(self, chat: bool) -> None:
+    def started(self, reply: Reply) -> None:
         self.in_flight.inc()
+        reply.counted = False
 
     def finished(self, reply: Reply, outcome: str) -> None:
+        """Once per request: the first outcome told is the one counted."""
+        if getattr(reply, "counted", True):
+            return
+        reply.counted = True
         endpoint = "chat" if reply.chat else "completions"
         self.in_flight.dec()
         self.requests.labels(endpoint, outcome).inc()

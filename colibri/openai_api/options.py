@@ -15,6 +15,7 @@ class OpenAIOptions:
     served_model_name: str = option("", "the model's name in /v1/models and in requests' 'model' (default: the "
                                         "checkpoint directory's name)")
     request_timeout: float = option(600.0, "seconds one request may take before it ends with 504")
+    max_body_bytes: int = option(4 << 20, "largest request body (413 beyond it, before it is parsed)")
     grace_period: float = option(30.0, "on SIGTERM: seconds open requests get to finish")
     tls_ca: str | None = option(None, "PEM CA of the router's certificate: talk TLS to the router", metavar="PATH")
     tls_cert: str | None = option(None, "PEM client certificate, for a router with --tls-client-auth",
@@ -26,6 +27,8 @@ class OpenAIOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
         for name in ("request_timeout", "grace_period"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

@@ -17,6 +17,10 @@ from colibri_common.pb import generation_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 64
+MAX_PROMPTS = 64            # prompts in one completions request (each is its own router call)
+MAX_ID = 2**31 - 1          # token ids travel as int32
+RESERVED_TEMPLATE_KEYS = ("messages", "tools", "documents", "add_generation_prompt")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,10 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any 
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = float(_get(body, name, (int, float), default))
+    try:
+        value = float(_get(body, name, (int, float), default))
+    except OverflowError:
+        raise bad(f"'{name}' must be in [{lo:g}, {hi:g}]", name) from None
     if not lo <= value <= hi:
         raise bad(f"'{name}' must be in [{lo:g}, {hi:g}], got {value:g}", name)
     return value
@@ -67,6 +74,16 @@ def _refuse(body: dict[str, Any], names: tuple[str, ...]) -> None:
             raise bad(f"'{name}' is not supported by this server", name)
 
 
+def check_text(text: str, param: str) -> str:
+    """Text that UTF-8 can carry (JSON may hold lone UTF-16 surrogates, which protobuf refuses)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad(f"'{param}' holds a character UTF-8 cannot encode ({exc.reason}: a lone surrogate "
+                  f"{text[exc.start:exc.end]!a})", param) from None
+    return text
+
+
 def _stop(body: dict[str, Any]) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -74,7 +91,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad("'stop' must be a non-empty string or a list of them", "stop")
-    return stops
+    return [check_text(s, "stop") for s in stops]
 
 
 def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: bool, top_logprobs: int) -> pb.SamplingParams:
@@ -84,7 +101,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: bool, top_
         raise bad("'best_of' other than n is not supported by this server", "best_of")
     top_k = _int(body, "top_k", 0, -1)
     sp = pb.SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_top_p(body),
         top_k=max(0, top_k or 0), min_p=_number(body, "min_p", 0.0, 0.0, 1.0), max_tokens=max_tokens or 0,
         min_tokens=_int(body, "min_tokens", 0, 0) or 0,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
@@ -93,13 +110,24 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: bool, top_
         stop=_stop(body), ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)),
         logprobs=logprobs, top_logprobs=top_logprobs, n=n or 1)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    if not all(_is_id(t) for t in stop_ids):
+        raise bad(f"'stop_token_ids' must be a list of token ids (integers in [0, {MAX_ID}])", "stop_token_ids")
     sp.stop_token_ids.extend(stop_ids)
     seed = _get(body, "seed", (int,), None)
     if seed is not None:
         sp.seed = seed % 2**64
     return sp
+
+
+def _top_p(body: dict[str, Any]) -> float:
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:         # 0 would read as "off" on the wire; OpenAI and vLLM want (0, 1]
+        raise bad("'top_p' must be in (0, 1]; for the likeliest token only use temperature 0", "top_p")
+    return top_p
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_ID
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:
@@ -122,19 +150,23 @@ def parse_completion(body: Any) -> Parsed:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(_is_id(p) for p in prompt):
         prompts = [list(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-            for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_id(t) for t in p)
+                                                     for p in prompt):
         prompts = [list(p) for p in prompt]
     else:
-        raise bad("'prompt' must be a non-empty string, a list of strings, a list of token ids or a list of "
-                  "such lists", "prompt")
+        raise bad(f"'prompt' must be a non-empty string, a list of strings, a list of token ids (integers in "
+                  f"[0, {MAX_ID}]) or a list of such lists", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}", "prompt")
     if any(isinstance(p, str) and not p for p in prompts):
         raise bad("'prompt' must not be empty", "prompt")
+    for p in prompts:
+        if isinstance(p, str):
+            check_text(p, "prompt")
     logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     stream = bool(_get(body, "stream", (bool,), False))
     return Parsed(prompts, _sampling(body, _int(body, "max_tokens", 16, 1), logprobs is not None, logprobs or 0),
@@ -150,6 +182,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"{where} must be an object with a string 'role'", where)
+        if m["role"] not in ROLES:
+            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {m['role']!r}", f"{where}.role")
         content = m.get("content")
         if isinstance(content, list):             # content parts: text only
             texts = []
@@ -188,6 +222,10 @@ def parse_chat(body: Any) -> Parsed:
         max_tokens = _int(body, "max_tokens", None, 1)        # the older name; None: as many as fit
     stream = bool(_get(body, "stream", (bool,), False))
     kwargs = _get(body, "chat_template_kwargs", (dict,), {})
+    taken = [k for k in RESERVED_TEMPLATE_KEYS if k in kwargs]
+    if taken:
+        raise bad(f"'chat_template_kwargs' must not set {', '.join(taken)} (the request's own fields)",
+                  "chat_template_kwargs")
     return Parsed([], _sampling(body, max_tokens, logprobs, top or 0), stream, _stream_options(body, stream),
                   _model(body), _messages(body), kwargs,
                   bool(_get(body, "add_generation_prompt", (bool,), True)))

@@ -40,6 +40,7 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.t0 = time.monotonic()
+        self.counted = True                # set False while the front counts it in flight
         self.choices: dict[int, ChoiceState] = {}
         self.prompt_tokens: dict[int, int] = {}
 
