@@ -1,7 +1,8 @@
 """Fused MoE kernels behind one API: Triton on CUDA tensors, a vectorised torch path on CPU.
 
     fused_moe(x, w13, w2, topk_ids, topk_weights, expert_map=None, backend=None) -> [T, H]
-    topk_route(logits, k, renormalize, scoring="softmax") -> (weights float32 [T, k], ids int64 [T, k])
+    topk_route(logits, k, renormalize, scoring="softmax", bias=None, num_groups=1, topk_groups=1,
+               group_score="max", scaling=1.0) -> (weights float32 [T, k], ids int64 [T, k])
 
 `backend=None` picks Triton for CUDA tensors and the torch path otherwise; COLIBRI_MOE_BACKEND=triton|torch
 overrides the automatic choice (with TRITON_INTERPRET=1 the Triton kernels run on CPU tensors).
@@ -16,7 +17,7 @@ import torch
 from kernels.cpu_forms import Weight
 from kernels.cpu_moe import fused_moe_cpu
 from kernels.quant import Int8Weight, quantize_int8
-from kernels.routing import topk_route_torch
+from kernels.routing import Routing, topk_route_torch
 
 BACKENDS = ("triton", "torch")
 
@@ -62,16 +63,22 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
 
 
 def topk_route(logits: torch.Tensor, k: int, renormalize: bool, scoring: str = "softmax",
-               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if scoring != "softmax":
-        raise ValueError(f"topk_route: scoring '{scoring}' is not supported (only 'softmax')")
-    if not 0 < k <= logits.shape[-1]:
-        raise ValueError(f"topk_route: k={k} must be in 1..{logits.shape[-1]}")
+               bias: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1, group_score: str = "max",
+               scaling: float = 1.0, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k experts (best first) and their weights, for every routing of kernels/routing.py: scoring
+    softmax | sigmoid | topk_softmax, a choice-only `bias` [E], group-limited choice (`num_groups`,
+    `topk_groups`, `group_score` max | top2), renormalisation, a final `scaling`. logits [T, E]."""
+    routing = Routing(k, scoring, renormalize, num_groups, topk_groups, group_score, scaling)
+    if logits.dim() != 2:
+        raise ValueError(f"topk_route: logits must be [T, E], got {list(logits.shape)}")
+    routing.check(logits.shape[-1])
+    if bias is not None and bias.shape != (logits.shape[-1],):
+        raise ValueError(f"topk_route: bias must be [E={logits.shape[-1]}], got {list(bias.shape)}")
     if _pick(logits, backend) == "triton":
         from kernels.triton_topk import topk_route_triton
 
-        return topk_route_triton(logits, k, renormalize)
-    return topk_route_torch(logits, k, renormalize)
+        return topk_route_triton(logits, routing, bias)
+    return topk_route_torch(logits, routing, bias)
 
 
-__all__ = ["fused_moe", "topk_route", "BACKENDS", "Int8Weight", "quantize_int8"]
+__all__ = ["fused_moe", "topk_route", "BACKENDS", "Int8Weight", "Routing", "quantize_int8"]

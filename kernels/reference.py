@@ -30,9 +30,35 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     return out
 
 
-def topk_route_reference(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(logits.double(), dim=-1)                 # [T, E]
-    w, ids = torch.topk(probs, k, dim=-1)                          # [T, k]
-    if renormalize:
-        w = w / w.sum(-1, keepdim=True)
-    return w, ids
+def topk_route_reference(logits: torch.Tensor, k: int, renormalize: bool, scoring: str = "softmax",
+                         bias: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1,
+                         group_score: str = "max", scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token in float64, written as the model cards describe the routing (see kernels/routing.py)."""
+    T, E = logits.shape
+    ws, ids = [], []
+    for t in range(T):
+        x = logits[t].double()                                                # [E]
+        if scoring == "topk_softmax":
+            top = sorted(range(E), key=lambda e: (-float(x[e]), e))[:k]
+            w = torch.softmax(x[top], dim=0)
+            ws.append(w * scaling)
+            ids.append(torch.tensor(top))
+            continue
+        p = torch.softmax(x, dim=0) if scoring == "softmax" else 1 / (1 + torch.exp(-x))     # [E]
+        c = p + (bias.double() if bias is not None else 0)
+        allowed = set(range(E))
+        if num_groups > 1:
+            size = E // num_groups
+            group = []
+            for g in range(num_groups):
+                vals = sorted((float(c[e]) for e in range(g * size, (g + 1) * size)), reverse=True)
+                group.append(vals[0] if group_score == "max" else vals[0] + vals[1])
+            best = sorted(range(num_groups), key=lambda g: (-group[g], g))[:topk_groups]
+            allowed = {e for g in best for e in range(g * size, (g + 1) * size)}
+        top = sorted(allowed, key=lambda e: (-float(c[e]), e))[:k]
+        w = p[top]
+        if renormalize:
+            w = w / (w.sum() + 1e-20)
+        ws.append(w * scaling)
+        ids.append(torch.tensor(top))
+    return torch.stack(ws), torch.stack(ids)

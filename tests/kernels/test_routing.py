@@ -1,0 +1,121 @@
+"""topk_route's variants (softmax, sigmoid, top-k-then-softmax; choice-only bias; group-limited choice;
+renormalisation; scaling) against the float64 reference, on both backends (Triton through the interpreter),
+and against transformers' own routers for the families that use them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import topk_route
+from kernels.reference import topk_route_reference
+
+CASES = [
+    # (T, E, k, scoring, bias, groups, topk_groups, group_score, renormalize, scaling)
+    (9, 16, 4, "sigmoid", True, 4, 2, "top2", True, 2.5),          # DeepSeek-V3 / GLM-4.5
+    (5, 24, 6, "sigmoid", True, 8, 3, "top2", True, 1.0),          # k not a power of two, groups of 3
+    (7, 16, 3, "softmax", False, 4, 2, "max", False, 16.0),        # DeepSeek-V2 group-limited greedy
+    (6, 20, 5, "sigmoid", True, 1, 1, "max", True, 1.0),           # MiniMax-M2: bias, no groups
+    (8, 12, 3, "topk_softmax", False, 1, 1, "max", False, 1.0),    # GPT-OSS
+    (4, 61, 5, "softmax", False, 1, 1, "max", True, 1.0),          # the old path, odd E
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[3]}-g{c[5]}-k{c[2]}" for c in CASES])
+def test_every_routing_matches_the_float64_reference(backend, case):
+    T, E, k, scoring, with_bias, G, TG, gs, renorm, scaling = case
+    g = torch.Generator().manual_seed(E * k)
+    logits = torch.randn(T, E, generator=g) * 2                                      # [T, E]
+    bias = torch.randn(E, generator=g) * 0.5 if with_bias else None                  # [E]
+    w, ids = topk_route(logits, k, renorm, scoring, bias, G, TG, gs, scaling, backend=backend)
+    rw, rids = topk_route_reference(logits, k, renorm, scoring, bias, G, TG, gs, scaling)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == (T, k)
+    assert torch.equal(ids, rids)
+    assert torch.allclose(w.double(), rw, rtol=1e-5, atol=1e-7)
+    if G > 1:        # every chosen expert lies in one of the topk_groups groups
+        assert all(len({int(e) // (E // G) for e in row}) <= TG for row in ids)
+
+
+def test_the_bias_steers_the_choice_but_not_the_weights():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0])
+    for backend in ("torch", "triton"):
+        w, ids = topk_route(logits, 1, False, "sigmoid", bias, backend=backend)
+        assert ids.tolist() == [[3]]
+        assert w.item() == pytest.approx(torch.sigmoid(torch.tensor(-1.0)).item())
+
+
+def test_groups_exclude_a_strong_expert_in_a_weak_group():
+    # group 1 = experts 2, 3 holds the single best expert, but group 0's two together are stronger (top2 sum)
+    logits = torch.tensor([[1.0, 0.9, 1.5, -5.0]])
+    for backend in ("torch", "triton"):
+        _, ids = topk_route(logits, 1, False, "sigmoid", None, 2, 1, "top2", backend=backend)
+        assert ids.tolist() == [[0]]
+        _, ids = topk_route(logits, 1, False, "sigmoid", None, 2, 1, "max", backend=backend)
+        assert ids.tolist() == [[2]]
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"scoring": "relu"}, "scoring"),
+    ({"num_groups": 3}, "do not split"),
+    ({"num_groups": 4, "topk_groups": 5}, "topk_groups"),
+    ({"num_groups": 4, "topk_groups": 1, "k": 5}, "exceeds"),
+    ({"group_score": "mean"}, "group score"),
+    ({"k": 0}, "top_k"),
+])
+def test_routings_that_cannot_work_are_refused_naming_the_knob(kwargs, needle):
+    args = {"k": 2, "renormalize": True, **kwargs}
+    with pytest.raises(ValueError, match=needle):
+        topk_route(torch.zeros(2, 8), **args)
+
+
+def test_transformers_routers_agree(tmp_path):
+    """The same logits through transformers' DeepSeek-V3, DeepSeek-V2, MiniMax-M2 and GPT-OSS routers."""
+    from transformers import DeepseekV2Config, DeepseekV3Config, GptOssConfig, MiniMaxM2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
+
+    torch.manual_seed(0)
+    H, E, T = 8, 16, 11
+    x = torch.randn(T, H)
+
+    def same(router_out, ours):
+        (hw, hids), (w, ids) = router_out, ours
+        order = hids.argsort(dim=-1)                                 # transformers returns them unsorted
+        mine = ids.argsort(dim=-1)
+        assert torch.equal(hids.gather(1, order), ids.gather(1, mine))
+        assert torch.allclose(hw.gather(1, order).float(), w.gather(1, mine), rtol=1e-5, atol=1e-6)
+
+    v3 = DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=H, num_attention_heads=2, num_key_value_heads=2,
+                                               n_routed_experts=E, num_experts_per_tok=3, n_group=4,
+                                               topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5))
+    torch.nn.init.normal_(v3.weight)
+    v3.e_score_correction_bias.normal_()
+    logits = x @ v3.weight.T
+    _, hw, hids = v3(x)
+    same((hw, hids), topk_route(logits, 3, True, "sigmoid", v3.e_score_correction_bias, 4, 2, "top2", 2.5))
+
+    v2 = DeepseekV2TopkRouter(DeepseekV2Config(hidden_size=H, num_attention_heads=2, num_key_value_heads=2,
+                                               n_routed_experts=E, num_experts_per_tok=3, n_group=4,
+                                               topk_group=2, topk_method="group_limited_greedy",
+                                               routed_scaling_factor=16.0))
+    torch.nn.init.normal_(v2.weight)
+    _, hw, hids = v2(x)
+    same((hw, hids), topk_route(x @ v2.weight.T, 3, False, "softmax", None, 4, 2, "max", 16.0))
+
+    m2 = MiniMaxM2TopKRouter(MiniMaxM2Config(hidden_size=H, num_attention_heads=2, num_key_value_heads=2,
+                                             num_local_experts=E, num_experts_per_tok=3))
+    torch.nn.init.normal_(m2.weight)
+    bias = torch.randn(E)
+    _, hw, hids = m2(x, bias)
+    same((hw, hids), topk_route(x @ m2.weight.T, 3, True, "sigmoid", bias))
+
+    oss = GptOssTopKRouter(GptOssConfig(hidden_size=H, num_attention_heads=2, num_key_value_heads=2,
+                                        num_local_experts=E, num_experts_per_tok=3))
+    torch.nn.init.normal_(oss.weight)
+    torch.nn.init.normal_(oss.bias)
+    _, hw, hids = oss(x)
+    same((hw, hids), topk_route(x @ oss.weight.T + oss.bias, 3, False, "topk_softmax"))
