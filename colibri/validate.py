@@ -63,8 +63,13 @@ def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
         f"experts/layer    {cfg.num_experts}, top-{cfg.top_k}, width {cfg.moe_intermediate_size}"
         + (f", shared expert width {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size
            else ""),
+        f"routing          {cfg.scoring}" + (" + correction bias" if cfg.arch.routing_bias else "")
+        + (f", top-{cfg.topk_groups} of {cfg.num_groups} groups" if cfg.num_groups > 1 else "")
+        + (", renormalised" if cfg.norm_topk_prob else "")
+        + (f", scaled x{cfg.routed_scaling:g}" if cfg.routed_scaling != 1 else ""),
         f"attention        {cfg.num_heads} heads x {cfg.head_dim}, {cfg.num_kv_heads} KV heads, "
-        f"qk-norm {cfg.arch.qk_norm}, bias {cfg.qkv_bias}",
+        f"qk-norm {cfg.qk_norm}, bias {cfg.qkv_bias}"
+        + (f", rotary on {cfg.rotary_dim} of {cfg.head_dim} dims" if cfg.rotary_dim != cfg.head_dim else ""),
         f"tokenizer        {'none' if tok_vocab is None else f'{tok_vocab} tokens'} (vocab_size {cfg.vocab_size})",
         f"router holds     {router_bytes / 2**20:.1f} MiB",
     ]

@@ -21,10 +21,17 @@ class ArchSpec:
     gate_name: str                 # router linear inside the MoE block
     expert_names: tuple[str, str, str]  # per-expert (gate, up, down) linear names
     qk_norm: str = "none"          # "none" | "head" (per head, Qwen3) | "full" (full width, OLMoE)
+    qk_norm_key: str | None = None  # config key that turns qk_norm on (GLM-4.5: use_qk_norm); None = always
     bias_key: str = "attention_bias"  # config key that turns on q/k/v (and maybe o) biases
     bias_default: bool = False
     o_proj_bias: bool = True       # o_proj carries a bias whenever the q/k/v projections do
     shared_expert: bool = False    # a dense shared expert with a sigmoid gate (Qwen2-MoE)
+    shared_experts_key: str | None = None  # ungated shared experts of this count x the expert width (GLM-4.5)
+    shared_prefix: str = "shared_expert"   # the shared expert's module inside the MoE block
+    dense_first_key: str | None = None     # config key: the first N layers are dense MLPs (GLM-4.5, DeepSeek)
+    scoring: str = "softmax"       # router scores: "softmax" | "sigmoid" (kernels/routing.py)
+    routing_bias: bool = False     # the gate has an e_score_correction_bias, for choosing only
+    group_score: str = "max"       # group-limited routing: a group's score ("max" | "top2")
     norm_topk_default: bool = False
     experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
     topk_key: str = "num_experts_per_tok"
@@ -47,6 +54,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "OlmoeForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
         qk_norm="full", expert_width_key="intermediate_size",
+    ),
+    "Glm4MoeForCausalLM": ArchSpec(
+        moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
+        qk_norm="head", qk_norm_key="use_qk_norm", o_proj_bias=False, experts_key=("n_routed_experts",),
+        shared_experts_key="n_shared_experts", shared_prefix="shared_experts", dense_first_key="first_k_dense_replace",
+        scoring="sigmoid", routing_bias=True, group_score="top2",
     ),
 }
 
@@ -74,6 +87,12 @@ class ModelConfig:
     dense_intermediate_size: int          # width of dense MLP layers (Qwen2-MoE mlp_only_layers)
     shared_expert_intermediate_size: int  # 0 when there is no shared expert
     moe_layers: tuple[int, ...]           # layers with routed experts
+    qk_norm: str = "none"                 # the architecture's kind, when its config turns it on
+    rotary_dim: int = 0                   # leading dims of each head that RoPE rotates (partial rotary); 0 = D
+    scoring: str = "softmax"              # routing (kernels.topk_route): scores, groups, scaling
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
 
@@ -88,6 +107,17 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_kv_heads}")
         if self.top_k > self.num_experts:
             raise ConfigError(f"config.json: top-k {self.top_k} exceeds the {self.num_experts} experts")
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ConfigError(f"config.json: partial_rotary_factor gives {self.rotary_dim} rotary dims of a "
+                              f"{self.head_dim}-dim head; need an even number in 2..{self.head_dim}")
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ConfigError(f"config.json: n_group={self.num_groups}, topk_group={self.topk_groups} do not fit "
+                              f"{self.num_experts} experts (need n_group | experts and 1 <= topk_group <= n_group)")
+        if self.num_groups > 1 and self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ConfigError(f"config.json: num_experts_per_tok={self.top_k} exceeds the experts of topk_group="
+                              f"{self.topk_groups} groups")
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -132,13 +162,21 @@ class ModelConfig:
             raise ConfigError(f"{source}: sliding-window attention is not supported yet")
         mlp_only = set(raw.get("mlp_only_layers") or [])
         step = int(raw.get("decoder_sparse_step", 1) or 1)
+        dense_first = int(raw.get(arch.dense_first_key, 0) or 0) if arch.dense_first_key else 0
         moe_layers = tuple(
-            i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0
+            i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0 and i >= dense_first
         )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         qkv_bias = bool(raw.get(arch.bias_key, arch.bias_default))
+        width = int(need(arch.expert_width_key))
         shared = int(raw.get("shared_expert_intermediate_size", 0) or 0) if arch.shared_expert else 0
+        if arch.shared_experts_key:
+            shared = int(raw.get(arch.shared_experts_key, 0) or 0) * width
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0)
+        qk_norm = arch.qk_norm if arch.qk_norm_key is None or raw.get(arch.qk_norm_key) else "none"
+        scaling = float(raw.get("routed_scaling_factor", 1.0) or 1.0) if arch.scoring == "sigmoid" else 1.0
         return ModelConfig(
             architecture=name,
             arch=arch,
@@ -147,7 +185,7 @@ class ModelConfig:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             qkv_bias=qkv_bias,
             o_bias=qkv_bias and arch.o_proj_bias,
@@ -157,11 +195,17 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             num_experts=int(need(*arch.experts_key)),
             top_k=int(need(arch.topk_key)),
-            moe_intermediate_size=int(need(arch.expert_width_key)),
+            moe_intermediate_size=width,
             norm_topk_prob=bool(raw.get("norm_topk_prob", arch.norm_topk_default)),
             dense_intermediate_size=int(raw.get("intermediate_size", 0) or 0),
             shared_expert_intermediate_size=shared,
             moe_layers=moe_layers,
+            qk_norm=qk_norm,
+            rotary_dim=int(head_dim * partial),
+            scoring=arch.scoring,
+            num_groups=int(raw.get("n_group", 1) or 1) if arch.scoring == "sigmoid" else 1,
+            topk_groups=int(raw.get("topk_group", 1) or 1) if arch.scoring == "sigmoid" else 1,
+            routed_scaling=scaling,
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         )

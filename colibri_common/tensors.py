@@ -40,9 +40,9 @@ def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
                 "v_bias": (p + "v_proj.bias", (kv,))}
     if cfg.o_bias:
         out["o_bias"] = (p + "o_proj.bias", (H,))
-    if cfg.arch.qk_norm == "head":
+    if cfg.qk_norm == "head":
         out |= {"q_norm": (p + "q_norm.weight", (D,)), "k_norm": (p + "k_norm.weight", (D,))}
-    elif cfg.arch.qk_norm == "full":
+    elif cfg.qk_norm == "full":
         out |= {"q_norm": (p + "q_norm.weight", (q,)), "k_norm": (p + "k_norm.weight", (kv,))}
     return out
 
@@ -57,8 +57,9 @@ def mlp_tensors(prefix: str, width: int, hidden: int, names: tuple[str, str, str
 
 def router_layer_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
     """Everything of one layer the router holds (all but the routed experts), by role: ln1, ln2, attention
-    roles; then `router` [E, H] (+ shared expert `shared.gate|up|down` and its gate `shared_gate` [1, H]) in
-    a MoE layer, or a dense MLP `mlp.gate|up|down`."""
+    roles; then `router` [E, H] (+ its choice-only `router_bias` [E], shared experts `shared.gate|up|down` and
+    a shared expert's sigmoid gate `shared_gate` [1, H] where the architecture has them) in a MoE layer, or a
+    dense MLP `mlp.gate|up|down`."""
     p = layer_prefix(layer)
     H = cfg.hidden_size
     out: dict[str, Spec] = {"ln1": (p + "input_layernorm.weight", (H,)),
@@ -67,10 +68,13 @@ def router_layer_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
     if cfg.is_moe_layer(layer):
         moe = p + cfg.arch.moe_prefix + "."
         out["router"] = (moe + cfg.arch.gate_name + ".weight", (cfg.num_experts, H))
+        if cfg.arch.routing_bias:
+            out["router_bias"] = (moe + cfg.arch.gate_name + ".e_score_correction_bias", (cfg.num_experts,))
         if cfg.shared_expert_intermediate_size:
-            shared = mlp_tensors(moe + "shared_expert.", cfg.shared_expert_intermediate_size, H)
+            shared = mlp_tensors(moe + cfg.arch.shared_prefix + ".", cfg.shared_expert_intermediate_size, H)
             out |= {f"shared.{role}": spec for role, spec in shared.items()}
-            out["shared_gate"] = (moe + "shared_expert_gate.weight", (1, H))
+            if cfg.arch.shared_expert:                                   # Qwen2-MoE's is gated
+                out["shared_gate"] = (moe + "shared_expert_gate.weight", (1, H))
     else:
         dense = mlp_tensors(p + "mlp.", cfg.dense_intermediate_size, H)
         out |= {f"mlp.{role}": spec for role, spec in dense.items()}

@@ -31,10 +31,14 @@ class Rope:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)      # [T, heads, D]
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x [T, heads, D]; cos/sin [T, R]: the first R <= D dims of each head rotate, the rest pass (partial
+    rotary, as transformers' apply_rotary_pos_emb)."""
+    R = cos.shape[-1]
+    rot = x if R == x.shape[-1] else x[..., :R]                       # [T, heads, R]
+    half = R // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)  # [T, heads, R]
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return out if R == x.shape[-1] else torch.cat((out, x[..., R:]), dim=-1)
 
 
 def silu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ class RouterModel:
         self.w = weights
         self.dtype = dtype
         self.device = device or torch.device("cpu")
-        self.rope = Rope(cfg.head_dim, cfg.rope_theta, self.device)
+        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, self.device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing
@@ -81,7 +81,13 @@ class RouterModel:
         """Layer `layer`'s routing of residual states h [T, H]: weights [T, K] float32, ids [T, K]."""
         lw = self.w.layers[layer]
         r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
-        return topk_route(linear(r, lw.router), self.cfg.top_k, self.cfg.norm_topk_prob)
+        return self._route(linear(r, lw.router), lw)
+
+    def _route(self, scores: torch.Tensor, lw: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gate logits [T, E] -> weights [T, K] float32, ids [T, K], as the architecture routes."""
+        cfg = self.cfg
+        return topk_route(scores, cfg.top_k, cfg.norm_topk_prob, cfg.scoring, lw.router_bias, cfg.num_groups,
+                          cfg.topk_groups, cfg.arch.group_score, cfg.routed_scaling)
 
     @torch.inference_mode()
     def predict_experts(self, token_ids: list[int]) -> frozenset[int]:
@@ -122,7 +128,7 @@ class RouterModel:
                 h = h + silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)
                 continue
             scores = linear(r, lw.router)                                  # [T, E]  route
-            weights, ids = topk_route(scores, cfg.top_k, cfg.norm_topk_prob)  # [T, K] f32, [T, K]
+            weights, ids = self._route(scores, lw)                         # [T, K] f32, [T, K]
             if self.track_routing:
                 routes.append(ids)
             ahead = None
@@ -135,8 +141,10 @@ class RouterModel:
                 ahead = None if nxt is None else (nxt, sorted(guess))
             handle = experts.submit(i, r, ids, weights, ahead)               # partition → transport
             shared = None
-            if lw.shared_gate is not None:                                   # computed while the experts run
-                shared = torch.sigmoid(linear(r, lw.shared_gate)) * silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)
+            if lw.mlp_gate_up is not None:                     # shared experts, computed while the experts run
+                shared = silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)                                 # [T, H]
+                if lw.shared_gate is not None:                                 # Qwen2-MoE's sigmoid gate
+                    shared = torch.sigmoid(linear(r, lw.shared_gate)) * shared
             out = yield handle                                               # combine  [T, H]
             h = h + (out if shared is None else out + shared)
         last = rms_norm(h[step.sample_rows], self.w.norm, cfg.rms_norm_eps)  # [B, H]
@@ -148,7 +156,7 @@ class RouterModel:
         T, D = x.shape[0], cfg.head_dim
         qkv = linear(x, lw.qkv, lw.qkv_bias)                              # [T, (Hq + 2Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if cfg.arch.qk_norm == "full":
+        if cfg.qk_norm == "full":
             q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
@@ -156,7 +164,7 @@ class RouterModel:
         q = q.reshape(T, cfg.num_heads, D)                                   # [T, Hq, D]
         k = k.reshape(T, cfg.num_kv_heads, D)                                # [T, Hkv, D]
         v = v.reshape(T, cfg.num_kv_heads, D)
-        if cfg.arch.qk_norm == "head":
+        if cfg.qk_norm == "head":
             q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -30,6 +30,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None           # [D] per head, or [Hq D] full width
     k_norm: torch.Tensor | None
     router: torch.Tensor | None = None       # [E, H] gate of a MoE layer
+    router_bias: torch.Tensor | None = None  # [E] float32 correction bias, for choosing experts only
     mlp_gate_up: Weight | None = None        # [2I, H] dense MLP, or the shared expert of a MoE layer
     mlp_down: Weight | None = None           # [H, I]
     shared_gate: torch.Tensor | None = None  # [1, H] sigmoid gate of the shared expert
@@ -66,7 +67,9 @@ class RouterWeights:
         top = load_all(model_tensors(cfg))
         layers = []
         for i in tqdm(range(cfg.num_layers), desc="router weights", unit="layer", disable=not progress):
-            t = load_all(router_layer_tensors(cfg, i))
+            specs = router_layer_tensors(cfg, i)
+            bias = specs.pop("router_bias", None)          # float32 whatever the compute dtype, as transformers
+            t = load_all(specs)
             mlp = "shared" if "shared.gate" in t else "mlp" if "mlp.gate" in t else None
             layers.append(LayerWeights(
                 ln1=t["ln1"], ln2=t["ln2"],
@@ -74,6 +77,7 @@ class RouterWeights:
                 qkv_bias=torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]]) if "q_bias" in t else None,
                 o=t["o"], o_bias=t.get("o_bias"), q_norm=t.get("q_norm"), k_norm=t.get("k_norm"),
                 router=t.get("router"),
+                router_bias=None if bias is None else ckpt.load(*bias, torch.float32).to(device or "cpu"),
                 mlp_gate_up=torch.cat([t[f"{mlp}.gate"], t[f"{mlp}.up"]]) if mlp else None,   # [2I, H]
                 mlp_down=t[f"{mlp}.down"] if mlp else None,
                 shared_gate=t.get("shared_gate"),

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Glm4MoeConfig,
     MixtralConfig,
     OlmoeConfig,
     PretrainedConfig,
@@ -21,7 +22,7 @@ COMMON = dict(vocab_size=256, hidden_size=96, num_hidden_layers=2, num_attention
 
 def small_config(arch: str, **overrides) -> PretrainedConfig:
     """Small configs with a non-power-of-two somewhere: hidden 96, expert width 40, and 60 experts for
-    Qwen3-MoE (the other three have 8)."""
+    Qwen3-MoE, 16 for GLM-4.5 (top-3 in 2 of 4 groups), 8 for the others."""
     if arch == "mixtral":
         kw = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=40)
         cfg = MixtralConfig(**{**COMMON, **kw, **overrides})
@@ -34,6 +35,11 @@ def small_config(arch: str, **overrides) -> PretrainedConfig:
         kw = dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=40, norm_topk_prob=True,
                   head_dim=32)
         cfg = Qwen3MoeConfig(**{**COMMON, **kw, **overrides})
+    elif arch == "glm4_moe":   # every feature on: 4 groups (top 2), bias, dense first layer, partial rotary
+        kw = dict(n_routed_experts=16, num_experts_per_tok=3, moe_intermediate_size=40, intermediate_size=64,
+                  n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                  norm_topk_prob=True, use_qk_norm=True, attention_bias=True, head_dim=32, num_hidden_layers=3)
+        cfg = Glm4MoeConfig(**{**COMMON, **kw, **overrides})
     elif arch == "olmoe":
         kw = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=40, norm_topk_prob=False)
         cfg = OlmoeConfig(**{**COMMON, **kw, **overrides})
@@ -52,6 +58,9 @@ def build_model(cfg: PretrainedConfig, seed: int = 0, std: float = 0.2, dtype: t
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(std * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):    # non-zero, so choosing and weighting differ
+                b.copy_(0.3 * torch.randn_like(b))
     return model
 
 

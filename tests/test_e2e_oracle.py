@@ -2,8 +2,9 @@
 
 Every architecture through the in-process engine (the maths: attention, norms, gates, shared experts,
 dense layers); real fleets (`colibri serve`, processes, gRPC on loopback) with 1, 2 and 3 workers on
-Qwen3-MoE over streams, and on Qwen2-MoE (shared expert, dense layer, biases) with 3 over unary calls, for
-the sharding, both transports and the wire.
+Qwen3-MoE over streams, on Qwen2-MoE (shared expert, dense layer, biases) with 3 over unary calls, and on
+GLM-4.5 (sigmoid routing with a correction bias in 2 of 4 groups, routed scaling, an ungated shared expert, a
+dense first layer, partial rotary, qk-norm) with 1 and 3, for the sharding, both transports and the wire.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def test_inprocess_engine_matches_transformers(oracles, arch):
 
 
 @pytest.mark.parametrize("arch, workers, transport", [
-    ("qwen3_moe", 1, "stream"), ("qwen3_moe", 2, "stream"), ("qwen3_moe", 3, "stream"), ("qwen2_moe", 3, "unary")])
+    ("qwen3_moe", 1, "stream"), ("qwen3_moe", 2, "stream"), ("qwen3_moe", 3, "stream"), ("qwen2_moe", 3, "unary"),
+    ("glm4_moe", 1, "stream"), ("glm4_moe", 3, "stream")])
 def test_fleet_matches_transformers(oracles, arch, workers, transport):
     oracle = oracles[arch]
     with fleet(oracle.path, workers, ["--transport", transport]) as (addr, _):

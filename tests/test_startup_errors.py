@@ -81,3 +81,19 @@ def test_a_gpu_device_on_a_machine_without_one_is_a_clear_error(ckpt, args):
     assert out.returncode != 0
     assert "this machine has no usable CUDA GPU" in out.stderr and "use --device cpu" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"n_group": 3}, "n_group=3"),                                    # 16 experts do not split into 3 groups
+    ({"topk_group": 5}, "topk_group=5"),
+    ({"num_experts_per_tok": 9, "topk_group": 2}, "num_experts_per_tok=9"),   # more than 2 groups of 4 hold
+    ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.3, "rope_type": "default"}},
+     "partial_rotary_factor"),
+])
+def test_a_glm_routing_or_rotary_config_that_cannot_work_names_the_field(oracles, tmp_path, change, needle):
+    dst = tmp_path / "glm"
+    shutil.copytree(oracles["glm4_moe"].path, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **change}))
+    out = run("validate", "--model", str(dst))
+    assert out.returncode != 0 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
