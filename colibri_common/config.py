@@ -30,7 +30,7 @@ class ArchSpec:
     shared_prefix: str = "shared_expert"   # the shared expert's module inside the MoE block
     dense_first_key: str | None = None     # config key: the first N layers are dense MLPs (GLM-4.5, DeepSeek)
     scoring: str = "softmax"       # router scores: "softmax" | "sigmoid" (kernels/routing.py)
-    routing_bias: bool = False     # the gate has an e_score_correction_bias, for choosing only
+    routing_bias: str | None = None  # the choice-only correction bias inside the MoE block, if the model has one
     group_score: str = "max"       # group-limited routing: a group's score ("max" | "top2")
     norm_topk_default: bool = False
     experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
@@ -59,7 +59,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
         qk_norm="head", qk_norm_key="use_qk_norm", o_proj_bias=False, experts_key=("n_routed_experts",),
         shared_experts_key="n_shared_experts", shared_prefix="shared_experts", dense_first_key="first_k_dense_replace",
-        scoring="sigmoid", routing_bias=True, group_score="top2",
+        scoring="sigmoid", routing_bias="gate.e_score_correction_bias", group_score="top2",
+    ),
+    "MiniMaxM2ForCausalLM": ArchSpec(
+        moe_prefix="block_sparse_moe", gate_name="gate", expert_names=("w1", "w3", "w2"), qk_norm="full",
+        norm_topk_default=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
+        scoring="sigmoid", routing_bias="e_score_correction_bias",
     ),
 }
 
@@ -174,7 +179,10 @@ class ModelConfig:
         if arch.shared_experts_key:
             shared = int(raw.get(arch.shared_experts_key, 0) or 0) * width
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0)
+        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+        rotary = int(head_dim * float(partial or 1.0))           # as transformers rounds it
+        if partial is None and raw.get("rotary_dim"):          # MiniMax-M2's published configs say it this way
+            rotary = int(raw["rotary_dim"])
         qk_norm = arch.qk_norm if arch.qk_norm_key is None or raw.get(arch.qk_norm_key) else "none"
         scaling = float(raw.get("routed_scaling_factor", 1.0) or 1.0) if arch.scoring == "sigmoid" else 1.0
         return ModelConfig(
@@ -201,7 +209,7 @@ class ModelConfig:
             shared_expert_intermediate_size=shared,
             moe_layers=moe_layers,
             qk_norm=qk_norm,
-            rotary_dim=int(head_dim * partial),
+            rotary_dim=rotary,
             scoring=arch.scoring,
             num_groups=int(raw.get("n_group", 1) or 1) if arch.scoring == "sigmoid" else 1,
             topk_groups=int(raw.get("topk_group", 1) or 1) if arch.scoring == "sigmoid" else 1,

@@ -69,7 +69,7 @@ def router_layer_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
         moe = p + cfg.arch.moe_prefix + "."
         out["router"] = (moe + cfg.arch.gate_name + ".weight", (cfg.num_experts, H))
         if cfg.arch.routing_bias:
-            out["router_bias"] = (moe + cfg.arch.gate_name + ".e_score_correction_bias", (cfg.num_experts,))
+            out["router_bias"] = (moe + cfg.arch.routing_bias, (cfg.num_experts,))
         if cfg.shared_expert_intermediate_size:
             shared = mlp_tensors(moe + cfg.arch.shared_prefix + ".", cfg.shared_expert_intermediate_size, H)
             out |= {f"shared.{role}": spec for role, spec in shared.items()}

@@ -8,6 +8,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Glm4MoeConfig,
+    MiniMaxM2Config,
     MixtralConfig,
     OlmoeConfig,
     PretrainedConfig,
@@ -22,7 +23,7 @@ COMMON = dict(vocab_size=256, hidden_size=96, num_hidden_layers=2, num_attention
 
 def small_config(arch: str, **overrides) -> PretrainedConfig:
     """Small configs with a non-power-of-two somewhere: hidden 96, expert width 40, and 60 experts for
-    Qwen3-MoE, 16 for GLM-4.5 (top-3 in 2 of 4 groups), 8 for the others."""
+    Qwen3-MoE, 16 for GLM-4.5 (top-3 in 2 of 4 groups), 8 for the others (top-3 for MiniMax-M2)."""
     if arch == "mixtral":
         kw = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=40)
         cfg = MixtralConfig(**{**COMMON, **kw, **overrides})
@@ -40,6 +41,9 @@ def small_config(arch: str, **overrides) -> PretrainedConfig:
                   n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
                   norm_topk_prob=True, use_qk_norm=True, attention_bias=True, head_dim=32, num_hidden_layers=3)
         cfg = Glm4MoeConfig(**{**COMMON, **kw, **overrides})
+    elif arch == "minimax_m2":   # sigmoid + correction bias, full-width qk-norm, rotary on 16 of 32 dims
+        kw = dict(num_local_experts=8, num_experts_per_tok=3, intermediate_size=40, head_dim=32, rotary_dim=16)
+        cfg = MiniMaxM2Config(**{**COMMON, **kw, **overrides})
     elif arch == "olmoe":
         kw = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=40, norm_topk_prob=False)
         cfg = OlmoeConfig(**{**COMMON, **kw, **overrides})

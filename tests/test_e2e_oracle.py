@@ -47,7 +47,7 @@ def test_inprocess_engine_matches_transformers(oracles, arch):
 
 @pytest.mark.parametrize("arch, workers, transport", [
     ("qwen3_moe", 1, "stream"), ("qwen3_moe", 2, "stream"), ("qwen3_moe", 3, "stream"), ("qwen2_moe", 3, "unary"),
-    ("glm4_moe", 1, "stream"), ("glm4_moe", 3, "stream")])
+    ("glm4_moe", 1, "stream"), ("glm4_moe", 3, "stream"), ("minimax_m2", 3, "stream")])
 def test_fleet_matches_transformers(oracles, arch, workers, transport):
     oracle = oracles[arch]
     with fleet(oracle.path, workers, ["--transport", transport]) as (addr, _):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import grpc
 import pytest
 import torch
@@ -71,6 +73,17 @@ def separated(tmp_path_factory) -> dict[str, tuple[Oracle, torch.Tensor]]:
     return out
 
 
+@torch.no_grad()
+def int8_experts_logits(model, prompt: list[int]) -> torch.Tensor:
+    """transformers' last logits with its routed experts rounded to symmetric per-row int8, as Colibri packs them."""
+    q = copy.deepcopy(model)
+    for name, p in q.named_parameters():
+        if ".experts." in name and p.dim() >= 2:
+            scale = p.abs().amax(dim=-1, keepdim=True) / 127
+            p.copy_(torch.round(p / scale) * scale)
+    return q(torch.tensor([prompt])).logits[0, -1].float()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_int8_experts_give_the_greedy_tokens_of_transformers_fp32(separated, arch):
     oracle, data = separated[arch]
@@ -82,7 +95,10 @@ def test_int8_experts_give_the_greedy_tokens_of_transformers_fp32(separated, arc
             want = oracle.last_logits(prompt)
             top2 = want.topk(2).values
             assert float(top2[0] - top2[1]) > 0.2 * float(want.abs().max())   # the choice is well separated
-            assert rel(res.logits[0], want) < 3e-2
+            # Within 3% of fp32, or of what transformers itself gives with the same int8 experts where a
+            # routing near-tie flips an expert (MiniMax-M2's sigmoid + bias choice does on one prompt: 16%)
+            own = rel(int8_experts_logits(oracle.model, prompt), want)
+            assert rel(res.logits[0], want) < max(3e-2, 1.25 * own), own
 
 
 def test_a_fleet_serves_int8_experts_and_the_router_refuses_float_workers_then(separated):
