@@ -68,6 +68,53 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
 }
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling as the config gives it (transformers' rope_parameters): computed by router_service.layers.Rope.
+
+    linear: every frequency / factor. dynamic (NTK): transformers changes the base only past
+    max_position_embeddings, which Colibri never serves, so it is the default RoPE here. yarn: frequencies
+    blended between interpolated and extrapolated by a ramp over the dims (beta_fast, beta_slow,
+    original_max_position_embeddings, truncate), cos/sin scaled by an attention factor (given, or from factor,
+    mscale and mscale_all_dim).
+    """
+
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise ConfigError(f"config.json: rope type '{self.type}' is not supported; supported: "
+                              f"{', '.join(ROPE_TYPES)}")
+        if self.type != "default" and not self.factor > 0:
+            raise ConfigError(f"config.json: rope scaling factor must be positive, got {self.factor}")
+        if self.type == "yarn" and self.original_max_position_embeddings <= 0:
+            raise ConfigError("config.json: yarn RoPE needs original_max_position_embeddings")
+
+    @staticmethod
+    def from_raw(rope: dict, max_positions: int) -> RopeScaling:
+        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+        original = int(rope.get("original_max_position_embeddings") or 0)
+        factor = rope.get("factor")
+        if factor is None:   # DeepSeek-V3 gives the ratio of the lengths instead
+            factor = max_positions / original if kind == "yarn" and original else 1.0
+        opt = lambda key: None if rope.get(key) is None else float(rope[key])  # noqa: E731
+        return RopeScaling(type=str(kind), factor=float(factor), original_max_position_embeddings=original,
+                           beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                           attention_factor=opt("attention_factor"), mscale=opt("mscale"),
+                           mscale_all_dim=opt("mscale_all_dim"), truncate=bool(rope.get("truncate", True)))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -98,6 +145,7 @@ class ModelConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
+    rope_scaling: RopeScaling = RopeScaling()
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
 
@@ -159,9 +207,8 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         layers = int(need("num_hidden_layers"))
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"{source}: rope type '{rope_type}' is not supported yet (only default RoPE)")
+        max_positions = int(raw.get("max_position_embeddings", 4096))
+        rope_scaling = RopeScaling.from_raw(rope, max_positions)
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
         if raw.get("use_sliding_window") or (name == "MixtralForCausalLM" and raw.get("sliding_window")):
             raise ConfigError(f"{source}: sliding-window attention is not supported yet")
@@ -199,7 +246,7 @@ class ModelConfig:
             o_bias=qkv_bias and arch.o_proj_bias,
             clip_qkv=None if raw.get("clip_qkv") is None else float(raw["clip_qkv"]),
             rope_theta=rope_theta,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             num_experts=int(need(*arch.experts_key)),
             top_k=int(need(arch.topk_key)),
@@ -214,6 +261,7 @@ class ModelConfig:
             num_groups=int(raw.get("n_group", 1) or 1) if arch.scoring == "sigmoid" else 1,
             topk_groups=int(raw.get("topk_group", 1) or 1) if arch.scoring == "sigmoid" else 1,
             routed_scaling=scaling,
+            rope_scaling=rope_scaling,
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         )

@@ -5,8 +5,11 @@ Shapes: T tokens, H hidden size, D head dim, I an MLP's width.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from colibri_common.config import RopeScaling
 from kernels.cpu_linear import linear
 
 
@@ -18,16 +21,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rope:
-    """Default rotary embedding: inverse frequencies in float32, cos/sin cast to the activation dtype."""
+    """Rotary embedding over `dim` dims (a head's leading ones): inverse frequencies in float32, with linear or
+    YaRN scaling as transformers computes them (modeling_rope_utils), cos/sin times the attention factor, cast
+    to the activation dtype."""
 
-    def __init__(self, head_dim: int, theta: float, device: torch.device | str = "cpu") -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [D/2]
+    def __init__(self, dim: int, theta: float, device: torch.device | str = "cpu",
+                 scaling: RopeScaling | None = None) -> None:
+        s = scaling or RopeScaling()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))          # [R/2]
+        self.attention_scaling = 1.0
+        if s.type == "linear":
+            inv_freq = inv_freq / s.factor
+        elif s.type == "yarn":
+            inv_freq, self.attention_scaling = _yarn(dim, theta, s)
         self.inv_freq = inv_freq.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]   # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                         # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]   # [T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                         # [T, R]
+        a = self.attention_scaling
+        return (emb.cos() * a).to(dtype), (emb.sin() * a).to(dtype)
+
+
+def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies [R/2] and attention factor (arXiv 2309.00071, as transformers writes it)."""
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = s.factor
+    if s.attention_factor is not None:
+        attention = s.attention_factor
+    elif s.mscale and s.mscale_all_dim:
+        attention = mscale(factor, s.mscale) / mscale(factor, s.mscale_all_dim)
+    else:
+        attention = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001                                                  # no singularity
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)                     # [R/2]
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)    # [R/2]
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

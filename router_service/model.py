@@ -42,7 +42,7 @@ class RouterModel:
         self.w = weights
         self.dtype = dtype
         self.device = device or torch.device("cpu")
-        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, self.device)
+        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, self.device, cfg.rope_scaling)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing

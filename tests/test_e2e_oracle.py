@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from colibri.client import Client
-from tests.conftest import ARCHS, fleet
+from tests.conftest import ARCHS, Oracle, fleet
 from tests.inprocess import InProcess
+from tests.models import build_model, save_checkpoint, small_config
 
 PROMPTS = [[3, 17, 42, 99, 5, 8], [200], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1, 2]]
 NEW_TOKENS = 16
@@ -78,3 +79,24 @@ def test_fleet_on_the_triton_kernels_matches_transformers(oracles):
         assert res.token_ids == oracle.greedy(prompt, 6)
         assert rel_err(torch.from_numpy(res.logits[0].copy()), oracle.last_logits(prompt)) < 1e-4
         client.close()
+
+
+ROPES = [
+    ("qwen3_moe", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}),
+    ("qwen3_moe", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "rope_theta": 1e4,
+                   "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 16, "beta_slow": 2}),      # DeepSeek-style
+    ("glm4_moe", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4,
+                  "partial_rotary_factor": 0.5}),                                                   # partial + YaRN
+    ("mixtral", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+    ("olmoe", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+]
+
+
+@pytest.mark.parametrize(("arch", "rope"), ROPES, ids=[f"{a}-{r['rope_type']}" for a, r in ROPES])
+def test_rope_scaling_matches_transformers(tmp_path, arch, rope):
+    model = build_model(small_config(arch, rope_parameters=rope), seed=11)
+    oracle = Oracle(model, save_checkpoint(model, tmp_path / arch))
+    with InProcess(oracle.path) as engine:
+        prompt = [(5 * j + 3) % 256 for j in range(40)]                 # positions far enough to matter
+        res = engine.generate(prompt, NEW_TOKENS, return_logits=True)
+        check_against_oracle(oracle, prompt, res.token_ids, res.logits, res.finish_reason)

@@ -89,8 +89,10 @@ def test_a_gpu_device_on_a_machine_without_one_is_a_clear_error(ckpt, args):
     ({"num_experts_per_tok": 9, "topk_group": 2}, "num_experts_per_tok=9"),   # more than 2 groups of 4 hold
     ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.3, "rope_type": "default"}},
      "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "longrope"}}, "rope type 'longrope' is not supported"),
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4}}, "original_max_position_embeddings"),
 ])
-def test_a_glm_routing_or_rotary_config_that_cannot_work_names_the_field(oracles, tmp_path, change, needle):
+def test_a_routing_or_rope_config_that_cannot_work_names_the_field(oracles, tmp_path, change, needle):
     dst = tmp_path / "glm"
     shutil.copytree(oracles["glm4_moe"].path, dst)
     cfg = json.loads((dst / "config.json").read_text())
