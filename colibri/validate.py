@@ -59,6 +59,8 @@ def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
         f"architecture     {cfg.architecture}",
         f"parameters       {params / 1e6:.1f}M ({total_bytes / 2**20:.1f} MiB on disk, {len(ckpt.entries)} tensors)",
         f"stored dtype     {cfg.torch_dtype} (config.json)",
+        "quantisation     " + ("; ".join(f"{k} ({n} tensors), dequantised to the compute dtype as they are read"
+                                         for k, n in ckpt.quantized().items()) or "none"),
         f"layers           {cfg.num_layers} ({len(cfg.moe_layers)} with routed experts)",
         f"experts/layer    {cfg.num_experts}, top-{cfg.top_k}, width {cfg.moe_intermediate_size}"
         + (f", shared expert width {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size

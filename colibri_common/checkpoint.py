@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from colibri_common.errors import CheckpointError
+from colibri_common.fp8 import SCALE_SUFFIX, Fp8Format, dequantize
 
 _ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F32": (torch.float32, 4),
@@ -26,6 +27,7 @@ _ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "I64": (torch.int64, 8),
     "I32": (torch.int32, 4),
     "U8": (torch.uint8, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
 }
 
 
@@ -82,6 +84,7 @@ class Checkpoint:
 
     def __init__(self, model_dir: str | Path) -> None:
         self.dir = Path(model_dir)
+        self.fp8 = Fp8Format.from_dir(self.dir)      # block-scaled FP8 weights, dequantised as they are read
         self.entries: dict[str, TensorEntry] = {}
         self._maps: dict[Path, mmap.mmap] = {}
         index = self.dir / "model.safetensors.index.json"
@@ -178,10 +181,33 @@ class Checkpoint:
             self._map(self.entry(name).file)
             self._advise(name, index, mmap.MADV_WILLNEED, False)
 
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None, index: int | None = None) -> torch.Tensor:
+        """The tensor's real values (slice `index` of its first dimension when given): the zero-copy view, or
+        for an FP8 weight with block scales its dequantised float32 values (read from the map as needed)."""
+        t = self.view(name, shape)
+        if t.dtype != torch.float8_e4m3fn:
+            return t if index is None else t[index]
+        scales = name + SCALE_SUFFIX
+        if self.fp8 is None or scales not in self.entries:
+            raise CheckpointError(f"{self.entry(name).file}: tensor '{name}' is FP8 but "
+                                  + ("config.json has no fp8 quantization_config" if self.fp8 is None
+                                     else f"its scales '{scales}' are missing"))
+        s = self.view(scales)
+        w, s = (t, s) if index is None else (t[index], s[index])
+        return dequantize(w, s, self.fp8.block)
+
+    def quantized(self) -> dict[str, int]:
+        """What quantised weights the checkpoint holds: format -> tensor count (empty for plain floats)."""
+        n = sum(1 for e in self.entries.values() if e.dtype == "F8_E4M3")
+        if not n:
+            return {}
+        b0, b1 = self.fp8.block if self.fp8 else (0, 0)
+        return {f"fp8 e4m3, {b0}x{b1} block scales": n}
+
     def load(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
              ) -> torch.Tensor:
-        """An owned copy (for the router's dense weights), converted to `dtype`."""
-        t = self.view(name, shape)
+        """An owned copy (for the router's dense weights), converted to `dtype` (FP8 dequantised first)."""
+        t = self.tensor(name, shape)
         return t.to(dtype=dtype or t.dtype, copy=True)
 
     def close(self) -> None:

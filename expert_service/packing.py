@@ -23,16 +23,16 @@ def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13
     fused, t = stored_expert_tensors(cfg, layer, expert, ckpt)
     if fused:
         (gu_name, gu_shape), (d_name, d_shape) = t["gate_up"], t["down"]
-        w13.copy_(ckpt.view(gu_name, gu_shape)[expert])
-        w2.copy_(ckpt.view(d_name, d_shape)[expert])
+        w13.copy_(ckpt.tensor(gu_name, gu_shape, expert))
+        w2.copy_(ckpt.tensor(d_name, d_shape, expert))
         if release:
             ckpt.release(gu_name, expert)
             ckpt.release(d_name, expert)
         return
     (g, gs), (u, us), (d, ds) = t["gate"], t["up"], t["down"]
-    w13[:I].copy_(ckpt.view(g, gs))
-    w13[I:].copy_(ckpt.view(u, us))
-    w2.copy_(ckpt.view(d, ds))
+    w13[:I].copy_(ckpt.tensor(g, gs))
+    w13[I:].copy_(ckpt.tensor(u, us))
+    w2.copy_(ckpt.tensor(d, ds))
     if release:
         for name in (g, u, d):
             ckpt.release(name)

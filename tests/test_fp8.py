@@ -1,0 +1,106 @@
+"""FP8 checkpoints as published (block-scaled e4m3 weights with float32 `weight_scale_inv`): they dequantise
+within e4m3's rounding and serve the tokens transformers gives on the dequantised model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.errors import CheckpointError
+from colibri_common.fp8 import dequantize, quantize
+from tests.conftest import COLIBRI, Oracle, fleet
+from tests.inprocess import InProcess
+from tests.models import build_model, save_checkpoint, small_config
+from tests.test_e2e_oracle import check_against_oracle
+
+BLOCK = (16, 32)           # smaller than the published 128 x 128, so these tiny weights span several blocks
+
+
+def test_dequantised_weights_are_within_e4m3_rounding():
+    w = torch.randn(40, 70, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 70)  # [R, C]
+    q, scale = quantize(w, BLOCK)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 3)
+    back = dequantize(q, scale, BLOCK)                                                   # [R, C] float32
+    s = scale.repeat_interleave(16, 0)[:40].repeat_interleave(32, 1)[:, :70]
+    # e4m3 has 3 mantissa bits: a normal value rounds within 2^-4 of itself; subnormals (below 2^-6 x scale)
+    # within half their 2^-9 x scale spacing
+    assert ((back - w).abs() <= torch.maximum(w.abs() * 2**-4, s * 2**-10) + 1e-12).all()
+    assert not torch.equal(back, w)                                        # it did round
+    with pytest.raises(CheckpointError, match="needs scales"):
+        dequantize(q, scale[:2], BLOCK)
+
+
+def fp8_checkpoint(src, dst) -> dict[str, torch.Tensor]:
+    """`src` re-saved with every attention and expert weight as published FP8 (the gate, norms, embeddings
+    and lm_head stay float); returns the dequantised values of what was quantised."""
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    out, deq = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(".weight") and t.dim() == 2 and (".self_attn." in name or ".experts." in name):
+            q, s = quantize(t, BLOCK)
+            out[name], out[name + "_scale_inv"] = q, s
+            deq[name] = dequantize(q, s, BLOCK)
+        else:
+            out[name] = t
+    dst.mkdir()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(BLOCK)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return deq
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    """MiniMax-M2 (published in FP8, per-expert w1/w2/w3) and transformers on its dequantised weights."""
+    root = tmp_path_factory.mktemp("fp8")
+    src = save_checkpoint(build_model(small_config("minimax_m2"), seed=5), root / "float")
+    deq = fp8_checkpoint(src, root / "fp8")
+    # the oracle: transformers loading the same checkpoint with the dequantised values in float32
+    plain = {}
+    for f in sorted(src.glob("*.safetensors")):
+        plain.update(load_file(f))
+    (root / "deq").mkdir()
+    save_file({**plain, **deq}, str(root / "deq" / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(src / "config.json", root / "deq" / "config.json")
+    model = AutoModelForCausalLM.from_pretrained(root / "deq", dtype=torch.float32).eval()
+    return Oracle(model, root / "fp8")
+
+
+def test_an_fp8_checkpoint_serves_transformers_tokens_on_its_dequantised_weights(fp8_model):
+    prompt = [3, 17, 42, 99, 5, 8]
+    with InProcess(fp8_model.path) as engine:
+        res = engine.generate(prompt, 16, return_logits=True)
+    check_against_oracle(fp8_model, prompt, res.token_ids, res.logits, res.finish_reason)
+
+
+def test_a_fleet_serves_it_and_validate_reports_the_format(fp8_model):
+    import subprocess
+
+    out = subprocess.run([COLIBRI, "validate", "--model", str(fp8_model.path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "fp8 e4m3, 16x32 block scales" in out.stdout
+    from colibri.client import Client
+
+    with fleet(fp8_model.path, 2) as (addr, _):
+        assert Client(addr).generate([1, 2, 3], 8).token_ids == fp8_model.greedy([1, 2, 3], 8)
+
+
+def test_fp8_weights_without_their_scales_or_format_are_named(fp8_model, tmp_path):
+    ckpt = Checkpoint(fp8_model.path)
+    name = next(n for n in ckpt.entries if n.endswith("q_proj.weight"))
+    assert ckpt.tensor(name).dtype == torch.float32
+    ckpt.fp8 = None                                   # as if config.json had no quantization_config
+    with pytest.raises(CheckpointError, match="no fp8 quantization_config"):
+        ckpt.tensor(name)
+    ckpt.close()
