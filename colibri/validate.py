@@ -26,11 +26,23 @@ class ValidateOptions:
             raise ValueError(f"--replicas {self.replicas}: need 1 <= R <= --workers ({self.workers})")
 
 
+HELD_ITEMSIZE = 2     # an FP8 weight is held dequantised: sized at bf16, the usual compute dtype
+
+
+def held_bytes(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> int:
+    """What a tensor takes once loaded: its stored bytes, or an FP8 weight's dequantised (bf16) size."""
+    e = ckpt.check(name, shape)
+    if e.dtype == "F8_E4M3":
+        ckpt.check_fp8(name)
+        return _numel(e.shape) * HELD_ITEMSIZE
+    return e.nbytes
+
+
 def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> int:
     from colibri_common.tensors import stored_expert_tensors
 
     fused, specs = stored_expert_tensors(cfg, layer, expert, ckpt)
-    return sum(ckpt.check(n, s).nbytes // (cfg.num_experts if fused else 1) for n, s in specs.values())
+    return sum(held_bytes(ckpt, n, s) // (cfg.num_experts if fused else 1) for n, s in specs.values())
 
 
 def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
@@ -44,7 +56,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
 
     cfg = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)
-    router_bytes = sum(ckpt.check(n, s).nbytes for n, s in router_tensors(cfg))
+    router_bytes = sum(held_bytes(ckpt, n, s) for n, s in router_tensors(cfg))
     per_expert = {(layer, e): expert_bytes(ckpt, cfg, layer, e)
                   for layer in cfg.moe_layers for e in range(cfg.num_experts)}
     total_bytes = sum(e.nbytes for e in ckpt.entries.values())

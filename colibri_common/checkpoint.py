@@ -196,6 +196,17 @@ class Checkpoint:
         w, s = (t, s) if index is None else (t[index], s[index])
         return dequantize(w, s, self.fp8.block)
 
+    def check_fp8(self, name: str) -> None:
+        """An FP8 weight's block scales exist with the shape its blocks need (headers only)."""
+        e = self.entry(name)
+        scales = name + SCALE_SUFFIX
+        if self.fp8 is None:
+            raise CheckpointError(f"{e.file}: tensor '{name}' is FP8 but config.json has no fp8 "
+                                  f"quantization_config")
+        b0, b1 = self.fp8.block
+        want = (*e.shape[:-2], -(-e.shape[-2] // b0), -(-e.shape[-1] // b1))
+        self.check(scales, want)
+
     def quantized(self) -> dict[str, int]:
         """What quantised weights the checkpoint holds: format -> tensor count (empty for plain floats)."""
         n = sum(1 for e in self.entries.values() if e.dtype == "F8_E4M3")

@@ -32,6 +32,8 @@ class ArchSpec:
     scoring: str = "softmax"       # router scores: "softmax" | "sigmoid" (kernels/routing.py)
     routing_bias: str | None = None  # the choice-only correction bias inside the MoE block, if the model has one
     group_score: str = "max"       # group-limited routing: a group's score ("max" | "top2")
+    router_fp32: bool = False      # the gate computes in float32 whatever the compute dtype (as transformers)
+    defaults: tuple[tuple[str, object], ...] = ()   # transformers' defaults for keys a config.json may omit
     norm_topk_default: bool = False
     experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
     topk_key: str = "num_experts_per_tok"
@@ -59,12 +61,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
         qk_norm="head", qk_norm_key="use_qk_norm", o_proj_bias=False, experts_key=("n_routed_experts",),
         shared_experts_key="n_shared_experts", shared_prefix="shared_experts", dense_first_key="first_k_dense_replace",
-        scoring="sigmoid", routing_bias="gate.e_score_correction_bias", group_score="top2",
+        scoring="sigmoid", routing_bias="gate.e_score_correction_bias", group_score="top2", router_fp32=True,
+        norm_topk_default=True,
+        defaults=(("partial_rotary_factor", 0.5), ("n_shared_experts", 1), ("first_k_dense_replace", 1)),
     ),
     "MiniMaxM2ForCausalLM": ArchSpec(
         moe_prefix="block_sparse_moe", gate_name="gate", expert_names=("w1", "w3", "w2"), qk_norm="full",
         norm_topk_default=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
-        scoring="sigmoid", routing_bias="e_score_correction_bias",
+        scoring="sigmoid", routing_bias="e_score_correction_bias", defaults=(("rope_theta", 5e6),),
     ),
 }
 
@@ -102,9 +106,10 @@ class RopeScaling:
             raise ConfigError("config.json: yarn RoPE needs original_max_position_embeddings")
 
     @staticmethod
-    def from_raw(rope: dict, max_positions: int) -> RopeScaling:
+    def from_raw(rope: dict, max_positions: int, top_original: int | None = None) -> RopeScaling:
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-        original = int(rope.get("original_max_position_embeddings") or 0)
+        # transformers: the rope dict's, else the config's top-level one, else max_position_embeddings
+        original = int(rope.get("original_max_position_embeddings") or top_original or max_positions)
         factor = rope.get("factor")
         if factor is None:   # DeepSeek-V3 gives the ratio of the lengths instead
             factor = max_positions / original if kind == "yarn" and original else 1.0
@@ -168,6 +173,9 @@ class ModelConfig:
         if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
             raise ConfigError(f"config.json: n_group={self.num_groups}, topk_group={self.topk_groups} do not fit "
                               f"{self.num_experts} experts (need n_group | experts and 1 <= topk_group <= n_group)")
+        if self.num_groups > 1 and self.arch.group_score == "top2" and self.num_experts // self.num_groups < 2:
+            raise ConfigError(f"config.json: n_group={self.num_groups} leaves groups of one expert; a group's "
+                              f"top-2 score needs two")
         if self.num_groups > 1 and self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
             raise ConfigError(f"config.json: num_experts_per_tok={self.top_k} exceeds the experts of topk_group="
                               f"{self.topk_groups} groups")
@@ -196,6 +204,7 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(ARCHITECTURES))}")
         name = known[0]
         arch = ARCHITECTURES[name]
+        raw = {**dict(arch.defaults), **{k: v for k, v in raw.items() if v is not None}}
 
         def need(*keys: str):
             for key in keys:
@@ -208,7 +217,7 @@ class ModelConfig:
         layers = int(need("num_hidden_layers"))
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         max_positions = int(raw.get("max_position_embeddings", 4096))
-        rope_scaling = RopeScaling.from_raw(rope, max_positions)
+        rope_scaling = RopeScaling.from_raw(rope, max_positions, raw.get("original_max_position_embeddings"))
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
         if raw.get("use_sliding_window") or (name == "MixtralForCausalLM" and raw.get("sliding_window")):
             raise ConfigError(f"{source}: sliding-window attention is not supported yet")
@@ -231,7 +240,7 @@ class ModelConfig:
         if partial is None and raw.get("rotary_dim"):          # MiniMax-M2's published configs say it this way
             rotary = int(raw["rotary_dim"])
         qk_norm = arch.qk_norm if arch.qk_norm_key is None or raw.get(arch.qk_norm_key) else "none"
-        scaling = float(raw.get("routed_scaling_factor", 1.0) or 1.0) if arch.scoring == "sigmoid" else 1.0
+        scaling = float(raw.get("routed_scaling_factor", 1.0) or 1.0)
         return ModelConfig(
             architecture=name,
             arch=arch,
@@ -258,8 +267,8 @@ class ModelConfig:
             qk_norm=qk_norm,
             rotary_dim=rotary,
             scoring=arch.scoring,
-            num_groups=int(raw.get("n_group", 1) or 1) if arch.scoring == "sigmoid" else 1,
-            topk_groups=int(raw.get("topk_group", 1) or 1) if arch.scoring == "sigmoid" else 1,
+            num_groups=int(raw.get("n_group", 1) or 1),
+            topk_groups=int(raw.get("topk_group", 1) or 1),
             routed_scaling=scaling,
             rope_scaling=rope_scaling,
             eos_token_ids=eos_ids,

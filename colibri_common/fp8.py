@@ -1,4 +1,4 @@
-"""FP8 checkpoints as published (DeepSeek-V3, GLM-4.5-FP8, MiniMax-M2): `<name>.weight` in float8 e4m3 with a
+"""FP8 checkpoints as published (DeepSeek-V3, Kimi K2, MiniMax-M2): `<name>.weight` in float8 e4m3 with a
 float32 `<name>.weight_scale_inv` [ceil(rows / b0), ceil(cols / b1)], one scale per b0 x b1 block
 (`quantization_config.weight_block_size`, [128, 128] by default). The real weight is the e4m3 value times its
 block's scale. On CPU every such weight is dequantised to the compute dtype when it is read (the router's at
@@ -33,9 +33,14 @@ class Fp8Format:
         except ValueError:
             return None                         # config.json's own loader reports a bad file
         q = raw.get("quantization_config") or {}
+        if q.get("quant_method") == "compressed-tensors":
+            raise CheckpointError(f"{path}: quantization_config is compressed-tensors (per-channel weight_scale, as "
+                                  f"GLM-4.5-FP8 ships); only block-scaled FP8 (quant_method fp8 with "
+                                  f"weight_scale_inv) is read: serve the bf16 checkpoint instead")
         if q.get("quant_method") != "fp8":
             return None
-        if q.get("fmt", "e4m3") != "e4m3" or q.get("activation_scheme", "dynamic") not in ("dynamic", None):
+        if q.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn") or \
+                q.get("activation_scheme", "dynamic") not in ("dynamic", None):
             raise CheckpointError(f"{path}: quantization_config {q} is not the block-scaled e4m3 FP8 format "
                                   f"(fmt e4m3, dynamic activations) that can be read")
         block = q.get("weight_block_size") or [128, 128]

@@ -42,7 +42,8 @@ def check_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int) ->
     """The tensors of `expert` exist with their shapes (headers only); CheckpointError names the first that
     does not."""
     for name, shape in stored_expert_tensors(cfg, layer, expert, ckpt)[1].values():
-        ckpt.check(name, shape)
+        if ckpt.check(name, shape).dtype == "F8_E4M3":
+            ckpt.check_fp8(name)                          # its block scales too, before the first request
 
 
 def will_need(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int) -> None:

@@ -65,15 +65,23 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
 def topk_route(logits: torch.Tensor, k: int, renormalize: bool, scoring: str = "softmax",
                bias: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1, group_score: str = "max",
                scaling: float = 1.0, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's k experts (best first) and their weights, for every routing of kernels/routing.py: scoring
-    softmax | sigmoid | topk_softmax, a choice-only `bias` [E], group-limited choice (`num_groups`,
-    `topk_groups`, `group_score` max | top2), renormalisation, a final `scaling`. logits [T, E]."""
-    routing = Routing(k, scoring, renormalize, num_groups, topk_groups, group_score, scaling)
+    """`route` with the routing spelled out: scoring softmax | sigmoid | topk_softmax, a choice-only `bias` [E],
+    group-limited choice (`num_groups`, `topk_groups`, `group_score` max | top2), renormalisation, `scaling`."""
+    return route(logits, Routing(k, scoring, renormalize, num_groups, topk_groups, group_score, scaling), bias,
+                 backend)
+
+
+def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = None,
+          backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k experts (best first) and their weights, as `routing` says (kernels/routing.py).
+    logits [T, E] -> (weights float32 [T, k], ids int64 [T, k])."""
     if logits.dim() != 2:
         raise ValueError(f"topk_route: logits must be [T, E], got {list(logits.shape)}")
     routing.check(logits.shape[-1])
     if bias is not None and bias.shape != (logits.shape[-1],):
         raise ValueError(f"topk_route: bias must be [E={logits.shape[-1]}], got {list(bias.shape)}")
+    if bias is not None and routing.scoring == "topk_softmax":
+        raise ValueError("topk_route: a correction bias needs softmax or sigmoid scores, not topk_softmax")
     if _pick(logits, backend) == "triton":
         from kernels.triton_topk import topk_route_triton
 
@@ -81,4 +89,4 @@ def topk_route(logits: torch.Tensor, k: int, renormalize: bool, scoring: str = "
     return topk_route_torch(logits, routing, bias)
 
 
-__all__ = ["fused_moe", "topk_route", "BACKENDS", "Int8Weight", "Routing", "quantize_int8"]
+__all__ = ["fused_moe", "route", "topk_route", "BACKENDS", "Int8Weight", "Routing", "quantize_int8"]

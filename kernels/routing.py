@@ -56,6 +56,9 @@ class Routing:
             raise ValueError(f"routing top_k={self.top_k} must be in 1..{num_experts}")
         if num_experts % self.num_groups:
             raise ValueError(f"routing: {num_experts} experts do not split into {self.num_groups} groups")
+        if self.grouped and self.group_score == "top2" and num_experts // self.num_groups < 2:
+            raise ValueError(f"routing: a group's top-2 score needs groups of 2 or more experts; {num_experts} "
+                             f"experts in {self.num_groups} groups (n_group) have {num_experts // self.num_groups}")
         if self.grouped and self.top_k > self.topk_groups * (num_experts // self.num_groups):
             raise ValueError(f"routing: top_k={self.top_k} exceeds the {self.topk_groups} chosen groups' "
                              f"{self.topk_groups * (num_experts // self.num_groups)} experts")

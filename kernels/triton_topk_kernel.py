@@ -51,23 +51,25 @@ def topk_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, g
                 best_g = tl.where(better, g, best_g)
             taken = taken | (grp == best_g)
         c = tl.where(taken, c, float("-inf"))
+    slot = tl.arange(0, TOPK_POW2)
+    used = slot < TOP_K
+    w_acc = tl.zeros([TOPK_POW2], dtype=tl.float32)               # the k chosen, kept in registers
+    i_acc = tl.zeros([TOPK_POW2], dtype=tl.int64)
     total = 0.0
     for k in tl.static_range(TOP_K):
         best = tl.max(c, axis=0)
         idx = tl.min(tl.where(c == best, cols, BLOCK_E), axis=0)
+        idx = tl.minimum(idx, num_experts - 1)                    # a NaN row still names a real expert
         w = tl.sum(tl.where(cols == idx, p, 0.0), axis=0)        # the unbiased score (a logit for SCORING 2)
-        tl.store(weights_ptr + row * TOP_K + k, w)
-        tl.store(ids_ptr + row * TOP_K + k, idx.to(tl.int64))
+        w_acc = tl.where(slot == k, w, w_acc)
+        i_acc = tl.where(slot == k, idx.to(tl.int64), i_acc)
         total += w
         c = tl.where(cols == idx, float("-inf"), c)
-    tl.debug_barrier()
-    slot = tl.arange(0, TOPK_POW2)
-    used = slot < TOP_K
-    w = tl.load(weights_ptr + row * TOP_K + slot, mask=used, other=0.0)
     if SCORING == 2:
-        v = tl.where(used, w, float("-inf"))
+        v = tl.where(used, w_acc, float("-inf"))
         e = tl.exp(v - tl.max(v, axis=0))
-        w = e / tl.sum(e, axis=0)
+        w_acc = e / tl.sum(e, axis=0)
     elif RENORMALIZE:
-        w = w / (total + 1e-20)
-    tl.store(weights_ptr + row * TOP_K + slot, w * scaling, mask=used)
+        w_acc = w_acc / (total + 1e-20)
+    tl.store(weights_ptr + row * TOP_K + slot, w_acc * scaling, mask=used)
+    tl.store(ids_ptr + row * TOP_K + slot, i_acc, mask=used)

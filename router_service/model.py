@@ -14,8 +14,8 @@ Two optional by-products for the expert tiers (issue 12), both off by default:
   each sequence's recent experts (routing-aware batching).
 
 Shapes: T tokens in the micro-batch, B of them sampled, H hidden size, V vocabulary, E experts per layer,
-K experts per token (top-k), Hq / Hkv query / key-value heads, D head dim, Bd decode sequences, C context
-length (cached + new tokens), n new tokens of one prefill.
+K experts per token (top-k), Hq / Hkv query / key-value heads, D head dim, R of its dims that rotate, Bd decode
+sequences, C context length (cached + new tokens), n new tokens of one prefill.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from colibri_common.config import ModelConfig
-from kernels import topk_route
+from kernels import Routing, route
 from kernels.cpu_linear import linear
 from router_service.experts import Experts, ExpertsUnavailable, Handle
 from router_service.kv_cache import KVCache
@@ -43,6 +43,8 @@ class RouterModel:
         self.dtype = dtype
         self.device = device or torch.device("cpu")
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, self.device, cfg.rope_scaling)
+        self.routing = Routing(cfg.top_k, cfg.scoring, cfg.norm_topk_prob, cfg.num_groups, cfg.topk_groups,
+                               cfg.arch.group_score, cfg.routed_scaling)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing
@@ -81,13 +83,12 @@ class RouterModel:
         """Layer `layer`'s routing of residual states h [T, H]: weights [T, K] float32, ids [T, K]."""
         lw = self.w.layers[layer]
         r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
-        return self._route(linear(r, lw.router), lw)
+        return route(self._scores(r, lw), self.routing, lw.router_bias)
 
-    def _route(self, scores: torch.Tensor, lw: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gate logits [T, E] -> weights [T, K] float32, ids [T, K], as the architecture routes."""
-        cfg = self.cfg
-        return topk_route(scores, cfg.top_k, cfg.norm_topk_prob, cfg.scoring, lw.router_bias, cfg.num_groups,
-                          cfg.topk_groups, cfg.arch.group_score, cfg.routed_scaling)
+    @staticmethod
+    def _scores(r: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        """Gate logits [T, E], in the gate's dtype (float32 where the architecture computes its gate so)."""
+        return linear(r if r.dtype == lw.router.dtype else r.to(lw.router.dtype), lw.router)
 
     @torch.inference_mode()
     def predict_experts(self, token_ids: list[int]) -> frozenset[int]:
@@ -118,7 +119,7 @@ class RouterModel:
         cfg = self.cfg
         step = step.to(self.device)                                          # built on the host
         h = self.w.embed[step.token_ids]                                     # [T, H]
-        cos, sin = self.rope.cos_sin(step.positions, self.dtype)             # [T, D]
+        cos, sin = self.rope.cos_sin(step.positions, self.dtype)             # [T, R] rotary dims
         guess: set[int] | None = None                                        # prefetch: this layer's prediction
         for i, lw in enumerate(self.w.layers):
             r = rms_norm(h, lw.ln1, cfg.rms_norm_eps)
@@ -127,8 +128,8 @@ class RouterModel:
             if lw.router is None:
                 h = h + silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)
                 continue
-            scores = linear(r, lw.router)                                  # [T, E]  route
-            weights, ids = self._route(scores, lw)                         # [T, K] f32, [T, K]
+            scores = self._scores(r, lw)                                   # [T, E]  route
+            weights, ids = route(scores, self.routing, lw.router_bias)     # [T, K] f32, [T, K]
             if self.track_routing:
                 routes.append(ids)
             ahead = None

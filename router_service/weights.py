@@ -69,7 +69,10 @@ class RouterWeights:
         for i in tqdm(range(cfg.num_layers), desc="router weights", unit="layer", disable=not progress):
             specs = router_layer_tensors(cfg, i)
             bias = specs.pop("router_bias", None)          # float32 whatever the compute dtype, as transformers
+            gate = specs.pop("router", None) if cfg.arch.router_fp32 else None        # a float32 gate too
             t = load_all(specs)
+            if gate is not None:
+                t["router"] = ckpt.load(*gate, torch.float32).to(device or "cpu")
             mlp = "shared" if "shared.gate" in t else "mlp" if "mlp.gate" in t else None
             layers.append(LayerWeights(
                 ln1=t["ln1"], ln2=t["ln2"],

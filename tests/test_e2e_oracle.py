@@ -81,6 +81,15 @@ def test_fleet_on_the_triton_kernels_matches_transformers(oracles):
         client.close()
 
 
+def test_glm_routes_in_float32_when_serving_bfloat16(oracles):
+    """transformers keeps GLM-4.5's gate and correction bias in float32 (its near-ties decide experts)."""
+    with InProcess(oracles["glm4_moe"].path, dtype="bfloat16") as engine:
+        moe = [lw for lw in engine.built.engine.model.w.layers if lw.router is not None]
+        assert moe and all(lw.router.dtype == lw.router_bias.dtype == torch.float32 for lw in moe)
+        assert all(lw.qkv.dtype == torch.bfloat16 for lw in moe)
+        assert len(engine.generate(PROMPTS[0], 4).token_ids) == 4
+
+
 ROPES = [
     ("qwen3_moe", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}),
     ("qwen3_moe", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "rope_theta": 1e4,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -53,8 +54,9 @@ def fp8_checkpoint(src, dst) -> dict[str, torch.Tensor]:
     dst.mkdir()
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(BLOCK)}
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                                  "weight_block_size": list(BLOCK),     # MiniMax-M2's, with smaller blocks
+                                  "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
     (dst / "config.json").write_text(json.dumps(cfg))
     return deq
 
@@ -84,8 +86,6 @@ def test_an_fp8_checkpoint_serves_transformers_tokens_on_its_dequantised_weights
 
 
 def test_a_fleet_serves_it_and_validate_reports_the_format(fp8_model):
-    import subprocess
-
     out = subprocess.run([COLIBRI, "validate", "--model", str(fp8_model.path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -97,6 +97,19 @@ def test_a_fleet_serves_it_and_validate_reports_the_format(fp8_model):
 
 
 def test_fp8_weights_without_their_scales_or_format_are_named(fp8_model, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_model.path, bad)
+    tensors = load_file(bad / "model.safetensors")
+    victim = next(n for n in tensors if n.endswith("experts.3.w2.weight_scale_inv"))
+    tensors[victim] = tensors[victim][:1]                                   # a scale grid of the wrong shape
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    out = subprocess.run([COLIBRI, "validate", "--model", str(bad)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and victim in out.stderr and "Traceback" not in out.stderr, out.stderr
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="compressed-tensors"):
+        Checkpoint(bad)
     ckpt = Checkpoint(fp8_model.path)
     name = next(n for n in ckpt.entries if n.endswith("q_proj.weight"))
     assert ckpt.tensor(name).dtype == torch.float32

@@ -90,7 +90,7 @@ def test_a_gpu_device_on_a_machine_without_one_is_a_clear_error(ckpt, args):
     ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.3, "rope_type": "default"}},
      "partial_rotary_factor"),
     ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "longrope"}}, "rope type 'longrope' is not supported"),
-    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4}}, "original_max_position_embeddings"),
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": 0}}, "factor must be positive"),
 ])
 def test_a_routing_or_rope_config_that_cannot_work_names_the_field(oracles, tmp_path, change, needle):
     dst = tmp_path / "glm"

@@ -63,6 +63,8 @@ def test_groups_exclude_a_strong_expert_in_a_weak_group():
     ({"num_groups": 4, "topk_groups": 1, "k": 5}, "exceeds"),
     ({"group_score": "mean"}, "group score"),
     ({"k": 0}, "top_k"),
+    ({"num_groups": 8, "group_score": "top2"}, "groups of 2 or more"),     # 8 experts in 8 groups of one
+    ({"scoring": "topk_softmax", "bias": torch.zeros(8)}, "correction bias"),
 ])
 def test_routings_that_cannot_work_are_refused_naming_the_knob(kwargs, needle):
     args = {"k": 2, "renormalize": True, **kwargs}
