@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colibri_common.errors import ConfigError
+from colibri_common.rope_scaling import RopeScaling
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class ArchSpec:
     routing_bias: str | None = None  # the choice-only correction bias inside the MoE block, if the model has one
     group_score: str = "max"       # group-limited routing: a group's score ("max" | "top2")
     router_fp32: bool = False      # the gate computes in float32 whatever the compute dtype (as transformers)
+    attention: str = "mha"         # "mha" (grouped-query) | "mla" (DeepSeek's latent attention, a latent KV cache)
+    renormalize: bool | None = None  # fixed by the architecture (DeepSeek-V2 never renormalises); None: config
+    groups_when: tuple[str, str] | None = None      # (key, value): group-limited routing only when key == value
+    allowed: tuple[tuple[str, tuple[object, ...]], ...] = ()   # config values the architecture can serve
     defaults: tuple[tuple[str, object], ...] = ()   # transformers' defaults for keys a config.json may omit
     norm_topk_default: bool = False
     experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
@@ -65,6 +70,21 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         norm_topk_default=True,
         defaults=(("partial_rotary_factor", 0.5), ("n_shared_experts", 1), ("first_k_dense_replace", 1)),
     ),
+    "DeepseekV2ForCausalLM": ArchSpec(
+        moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"), o_proj_bias=False,
+        experts_key=("n_routed_experts",), shared_experts_key="n_shared_experts", shared_prefix="shared_experts",
+        dense_first_key="first_k_dense_replace", router_fp32=True, attention="mla", renormalize=False,
+        groups_when=("topk_method", "group_limited_greedy"),
+        allowed=(("topk_method", ("greedy", "group_limited_greedy")), ("scoring_func", (None, "softmax"))),
+        defaults=(("topk_method", "greedy"),),
+    ),
+    "DeepseekV3ForCausalLM": ArchSpec(
+        moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"), o_proj_bias=False,
+        experts_key=("n_routed_experts",), shared_experts_key="n_shared_experts", shared_prefix="shared_experts",
+        dense_first_key="first_k_dense_replace", scoring="sigmoid", routing_bias="gate.e_score_correction_bias",
+        group_score="top2", router_fp32=True, attention="mla", norm_topk_default=True,
+        allowed=(("topk_method", (None, "noaux_tc")), ("scoring_func", (None, "sigmoid"))),
+    ),
     "MiniMaxM2ForCausalLM": ArchSpec(
         moe_prefix="block_sparse_moe", gate_name="gate", expert_names=("w1", "w3", "w2"), qk_norm="full",
         norm_topk_default=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
@@ -72,52 +92,26 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
 }
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
-
-
 @dataclass(frozen=True)
-class RopeScaling:
-    """RoPE scaling as the config gives it (transformers' rope_parameters): computed by router_service.layers.Rope.
+class MlaDims:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries (through a q_lora_rank bottleneck when > 0) of
+    qk_nope + qk_rope dims per head; keys and values expand from one kv_lora_rank latent per token, which the
+    KV cache stores with the token's shared qk_rope key."""
 
-    linear: every frequency / factor. dynamic (NTK): transformers changes the base only past
-    max_position_embeddings, which Colibri never serves, so it is the default RoPE here. yarn: frequencies
-    blended between interpolated and extrapolated by a ramp over the dims (beta_fast, beta_slow,
-    original_max_position_embeddings, truncate), cos/sin scaled by an attention factor (given, or from factor,
-    mscale and mscale_all_dim).
-    """
-
-    type: str = "default"
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
+    q_lora_rank: int              # 0: a plain q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # DeepSeek's rotary pairs are (x0, x1), (x2, x3), ...
 
     def __post_init__(self) -> None:
-        if self.type not in ROPE_TYPES:
-            raise ConfigError(f"config.json: rope type '{self.type}' is not supported; supported: "
-                              f"{', '.join(ROPE_TYPES)}")
-        if self.type != "default" and not self.factor > 0:
-            raise ConfigError(f"config.json: rope scaling factor must be positive, got {self.factor}")
-        if self.type == "yarn" and self.original_max_position_embeddings <= 0:
-            raise ConfigError("config.json: yarn RoPE needs original_max_position_embeddings")
-
-    @staticmethod
-    def from_raw(rope: dict, max_positions: int, top_original: int | None = None) -> RopeScaling:
-        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-        # transformers: the rope dict's, else the config's top-level one, else max_position_embeddings
-        original = int(rope.get("original_max_position_embeddings") or top_original or max_positions)
-        factor = rope.get("factor")
-        if factor is None:   # DeepSeek-V3 gives the ratio of the lengths instead
-            factor = max_positions / original if kind == "yarn" and original else 1.0
-        opt = lambda key: None if rope.get(key) is None else float(rope[key])  # noqa: E731
-        return RopeScaling(type=str(kind), factor=float(factor), original_max_position_embeddings=original,
-                           beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-                           attention_factor=opt("attention_factor"), mscale=opt("mscale"),
-                           mscale_all_dim=opt("mscale_all_dim"), truncate=bool(rope.get("truncate", True)))
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank < 0 or self.qk_rope_head_dim % 2:
+            raise ConfigError(f"config.json: q_lora_rank must be >= 0 and qk_rope_head_dim even, got "
+                              f"{self.q_lora_rank}, {self.qk_rope_head_dim}")
 
 
 @dataclass(frozen=True)
@@ -151,6 +145,7 @@ class ModelConfig:
     topk_groups: int = 1
     routed_scaling: float = 1.0
     rope_scaling: RopeScaling = RopeScaling()
+    mla: MlaDims | None = None            # DeepSeek's latent attention; then head_dim = qk_nope + qk_rope
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
 
@@ -179,6 +174,14 @@ class ModelConfig:
         if self.num_groups > 1 and self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
             raise ConfigError(f"config.json: num_experts_per_tok={self.top_k} exceeds the experts of topk_group="
                               f"{self.topk_groups} groups")
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """What the KV cache holds per token and layer: (heads, K dims, V dims); latent attention keeps its
+        kv_lora_rank latent as K and the shared rotary key as V, one 'head'."""
+        if self.mla is not None:
+            return 1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -212,6 +215,10 @@ class ModelConfig:
                     return raw[key]
             raise ConfigError(f"{source}: missing '{' or '.join(keys)}' required by {name}")
 
+        for key, values in arch.allowed:
+            if raw.get(key) not in values:
+                raise ConfigError(f"{source}: {key} '{raw.get(key)}' is not one {name} can serve; supported: "
+                                  f"{', '.join(str(v) for v in values if v is not None)}")
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         layers = int(need("num_hidden_layers"))
@@ -224,8 +231,10 @@ class ModelConfig:
         mlp_only = set(raw.get("mlp_only_layers") or [])
         step = int(raw.get("decoder_sparse_step", 1) or 1)
         dense_first = int(raw.get(arch.dense_first_key, 0) or 0) if arch.dense_first_key else 0
+        freq = int(raw.get("moe_layer_freq", 1) or 1)                    # DeepSeek: every freq-th layer
         moe_layers = tuple(
-            i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0 and i >= dense_first
+            i for i in range(layers)
+            if i not in mlp_only and (i + 1) % step == 0 and i >= dense_first and i % freq == 0
         )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -241,6 +250,19 @@ class ModelConfig:
             rotary = int(raw["rotary_dim"])
         qk_norm = arch.qk_norm if arch.qk_norm_key is None or raw.get(arch.qk_norm_key) else "none"
         scaling = float(raw.get("routed_scaling_factor", 1.0) or 1.0)
+        grouped = arch.groups_when is None or raw.get(arch.groups_when[0]) == arch.groups_when[1]
+        renorm = arch.renormalize if arch.renormalize is not None else bool(
+            raw.get("norm_topk_prob", arch.norm_topk_default))
+        mla = None
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if arch.attention == "mla":
+            if qkv_bias:
+                raise ConfigError(f"{source}: attention_bias with latent attention is not supported yet")
+            mla = MlaDims(q_lora_rank=int(raw.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
+                          qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                          qk_rope_head_dim=int(need("qk_rope_head_dim")), v_head_dim=int(need("v_head_dim")),
+                          rope_interleave=bool(raw.get("rope_interleave", True)))
+            head_dim, rotary, kv_heads = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_rope_head_dim, heads
         return ModelConfig(
             architecture=name,
             arch=arch,
@@ -248,7 +270,7 @@ class ModelConfig:
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             qkv_bias=qkv_bias,
@@ -260,17 +282,18 @@ class ModelConfig:
             num_experts=int(need(*arch.experts_key)),
             top_k=int(need(arch.topk_key)),
             moe_intermediate_size=width,
-            norm_topk_prob=bool(raw.get("norm_topk_prob", arch.norm_topk_default)),
+            norm_topk_prob=renorm,
             dense_intermediate_size=int(raw.get("intermediate_size", 0) or 0),
             shared_expert_intermediate_size=shared,
             moe_layers=moe_layers,
             qk_norm=qk_norm,
             rotary_dim=rotary,
             scoring=arch.scoring,
-            num_groups=int(raw.get("n_group", 1) or 1),
-            topk_groups=int(raw.get("topk_group", 1) or 1),
+            num_groups=int(raw.get("n_group", 1) or 1) if grouped else 1,
+            topk_groups=int(raw.get("topk_group", 1) or 1) if grouped else 1,
             routed_scaling=scaling,
             rope_scaling=rope_scaling,
+            mla=mla,
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         )

@@ -28,8 +28,32 @@ def model_tensors(cfg: ModelConfig) -> dict[str, Spec]:
     return out
 
 
+def mla_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
+    """Latent attention's roles: q (or q_a, q_a_norm, q_b), kv_a [Lkv + Dr, H], kv_a_norm [Lkv],
+    kv_b [Hq (Dn + Dv), Lkv], o [H, Hq Dv]."""
+    m = cfg.mla
+    assert m is not None
+    p = layer_prefix(layer) + "self_attn."
+    H, heads = cfg.hidden_size, cfg.num_heads
+    q_out = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    out: dict[str, Spec] = {}
+    if m.q_lora_rank:
+        out |= {"q_a": (p + "q_a_proj.weight", (m.q_lora_rank, H)),
+                "q_a_norm": (p + "q_a_layernorm.weight", (m.q_lora_rank,)),
+                "q_b": (p + "q_b_proj.weight", (q_out, m.q_lora_rank))}
+    else:
+        out["q"] = (p + "q_proj.weight", (q_out, H))
+    out |= {"kv_a": (p + "kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, H)),
+            "kv_a_norm": (p + "kv_a_layernorm.weight", (m.kv_lora_rank,)),
+            "kv_b": (p + "kv_b_proj.weight", (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),
+            "o": (p + "o_proj.weight", (H, heads * m.v_head_dim))}
+    return out
+
+
 def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
     """Roles q, k, v, o (+ q_bias, k_bias, v_bias, o_bias, q_norm, k_norm when the architecture has them)."""
+    if cfg.mla is not None:
+        return mla_tensors(cfg, layer)
     p = layer_prefix(layer) + "self_attn."
     H, D = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * D, cfg.num_kv_heads * D

@@ -102,9 +102,10 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     if forms.path is not None and device.type == "cpu":
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
         log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows)))
-    per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    kv_heads, k_dim, v_dim = cfg.kv_layout          # latent attention: the compressed latent, its real size
+    per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, kv_heads, k_dim, dtype, v_dim)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)
-    kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, kv_heads, k_dim, dtype, device, v_dim)
     sched = dataclasses.replace(opts.sched, max_model_len=min(opts.sched.max_model_len, cfg.max_position_embeddings))
     if -(-sched.max_model_len // opts.block_size) > num_blocks:
         raise ConfigError(f"--max-model-len {sched.max_model_len} needs {-(-sched.max_model_len // opts.block_size)} "

@@ -1,6 +1,7 @@
 """Paged KV cache storage: one flat slot array per layer; the block bookkeeping lives in block_allocator.
 
-Shapes: NL layers, S slots (blocks x block size), C context length, Hkv KV heads, D head dim.
+Shapes: NL layers, S slots (blocks x block size), C context length, Hkv KV heads, Dk / Dv the K / V dims (the
+head dim; for latent attention the latent and the shared rotary key, one head: ModelConfig.kv_layout).
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", v_dim: int | None = None) -> None:
         self.block_size = block_size
         slots = num_blocks * block_size
-        self.k = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype, device=device)  # [NL, S, Hkv, D]
-        self.v = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype, device=device)  # [NL, S, Hkv, D]
+        dv = head_dim if v_dim is None else v_dim
+        self.k = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype, device=device)  # [NL, S, Hkv, Dk]
+        self.v = torch.empty(num_layers, slots, kv_heads, dv, dtype=dtype, device=device)        # [NL, S, Hkv, Dv]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
+                        dtype: torch.dtype, v_dim: int | None = None) -> int:
+        dv = head_dim if v_dim is None else v_dim
+        return num_layers * block_size * kv_heads * (head_dim + dv) * dtype.itemsize
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k)   # k, v: [T, Hkv, D]

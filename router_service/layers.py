@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from colibri_common.config import RopeScaling
+from colibri_common.rope_scaling import RopeScaling
 from kernels.cpu_linear import linear
 
 
@@ -82,6 +82,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)  # [T, heads, R]
     out = rot * cos[:, None, :] + rotated * sin[:, None, :]
     return out if R == x.shape[-1] else torch.cat((out, x[..., R:]), dim=-1)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rotary layout: pairs (x0, x1), (x2, x3), ... each rotated by one frequency. x [T, heads, R];
+    cos/sin [T, R] as Rope gives them (the first half holds the per-pair angles). The result lists the rotated
+    first members then the second ones (transformers' apply_rotary_pos_emb_interleave); queries and keys get
+    the same layout, so their products are DeepSeek's."""
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]                   # [T, 1, R/2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]                                # [T, heads, R/2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 def silu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

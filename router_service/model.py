@@ -30,7 +30,8 @@ from kernels import Routing, route
 from kernels.cpu_linear import linear
 from router_service.experts import Experts, ExpertsUnavailable, Handle
 from router_service.kv_cache import KVCache
-from router_service.layers import Rope, apply_rope, rms_norm, silu_mlp
+from router_service.layers import Rope, apply_rope, apply_rope_interleaved, rms_norm, silu_mlp
+from router_service.mla import mla_attention, mla_scale
 from router_service.step_inputs import StepInputs
 from router_service.weights import LayerWeights, RouterWeights
 
@@ -45,6 +46,7 @@ class RouterModel:
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, self.device, cfg.rope_scaling)
         self.routing = Routing(cfg.top_k, cfg.scoring, cfg.norm_topk_prob, cfg.num_groups, cfg.topk_groups,
                                cfg.arch.group_score, cfg.routed_scaling)
+        self.mla_scale = mla_scale(cfg) if cfg.mla is not None else 0.0
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing
@@ -154,6 +156,10 @@ class RouterModel:
     def _attention(self, layer: int, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, step: StepInputs, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
+        if lw.mla is not None:
+            rope = apply_rope_interleaved if cfg.mla.rope_interleave else apply_rope   # type: ignore[union-attr]
+            out = mla_attention(cfg, lw.mla, layer, x, lambda t: rope(t, cos, sin), step, kv, self.mla_scale)
+            return linear(out, lw.o, lw.o_bias)                              # [T, H]
         T, D = x.shape[0], cfg.head_dim
         qkv = linear(x, lw.qkv, lw.qkv_bias)                              # [T, (Hq + 2Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

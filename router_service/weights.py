@@ -20,10 +20,37 @@ from kernels.quant import quantize_int8
 
 
 @dataclass
+class MlaWeights:
+    """Latent attention's weights; kv_b is split per head into its key and value halves for the absorbed
+    form (q_nope · W_UK gives a query over the latent, the latent output · W_UV the values)."""
+
+    q: Weight | None                      # [Hq (Dn + Dr), H], or through the q_lora bottleneck:
+    q_a: Weight | None                    # [Lq, H]
+    q_a_norm: torch.Tensor | None         # [Lq]
+    q_b: Weight | None                    # [Hq (Dn + Dr), Lq]
+    kv_a: Weight                          # [Lkv + Dr, H] the latent and the shared rotary key
+    kv_a_norm: torch.Tensor               # [Lkv]
+    w_uk: torch.Tensor                    # [Hq, Dn, Lkv]
+    w_uv: torch.Tensor                    # [Hq, Dv, Lkv]
+
+    @staticmethod
+    def of(t: dict[str, torch.Tensor], cfg: ModelConfig) -> MlaWeights:
+        m = cfg.mla
+        assert m is not None
+        kv_b = t["kv_b"].view(cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        return MlaWeights(q=t.get("q"), q_a=t.get("q_a"), q_a_norm=t.get("q_a_norm"), q_b=t.get("q_b"),
+                          kv_a=t["kv_a"], kv_a_norm=t["kv_a_norm"], w_uk=kv_b[:, :m.qk_nope_head_dim].contiguous(),
+                          w_uv=kv_b[:, m.qk_nope_head_dim:].contiguous())
+
+    def linears(self) -> list[Weight]:
+        return [w for w in (self.q, self.q_a, self.q_b, self.kv_a) if w is not None]
+
+
+@dataclass
 class LayerWeights:
     ln1: torch.Tensor                     # [H]
     ln2: torch.Tensor                     # [H]
-    qkv: Weight                           # [(Hq + 2 Hkv) D, H] q, k, v rows stacked
+    qkv: Weight | None                    # [(Hq + 2 Hkv) D, H] q, k, v rows stacked (None with latent attention)
     qkv_bias: torch.Tensor | None         # [(Hq + 2 Hkv) D]
     o: Weight                             # [H, Hq D]
     o_bias: torch.Tensor | None           # [H]
@@ -34,6 +61,7 @@ class LayerWeights:
     mlp_gate_up: Weight | None = None        # [2I, H] dense MLP, or the shared expert of a MoE layer
     mlp_down: Weight | None = None           # [H, I]
     shared_gate: torch.Tensor | None = None  # [1, H] sigmoid gate of the shared expert
+    mla: MlaWeights | None = None            # latent attention (DeepSeek), instead of qkv
 
 
 @dataclass
@@ -47,14 +75,16 @@ class RouterWeights:
         """(Dout, Din, kind) of every weight the router multiplies by (the CPU forms are measured for these)."""
         ws = [self.lm_head] + [w for lw in self.layers for w in (lw.qkv, lw.o, lw.router, lw.mlp_gate_up,
                                                                  lw.mlp_down, lw.shared_gate) if w is not None]
+        ws += [w for lw in self.layers if lw.mla is not None for w in lw.mla.linears()]
         return list(dict.fromkeys((w.shape[0], w.shape[1], kind(w, act_dtype)) for w in ws))
 
     def quantize_int8(self) -> None:
         """int8 attention, dense MLPs, shared experts and lm_head; the gates (which pick the experts), norms,
         biases and the embedding lookup keep the compute dtype."""
         self.lm_head = quantize_int8(self.lm_head)       # a copy even when tied: the embedding stays as it is
-        for lw in self.layers:
-            lw.qkv, lw.o = quantize_int8(lw.qkv), quantize_int8(lw.o)
+        for lw in self.layers:                     # (latent attention's projections keep the compute dtype)
+            lw.qkv = None if lw.qkv is None else quantize_int8(lw.qkv)
+            lw.o = quantize_int8(lw.o)
             if lw.mlp_gate_up is not None:
                 lw.mlp_gate_up, lw.mlp_down = quantize_int8(lw.mlp_gate_up), quantize_int8(lw.mlp_down)
 
@@ -76,7 +106,7 @@ class RouterWeights:
             mlp = "shared" if "shared.gate" in t else "mlp" if "mlp.gate" in t else None
             layers.append(LayerWeights(
                 ln1=t["ln1"], ln2=t["ln2"],
-                qkv=torch.cat([t["q"], t["k"], t["v"]]),
+                qkv=torch.cat([t["q"], t["k"], t["v"]]) if cfg.mla is None else None,
                 qkv_bias=torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]]) if "q_bias" in t else None,
                 o=t["o"], o_bias=t.get("o_bias"), q_norm=t.get("q_norm"), k_norm=t.get("k_norm"),
                 router=t.get("router"),
@@ -84,6 +114,7 @@ class RouterWeights:
                 mlp_gate_up=torch.cat([t[f"{mlp}.gate"], t[f"{mlp}.up"]]) if mlp else None,   # [2I, H]
                 mlp_down=t[f"{mlp}.down"] if mlp else None,
                 shared_gate=t.get("shared_gate"),
+                mla=MlaWeights.of(t, cfg) if cfg.mla is not None else None,
             ))
         return RouterWeights(embed=top["embed"], norm=top["norm"], lm_head=top.get("lm_head", top["embed"]),
                              layers=layers)

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Glm4MoeConfig,
     MiniMaxM2Config,
     MixtralConfig,
@@ -44,6 +46,17 @@ def small_config(arch: str, **overrides) -> PretrainedConfig:
     elif arch == "minimax_m2":   # sigmoid + correction bias, full-width qk-norm, rotary on 16 of 32 dims
         kw = dict(num_local_experts=8, num_experts_per_tok=3, intermediate_size=40, head_dim=32, rotary_dim=16)
         cfg = MiniMaxM2Config(**{**COMMON, **kw, **overrides})
+    elif arch in ("deepseek_v2", "deepseek_v3"):   # latent attention, dense first layer, shared expert, groups
+        kw = dict(n_routed_experts=12, num_experts_per_tok=3, moe_intermediate_size=40, intermediate_size=64,
+                  n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=24, n_group=4, topk_group=2, num_hidden_layers=3,
+                  num_key_value_heads=4)
+        if arch == "deepseek_v2":
+            kw |= dict(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=2.0)
+            cfg = DeepseekV2Config(**{**COMMON, **kw, **overrides})
+        else:
+            kw |= dict(q_lora_rank=48, routed_scaling_factor=2.5, norm_topk_prob=True)
+            cfg = DeepseekV3Config(**{**COMMON, **kw, **overrides})
     elif arch == "olmoe":
         kw = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=40, norm_topk_prob=False)
         cfg = OlmoeConfig(**{**COMMON, **kw, **overrides})

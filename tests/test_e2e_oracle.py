@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from colibri.client import Client
+from router_service.scheduler import SchedulerConfig
 from tests.conftest import ARCHS, Oracle, fleet
 from tests.inprocess import InProcess
 from tests.models import build_model, save_checkpoint, small_config
@@ -48,7 +49,9 @@ def test_inprocess_engine_matches_transformers(oracles, arch):
 
 @pytest.mark.parametrize("arch, workers, transport", [
     ("qwen3_moe", 1, "stream"), ("qwen3_moe", 2, "stream"), ("qwen3_moe", 3, "stream"), ("qwen2_moe", 3, "unary"),
-    ("glm4_moe", 1, "stream"), ("glm4_moe", 3, "stream"), ("minimax_m2", 3, "stream")])
+    ("glm4_moe", 1, "stream"), ("glm4_moe", 3, "stream"), ("minimax_m2", 1, "stream"), ("minimax_m2", 3, "stream"),
+    ("deepseek_v2", 1, "stream"), ("deepseek_v2", 3, "stream"), ("deepseek_v3", 1, "stream"),
+    ("deepseek_v3", 3, "stream")])
 def test_fleet_matches_transformers(oracles, arch, workers, transport):
     oracle = oracles[arch]
     with fleet(oracle.path, workers, ["--transport", transport]) as (addr, _):
@@ -90,6 +93,15 @@ def test_glm_routes_in_float32_when_serving_bfloat16(oracles):
         assert len(engine.generate(PROMPTS[0], 4).token_ids) == 4
 
 
+def test_latent_attention_caches_the_compressed_latent_at_its_real_size(oracles):
+    """DeepSeek's KV cache holds kv_lora_rank + qk_rope_head_dim values per token and layer (32 + 8 here),
+    not the 4 heads x (24 + 24) keys and values it expands to: the budget counts that."""
+    path = oracles["deepseek_v3"].path
+    with InProcess(path, kv_cache_mb=1, block_size=16, sched=SchedulerConfig(max_model_len=256)) as engine:
+        assert engine.metrics()["colibri:kv_cache_blocks_total"] == 2**20 // (3 * 16 * (32 + 8) * 4)
+        assert engine.generate(PROMPTS[0], 4).token_ids == oracles["deepseek_v3"].greedy(PROMPTS[0], 4)
+
+
 ROPES = [
     ("qwen3_moe", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}),
     ("qwen3_moe", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "rope_theta": 1e4,
@@ -98,6 +110,8 @@ ROPES = [
                   "partial_rotary_factor": 0.5}),                                                   # partial + YaRN
     ("mixtral", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
     ("olmoe", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+    ("deepseek_v3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4,
+                     "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),   # MLA's softmax scale
 ]
 
 

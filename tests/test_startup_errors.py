@@ -99,3 +99,19 @@ def test_a_routing_or_rope_config_that_cannot_work_names_the_field(oracles, tmp_
     (dst / "config.json").write_text(json.dumps({**cfg, **change}))
     out = run("validate", "--model", str(dst))
     assert out.returncode != 0 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("arch", "change", "needle"), [
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method 'greedy'"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+    ("deepseek_v2", {"scoring_func": "sigmoid"}, "scoring_func 'sigmoid'"),
+])
+def test_a_deepseek_config_with_an_unknown_routing_method_names_the_field(oracles, tmp_path, arch, change, needle):
+    dst = tmp_path / arch
+    shutil.copytree(oracles[arch].path, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **change}))
+    for args in (["validate", "--model", str(dst)], ["serve", "--model", str(dst), "--port", "0"]):
+        out = run(*args)
+        assert out.returncode != 0 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr

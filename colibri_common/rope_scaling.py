@@ -1,0 +1,55 @@
+"""RoPE scaling as a checkpoint's config.json gives it (transformers' rope_parameters / rope_scaling). Torch-free:
+router_service.layers.Rope computes the frequencies from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colibri_common.errors import ConfigError
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling as the config gives it (transformers' rope_parameters): computed by router_service.layers.Rope.
+
+    linear: every frequency / factor. dynamic (NTK): transformers changes the base only past
+    max_position_embeddings, which Colibri never serves, so it is the default RoPE here. yarn: frequencies
+    blended between interpolated and extrapolated by a ramp over the dims (beta_fast, beta_slow,
+    original_max_position_embeddings, truncate), cos/sin scaled by an attention factor (given, or from factor,
+    mscale and mscale_all_dim).
+    """
+
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise ConfigError(f"config.json: rope type '{self.type}' is not supported; supported: "
+                              f"{', '.join(ROPE_TYPES)}")
+        if self.type != "default" and not self.factor > 0:
+            raise ConfigError(f"config.json: rope scaling factor must be positive, got {self.factor}")
+        if self.type == "yarn" and self.original_max_position_embeddings <= 0:
+            raise ConfigError("config.json: yarn RoPE needs original_max_position_embeddings")
+
+    @staticmethod
+    def from_raw(rope: dict, max_positions: int, top_original: int | None = None) -> RopeScaling:
+        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+        # transformers: the rope dict's, else the config's top-level one, else max_position_embeddings
+        original = int(rope.get("original_max_position_embeddings") or top_original or max_positions)
+        factor = rope.get("factor")
+        if factor is None:   # DeepSeek-V3 gives the ratio of the lengths instead
+            factor = max_positions / original if kind == "yarn" and original else 1.0
+        opt = lambda key: None if rope.get(key) is None else float(rope[key])  # noqa: E731
+        return RopeScaling(type=str(kind), factor=float(factor), original_max_position_embeddings=original,
+                           beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                           attention_factor=opt("attention_factor"), mscale=opt("mscale"),
+                           mscale_all_dim=opt("mscale_all_dim"), truncate=bool(rope.get("truncate", True)))
