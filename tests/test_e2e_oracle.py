@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from colibri.client import Client
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
 from router_service.scheduler import SchedulerConfig
+from router_service.weights import RouterWeights
 from tests.conftest import ARCHS, Oracle, fleet
 from tests.inprocess import InProcess
 from tests.models import build_model, save_checkpoint, small_config
@@ -85,11 +88,17 @@ def test_fleet_on_the_triton_kernels_matches_transformers(oracles):
 
 
 def test_glm_routes_in_float32_when_serving_bfloat16(oracles):
-    """transformers keeps GLM-4.5's gate and correction bias in float32 (its near-ties decide experts)."""
-    with InProcess(oracles["glm4_moe"].path, dtype="bfloat16") as engine:
-        moe = [lw for lw in engine.built.engine.model.w.layers if lw.router is not None]
-        assert moe and all(lw.router.dtype == lw.router_bias.dtype == torch.float32 for lw in moe)
-        assert all(lw.qkv.dtype == torch.bfloat16 for lw in moe)
+    """transformers keeps GLM-4.5's gate and correction bias in float32 (its near-ties decide experts); the
+    router's weights in bfloat16 keep them so (loaded directly: a CPU without native bf16 computes in float32
+    anyway)."""
+    path = oracles["glm4_moe"].path
+    ckpt = Checkpoint(path)
+    weights = RouterWeights.load(ckpt, ModelConfig.from_dir(path), torch.bfloat16)
+    ckpt.close()
+    moe = [lw for lw in weights.layers if lw.router is not None]
+    assert moe and all(lw.router.dtype == lw.router_bias.dtype == torch.float32 for lw in moe)
+    assert all(lw.qkv.dtype == torch.bfloat16 for lw in weights.layers)
+    with InProcess(path, dtype="bfloat16") as engine:
         assert len(engine.generate(PROMPTS[0], 4).token_ids) == 4
 
 
