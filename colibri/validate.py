@@ -81,9 +81,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
         + (f", top-{cfg.topk_groups} of {cfg.num_groups} groups" if cfg.num_groups > 1 else "")
         + (", renormalised" if cfg.norm_topk_prob else "")
         + (f", scaled x{cfg.routed_scaling:g}" if cfg.routed_scaling != 1 else ""),
-        f"attention        {cfg.num_heads} heads x {cfg.head_dim}, {cfg.num_kv_heads} KV heads, "
-        f"qk-norm {cfg.qk_norm}, bias {cfg.qkv_bias}"
-        + (f", rotary on {cfg.rotary_dim} of {cfg.head_dim} dims" if cfg.rotary_dim != cfg.head_dim else ""),
+        _attention_line(cfg),
         f"tokenizer        {'none' if tok_vocab is None else f'{tok_vocab} tokens'} (vocab_size {cfg.vocab_size})",
         f"router holds     {router_bytes / 2**20:.1f} MiB",
     ]
@@ -94,6 +92,17 @@ def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
             f"{len(experts)} experts ({', '.join(_ranges(experts))})"
         lines.append(f"worker {i}/{workers}     {held}: {b / 2**20:.1f} MiB")
     return lines
+
+
+def _attention_line(cfg: ModelConfig) -> str:
+    m = cfg.mla
+    if m is not None:
+        return (f"attention        latent: {cfg.num_heads} heads (no-position {m.qk_nope_head_dim} + rotary "
+                f"{m.qk_rope_head_dim}, values {m.v_head_dim}), q_lora {m.q_lora_rank or 'none'}, KV cache "
+                f"{m.kv_lora_rank} + {m.qk_rope_head_dim} values per token and layer")
+    return (f"attention        {cfg.num_heads} heads x {cfg.head_dim}, {cfg.num_kv_heads} KV heads, "
+            f"qk-norm {cfg.qk_norm}, bias {cfg.qkv_bias}"
+            + (f", rotary on {cfg.rotary_dim} of {cfg.head_dim} dims" if cfg.rotary_dim != cfg.head_dim else ""))
 
 
 def _ranges(ids: list[int]) -> list[str]:

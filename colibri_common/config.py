@@ -75,15 +75,19 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         experts_key=("n_routed_experts",), shared_experts_key="n_shared_experts", shared_prefix="shared_experts",
         dense_first_key="first_k_dense_replace", router_fp32=True, attention="mla", renormalize=False,
         groups_when=("topk_method", "group_limited_greedy"),
-        allowed=(("topk_method", ("greedy", "group_limited_greedy")), ("scoring_func", (None, "softmax"))),
-        defaults=(("topk_method", "greedy"),),
+        allowed=(("topk_method", ("greedy", "group_limited_greedy")), ("scoring_func", (None, "softmax")),
+                 ("moe_layer_freq", (None, 1)), ("mlp_bias", (None, False))),
+        defaults=(("topk_method", "greedy"), ("n_shared_experts", 2)),
     ),
     "DeepseekV3ForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"), o_proj_bias=False,
         experts_key=("n_routed_experts",), shared_experts_key="n_shared_experts", shared_prefix="shared_experts",
         dense_first_key="first_k_dense_replace", scoring="sigmoid", routing_bias="gate.e_score_correction_bias",
         group_score="top2", router_fp32=True, attention="mla", norm_topk_default=True,
-        allowed=(("topk_method", (None, "noaux_tc")), ("scoring_func", (None, "sigmoid"))),
+        allowed=(("topk_method", (None, "noaux_tc")), ("scoring_func", (None, "sigmoid")),
+                 ("moe_layer_freq", (None, 1))),
+        defaults=(("n_shared_experts", 1), ("routed_scaling_factor", 2.5), ("n_group", 8), ("topk_group", 4),
+                  ("first_k_dense_replace", 3)),
     ),
     "MiniMaxM2ForCausalLM": ArchSpec(
         moe_prefix="block_sparse_moe", gate_name="gate", expert_names=("w1", "w3", "w2"), qk_norm="full",
@@ -231,10 +235,8 @@ class ModelConfig:
         mlp_only = set(raw.get("mlp_only_layers") or [])
         step = int(raw.get("decoder_sparse_step", 1) or 1)
         dense_first = int(raw.get(arch.dense_first_key, 0) or 0) if arch.dense_first_key else 0
-        freq = int(raw.get("moe_layer_freq", 1) or 1)                    # DeepSeek: every freq-th layer
         moe_layers = tuple(
-            i for i in range(layers)
-            if i not in mlp_only and (i + 1) % step == 0 and i >= dense_first and i % freq == 0
+            i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0 and i >= dense_first
         )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

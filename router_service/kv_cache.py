@@ -15,8 +15,10 @@ class KVCache:
         self.block_size = block_size
         slots = num_blocks * block_size
         dv = head_dim if v_dim is None else v_dim
-        self.k = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype, device=device)  # [NL, S, Hkv, Dk]
-        self.v = torch.empty(num_layers, slots, kv_heads, dv, dtype=dtype, device=device)        # [NL, S, Hkv, Dv]
+        # zeros, not empty: padded decode slots are read then masked, and a NaN bit pattern there would still
+        # poison the weighted sum of values
+        self.k = torch.zeros(num_layers, slots, kv_heads, head_dim, dtype=dtype, device=device)  # [NL, S, Hkv, Dk]
+        self.v = torch.zeros(num_layers, slots, kv_heads, dv, dtype=dtype, device=device)        # [NL, S, Hkv, Dv]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,

@@ -4,8 +4,10 @@ Per token the cache holds the normalised latent c [Lkv] (as K) and the shared ro
 real, compressed size (ModelConfig.kv_layout). Keys and values are never expanded per head: the query's
 no-position part is moved into latent space (q_nope · W_UK, per head), so a score is
 q_lat · c + q_pe · k_pe, the same as transformers' q_nope · k_nope + q_pe · k_pe; the attention output over
-the latents goes back through W_UV per head. One SDPA call per decode batch / prefill, keys [c | k_pe] of one
-head shared by all query heads (enable_gqa), values c.
+the latents goes back through W_UV per head. One SDPA call per decode batch / prefill over keys [c | k_pe] of
+one head shared by every query head, with the keys as values too (equal dims let SDPA use its fused kernels;
+the first Lkv output dims are the latent output): decode folds the heads into the query length (one query
+per head against one key head), prefill shares the key head across query heads (enable_gqa).
 
 Shapes: T tokens, Hq heads, Dn / Dr / Dv a head's no-position, rotary and value dims, Lq / Lkv the query and
 KV latent ranks, Bd decode sequences, C context length, n new tokens of one prefill.
@@ -26,6 +28,8 @@ from router_service.layers import rms_norm
 from router_service.step_inputs import StepInputs
 from router_service.weights import MlaWeights
 
+LATENT_EPS = 1e-6       # q_a_layernorm and kv_a_layernorm: transformers' and DeepSeek's fixed eps
+
 
 def mla_scale(cfg: ModelConfig) -> float:
     """Softmax scale: (Dn + Dr)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the RoPE is scaled."""
@@ -44,15 +48,15 @@ def mla_attention(cfg: ModelConfig, w: MlaWeights, layer: int, x: torch.Tensor,
     """x [T, H] (normed) -> the heads' outputs [T, Hq Dv], before o_proj; writes this step's latents."""
     m = cfg.mla
     assert m is not None
-    T, heads, eps = x.shape[0], cfg.num_heads, cfg.rms_norm_eps
+    T, heads = x.shape[0], cfg.num_heads
     Dn, Dr, L = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
     if w.q is not None:
         q = linear(x, w.q)                                                    # [T, Hq (Dn + Dr)]
     else:
-        q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, eps), w.q_b)        # [T, Hq (Dn + Dr)]
+        q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, LATENT_EPS), w.q_b)  # [T, Hq (Dn + Dr)]
     q_nope, q_pe = q.view(T, heads, Dn + Dr).split([Dn, Dr], dim=-1)         # [T, Hq, Dn], [T, Hq, Dr]
     c, k_pe = linear(x, w.kv_a).split([L, Dr], dim=-1)                      # [T, Lkv], [T, Dr]
-    c = rms_norm(c, w.kv_a_norm, eps)[:, None, :]                           # [T, 1, Lkv]
+    c = rms_norm(c, w.kv_a_norm, LATENT_EPS)[:, None, :]                    # [T, 1, Lkv]
     q_pe, k_pe = rotate(q_pe), rotate(k_pe[:, None, :])                     # [T, Hq, Dr], [T, 1, Dr]
     kv.write(layer, step.slots, c, k_pe)
     q_lat = torch.einsum("thn,hnl->thl", q_nope, w.w_uk)                    # [T, Hq, Lkv]
@@ -62,14 +66,14 @@ def mla_attention(cfg: ModelConfig, w: MlaWeights, layer: int, x: torch.Tensor,
     if nd:
         lat, rot = kv.gather(layer, step.decode_slots)                       # [Bd, C, 1, Lkv], [Bd, C, 1, Dr]
         keys = torch.cat([lat, rot], dim=-1).transpose(1, 2)                 # [Bd, 1, C, Lkv + Dr]
-        o = F.scaled_dot_product_attention(query[:nd, :, None, :], keys, lat.transpose(1, 2),
-                                           attn_mask=step.decode_mask, scale=scale, enable_gqa=True)
-        out[:nd] = o[:, :, 0, :]                                             # [Bd, Hq, Lkv]
+        o = F.scaled_dot_product_attention(query[:nd, None], keys, keys, attn_mask=step.decode_mask,
+                                           scale=scale)                      # [Bd, 1, Hq, Lkv + Dr]
+        out[:nd] = o[:, 0, :, :L]                                            # [Bd, Hq, Lkv]
     for row, n, ctx_slots, mask in step.prefills:
         lat, rot = kv.gather(layer, ctx_slots)                               # [ctx, 1, Lkv], [ctx, 1, Dr]
-        keys = torch.cat([lat, rot], dim=-1).transpose(0, 1)                 # [1, ctx, Lkv + Dr]
-        o = F.scaled_dot_product_attention(query[row:row + n].transpose(0, 1), keys, lat.transpose(0, 1),
-                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
-        out[row:row + n] = o.transpose(0, 1)                                 # [n, Hq, Lkv]
+        keys = torch.cat([lat, rot], dim=-1).transpose(0, 1)[None]           # [1, 1, ctx, Lkv + Dr]
+        o = F.scaled_dot_product_attention(query[row:row + n].transpose(0, 1)[None], keys, keys, attn_mask=mask,
+                                           is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[row:row + n] = o[0, :, :, :L].transpose(0, 1)                    # [n, Hq, Lkv]
     values = torch.einsum("thl,hvl->thv", out, w.w_uv)                      # [T, Hq, Dv]
     return values.reshape(T, -1)

@@ -186,8 +186,8 @@ class RouterModel:
             out[:nd] = o[:, :, 0, :]
         for row, n, ctx_slots, mask in step.prefills:
             kp, vp = kv.gather(layer, ctx_slots)                             # [ctx, Hkv, D]
-            o = F.scaled_dot_product_attention(
-                q[row:row + n].transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1),  # [Hq, n, D] ...
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True)     # [Hq, n, D]
-            out[row:row + n] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(                             # 4-D: the fused CPU kernels
+                q[row:row + n].transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],
+                attn_mask=mask, is_causal=mask is None, enable_gqa=True)     # [1, Hq, n, D]
+            out[row:row + n] = o[0].transpose(0, 1)
         return linear(out.reshape(T, -1), lw.o, lw.o_bias)                 # [T, H]

@@ -82,9 +82,13 @@ class RouterWeights:
         """int8 attention, dense MLPs, shared experts and lm_head; the gates (which pick the experts), norms,
         biases and the embedding lookup keep the compute dtype."""
         self.lm_head = quantize_int8(self.lm_head)       # a copy even when tied: the embedding stays as it is
-        for lw in self.layers:                     # (latent attention's projections keep the compute dtype)
+        for lw in self.layers:                     # latent attention: its projections (W_UK, W_UV stay)
             lw.qkv = None if lw.qkv is None else quantize_int8(lw.qkv)
             lw.o = quantize_int8(lw.o)
+            if lw.mla is not None:
+                m = lw.mla
+                m.q, m.q_a, m.q_b = (None if w is None else quantize_int8(w) for w in (m.q, m.q_a, m.q_b))
+                m.kv_a = quantize_int8(m.kv_a)
             if lw.mlp_gate_up is not None:
                 lw.mlp_gate_up, lw.mlp_down = quantize_int8(lw.mlp_gate_up), quantize_int8(lw.mlp_down)
 

@@ -87,19 +87,34 @@ def test_fleet_on_the_triton_kernels_matches_transformers(oracles):
         client.close()
 
 
-def test_glm_routes_in_float32_when_serving_bfloat16(oracles):
-    """transformers keeps GLM-4.5's gate and correction bias in float32 (its near-ties decide experts); the
-    router's weights in bfloat16 keep them so (loaded directly: a CPU without native bf16 computes in float32
-    anyway)."""
-    path = oracles["glm4_moe"].path
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_sigmoid_routers_stay_float32_when_serving_bfloat16(oracles, arch):
+    """transformers keeps GLM-4.5's and DeepSeek's gates and correction biases in float32 (near-ties decide
+    experts); the router's weights in bfloat16 keep them so (loaded directly: a CPU without native bf16
+    computes in float32 anyway), and a bf16 engine serves."""
+    path = oracles[arch].path
     ckpt = Checkpoint(path)
     weights = RouterWeights.load(ckpt, ModelConfig.from_dir(path), torch.bfloat16)
     ckpt.close()
     moe = [lw for lw in weights.layers if lw.router is not None]
     assert moe and all(lw.router.dtype == lw.router_bias.dtype == torch.float32 for lw in moe)
-    assert all(lw.qkv.dtype == torch.bfloat16 for lw in weights.layers)
+    assert all((lw.qkv if lw.mla is None else lw.mla.w_uk).dtype == torch.bfloat16 for lw in weights.layers)
     with InProcess(path, dtype="bfloat16") as engine:
         assert len(engine.generate(PROMPTS[0], 4).token_ids) == 4
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_latent_attention_with_chunked_prefill_and_int8_dense_layers(oracles, arch):
+    """Chunked prefill (a prompt over several steps, masked prefill over cached latents) gives the same tokens;
+    --quantize-dense int8s the latent projections too and still serves."""
+    oracle = oracles[arch]
+    prompt = [(11 * j + 5) % 256 for j in range(30)]
+    with InProcess(oracle.path, sched=SchedulerConfig(max_num_tokens=8)) as engine:
+        res = engine.generate(prompt, NEW_TOKENS, return_logits=True)
+        check_against_oracle(oracle, prompt, res.token_ids, res.logits, res.finish_reason)
+    with InProcess(oracle.path, quantize_dense=True) as engine:
+        assert type(engine.built.engine.model.w.layers[0].mla.kv_a).__name__ == "Int8Weight"
+        assert len(engine.generate(prompt, 4).token_ids) == 4
 
 
 def test_latent_attention_caches_the_compressed_latent_at_its_real_size(oracles):
