@@ -147,9 +147,14 @@ def make_request(prompt: str | list[int], max_tokens: int = 0, temperature: floa
                            **{k: v for k, v in sampling.items() if v is not None})
     if seed is not None:
         sp.seed = seed
+    return request_of(prompt, sp, request_id)
+
+
+def request_of(prompt: str | list[int], sampling: pb.SamplingParams, request_id: str = "") -> pb.GenerateRequest:
+    """A GenerateRequest of a text or token-id prompt with these SamplingParams."""
     if isinstance(prompt, str):
-        return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=sp)
-    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling=sp)
+        return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=sampling)
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
 
 def _delta(msg: pb.GenerateResponse) -> Delta | None:

@@ -42,9 +42,11 @@ def mla_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-def mla_attention(cfg: ModelConfig, w: MlaWeights, layer: int, x: torch.Tensor,
-                  rotate: Callable[[torch.Tensor], torch.Tensor], step: StepInputs, kv: KVCache,
-                  scale: float) -> torch.Tensor:
+Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]      # (x, cos, sin) -> rotated x
+
+
+def mla_attention(cfg: ModelConfig, w: MlaWeights, layer: int, x: torch.Tensor, rope: Rope, cos: torch.Tensor,
+                  sin: torch.Tensor, step: StepInputs, kv: KVCache, scale: float) -> torch.Tensor:
     """x [T, H] (normed) -> the heads' outputs [T, Hq Dv], before o_proj; writes this step's latents."""
     m = cfg.mla
     assert m is not None
@@ -57,7 +59,7 @@ def mla_attention(cfg: ModelConfig, w: MlaWeights, layer: int, x: torch.Tensor,
     q_nope, q_pe = q.view(T, heads, Dn + Dr).split([Dn, Dr], dim=-1)         # [T, Hq, Dn], [T, Hq, Dr]
     c, k_pe = linear(x, w.kv_a).split([L, Dr], dim=-1)                      # [T, Lkv], [T, Dr]
     c = rms_norm(c, w.kv_a_norm, LATENT_EPS)[:, None, :]                    # [T, 1, Lkv]
-    q_pe, k_pe = rotate(q_pe), rotate(k_pe[:, None, :])                     # [T, Hq, Dr], [T, 1, Dr]
+    q_pe, k_pe = rope(q_pe, cos, sin), rope(k_pe[:, None, :], cos, sin)     # [T, Hq, Dr], [T, 1, Dr]
     kv.write(layer, step.slots, c, k_pe)
     q_lat = torch.einsum("thn,hnl->thl", q_nope, w.w_uk)                    # [T, Hq, Lkv]
     query = torch.cat([q_lat, q_pe], dim=-1)                                 # [T, Hq, Lkv + Dr]

@@ -47,6 +47,7 @@ class RouterModel:
         self.routing = Routing(cfg.top_k, cfg.scoring, cfg.norm_topk_prob, cfg.num_groups, cfg.topk_groups,
                                cfg.arch.group_score, cfg.routed_scaling)
         self.mla_scale = mla_scale(cfg) if cfg.mla is not None else 0.0
+        self.mla_rope = apply_rope_interleaved if cfg.mla is not None and cfg.mla.rope_interleave else apply_rope
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing
@@ -157,8 +158,7 @@ class RouterModel:
                    sin: torch.Tensor, step: StepInputs, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
         if lw.mla is not None:
-            rope = apply_rope_interleaved if cfg.mla.rope_interleave else apply_rope   # type: ignore[union-attr]
-            out = mla_attention(cfg, lw.mla, layer, x, lambda t: rope(t, cos, sin), step, kv, self.mla_scale)
+            out = mla_attention(cfg, lw.mla, layer, x, self.mla_rope, cos, sin, step, kv, self.mla_scale)
             return linear(out, lw.o, lw.o_bias)                              # [T, H]
         T, D = x.shape[0], cfg.head_dim
         qkv = linear(x, lw.qkv, lw.qkv_bias)                              # [T, (Hq + 2Hkv) D]

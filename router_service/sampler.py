@@ -41,11 +41,13 @@ class Sampler:
     def __init__(self, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.eos = eos_token_ids
         self._generators: dict[int | str, torch.Generator] = {}     # seeded requests', by uid
+        self._prompt_seen: dict[int | str, torch.Tensor] = {}       # repetition penalty: prompt tokens [V], by uid
         self._unseeded = torch.Generator()                          # one for every unseeded row, from OS entropy
         self._unseeded.seed()
 
     def forget(self, uid: int | str) -> None:
         self._generators.pop(uid, None)
+        self._prompt_seen.pop(uid, None)
 
     def sample(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> list[Sampled | SampleError]:
         """logits [B, V] float32 -> one `Sampled` (or the row's error) per row, in order."""
@@ -79,8 +81,16 @@ class Sampler:
         return [s if isinstance(s, SampleError) else s.token for s in self.sample(logits, rows)]
 
     # -- stages -------------------------------------------------------------------------------------
-    @staticmethod
-    def _penalise(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def _prompt_mask(self, row: SampleRow, V: int, dev: torch.device) -> torch.Tensor:
+        """The prompt's tokens as a [V] mask, built once per request (not per step: prompts are long)."""
+        mask = self._prompt_seen.get(row.uid)
+        if mask is None:
+            mask = torch.zeros(V, dtype=torch.bool, device=dev)
+            mask[torch.tensor(row.prompt_ids, dtype=torch.long, device=dev)] = True
+            self._prompt_seen[row.uid] = mask
+        return mask
+
+    def _penalise(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Repetition (prompt + output tokens, as transformers), frequency and presence (output tokens, as
         OpenAI) penalties on the rows that set them; x [b, V] is copied before it is changed."""
         idx = [i for i, row in enumerate(rows) if row.sampling.penalised]
@@ -95,11 +105,8 @@ class Sampler:
             1, out_ids, torch.ones(out_ids.shape, device=dev))[:, :V]                                  # [p, V]
         sub = x[idx].float()                                                                           # [p, V]
         if any(sp.repetition_penalty != 1 for sp in sps):
-            longest_p = max(len(rows[i].prompt_ids) for i in idx)
-            prompt = torch.tensor([rows[i].prompt_ids + [V] * (longest_p - len(rows[i].prompt_ids)) for i in idx],
-                                  device=dev)                                                          # [p, P]
-            seen = torch.zeros(len(idx), V + 1, dtype=torch.bool, device=dev).scatter_(
-                1, prompt, True)[:, :V] | (counts > 0)                                                 # [p, V]
+            prompt = torch.stack([self._prompt_mask(rows[i], V, dev) for i in idx])                   # [p, V]
+            seen = prompt | (counts > 0)                                                               # [p, V]
             pen = torch.tensor([sp.repetition_penalty for sp in sps], device=dev)[:, None]         # [p, 1]
             sub = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
         freq = torch.tensor([sp.frequency_penalty for sp in sps], device=dev)[:, None]              # [p, 1]

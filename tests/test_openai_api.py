@@ -24,6 +24,7 @@ from colibri_common.chat_template import ChatTemplate, load_chat_template
 from colibri_common.tokenizer import Tokenizer
 from tests.chat_fixtures import chat_checkpoint
 from tests.conftest import COLIBRI, fleet, free_port, metrics
+from tests.test_moe_transport import FakeRpcError
 
 METRICS_PORT = free_port()
 MAX_LEN = 96
@@ -363,19 +364,9 @@ def test_a_request_past_the_fronts_deadline_is_504_and_frees_its_kv(served):
 
 
 def test_grpc_statuses_map_to_the_codes_openai_clients_retry_on():
-    class Rpc(grpc.RpcError):
-        def __init__(self, code: grpc.StatusCode) -> None:
-            self._code = code
-
-        def code(self) -> grpc.StatusCode:
-            return self._code
-
-        def details(self) -> str:
-            return "why"
-
-    got = {c: ApiError.of_grpc(Rpc(c)) for c in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                 grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                                 grpc.StatusCode.INTERNAL)}
+    codes = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
+             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
+    got = {c: ApiError.of_grpc(FakeRpcError(c)) for c in codes}
     assert {c.name: e.status for c, e in got.items()} == {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429,
                                                           "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
                                                           "INTERNAL": 500}

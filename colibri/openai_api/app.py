@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from colibri.client import AsyncClient
+from colibri.client import AsyncClient, request_of
 from colibri.openai_api.errors import ApiError, bad
 from colibri.openai_api.metrics import FrontMetrics
 from colibri.openai_api.options import OpenAIOptions
@@ -109,7 +109,8 @@ class Front:
             raise bad("this model has no tokenizer.json: send the prompt as token ids", "prompt")
         reply = Reply(chat, name, parsed.sampling.n or 1, info.has_tokenizer,
                       parsed.sampling.logprobs or parsed.sampling.top_logprobs > 0)
-        calls = [self.client.stream(_request(p, parsed.sampling, f"{reply.id}-{i}"), self.opts.request_timeout)
+        calls = [self.client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}"),
+                                    self.opts.request_timeout)
                  for i, p in enumerate(prompts)]
         streams = [aiter(call) for call in calls]
         # Every call's first message is the router's verdict on its prompt (a refusal is a status code, before
@@ -220,12 +221,6 @@ class Front:
         if await self.health():
             return JSONResponse({"status": "ok", "router": self.opts.target})
         return JSONResponse({"status": "unavailable", "router": self.opts.target}, status_code=503)
-
-
-def _request(prompt: str | list[int], sampling: pb.SamplingParams, request_id: str) -> pb.GenerateRequest:
-    if isinstance(prompt, str):
-        return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=sampling)
-    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
 
 def _cancel(calls: list) -> None:
