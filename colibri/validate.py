@@ -30,19 +30,27 @@ HELD_ITEMSIZE = 2     # an FP8 weight is held dequantised: sized at bf16, the us
 
 
 def held_bytes(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> int:
-    """What a tensor takes once loaded: its stored bytes, or an FP8 weight's dequantised (bf16) size."""
+    """What a tensor takes once loaded: its stored bytes, or an FP8 or MXFP4 weight's dequantised (bf16) size
+    (MXFP4: two values a byte of its blocks; its scales are folded in)."""
     e = ckpt.check(name, shape)
     if e.dtype == "F8_E4M3":
         ckpt.check_fp8(name)
         return _numel(e.shape) * HELD_ITEMSIZE
+    if e.dtype == "U8" and name.endswith("_blocks"):
+        return 2 * _numel(e.shape) * HELD_ITEMSIZE
+    if e.dtype == "U8" and name.endswith("_scales"):
+        return 0
     return e.nbytes
 
 
 def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> int:
-    from colibri_common.tensors import stored_expert_tensors
+    from colibri_common.tensors import expert_bias_tensors, stored_expert_tensors
 
-    fused, specs = stored_expert_tensors(cfg, layer, expert, ckpt)
-    return sum(held_bytes(ckpt, n, s) // (cfg.num_experts if fused else 1) for n, s in specs.values())
+    layout, specs = stored_expert_tensors(cfg, layer, expert, ckpt)
+    per_layer = [*expert_bias_tensors(cfg, layer).values()] + ([] if layout == "per_expert" else [*specs.values()])
+    own = [] if layout != "per_expert" else [*specs.values()]
+    return sum(held_bytes(ckpt, n, s) for n, s in own) + \
+        sum(held_bytes(ckpt, n, s) // cfg.num_experts for n, s in per_layer)
 
 
 def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
@@ -76,8 +84,11 @@ def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
         f"layers           {cfg.num_layers} ({len(cfg.moe_layers)} with routed experts)",
         f"experts/layer    {cfg.num_experts}, top-{cfg.top_k}, width {cfg.moe_intermediate_size}"
         + (f", shared expert width {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size
-           else ""),
+           else "")
+        + (f", biases, clamped SwiGLU (alpha {cfg.swiglu_alpha:g}, limit {cfg.swiglu_limit:g})"
+           if cfg.swiglu_limit is not None else ""),
         f"routing          {cfg.scoring}" + (" + correction bias" if cfg.arch.routing_bias else "")
+        + (" (gate with bias)" if cfg.arch.gate_bias else "")
         + (f", top-{cfg.topk_groups} of {cfg.num_groups} groups" if cfg.num_groups > 1 else "")
         + (", renormalised" if cfg.norm_topk_prob else "")
         + (f", scaled x{cfg.routed_scaling:g}" if cfg.routed_scaling != 1 else ""),
@@ -102,7 +113,10 @@ def _attention_line(cfg: ModelConfig) -> str:
                 f"{m.kv_lora_rank} + {m.qk_rope_head_dim} values per token and layer")
     return (f"attention        {cfg.num_heads} heads x {cfg.head_dim}, {cfg.num_kv_heads} KV heads, "
             f"qk-norm {cfg.qk_norm}, bias {cfg.qkv_bias}"
-            + (f", rotary on {cfg.rotary_dim} of {cfg.head_dim} dims" if cfg.rotary_dim != cfg.head_dim else ""))
+            + (f", rotary on {cfg.rotary_dim} of {cfg.head_dim} dims" if cfg.rotary_dim != cfg.head_dim else "")
+            + (", sinks" if cfg.arch.attention_sinks else "")
+            + (f", sliding window {cfg.sliding_window} on {len(cfg.sliding_layers)} of {cfg.num_layers} layers"
+               if cfg.sliding_layers else ""))
 
 
 def _ranges(ids: list[int]) -> list[str]:

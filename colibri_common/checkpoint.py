@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from colibri_common import mxfp4
 from colibri_common.errors import CheckpointError
 from colibri_common.fp8 import SCALE_SUFFIX, Fp8Format, dequantize
 
@@ -196,6 +197,17 @@ class Checkpoint:
         w, s = (t, s) if index is None else (t[index], s[index])
         return dequantize(w, s, self.fp8.block)
 
+    def mxfp4(self, blocks: str, scales: str, index: int | None = None) -> torch.Tensor:
+        """An MXFP4 weight's float32 values [R, C] (slice `index` of the layer's experts), from its blocks and
+        scales (read from the map as needed)."""
+        b, s = self.view(blocks), self.view(scales)
+        if index is not None:
+            b, s = b[index], s[index]
+        try:
+            return mxfp4.dequantize(b, s)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{self.entry(blocks).file}: '{blocks}': {exc}") from exc
+
     def check_fp8(self, name: str) -> None:
         """An FP8 weight's block scales exist with the shape its blocks need (headers only)."""
         e = self.entry(name)
@@ -209,11 +221,15 @@ class Checkpoint:
 
     def quantized(self) -> dict[str, int]:
         """What quantised weights the checkpoint holds: format -> tensor count (empty for plain floats)."""
+        out = {}
         n = sum(1 for e in self.entries.values() if e.dtype == "F8_E4M3")
-        if not n:
-            return {}
-        b0, b1 = self.fp8.block if self.fp8 else (0, 0)
-        return {f"fp8 e4m3, {b0}x{b1} block scales": n}
+        if n:
+            b0, b1 = self.fp8.block if self.fp8 else (0, 0)
+            out[f"fp8 e4m3, {b0}x{b1} block scales"] = n
+        n = sum(1 for name, e in self.entries.items() if name.endswith("_blocks") and e.dtype == "U8")
+        if n:
+            out[f"mxfp4 e2m1, {mxfp4.BLOCK}-value blocks with e8m0 scales"] = n
+        return out
 
     def load(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
              ) -> torch.Tensor:

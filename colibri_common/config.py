@@ -43,12 +43,22 @@ class ArchSpec:
     experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
     topk_key: str = "num_experts_per_tok"
     expert_width_key: str = "moe_intermediate_size"
+    gate_bias: bool = False        # the router's linear has a bias, added to the logits (GPT-OSS)
+    fused_experts: str = "stacked"  # fused layout on disk: "stacked" gate_up [E, 2I, H] (gate rows, up rows) |
+                                   # "interleaved_t" GPT-OSS's gate_up [E, H, 2I] (gate, up columns alternate)
+    expert_bias: bool = False      # the experts' gate_up and down carry biases (GPT-OSS)
+    clamped_swiglu: bool = False   # experts: clamped SwiGLU with swiglu_alpha / swiglu_limit, up + 1 (GPT-OSS)
+    attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator (GPT-OSS)
+    sliding: str = "none"          # sliding-window layers: "none" | "all" (when sliding_window is set, Mixtral) |
+                                   # "layer_types" (config.layer_types names each layer's kind, GPT-OSS)
+    norm_scale_fp32: bool = False  # RMSNorm multiplies its weight in float32, then casts (GPT-OSS)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "MixtralForCausalLM": ArchSpec(
         moe_prefix="block_sparse_moe", gate_name="gate", expert_names=("w1", "w3", "w2"),
         norm_topk_default=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
+        sliding="all",
     ),
     "Qwen2MoeForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
@@ -94,7 +104,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         norm_topk_default=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
         scoring="sigmoid", routing_bias="e_score_correction_bias", defaults=(("rope_theta", 5e6),),
     ),
+    "GptOssForCausalLM": ArchSpec(
+        moe_prefix="mlp", gate_name="router", expert_names=("gate_proj", "up_proj", "down_proj"),
+        bias_default=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
+        scoring="topk_softmax", gate_bias=True, fused_experts="interleaved_t", expert_bias=True,
+        clamped_swiglu=True, attention_sinks=True, sliding="layer_types", norm_scale_fp32=True,
+        defaults=(("rope_theta", 150000.0), ("sliding_window", 128), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0),
+                  ("rms_norm_eps", 1e-5),
+                  ("rope_scaling", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 4096})),
+    ),
 }
+SLIDING_KINDS = ("sliding_attention", "full_attention")
 
 @dataclass(frozen=True)
 class MlaDims:
@@ -150,6 +171,11 @@ class ModelConfig:
     routed_scaling: float = 1.0
     rope_scaling: RopeScaling = RopeScaling()
     mla: MlaDims | None = None            # DeepSeek's latent attention; then head_dim = qk_nope + qk_rope
+    sliding_window: int = 0               # a sliding layer's query sees its last `sliding_window` positions
+    sliding_layers: tuple[int, ...] = ()  # the layers that slide (the others attend to the whole context)
+    swiglu_alpha: float = 1.0             # the experts' gated activation (kernels.GatedAct): GPT-OSS clamps
+    swiglu_limit: float | None = None
+    swiglu_up_offset: float = 0.0
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
 
@@ -175,6 +201,9 @@ class ModelConfig:
         if self.num_groups > 1 and self.arch.group_score == "top2" and self.num_experts // self.num_groups < 2:
             raise ConfigError(f"config.json: n_group={self.num_groups} leaves groups of one expert; a group's "
                               f"top-2 score needs two")
+        if self.sliding_layers and self.sliding_window <= 0:
+            raise ConfigError(f"config.json: layers {list(self.sliding_layers)} slide but sliding_window is "
+                              f"{self.sliding_window}; need a positive window")
         if self.num_groups > 1 and self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
             raise ConfigError(f"config.json: num_experts_per_tok={self.top_k} exceeds the experts of topk_group="
                               f"{self.topk_groups} groups")
@@ -230,8 +259,9 @@ class ModelConfig:
         max_positions = int(raw.get("max_position_embeddings", 4096))
         rope_scaling = RopeScaling.from_raw(rope, max_positions, raw.get("original_max_position_embeddings"))
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        if raw.get("use_sliding_window") or (name == "MixtralForCausalLM" and raw.get("sliding_window")):
-            raise ConfigError(f"{source}: sliding-window attention is not supported yet")
+        if raw.get("use_sliding_window") and arch.sliding == "none":
+            raise ConfigError(f"{source}: use_sliding_window with {name} is not supported yet")
+        window, sliding = _sliding(arch, raw, layers, source)
         mlp_only = set(raw.get("mlp_only_layers") or [])
         step = int(raw.get("decoder_sparse_step", 1) or 1)
         dense_first = int(raw.get(arch.dense_first_key, 0) or 0) if arch.dense_first_key else 0
@@ -296,6 +326,26 @@ class ModelConfig:
             routed_scaling=scaling,
             rope_scaling=rope_scaling,
             mla=mla,
+            sliding_window=window,
+            sliding_layers=sliding,
+            swiglu_alpha=float(raw["swiglu_alpha"]) if arch.clamped_swiglu else 1.0,
+            swiglu_limit=float(raw["swiglu_limit"]) if arch.clamped_swiglu else None,
+            swiglu_up_offset=1.0 if arch.clamped_swiglu else 0.0,
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         )
+
+
+def _sliding(arch: ArchSpec, raw: dict, layers: int, source: str) -> tuple[int, tuple[int, ...]]:
+    """(window, sliding layers) as transformers reads them: every layer when a Mixtral config sets
+    sliding_window; for GPT-OSS config.layer_types (by default even layers slide, odd ones are full)."""
+    window = int(raw.get("sliding_window") or 0)
+    if arch.sliding == "all":
+        return window, tuple(range(layers)) if window else ()
+    if arch.sliding != "layer_types":
+        return 0, ()
+    kinds = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(kinds) != layers or not set(kinds) <= set(SLIDING_KINDS):
+        raise ConfigError(f"{source}: layer_types must list {layers} kinds, each one of {', '.join(SLIDING_KINDS)}; "
+                          f"got {kinds}")
+    return window, tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")

@@ -64,6 +64,8 @@ def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
                 "v_bias": (p + "v_proj.bias", (kv,))}
     if cfg.o_bias:
         out["o_bias"] = (p + "o_proj.bias", (H,))
+    if cfg.arch.attention_sinks:
+        out["sinks"] = (p + "sinks", (cfg.num_heads,))
     if cfg.qk_norm == "head":
         out |= {"q_norm": (p + "q_norm.weight", (D,)), "k_norm": (p + "k_norm.weight", (D,))}
     elif cfg.qk_norm == "full":
@@ -81,9 +83,9 @@ def mlp_tensors(prefix: str, width: int, hidden: int, names: tuple[str, str, str
 
 def router_layer_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
     """Everything of one layer the router holds (all but the routed experts), by role: ln1, ln2, attention
-    roles; then `router` [E, H] (+ its choice-only `router_bias` [E], shared experts `shared.gate|up|down` and
-    a shared expert's sigmoid gate `shared_gate` [1, H] where the architecture has them) in a MoE layer, or a
-    dense MLP `mlp.gate|up|down`."""
+    roles; then `router` [E, H] (+ its logits' `gate_bias` [E], its choice-only `router_bias` [E], shared
+    experts `shared.gate|up|down` and a shared expert's sigmoid gate `shared_gate` [1, H] where the
+    architecture has them) in a MoE layer, or a dense MLP `mlp.gate|up|down`."""
     p = layer_prefix(layer)
     H = cfg.hidden_size
     out: dict[str, Spec] = {"ln1": (p + "input_layernorm.weight", (H,)),
@@ -92,6 +94,8 @@ def router_layer_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
     if cfg.is_moe_layer(layer):
         moe = p + cfg.arch.moe_prefix + "."
         out["router"] = (moe + cfg.arch.gate_name + ".weight", (cfg.num_experts, H))
+        if cfg.arch.gate_bias:
+            out["gate_bias"] = (moe + cfg.arch.gate_name + ".bias", (cfg.num_experts,))
         if cfg.arch.routing_bias:
             out["router_bias"] = (moe + cfg.arch.routing_bias, (cfg.num_experts,))
         if cfg.shared_expert_intermediate_size:
@@ -118,18 +122,50 @@ def expert_tensors(cfg: ModelConfig, layer: int, expert: int) -> dict[str, Spec]
     return mlp_tensors(prefix, cfg.moe_intermediate_size, cfg.hidden_size, cfg.arch.expert_names)
 
 
+MXFP4_BLOCK = 32          # values per MXFP4 block: 16 bytes of packed e2m1 pairs and one e8m0 scale
+
+
 def stored_expert_tensors(cfg: ModelConfig, layer: int, expert: int, names: Container[str]
-                          ) -> tuple[bool, dict[str, Spec]]:
-    """The tensors that hold `expert` in a checkpoint whose tensor names are `names`: (fused, specs), the
-    fused layer-wide tensors (expert = first index) when the checkpoint has them, else the per-expert ones."""
+                          ) -> tuple[str, dict[str, Spec]]:
+    """The tensors that hold `expert` in a checkpoint whose tensor names are `names`: (layout, specs).
+    Layouts: "per_expert" (one tensor per expert and projection), or layer-wide tensors indexed by expert:
+    "stacked", "interleaved_t" (GPT-OSS) and "mxfp4" (GPT-OSS's published, quantised experts)."""
     fused = fused_expert_tensors(cfg, layer)
     if fused["gate_up"][0] in names:
-        return True, fused
-    return False, expert_tensors(cfg, layer, expert)
+        return cfg.arch.fused_experts, fused
+    mx = mxfp4_expert_tensors(cfg, layer)
+    if mx["gate_up_blocks"][0] in names:
+        return "mxfp4", mx
+    return "per_expert", expert_tensors(cfg, layer, expert)
 
 
 def fused_expert_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
-    """The fused layout some checkpoints use instead: gate_up [E, 2I, H], down [E, H, I]."""
+    """The layer-wide layouts: "stacked" gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]; GPT-OSS's
+    "interleaved_t" gate_up [E, H, 2I] (gate and up columns alternate), down [E, I, H]."""
     prefix = f"{layer_prefix(layer)}{cfg.arch.moe_prefix}.experts."
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    if cfg.arch.fused_experts == "interleaved_t":
+        return {"gate_up": (prefix + "gate_up_proj", (E, H, 2 * I)), "down": (prefix + "down_proj", (E, I, H))}
     return {"gate_up": (prefix + "gate_up_proj", (E, 2 * I, H)), "down": (prefix + "down_proj", (E, H, I))}
+
+
+def mxfp4_expert_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
+    """GPT-OSS's MXFP4 experts: per output row, blocks [.., Din / 32, 16] uint8 (two e2m1 values a byte, low nibble
+    first) and scales [.., Din / 32] uint8 (e8m0, 2^(s - 127)); gate_up rows alternate gate and up."""
+    prefix = f"{layer_prefix(layer)}{cfg.arch.moe_prefix}.experts."
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gh, gi = -(-H // MXFP4_BLOCK), -(-I // MXFP4_BLOCK)
+    return {"gate_up_blocks": (prefix + "gate_up_proj_blocks", (E, 2 * I, gh, MXFP4_BLOCK // 2)),
+            "gate_up_scales": (prefix + "gate_up_proj_scales", (E, 2 * I, gh)),
+            "down_blocks": (prefix + "down_proj_blocks", (E, H, gi, MXFP4_BLOCK // 2)),
+            "down_scales": (prefix + "down_proj_scales", (E, H, gi))}
+
+
+def expert_bias_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
+    """The experts' biases of a layer (GPT-OSS): gate_up [E, 2I] (gate and up alternate), down [E, H]; none for
+    architectures without them."""
+    if not cfg.arch.expert_bias:
+        return {}
+    prefix = f"{layer_prefix(layer)}{cfg.arch.moe_prefix}.experts."
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    return {"gate_up": (prefix + "gate_up_proj_bias", (E, 2 * I)), "down": (prefix + "down_proj_bias", (E, H))}

@@ -33,7 +33,7 @@ from expert_service.cache_capacity import CacheCapacity
 from expert_service.cache_policy import Policy, make_policy
 from expert_service.cache_stats import CacheStats
 from expert_service.packing import pack_expert, will_need
-from kernels import fused_moe
+from kernels import SILU, GatedAct, fused_moe
 from kernels.cpu_forms import Weight
 
 log = logging.getLogger("colibri.expert")
@@ -106,6 +106,8 @@ class ExpertCache:
         self.cfg, self.ckpt, self.device = cfg, ckpt, device
         ckpt.map_all()                          # every file mapped once, before any thread reads through it
         self.held = set(experts)
+        self.local = torch.full((cfg.num_experts,), -1, dtype=torch.long)     # [E] global id -> local row
+        self.local[experts] = torch.arange(len(experts))
         self.hot = Tier(cfg, capacity, policy, half_life, make)
         self.warm = None if warm is None or make_warm is None else Tier(cfg, warm, policy, half_life,
                                                                         make_warm)
@@ -173,20 +175,39 @@ class ExpertCache:
         return slots
 
     # -- compute -------------------------------------------------------------------------------------
-    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids [T, K] global ids (-1 or others' experts ignored), weights [T, K] -> [T, H]."""
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: GatedAct = SILU,
+                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H], ids [T, K] global ids (-1 or others' experts ignored), weights [T, K] -> [T, H]; the experts'
+        biases b13 [E_local, 2I], b2 [E_local, H] (rows in the held experts' order) follow them into their slots."""
         valid = ids[ids >= 0].unique().tolist()                                # experts the call names
         cap = self.hot.pool(layer).size
         with self.lock:
             # the hot ones first: a round's misses never evict an expert a later round needs and has
             need = sorted((e for e in valid if e in self.held), key=lambda e: (layer, e) not in self.hot.slot_of)
-            if len(need) <= cap:                                              # the usual case: one round
-                return fused_moe(x, self.hot.w13, self.hot.w2, ids, weights, self._slot_map(layer, need))
-            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H] rounds summed in float32
-            for start in range(0, len(need), cap):                            # rounds of at most `cap`
-                out += fused_moe(x, self.hot.w13, self.hot.w2, ids, weights,
-                                 self._slot_map(layer, need[start:start + cap])).float()
+            rounds = [need[start:start + cap] for start in range(0, len(need), cap)] or [[]]
+            out = None
+            for part in rounds:                                               # usually one; of at most `cap`
+                slot_map = self._slot_map(layer, part)
+                sb13, sb2 = self._slot_biases(slot_map, part, b13, b2)
+                y = fused_moe(x, self.hot.w13, self.hot.w2, ids, weights, slot_map, act=act, b13=sb13, b2=sb2)
+                if len(rounds) == 1:
+                    return y
+                out = y.float() if out is None else out + y.float()           # [T, H] rounds summed in float32
             return out.to(x.dtype)
+
+    def _slot_biases(self, slot_map: torch.Tensor, experts: list[int], b13: torch.Tensor | None,
+                     b2: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per hot slot, the biases of the expert it holds for this call: [slots, 2I], [slots, H]."""
+        if b13 is None or b2 is None:
+            return None, None
+        slots = self.hot.w13.shape[0]
+        sb13 = torch.zeros(slots, b13.shape[1], dtype=b13.dtype, device=b13.device)
+        sb2 = torch.zeros(slots, b2.shape[1], dtype=b2.dtype, device=b2.device)
+        if experts:
+            g = torch.tensor(experts)
+            at, rows = slot_map[g.to(slot_map.device)].to(b13.device), self.local[g].to(b13.device)
+            sb13[at], sb2[at] = b13[rows], b2[rows]
+        return sb13, sb2
 
     def _slot_map(self, layer: int, experts: list[int]) -> torch.Tensor:
         """[E] global id -> hot slot for `experts` (packed now if missing), -1 for every other id."""

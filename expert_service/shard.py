@@ -24,8 +24,8 @@ from colibri_common.config import ModelConfig
 from colibri_common.placement import replica_experts
 from expert_service.cache_capacity import CacheCapacity, parse_capacity
 from expert_service.expert_cache import ExpertCache
-from expert_service.packing import check_expert, pack_expert
-from kernels import fused_moe
+from expert_service.packing import check_expert, expert_biases, pack_expert
+from kernels import GatedAct, fused_moe
 from kernels.cpu_forms import Weight, weight_kind
 from kernels.cpu_tune import MoeShape
 from kernels.quant import Int8Weight
@@ -104,6 +104,13 @@ class ExpertShard:
         self.w2: dict[int, Weight] = {}
         self.cache: ExpertCache | None = None
         self.ckpt = ckpt
+        self.act = GatedAct(cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_up_offset)   # the experts' activation
+        self.biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> b13 [E_local, 2I], b2 [E_local, H]
+        for layer in cfg.moe_layers:                     # small (2I + H per expert): held for every layer
+            b = expert_biases(cfg, ckpt, layer, self.experts, dtype if quantize is None else torch.float32,
+                              self.device)
+            if b is not None:
+                self.biases[layer] = b
         if cache is not None and cache.capacity.bounded:
             self._check_tensors(ckpt)
             pin = self.device.type == "cuda"
@@ -182,6 +189,8 @@ class ExpertShard:
             raise KeyError(f"layer {layer} has no routed experts (MoE layers: {list(self.cfg.moe_layers)})")
         x = hidden.to(self.device, self.dtype)                                             # [n, H]
         ids, weights = ids.to(self.device), weights.to(self.device)                       # [n, K]
+        b13, b2 = self.biases.get(layer, (None, None))
         if self.cache is not None:
-            return self.cache.forward(layer, x, ids, weights)                              # [n, H]
-        return fused_moe(x, self.w13[layer], self.w2[layer], ids, weights, self.expert_map)   # [n, H] on device
+            return self.cache.forward(layer, x, ids, weights, self.act, b13, b2)           # [n, H]
+        return fused_moe(x, self.w13[layer], self.w2[layer], ids, weights, self.expert_map, act=self.act,
+                         b13=b13, b2=b2)                                                   # [n, H] on device

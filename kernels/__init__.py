@@ -1,6 +1,7 @@
 """Fused MoE kernels behind one API: Triton on CUDA tensors, a vectorised torch path on CPU.
 
-    fused_moe(x, w13, w2, topk_ids, topk_weights, expert_map=None, backend=None) -> [T, H]
+    fused_moe(x, w13, w2, topk_ids, topk_weights, expert_map=None, backend=None, out=None, act=SILU,
+              b13=None, b2=None) -> [T, H]
     topk_route(logits, k, renormalize, scoring="softmax", bias=None, num_groups=1, topk_groups=1,
                group_score="max", scaling=1.0) -> (weights float32 [T, k], ids int64 [T, k])
 
@@ -14,6 +15,7 @@ import os
 
 import torch
 
+from kernels.activation import SILU, GatedAct
 from kernels.cpu_forms import Weight
 from kernels.cpu_moe import fused_moe_cpu
 from kernels.quant import Int8Weight, quantize_int8
@@ -31,11 +33,14 @@ def _pick(x: torch.Tensor, backend: str | None) -> str:
 
 def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
-              backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ_k w_k · w2[e_k] @ (silu(gate) * up) per token; gate/up are the first/second halves of w13[e] @ x.
+              backend: str | None = None, out: torch.Tensor | None = None, act: GatedAct = SILU,
+              b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_k w_k · (w2[e_k] @ act(gate, up) + b2[e_k]) per token; gate/up are the first/second halves of
+    w13[e] @ x + b13[e]; `act` is silu(gate) * up or GPT-OSS's clamped form (kernels/activation.py).
 
     x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids/topk_weights [T, K] -> [T, H] in x's dtype (written
     into `out` when given). expert_map [E_global] maps global ids to rows of w13/w2, -1 = not held here.
+    b13 [E, 2I] and b2 [E, H] (optional, together) are the experts' biases, rows as w13's.
     w13 and w2 may be `Int8Weight`s (per-row int8 with float32 scales): the CPU path computes them.
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
@@ -50,6 +55,9 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
                          f"{list(topk_weights.shape)} must both be [T={x.shape[0]}, K]")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"fused_moe: out must be a contiguous {x.dtype} tensor of shape {list(x.shape)}")
+    if (b13 is None) != (b2 is None) or (b13 is not None and (b13.shape != (E, two_i) or b2.shape != (E, H))):
+        raise ValueError(f"fused_moe: biases must come together as b13 [E={E}, 2I={two_i}] and b2 [E, H={H}], got "
+                         f"{None if b13 is None else list(b13.shape)}, {None if b2 is None else list(b2.shape)}")
     if x.shape[0] == 0:
         return torch.empty_like(x) if out is None else out
     if _pick(x, backend) == "triton":
@@ -58,8 +66,8 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
                              "take float32, float16 or bfloat16 weights")
         from kernels.triton_moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_map, out=out)
-    return fused_moe_cpu(x, w13, w2, topk_ids, topk_weights, expert_map, out=out)
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_map, out=out, act=act, b13=b13, b2=b2)
+    return fused_moe_cpu(x, w13, w2, topk_ids, topk_weights, expert_map, out=out, act=act, b13=b13, b2=b2)
 
 
 def topk_route(logits: torch.Tensor, k: int, renormalize: bool, scoring: str = "softmax",
@@ -89,4 +97,5 @@ def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = No
     return topk_route_torch(logits, routing, bias)
 
 
-__all__ = ["fused_moe", "route", "topk_route", "BACKENDS", "Int8Weight", "Routing", "quantize_int8"]
+__all__ = ["fused_moe", "route", "topk_route", "BACKENDS", "GatedAct", "Int8Weight", "Routing", "SILU",
+           "quantize_int8"]

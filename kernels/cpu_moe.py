@@ -16,8 +16,8 @@ token-expert pairs computed here, n pairs of one expert.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kernels.activation import SILU, GatedAct
 from kernels.cpu_forms import Form, bucket, dtype_name, pick_rows
 from kernels.quant import Int8Weight
 
@@ -60,7 +60,7 @@ def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.
 
 
 def _loop(xs: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Tensor | Int8Weight,
-          counts: list[int]) -> torch.Tensor:
+          counts: list[int], act: GatedAct, b13: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
     """The linear form is looked up once per row count (every expert has the same shapes and kind), and an
     int8 stack's per-expert views are made once: at one token this loop is most of a decode step's Python."""
     I = w2.shape[2]
@@ -74,24 +74,36 @@ def _loop(xs: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Tensor | I
             continue
         f13, f2 = forms.get(n) or forms.setdefault(n, (pick_rows(n, xs.dtype, e13[e]), pick_rows(n, xs.dtype, e2[e])))
         gate_up = f13(xs[start:start + n], e13[e])                            # [n, 2I]
-        h = F.silu(gate_up[:, :I]) * gate_up[:, I:]                           # [n, I]
+        if b13 is not None:
+            gate_up = gate_up + b13[e]
+        h = act(gate_up[:, :I], gate_up[:, I:])                               # [n, I]
         ys[start:start + n] = f2(h, e2[e])                                    # [n, H]
+        if b2 is not None:
+            ys[start:start + n] += b2[e]
         start += n
     return ys
 
 
-def _grouped(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _grouped(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: list[int], act: GatedAct,
+             b13: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
     I = w2.shape[2]
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)  # [E] end row of each expert
     gate_up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)           # [P, 2I]
-    h = F.silu(gate_up[:, :I]) * gate_up[:, I:]                               # [P, I]
-    return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float()        # [P, H]
+    expert = None
+    if b13 is not None:                                                       # each pair's expert's biases
+        expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))   # [P]
+        gate_up = gate_up + b13[expert].to(gate_up.dtype)
+    h = act(gate_up[:, :I], gate_up[:, I:])                                   # [P, I]
+    ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float()          # [P, H]
+    return ys if b2 is None else ys + b2[expert].float()
 
 
 def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Tensor | Int8Weight,
                   topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, form: str | None = None) -> torch.Tensor:
-    """`form` None = the measured one for this shape and row count."""
+                  out: torch.Tensor | None = None, form: str | None = None, act: GatedAct = SILU,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+    """`form` None = the measured one for this shape and row count; `act`, b13 [E, 2I], b2 [E, H] as
+    kernels.fused_moe."""
     T, H = x.shape
     K = topk_ids.shape[1]
     form = form or pick_moe(x, w13)
@@ -107,9 +119,9 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Ten
     if order.numel() == 0:
         ys = torch.empty(0, H, dtype=torch.float32)
     elif form == "grouped":
-        ys = _grouped(xs, w13, w2, counts[1:])                   # type: ignore[arg-type]
+        ys = _grouped(xs, w13, w2, counts[1:], act, b13, b2)     # type: ignore[arg-type]
     else:
-        ys = _loop(xs, w13, w2, counts[1:])
+        ys = _loop(xs, w13, w2, counts[1:], act, b13, b2)
     ys *= topk_weights.reshape(-1)[order].float()[:, None]       # routed weight per pair
     acc = torch.zeros(T, H, dtype=torch.float32).index_add_(0, rows, ys)  # [T, H] sum over k
     if out is None:

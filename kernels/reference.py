@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import torch
 
+from kernels.activation import SILU, GatedAct
+
 
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ_k w_k · w2[e_k] @ (silu(w13[e_k][:I] @ x) * (w13[e_k][I:] @ x)), in float64, token by token."""
+                        topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None, act: GatedAct = SILU,
+                        b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_k w_k · (w2[e_k] @ act(w13[e_k][:I] @ x + b13[:I], w13[e_k][I:] @ x + b13[I:]) + b2), in float64,
+    token by token; the clamped activation written out from GPT-OSS's model card."""
     T, H = x.shape
     I = w2.shape[2]
     out = torch.zeros(T, H, dtype=torch.float64)
@@ -25,8 +29,18 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
                 if e < 0:
                     continue
             gu = w13d[e] @ xd[t]                                   # [2I]
-            h = torch.nn.functional.silu(gu[:I]) * gu[I:]          # [I]
-            out[t] += float(topk_weights[t, k]) * (w2d[e] @ h)     # [H]
+            if b13 is not None:
+                gu = gu + b13[e].double()
+            gate, up = gu[:I], gu[I:]
+            if act.limit is not None:
+                gate = torch.minimum(gate, torch.tensor(act.limit, dtype=torch.float64))
+                up = torch.maximum(torch.minimum(up, torch.tensor(act.limit, dtype=torch.float64)),
+                                   torch.tensor(-act.limit, dtype=torch.float64))
+            h = gate / (1 + torch.exp(-act.alpha * gate)) * (up + act.up_offset)   # [I]
+            y = w2d[e] @ h                                         # [H]
+            if b2 is not None:
+                y = y + b2[e].double()
+            out[t] += float(topk_weights[t, k]) * y
     return out
 
 

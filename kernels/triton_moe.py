@@ -10,6 +10,7 @@ import os
 import torch
 import triton
 
+from kernels.activation import SILU, GatedAct
 from kernels.cpu_moe import local_ids
 from kernels.launch_config import LaunchConfig, get_config
 from kernels.moe_align import moe_align_block_size
@@ -36,8 +37,13 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
-                     config: LaunchConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     config: LaunchConfig | None = None, out: torch.Tensor | None = None, act: GatedAct = SILU,
+                     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, w13, w2)
+    if b13 is not None and b2 is not None:
+        if b13.device != x.device or b2.device != x.device:
+            raise ValueError("fused_moe_triton: the biases must be on the activations' device")
+        b13, b2 = b13.contiguous(), b2.contiguous()
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
@@ -54,16 +60,20 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     y = torch.zeros(T * top_k, H, dtype=torch.float32, device=x.device)        # [P, H] dropped pairs stay 0
     weights = topk_weights.reshape(-1).contiguous()                             # [P]
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    has_bias = b13 is not None
     gate_up_silu_kernel[(num_blocks, triton.cdiv(I, cfg.block_n))](
-        x, w13, h, align.sorted_pair_ids, align.block_expert,
+        x, w13, h, align.sorted_pair_ids, align.block_expert, b13 if has_bias else x,
         T * top_k, top_k, H, I,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), b13.stride(0) if has_bias else 0,
+        float(act.alpha), float(act.limit or 0.0), float(act.up_offset),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
+        HAS_BIAS=has_bias, CLAMPED=act.limit is not None, **launch)
     down_weighted_kernel[(num_blocks, triton.cdiv(H, cfg.block_n))](
-        h, w2, y, align.sorted_pair_ids, align.block_expert, weights,
+        h, w2, y, align.sorted_pair_ids, align.block_expert, weights, b2 if has_bias else x,
         T * top_k, H, I,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0) if has_bias else 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
+        HAS_BIAS=has_bias, **launch)
     block_n = min(1024, triton.next_power_of_2(H))
     sum_over_k_kernel[(T, triton.cdiv(H, block_n))](
         y, out, H, top_k, y.stride(0) * top_k, out.stride(0),

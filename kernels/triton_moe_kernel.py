@@ -2,7 +2,8 @@
 
 Shapes: P token-expert pairs (T tokens x top_k), H hidden size, I expert width; tiles BLOCK_M pair rows,
 BLOCK_N output columns, BLOCK_K steps of the reduction dimension (H in gate/up, I in down); TOPK_POW2 is
-top_k rounded up to a power of two.
+top_k rounded up to a power of two. HAS_BIAS adds the experts' biases (b13 [E, 2I], b2 [E, H]); CLAMPED is
+GPT-OSS's clamped SwiGLU (kernels/activation.py), else alpha = 1 and up_offset = 0 give silu(gate) * up.
 """
 
 import triton
@@ -11,12 +12,15 @@ import triton.language as tl
 
 @triton.jit
 def gate_up_silu_kernel(
-    x_ptr, w13_ptr, h_ptr, pair_ids_ptr, block_expert_ptr,
+    x_ptr, w13_ptr, h_ptr, pair_ids_ptr, block_expert_ptr, b13_ptr,
     num_pairs, top_k, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_hp,
+    stride_xt, stride_we, stride_wn, stride_hp, stride_be,
+    alpha, limit, up_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
 ):
-    """h[pair, n] = silu(x[t] · w13[e, n]) * (x[t] · w13[e, I + n]) for the pairs of one block."""
+    """h[pair, n] = act(x[t] · w13[e, n] + b13[e, n], x[t] · w13[e, I + n] + b13[e, I + n]) for the pairs of
+    one block; act(g, u) = g · sigmoid(alpha g) · (u + up_offset), g and u clamped first when CLAMPED."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -40,19 +44,27 @@ def gate_up_silu_kernel(
                      mask=col_ok[None, :] & k_ok[:, None], other=0.0)     # [BK, BN]
         acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u                                 # [BM, BN] silu(gate) * up
+    if HAS_BIAS:
+        b_base = b13_ptr + expert.to(tl.int64) * stride_be
+        acc_g += tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_base + inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED:
+        acc_g = tl.minimum(acc_g, limit)
+        acc_u = tl.maximum(tl.minimum(acc_u, limit), -limit)
+    h = acc_g * tl.sigmoid(acc_g * alpha) * (acc_u + up_offset)           # [BM, BN]
     tl.store(h_ptr + pairs[:, None].to(tl.int64) * stride_hp + cols[None, :],
              h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def down_weighted_kernel(
-    h_ptr, w2_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, weights_ptr,
+    h_ptr, w2_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, weights_ptr, b2_ptr,
     num_pairs, hidden, inter,
-    stride_hp, stride_we, stride_wn, stride_yp,
+    stride_hp, stride_we, stride_wn, stride_yp, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """y[pair, n] = w[pair] · (h[pair] · w2[e, n]): the routed weight applied in the epilogue."""
+    """y[pair, n] = w[pair] · (h[pair] · w2[e, n] + b2[e, n]): bias and routed weight in the epilogue."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -71,6 +83,8 @@ def down_weighted_kernel(
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)      # [BK, BN]
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b2_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     rw = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)  # [BM]
     acc = acc * rw[:, None]
     tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_yp + cols[None, :], acc,

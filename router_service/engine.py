@@ -42,6 +42,7 @@ class Engine:
                  eos_token_ids: tuple[int, ...], micro_batches: int = 1) -> None:
         self.model, self.kv, self.scheduler, self.experts = model, kv, scheduler, experts
         self.micro_batches = micro_batches
+        self.window = model.cfg.sliding_window if model.cfg.sliding_layers else 0   # sliding layers' masks
         self.metrics = Metrics(sources=[experts] if hasattr(experts, "metric_families") else [])
         self.phase = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "postprocess": 0.0}  # seconds
         self.metrics.gauges.update({
@@ -203,7 +204,7 @@ class Engine:
                 seq = s.seq
                 slices.append(SeqSlice(seq.num_cached, s.num_new, seq.block_table, s.samples))
                 tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
-            inputs.append(StepInputs.build(slices, tokens, self.kv.block_size))
+            inputs.append(StepInputs.build(slices, tokens, self.kv.block_size, self.window))
         t1 = time.perf_counter()
         logits = self.model.forward(inputs, self.kv, self.experts)           # [B, V]
         self.phase["prepare"] += t1 - t0

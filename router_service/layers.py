@@ -14,9 +14,12 @@ from kernels.cpu_linear import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise in float32, scale in the input dtype (as transformers' RMSNorm does)."""
+    """Normalise in float32, scale in the input dtype (as transformers' RMSNorm does); a float32 weight on lower
+    precision activations scales in float32, then casts (GPT-OSS's norms, kept in float32)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:
+        return (weight * xf).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Generator
 
 import torch
-import torch.nn.functional as F
 
 from colibri_common.config import ModelConfig
 from kernels import Routing, route
 from kernels.cpu_linear import linear
+from router_service.attention import attention
 from router_service.experts import Experts, ExpertsUnavailable, Handle
 from router_service.kv_cache import KVCache
 from router_service.layers import Rope, apply_rope, apply_rope_interleaved, rms_norm, silu_mlp
@@ -48,6 +48,7 @@ class RouterModel:
                                cfg.arch.group_score, cfg.routed_scaling)
         self.mla_scale = mla_scale(cfg) if cfg.mla is not None else 0.0
         self.mla_rope = apply_rope_interleaved if cfg.mla is not None and cfg.mla.rope_interleave else apply_rope
+        self.sliding = frozenset(cfg.sliding_layers)                      # layers that read the window's masks
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing
@@ -90,8 +91,9 @@ class RouterModel:
 
     @staticmethod
     def _scores(r: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-        """Gate logits [T, E], in the gate's dtype (float32 where the architecture computes its gate so)."""
-        return linear(r if r.dtype == lw.router.dtype else r.to(lw.router.dtype), lw.router)
+        """Gate logits [T, E], in the gate's dtype (float32 where the architecture computes its gate so), plus the
+        gate's bias where it has one (GPT-OSS)."""
+        return linear(r if r.dtype == lw.router.dtype else r.to(lw.router.dtype), lw.router, lw.gate_bias)
 
     @torch.inference_mode()
     def predict_experts(self, token_ids: list[int]) -> frozenset[int]:
@@ -175,19 +177,5 @@ class RouterModel:
             q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(layer, step.slots, k, v)
-        out = torch.empty_like(q)                                            # [T, Hq, D]
-        nd = step.num_decode
-        if nd:
-            kd, vd = kv.gather(layer, step.decode_slots)                     # [Bd, C, Hkv, D]
-            o = F.scaled_dot_product_attention(
-                q[:nd, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2),  # [Bd, Hq, 1, D], [Bd, Hkv, C, D]
-                attn_mask=step.decode_mask, enable_gqa=True)
-            out[:nd] = o[:, :, 0, :]
-        for row, n, ctx_slots, mask in step.prefills:
-            kp, vp = kv.gather(layer, ctx_slots)                             # [ctx, Hkv, D]
-            o = F.scaled_dot_product_attention(                             # 4-D: the fused CPU kernels
-                q[row:row + n].transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True)     # [1, Hq, n, D]
-            out[row:row + n] = o[0].transpose(0, 1)
+        out = attention(layer, q, k, v, step, kv, layer in self.sliding, lw.sinks)   # [T, Hq, D]
         return linear(out.reshape(T, -1), lw.o, lw.o_bias)                 # [T, H]

@@ -6,7 +6,7 @@ context, C one prefill's context (cached + new), n its new tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,9 @@ class StepInputs:
     decode_mask: torch.Tensor        # [Bd, 1, 1, Cmax] True where a slot is valid
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row, n, slots [ctx], mask | None)
     sample_rows: torch.Tensor        # [B] rows whose logits are sampled
+    window: int = 0                  # sliding-window layers' window (0: the model has none), and their masks:
+    decode_window_mask: torch.Tensor | None = None     # [Bd, 1, 1, Cmax] valid and within the window
+    prefill_window_masks: list[torch.Tensor] = field(default_factory=list)   # per prefill [n, ctx]
 
     def to(self, device: torch.device) -> StepInputs:
         """These inputs on `device` (asynchronous copies on a GPU; the same object on the CPU)."""
@@ -44,11 +47,13 @@ class StepInputs:
             token_ids=move(self.token_ids), positions=move(self.positions), slots=move(self.slots),
             num_decode=self.num_decode, decode_slots=move(self.decode_slots), decode_mask=move(self.decode_mask),
             prefills=[(row, n, move(slots), move(mask)) for row, n, slots, mask in self.prefills],
-            sample_rows=move(self.sample_rows))
+            sample_rows=move(self.sample_rows), window=self.window, decode_window_mask=move(self.decode_window_mask),
+            prefill_window_masks=[move(m) for m in self.prefill_window_masks])
 
     @staticmethod
-    def build(seqs: list[SeqSlice], token_ids: list[int], block_size: int) -> StepInputs:
-        """`seqs` must list decode sequences (num_new == 1, num_cached > 0) first."""
+    def build(seqs: list[SeqSlice], token_ids: list[int], block_size: int, window: int = 0) -> StepInputs:
+        """`seqs` must list decode sequences (num_new == 1, num_cached > 0) first. With a `window`, the sliding
+        layers' masks too: a query at position p sees keys p - window < j <= p (as transformers' overlay)."""
         positions: list[int] = []      # plain Python: a decode step adds one token per sequence
         slots: list[int] = []
         for s in seqs:
@@ -67,10 +72,15 @@ class StepInputs:
             dslots = (table[:, :, None] * block_size + offs).reshape(len(decode), -1)[:, :cmax]  # [Bd, Cmax]
             lens = torch.tensor([s.num_cached + 1 for s in decode])
             dmask = (torch.arange(cmax)[None, :] < lens[:, None])[:, None, None, :]         # [Bd, 1, 1, Cmax]
+            if window:
+                recent = torch.arange(cmax)[None, :] > lens[:, None] - 1 - window            # [Bd, Cmax]
+                wmask = dmask & recent[:, None, None, :]
         else:
             dslots = torch.zeros(0, 0, dtype=torch.long)
             dmask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
-        prefills = []
+        if not (decode and window):
+            wmask = dmask
+        prefills, window_masks = [], []
         row = num_decode
         for s in seqs[num_decode:]:
             ctx = s.num_cached + s.num_new
@@ -81,6 +91,10 @@ class StepInputs:
                 q_pos = torch.arange(s.num_cached, ctx)[:, None]
                 mask = torch.arange(ctx)[None, :] <= q_pos                                    # [n, ctx]
             prefills.append((row, s.num_new, ctx_slots, mask))
+            if window:
+                q_pos = torch.arange(s.num_cached, ctx)[:, None]
+                keys = torch.arange(ctx)[None, :]
+                window_masks.append((keys <= q_pos) & (keys > q_pos - window))               # [n, ctx]
             row += s.num_new
         sample_rows, row = [], 0
         for s in seqs:
@@ -93,4 +107,5 @@ class StepInputs:
             slots=torch.tensor(slots, dtype=torch.long),
             num_decode=num_decode, decode_slots=dslots, decode_mask=dmask,
             prefills=prefills, sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            window=window, decode_window_mask=wmask if window else None, prefill_window_masks=window_masks,
         )

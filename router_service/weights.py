@@ -62,6 +62,8 @@ class LayerWeights:
     mlp_down: Weight | None = None           # [H, I]
     shared_gate: torch.Tensor | None = None  # [1, H] sigmoid gate of the shared expert
     mla: MlaWeights | None = None            # latent attention (DeepSeek), instead of qkv
+    sinks: torch.Tensor | None = None        # [Hq] float32 attention sinks' logits (GPT-OSS)
+    gate_bias: torch.Tensor | None = None    # [E] the router linear's bias, added to the logits (GPT-OSS)
 
 
 @dataclass
@@ -98,15 +100,26 @@ class RouterWeights:
         def load_all(specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
             return {role: ckpt.load(name, shape, dtype).to(device or "cpu") for role, (name, shape) in specs.items()}
 
-        top = load_all(model_tensors(cfg))
+        def load_f32(spec: tuple[str, tuple[int, ...]] | None) -> torch.Tensor | None:
+            return None if spec is None else ckpt.load(*spec, torch.float32).to(device or "cpu")
+
+        f32_norms = cfg.arch.norm_scale_fp32            # GPT-OSS keeps its norms in float32, as transformers does
+        top_specs = model_tensors(cfg)
+        norm = load_f32(top_specs.pop("norm")) if f32_norms else None
+        top = load_all(top_specs)
+        if norm is not None:
+            top["norm"] = norm
         layers = []
         for i in tqdm(range(cfg.num_layers), desc="router weights", unit="layer", disable=not progress):
             specs = router_layer_tensors(cfg, i)
             bias = specs.pop("router_bias", None)          # float32 whatever the compute dtype, as transformers
             gate = specs.pop("router", None) if cfg.arch.router_fp32 else None        # a float32 gate too
+            sinks = specs.pop("sinks", None)                # softmax logits: float32
+            norms = {role: specs.pop(role) for role in ("ln1", "ln2")} if f32_norms else {}
             t = load_all(specs)
+            t.update({role: load_f32(spec) for role, spec in norms.items()})
             if gate is not None:
-                t["router"] = ckpt.load(*gate, torch.float32).to(device or "cpu")
+                t["router"] = load_f32(gate)
             mlp = "shared" if "shared.gate" in t else "mlp" if "mlp.gate" in t else None
             layers.append(LayerWeights(
                 ln1=t["ln1"], ln2=t["ln2"],
@@ -114,7 +127,7 @@ class RouterWeights:
                 qkv_bias=torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]]) if "q_bias" in t else None,
                 o=t["o"], o_bias=t.get("o_bias"), q_norm=t.get("q_norm"), k_norm=t.get("k_norm"),
                 router=t.get("router"),
-                router_bias=None if bias is None else ckpt.load(*bias, torch.float32).to(device or "cpu"),
+                router_bias=load_f32(bias), sinks=load_f32(sinks), gate_bias=t.get("gate_bias"),
                 mlp_gate_up=torch.cat([t[f"{mlp}.gate"], t[f"{mlp}.up"]]) if mlp else None,   # [2I, H]
                 mlp_down=t[f"{mlp}.down"] if mlp else None,
                 shared_gate=t.get("shared_gate"),

@@ -20,7 +20,8 @@ from tests.models import build_model, save_checkpoint, small_config
 
 REPO = Path(__file__).resolve().parent.parent
 COLIBRI = str(Path(sys.executable).parent / "colibri")
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v2", "deepseek_v3")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v2", "deepseek_v3",
+         "gpt_oss")
 
 torch.set_num_threads(1)
 # The measured CPU forms (and expert heat files) of every service the suite starts go to a directory of

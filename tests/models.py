@@ -10,6 +10,7 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     Glm4MoeConfig,
+    GptOssConfig,
     MiniMaxM2Config,
     MixtralConfig,
     OlmoeConfig,
@@ -57,6 +58,12 @@ def small_config(arch: str, **overrides) -> PretrainedConfig:
         else:
             kw |= dict(q_lora_rank=48, routed_scaling_factor=2.5, norm_topk_prob=True)
             cfg = DeepseekV3Config(**{**COMMON, **kw, **overrides})
+    elif arch == "gpt_oss":   # sinks, sliding (window 4) and full layers, YaRN, biases, a clamp low enough to bite
+        kw = dict(num_local_experts=8, num_experts_per_tok=3, intermediate_size=40, head_dim=32, sliding_window=4,
+                  swiglu_limit=2.0, layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 1.5e5})
+        cfg = GptOssConfig(**{**COMMON, **kw, **overrides})
     elif arch == "olmoe":
         kw = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=40, norm_topk_prob=False)
         cfg = OlmoeConfig(**{**COMMON, **kw, **overrides})
@@ -73,6 +80,8 @@ def build_model(cfg: PretrainedConfig, seed: int = 0, std: float = 0.2, dtype: t
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):                     # large enough to take a real share of attention
+                p.copy_(torch.randn_like(p))
             else:
                 p.copy_(std * torch.randn_like(p))
         for name, b in model.named_buffers():

@@ -54,7 +54,7 @@ def test_inprocess_engine_matches_transformers(oracles, arch):
     ("qwen3_moe", 1, "stream"), ("qwen3_moe", 2, "stream"), ("qwen3_moe", 3, "stream"), ("qwen2_moe", 3, "unary"),
     ("glm4_moe", 1, "stream"), ("glm4_moe", 3, "stream"), ("minimax_m2", 1, "stream"), ("minimax_m2", 3, "stream"),
     ("deepseek_v2", 1, "stream"), ("deepseek_v2", 3, "stream"), ("deepseek_v3", 1, "stream"),
-    ("deepseek_v3", 3, "stream")])
+    ("deepseek_v3", 3, "stream"), ("gpt_oss", 1, "stream"), ("gpt_oss", 3, "stream")])
 def test_fleet_matches_transformers(oracles, arch, workers, transport):
     oracle = oracles[arch]
     with fleet(oracle.path, workers, ["--transport", transport]) as (addr, _):

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from kernels import cpu_moe, fused_moe, quantize_int8, topk_route
+from kernels import GatedAct, cpu_moe, fused_moe, quantize_int8, topk_route
 from kernels.cpu_forms import bucket
 from kernels.reference import fused_moe_reference, topk_route_reference
 
@@ -89,6 +89,38 @@ def test_triton_float32(T, E, K):
 def test_triton_float16_and_patterns(T, E, K, pattern):
     check("triton", T, E, K, torch.float16, pattern)
     check("triton", T, E, K, torch.float32, pattern)
+
+
+GPT_OSS = GatedAct(alpha=1.702, limit=1.5, up_offset=1.0)     # a low limit, so the clamps bite at these scales
+
+
+@pytest.mark.parametrize("backend, form", [("torch", "loop"), ("torch", "grouped"), ("triton", None)])
+@pytest.mark.parametrize("T,E,K,pattern", [(1, 8, 2, "random"), (17, 61, 3, "expert_map"), (64, 8, 4, "one_expert")])
+def test_clamped_swiglu_with_expert_biases(backend, form, T, E, K, pattern, moe_forms):
+    """GPT-OSS's experts: biases on gate/up and down, gate clamped above, up both sides, up + 1, alpha 1.702."""
+    x, w13, w2, ids, w, emap = make_case(T, E, K, torch.float32, pattern, seed=T)
+    x = 3 * x                                                            # pre-activations past the limit
+    g = torch.Generator().manual_seed(E)
+    b13, b2 = torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)
+    ref = fused_moe_reference(x, w13, w2, ids, w, emap, act=GPT_OSS, b13=b13, b2=b2)
+    gu = torch.einsum("th,eih->tei", x.double(), w13.double()) + b13.double()     # [T, E, 2I]
+    assert (gu[..., :I] > GPT_OSS.limit).any() and (gu[..., I:] < -GPT_OSS.limit).any()   # clamps bite
+    assert not torch.allclose(ref, fused_moe_reference(x, w13, w2, ids, w, emap))          # not plain SwiGLU
+    if form is not None:
+        moe_forms({cpu_moe.moe_key(E, I, H, "float32", bucket(T)): form})
+    got = fused_moe(x, w13, w2, ids, w, emap, backend=backend, act=GPT_OSS, b13=b13, b2=b2)
+    err = float((got.double() - ref).abs().max() / ref.abs().max())
+    assert err <= 1e-4, f"{backend}/{form} T={T} E={E} K={K} {pattern}: rel err {err:.2e}"
+
+
+def test_biases_must_come_together_with_their_shapes():
+    x, w13, w2, ids, w, _ = make_case(3, 8, 2, torch.float32, "random")
+    with pytest.raises(ValueError, match="biases must come together"):
+        fused_moe(x, w13, w2, ids, w, b13=torch.zeros(8, 2 * I))
+    with pytest.raises(ValueError, match="biases must come together"):
+        fused_moe(x, w13, w2, ids, w, b13=torch.zeros(8, I), b2=torch.zeros(8, H))
+    with pytest.raises(ValueError, match="limit must be a positive number"):
+        GatedAct(limit=-1.0)
 
 
 def test_no_pair_held_here_gives_zeros():

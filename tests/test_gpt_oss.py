@@ -1,0 +1,142 @@
+"""GPT-OSS beyond the shared oracle checks (tests/test_e2e_oracle.py): MXFP4 experts as published, sliding
+windows over cached context (chunked prefill, prefix cache), the expert cache with the experts' biases,
+Mixtral's all-layers sliding window, and configs that cannot be served.
+
+The MXFP4 oracle is transformers on the model whose experts transformers' own MXFP4 dequantiser
+(integrations.mxfp4.convert_moe_packed_tensors) produced from the checkpoint's blocks and scales.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from colibri.validate import validate
+from colibri_common import mxfp4
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.errors import CheckpointError, ConfigError
+from expert_service.shard import CacheSetting, cache_setting
+from router_service.scheduler import SchedulerConfig
+from tests.conftest import Oracle
+from tests.inprocess import InProcess
+from tests.models import build_model, save_checkpoint, small_config
+from tests.test_e2e_oracle import NEW_TOKENS, PROMPTS, check_against_oracle
+
+LONG = [(11 * j + 5) % 256 for j in range(30)]          # far past the window of 4
+
+
+def write_mxfp4(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """`src`'s GPT-OSS checkpoint with its experts in MXFP4 as published: `*_blocks` / `*_scales` per layer,
+    biases and every other tensor as they were, quantization_config mxfp4. Returns the blocks and scales."""
+    dst.mkdir()
+    tensors = load_file(src / "model.safetensors")
+    packed = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2).contiguous()          # [E, out, in]: the blocks run along inputs
+        packed[name + "_blocks"], packed[name + "_scales"] = mxfp4.quantize(w)
+    save_file({**tensors, **packed}, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return packed
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> Oracle:
+    model = build_model(small_config("gpt_oss"), seed=21)
+    return Oracle(model, save_checkpoint(model, tmp_path_factory.mktemp("gpt_oss") / "ckpt"))
+
+
+def test_mxfp4_experts_dequantise_within_the_format_and_serve_as_transformers(tmp_path):
+    model = build_model(small_config("gpt_oss", intermediate_size=64), seed=5)   # widths of whole 32-blocks
+    src = save_checkpoint(model, tmp_path / "bf")
+    packed = write_mxfp4(src, tmp_path / "mxfp4")
+    ckpt = Checkpoint(tmp_path / "mxfp4")
+    assert ckpt.quantized() == {"mxfp4 e2m1, 32-value blocks with e8m0 scales": 4}
+    state = model.state_dict()
+    for layer in range(2):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            blocks, scales = packed[name + "_blocks"], packed[name + "_scales"]
+            theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)   # [E, in, out]
+            ours = ckpt.mxfp4(name + "_blocks", name + "_scales")                    # [E, out, in]
+            assert torch.equal(ours.transpose(1, 2), theirs)
+            # within the format's rounding: half a step of e2m1 at the block's scale, or the clip to 6 x scale
+            step = torch.pow(2.0, scales.float() - 127).repeat_interleave(32, -1)            # [E, out, in]
+            err = (ours - state[name].transpose(1, 2)).abs()
+            assert (err <= 2 * step).all() and err.mean() < 0.25 * step.mean()
+            state[name] = theirs                                     # the oracle: transformers' dequantised model
+    ckpt.close()
+    model.load_state_dict(state)
+    oracle = Oracle(model, tmp_path / "mxfp4")
+    with InProcess(oracle.path) as engine:
+        for prompt in PROMPTS:
+            res = engine.generate(prompt, NEW_TOKENS, return_logits=True)
+            check_against_oracle(oracle, prompt, res.token_ids, res.logits, res.finish_reason)
+    lines = validate(str(oracle.path), workers=2)
+    assert any("mxfp4 e2m1" in line for line in lines), lines
+    assert any(line.startswith("attention") and "sinks, sliding window 4 on 1 of 2 layers" in line for line in lines)
+
+
+def test_a_damaged_mxfp4_checkpoint_fails_at_start_naming_the_tensor(tmp_path):
+    model = build_model(small_config("gpt_oss", intermediate_size=64), seed=5)
+    write_mxfp4(save_checkpoint(model, tmp_path / "bf"), tmp_path / "mxfp4")
+    tensors = load_file(tmp_path / "mxfp4" / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][:, :, :1].contiguous()                  # scales for one block of two
+    save_file(tensors, tmp_path / "mxfp4" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.experts.down_proj_scales' has shape"):
+        InProcess(tmp_path / "mxfp4")
+
+
+def test_sliding_windows_over_cached_context(gpt_oss):
+    """Chunked prefill (queries over cached keys, part of them out of the window) and decode batched with
+    prefill give transformers' tokens."""
+    with InProcess(gpt_oss.path, sched=SchedulerConfig(max_num_tokens=8)) as engine:
+        res = engine.generate(LONG, NEW_TOKENS, return_logits=True)
+        check_against_oracle(gpt_oss, LONG, res.token_ids, res.logits, res.finish_reason)
+        outs = [engine.submit(p, NEW_TOKENS) for p in (LONG, PROMPTS[0], PROMPTS[2])]   # one batch, mixed steps
+        for prompt, out in zip((LONG, PROMPTS[0], PROMPTS[2]), outs, strict=True):
+            assert engine.collect(out).token_ids == gpt_oss.greedy(prompt, NEW_TOKENS)
+
+
+def test_the_expert_cache_carries_the_experts_biases(gpt_oss):
+    """Two hot slots a layer for top-3 routing: every call runs in rounds, each slot's biases its expert's."""
+    cfg = ModelConfig.from_dir(gpt_oss.path)
+    cache = cache_setting(cfg, cfg.num_experts, torch.float32, None, "2")
+    assert isinstance(cache, CacheSetting)
+    with InProcess(gpt_oss.path, cache=cache) as engine:
+        res = engine.generate(PROMPTS[0], NEW_TOKENS, return_logits=True)
+        check_against_oracle(gpt_oss, PROMPTS[0], res.token_ids, res.logits, res.finish_reason)
+        assert engine.shard.cache is not None and engine.shard.cache.stats.evictions > 0
+
+
+def test_mixtral_with_a_sliding_window_on_every_layer(tmp_path):
+    model = build_model(small_config("mixtral", sliding_window=5), seed=3)
+    oracle = Oracle(model, save_checkpoint(model, tmp_path / "mixtral"))
+    assert ModelConfig.from_dir(oracle.path).sliding_layers == (0, 1)
+    with InProcess(oracle.path, sched=SchedulerConfig(max_num_tokens=8)) as engine:
+        res = engine.generate(LONG, NEW_TOKENS, return_logits=True)
+        check_against_oracle(oracle, LONG, res.token_ids, res.logits, res.finish_reason)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"layer_types": ["sliding_attention"]}, "layer_types must list 2 kinds"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "each one of sliding_attention, full_attention"),
+    ({"sliding_window": 0}, "sliding_window is 0"),
+])
+def test_gpt_oss_configs_that_cannot_be_served_name_the_field(gpt_oss, tmp_path, change, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(gpt_oss.path, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**raw, **change}))
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dir(bad)
