@@ -12,7 +12,8 @@ from expert_service.cache_policy import POLICIES
 
 @dataclass(frozen=True)
 class ExpertCacheOptions:
-    """The hot-expert cache of a worker (`serve` gives every worker the same)."""
+    """How a worker holds its experts: the hot-expert cache, FP8 kept or not (`serve` gives every worker the
+    same)."""
 
     expert_cache_capacity: str = option("all", "experts kept packed and ready: all, N in total (one pool), N/layer, "
                                                "a share of this worker's experts (25%) or bytes (2GiB), a share or "
@@ -29,6 +30,12 @@ class ExpertCacheOptions:
     expert_cache_heat: str = option("auto", "JSON file of the hottest experts, written on stop and packed on the next "
                                             "start before ready ('auto' = one per checkpoint and shard beside the "
                                             "CPU forms file; 'off' = start cold)", metavar="PATH|auto|off")
+
+    fp8_experts: str = option("auto", "an FP8 checkpoint's experts: keep them FP8 with their block scales (half "
+                                      "the bytes of bf16; the Triton kernels scale each tile as they load it), "
+                                      "dequantize them to the compute dtype as they are packed, or auto: keep on "
+                                      "a CUDA GPU with FP8 (compute capability 8.9+), else dequantize",
+                              choices=("auto", "keep", "dequantize"))
 
     def __post_init__(self) -> None:
         check_capacity(self.expert_cache_capacity)

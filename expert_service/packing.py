@@ -16,8 +16,11 @@ import torch
 
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
+from colibri_common.errors import CheckpointError
+from colibri_common.fp8 import SCALE_SUFFIX
 from colibri_common.tensors import expert_bias_tensors, stored_expert_tensors
 from kernels.cpu_forms import Weight
+from kernels.fp8_weight import Fp8Weight
 
 
 def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13: Weight, w2: Weight,
@@ -25,6 +28,9 @@ def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13
     """Global `expert` of `layer` into w13 [2I, H] (gate rows, then up rows) and w2 [H, I]."""
     I = cfg.moe_intermediate_size
     layout, t = stored_expert_tensors(cfg, layer, expert, ckpt)
+    if isinstance(w13, Fp8Weight) and isinstance(w2, Fp8Weight):
+        _pack_fp8(cfg, ckpt, layout, t, expert, w13, w2, release)
+        return
     if layout == "per_expert":
         (g, gs), (u, us), (d, ds) = t["gate"], t["up"], t["down"]
         w13[:I].copy_(ckpt.tensor(g, gs))
@@ -54,6 +60,33 @@ def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13
     if release:
         for name, _ in t.values():
             ckpt.release(name, expert)
+
+
+def _pack_fp8(cfg: ModelConfig, ckpt: Checkpoint, layout: str, t: dict[str, tuple[str, tuple[int, ...]]],
+              expert: int, w13: Fp8Weight, w2: Fp8Weight, release: bool) -> None:
+    """The published e4m3 values and block scales as they are (no dequantisation): gate rows then up rows."""
+    def raw(name: str, shape: tuple[int, ...], index: int | None) -> tuple:
+        if ckpt.check(name, shape).dtype != "F8_E4M3":
+            raise CheckpointError(f"{ckpt.entry(name).file}: '{name}' is {ckpt.entry(name).dtype}, but the experts "
+                                  f"are held in FP8: every expert weight must be FP8 (or serve --fp8-experts "
+                                  f"dequantize)")
+        ckpt.check_fp8(name)
+        v, sc = ckpt.view(name), ckpt.view(name + SCALE_SUFFIX)
+        return (v, sc) if index is None else (v[index], sc[index])
+
+    if layout == "per_expert":
+        (g, gs), (u, us), (d, ds) = t["gate"], t["up"], t["down"]
+        w13.fill(0, *raw(g, gs, None))
+        w13.fill(cfg.moe_intermediate_size, *raw(u, us, None))
+        w2.fill(0, *raw(d, ds, None))
+    elif layout == "stacked":
+        w13.fill(0, *raw(*t["gate_up"], expert))
+        w2.fill(0, *raw(*t["down"], expert))
+    else:
+        raise CheckpointError(f"experts in the {layout} layout are not FP8; serve them with --fp8-experts dequantize")
+    if release:
+        for name, _ in t.values():
+            ckpt.release(name, None if layout == "per_expert" else expert)
 
 
 def expert_biases(cfg: ModelConfig, ckpt: Checkpoint, layer: int, experts: list[int], dtype: torch.dtype,

@@ -4,6 +4,8 @@ Shapes: P token-expert pairs (T tokens x top_k), H hidden size, I expert width; 
 BLOCK_N output columns, BLOCK_K steps of the reduction dimension (H in gate/up, I in down); TOPK_POW2 is
 top_k rounded up to a power of two. HAS_BIAS adds the experts' biases (b13 [E, 2I], b2 [E, H]); CLAMPED is
 GPT-OSS's clamped SwiGLU (kernels/activation.py), else alpha = 1 and up_offset = 0 give silu(gate) * up.
+W_SCALED: the weights are block-scaled FP8 (kernels/fp8_weight.py); each loaded tile is multiplied by its
+blocks' scales (scales [E, R / scale_bn, C / scale_bk]) and cast to the activations' dtype before the dot.
 """
 
 import triton
@@ -12,12 +14,13 @@ import triton.language as tl
 
 @triton.jit
 def gate_up_silu_kernel(
-    x_ptr, w13_ptr, h_ptr, pair_ids_ptr, block_expert_ptr, b13_ptr,
+    x_ptr, w13_ptr, h_ptr, pair_ids_ptr, block_expert_ptr, b13_ptr, s13_ptr,
     num_pairs, top_k, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_hp, stride_be,
+    stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
     alpha, limit, up_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, W_SCALED: tl.constexpr,
 ):
     """h[pair, n] = act(x[t] · w13[e, n] + b13[e, n], x[t] · w13[e, I + n] + b13[e, I + n]) for the pairs of
     one block; act(g, u) = g · sigmoid(alpha g) · (u + up_offset), g and u clamped first when CLAMPED."""
@@ -42,6 +45,13 @@ def gate_up_silu_kernel(
                      mask=col_ok[None, :] & k_ok[:, None], other=0.0)     # [BK, BN]
         wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + ks[:, None],
                      mask=col_ok[None, :] & k_ok[:, None], other=0.0)     # [BK, BN]
+        if W_SCALED:                                                      # FP8: each value times its block's scale
+            s_base = s13_ptr + expert.to(tl.int64) * stride_se + (ks[:, None] // scale_bk) * stride_sk
+            ok = col_ok[None, :] & k_ok[:, None]
+            sg = tl.load(s_base + (cols[None, :] // scale_bn) * stride_sn, mask=ok, other=0.0)         # [BK, BN]
+            su = tl.load(s_base + ((cols[None, :] + inter) // scale_bn) * stride_sn, mask=ok, other=0.0)
+            wg = (wg.to(tl.float32) * sg).to(a.dtype)
+            wu = (wu.to(tl.float32) * su).to(a.dtype)
         acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
     if HAS_BIAS:
@@ -58,11 +68,12 @@ def gate_up_silu_kernel(
 
 @triton.jit
 def down_weighted_kernel(
-    h_ptr, w2_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, weights_ptr, b2_ptr,
+    h_ptr, w2_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, weights_ptr, b2_ptr, s2_ptr,
     num_pairs, hidden, inter,
     stride_hp, stride_we, stride_wn, stride_yp, stride_be,
+    stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, W_SCALED: tl.constexpr,
 ):
     """y[pair, n] = w[pair] · (h[pair] · w2[e, n] + b2[e, n]): bias and routed weight in the epilogue."""
     pid_m = tl.program_id(0)
@@ -82,6 +93,10 @@ def down_weighted_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)      # [BM, BK]
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)      # [BK, BN]
+        if W_SCALED:
+            sw = tl.load(s2_ptr + expert.to(tl.int64) * stride_se + (cols[None, :] // scale_bn) * stride_sn
+                         + (ks[:, None] // scale_bk) * stride_sk, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            w = (w.to(tl.float32) * sw).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b2_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

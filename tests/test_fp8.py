@@ -20,15 +20,16 @@ from tests.inprocess import InProcess
 from tests.models import build_model, save_checkpoint, small_config
 from tests.test_e2e_oracle import check_against_oracle
 
-BLOCK = (16, 32)           # smaller than the published 128 x 128, so these tiny weights span several blocks
+BLOCK = (8, 32)            # smaller than the published 128 x 128, so these tiny weights span several blocks
+                           # (and the expert width, 40, is whole blocks of rows: FP8 can be kept as published)
 
 
 def test_dequantised_weights_are_within_e4m3_rounding():
     w = torch.randn(40, 70, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 70)  # [R, C]
     q, scale = quantize(w, BLOCK)
-    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 3)
     back = dequantize(q, scale, BLOCK)                                                   # [R, C] float32
-    s = scale.repeat_interleave(16, 0)[:40].repeat_interleave(32, 1)[:, :70]
+    s = scale.repeat_interleave(8, 0)[:40].repeat_interleave(32, 1)[:, :70]
     # e4m3 has 3 mantissa bits: a normal value rounds within 2^-4 of itself; subnormals (below 2^-6 x scale)
     # within half their 2^-9 x scale spacing
     assert ((back - w).abs() <= torch.maximum(w.abs() * 2**-4, s * 2**-10) + 1e-12).all()
@@ -89,11 +90,39 @@ def test_a_fleet_serves_it_and_validate_reports_the_format(fp8_model):
     out = subprocess.run([COLIBRI, "validate", "--model", str(fp8_model.path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "fp8 e4m3, 16x32 block scales" in out.stdout
+    assert "fp8 e4m3, 8x32 block scales" in out.stdout
     from colibri.client import Client
 
     with fleet(fp8_model.path, 2) as (addr, _):
         assert Client(addr).generate([1, 2, 3], 8).token_ids == fp8_model.greedy([1, 2, 3], 8)
+
+
+def test_a_worker_keeps_the_experts_fp8_for_the_triton_kernels(fp8_model):
+    """--fp8-experts keep: the published e4m3 values and block scales are what the worker holds (a third of the
+    float32 bytes, plus scales), and the Triton kernels (run by the interpreter on CPU tensors, as a GPU would
+    run them) scale each tile as they load it: transformers' tokens on the dequantised model."""
+    from colibri.client import Client
+    from tests.conftest import free_port, metrics
+
+    env = {"COLIBRI_MOE_BACKEND": "triton", "TRITON_INTERPRET": "1"}
+    port = free_port()
+    with fleet(fp8_model.path, 1, ["--fp8-experts", "keep", "--metrics-port", str(port)], env=env) as (addr, _):
+        prompt = [3, 17, 42, 99, 5, 8]
+        res = Client(addr).generate(prompt, 6, return_logits=True)
+        assert res.token_ids == fp8_model.greedy(prompt, 6)
+        resident = metrics(port + 1)["colibri:expert_resident_bytes"]
+    H, I, E, L = 96, 40, 8, 2
+    scales = 4 * ((2 * I // 8) * (H // 32) + (H // 8) * -(-I // 32))
+    assert resident == E * L * (3 * H * I + scales)                       # e4m3 values + float32 block scales
+
+
+def test_keeping_fp8_on_a_cpu_without_the_triton_kernels_fails_at_start(fp8_model):
+    out = subprocess.run([COLIBRI, "expert", "--model", str(fp8_model.path), "--shard", "0/1", "--fp8-experts",
+                          "keep"], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in __import__("os").environ.items() if k != "COLIBRI_MOE_BACKEND"})
+    assert out.returncode != 0
+    assert "--fp8-experts keep on a CPU needs the Triton kernels" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_fp8_weights_without_their_scales_or_format_are_named(fp8_model, tmp_path):

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from kernels import GatedAct, cpu_moe, fused_moe, quantize_int8, topk_route
+from kernels import Fp8Weight, GatedAct, cpu_moe, fused_moe, quantize_int8, topk_route
 from kernels.cpu_forms import bucket
 from kernels.reference import fused_moe_reference, topk_route_reference
 
@@ -121,6 +121,41 @@ def test_biases_must_come_together_with_their_shapes():
         fused_moe(x, w13, w2, ids, w, b13=torch.zeros(8, I), b2=torch.zeros(8, H))
     with pytest.raises(ValueError, match="limit must be a positive number"):
         GatedAct(limit=-1.0)
+
+
+def to_fp8(w: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
+    """Block-scaled e4m3 as DeepSeek-V3 publishes it: per b0 x b1 block, scale = amax / 448."""
+    E, R, C = w.shape
+    b0, b1 = block
+    pad = torch.zeros(E, -(-R // b0) * b0, -(-C // b1) * b1)
+    pad[:, :R, :C] = w
+    blocks = pad.view(E, pad.shape[1] // b0, b0, pad.shape[2] // b1, b1)
+    scales = (blocks.abs().amax(dim=(2, 4)) / 448).clamp(min=1e-12)                 # [E, R / b0, C / b1]
+    values = (blocks / scales[:, :, None, :, None]).view_as(pad)[:, :R, :C].to(torch.float8_e4m3fn)
+    return Fp8Weight(values.contiguous(), scales, block)
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,E,K,pattern", [(1, 8, 2, "random"), (17, 61, 3, "expert_map"), (64, 8, 4, "one_expert")])
+def test_triton_keeps_fp8_experts_and_scales_their_tiles(T, E, K, pattern, dtype, block):
+    """FP8 experts (one block or many per matrix, blocks cut by the edges) against the reference on their
+    dequantised values: the kernel's only rounding is the activations' dtype."""
+    x, w13, w2, ids, w, emap = make_case(T, E, K, torch.float32, pattern, seed=T)
+    q13, q2 = to_fp8(w13, block), to_fp8(w2, block)
+    assert 0 < float((q13.dequantize() - w13).abs().max()) < 0.1 * float(w13.abs().max())   # really FP8
+    ref = fused_moe_reference(x, q13.dequantize(), q2.dequantize(), ids, w, emap)
+    got = fused_moe(x.to(dtype), q13, q2, ids, w, emap, backend="triton")
+    err = float((got.double() - ref).abs().max() / ref.abs().max())
+    assert got.dtype == dtype and err <= TOL[dtype], f"T={T} E={E} K={K} {pattern} {dtype} {block}: {err:.2e}"
+
+
+def test_fp8_experts_on_the_cpu_path_are_a_clear_error():
+    x, w13, w2, ids, w, _ = make_case(3, 8, 2, torch.float32, "random")
+    with pytest.raises(ValueError, match="FP8 experts are computed by the Triton kernels"):
+        fused_moe(x, to_fp8(w13, (16, 16)), to_fp8(w2, (16, 16)), ids, w, backend="torch")
+    with pytest.raises(TypeError, match="both be FP8 or neither"):
+        fused_moe(x, to_fp8(w13, (16, 16)), w2, ids, w, backend="triton")
 
 
 def test_no_pair_held_here_gives_zeros():
