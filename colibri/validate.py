@@ -68,7 +68,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
     per_expert = {(layer, e): expert_bytes(ckpt, cfg, layer, e)
                   for layer in cfg.moe_layers for e in range(cfg.num_experts)}
     total_bytes = sum(e.nbytes for e in ckpt.entries.values())
-    params = sum(_numel(e.shape) for e in ckpt.entries.values())
+    params = sum(_params(name, e.dtype, e.shape) for name, e in ckpt.entries.items())
     tok_path = Path(model_dir) / "tokenizer.json"
     tokenizer = Tokenizer.from_dir(model_dir)
     tok_vocab = None if tokenizer is None else tokenizer.vocab_size
@@ -85,7 +85,8 @@ def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
         f"experts/layer    {cfg.num_experts}, top-{cfg.top_k}, width {cfg.moe_intermediate_size}"
         + (f", shared expert width {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size
            else "")
-        + (f", biases, clamped SwiGLU (alpha {cfg.swiglu_alpha:g}, limit {cfg.swiglu_limit:g})"
+        + (", biases" if cfg.arch.expert_bias else "")
+        + (f", clamped SwiGLU (alpha {cfg.swiglu_alpha:g}, limit {cfg.swiglu_limit:g})"
            if cfg.swiglu_limit is not None else ""),
         f"routing          {cfg.scoring}" + (" + correction bias" if cfg.arch.routing_bias else "")
         + (" (gate with bias)" if cfg.arch.gate_bias else "")
@@ -126,6 +127,15 @@ def _ranges(ids: list[int]) -> list[str]:
             out.append(f"{start}..{a}" if a != start else str(a))
             start = b
     return out
+
+
+def _params(name: str, dtype: str, shape: tuple[int, ...]) -> int:
+    """Weights a tensor stores: two per byte of MXFP4 blocks, none in their scales (or FP8's)."""
+    if dtype == "U8" and name.endswith("_blocks"):
+        return 2 * _numel(shape)
+    if (dtype == "U8" and name.endswith("_scales")) or name.endswith("_scale_inv"):
+        return 0
+    return _numel(shape)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

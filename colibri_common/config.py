@@ -6,6 +6,7 @@ data (`ArchSpec`): tensor names, qk-norm kind, attention bias, shared experts, d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,12 +111,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         scoring="topk_softmax", gate_bias=True, fused_experts="interleaved_t", expert_bias=True,
         clamped_swiglu=True, attention_sinks=True, sliding="layer_types", norm_scale_fp32=True,
         defaults=(("rope_theta", 150000.0), ("sliding_window", 128), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0),
-                  ("rms_norm_eps", 1e-5),
+                  ("rms_norm_eps", 1e-5), ("head_dim", 64), ("max_position_embeddings", 131072),
                   ("rope_scaling", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 4096})),
     ),
 }
 SLIDING_KINDS = ("sliding_attention", "full_attention")
+
 
 @dataclass(frozen=True)
 class MlaDims:
@@ -228,7 +230,12 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-        return ModelConfig.from_dict(raw, source=str(path))
+        cfg = ModelConfig.from_dict(raw, source=str(path))
+        extra = _generation_eos(Path(model_dir) / "generation_config.json")
+        if extra - set(cfg.eos_token_ids):        # generate()'s stop tokens too (GPT-OSS: <|call|>, <|endoftext|>)
+            cfg = dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids,
+                                                          *sorted(extra - set(cfg.eos_token_ids))))
+        return cfg
 
     @staticmethod
     def from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
@@ -349,3 +356,17 @@ def _sliding(arch: ArchSpec, raw: dict, layers: int, source: str) -> tuple[int, 
         raise ConfigError(f"{source}: layer_types must list {layers} kinds, each one of {', '.join(SLIDING_KINDS)}; "
                           f"got {kinds}")
     return window, tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+
+
+def _generation_eos(path: Path) -> set[int]:
+    """generation_config.json's eos_token_id (an int or a list), which transformers' generate() stops on too."""
+    if not path.is_file():
+        return set()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ConfigError(f"{path}: not a JSON object ({exc})") from exc
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {eos}")
+    return set(ids)

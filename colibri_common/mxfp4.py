@@ -15,6 +15,8 @@ BLOCK = 32
 # e2m1: sign, two exponent bits, one mantissa bit; codes 0..7 positive, 8..15 their negatives
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
+_CODES = torch.arange(256)
+_PAIRS = torch.tensor(E2M1, dtype=torch.float32)[torch.stack([_CODES & 0x0F, _CODES >> 4], dim=-1)]   # [256, 2]
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -24,11 +26,9 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise CheckpointError(f"MXFP4 blocks {list(blocks.shape)} need scales {list(blocks.shape[:-1])} and "
                               f"{BLOCK // 2} bytes a block; got scales {list(scales.shape)}")
-    lut = torch.tensor(E2M1, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()            # [..., R, G, 16, 2]
-    values = lut[codes].flatten(-3)                                             # [..., R, G * 32]
-    exponents = (scales.to(torch.int32) - SCALE_BIAS).repeat_interleave(BLOCK, dim=-1)   # [..., R, G * 32]
-    return torch.ldexp(values, exponents)
+    values = _PAIRS[blocks.int()]                                               # [..., R, G, 16, 2]
+    scale = torch.pow(2.0, scales.float() - SCALE_BIAS)                        # [..., R, G] exact powers of 2
+    return (values.flatten(-2) * scale[..., None]).flatten(-2)                  # [..., R, G * 32]
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

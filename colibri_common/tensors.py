@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Container
 
 from colibri_common.config import ModelConfig
+from colibri_common.mxfp4 import BLOCK as MXFP4_BLOCK  # values per block: 16 bytes of e2m1 pairs, one scale
 
 Spec = tuple[str, tuple[int, ...]]
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -120,9 +121,6 @@ def expert_tensors(cfg: ModelConfig, layer: int, expert: int) -> dict[str, Spec]
     """Roles gate, up, down of one routed expert, in the per-expert layout checkpoints are published in."""
     prefix = f"{layer_prefix(layer)}{cfg.arch.moe_prefix}.experts.{expert}."
     return mlp_tensors(prefix, cfg.moe_intermediate_size, cfg.hidden_size, cfg.arch.expert_names)
-
-
-MXFP4_BLOCK = 32          # values per MXFP4 block: 16 bytes of packed e2m1 pairs and one e8m0 scale
 
 
 def stored_expert_tensors(cfg: ModelConfig, layer: int, expert: int, names: Container[str]

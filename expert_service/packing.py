@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from colibri_common import mxfp4
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import CheckpointError
@@ -41,6 +42,9 @@ def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13
                 ckpt.release(name)
         return
     if layout == "mxfp4":
+        if cfg.hidden_size % mxfp4.BLOCK or I % mxfp4.BLOCK:
+            raise CheckpointError(f"{t['gate_up_blocks'][0]}: MXFP4 needs hidden_size and intermediate_size in whole "
+                                  f"{mxfp4.BLOCK}-value blocks, got {cfg.hidden_size} and {I}")
         for spec in t.values():
             ckpt.check(*spec)
         gate_up = ckpt.mxfp4(t["gate_up_blocks"][0], t["gate_up_scales"][0], expert)     # [2I, H] interleaved

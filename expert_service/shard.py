@@ -154,8 +154,7 @@ class ExpertShard:
         self.act = GatedAct(cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_up_offset)   # the experts' activation
         self.biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> b13 [E_local, 2I], b2 [E_local, H]
         for layer in cfg.moe_layers:                     # small (2I + H per expert): held for every layer
-            b = expert_biases(cfg, ckpt, layer, self.experts, dtype if quantize is None else torch.float32,
-                              self.device)
+            b = expert_biases(cfg, ckpt, layer, self.experts, dtype, self.device)
             if b is not None:
                 self.biases[layer] = b
         if cache is not None and cache.capacity.bounded:

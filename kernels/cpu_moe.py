@@ -74,8 +74,8 @@ def _loop(xs: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Tensor | I
             continue
         f13, f2 = forms.get(n) or forms.setdefault(n, (pick_rows(n, xs.dtype, e13[e]), pick_rows(n, xs.dtype, e2[e])))
         gate_up = f13(xs[start:start + n], e13[e])                            # [n, 2I]
-        if b13 is not None:
-            gate_up = gate_up + b13[e]
+        if b13 is not None:                                                   # in the GEMM's dtype: an int8
+            gate_up = (gate_up + b13[e]).to(gate_up.dtype)                    # down GEMM keeps its form
         h = act(gate_up[:, :I], gate_up[:, I:])                               # [n, I]
         ys[start:start + n] = f2(h, e2[e])                                    # [n, H]
         if b2 is not None:

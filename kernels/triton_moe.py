@@ -15,7 +15,7 @@ from kernels.cpu_moe import local_ids
 from kernels.fp8_weight import Fp8Weight
 from kernels.launch_config import LaunchConfig, get_config
 from kernels.moe_align import moe_align_block_size
-from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_silu_kernel, sum_over_k_kernel
+from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel, sum_over_k_kernel
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -81,7 +81,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.T
     scaled = isinstance(w13, Fp8Weight)
     (w13, s13, s13_meta), (w2, s2, s2_meta) = _scaled(w13, x), _scaled(w2, x)
     has_bias = b13 is not None
-    gate_up_silu_kernel[(num_blocks, triton.cdiv(I, cfg.block_n))](
+    gate_up_act_kernel[(num_blocks, triton.cdiv(I, cfg.block_n))](
         x, w13, h, align.sorted_pair_ids, align.block_expert, b13 if has_bias else x, s13,
         T * top_k, top_k, H, I,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), b13.stride(0) if has_bias else 0, *s13_meta,

@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def gate_up_silu_kernel(
+def gate_up_act_kernel(
     x_ptr, w13_ptr, h_ptr, pair_ids_ptr, block_expert_ptr, b13_ptr, s13_ptr,
     num_pairs, top_k, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_hp, stride_be,

@@ -1,13 +1,15 @@
 """Grouped-query attention over the paged KV cache, for every non-latent architecture: one SDPA call per decode
-batch and per prefill, or, for a layer with attention sinks (GPT-OSS), the same sums written out with the
-sink's logit in each softmax's denominator. A sliding layer reads its window's masks from the step.
+batch and per prefill. A sliding layer reads only its window's keys (the step's window slots and masks).
 
-Sinks: transformers appends each head's learned logit s_h as one more column of the scores, softmaxes, and
-drops it, so the weights are exp(x_j) / (Σ exp(x_i) + exp(s_h)): a head may attend to nothing. Here the
-scores are computed in float32 with GQA folded in (the query heads of one KV head as one batch of rows).
+Attention sinks (GPT-OSS): transformers appends each head's learned logit s_h as one more column of the scores,
+softmaxes, and drops it, so the weights are exp(x_j) / (Σ exp(x_i) + exp(s_h)). Here that column is one extra
+key that SDPA attends to like the others: every query gains a last dimension s_h / scale, every real key a 0
+there, the sink key is (0, …, 0, 1) with a zero value; its score is exactly s_h and it adds nothing to the
+output. Keys and values both get the extra dimension, so SDPA keeps its fused (blockwise) CPU kernels: no
+[heads, n, C] score tensor is ever materialised.
 
-Shapes: T tokens, Hq / Hkv query / key-value heads, g = Hq / Hkv, D head dim, Bd decode sequences, C context
-(padded for decode), n new tokens of one prefill.
+Shapes: T tokens, Hq / Hkv query / key-value heads, D head dim, Bd decode sequences, C context (padded for
+decode, the window's keys for a sliding layer), n new tokens of one prefill.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
     out = torch.empty_like(q)                                                # [T, Hq, D]
     nd = step.num_decode
     if nd:
-        kd, vd = kv.gather(layer, step.decode_slots)                         # [Bd, C, Hkv, D]
-        mask = step.decode_window_mask if sliding else step.decode_mask      # [Bd, 1, 1, C]
+        slots, mask = (step.decode_window_slots, step.decode_window_mask) if sliding else \
+            (step.decode_slots, step.decode_mask)                            # [Bd, C], [Bd, 1, 1, C]
+        kd, vd = kv.gather(layer, slots)                                     # [Bd, C, Hkv, D]
         out[:nd] = _attend(q[:nd, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2), mask, sinks)[:, :, 0, :]
     for j, (row, n, ctx_slots, mask) in enumerate(step.prefills):
-        kp, vp = kv.gather(layer, ctx_slots)                                 # [ctx, Hkv, D]
-        if sliding:
-            mask = step.prefill_window_masks[j]                              # [n, ctx]
+        if sliding:                                                          # keys lo.. are the window's
+            lo, mask = step.prefill_windows[j]                               # mask [n, ctx - lo]
+            ctx_slots = ctx_slots[lo:]
+        kp, vp = kv.gather(layer, ctx_slots)                                 # [C, Hkv, D]
         o = _attend(q[row:row + n].transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],
                     mask, sinks)                                             # [1, Hq, n, D]
         out[row:row + n] = o[0].transpose(0, 1)
@@ -41,21 +45,23 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [B, Hq, n, D], k/v [B, Hkv, C, D], mask bool [B | 1, 1, n | 1, C] or None (causal) -> [B, Hq, n, D]."""
-    if sinks is None:                                                        # 4-D: SDPA's fused CPU kernels
+    """q [B, Hq, n, D], k/v [B, Hkv, C, D], mask bool [B | 1, 1, n | 1, C] or [n, C] or None (causal)
+    -> [B, Hq, n, D]. 4-D throughout: SDPA's fused CPU kernels."""
+    if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     B, Hq, n, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    qg = q.reshape(B, Hkv, g * n, D).float()                                 # query head h = kv head h // g
-    scores = (qg @ k.float().transpose(-1, -2)).view(B, Hkv, g, n, C) * D**-0.5     # [B, Hkv, g, n, C]
+    scale = D**-0.5
+    column = (sinks.to(q.dtype) / scale).view(1, Hq, 1, 1).expand(B, Hq, n, 1)
+    qa = torch.cat([q, column], dim=-1)                                      # [B, Hq, n, D + 1]
+    ka = k.new_zeros(B, Hkv, C + 1, D + 1)                                   # [B, Hkv, C + 1, D + 1]
+    ka[:, :, :C, :D] = k
+    ka[:, :, C, D] = 1                                                       # the sink key
+    va = v.new_zeros(B, Hkv, C + 1, D + 1)                                   # its value: zeros
+    va[:, :, :C, :D] = v
     if mask is None:
         mask = torch.ones(n, C, dtype=torch.bool, device=q.device).tril(C - n)
-    if mask.dim() == 2:                                                      # [n, C] -> [1, 1, n, C]
-        mask = mask[None, None]
-    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))           # [B | 1, 1, 1, n | 1, C]
-    sink = sinks.float().view(1, Hkv, g, 1, 1).expand(B, Hkv, g, n, 1)      # [B, Hkv, g, n, 1]
-    logits = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :C]   # the sink's share dropped
-    out = probs.reshape(B, Hkv, g * n, C) @ v.float()                        # [B, Hkv, g n, D]
-    return out.view(B, Hq, n, D).to(q.dtype)
+    sink_ok = torch.ones(*mask.shape[:-1], 1, dtype=torch.bool, device=mask.device)
+    mask = torch.cat([mask, sink_ok], dim=-1)                                # every query sees the sink
+    out = F.scaled_dot_product_attention(qa, ka, va, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[..., :D]                                                      # [B, Hq, n, D]

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Generator
 
 import torch
+import torch.nn.functional as F
 
 from colibri_common.config import ModelConfig
 from kernels import Routing, route
@@ -93,7 +94,10 @@ class RouterModel:
     def _scores(r: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """Gate logits [T, E], in the gate's dtype (float32 where the architecture computes its gate so), plus the
         gate's bias where it has one (GPT-OSS)."""
-        return linear(r if r.dtype == lw.router.dtype else r.to(lw.router.dtype), lw.router, lw.gate_bias)
+        x = r if r.dtype == lw.router.dtype else r.to(lw.router.dtype)
+        if lw.gate_bias is not None:                       # one rounding, as transformers' F.linear with a bias
+            return F.linear(x, lw.router, lw.gate_bias)
+        return linear(x, lw.router)
 
     @torch.inference_mode()
     def predict_experts(self, token_ids: list[int]) -> frozenset[int]:
@@ -123,6 +127,7 @@ class RouterModel:
                  ) -> Generator[Handle, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         step = step.to(self.device)                                          # built on the host
+        assert not self.sliding or step.window == cfg.sliding_window, "sliding layers need the window's masks"
         h = self.w.embed[step.token_ids]                                     # [T, H]
         cos, sin = self.rope.cos_sin(step.positions, self.dtype)             # [T, R] rotary dims
         guess: set[int] | None = None                                        # prefetch: this layer's prediction

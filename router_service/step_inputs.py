@@ -31,9 +31,11 @@ class StepInputs:
     decode_mask: torch.Tensor        # [Bd, 1, 1, Cmax] True where a slot is valid
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row, n, slots [ctx], mask | None)
     sample_rows: torch.Tensor        # [B] rows whose logits are sampled
-    window: int = 0                  # sliding-window layers' window (0: the model has none), and their masks:
-    decode_window_mask: torch.Tensor | None = None     # [Bd, 1, 1, Cmax] valid and within the window
-    prefill_window_masks: list[torch.Tensor] = field(default_factory=list)   # per prefill [n, ctx]
+    window: int = 0                  # sliding layers' window W (0: the model has none); their keys, Cw <= W:
+    decode_window_slots: torch.Tensor | None = None    # [Bd, Cw] the last Cw positions' slots (padded)
+    decode_window_mask: torch.Tensor | None = None     # [Bd, 1, 1, Cw] True where within the window
+    prefill_windows: list[tuple[int, torch.Tensor]] = field(default_factory=list)   # per prefill: keys from lo,
+                                                                                    # mask [n, ctx - lo]
 
     def to(self, device: torch.device) -> StepInputs:
         """These inputs on `device` (asynchronous copies on a GPU; the same object on the CPU)."""
@@ -47,8 +49,9 @@ class StepInputs:
             token_ids=move(self.token_ids), positions=move(self.positions), slots=move(self.slots),
             num_decode=self.num_decode, decode_slots=move(self.decode_slots), decode_mask=move(self.decode_mask),
             prefills=[(row, n, move(slots), move(mask)) for row, n, slots, mask in self.prefills],
-            sample_rows=move(self.sample_rows), window=self.window, decode_window_mask=move(self.decode_window_mask),
-            prefill_window_masks=[move(m) for m in self.prefill_window_masks])
+            sample_rows=move(self.sample_rows), window=self.window,
+            decode_window_slots=move(self.decode_window_slots), decode_window_mask=move(self.decode_window_mask),
+            prefill_windows=[(lo, move(m)) for lo, m in self.prefill_windows])
 
     @staticmethod
     def build(seqs: list[SeqSlice], token_ids: list[int], block_size: int, window: int = 0) -> StepInputs:
@@ -72,15 +75,17 @@ class StepInputs:
             dslots = (table[:, :, None] * block_size + offs).reshape(len(decode), -1)[:, :cmax]  # [Bd, Cmax]
             lens = torch.tensor([s.num_cached + 1 for s in decode])
             dmask = (torch.arange(cmax)[None, :] < lens[:, None])[:, None, None, :]         # [Bd, 1, 1, Cmax]
-            if window:
-                recent = torch.arange(cmax)[None, :] > lens[:, None] - 1 - window            # [Bd, Cmax]
-                wmask = dmask & recent[:, None, None, :]
+            if window:                       # query at position len - 1 sees positions len - W .. len - 1
+                cw = min(window, cmax)
+                pos = (lens - window).clamp(min=0)[:, None] + torch.arange(cw)[None, :]         # [Bd, Cw]
+                wmask = (pos < lens[:, None])[:, None, None, :]                                # [Bd, 1, 1, Cw]
+                wslots = dslots.gather(1, pos.clamp(max=cmax - 1))                             # [Bd, Cw]
         else:
             dslots = torch.zeros(0, 0, dtype=torch.long)
             dmask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
         if not (decode and window):
-            wmask = dmask
-        prefills, window_masks = [], []
+            wslots, wmask = dslots, dmask
+        prefills, windows = [], []
         row = num_decode
         for s in seqs[num_decode:]:
             ctx = s.num_cached + s.num_new
@@ -91,10 +96,11 @@ class StepInputs:
                 q_pos = torch.arange(s.num_cached, ctx)[:, None]
                 mask = torch.arange(ctx)[None, :] <= q_pos                                    # [n, ctx]
             prefills.append((row, s.num_new, ctx_slots, mask))
-            if window:
+            if window:                       # query at position p sees keys p - W < j <= p
+                lo = max(0, s.num_cached - window + 1)
                 q_pos = torch.arange(s.num_cached, ctx)[:, None]
-                keys = torch.arange(ctx)[None, :]
-                window_masks.append((keys <= q_pos) & (keys > q_pos - window))               # [n, ctx]
+                keys = torch.arange(lo, ctx)[None, :]
+                windows.append((lo, (keys <= q_pos) & (keys > q_pos - window)))              # [n, ctx - lo]
             row += s.num_new
         sample_rows, row = [], 0
         for s in seqs:
@@ -107,5 +113,6 @@ class StepInputs:
             slots=torch.tensor(slots, dtype=torch.long),
             num_decode=num_decode, decode_slots=dslots, decode_mask=dmask,
             prefills=prefills, sample_rows=torch.tensor(sample_rows, dtype=torch.long),
-            window=window, decode_window_mask=wmask if window else None, prefill_window_masks=window_masks,
+            window=window, decode_window_slots=wslots if window else None,
+            decode_window_mask=wmask if window else None, prefill_windows=windows,
         )

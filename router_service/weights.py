@@ -114,12 +114,15 @@ class RouterWeights:
             specs = router_layer_tensors(cfg, i)
             bias = specs.pop("router_bias", None)          # float32 whatever the compute dtype, as transformers
             gate = specs.pop("router", None) if cfg.arch.router_fp32 else None        # a float32 gate too
+            gate_bias = specs.pop("gate_bias", None) if cfg.arch.router_fp32 else None   # in the gate's dtype
             sinks = specs.pop("sinks", None)                # softmax logits: float32
             norms = {role: specs.pop(role) for role in ("ln1", "ln2")} if f32_norms else {}
             t = load_all(specs)
             t.update({role: load_f32(spec) for role, spec in norms.items()})
             if gate is not None:
                 t["router"] = load_f32(gate)
+            if gate_bias is not None:
+                t["gate_bias"] = load_f32(gate_bias)
             mlp = "shared" if "shared.gate" in t else "mlp" if "mlp.gate" in t else None
             layers.append(LayerWeights(
                 ln1=t["ln1"], ln2=t["ln2"],

@@ -134,7 +134,7 @@ def test_a_failed_step_fails_its_requests_with_a_status_and_the_engine_goes_on(o
         assert engine.metrics()['colibri:request_success_total{finished_reason="error"}'] == 1
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_bfloat16_serving_against_transformers_in_bfloat16(tmp_path, arch):
     """bf16 weights: as close to the exact maths as transformers in bf16 is, or closer.
 

@@ -83,6 +83,8 @@ def test_mxfp4_experts_dequantise_within_the_format_and_serve_as_transformers(tm
             check_against_oracle(oracle, prompt, res.token_ids, res.logits, res.finish_reason)
     lines = validate(str(oracle.path), workers=2)
     assert any("mxfp4 e2m1" in line for line in lines), lines
+    params = sum(p.numel() for p in model.parameters()) / 1e6          # MXFP4 counts its values, not its bytes
+    assert any(line.startswith(f"parameters       {params:.1f}M") for line in lines), (params, lines)
     assert any(line.startswith("attention") and "sinks, sliding window 4 on 1 of 2 layers" in line for line in lines)
 
 
@@ -126,6 +128,39 @@ def test_mixtral_with_a_sliding_window_on_every_layer(tmp_path):
     with InProcess(oracle.path, sched=SchedulerConfig(max_num_tokens=8)) as engine:
         res = engine.generate(LONG, NEW_TOKENS, return_logits=True)
         check_against_oracle(oracle, LONG, res.token_ids, res.logits, res.finish_reason)
+
+
+def test_norms_kept_in_float32_scale_before_the_cast_as_transformers():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from router_service.layers import rms_norm
+
+    norm = GptOssRMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96))
+    x = torch.randn(5, 96).bfloat16()
+    assert torch.equal(rms_norm(x, norm.weight.detach(), 1e-5), norm(x))
+
+
+def test_int8_experts_with_biases_serve(gpt_oss):
+    with InProcess(gpt_oss.path, quantize="int8") as engine:
+        res = engine.generate(PROMPTS[0], 4, return_logits=True)
+    want = gpt_oss.last_logits(PROMPTS[0])
+    assert float((res.logits[0] - want).abs().max() / want.abs().max()) < 5e-2      # int8's rounding
+
+
+def test_generation_config_stop_tokens_join_the_eos(gpt_oss, tmp_path):
+    """The published GPT-OSS stops on <|return|> (config.json) and on <|call|> and <|endoftext|>
+    (generation_config.json), as transformers' generate() does."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(gpt_oss.path, ckpt)
+    raw = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**raw, "eos_token_id": 200}))
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [200, 199, 201]}))
+    assert ModelConfig.from_dir(ckpt).eos_token_ids == (200, 199, 201)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(ConfigError, match="eos_token_id must be a token id"):
+        ModelConfig.from_dir(ckpt)
 
 
 @pytest.mark.parametrize(("change", "message"), [

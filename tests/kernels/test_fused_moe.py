@@ -113,6 +113,31 @@ def test_clamped_swiglu_with_expert_biases(backend, form, T, E, K, pattern, moe_
     assert err <= 1e-4, f"{backend}/{form} T={T} E={E} K={K} {pattern}: rel err {err:.2e}"
 
 
+def test_int8_experts_with_biases_keep_the_activations_dtype(moe_forms):
+    """--quantize int8 on GPT-OSS: the biases are added in the GEMMs' dtype, so the down GEMM runs the int8 form
+    measured for the compute dtype (a float32 bias would promote it); against the reference on the int8 weights'
+    dequantised values, within the activations' own int8 rounding."""
+    x, w13, w2, ids, w, emap = make_case(9, 8, 3, torch.bfloat16, "random", seed=4)
+    q13, q2 = quantize_int8(w13), quantize_int8(w2)
+    g = torch.Generator().manual_seed(1)
+    b13, b2 = torch.randn(8, 2 * I, generator=g).bfloat16(), torch.randn(8, H, generator=g).bfloat16()
+    ref = fused_moe_reference(x, q13.dequantize(), q2.dequantize(), ids, w, emap, act=GPT_OSS, b13=b13, b2=b2)
+    seen = []
+    real = cpu_moe.pick_rows
+    moe_forms({})
+    def spy(n, dtype, weight):                     # the activations each picked form is called with
+        form = real(n, dtype, weight)
+        return lambda a, wt: seen.append(a.dtype) or form(a, wt)
+
+    cpu_moe.pick_rows = spy
+    try:
+        got = fused_moe(x, q13, q2, ids, w, emap, backend="torch", act=GPT_OSS, b13=b13, b2=b2)
+    finally:
+        cpu_moe.pick_rows = real
+    assert set(seen) == {torch.bfloat16} and got.dtype == torch.bfloat16
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 3e-2
+
+
 def test_biases_must_come_together_with_their_shapes():
     x, w13, w2, ids, w, _ = make_case(3, 8, 2, torch.float32, "random")
     with pytest.raises(ValueError, match="biases must come together"):
