@@ -55,7 +55,8 @@ def test_each_moe_layer_is_within_2_percent_of_the_float64_reference(oracles, ar
     for layer in cfg.moe_layers:
         x = torch.randn(33, cfg.hidden_size, generator=g)                   # [T, H]
         w, ids = topk_route(torch.randn(33, cfg.num_experts, generator=g), cfg.top_k, True)
-        ref = fused_moe_reference(x, exact.w13[layer], exact.w2[layer], ids, w)        # float64 [T, H]
+        b13, b2 = exact.biases.get(layer, (None, None))                     # GPT-OSS: biases, clamped SwiGLU
+        ref = fused_moe_reference(x, exact.w13[layer], exact.w2[layer], ids, w, act=exact.act, b13=b13, b2=b2)
         assert rel(q8.forward(layer, x.to(dtype), ids, w), ref) < 2e-2, layer
     with pytest.raises(ValueError, match="CPU path"):
         fused_moe(x, q8.w13[cfg.moe_layers[0]], q8.w2[cfg.moe_layers[0]], ids, w, backend="triton")
