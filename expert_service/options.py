@@ -12,8 +12,8 @@ from expert_service.cache_policy import POLICIES
 
 @dataclass(frozen=True)
 class ExpertCacheOptions:
-    """How a worker holds its experts: the hot-expert cache, FP8 kept or not (`serve` gives every worker the
-    same)."""
+    """How a worker holds its experts: the hot-expert cache, quantised experts kept or not (`serve` gives every
+    worker the same)."""
 
     expert_cache_capacity: str = option("all", "experts kept packed and ready: all, N in total (one pool), N/layer, "
                                                "a share of this worker's experts (25%) or bytes (2GiB), a share or "
@@ -31,11 +31,12 @@ class ExpertCacheOptions:
                                             "start before ready ('auto' = one per checkpoint and shard beside the "
                                             "CPU forms file; 'off' = start cold)", metavar="PATH|auto|off")
 
-    fp8_experts: str = option("auto", "an FP8 checkpoint's experts: keep them FP8 with their block scales (half "
-                                      "the bytes of bf16; the Triton kernels scale each tile as they load it), "
-                                      "dequantize them to the compute dtype as they are packed, or auto: keep on "
-                                      "a CUDA GPU with FP8 (compute capability 8.9+), else dequantize",
-                              choices=("auto", "keep", "dequantize"))
+    quantized_experts: str = option("auto", "an FP8 or MXFP4 checkpoint's experts: keep them as published (FP8 "
+                                            "with block scales, half the bytes of bf16; MXFP4, 4.25 bits a weight) "
+                                            "for the Triton kernels, which decode each tile as they load it; "
+                                            "dequantize them to the compute dtype as they are packed; or auto: keep "
+                                            "on a CUDA GPU (FP8 where it has FP8, compute capability 8.9+), else "
+                                            "dequantize", choices=("auto", "keep", "dequantize"))
 
     def __post_init__(self) -> None:
         check_capacity(self.expert_cache_capacity)

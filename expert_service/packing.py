@@ -22,6 +22,7 @@ from colibri_common.fp8 import SCALE_SUFFIX
 from colibri_common.tensors import expert_bias_tensors, stored_expert_tensors
 from kernels.cpu_forms import Weight
 from kernels.fp8_weight import Fp8Weight
+from kernels.mxfp4_weight import Mxfp4Weight
 
 
 def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13: Weight, w2: Weight,
@@ -31,6 +32,9 @@ def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13
     layout, t = stored_expert_tensors(cfg, layer, expert, ckpt)
     if isinstance(w13, Fp8Weight) and isinstance(w2, Fp8Weight):
         _pack_fp8(cfg, ckpt, layout, t, expert, w13, w2, release)
+        return
+    if isinstance(w13, Mxfp4Weight) and isinstance(w2, Mxfp4Weight):
+        _pack_mxfp4(cfg, ckpt, layout, t, expert, w13, w2, release)
         return
     if layout == "per_expert":
         (g, gs), (u, us), (d, ds) = t["gate"], t["up"], t["down"]
@@ -72,7 +76,7 @@ def _pack_fp8(cfg: ModelConfig, ckpt: Checkpoint, layout: str, t: dict[str, tupl
     def raw(name: str, shape: tuple[int, ...], index: int | None) -> tuple:
         if ckpt.check(name, shape).dtype != "F8_E4M3":
             raise CheckpointError(f"{ckpt.entry(name).file}: '{name}' is {ckpt.entry(name).dtype}, but the experts "
-                                  f"are held in FP8: every expert weight must be FP8 (or serve --fp8-experts "
+                                  f"are held in FP8: every expert weight must be FP8 (or serve --quantized-experts "
                                   f"dequantize)")
         ckpt.check_fp8(name)
         v, sc = ckpt.view(name), ckpt.view(name + SCALE_SUFFIX)
@@ -87,10 +91,29 @@ def _pack_fp8(cfg: ModelConfig, ckpt: Checkpoint, layout: str, t: dict[str, tupl
         w13.fill(0, *raw(*t["gate_up"], expert))
         w2.fill(0, *raw(*t["down"], expert))
     else:
-        raise CheckpointError(f"experts in the {layout} layout are not FP8; serve them with --fp8-experts dequantize")
+        raise CheckpointError(f"experts in the {layout} layout are not FP8; serve them with --quantized-experts "
+                              f"dequantize")
     if release:
         for name, _ in t.values():
             ckpt.release(name, None if layout == "per_expert" else expert)
+
+
+def _pack_mxfp4(cfg: ModelConfig, ckpt: Checkpoint, layout: str, t: dict[str, tuple[str, tuple[int, ...]]],
+                expert: int, w13: Mxfp4Weight, w2: Mxfp4Weight, release: bool) -> None:
+    """GPT-OSS's MXFP4 blocks and scales as they are: gate_up's alternating rows split into gate rows, then up."""
+    if layout != "mxfp4":
+        raise CheckpointError(f"experts in the {layout} layout are not MXFP4; serve them with --quantized-experts "
+                              f"dequantize")
+    for spec in t.values():
+        ckpt.check(*spec)
+    gu, gs = ckpt.view(t["gate_up_blocks"][0])[expert], ckpt.view(t["gate_up_scales"][0])[expert]   # [2I, G, 16]
+    I = cfg.moe_intermediate_size
+    w13.fill(0, gu[0::2], gs[0::2])
+    w13.fill(I, gu[1::2], gs[1::2])
+    w2.fill(0, ckpt.view(t["down_blocks"][0])[expert], ckpt.view(t["down_scales"][0])[expert])
+    if release:
+        for name, _ in t.values():
+            ckpt.release(name, expert)
 
 
 def expert_biases(cfg: ModelConfig, ckpt: Checkpoint, layer: int, experts: list[int], dtype: torch.dtype,

@@ -24,9 +24,10 @@ from colibri_common.tls import TlsFiles
 from expert_service.heat_file import heat_path
 from expert_service.heat_file import load as load_heat
 from expert_service.heat_file import save as save_heat
+from expert_service.kept_format import kept_format
 from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
-from expert_service.shard import ExpertShard, cache_setting, fp8_block
+from expert_service.shard import ExpertShard, cache_setting
 from kernels.cpu_tune import CANDIDATES, tune
 
 log = logging.getLogger("colibri.expert")
@@ -136,14 +137,14 @@ def serve_expert(opts: ExpertOptions) -> None:
     bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(True))
     ckpt = Checkpoint(opts.model)
     c = opts.cache
-    fp8 = fp8_block(cfg, ckpt, device, c.fp8_experts, opts.quantize)
-    if fp8 is not None:
-        log.info("experts held in FP8 as published (%dx%d block scales), computed by the Triton kernels", *fp8)
+    kept = kept_format(cfg, ckpt, device, c.quantized_experts, opts.quantize)
+    if kept is not None:
+        log.info("experts held in %s as published, computed by the Triton kernels", kept.dtype_name)
     cache = cache_setting(cfg, len(replica_experts(cfg.num_experts, shard, num_shards, opts.replicas)), dtype,
                           opts.quantize, c.expert_cache_capacity, c.expert_cache_policy, c.expert_cache_half_life,
-                          c.expert_cache_host_capacity, fp8)
+                          c.expert_cache_host_capacity, kept)
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
-                          quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache, fp8=fp8)
+                          quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache, kept=kept)
     experts.loaded()                            # without a cache every expert is packed: unmap the files
     heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas)
     if experts.cache is not None:

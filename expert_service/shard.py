@@ -14,7 +14,6 @@ Shapes: E_local experts held here, H hidden size, I expert width, n tokens of a 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,13 +21,12 @@ from tqdm import tqdm
 
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
-from colibri_common.errors import ConfigError
 from colibri_common.placement import replica_experts
-from colibri_common.tensors import stored_expert_tensors
 from expert_service.cache_capacity import CacheCapacity, parse_capacity
 from expert_service.expert_cache import ExpertCache
+from expert_service.kept_format import Kept
 from expert_service.packing import check_expert, expert_biases, pack_expert
-from kernels import Fp8Weight, GatedAct, fused_moe
+from kernels import Fp8Weight, GatedAct, Mxfp4Weight, fused_moe
 from kernels.cpu_forms import Weight, weight_kind
 from kernels.cpu_tune import MoeShape
 from kernels.quant import Int8Weight
@@ -52,50 +50,15 @@ def expert_moe_shape(cfg: ModelConfig, num_shards: int, kind_: str, replicas: in
     return MoeShape(slots or local, cfg.moe_intermediate_size, cfg.hidden_size, min(pairs, slots or local), kind_)
 
 
-FP8_MODES = ("auto", "keep", "dequantize")
-
-
-def fp8_block(cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, mode: str, quantize: str | None
-              ) -> tuple[int, int] | None:
-    """The block size to hold an FP8 checkpoint's experts with, as published (computed by the Triton kernels), or
-    None to dequantise them as they are packed. auto: kept on a CUDA GPU with FP8 (compute capability 8.9+)."""
-    if mode not in FP8_MODES:
-        raise ConfigError(f"--fp8-experts '{mode}': use one of {', '.join(FP8_MODES)}")
-    if mode == "dequantize" or not cfg.moe_layers:
-        return None
-    layout, specs = stored_expert_tensors(cfg, cfg.moe_layers[0], 0, ckpt)
-    stored = all(ckpt.entry(name).dtype == "F8_E4M3" for name, _ in specs.values()) and ckpt.fp8 is not None
-    if not stored:
-        if mode == "keep":
-            raise ConfigError(f"--fp8-experts keep: {ckpt.dir}'s experts are not block-scaled FP8")
-        return None
-    block, I = ckpt.fp8.block, cfg.moe_intermediate_size  # type: ignore[union-attr]
-    aligned = layout == "stacked" or I % block[0] == 0    # gate's and up's scale grids stack into one
-    if mode == "auto":
-        fast = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-        return block if fast and aligned and quantize is None else None
-    if quantize is not None:
-        raise ConfigError("--fp8-experts keep and --quantize int8 exclude each other: keep the checkpoint's FP8 "
-                          "or quantise dequantised experts, not both")
-    if not aligned:
-        raise ConfigError(f"--fp8-experts keep: the expert width {I} is not a multiple of the FP8 block's "
-                          f"{block[0]} rows, so gate and up cannot share one scale grid; use --fp8-experts dequantize")
-    if device.type != "cuda" and os.environ.get("COLIBRI_MOE_BACKEND") != "triton":
-        raise ConfigError("--fp8-experts keep on a CPU needs the Triton kernels (COLIBRI_MOE_BACKEND=triton under "
-                          "TRITON_INTERPRET=1, a test setup); CPU workers compute dequantised experts")
-    return block
-
-
-def packed_expert_bytes(cfg: ModelConfig, dtype: torch.dtype, quantize: str | None,
-                        fp8: tuple[int, int] | None = None) -> int:
-    """One expert's gate/up/down, packed: int8 values and a float32 scale per row, e4m3 values and a float32
-    scale per FP8 block, or the compute dtype."""
+def packed_expert_bytes(cfg: ModelConfig, dtype: torch.dtype, quantize: str | None, kept: Kept | None = None
+                        ) -> int:
+    """One expert's gate/up/down, packed: int8 values and a float32 scale per row, the checkpoint's FP8 or
+    MXFP4 values and scales, or the compute dtype."""
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     if quantize == "int8":
         return 3 * H * I + (2 * I + H) * 4
-    if fp8 is not None:
-        b0, b1 = fp8
-        return 3 * H * I + 4 * (-(-2 * I // b0) * -(-H // b1) + -(-H // b0) * -(-I // b1))
+    if kept is not None:
+        return kept.expert_bytes(cfg)
     return 3 * H * I * dtype.itemsize
 
 
@@ -111,9 +74,9 @@ class CacheSetting:
 
 def cache_setting(cfg: ModelConfig, num_local: int, dtype: torch.dtype, quantize: str | None, capacity: str,
                   policy: str = "lru", half_life: float = 256.0, host_capacity: str = "off",
-                  fp8: tuple[int, int] | None = None) -> CacheSetting | None:
+                  kept: Kept | None = None) -> CacheSetting | None:
     """The cache a worker holding `num_local` experts per layer gets from its flags; None = all hot."""
-    each = packed_expert_bytes(cfg, dtype, quantize, fp8)
+    each = packed_expert_bytes(cfg, dtype, quantize, kept)
     hot = parse_capacity(capacity, num_local, len(cfg.moe_layers), each)
     if not hot.bounded:
         return None
@@ -126,19 +89,19 @@ def cache_setting(cfg: ModelConfig, num_local: int, dtype: torch.dtype, quantize
 class ExpertShard:
     """`dtype` is the compute dtype of the activations; the weights are packed in it, or as int8 with a
     float32 scale per output row when `quantize == "int8"` (quantised expert by expert as they are read), or,
-    with an `fp8` block (`fp8_block`), as the checkpoint's e4m3 values and block scales."""
+    with `kept` (expert_service/kept_format.py), as the checkpoint's FP8 or MXFP4 values and scales."""
 
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, shard: int, num_shards: int, dtype: torch.dtype,
                  progress: bool = False, quantize: str | None = None, device: torch.device | None = None,
-                 replicas: int = 1, cache: CacheSetting | None = None, fp8: tuple[int, int] | None = None) -> None:
+                 replicas: int = 1, cache: CacheSetting | None = None, kept: Kept | None = None) -> None:
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize '{quantize}' is unknown; use int8 or none")
         self.device = device or torch.device("cpu")
         if quantize == "int8" and self.device.type != "cpu":
             raise ValueError("int8 experts are computed by the CPU kernels; on a GPU pack them in bf16")
-        if quantize is not None and fp8 is not None:
-            raise ValueError("experts are held as int8 or as the checkpoint's FP8, not both")
-        self.fp8 = fp8
+        if quantize is not None and kept is not None:
+            raise ValueError("experts are held as int8 or in the checkpoint's quantised format, not both")
+        self.kept = kept
         self.cfg = cfg
         self.shard, self.num_shards = shard, num_shards
         self.dtype, self.quantize = dtype, quantize
@@ -174,18 +137,17 @@ class ExpertShard:
             for e in self.experts:
                 check_expert(self.cfg, ckpt, layer, e)
 
-    def _empty(self, *shape: int) -> Weight | Fp8Weight:
+    def _empty(self, *shape: int) -> Weight | Fp8Weight | Mxfp4Weight:
         if self.quantize == "int8":
             return Int8Weight.empty(*shape)
-        if self.fp8 is not None:
-            return Fp8Weight.empty(*shape, block=self.fp8, device=self.device)
+        if self.kept is not None:
+            return self.kept.empty(*shape, device=self.device)
         return torch.empty(shape, dtype=self.dtype, device=self.device)     # filled expert by expert
 
-    def _pinned(self, *shape: int) -> Weight | Fp8Weight:
+    def _pinned(self, *shape: int) -> Weight | Fp8Weight | Mxfp4Weight:
         """A GPU worker's warm tier: pinned host memory in the hot tier's form."""
-        if self.fp8 is not None:
-            w = Fp8Weight.empty(*shape, block=self.fp8)
-            return Fp8Weight(w.values.pin_memory(), w.scales.pin_memory(), self.fp8)
+        if self.kept is not None:
+            return self.kept.pinned(*shape)
         return torch.empty(shape, dtype=self.dtype, pin_memory=True)
 
     def _pack(self, ckpt: Checkpoint, layer: int) -> tuple[Weight, Weight]:
@@ -217,8 +179,8 @@ class ExpertShard:
 
     @property
     def weight_dtype(self) -> str:
-        if self.fp8 is not None:
-            return "float8_e4m3fn"
+        if self.kept is not None:
+            return self.kept.dtype_name
         return "int8" if self.quantize == "int8" else str(self.dtype).removeprefix("torch.")
 
     @property
@@ -231,7 +193,7 @@ class ExpertShard:
     @property
     def shard_bytes(self) -> int:
         """Bytes the whole shard takes packed."""
-        return packed_expert_bytes(self.cfg, self.dtype, self.quantize, self.fp8) * len(self.experts) * \
+        return packed_expert_bytes(self.cfg, self.dtype, self.quantize, self.kept) * len(self.experts) * \
             len(self.cfg.moe_layers)
 
     def hint(self, layer: int, experts: list[int]) -> None:

@@ -19,6 +19,7 @@ from kernels.activation import SILU, GatedAct
 from kernels.cpu_forms import Weight
 from kernels.cpu_moe import fused_moe_cpu
 from kernels.fp8_weight import Fp8Weight
+from kernels.mxfp4_weight import Mxfp4Weight
 from kernels.quant import Int8Weight, quantize_int8
 from kernels.routing import Routing, topk_route_torch
 
@@ -43,7 +44,8 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
     into `out` when given). expert_map [E_global] maps global ids to rows of w13/w2, -1 = not held here.
     b13 [E, 2I] and b2 [E, H] (optional, together) are the experts' biases, rows as w13's.
     w13 and w2 may be `Int8Weight`s (per-row int8 with float32 scales): the CPU path computes them; or
-    `Fp8Weight`s (block-scaled e4m3, as FP8 checkpoints publish them): the Triton kernels compute them.
+    `Fp8Weight`s (block-scaled e4m3, as FP8 checkpoints publish them) or `Mxfp4Weight`s (GPT-OSS's experts as
+    published): the Triton kernels compute them.
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fused_moe: need x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {list(x.shape)}, "
@@ -62,7 +64,7 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
                          f"{None if b13 is None else list(b13.shape)}, {None if b2 is None else list(b2.shape)}")
     if x.shape[0] == 0:
         return torch.empty_like(x) if out is None else out
-    fp8 = isinstance(w13, Fp8Weight) or isinstance(w2, Fp8Weight)
+    kept = isinstance(w13, (Fp8Weight, Mxfp4Weight)) or isinstance(w2, (Fp8Weight, Mxfp4Weight))
     if _pick(x, backend) == "triton":
         if isinstance(w13, Int8Weight) or isinstance(w2, Int8Weight):
             raise ValueError("fused_moe: int8 experts run on the CPU path (backend='torch'); the Triton kernels "
@@ -70,9 +72,9 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
         from kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_map, out=out, act=act, b13=b13, b2=b2)
-    if fp8:
-        raise ValueError("fused_moe: FP8 experts are computed by the Triton kernels (backend='triton', a GPU or "
-                         "TRITON_INTERPRET=1); the CPU path takes them dequantised")
+    if kept:
+        raise ValueError("fused_moe: FP8 and MXFP4 experts are computed by the Triton kernels (backend='triton', a "
+                         "GPU or TRITON_INTERPRET=1); the CPU path takes them dequantised")
     return fused_moe_cpu(x, w13, w2, topk_ids, topk_weights, expert_map, out=out, act=act, b13=b13, b2=b2)
 
 
@@ -103,5 +105,5 @@ def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = No
     return topk_route_torch(logits, routing, bias)
 
 
-__all__ = ["fused_moe", "route", "topk_route", "BACKENDS", "Fp8Weight", "GatedAct", "Int8Weight", "Routing", "SILU",
-           "quantize_int8"]
+__all__ = ["fused_moe", "route", "topk_route", "BACKENDS", "Fp8Weight", "GatedAct", "Int8Weight", "Mxfp4Weight",
+           "Routing", "SILU", "quantize_int8"]

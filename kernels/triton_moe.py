@@ -15,24 +15,29 @@ from kernels.cpu_moe import local_ids
 from kernels.fp8_weight import Fp8Weight
 from kernels.launch_config import LaunchConfig, get_config
 from kernels.moe_align import moe_align_block_size
+from kernels.mxfp4_weight import BLOCK as MXFP4_BLOCK
+from kernels.mxfp4_weight import Mxfp4Weight
 from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel, sum_over_k_kernel
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+Quantized = (Fp8Weight, Mxfp4Weight)
 
 
 def _device_name(x: torch.Tensor) -> str:
     return torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight) -> None:
-    if isinstance(w13, Fp8Weight) or isinstance(w2, Fp8Weight):
-        if not (isinstance(w13, Fp8Weight) and isinstance(w2, Fp8Weight)):
-            raise TypeError("fused_moe_triton: w13 and w2 must both be FP8 or neither")
+def _check(x: torch.Tensor, w13: torch.Tensor | Fp8Weight | Mxfp4Weight,
+           w2: torch.Tensor | Fp8Weight | Mxfp4Weight) -> None:
+    if isinstance(w13, Quantized) or isinstance(w2, Quantized):
+        if type(w13) is not type(w2):
+            raise TypeError("fused_moe_triton: w13 and w2 must both be FP8, both MXFP4, or neither")
         if x.dtype not in _DTYPES:
             raise TypeError(f"fused_moe_triton: x has dtype {x.dtype}; use float32, float16 or bfloat16")
-        for name, t in (("w13", w13.values), ("w2", w2.values), ("w13 scales", w13.scales), ("w2 scales", w2.scales)):
-            if not t.is_contiguous():
-                raise ValueError(f"fused_moe_triton: {name} must be contiguous")
+        for name, w in (("w13", w13), ("w2", w2)):
+            for t in (getattr(w, "values", None), getattr(w, "blocks", None), w.scales):
+                if t is not None and not t.is_contiguous():
+                    raise ValueError(f"fused_moe_triton: {name} must be contiguous")
         w13, w2 = x, x                                    # the dtype checks below are the activations' own
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         if t.dtype not in _DTYPES:
@@ -45,14 +50,19 @@ def _check(x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp
         raise RuntimeError("fused_moe_triton needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
 
 
-def _scaled(w: torch.Tensor | Fp8Weight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-    """(values, scales, scale strides + block) for the kernels; dummies (never read) for float weights."""
+def _format(w: torch.Tensor | Fp8Weight | Mxfp4Weight, x: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int]:
+    """(stored values, scales, scale strides + block, WFMT) for the kernels; dummy scales (never read) for float
+    weights."""
     if isinstance(w, Fp8Weight):
-        return w.values, w.scales, (*w.scales.stride(), *w.block)
-    return w, x, (0, 0, 0, 1, 1)
+        return w.values, w.scales, (*w.scales.stride(), *w.block), 1
+    if isinstance(w, Mxfp4Weight):
+        return w.blocks, w.scales, (*w.scales.stride(), 1, MXFP4_BLOCK), 2
+    return w, x, (0, 0, 0, 1, 1), 0
 
 
-def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight,
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight | Mxfp4Weight,
+                     w2: torch.Tensor | Fp8Weight | Mxfp4Weight,
                      topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
                      config: LaunchConfig | None = None, out: torch.Tensor | None = None, act: GatedAct = SILU,
@@ -78,8 +88,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.T
     y = torch.zeros(T * top_k, H, dtype=torch.float32, device=x.device)        # [P, H] dropped pairs stay 0
     weights = topk_weights.reshape(-1).contiguous()                             # [P]
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    scaled = isinstance(w13, Fp8Weight)
-    (w13, s13, s13_meta), (w2, s2, s2_meta) = _scaled(w13, x), _scaled(w2, x)
+    (w13, s13, s13_meta, wfmt), (w2, s2, s2_meta, _) = _format(w13, x), _format(w2, x)
     has_bias = b13 is not None
     gate_up_act_kernel[(num_blocks, triton.cdiv(I, cfg.block_n))](
         x, w13, h, align.sorted_pair_ids, align.block_expert, b13 if has_bias else x, s13,
@@ -87,13 +96,13 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.T
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), b13.stride(0) if has_bias else 0, *s13_meta,
         float(act.alpha), float(act.limit or 0.0), float(act.up_offset),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
-        HAS_BIAS=has_bias, CLAMPED=act.limit is not None, W_SCALED=scaled, **launch)
+        HAS_BIAS=has_bias, CLAMPED=act.limit is not None, WFMT=wfmt, **launch)
     down_weighted_kernel[(num_blocks, triton.cdiv(H, cfg.block_n))](
         h, w2, y, align.sorted_pair_ids, align.block_expert, weights, b2 if has_bias else x, s2,
         T * top_k, H, I,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0) if has_bias else 0, *s2_meta,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
-        HAS_BIAS=has_bias, W_SCALED=scaled, **launch)
+        HAS_BIAS=has_bias, WFMT=wfmt, **launch)
     block_n = min(1024, triton.next_power_of_2(H))
     sum_over_k_kernel[(T, triton.cdiv(H, block_n))](
         y, out, H, top_k, y.stride(0) * top_k, out.stride(0),

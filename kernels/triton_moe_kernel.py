@@ -4,12 +4,37 @@ Shapes: P token-expert pairs (T tokens x top_k), H hidden size, I expert width; 
 BLOCK_N output columns, BLOCK_K steps of the reduction dimension (H in gate/up, I in down); TOPK_POW2 is
 top_k rounded up to a power of two. HAS_BIAS adds the experts' biases (b13 [E, 2I], b2 [E, H]); CLAMPED is
 GPT-OSS's clamped SwiGLU (kernels/activation.py), else alpha = 1 and up_offset = 0 give silu(gate) * up.
-W_SCALED: the weights are block-scaled FP8 (kernels/fp8_weight.py); each loaded tile is multiplied by its
-blocks' scales (scales [E, R / scale_bn, C / scale_bk]) and cast to the activations' dtype before the dot.
+WFMT, the weights' format: 0 the activations' float dtype; 1 block-scaled FP8 (kernels/fp8_weight.py), each
+loaded tile times its blocks' float32 scales; 2 MXFP4 (kernels/mxfp4_weight.py), each tile's e2m1 nibbles
+decoded and times 2^(s - 127) of its 32-value block. Scales are [E, R / scale_bn, C / scale_bk] either way;
+a quantised tile is cast to the activations' dtype before the dot.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def weight_tile(w_base, s_base, rows, ks, ok, stride_wn, stride_sn, stride_sk, scale_bn, scale_bk,
+                WFMT: tl.constexpr):
+    """The weight tile [BK, BN] of output rows `rows` [BN] and inputs `ks` [BK]: as stored (WFMT 0) or
+    dequantised to float32."""
+    if WFMT == 2:                                                         # MXFP4: two e2m1 codes a byte
+        byte = tl.load(w_base + rows[None, :] * stride_wn + ks[:, None] // 2, mask=ok, other=0).to(tl.int32)
+        code = (byte >> ((ks[:, None] % 2) * 4)) & 15                     # [BK, BN] sign | exponent(2) | mantissa
+        exp = (code >> 1) & 3
+        half = (code & 1).to(tl.float32) * 0.5
+        mag = tl.where(exp == 0, half, (1.0 + half) * tl.exp2((exp - 1).to(tl.float32)))
+        w = tl.where((code & 8) != 0, -mag, mag)
+        sc = tl.load(s_base + (rows[None, :] // scale_bn) * stride_sn + (ks[:, None] // scale_bk) * stride_sk,
+                     mask=ok, other=127).to(tl.float32)
+        return w * tl.exp2(sc - 127.0)
+    w = tl.load(w_base + rows[None, :] * stride_wn + ks[:, None], mask=ok, other=0.0)
+    if WFMT == 1:                                                         # FP8: times its block's scale
+        sc = tl.load(s_base + (rows[None, :] // scale_bn) * stride_sn + (ks[:, None] // scale_bk) * stride_sk,
+                     mask=ok, other=0.0)
+        return w.to(tl.float32) * sc
+    return w
 
 
 @triton.jit
@@ -20,7 +45,7 @@ def gate_up_act_kernel(
     stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
     alpha, limit, up_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, W_SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, WFMT: tl.constexpr,
 ):
     """h[pair, n] = act(x[t] · w13[e, n] + b13[e, n], x[t] · w13[e, I + n] + b13[e, I + n]) for the pairs of
     one block; act(g, u) = g · sigmoid(alpha g) · (u + up_offset), g and u clamped first when CLAMPED."""
@@ -36,22 +61,17 @@ def gate_up_act_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    s_base = s13_ptr + expert.to(tl.int64) * stride_se
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         a = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xt + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)      # [BM, BK]
-        wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
-                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)     # [BK, BN]
-        wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + ks[:, None],
-                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)     # [BK, BN]
-        if W_SCALED:                                                      # FP8: each value times its block's scale
-            s_base = s13_ptr + expert.to(tl.int64) * stride_se + (ks[:, None] // scale_bk) * stride_sk
-            ok = col_ok[None, :] & k_ok[:, None]
-            sg = tl.load(s_base + (cols[None, :] // scale_bn) * stride_sn, mask=ok, other=0.0)         # [BK, BN]
-            su = tl.load(s_base + ((cols[None, :] + inter) // scale_bn) * stride_sn, mask=ok, other=0.0)
-            wg = (wg.to(tl.float32) * sg).to(a.dtype)
-            wu = (wu.to(tl.float32) * su).to(a.dtype)
+        ok = col_ok[None, :] & k_ok[:, None]
+        wg = weight_tile(w_base, s_base, cols, ks, ok, stride_wn, stride_sn, stride_sk, scale_bn, scale_bk,
+                         WFMT).to(a.dtype)                                # [BK, BN] gate
+        wu = weight_tile(w_base, s_base, cols + inter, ks, ok, stride_wn, stride_sn, stride_sk, scale_bn,
+                         scale_bk, WFMT).to(a.dtype)                      # [BK, BN] up
         acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
     if HAS_BIAS:
@@ -73,7 +93,7 @@ def down_weighted_kernel(
     stride_hp, stride_we, stride_wn, stride_yp, stride_be,
     stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, W_SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WFMT: tl.constexpr,
 ):
     """y[pair, n] = w[pair] · (h[pair] · w2[e, n] + b2[e, n]): bias and routed weight in the epilogue."""
     pid_m = tl.program_id(0)
@@ -91,12 +111,8 @@ def down_weighted_kernel(
         k_ok = ks < inter
         a = tl.load(h_ptr + pairs[:, None].to(tl.int64) * stride_hp + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)      # [BM, BK]
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)      # [BK, BN]
-        if W_SCALED:
-            sw = tl.load(s2_ptr + expert.to(tl.int64) * stride_se + (cols[None, :] // scale_bn) * stride_sn
-                         + (ks[:, None] // scale_bk) * stride_sk, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            w = (w.to(tl.float32) * sw).to(a.dtype)
+        w = weight_tile(w_base, s2_ptr + expert.to(tl.int64) * stride_se, cols, ks, col_ok[None, :] & k_ok[:, None],
+                        stride_wn, stride_sn, stride_sk, scale_bn, scale_bk, WFMT).to(a.dtype)   # [BK, BN]
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b2_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

@@ -98,7 +98,7 @@ def test_a_fleet_serves_it_and_validate_reports_the_format(fp8_model):
 
 
 def test_a_worker_keeps_the_experts_fp8_for_the_triton_kernels(fp8_model):
-    """--fp8-experts keep: the published e4m3 values and block scales are what the worker holds (a third of the
+    """--quantized-experts keep: the published e4m3 values and block scales are what the worker holds (a third of the
     float32 bytes, plus scales), and the Triton kernels (run by the interpreter on CPU tensors, as a GPU would
     run them) scale each tile as they load it: transformers' tokens on the dequantised model."""
     from colibri.client import Client
@@ -106,7 +106,7 @@ def test_a_worker_keeps_the_experts_fp8_for_the_triton_kernels(fp8_model):
 
     env = {"COLIBRI_MOE_BACKEND": "triton", "TRITON_INTERPRET": "1"}
     port = free_port()
-    with fleet(fp8_model.path, 1, ["--fp8-experts", "keep", "--metrics-port", str(port)], env=env) as (addr, _):
+    with fleet(fp8_model.path, 1, ["--quantized-experts", "keep", "--metrics-port", str(port)], env=env) as (addr, _):
         prompt = [3, 17, 42, 99, 5, 8]
         res = Client(addr).generate(prompt, 6, return_logits=True)
         assert res.token_ids == fp8_model.greedy(prompt, 6)
@@ -117,11 +117,11 @@ def test_a_worker_keeps_the_experts_fp8_for_the_triton_kernels(fp8_model):
 
 
 def test_keeping_fp8_on_a_cpu_without_the_triton_kernels_fails_at_start(fp8_model):
-    out = subprocess.run([COLIBRI, "expert", "--model", str(fp8_model.path), "--shard", "0/1", "--fp8-experts",
+    out = subprocess.run([COLIBRI, "expert", "--model", str(fp8_model.path), "--shard", "0/1", "--quantized-experts",
                           "keep"], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in __import__("os").environ.items() if k != "COLIBRI_MOE_BACKEND"})
     assert out.returncode != 0
-    assert "--fp8-experts keep on a CPU needs the Triton kernels" in out.stderr
+    assert "--quantized-experts keep on a CPU needs the Triton kernels" in out.stderr
     assert "Traceback" not in out.stderr
 
 

@@ -55,37 +55,65 @@ def gpt_oss(tmp_path_factory) -> Oracle:
     return Oracle(model, save_checkpoint(model, tmp_path_factory.mktemp("gpt_oss") / "ckpt"))
 
 
-def test_mxfp4_experts_dequantise_within_the_format_and_serve_as_transformers(tmp_path):
+@pytest.fixture(scope="module")
+def mxfp4_oracle(tmp_path_factory) -> tuple[Oracle, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """An MXFP4 GPT-OSS checkpoint, transformers on its experts as transformers dequantises them, the original
+    float weights and the blocks / scales."""
+    root = tmp_path_factory.mktemp("mxfp4")
     model = build_model(small_config("gpt_oss", intermediate_size=64), seed=5)   # widths of whole 32-blocks
-    src = save_checkpoint(model, tmp_path / "bf")
-    packed = write_mxfp4(src, tmp_path / "mxfp4")
-    ckpt = Checkpoint(tmp_path / "mxfp4")
-    assert ckpt.quantized() == {"mxfp4 e2m1, 32-value blocks with e8m0 scales": 4}
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    packed = write_mxfp4(save_checkpoint(model, root / "bf"), root / "mxfp4")
     state = model.state_dict()
+    for name in [n for n in packed if n.endswith("_blocks")]:
+        weight = name.removesuffix("_blocks")
+        state[weight] = convert_moe_packed_tensors(packed[name], packed[weight + "_scales"], dtype=torch.float32)
+    model.load_state_dict(state)
+    return Oracle(model, root / "mxfp4"), original, packed
+
+
+def test_mxfp4_experts_dequantise_within_the_format_and_serve_as_transformers(mxfp4_oracle):
+    oracle, original, packed = mxfp4_oracle
+    ckpt = Checkpoint(oracle.path)
+    assert ckpt.quantized() == {"mxfp4 e2m1, 32-value blocks with e8m0 scales": 4}
+    state = oracle.model.state_dict()                                # transformers' dequantised experts
     for layer in range(2):
         for proj in ("gate_up_proj", "down_proj"):
             name = f"model.layers.{layer}.mlp.experts.{proj}"
-            blocks, scales = packed[name + "_blocks"], packed[name + "_scales"]
-            theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)   # [E, in, out]
             ours = ckpt.mxfp4(name + "_blocks", name + "_scales")                    # [E, out, in]
-            assert torch.equal(ours.transpose(1, 2), theirs)
+            assert torch.equal(ours.transpose(1, 2), state[name])
             # within the format's rounding: half a step of e2m1 at the block's scale, or the clip to 6 x scale
-            step = torch.pow(2.0, scales.float() - 127).repeat_interleave(32, -1)            # [E, out, in]
-            err = (ours - state[name].transpose(1, 2)).abs()
+            step = torch.pow(2.0, packed[name + "_scales"].float() - 127).repeat_interleave(32, -1)
+            err = (ours - original[name].transpose(1, 2)).abs()                      # [E, out, in]
             assert (err <= 2 * step).all() and err.mean() < 0.25 * step.mean()
-            state[name] = theirs                                     # the oracle: transformers' dequantised model
     ckpt.close()
-    model.load_state_dict(state)
-    oracle = Oracle(model, tmp_path / "mxfp4")
     with InProcess(oracle.path) as engine:
         for prompt in PROMPTS:
             res = engine.generate(prompt, NEW_TOKENS, return_logits=True)
             check_against_oracle(oracle, prompt, res.token_ids, res.logits, res.finish_reason)
     lines = validate(str(oracle.path), workers=2)
     assert any("mxfp4 e2m1" in line for line in lines), lines
-    params = sum(p.numel() for p in model.parameters()) / 1e6          # MXFP4 counts its values, not its bytes
+    params = sum(p.numel() for p in oracle.model.parameters()) / 1e6   # MXFP4 counts its values, not its bytes
     assert any(line.startswith(f"parameters       {params:.1f}M") for line in lines), (params, lines)
     assert any(line.startswith("attention") and "sinks, sliding window 4 on 1 of 2 layers" in line for line in lines)
+
+
+def test_a_worker_keeps_the_mxfp4_experts_for_the_triton_kernels(mxfp4_oracle):
+    """--quantized-experts keep: the worker holds the published blocks and scales (4.25 bits a weight) and the
+    Triton kernels (the interpreter on CPU tensors, as a GPU runs them) decode each tile as they load it:
+    transformers' tokens on the dequantised model."""
+    from colibri.client import Client
+    from tests.conftest import fleet, free_port, metrics
+
+    oracle = mxfp4_oracle[0]
+    port = free_port()
+    env = {"COLIBRI_MOE_BACKEND": "triton", "TRITON_INTERPRET": "1"}
+    extra = ["--quantized-experts", "keep", "--metrics-port", str(port)]
+    with fleet(oracle.path, 1, extra, env=env) as (addr, _):
+        res = Client(addr).generate(PROMPTS[0], 6)
+        assert res.token_ids == oracle.greedy(PROMPTS[0], 6)
+        resident = metrics(port + 1)["colibri:expert_resident_bytes"]
+    H, I, E, L = 96, 64, 8, 2
+    assert resident == E * L * (3 * H * I // 2 + 3 * H * I // 32)       # nibbles + one scale byte per 32
 
 
 def test_a_damaged_mxfp4_checkpoint_fails_at_start_naming_the_tensor(tmp_path):

@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from kernels import Fp8Weight, GatedAct, cpu_moe, fused_moe, quantize_int8, topk_route
+from colibri_common import mxfp4
+from kernels import Fp8Weight, GatedAct, Mxfp4Weight, cpu_moe, fused_moe, quantize_int8, topk_route
 from kernels.cpu_forms import bucket
 from kernels.reference import fused_moe_reference, topk_route_reference
 
@@ -175,11 +176,41 @@ def test_triton_keeps_fp8_experts_and_scales_their_tiles(T, E, K, pattern, dtype
     assert got.dtype == dtype and err <= TOL[dtype], f"T={T} E={E} K={K} {pattern} {dtype} {block}: {err:.2e}"
 
 
+def to_mxfp4(w: torch.Tensor) -> Mxfp4Weight:
+    """[E, R, C] -> MXFP4 as GPT-OSS publishes its experts (blocks [E, R, C / 32, 16], scales [E, R, C / 32])."""
+    blocks, scales = mxfp4.quantize(w)
+    return Mxfp4Weight(blocks.flatten(-2).contiguous(), scales)
+
+
+def mxfp4_values(w: Mxfp4Weight) -> torch.Tensor:
+    return mxfp4.dequantize(w.blocks.unflatten(-1, (-1, 16)), w.scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,E,K,pattern", [(1, 8, 2, "random"), (17, 61, 3, "expert_map"), (64, 8, 4, "one_expert")])
+def test_triton_keeps_mxfp4_experts_and_decodes_their_tiles(T, E, K, pattern, dtype):
+    """MXFP4 experts (widths of whole 32-value blocks: H 96, I 64) against the reference on their dequantised
+    values (colibri_common.mxfp4, itself checked against transformers' dequantiser), with GPT-OSS's biases."""
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 96, generator=g)
+    w13, w2 = torch.randn(E, 128, 96, generator=g) / 10, torch.randn(E, 96, 64, generator=g) / 8
+    _, _, _, ids, w, emap = make_case(T, E, K, torch.float32, pattern, seed=T)
+    b13, b2 = torch.randn(E, 128, generator=g), torch.randn(E, 96, generator=g)
+    q13, q2 = to_mxfp4(w13), to_mxfp4(w2)
+    assert q13.shape == (E, 128, 96) and q13.nbytes == E * 128 * (48 + 3)            # 4.25 bits a weight
+    ref = fused_moe_reference(x, mxfp4_values(q13), mxfp4_values(q2), ids, w, emap, act=GPT_OSS, b13=b13, b2=b2)
+    got = fused_moe(x.to(dtype), q13, q2, ids, w, emap, backend="triton", act=GPT_OSS, b13=b13.to(dtype),
+                    b2=b2.to(dtype))
+    err = float((got.double() - ref).abs().max() / ref.abs().max())
+    assert got.dtype == dtype and err <= TOL[dtype] + (1e-3 if dtype == torch.float16 else 0), \
+        f"T={T} E={E} K={K} {pattern} {dtype}: {err:.2e}"
+
+
 def test_fp8_experts_on_the_cpu_path_are_a_clear_error():
     x, w13, w2, ids, w, _ = make_case(3, 8, 2, torch.float32, "random")
-    with pytest.raises(ValueError, match="FP8 experts are computed by the Triton kernels"):
+    with pytest.raises(ValueError, match="FP8 and MXFP4 experts are computed by the Triton kernels"):
         fused_moe(x, to_fp8(w13, (16, 16)), to_fp8(w2, (16, 16)), ids, w, backend="torch")
-    with pytest.raises(TypeError, match="both be FP8 or neither"):
+    with pytest.raises(TypeError, match="both be FP8, both MXFP4, or neither"):
         fused_moe(x, to_fp8(w13, (16, 16)), w2, ids, w, backend="triton")
 
 

@@ -1,0 +1,88 @@
+"""Quantised experts kept as the checkpoint publishes them, for the Triton kernels to compute: block-scaled FP8
+(`kernels.Fp8Weight`) or GPT-OSS's MXFP4 (`kernels.Mxfp4Weight`). Which one a worker holds, if any, follows
+`--quantized-experts` (auto | keep | dequantize) and the device.
+
+Shapes: H hidden size, I expert width, b0 x b1 an FP8 block.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.errors import ConfigError
+from colibri_common.tensors import stored_expert_tensors
+from kernels import Fp8Weight, Mxfp4Weight
+
+MODES = ("auto", "keep", "dequantize")
+
+
+@dataclass(frozen=True)
+class Kept:
+    kind: str                               # "fp8" | "mxfp4"
+    block: tuple[int, int] = (1, 32)        # FP8's b0 x b1; MXFP4's is one row by 32 values
+
+    def empty(self, *shape: int, device: torch.device | str = "cpu") -> Fp8Weight | Mxfp4Weight:
+        if self.kind == "fp8":
+            return Fp8Weight.empty(*shape, block=self.block, device=device)
+        return Mxfp4Weight.empty(*shape, device=device)
+
+    def pinned(self, *shape: int) -> Fp8Weight | Mxfp4Weight:
+        """Host memory pinned for a GPU worker's warm tier."""
+        w = self.empty(*shape)
+        if isinstance(w, Fp8Weight):
+            return Fp8Weight(w.values.pin_memory(), w.scales.pin_memory(), self.block)
+        return Mxfp4Weight(w.blocks.pin_memory(), w.scales.pin_memory())
+
+    def expert_bytes(self, cfg: ModelConfig) -> int:
+        """One expert's gate/up [2I, H] and down [H, I] held so: values and scales."""
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        if self.kind == "mxfp4":
+            return 3 * H * I // 2 + 3 * H * I // 32
+        b0, b1 = self.block
+        return 3 * H * I + 4 * (-(-2 * I // b0) * -(-H // b1) + -(-H // b0) * -(-I // b1))
+
+    @property
+    def dtype_name(self) -> str:
+        return "float8_e4m3fn" if self.kind == "fp8" else "mxfp4"
+
+
+def kept_format(cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, mode: str, quantize: str | None
+                ) -> Kept | None:
+    """The format to keep a quantised checkpoint's experts in, or None to dequantise them as they are packed.
+    auto: kept on a CUDA GPU (FP8 only on one with FP8, compute capability 8.9+)."""
+    if mode not in MODES:
+        raise ConfigError(f"--quantized-experts '{mode}': use one of {', '.join(MODES)}")
+    if mode == "dequantize" or not cfg.moe_layers:
+        return None
+    layout, specs = stored_expert_tensors(cfg, cfg.moe_layers[0], 0, ckpt)
+    I = cfg.moe_intermediate_size
+    if layout == "mxfp4":
+        kept, fp8_gpu = Kept("mxfp4"), True
+        aligned = cfg.hidden_size % 32 == 0 and I % 32 == 0               # rows of whole 32-value blocks
+    elif all(ckpt.entry(name).dtype == "F8_E4M3" for name, _ in specs.values()) and ckpt.fp8 is not None:
+        kept = Kept("fp8", ckpt.fp8.block)
+        aligned = layout == "stacked" or I % kept.block[0] == 0   # gate's and up's scale grids stack into one
+        fp8_gpu = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    else:
+        if mode == "keep":
+            raise ConfigError(f"--quantized-experts keep: {ckpt.dir}'s experts are neither block-scaled FP8 nor "
+                              f"MXFP4")
+        return None
+    if mode == "auto":
+        return kept if device.type == "cuda" and fp8_gpu and aligned and quantize is None else None
+    if quantize is not None:
+        raise ConfigError("--quantized-experts keep and --quantize int8 exclude each other: keep the checkpoint's "
+                          "format or quantise dequantised experts, not both")
+    if not aligned:
+        raise ConfigError(f"--quantized-experts keep: the expert width {I} (hidden {cfg.hidden_size}) does not "
+                          f"split into whole {kept.kind} blocks ({kept.block[0]} rows for FP8, 32 values for MXFP4); "
+                          f"use --quantized-experts dequantize")
+    if device.type != "cuda" and os.environ.get("COLIBRI_MOE_BACKEND") != "triton":
+        raise ConfigError("--quantized-experts keep on a CPU needs the Triton kernels (COLIBRI_MOE_BACKEND=triton "
+                          "under TRITON_INTERPRET=1, a test setup); CPU workers compute dequantised experts")
+    return kept
