@@ -161,10 +161,13 @@ def entry() -> None:
     restart or a rolling update for nothing."""
     rc = main()
     argv = sys.argv[1:]
-    if argv and argv[0] in SERVICES:
+    if argv and argv[0] in SERVICES:          # nothing of ours needs teardown: threads are daemons, files saved
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (BrokenPipeError, ValueError):                 # a reader gone: the exit code still counts
+                pass
         os._exit(rc)
     sys.exit(rc)
 

@@ -32,11 +32,11 @@ class Kept:
         return Mxfp4Weight.empty(*shape, device=device)
 
     def pinned(self, *shape: int) -> Fp8Weight | Mxfp4Weight:
-        """Host memory pinned for a GPU worker's warm tier."""
-        w = self.empty(*shape)
-        if isinstance(w, Fp8Weight):
-            return Fp8Weight(w.values.pin_memory(), w.scales.pin_memory(), self.block)
-        return Mxfp4Weight(w.blocks.pin_memory(), w.scales.pin_memory())
+        """Host memory pinned for a GPU worker's warm tier (allocated pinned: no copy of a large tier)."""
+        meta = self.empty(*shape, device="meta")
+        tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in
+                   ((meta.values, meta.scales) if isinstance(meta, Fp8Weight) else (meta.blocks, meta.scales))]
+        return Fp8Weight(*tensors, self.block) if self.kind == "fp8" else Mxfp4Weight(*tensors)
 
     def expert_bytes(self, cfg: ModelConfig) -> int:
         """One expert's gate/up [2I, H] and down [H, I] held so: values and scales."""
@@ -82,7 +82,12 @@ def kept_format(cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, mode: 
         raise ConfigError(f"--quantized-experts keep: the expert width {I} (hidden {cfg.hidden_size}) does not "
                           f"split into whole {kept.kind} blocks ({kept.block[0]} rows for FP8, 32 values for MXFP4); "
                           f"use --quantized-experts dequantize")
-    if device.type != "cuda" and os.environ.get("COLIBRI_MOE_BACKEND") != "triton":
+    if kept.kind == "fp8" and device.type == "cuda" and not fp8_gpu:
+        raise ConfigError(f"--quantized-experts keep: {torch.cuda.get_device_name(device)} (compute capability "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) has no FP8; it needs "
+                          f"8.9+ (Ada, Hopper, Blackwell): use --quantized-experts dequantize")
+    interpreted = os.environ.get("COLIBRI_MOE_BACKEND") == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
         raise ConfigError("--quantized-experts keep on a CPU needs the Triton kernels (COLIBRI_MOE_BACKEND=triton "
                           "under TRITON_INTERPRET=1, a test setup); CPU workers compute dequantised experts")
     return kept

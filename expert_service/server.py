@@ -146,6 +146,7 @@ def serve_expert(opts: ExpertOptions) -> None:
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
                           quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache, kept=kept)
     experts.loaded()                            # without a cache every expert is packed: unmap the files
+    experts.warm_up()                           # the kernels run here (compiled on a GPU), before ready
     heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas)
     if experts.cache is not None:
         warm = experts.cache.preload(load_heat(heat, opts.model))

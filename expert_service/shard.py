@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
+from colibri_common.errors import ConfigError
 from colibri_common.placement import replica_experts
 from expert_service.cache_capacity import CacheCapacity, parse_capacity
 from expert_service.expert_cache import ExpertCache
@@ -158,6 +159,25 @@ class ExpertShard:
         for j, e in enumerate(self.experts):                                 # one expert at a time: no float
             pack_expert(cfg, ckpt, layer, e, w13[j], w2[j])                  # copy of the shard when quantising
         return w13, w2
+
+    def warm_up(self) -> None:
+        """One token through the fused-MoE kernels the calls will run (Triton compiles its variants on a GPU), on
+        the first expert of the first MoE layer: a device or weight format the kernels cannot run fails here, at
+        start, not at the first request. The result is discarded (a cache's slots may hold nothing yet)."""
+        if not self.cfg.moe_layers:
+            return
+        layer = self.cfg.moe_layers[0]
+        held = self.cache.hot if self.cache is not None else None
+        w13, w2 = (held.w13, held.w2) if held is not None else (self.w13[layer], self.w2[layer])
+        b13, b2 = self.biases.get(layer, (None, None))
+        x = torch.zeros(1, self.cfg.hidden_size, dtype=self.dtype, device=self.device)          # [1, H]
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)                            # [1, 1]
+        try:
+            fused_moe(x, w13[0:1], w2[0:1], ids, torch.ones(1, 1, device=self.device), act=self.act,
+                      b13=None if b13 is None else b13[0:1], b2=None if b2 is None else b2[0:1])
+        except Exception as exc:          # a compiler's or a device's refusal: say which kernels, on what
+            raise ConfigError(f"the experts' fused-MoE kernels ({self.weight_dtype} weights) cannot run on "
+                              f"{self.device}: {type(exc).__name__}: {str(exc)[-400:]}") from exc
 
     def loaded(self) -> None:
         """Start-up is over: without a cache every expert is packed, so the mappings go."""

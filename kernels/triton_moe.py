@@ -38,6 +38,8 @@ def _check(x: torch.Tensor, w13: torch.Tensor | Fp8Weight | Mxfp4Weight,
             for t in (getattr(w, "values", None), getattr(w, "blocks", None), w.scales):
                 if t is not None and not t.is_contiguous():
                     raise ValueError(f"fused_moe_triton: {name} must be contiguous")
+                if t is not None and t.device != x.device:
+                    raise ValueError(f"fused_moe_triton: {name} is on {t.device}, the activations on {x.device}")
         w13, w2 = x, x                                    # the dtype checks below are the activations' own
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         if t.dtype not in _DTYPES:

@@ -19,21 +19,23 @@ def weight_tile(w_base, s_base, rows, ks, ok, stride_wn, stride_sn, stride_sk, s
                 WFMT: tl.constexpr):
     """The weight tile [BK, BN] of output rows `rows` [BN] and inputs `ks` [BK]: as stored (WFMT 0) or
     dequantised to float32."""
+    # one return at the end: Triton's code generator follows every constexpr branch's tail
     if WFMT == 2:                                                         # MXFP4: two e2m1 codes a byte
         byte = tl.load(w_base + rows[None, :] * stride_wn + ks[:, None] // 2, mask=ok, other=0).to(tl.int32)
         code = (byte >> ((ks[:, None] % 2) * 4)) & 15                     # [BK, BN] sign | exponent(2) | mantissa
         exp = (code >> 1) & 3
         half = (code & 1).to(tl.float32) * 0.5
         mag = tl.where(exp == 0, half, (1.0 + half) * tl.exp2((exp - 1).to(tl.float32)))
-        w = tl.where((code & 8) != 0, -mag, mag)
         sc = tl.load(s_base + (rows[None, :] // scale_bn) * stride_sn + (ks[:, None] // scale_bk) * stride_sk,
                      mask=ok, other=127).to(tl.float32)
-        return w * tl.exp2(sc - 127.0)
-    w = tl.load(w_base + rows[None, :] * stride_wn + ks[:, None], mask=ok, other=0.0)
-    if WFMT == 1:                                                         # FP8: times its block's scale
+        w = tl.where((code & 8) != 0, -mag, mag) * tl.exp2(sc - 127.0)
+    elif WFMT == 1:                                                       # FP8: times its block's scale
+        v = tl.load(w_base + rows[None, :] * stride_wn + ks[:, None], mask=ok, other=0.0)
         sc = tl.load(s_base + (rows[None, :] // scale_bn) * stride_sn + (ks[:, None] // scale_bk) * stride_sk,
                      mask=ok, other=0.0)
-        return w.to(tl.float32) * sc
+        w = v.to(tl.float32) * sc
+    else:
+        w = tl.load(w_base + rows[None, :] * stride_wn + ks[:, None], mask=ok, other=0.0)
     return w
 
 

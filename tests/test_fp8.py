@@ -146,3 +146,20 @@ def test_fp8_weights_without_their_scales_or_format_are_named(fp8_model, tmp_pat
     with pytest.raises(CheckpointError, match="no fp8 quantization_config"):
         ckpt.tensor(name)
     ckpt.close()
+
+
+def test_kernels_that_cannot_run_on_the_device_fail_at_start_not_at_the_first_request(fp8_model, monkeypatch):
+    """A worker runs one token through its fused-MoE kernels before it is ready (on a GPU, Triton compiles them
+    then): a compiler's or device's refusal becomes one clear start-up error naming the weights and device."""
+    from colibri_common.config import ModelConfig
+    from colibri_common.errors import ConfigError
+    from expert_service import shard as shard_module
+
+    ckpt = Checkpoint(fp8_model.path)
+    experts = shard_module.ExpertShard(ModelConfig.from_dir(fp8_model.path), ckpt, 0, 1, torch.float32)
+    experts.warm_up()                                                    # runs: nothing raised
+    monkeypatch.setattr(shard_module, "fused_moe", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("CompilationError: type fp8e4nv not supported in this architecture")))
+    with pytest.raises(ConfigError, match=r"kernels \(float32 weights\) cannot run on cpu: .*fp8e4nv not supported"):
+        experts.warm_up()
+    experts.close()

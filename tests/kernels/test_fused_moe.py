@@ -206,6 +206,20 @@ def test_triton_keeps_mxfp4_experts_and_decodes_their_tiles(T, E, K, pattern, dt
         f"T={T} E={E} K={K} {pattern} {dtype}: {err:.2e}"
 
 
+def test_the_kernels_compile_for_real_gpus():
+    """Every format, bias and activation variant through Triton's compiler for sm_80 and sm_90 (to Triton IR:
+    no GPU needed), in a process without the interpreter, which would accept what the compiler refuses."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.kernels.gpu_compile"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert run.stdout.count("ok ") == 41
+
+
 def test_fp8_experts_on_the_cpu_path_are_a_clear_error():
     x, w13, w2, ids, w, _ = make_case(3, 8, 2, torch.float32, "random")
     with pytest.raises(ValueError, match="FP8 and MXFP4 experts are computed by the Triton kernels"):

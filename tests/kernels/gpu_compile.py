@@ -1,0 +1,85 @@
+"""Compile the fused-MoE Triton kernels for real GPU targets (sm_80, sm_90) to Triton IR, with no GPU: the
+interpreter runs plain Python, so code that only the compiler refuses (mismatched returns, types a target lacks)
+would pass every interpreter test. Run as a script in a process without TRITON_INTERPRET (tests/kernels sets it).
+
+    python -m tests.kernels.gpu_compile   -> one line per variant, exit 1 if any fails
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+
+from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel, sum_over_k_kernel
+
+INTS = ("num_pairs", "top_k", "hidden", "inter", "stride_xt", "stride_we", "stride_wn", "stride_hp", "stride_be",
+        "stride_se", "stride_sn", "stride_sk", "scale_bn", "scale_bk", "stride_yp", "stride_yt", "stride_ot")
+WEIGHT = {0: None, 1: "*fp8e4nv", 2: "*u8"}             # WFMT -> the weights' pointer type (None: the activations')
+SCALES = {0: None, 1: "*fp32", 2: "*u8"}
+
+
+def signature(kernel, act: str, wfmt: int) -> dict[str, str]:
+    sig = {}
+    for name in kernel.arg_names:                      # constexprs are dropped by the caller
+        if name in ("w13_ptr", "w2_ptr"):
+            sig[name] = WEIGHT[wfmt] or f"*{act}"
+        elif name in ("s13_ptr", "s2_ptr"):
+            sig[name] = SCALES[wfmt] or f"*{act}"
+        elif name in ("pair_ids_ptr", "block_expert_ptr"):
+            sig[name] = "*i32"
+        elif name in ("y_ptr", "weights_ptr"):
+            sig[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            sig[name] = f"*{act}"
+        elif name in INTS:
+            sig[name] = "i32"
+        elif name in ("alpha", "limit", "up_offset"):
+            sig[name] = "fp32"
+    return sig
+
+
+def make_ir(kernel, sig: dict[str, str], constants: dict, capability: int) -> None:
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    ASTSource(kernel, sig, constants).make_ir(target, options, backend.get_codegen_implementation(options),
+                                              backend.get_module_map(), context)
+
+
+def variants():
+    tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
+    for capability, act, wfmt, bias in itertools.product((80, 90), ("bf16", "fp16"), (0, 1, 2), (False, True)):
+        if wfmt == 1 and capability < 89:
+            continue                                   # no FP8 there: kept_format refuses it
+        yield (f"gate_up sm_{capability} {act} wfmt={wfmt} bias={bias}", gate_up_act_kernel,
+               signature(gate_up_act_kernel, act, wfmt),
+               dict(tiles, HAS_BIAS=bias, CLAMPED=bias, WFMT=wfmt), capability)
+        yield (f"down sm_{capability} {act} wfmt={wfmt} bias={bias}", down_weighted_kernel,
+               signature(down_weighted_kernel, act, wfmt), dict(tiles, HAS_BIAS=bias, WFMT=wfmt), capability)
+    yield ("sum_over_k sm_90", sum_over_k_kernel, {"y_ptr": "*fp32", "out_ptr": "*bf16", "hidden": "i32",
+           "top_k": "i32", "stride_yt": "i32", "stride_ot": "i32"}, dict(BLOCK_N=1024, TOPK_POW2=4), 90)
+
+
+def main() -> int:
+    failed = 0
+    for name, kernel, sig, constants, capability in variants():
+        sig = {k: v for k, v in sig.items() if k not in constants}
+        try:
+            make_ir(kernel, sig, constants, capability)
+            print(f"ok   {name}")
+        except Exception as exc:                          # the compiler's message names the line
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-600:]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
