@@ -1,4 +1,4 @@
-"""Compile the fused-MoE Triton kernels for real GPU targets (sm_80, sm_90) to Triton IR, with no GPU: the
+"""Compile the fused-MoE and routing Triton kernels for real GPU targets (sm_80, sm_90) to Triton IR, with no GPU: the
 interpreter runs plain Python, so code that only the compiler refuses (mismatched returns, types a target lacks)
 would pass every interpreter test. Run as a script in a process without TRITON_INTERPRET (tests/kernels sets it).
 
@@ -16,6 +16,7 @@ from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 
 from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel, sum_over_k_kernel
+from kernels.triton_topk_kernel import topk_route_kernel
 
 INTS = ("num_pairs", "top_k", "hidden", "inter", "stride_xt", "stride_we", "stride_wn", "stride_hp", "stride_be",
         "stride_se", "stride_sn", "stride_sk", "scale_bn", "scale_bk", "stride_yp", "stride_yt", "stride_ot")
@@ -64,6 +65,14 @@ def variants():
                dict(tiles, HAS_BIAS=bias, CLAMPED=bias, WFMT=wfmt), capability)
         yield (f"down sm_{capability} {act} wfmt={wfmt} bias={bias}", down_weighted_kernel,
                signature(down_weighted_kernel, act, wfmt), dict(tiles, HAS_BIAS=bias, WFMT=wfmt), capability)
+    route_sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                 "num_experts": "i32", "group_size": "i32", "stride_l": "i32", "scaling": "fp32"}
+    for scoring, groups in itertools.product((0, 1, 2), (1, 8)):   # DeepSeek-V3: sigmoid, 8 groups, top-2 scores
+        if scoring == 2 and groups > 1:
+            continue
+        yield (f"topk_route sm_90 scoring={scoring} groups={groups}", topk_route_kernel, dict(route_sig),
+               dict(TOP_K=8, TOPK_POW2=8, BLOCK_E=256, SCORING=scoring, HAS_BIAS=scoring == 1, NUM_GROUPS=groups,
+                    TOPK_GROUPS=min(4, groups), GROUP_TOP2=True, RENORMALIZE=True), 90)
     yield ("sum_over_k sm_90", sum_over_k_kernel, {"y_ptr": "*fp32", "out_ptr": "*bf16", "hidden": "i32",
            "top_k": "i32", "stride_yt": "i32", "stride_ot": "i32"}, dict(BLOCK_N=1024, TOPK_POW2=4), 90)
 
