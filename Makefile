@@ -27,9 +27,12 @@ demo: setup
 	$(PY) -m benchmarks.demo
 
 # The layer contract (pyproject.toml, [tool.importlinter]) runs first: a wrong import fails the suite.
+# Two pytest processes (pytest-xdist): most tests run one torch thread, so a second process uses the second
+# core; the services they start are forked from a pre-imported fork server (tests/forkserver.py).
+TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 lint: setup
 	$(VENV)/bin/ruff check .

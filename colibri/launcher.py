@@ -1,14 +1,16 @@
 """`colibri serve`: the whole fleet on one machine — N expert workers and a router as child processes.
 
 Each child is a visible process named by its role (`colibri expert --shard I/N …`, `colibri router …`),
-gets an explicit thread count, and dies with the launcher (PR_SET_PDEATHSIG), so no orphans remain.
+gets an explicit thread count, and dies with the launcher (PR_SET_PDEATHSIG), so no orphans remain. On CPUs
+the children are forked from the launcher once it has imported the services (`colibri.fork`): one import
+of torch for the fleet instead of one per child. With GPUs each child is a fresh `colibri` process.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -16,9 +18,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
+from colibri.fork import FRONT_MODULES, SERVICE_MODULES, ForkedChild, die_with_parent, fork_command, preload
 from colibri.openai_api.options import OpenAIOptions
 from colibri_common.config import ModelConfig
 from colibri_common.options import option, shared_fields, to_argv
@@ -26,19 +32,14 @@ from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.options import RouterOptions
 
 log = logging.getLogger("colibri.serve")
-PR_SET_PDEATHSIG = 1
+SPAWNS = ("auto", "fork", "exec")
+Child = subprocess.Popen | ForkedChild
+T = TypeVar("T")
 
 
 def colibri_command() -> list[str]:
     exe = Path(sys.executable).parent / "colibri"
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "colibri.cli"]
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def free_ports(n: int) -> list[int]:
@@ -81,6 +82,10 @@ class ServeOptions:
                                            "this port of the router's host (0 = any free port)")
     served_model_name: str = option("", "with --openai-port: the model's name in the HTTP API (default: the "
                                         "checkpoint directory's name)")
+    spawn: str = option("auto", "how the children start: 'fork' them from serve once it has imported torch and "
+                                "the services (one import for the fleet, pages shared), or 'exec' a fresh "
+                                "`colibri` for each; 'auto' forks on CPUs and execs with GPUs (CUDA cannot "
+                                "cross a fork)", choices=SPAWNS)
 
     def __post_init__(self) -> None:
         if self.openai_port is not None and not 0 <= self.openai_port <= 65535:
@@ -95,6 +100,14 @@ class ServeOptions:
             raise ValueError(f"--gpus takes GPU indices >= 0, got {','.join(map(str, self.gpus))}")
         if self.gpus and (self.router.quantize or self.router.quantize_dense):
             raise ValueError("--quantize int8 / --quantize-dense are the CPU path; on GPUs serve bfloat16")
+        if self.spawn not in SPAWNS:
+            raise ValueError(f"--spawn must be one of {', '.join(SPAWNS)}, got {self.spawn!r}")
+        if self.spawn == "fork" and (self.gpus or self.router.device != "cpu"):
+            raise ValueError("--spawn fork is for CPU fleets: a CUDA context cannot cross a fork (use exec)")
+
+    @property
+    def forks(self) -> bool:
+        return self.spawn == "fork" or (self.spawn == "auto" and not self.gpus and self.router.device == "cpu")
 
     def device(self, child: int | None) -> str:
         """The device of worker `child`, or of the router (None)."""
@@ -131,26 +144,58 @@ def child_argv(command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions
 
 
 class Fleet:
-    def __init__(self) -> None:
-        self.children: list[subprocess.Popen] = []
+    def __init__(self, forks: bool = False) -> None:
+        self.children: list[Child] = []
         self.stopping = threading.Event()
+        self.forks = forks
+        self._calls: queue.Queue[tuple[Callable[[], object], Future]] = queue.Queue()
 
-    def spawn(self, command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> subprocess.Popen:
+    def spawn(self, command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> Child:
         # PASSIVE: a process waiting on another (router on workers, workers on the router) must not keep
         # spinning OpenMP threads on the shared cores (measured: router step 109 -> 80 ms on 2 cores).
         env = dict(os.environ, OMP_NUM_THREADS=str(getattr(opts, "threads", 1)), PYTHONUNBUFFERED="1")
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        cmd = [*colibri_command(), *child_argv(command, opts)]
-        log.info("starting %s", " ".join(cmd))
+        argv = child_argv(command, opts)
         # Its own process group: a Ctrl-C in the terminal reaches serve alone, which stops the children in
         # order (the router drains first, the workers after it).
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
-                             preexec_fn=_die_with_parent, process_group=0)
+        if self.forks:
+            p: Child = self.on_main(lambda: fork_command(argv, env, new_group=True))
+            log.info("forked pid %d: colibri %s", p.pid, " ".join(argv))
+        else:
+            cmd = [*colibri_command(), *argv]
+            p = self.on_main(lambda: subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                                      text=True, env=env, preexec_fn=die_with_parent,
+                                                      process_group=0))
+            log.info("started pid %d: %s", p.pid, " ".join(cmd))
         self.children.append(p)
         return p
 
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the main thread, the one thread a child may be forked from (a fork copies only the
+        calling thread, and PR_SET_PDEATHSIG follows the thread that forked): directly when called there,
+        else through `serve_calls`, which the main thread runs while it supervises."""
+        if threading.current_thread() is threading.main_thread():
+            return fn()
+        fut: Future = Future()
+        self._calls.put((fn, fut))
+        return fut.result()
+
+    def serve_calls(self, until: threading.Event, poll_s: float = 0.5) -> None:
+        """The main thread's loop while the fleet runs: the other threads' calls, until `until` is set."""
+        while not until.is_set():
+            try:
+                fn, fut = self._calls.get(timeout=poll_s)
+            except queue.Empty:
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001  (it is the caller's to handle)
+                fut.set_exception(exc)
+        while not self._calls.empty():              # a caller waiting at the end gets an answer, not a hang
+            self._calls.get_nowait()[1].set_exception(RuntimeError("the fleet is stopping"))
+
     @staticmethod
-    def wait_ready(p: subprocess.Popen, what: str) -> str:
+    def wait_ready(p: Child, what: str) -> str:
         """Read the child's stdout until `ready HOST:PORT`; error if it exits first."""
         assert p.stdout is not None
         for line in p.stdout:
@@ -159,7 +204,7 @@ class Fleet:
         code = p.wait()
         raise RuntimeError(f"{what} exited with code {code} before it was ready (its log is above)")
 
-    def stop(self, first: tuple[subprocess.Popen, ...] = (), first_timeout: float = 15.0,
+    def stop(self, first: tuple[Child, ...] = (), first_timeout: float = 15.0,
              timeout: float = 15.0) -> None:
         """SIGTERM to `first` (the router, which drains) and wait for them; then the others; SIGKILL whatever
         outlives its timeout."""
@@ -185,7 +230,7 @@ def serve(opts: ServeOptions) -> int:
     n = opts.workers
     cores = opts.router.threads or len(os.sched_getaffinity(0))
     router_threads, worker_threads = split_threads(cores, n)
-    fleet = Fleet()
+    fleet = Fleet(forks=opts.forks)
     stop_signal = threading.Event()
 
     def on_signal(signum, _frame):
@@ -195,6 +240,10 @@ def serve(opts: ServeOptions) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     ModelConfig.from_dir(opts.router.model)      # an unusable config.json fails here, before any child starts
+    if fleet.forks:
+        t0 = time.monotonic()
+        preload(SERVICE_MODULES + (FRONT_MODULES if opts.openai_port is not None else ()))
+        log.info("imported the services in %.1fs; forking the children", time.monotonic() - t0)
     if opts.tls_self_signed:
         from colibri_common.tls import self_signed
 
@@ -229,11 +278,11 @@ def serve(opts: ServeOptions) -> int:
              ", ".join(f"{t:.1f}" for t in ready_s), "every expert packed" if cache == "all" else cache)
     print(f"ready {addr}", flush=True)
 
-    def drain(p: subprocess.Popen) -> None:
+    def drain(p: Child) -> None:
         for _ in p.stdout:  # type: ignore[union-attr]
             pass
 
-    def supervise_worker(i: int, p: subprocess.Popen) -> None:
+    def supervise_worker(i: int, p: Child) -> None:
         """A dead worker is restarted on its own port (the router reconnects), like a pod restart; one that
         keeps dying soon after its restart waits 1, 2, 4 … 30 s before the next one (CrashLoopBackOff)."""
         port = int(addrs[i].rsplit(":", 1)[1])
@@ -251,8 +300,8 @@ def serve(opts: ServeOptions) -> int:
             if stop_signal.wait(delay):
                 return
             started = time.monotonic()
-            p = fleet.spawn("expert", opts.expert(i, worker_threads, port))
             try:
+                p = fleet.spawn("expert", opts.expert(i, worker_threads, port))
                 fleet.wait_ready(p, f"expert worker {i}/{n}")
                 log.info("expert worker %d/%d is back", i, n)
             except RuntimeError as exc:
@@ -260,7 +309,7 @@ def serve(opts: ServeOptions) -> int:
                 stop_signal.set()
                 return
 
-    def supervise_router(p: subprocess.Popen) -> None:
+    def supervise_router(p: Child) -> None:
         drain(p)
         code = p.wait()
         if not fleet.stopping.is_set():
@@ -268,7 +317,7 @@ def serve(opts: ServeOptions) -> int:
                     code)
             stop_signal.set()
 
-    def supervise_front(p: subprocess.Popen) -> None:
+    def supervise_front(p: Child) -> None:
         drain(p)
         code = p.wait()
         if not fleet.stopping.is_set():
@@ -280,8 +329,7 @@ def serve(opts: ServeOptions) -> int:
     threading.Thread(target=supervise_router, args=(router,), daemon=True).start()
     if front is not None:
         threading.Thread(target=supervise_front, args=(front,), daemon=True).start()
-    while not stop_signal.wait(0.5):
-        pass
+    fleet.serve_calls(until=stop_signal)
     # The front and the router drain together (the front's open streams are the router's open requests).
     first = (router,) if front is None else (front, router)
     fleet.stop(first=first, first_timeout=opts.router.grace_period + 10)

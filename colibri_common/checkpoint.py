@@ -241,11 +241,17 @@ class Checkpoint:
         """Unmap every file; views handed out earlier must be gone (copied) by now."""
         import gc
 
-        gc.collect()
+        collected = False
         for path, m in list(self._maps.items()):
             try:
                 m.close()
             except BufferError:
-                logging.getLogger("colibri").warning("%s stays mapped: a tensor view is still alive", path)
-                continue
+                if not collected:        # a view may be held only by a cycle: one collection, then retry
+                    gc.collect()         # (not up front: it takes 0.3 s in a process with a large heap)
+                    collected = True
+                try:
+                    m.close()
+                except BufferError:
+                    logging.getLogger("colibri").warning("%s stays mapped: a tensor view is still alive", path)
+                    continue
             del self._maps[path]

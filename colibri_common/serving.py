@@ -26,7 +26,7 @@ log = logging.getLogger("colibri")
 
 
 def setup_logging(role: str, level: str = "INFO") -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, force=True,
                         format=f"%(asctime)s {role} %(levelname)s %(message)s")
 
 

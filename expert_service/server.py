@@ -28,6 +28,7 @@ from expert_service.kept_format import kept_format
 from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard, cache_setting
+from kernels import describe_backend
 from kernels.cpu_tune import CANDIDATES, tune
 
 log = logging.getLogger("colibri.expert")
@@ -159,9 +160,10 @@ def serve_expert(opts: ExpertOptions) -> None:
     tier = "all packed" if experts.cache is None else (
         f"expert cache of {experts.cache.hot.w13.shape[0]} slots ({opts.cache.expert_cache_capacity}, "
         f"{opts.cache.expert_cache_policy}); the rest mapped")
-    log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB %s (%s) on %s, ready in %.2fs",
+    log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB %s (%s) on %s, %s kernels, ready in %.2fs",
              shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
-             experts.shard_bytes / 2**20, experts.weight_dtype, tier, device, time.perf_counter() - t0)
+             experts.shard_bytes / 2**20, experts.weight_dtype, tier, device, describe_backend(device),
+             time.perf_counter() - t0)
     servicer.staging = HostStaging(device)
     servicer.metrics.resident_bytes = experts.packed_bytes
     servicer.metrics.cache, servicer.metrics.mapped_bytes = experts.cache, experts.shard_bytes

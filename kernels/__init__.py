@@ -26,8 +26,21 @@ from kernels.routing import Routing, topk_route_torch
 BACKENDS = ("triton", "torch")
 
 
+def backend_for(device: torch.device | str) -> str:
+    """The backend `fused_moe` and `topk_route` pick for tensors on `device` when not told."""
+    return os.environ.get("COLIBRI_MOE_BACKEND") or ("triton" if torch.device(device).type == "cuda" else "torch")
+
+
+def describe_backend(device: torch.device | str) -> str:
+    """For the start-up logs: 'torch', 'triton', or 'triton (interpreter)' on CPU tensors."""
+    choice = backend_for(device)
+    on_cpu = torch.device(device).type == "cpu"
+    interpreted = choice == "triton" and on_cpu and os.environ.get("TRITON_INTERPRET") == "1"
+    return f"{choice} (interpreter)" if interpreted else choice
+
+
 def _pick(x: torch.Tensor, backend: str | None) -> str:
-    choice = backend or os.environ.get("COLIBRI_MOE_BACKEND") or ("triton" if x.is_cuda else "torch")
+    choice = backend or backend_for(x.device)
     if choice not in BACKENDS:
         raise ValueError(f"MoE backend '{choice}' is unknown; use one of {', '.join(BACKENDS)}")
     return choice

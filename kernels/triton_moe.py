@@ -17,7 +17,7 @@ from kernels.launch_config import LaunchConfig, get_config
 from kernels.moe_align import moe_align_block_size
 from kernels.mxfp4_weight import BLOCK as MXFP4_BLOCK
 from kernels.mxfp4_weight import Mxfp4Weight
-from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel, sum_over_k_kernel
+from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 Quantized = (Fp8Weight, Mxfp4Weight)
@@ -105,8 +105,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight | Mxfp4Weigh
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0) if has_bias else 0, *s2_meta,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         HAS_BIAS=has_bias, WFMT=wfmt, **launch)
-    block_n = min(1024, triton.next_power_of_2(H))
-    sum_over_k_kernel[(T, triton.cdiv(H, block_n))](
-        y, out, H, top_k, y.stride(0) * top_k, out.stride(0),
-        BLOCK_N=block_n, TOPK_POW2=max(2, triton.next_power_of_2(top_k)))
-    return out
+    # Σ over each token's top_k rows in float32, then cast: one memory-bound torch reduction (as vLLM's moe_sum)
+    pairs = y.view(T, top_k, H)                                                 # [T, top_k, H]
+    if out.dtype == torch.float32:
+        return torch.sum(pairs, dim=1, out=out)
+    return out.copy_(pairs.sum(dim=1))

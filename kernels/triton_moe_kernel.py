@@ -1,8 +1,8 @@
 """Triton kernels of the fused MoE (jit code only; launchers live in triton_moe.py).
 
 Shapes: P token-expert pairs (T tokens x top_k), H hidden size, I expert width; tiles BLOCK_M pair rows,
-BLOCK_N output columns, BLOCK_K steps of the reduction dimension (H in gate/up, I in down); TOPK_POW2 is
-top_k rounded up to a power of two. HAS_BIAS adds the experts' biases (b13 [E, 2I], b2 [E, H]); CLAMPED is
+BLOCK_N output columns, BLOCK_K steps of the reduction dimension (H in gate/up, I in down). The launcher sums
+each token's top_k weighted rows afterwards (one torch reduction). HAS_BIAS adds the experts' biases (b13 [E, 2I], b2 [E, H]); CLAMPED is
 GPT-OSS's clamped SwiGLU (kernels/activation.py), else alpha = 1 and up_offset = 0 give silu(gate) * up.
 WFMT, the weights' format: 0 the activations' float dtype; 1 block-scaled FP8 (kernels/fp8_weight.py), each
 loaded tile times its blocks' float32 scales; 2 MXFP4 (kernels/mxfp4_weight.py), each tile's e2m1 nibbles
@@ -122,16 +122,3 @@ def down_weighted_kernel(
     acc = acc * rw[:, None]
     tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_yp + cols[None, :], acc,
              mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def sum_over_k_kernel(y_ptr, out_ptr, hidden, top_k, stride_yt, stride_ot,
-                      BLOCK_N: tl.constexpr, TOPK_POW2: tl.constexpr):
-    """out[t] = Σ_k y[t, k] (float32 accumulation), cast to the output dtype."""
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.arange(0, TOPK_POW2)
-    m = (slot[:, None] < top_k) & (cols[None, :] < hidden)
-    y = tl.load(y_ptr + t.to(tl.int64) * stride_yt + slot[:, None] * hidden + cols[None, :], mask=m, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, tl.sum(y, axis=0).to(out_ptr.dtype.element_ty),
-             mask=cols < hidden)

@@ -23,6 +23,7 @@ from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.heap import return_free_heap
 from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Tokenizer
+from kernels import describe_backend
 from kernels.cpu_linear import cpu_has_fast_bf16
 from kernels.cpu_tune import CANDIDATES, tune
 from router_service.block_allocator import BlockAllocator
@@ -118,8 +119,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     model.prefetch = opts.expert_prefetch
     model.track_routing = sched.routing_aware_batching
     engine = Engine(model, kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
-    log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB), %s on %s",
+    log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB), %s on %s, %s routing",
              cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size,
-             num_blocks * per_block / 2**20, str(dtype).removeprefix("torch."), device)
+             num_blocks * per_block / 2**20, str(dtype).removeprefix("torch."), device, describe_backend(device))
     template, special = load_chat_template(opts.model)
     return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special)

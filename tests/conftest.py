@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from router_service.metrics import parse
+from tests import forkserver
+from tests.forkserver import Forked
 from tests.models import build_model, save_checkpoint, small_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,14 +54,35 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(os.path.join(tempfile.gettempdir(), f"colibri-test-cache-{uid}"), ignore_errors=True)
 
 
+def colibri_popen(argv: list[str], stdout=None, stderr=None, env: dict[str, str] | None = None) -> Forked:
+    """`colibri ARGV...` as a process of its own, forked by the suite's fork server (tests/forkserver.py)."""
+    return forkserver.server().popen(argv, env=env, stdout=stdout, stderr=stderr)
+
+
+def colibri_run(argv: list[str], timeout: float = 120, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess:
+    """`colibri ARGV...` to its end, stdout and stderr captured as text (forked by the fork server)."""
+    return forkserver.server().run(argv, timeout=timeout, env=env)
+
+
+def argv_of(proc: psutil.Process) -> list[str]:
+    """A service's command line as words (a forked child shows it as one title: `colibri expert --shard ...`)."""
+    return " ".join(proc.cmdline()).split()
+
+
 @contextmanager
 def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = None, timeout: float = 120,
           env: dict[str, str] | None = None):
-    """`colibri serve` on a free port; yields (address, launcher Popen); stops it with SIGTERM."""
-    cmd = [COLIBRI, "serve", "--model", str(model_dir), "--workers", str(workers), "--port", "0",
-           "--log-level", "WARNING", *(extra or [])]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    """`colibri serve` on a free port; yields (address, launcher process); stops it with SIGTERM. Forked by the
+    fork server; with an `env` of its own, a fresh `colibri` exec'd with it."""
+    argv = ["serve", "--model", str(model_dir), "--workers", str(workers), "--port", "0", "--log-level", "WARNING",
+            *(extra or [])]
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    if env:
+        p = subprocess.Popen([COLIBRI, *argv], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                             env=full_env)
+    else:
+        p = colibri_popen(argv, stdout=subprocess.PIPE, env=full_env)
     try:
         p.openai = None                  # type: ignore[attr-defined]  (the HTTP front's base URL, when started)
         line = p.stdout.readline()

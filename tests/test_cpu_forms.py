@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from colibri_common.forms_file import machine
 from kernels import cpu_forms, cpu_moe, cpu_tune
 from kernels.cpu_linear import linear
 from kernels.quant import quantize_int8
-from tests.conftest import COLIBRI
+from tests.conftest import colibri_run
 from tests.inprocess import InProcess
 
 torch.set_num_threads(1)
@@ -133,8 +132,8 @@ def test_off_measures_nothing_and_auto_uses_the_cache_dir(tmp_path, oracles, mon
 
 def test_tune_cli_writes_the_file_the_services_read(tmp_path, oracles):
     path = tmp_path / "tuned.json"
-    out = subprocess.run([COLIBRI, "tune", "--model", str(oracles["qwen3_moe"].path), "--workers", "2",
-                          "--cpu-forms", str(path), "--max-rows", "4"], capture_output=True, text=True, timeout=120)
+    out = colibri_run(["tune", "--model", str(oracles["qwen3_moe"].path), "--workers", "2", "--cpu-forms", str(path),
+                       "--max-rows", "4"])
     assert out.returncode == 0, out.stderr
     assert "router (" in out.stdout and "expert worker (" in out.stdout
     sections = json.loads(path.read_text())["forms"]

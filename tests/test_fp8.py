@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.errors import CheckpointError
 from colibri_common.fp8 import dequantize, quantize
-from tests.conftest import COLIBRI, Oracle, fleet
+from tests.conftest import Oracle, colibri_run, fleet
 from tests.inprocess import InProcess
 from tests.models import build_model, save_checkpoint, small_config
 from tests.test_e2e_oracle import check_against_oracle
@@ -87,8 +86,7 @@ def test_an_fp8_checkpoint_serves_transformers_tokens_on_its_dequantised_weights
 
 
 def test_a_fleet_serves_it_and_validate_reports_the_format(fp8_model):
-    out = subprocess.run([COLIBRI, "validate", "--model", str(fp8_model.path)], capture_output=True, text=True,
-                         timeout=120)
+    out = colibri_run(["validate", "--model", str(fp8_model.path)])
     assert out.returncode == 0, out.stderr
     assert "fp8 e4m3, 8x32 block scales" in out.stdout
     from colibri.client import Client
@@ -117,9 +115,8 @@ def test_a_worker_keeps_the_experts_fp8_for_the_triton_kernels(fp8_model):
 
 
 def test_keeping_fp8_on_a_cpu_without_the_triton_kernels_fails_at_start(fp8_model):
-    out = subprocess.run([COLIBRI, "expert", "--model", str(fp8_model.path), "--shard", "0/1", "--quantized-experts",
-                          "keep"], capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in __import__("os").environ.items() if k != "COLIBRI_MOE_BACKEND"})
+    out = colibri_run(["expert", "--model", str(fp8_model.path), "--shard", "0/1", "--quantized-experts", "keep"],
+                      env={k: v for k, v in __import__("os").environ.items() if k != "COLIBRI_MOE_BACKEND"})
     assert out.returncode != 0
     assert "--quantized-experts keep on a CPU needs the Triton kernels" in out.stderr
     assert "Traceback" not in out.stderr
@@ -132,7 +129,7 @@ def test_fp8_weights_without_their_scales_or_format_are_named(fp8_model, tmp_pat
     victim = next(n for n in tensors if n.endswith("experts.3.w2.weight_scale_inv"))
     tensors[victim] = tensors[victim][:1]                                   # a scale grid of the wrong shape
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    out = subprocess.run([COLIBRI, "validate", "--model", str(bad)], capture_output=True, text=True, timeout=120)
+    out = colibri_run(["validate", "--model", str(bad)])
     assert out.returncode != 0 and victim in out.stderr and "Traceback" not in out.stderr, out.stderr
     cfg = json.loads((bad / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from colibri.client import Client
 from colibri_common.pb import expert_pb2, expert_pb2_grpc, generation_pb2_grpc
 from colibri_common.pb import generation_pb2 as pb
-from tests.conftest import fleet
+from tests.conftest import argv_of, fleet
 
 CLIENT_ERRORS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
@@ -144,8 +144,8 @@ def worker(served):
     surviving) and at its own address (serve starts it with --port=P)."""
     _, proc, oracle = served
     (w,) = [c for c in psutil.Process(proc.pid).children()
-            if "expert" in c.cmdline() and "--shard=0/2" in c.cmdline()]
-    port = next(a for a in w.cmdline() if a.startswith("--port=")).removeprefix("--port=")
+            if "expert" in argv_of(c) and "--shard=0/2" in argv_of(c)]
+    port = next(a for a in argv_of(w) if a.startswith("--port=")).removeprefix("--port=")
     addr = f"127.0.0.1:{port}"
     with grpc.insecure_channel(addr) as ch:
         yield expert_pb2_grpc.ExpertWorkerStub(ch), oracle.model.config, ch, w
@@ -205,5 +205,5 @@ def test_the_fuzzed_worker_still_gives_transformers_tokens(served, worker):
     w = worker[3]
     assert w.is_running() and w.status() != psutil.STATUS_ZOMBIE, "the fuzzed worker died"
     assert w.pid in [c.pid for c in psutil.Process(proc.pid).children()
-                     if "--shard=0/2" in c.cmdline()], "serve restarted the fuzzed worker"
+                     if "--shard=0/2" in argv_of(c)], "serve restarted the fuzzed worker"
     still_serves(addr, oracle)

@@ -23,7 +23,7 @@ from colibri.openai_api.errors import ApiError
 from colibri_common.chat_template import ChatTemplate, load_chat_template
 from colibri_common.tokenizer import Tokenizer
 from tests.chat_fixtures import chat_checkpoint
-from tests.conftest import COLIBRI, fleet, free_port, metrics
+from tests.conftest import colibri_popen, fleet, free_port, metrics
 from tests.test_moe_transport import FakeRpcError
 
 METRICS_PORT = free_port()
@@ -329,8 +329,8 @@ def test_a_client_that_disconnects_frees_its_kv_within_a_second(served, stream):
 @contextmanager
 def front(target: str, *extra: str):
     """`colibri openai` alone (no model, no torch) in front of `target`; yields (host, port, client)."""
-    p = subprocess.Popen([COLIBRI, "openai", "--target", target, "--port", "0", "--log-level", "WARNING", *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = colibri_popen(["openai", "--target", target, "--port", "0", "--log-level", "WARNING", *extra],
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         line = p.stdout.readline()
         assert line.startswith("ready "), p.stderr.read()

@@ -17,7 +17,7 @@ import torch
 from colibri.client import Client
 from colibri_common.placement import replica_experts
 from router_service.moe_partition import assign, split_pairs
-from tests.conftest import fleet, free_port, metrics
+from tests.conftest import argv_of, fleet, free_port, metrics
 from tests.models import save_checkpoint
 
 STREAMS = [[(5 * i + j) % 200 + 1 for j in range(5)] for i in range(16)]
@@ -70,13 +70,13 @@ def run_streams(addr: str, prompts: list[list[int]], n: int, during=None):
 
 
 def workers_of(proc) -> list[psutil.Process]:
-    return sorted((c for c in psutil.Process(proc.pid).children() if " expert " in f" {' '.join(c.cmdline())} "),
-                  key=lambda c: next(a for a in c.cmdline() if a.startswith("--shard=")))
+    return sorted((c for c in psutil.Process(proc.pid).children() if "expert" in argv_of(c)),
+                  key=lambda c: next(a for a in argv_of(c) if a.startswith("--shard=")))
 
 
 def port_of(worker: psutil.Process) -> str:
     """The worker's address, as the router's metrics label it (serve starts it with --port=P)."""
-    return "127.0.0.1:" + next(a for a in worker.cmdline() if a.startswith("--port=")).removeprefix("--port=")
+    return "127.0.0.1:" + next(a for a in argv_of(worker) if a.startswith("--port=")).removeprefix("--port=")
 
 
 def bans_and_readmissions(port: int, worker: str) -> tuple[float, float]:

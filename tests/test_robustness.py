@@ -19,7 +19,7 @@ from colibri.client import Client, make_request
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb.generation_pb2_grpc import GenerationStub
-from tests.conftest import COLIBRI, fleet
+from tests.conftest import argv_of, colibri_popen, colibri_run, fleet
 
 PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(6)] for i in range(8)]
 N = 24
@@ -57,12 +57,12 @@ def served(oracles):
     oracle = oracles["qwen3_moe"]
     with fleet(oracle.path, 2, ["--max-prompt-bytes", "65536", "--max-request-bytes", "1048576",
                                 "--max-stop-token-ids", "64", "--kv-cache-blocks", "64", "--block-size", "8",
-                                "--max-model-len", "512"]) as (addr, _):
-        yield addr, oracle
+                                "--max-model-len", "512"]) as (addr, proc):
+        yield addr, oracle, proc
 
 
 def test_bad_sampling_values_fail_alone_with_invalid_argument(served):
-    addr, oracle = served
+    addr, oracle, _ = served
     client = Client(addr)
 
     def bad():
@@ -79,7 +79,7 @@ def test_bad_sampling_values_fail_alone_with_invalid_argument(served):
 
 
 def test_limits_are_checked_before_work_and_say_what_to_fix(served):
-    addr, oracle = served
+    addr, oracle, _ = served
     client = Client(addr)
     for prompt, kw, code, needle in [
         ("x" * 200_000, {}, grpc.StatusCode.INVALID_ARGUMENT, "--max-prompt-bytes 65536"),
@@ -96,8 +96,8 @@ def test_limits_are_checked_before_work_and_say_what_to_fix(served):
 
 
 def test_a_50_mib_prompt_is_refused_at_once_and_nobody_waits(served):
-    addr, oracle = served
-    router = next(c for c in psutil.Process().children(recursive=True) if " router " in f" {' '.join(c.cmdline())} ")
+    addr, oracle, proc = served
+    router = next(c for c in psutil.Process(proc.pid).children() if "router" in argv_of(c))
     rss = router.memory_info().rss
     t0 = time.monotonic()
     results, code = streams_beside(addr, lambda: code_of(lambda: Client(addr).generate("y" * (50 << 20), 4)))
@@ -109,7 +109,7 @@ def test_a_50_mib_prompt_is_refused_at_once_and_nobody_waits(served):
 
 
 def test_malformed_bytes_are_invalid_argument_not_internal(served):
-    addr, _ = served
+    addr, _, _ = served
     bad_utf8 = b"\x12\x03\xff\xfe\xfd"               # field 2 (text, a string) holding 3 bytes that are not UTF-8
     with grpc.insecure_channel(addr) as ch:
         call = ch.unary_stream("/colibri.v1.Generation/Generate", request_serializer=lambda b: b,
@@ -122,7 +122,7 @@ def test_malformed_bytes_are_invalid_argument_not_internal(served):
 def test_request_ids_reused_back_to_back_never_abort_each_other(served):
     """While one is open, another request with its id is refused ALREADY_EXISTS; one that finished leaves
     nothing behind that could end (abort) the next request with the same id."""
-    addr, oracle = served
+    addr, oracle, _ = served
     clients = [Client(addr), Client(addr)]
     want = oracle.greedy([5, 6, 7], 3)
 
@@ -144,9 +144,8 @@ def test_request_ids_reused_back_to_back_never_abort_each_other(served):
 
 def test_a_worker_rejects_a_malformed_tensor_with_invalid_argument(served, oracles):
     path = oracles["qwen3_moe"].path
-    p = subprocess.Popen([COLIBRI, "expert", "--model", str(path), "--shard", "0/1", "--port", "0",
-                          "--log-level", "WARNING", "--max-streams", "2", "--cpu-forms", "off"],
-                         stdout=subprocess.PIPE, text=True)
+    p = colibri_popen(["expert", "--model", str(path), "--shard", "0/1", "--port", "0", "--log-level", "WARNING",
+                       "--max-streams", "2", "--cpu-forms", "off"], stdout=subprocess.PIPE)
     try:
         addr = p.stdout.readline().split()[1]
         ch = grpc.insecure_channel(addr)
@@ -226,18 +225,23 @@ def test_readiness_follows_the_workers(oracles):
     """One fleet, two phases: a worker SIGKILLed (serve restarts it), then the other one frozen by SIGSTOP
     (then SIGCONT). Each time readiness turns NOT_SERVING within 3 s and SERVING again once the worker is back.
     The kill comes first, before any request has opened the router's streams to the workers, as it did on a
-    fleet of its own."""
+    fleet of its own. serve is held (SIGSTOP) across the kill: it restarts a forked worker in well under the
+    router's two missed health checks, so the loss would not show."""
     oracle = oracles["olmoe"]
     with fleet(oracle.path, 2, ["--worker-timeout", str(WORKER_TIMEOUT)]) as (addr, proc):
         assert health(addr) == health_pb2.HealthCheckResponse.SERVING
-        workers = [c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline())]
+        workers = [c for c in psutil.Process(proc.pid).children() if "expert" in argv_of(c)]
         assert len(workers) == 2
         for how, worker in (("kill", workers[0]), ("stop", workers[1])):
             t0 = time.monotonic()
+            if how == "kill":
+                proc.send_signal(signal.SIGSTOP)
             worker.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             while health(addr) == health_pb2.HealthCheckResponse.SERVING:
                 assert time.monotonic() - t0 < 3, f"{how}: readiness still SERVING 3 s after a worker was lost"
                 time.sleep(0.1)
+            if how == "kill":
+                proc.send_signal(signal.SIGCONT)      # serve restarts the killed worker
             if how == "stop":                       # a frozen worker: requests fail within --worker-timeout
                 t1 = time.monotonic()
                 assert code_of(lambda: Client(addr).generate([1, 2, 3], 4, timeout=60)) == \
@@ -253,8 +257,7 @@ def test_readiness_follows_the_workers(oracles):
 
 def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_at_start(oracles):
     # the router alone: it sizes its KV cache before it contacts a worker (this address has none)
-    out = subprocess.run([COLIBRI, "router", "--model", str(oracles["olmoe"].path), "--workers", "127.0.0.1:1",
-                          "--port", "0", "--cpu-forms", "off", "--kv-cache-blocks", "4", "--block-size", "8",
-                          "--max-model-len", "512"], capture_output=True, text=True, timeout=120)
+    out = colibri_run(["router", "--model", str(oracles["olmoe"].path), "--workers", "127.0.0.1:1", "--port", "0",
+                       "--cpu-forms", "off", "--kv-cache-blocks", "4", "--block-size", "8", "--max-model-len", "512"])
     assert out.returncode != 0
     assert "--max-model-len 512 needs 64 KV blocks of 8 tokens, but the KV cache holds 4" in out.stderr, out.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from colibri.client import Client
 from colibri_common.tokenizer import Tokenizer
-from tests.conftest import COLIBRI, fleet, free_port, metrics
+from tests.conftest import colibri_run, fleet, free_port, metrics
 from tests.models import build_model, save_checkpoint, small_config
 from tests.tokenizer_fixtures import save_tokenizer
 
@@ -73,8 +72,7 @@ def test_text_prompt_end_to_end(served, tmp_path):
     res = Client(addr).generate(text, 20)
     assert res.token_ids == oracle.greedy(ids, 20)
     assert res.text == tok.decode(res.token_ids)     # streamed pieces add up to the whole decode
-    out = subprocess.run([COLIBRI, "generate", "--target", addr, "--prompt", text, "--max-tokens", "20", "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = colibri_run(["generate", "--target", addr, "--prompt", text, "--max-tokens", "20", "--json"], timeout=60)
     assert out.returncode == 0, out.stderr
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert last["token_ids"] == res.token_ids and last["text"] == res.text
@@ -90,16 +88,27 @@ def test_model_info(served):
 
 def test_generate_cli_json(served):
     oracle, addr, _ = served
-    out = subprocess.run([COLIBRI, "generate", "--target", addr, "--prompt-ids", "3,17,42", "--max-tokens", "6",
-                          "--json"], capture_output=True, text=True, timeout=60, check=True)
+    out = colibri_run(["generate", "--target", addr, "--prompt-ids", "3,17,42", "--max-tokens", "6", "--json"],
+                      timeout=60)
+    assert out.returncode == 0, out.stderr
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert last["token_ids"] == oracle.greedy([3, 17, 42], 6)
     assert last["finish_reason"] == "length"
 
 
+def dead(worker: psutil.Process, timeout: float = 10) -> None:
+    """Until `worker` has died (a zombie: its parent, held by SIGSTOP, cannot reap it yet)."""
+    end = time.monotonic() + timeout
+    while worker.status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < end, "the worker outlived SIGKILL"
+        time.sleep(0.02)
+
+
 def test_worker_death_is_unavailable_then_the_worker_is_restarted_and_sigterm_stops_every_child(tmp_path):
     """serve's children are named by role; a killed worker fails requests UNAVAILABLE and is restarted; then
-    SIGTERM to serve stops every child, the restarted worker too, and serve exits 0."""
+    SIGTERM to serve stops every child, the restarted worker too, and serve exits 0. serve is held (SIGSTOP)
+    while each worker is dead: a forked worker is back in a fraction of a second, before the checks could
+    see it gone."""
     model = build_model(small_config("olmoe"), seed=5)
     path = save_checkpoint(model, tmp_path / "m")
     with fleet(path, 2) as (addr, proc):
@@ -110,11 +119,13 @@ def test_worker_death_is_unavailable_then_the_worker_is_restarted_and_sigterm_st
         model_tokens = client.generate([1, 2, 3], 4).token_ids
         assert len(model_tokens) == 4
         worker = next(c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline()))
+        proc.send_signal(signal.SIGSTOP)
         worker.send_signal(signal.SIGKILL)
-        worker.wait(timeout=10)
+        dead(worker)
         time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as err:
             client.generate([1, 2, 3], 4, timeout=60)
+        proc.send_signal(signal.SIGCONT)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "expert worker" in err.value.details()
         deadline = time.monotonic() + 90
@@ -128,13 +139,15 @@ def test_worker_death_is_unavailable_then_the_worker_is_restarted_and_sigterm_st
         # a worker that dies between requests is restarted, and once the router is SERVING again the very
         # next request succeeds: the router's stream to the old process is replaced, not failed on
         worker = next(c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline()))
+        proc.send_signal(signal.SIGSTOP)
         worker.send_signal(signal.SIGKILL)
-        worker.wait(timeout=10)
+        dead(worker)
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(addr))
         check = health_pb2.HealthCheckRequest(service="colibri.v1.Generation")
         while health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline, "readiness never noticed the dead worker"
             time.sleep(0.05)
+        proc.send_signal(signal.SIGCONT)
         while health.Check(check, timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline, "the worker was not restarted"
             time.sleep(0.1)
@@ -151,9 +164,9 @@ def test_worker_death_is_unavailable_then_the_worker_is_restarted_and_sigterm_st
 
 def test_bench_cli_json(served):
     _, addr, _ = served
-    out = subprocess.run([COLIBRI, "bench", "--target", addr, "--concurrency", "4", "--num-requests", "8",
-                          "--prompt-len", "5", "--max-tokens", "6", "--json"],
-                         capture_output=True, text=True, timeout=120, check=True)
+    out = colibri_run(["bench", "--target", addr, "--concurrency", "4", "--num-requests", "8", "--prompt-len", "5",
+                       "--max-tokens", "6", "--json"])
+    assert out.returncode == 0, out.stderr
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert last["requests_ok"] == 8 and last["requests_failed"] == 0 and last["errors"] == []
     assert last["output_tokens"] == 48           # exactly max_tokens each, EOS ignored
@@ -167,9 +180,7 @@ def test_bench_cli_json(served):
 
 def test_health_cli(served):
     _, addr, _ = served
-    ok = subprocess.run([COLIBRI, "health", "--target", addr, "--service", "colibri.v1.Generation"],
-                        capture_output=True, text=True, timeout=60)
+    ok = colibri_run(["health", "--target", addr, "--service", "colibri.v1.Generation"], timeout=60)
     assert ok.returncode == 0 and "SERVING" in ok.stdout
-    bad = subprocess.run([COLIBRI, "health", "--target", addr, "--service", "colibri.v1.Nope"],
-                         capture_output=True, text=True, timeout=60)
+    bad = colibri_run(["health", "--target", addr, "--service", "colibri.v1.Nope"], timeout=60)
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr

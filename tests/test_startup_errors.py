@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import COLIBRI
+from tests.conftest import colibri_run
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([COLIBRI, *args], capture_output=True, text=True, timeout=timeout)
+    return colibri_run(list(args), timeout=timeout)
 
 
 @pytest.fixture

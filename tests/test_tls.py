@@ -19,7 +19,7 @@ from colibri.client import AsyncClient, Client
 from colibri_common.errors import ColibriError, ConfigError
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.tls import TlsFiles, client_channel, self_signed
-from tests.conftest import COLIBRI, fleet
+from tests.conftest import colibri_popen, colibri_run, fleet
 
 
 def describe(channel: grpc.Channel) -> grpc.StatusCode:
@@ -32,9 +32,9 @@ def describe(channel: grpc.Channel) -> grpc.StatusCode:
 
 def test_a_tls_worker_refuses_callers_its_ca_did_not_sign(oracles, tmp_path):
     ours, theirs = self_signed(tmp_path / "ours"), self_signed(tmp_path / "theirs")
-    p = subprocess.Popen([COLIBRI, "expert", "--model", str(oracles["olmoe"].path), "--shard", "0/1", "--port", "0",
-                          "--log-level", "ERROR", "--cpu-forms", "off", "--tls-cert", ours.cert, "--tls-key", ours.key,
-                          "--tls-ca", ours.ca], stdout=subprocess.PIPE, text=True)
+    p = colibri_popen(["expert", "--model", str(oracles["olmoe"].path), "--shard", "0/1", "--port", "0",
+                       "--log-level", "ERROR", "--cpu-forms", "off", "--tls-cert", ours.cert, "--tls-key", ours.key,
+                       "--tls-ca", ours.ca], stdout=subprocess.PIPE)
     try:
         addr = p.stdout.readline().split()[1]
         with grpc.insecure_channel(addr) as ch:
@@ -45,10 +45,10 @@ def test_a_tls_worker_refuses_callers_its_ca_did_not_sign(oracles, tmp_path):
             assert describe(ch) == grpc.StatusCode.UNAVAILABLE                       # another CA's certificate
         with client_channel(addr, [], ca=ours.ca, cert=ours.cert, key=ours.key) as ch:
             assert describe(ch) == grpc.StatusCode.OK
-        probe = [COLIBRI, "health", "--target", addr, "--service", "colibri.v1.ExpertWorker"]
+        probe = ["health", "--target", addr, "--service", "colibri.v1.ExpertWorker"]
         tls = ["--tls-ca", ours.ca, "--tls-cert", ours.cert, "--tls-key", ours.key, "--tls-server-name", "localhost"]
-        assert subprocess.run(probe + tls, capture_output=True, timeout=60).returncode == 0   # the chart's probe
-        assert subprocess.run(probe, capture_output=True, timeout=60).returncode == 1
+        assert colibri_run(probe + tls, timeout=60).returncode == 0   # the chart's probe
+        assert colibri_run(probe, timeout=60).returncode == 1
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=30)
@@ -58,8 +58,7 @@ def test_tls_flags_that_cannot_work_are_refused_at_start(oracles, tmp_path):
     tls = self_signed(tmp_path / "ca")
     base = ["expert", "--model", str(oracles["olmoe"].path), "--shard", "0/1", "--port", "0"]
     # One real start: a worker with TLS but no CA exits non-zero with one clear line, no traceback.
-    out = subprocess.run([COLIBRI, *base, "--tls-cert", tls.cert, "--tls-key", tls.key], capture_output=True,
-                         text=True, timeout=120)
+    out = colibri_run([*base, "--tls-cert", tls.cert, "--tls-key", tls.key])
     needle = "needs --tls-ca too"
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert [line.startswith("error: ") for line in out.stderr.splitlines() if needle in line] == [True], out.stderr

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from colibri.client import Client
-from tests.conftest import COLIBRI, fleet, free_port, metrics
+from tests.conftest import colibri_popen, fleet, free_port, metrics
+from tests.forkserver import Forked
 from tests.models import small_config
 
 H, I, E, L = 512, 768, 32, 8
@@ -80,13 +81,13 @@ def test_each_worker_holds_about_its_shard(big):
             assert peak < 0.6 * size, msg            # packing releases the mapped pages as it goes
 
 
-def start_expert(path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([COLIBRI, "expert", "--model", str(path), "--shard", "0/2", "--port", "0", "--threads",
-                             "1", "--dtype", "bfloat16", "--log-level", "WARNING", "--cpu-forms", "off", *extra],
-                            stdout=subprocess.PIPE, text=True)
+def start_expert(path, *extra: str) -> Forked:
+    return colibri_popen(["expert", "--model", str(path), "--shard", "0/2", "--port", "0", "--threads", "1",
+                          "--dtype", "bfloat16", "--log-level", "WARNING", "--cpu-forms", "off", *extra],
+                         stdout=subprocess.PIPE)
 
 
-def wait_ready(p: subprocess.Popen) -> None:
+def wait_ready(p: Forked) -> None:
     line = p.stdout.readline()
     assert line.startswith("ready "), line
 

@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 
-from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel, sum_over_k_kernel
+from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel
 from kernels.triton_topk_kernel import topk_route_kernel
 
 INTS = ("num_pairs", "top_k", "hidden", "inter", "stride_xt", "stride_we", "stride_wn", "stride_hp", "stride_be",
@@ -73,8 +73,6 @@ def variants():
         yield (f"topk_route sm_90 scoring={scoring} groups={groups}", topk_route_kernel, dict(route_sig),
                dict(TOP_K=8, TOPK_POW2=8, BLOCK_E=256, SCORING=scoring, HAS_BIAS=scoring == 1, NUM_GROUPS=groups,
                     TOPK_GROUPS=min(4, groups), GROUP_TOP2=True, RENORMALIZE=True), 90)
-    yield ("sum_over_k sm_90", sum_over_k_kernel, {"y_ptr": "*fp32", "out_ptr": "*bf16", "hidden": "i32",
-           "top_k": "i32", "stride_yt": "i32", "stride_ot": "i32"}, dict(BLOCK_N=1024, TOPK_POW2=4), 90)
 
 
 def main() -> int:
