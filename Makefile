@@ -32,7 +32,7 @@ demo: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 lint: setup
 	$(VENV)/bin/ruff check .

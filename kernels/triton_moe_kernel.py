@@ -2,8 +2,9 @@
 
 Shapes: P token-expert pairs (T tokens x top_k), H hidden size, I expert width; tiles BLOCK_M pair rows,
 BLOCK_N output columns, BLOCK_K steps of the reduction dimension (H in gate/up, I in down). The launcher sums
-each token's top_k weighted rows afterwards (one torch reduction). HAS_BIAS adds the experts' biases (b13 [E, 2I], b2 [E, H]); CLAMPED is
-GPT-OSS's clamped SwiGLU (kernels/activation.py), else alpha = 1 and up_offset = 0 give silu(gate) * up.
+each token's top_k weighted rows afterwards (one torch reduction). HAS_BIAS adds the experts' biases
+(b13 [E, 2I], b2 [E, H]); CLAMPED is GPT-OSS's clamped SwiGLU (kernels/activation.py), else alpha = 1 and
+up_offset = 0 give silu(gate) * up.
 WFMT, the weights' format: 0 the activations' float dtype; 1 block-scaled FP8 (kernels/fp8_weight.py), each
 loaded tile times its blocks' float32 scales; 2 MXFP4 (kernels/mxfp4_weight.py), each tile's e2m1 nibbles
 decoded and times 2^(s - 127) of its 32-value block. Scales are [E, R / scale_bn, C / scale_bk] either way;

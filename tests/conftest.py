@@ -72,13 +72,13 @@ def argv_of(proc: psutil.Process) -> list[str]:
 
 @contextmanager
 def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = None, timeout: float = 120,
-          env: dict[str, str] | None = None):
-    """`colibri serve` on a free port; yields (address, launcher process); stops it with SIGTERM. Forked by the
-    fork server; with an `env` of its own, a fresh `colibri` exec'd with it."""
+          env: dict[str, str] | None = None, exec_: bool = False):
+    """`colibri serve` on a free port (with `env` added to the environment); yields (address, launcher process);
+    stops it with SIGTERM. Forked by the fork server, or, with `exec_`, the console script exec'd."""
     argv = ["serve", "--model", str(model_dir), "--workers", str(workers), "--port", "0", "--log-level", "WARNING",
             *(extra or [])]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    if env:
+    if exec_:
         p = subprocess.Popen([COLIBRI, *argv], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                              env=full_env)
     else:
@@ -132,6 +132,20 @@ class Oracle:
             out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
             self._greedy[key] = out[0, len(prompt):].tolist()
         return self._greedy[key]
+
+    @torch.no_grad()
+    def greedy_many(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        """`greedy` of each prompt, those of one length in one batched `generate` (no padding: 16 streams of
+        120 tokens in 1 s instead of 10; the same tokens as one by one)."""
+        todo: dict[int, list[list[int]]] = {}
+        for p in prompts:
+            if (tuple(p), n) not in self._greedy:
+                todo.setdefault(len(p), []).append(list(p))
+        for length, group in todo.items():
+            out = self.model.generate(torch.tensor(group), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            for p, row in zip(group, out, strict=True):
+                self._greedy[(tuple(p), n)] = row[length:].tolist()
+        return [self._greedy[(tuple(p), n)] for p in prompts]
 
     @torch.no_grad()
     def step_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:

@@ -76,11 +76,11 @@ def test_fleet_matches_transformers(oracles, arch, workers, transport):
 
 def test_fleet_on_the_triton_kernels_matches_transformers(oracles, capfd):
     """The serving path with the Triton kernels (router top-k, workers' fused MoE), run by the interpreter on
-    CPU tensors: the same code a GPU worker runs, checked against transformers without a GPU. (A fleet with an
-    environment of its own is an exec'd `colibri serve`, whose children are forked from it.)"""
+    CPU tensors: the same code a GPU worker runs, checked against transformers without a GPU. This fleet is the
+    console script exec'd (the others are forked by the suite's fork server), its children forked from it."""
     oracle = oracles["qwen3_moe"]
     env = {"COLIBRI_MOE_BACKEND": "triton", "TRITON_INTERPRET": "1"}
-    with fleet(oracle.path, 2, ["--log-level", "INFO"], env=env) as (addr, proc):
+    with fleet(oracle.path, 2, ["--log-level", "INFO"], env=env, exec_=True) as (addr, proc):
         assert env.items() <= psutil.Process(proc.pid).environ().items()
         client = Client(addr)
         prompt = PROMPTS[0]

@@ -17,7 +17,7 @@ import torch
 from colibri.client import Client
 from colibri_common.placement import replica_experts
 from router_service.moe_partition import assign, split_pairs
-from tests.conftest import argv_of, fleet, free_port, metrics
+from tests.conftest import Oracle, argv_of, fleet, free_port, metrics
 from tests.models import save_checkpoint
 
 STREAMS = [[(5 * i + j) % 200 + 1 for j in range(5)] for i in range(16)]
@@ -105,9 +105,9 @@ def test_with_two_replicas_a_lost_worker_changes_no_token(oracles):
                 victim.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 
             results = run_streams(addr, STREAMS, 120, lose_one)
-            for p, r in zip(STREAMS, results, strict=True):
+            for r, want in zip(results, oracle.greedy_many(STREAMS, 120), strict=True):
                 assert not isinstance(r, Exception), (how, r)
-                assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, 120)), how
+                assert (r.finish_reason, r.token_ids) == ("length", want), how
             assert bans_and_readmissions(port, label)[0] >= bans0 + 1, f"{how}: the lost worker was not banned"
             if how == "stop":
                 victim.send_signal(signal.SIGCONT)
@@ -131,10 +131,10 @@ def test_with_three_replicas_two_workers_lost_in_one_step_change_no_token(oracle
     oracle = oracles["qwen3_moe"]
     with fleet(oracle.path, 4, ["--replicas", "3", "--worker-timeout", "3"]) as (addr, proc):
         victims = workers_of(proc)[1:3]
-        results = run_streams(addr, STREAMS[:8], 150, lambda: [v.send_signal(signal.SIGKILL) for v in victims])
-        for p, r in zip(STREAMS[:8], results, strict=True):
+        results = run_streams(addr, STREAMS[:8], 120, lambda: [v.send_signal(signal.SIGKILL) for v in victims])
+        for r, want in zip(results, oracle.greedy_many(STREAMS[:8], 120), strict=True):
             assert not isinstance(r, Exception), r
-            assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, 150))
+            assert (r.finish_reason, r.token_ids) == ("length", want)
 
 
 NEEDY = range(250, 256)          # the only tokens routed to worker 1's experts in the steered checkpoint
@@ -162,18 +162,11 @@ def steered(oracles, tmp_path_factory):
 
 def test_with_one_replica_only_the_requests_that_need_the_dead_worker_fail(steered):
     model, path = steered
-
-    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    @torch.no_grad()
-    def greedy(p, n):                            # the local oracle, each (prompt, n) computed once
-        if (tuple(p), n) not in memo:
-            out = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            memo[tuple(p), n] = out[0, len(p):].tolist()
-        return memo[tuple(p), n]
-
+    oracle = Oracle(model, path)
+    greedy = oracle.greedy
     candidates = [[(7 * i + j) % 240 + 1 for j in range(4)] for i in range(12)]
-    clean = [p for p in candidates if not set(greedy(p, 120)) & set(NEEDY)][:6]
+    clean = [p for p, out in zip(candidates, oracle.greedy_many(candidates, 120), strict=True)
+             if not set(out) & set(NEEDY)][:6]
     assert len(clean) >= 3
     needy = [[3, 252, 4, 5], [251, 6, 7, 8]]
     with fleet(path, 2, ["--worker-timeout", "5"]) as (addr, proc):

@@ -1,4 +1,4 @@
-"""Soak: 1,000 requests mixed with cancellations and deadlines on one fleet. Afterwards every KV block is
+"""Soak: 600 requests mixed with cancellations and deadlines on one fleet. Afterwards every KV block is
 free again, nothing is left running or waiting, the router's memory has not grown (under 5%), and it
 still serves transformers' tokens."""
 
@@ -14,7 +14,7 @@ import psutil
 from colibri.client import Client, make_request
 from tests.conftest import fleet, free_port, metrics
 
-TOTAL, WARMUP = 1000, 150
+TOTAL, WARMUP = 600, 100
 
 
 def one(client: Client, i: int) -> str:
@@ -37,7 +37,7 @@ def one(client: Client, i: int) -> str:
         return exc.code().name
 
 
-def test_a_thousand_requests_with_cancels_and_deadlines_leave_nothing_behind(oracles):
+def test_six_hundred_requests_with_cancels_and_deadlines_leave_nothing_behind(oracles):
     oracle = oracles["qwen2_moe"]
     port = free_port()
     with fleet(oracle.path, 1, ["--metrics-port", str(port), "--max-batch-size", "16"]) as (addr, proc):
@@ -48,7 +48,8 @@ def test_a_thousand_requests_with_cancels_and_deadlines_leave_nothing_behind(ora
             rss_warm = router.memory_info().rss
             codes += list(pool.map(lambda i: one(client, i), range(WARMUP, TOTAL)))
         assert set(codes) <= {"ok", "cancelled", "DEADLINE_EXCEEDED"}, set(codes)
-        assert codes.count("ok") > TOTAL // 2 and codes.count("cancelled") > 100 and "DEADLINE_EXCEEDED" in codes
+        assert codes.count("ok") > TOTAL // 2 and codes.count("cancelled") > TOTAL // 10
+        assert "DEADLINE_EXCEEDED" in codes
         t0 = time.monotonic()
         while True:
             m = metrics(port)
