@@ -4,8 +4,11 @@ A child is up in milliseconds instead of the 3-4 s each interpreter spends impor
 imported pages are shared copy-on-write. `colibri serve` forks its children this way on CPUs; with GPUs
 it execs each (a CUDA context cannot cross a fork). The parent must have run no torch operation (an
 OpenMP pool does not survive a fork), opened no gRPC channel or server and touched no GPU: importing is
-all it does. The child is the command `colibri ARGV...` in every way that shows: its title in `ps`, its
-environment, its stdin / stdout / stderr, its signals and its exit code.
+all it does. The child is the command `colibri ARGV...`: its title in `ps` (setproctitle), its
+environment in `os.environ`, its stdin / stdout / stderr (and no other descriptor of the parent's), its
+signal handlers and its exit code. What differs from an exec: `/proc/PID/environ` is blank (the title
+takes that area), and what a library reads from the environment when it loads (OMP_*, MKL_*) is the
+parent's: the services set their thread counts themselves.
 """
 
 from __future__ import annotations
@@ -94,7 +97,10 @@ class ForkedChild:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:                     # never a signal to a reaped pid (it may be reused)
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:              # it has just exited, unreaped: as Popen, not an error
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -103,18 +109,36 @@ class ForkedChild:
         self.send_signal(signal.SIGKILL)
 
 
-def become(argv: list[str], env: Mapping[str, str], fds: tuple[int, int, int]) -> None:
-    """In a freshly forked child: become `colibri ARGV...` on stdin / stdout / stderr = `fds`, then exit
-    with its code. Never returns (the parent's stack below this frame is not unwound)."""
+def exit_code(exc: SystemExit) -> int:
+    """The status the interpreter would exit with for `exc` (printing a message code, as it does)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def become(argv: list[str], env: Mapping[str, str], fds: tuple[int, int, int],
+           close: tuple[io.IOBase, ...] = ()) -> None:
+    """In a freshly forked child: become `colibri ARGV...` on stdin / stdout / stderr = `fds` (closed once
+    duplicated), with the parent's files `close` closed, then exit with its code. Never returns (the
+    parent's stack below this frame is not unwound)."""
     rc = 1
     try:
         for sig in _SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)    # KeyboardInterrupt, as at start-up
         signal.set_wakeup_fd(-1)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
         for target, fd in enumerate(fds):
             if fd != target:
                 os.dup2(fd, target)
+        for fd in set(fds):
+            if fd > 2:
+                os.close(fd)
+        for f in close:                              # e.g. the other children's stdout pipes
+            f.close()
         # New stream objects with locks of their own (another thread of the parent may have held the old ones)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
@@ -128,7 +152,9 @@ def become(argv: list[str], env: Mapping[str, str], fds: tuple[int, int, int]) -
 
         rc = main(argv)
     except SystemExit as exc:                       # argparse's usage errors, --help
-        rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        rc = exit_code(exc)
+    except KeyboardInterrupt:
+        rc = 128 + signal.SIGINT
     except BaseException:                           # noqa: BLE001  (reported as the interpreter would)
         traceback.print_exc()
         rc = 1
@@ -141,7 +167,7 @@ def become(argv: list[str], env: Mapping[str, str], fds: tuple[int, int, int]) -
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(rc if 0 <= rc <= 255 else 1)
+        os._exit(rc if isinstance(rc, int) and 0 <= rc <= 255 else 1)
 
 
 def _set_title(title: str) -> None:
@@ -155,12 +181,16 @@ def _set_title(title: str) -> None:
 
 
 def fork_command(argv: list[str], env: Mapping[str, str], stdout_pipe: bool = True, new_group: bool = False,
-                 die_with_parent_sig: int | None = signal.SIGTERM) -> ForkedChild:
-    """Fork `colibri ARGV...` (stdin /dev/null, stdout a pipe when asked, stderr shared); call it from the
-    main thread. Signals are held across the fork, so one that arrives before the child has its own
-    handlers is not taken by the parent's."""
+                 die_with_parent_sig: int | None = signal.SIGTERM, close: tuple[io.IOBase, ...] = ()
+                 ) -> ForkedChild:
+    """Fork `colibri ARGV...` (stdin /dev/null, stdout a pipe when asked, stderr shared; the parent's files
+    `close` closed in the child); call it from the main thread. Signals are held across the fork, so one
+    that arrives before the child has its own handlers is not taken by the parent's."""
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()                               # else the child would repeat what is still buffered
+        try:
+            stream.flush()                           # else the child would repeat what is still buffered
+        except (OSError, ValueError):                # a reader gone: nothing buffered matters any more
+            pass
     r = w = -1
     if stdout_pipe:
         r, w = os.pipe()
@@ -175,7 +205,7 @@ def fork_command(argv: list[str], env: Mapping[str, str], stdout_pipe: bool = Tr
                 die_with_parent(die_with_parent_sig)
             if r >= 0:
                 os.close(r)
-            become(argv, env, (devnull, w if w >= 0 else 1, 2))
+            become(argv, env, (devnull, w if w >= 0 else 1, 2), close)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
     os.close(devnull)

@@ -158,16 +158,22 @@ class Fleet:
         argv = child_argv(command, opts)
         # Its own process group: a Ctrl-C in the terminal reaches serve alone, which stops the children in
         # order (the router drains first, the workers after it).
-        if self.forks:
-            p: Child = self.on_main(lambda: fork_command(argv, env, new_group=True))
-            log.info("forked pid %d: colibri %s", p.pid, " ".join(argv))
-        else:
-            cmd = [*colibri_command(), *argv]
-            p = self.on_main(lambda: subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                                      text=True, env=env, preexec_fn=die_with_parent,
-                                                      process_group=0))
-            log.info("started pid %d: %s", p.pid, " ".join(cmd))
-        self.children.append(p)
+        cmd = [*colibri_command(), *argv]
+
+        def start() -> Child:                       # on the main thread, so `stop` never misses a new child
+            if self.stopping.is_set():
+                raise RuntimeError("the fleet is stopping")
+            if self.forks:                          # the other children's pipes are none of its business
+                others = tuple(c.stdout for c in self.children if c.stdout is not None and not c.stdout.closed)
+                p: Child = fork_command(argv, env, new_group=True, close=others)
+            else:
+                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
+                                     preexec_fn=die_with_parent, process_group=0)
+            self.children.append(p)
+            return p
+
+        p = self.on_main(start)
+        log.info("%s pid %d: colibri %s", "forked" if self.forks else "started", p.pid, " ".join(argv))
         return p
 
     def on_main(self, fn: Callable[[], T]) -> T:
@@ -304,7 +310,9 @@ def serve(opts: ServeOptions) -> int:
                 p = fleet.spawn("expert", opts.expert(i, worker_threads, port))
                 fleet.wait_ready(p, f"expert worker {i}/{n}")
                 log.info("expert worker %d/%d is back", i, n)
-            except RuntimeError as exc:
+            except (RuntimeError, OSError) as exc:      # OSError: no fork (EAGAIN, ENOMEM) or no exec
+                if fleet.stopping.is_set():
+                    return
                 log.error("%s; stopping the fleet", exc)
                 stop_signal.set()
                 return

@@ -19,7 +19,8 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)   # the tensor keeps the map
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # private: not shmem, THP-able
+    return torch.frombuffer(pages, dtype=dtype).view(shape)                     # the tensor keeps the map
 
 
 class KVCache:

@@ -41,6 +41,13 @@ else:
     _OWN_CACHE = None
 
 
+def pytest_sessionstart(session):
+    """The fork server starts importing now, beside collection and the first tests (not on an xdist
+    controller, which runs no test)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(session.config.option, "numprocesses", None):
+        forkserver.server(wait=False)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The run's cache directory goes when the run ends (on the controller, after every xdist worker)."""
     import shutil
@@ -95,6 +102,7 @@ def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = Non
         yield line.split()[1], p
     finally:
         if p.poll() is None:
+            p.send_signal(signal.SIGCONT)          # a test that failed while it held serve (SIGSTOP)
             p.send_signal(signal.SIGTERM)
             try:
                 p.wait(timeout=timeout)

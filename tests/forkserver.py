@@ -87,15 +87,16 @@ def serve(path: str) -> None:
 
 def _start(conn: socket.socket, listener: socket.socket, others: list[socket.socket], wake_r: int, wake_w: int,
            running: dict[int, socket.socket]) -> None:
+    fds: list[int] = []
     try:
         data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
         req = json.loads(data)
-    except (OSError, ValueError):
-        conn.close()
-        return
-    if len(fds) != 3:
+        if len(fds) != 3 or not os.path.isdir(req["cwd"]):
+            raise ValueError("a request is argv, env and an existing cwd, with three descriptors")
+    except (OSError, ValueError, KeyError) as exc:
         for fd in fds:
             os.close(fd)
+        _send(conn, {"error": str(exc)})
         conn.close()
         return
     pid = os.fork()
@@ -155,7 +156,10 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:                    # exited, its status not read yet: as Popen
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -198,10 +202,17 @@ class ForkServer:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]).rstrip(":"))
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", self.path], stdout=PIPE,
                                      stdin=DEVNULL, text=True, cwd=repo, env=env)
+        self._ready = False
+        atexit.register(self.close)
+
+    def wait_ready(self) -> None:
+        """Until the server has imported everything and listens (it starts at once, this waits on first use)."""
+        if self._ready:
+            return
         line = self.proc.stdout.readline()            # type: ignore[union-attr]
         if line.strip() != "ready":
             raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()}): {line!r}")
-        atexit.register(self.close)
+        self._ready = True
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -216,6 +227,7 @@ class ForkServer:
     def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None, stdout=None, stderr=None,
               text: bool = True, cwd: str | None = None) -> Forked:
         """`subprocess.Popen(["colibri", *argv], ...)` for stdout / stderr None, PIPE or DEVNULL."""
+        self.wait_ready()
         mine, theirs = [], []
         devnull = os.open(os.devnull, os.O_RDWR)
         fds = [devnull]
@@ -240,6 +252,8 @@ class ForkServer:
                     raise RuntimeError("the fork server closed the connection before answering")
                 answer += chunk
             first, rest = answer.split(b"\n", 1)
+            if "pid" not in json.loads(first):
+                raise RuntimeError(f"the fork server refused the request: {first.decode()}")
         finally:
             for fd in (devnull, *theirs):
                 os.close(fd)
@@ -264,12 +278,14 @@ _SERVER: ForkServer | None = None
 _SERVER_LOCK = threading.Lock()
 
 
-def server() -> ForkServer:
-    """The suite's fork server, started on first use (once per pytest process)."""
+def server(wait: bool = True) -> ForkServer:
+    """The suite's fork server (one per pytest process), started if it is not running."""
     global _SERVER
     with _SERVER_LOCK:
         if _SERVER is None or _SERVER.proc.poll() is not None:
             _SERVER = ForkServer()
+        if wait:
+            _SERVER.wait_ready()
         return _SERVER
 
 

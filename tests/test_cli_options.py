@@ -125,6 +125,8 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["expert", "--model", "m", "--shard", "x"], "--shard must look like I/N"),
     (["serve", "--model", "m", "--workers", "0"], "--workers must be positive"),
     (["serve", "--model", "m", "--threads", "-1"], "--threads must be >= 0"),
+    (["serve", "--model", "m", "--spawn", "fork", "--gpus", "0"], "--spawn fork is for CPU fleets"),
+    (["serve", "--model", "m", "--spawn", "thread"], "invalid choice: 'thread'"),
 ])
 def test_bad_flags_are_one_clear_line_and_exit_2(argv, needle):
     out = subprocess.run([COLIBRI, *argv], capture_output=True, text=True, timeout=60)

@@ -76,12 +76,16 @@ def test_fleet_matches_transformers(oracles, arch, workers, transport):
 
 def test_fleet_on_the_triton_kernels_matches_transformers(oracles, capfd):
     """The serving path with the Triton kernels (router top-k, workers' fused MoE), run by the interpreter on
-    CPU tensors: the same code a GPU worker runs, checked against transformers without a GPU. This fleet is the
-    console script exec'd (the others are forked by the suite's fork server), its children forked from it."""
+    CPU tensors: the same code a GPU worker runs, checked against transformers without a GPU. This fleet starts
+    as a GPU fleet does: the console script exec'd (the others are forked by the suite's fork server), and each
+    child exec'd by it (--spawn exec, the default with GPUs) with the environment it was given."""
     oracle = oracles["qwen3_moe"]
     env = {"COLIBRI_MOE_BACKEND": "triton", "TRITON_INTERPRET": "1"}
-    with fleet(oracle.path, 2, ["--log-level", "INFO"], env=env, exec_=True) as (addr, proc):
-        assert env.items() <= psutil.Process(proc.pid).environ().items()
+    with fleet(oracle.path, 2, ["--log-level", "INFO", "--spawn", "exec"], env=env, exec_=True) as (addr, proc):
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 3
+        for child in children:                                        # router and both workers run Triton
+            assert env.items() <= child.environ().items()
         client = Client(addr)
         prompt = PROMPTS[0]
         res = client.generate(prompt, 6, return_logits=True)
@@ -90,7 +94,7 @@ def test_fleet_on_the_triton_kernels_matches_transformers(oracles, capfd):
         client.close()
     log = capfd.readouterr().err                                     # router and both workers ran Triton
     assert log.count("triton (interpreter) kernels") == 2 and log.count("triton (interpreter) routing") == 1, log
-    assert "forked pid" in log
+    assert log.count("started pid") == 3 and "forked pid" not in log
 
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
