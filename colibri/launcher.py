@@ -102,12 +102,16 @@ class ServeOptions:
             raise ValueError("--quantize int8 / --quantize-dense are the CPU path; on GPUs serve bfloat16")
         if self.spawn not in SPAWNS:
             raise ValueError(f"--spawn must be one of {', '.join(SPAWNS)}, got {self.spawn!r}")
-        if self.spawn == "fork" and (self.gpus or self.router.device != "cpu"):
+        if self.spawn == "fork" and self.on_gpus:
             raise ValueError("--spawn fork is for CPU fleets: a CUDA context cannot cross a fork (use exec)")
 
     @property
+    def on_gpus(self) -> bool:
+        return bool(self.gpus) or self.router.device != "cpu"
+
+    @property
     def forks(self) -> bool:
-        return self.spawn == "fork" or (self.spawn == "auto" and not self.gpus and self.router.device == "cpu")
+        return self.spawn == "fork" or (self.spawn == "auto" and not self.on_gpus)
 
     def device(self, child: int | None) -> str:
         """The device of worker `child`, or of the router (None)."""
