@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import finish
 from benchmarks.demo_model import TRAIN_STEPS, build_demo_model
 from colibri.client import Client, make_request
 from colibri_common.tokenizer import Tokenizer
@@ -100,4 +101,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 from tqdm import tqdm
 
-from benchmarks.common import machine, table
+from benchmarks.common import finish, machine, table
 from benchmarks.serving import COLIBRI, PY, peak_rss
 from benchmarks.skewed_model import ensure_skewed_model, topic_prompts
 from colibri.loadgen import grpc_stream, measure
@@ -209,4 +209,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

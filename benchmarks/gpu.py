@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, machine, table
+from benchmarks.common import RESULTS, finish, machine, table
 from benchmarks.serving import run_fleet, run_json
 
 
@@ -167,4 +167,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

@@ -10,7 +10,7 @@ T_START = time.perf_counter()
 
 import torch  # noqa: E402
 
-from benchmarks.common import engine_args  # noqa: E402
+from benchmarks.common import engine_args, finish  # noqa: E402
 from colibri.loadgen import measure, random_prompts  # noqa: E402
 from colibri_common.checkpoint import Checkpoint  # noqa: E402
 from expert_service.shard import ExpertShard  # noqa: E402
@@ -54,4 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    finish(main())

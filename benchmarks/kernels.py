@@ -9,12 +9,11 @@ On a CUDA machine the Triton kernel is timed too (GB/s and TFLOP/s).
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, machine, read_bandwidth_gbs, table, time_fn
+from benchmarks.common import RESULTS, finish, machine, read_bandwidth_gbs, table, time_fn
 from colibri_common.forms_file import FormsFile, resolve
 from kernels import fused_moe, topk_route
 from kernels.cpu_tune import CANDIDATES, MoeShape, tune
@@ -120,4 +119,4 @@ def triton_section() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

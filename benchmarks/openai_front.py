@@ -17,13 +17,12 @@ import http.client
 import json
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, machine, table
+from benchmarks.common import RESULTS, finish, machine, table
 from benchmarks.demo import MODEL, ensure_demo_model
 from benchmarks.serving import COLIBRI, run_json
 from colibri.client import Client
@@ -135,4 +134,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

@@ -16,7 +16,7 @@ T_START = time.perf_counter()
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from benchmarks.common import engine_args  # noqa: E402
+from benchmarks.common import engine_args, finish  # noqa: E402
 from colibri.loadgen import random_prompts  # noqa: E402
 
 
@@ -61,4 +61,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    finish(main())

@@ -26,7 +26,7 @@ import psutil
 from tqdm import tqdm
 
 from benchmarks.bench_model import ensure_bench_model
-from benchmarks.common import RESULTS, machine, read_bandwidth_gbs, table
+from benchmarks.common import RESULTS, finish, machine, read_bandwidth_gbs, table
 from colibri.loadgen import run_load
 from colibri_common.config import ModelConfig
 from router_service.metrics import parse
@@ -230,4 +230,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

@@ -152,7 +152,8 @@ class Fleet:
         self.children: list[Child] = []
         self.stopping = threading.Event()
         self.forks = forks
-        self._calls: queue.Queue[tuple[Callable[[], object], Future]] = queue.Queue()
+        # SimpleQueue: its put is reentrant, so a signal handler on the main thread may wake `serve_calls`
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
 
     def spawn(self, command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> Child:
         # PASSIVE: a process waiting on another (router on workers, workers on the router) must not keep
@@ -190,8 +191,13 @@ class Fleet:
         self._calls.put((fn, fut))
         return fut.result()
 
+    def wake(self) -> None:
+        """Wake `serve_calls` now (it sees its `until` set at once, not at its next poll)."""
+        self._calls.put((lambda: None, Future()))
+
     def serve_calls(self, until: threading.Event, poll_s: float = 0.5) -> None:
-        """The main thread's loop while the fleet runs: the other threads' calls, until `until` is set."""
+        """The main thread's loop while the fleet runs: the other threads' calls, until `until` is set (call
+        `wake` after setting it)."""
         while not until.is_set():
             try:
                 fn, fut = self._calls.get(timeout=poll_s)
@@ -243,13 +249,22 @@ def serve(opts: ServeOptions) -> int:
     fleet = Fleet(forks=opts.forks)
     stop_signal = threading.Event()
 
+    def stop_now() -> None:
+        stop_signal.set()
+        fleet.wake()
+
     def on_signal(signum, _frame):
         log.info("received %s: stopping the fleet", signal.Signals(signum).name)
-        stop_signal.set()
+        stop_now()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     ModelConfig.from_dir(opts.router.model)      # an unusable config.json fails here, before any child starts
+    if opts.on_gpus:                             # so does a GPU this machine lacks: one line, not one a child
+        from colibri_common.device import check_device
+
+        for name in dict.fromkeys(opts.device(c) for c in (None, *range(n))):
+            check_device(name)
     if fleet.forks:
         t0 = time.monotonic()
         preload(SERVICE_MODULES + (FRONT_MODULES if opts.openai_port is not None else ()))
@@ -318,7 +333,7 @@ def serve(opts: ServeOptions) -> int:
                 if fleet.stopping.is_set():
                     return
                 log.error("%s; stopping the fleet", exc)
-                stop_signal.set()
+                stop_now()
                 return
 
     def supervise_router(p: Child) -> None:
@@ -327,14 +342,14 @@ def serve(opts: ServeOptions) -> int:
         if not fleet.stopping.is_set():
             log.log(logging.INFO if code == 0 else logging.ERROR, "router exited with code %s; stopping the fleet",
                     code)
-            stop_signal.set()
+            stop_now()
 
     def supervise_front(p: Child) -> None:
         drain(p)
         code = p.wait()
         if not fleet.stopping.is_set():
             log.error("the OpenAI front exited with code %s; stopping the fleet", code)
-            stop_signal.set()
+            stop_now()
 
     for i, p in enumerate(procs):
         threading.Thread(target=supervise_worker, args=(i, p), daemon=True).start()

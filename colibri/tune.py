@@ -57,7 +57,8 @@ def run_tune(opts: TuneOptions) -> int:
     for role, threads, shapes, moe in jobs:
         torch.set_num_threads(threads)
         forms = FormsFile(resolve(opts.cpu_forms), CANDIDATES)
-        measured = tune(shapes, forms.forms, forms.save, max_rows=opts.max_rows, moe=moe)
+        with forms.measuring():
+            measured = tune(shapes, forms.forms, forms.save, max_rows=opts.max_rows, moe=moe)
         print(f"{role} ({threads} threads): {forms.summary(measured)}")
         print(f"  {describe({k: forms.forms[k] for k in measured})}" if measured else "  nothing new to measure")
     return 0

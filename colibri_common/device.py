@@ -20,8 +20,9 @@ from colibri_common.errors import ConfigError
 from colibri_common.options import DEVICE_SYNTAX
 
 
-def open_device(name: str) -> torch.device:
-    """The device, checked against this machine: a clear error where CUDA or that GPU is missing."""
+def check_device(name: str) -> torch.device:
+    """The device, checked against this machine (a clear error where CUDA or that GPU is missing); nothing is
+    created on it. `colibri serve` checks every child's device so before it starts any child."""
     if not DEVICE_SYNTAX.match(name):
         raise ConfigError(f"--device '{name}' is not a device; use cpu, cuda or cuda:N")
     device = torch.device(name)
@@ -35,6 +36,13 @@ def open_device(name: str) -> torch.device:
                               f"check CUDA_VISIBLE_DEVICES")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def open_device(name: str) -> torch.device:
+    """The device, checked against this machine, made the current CUDA device where it is a GPU."""
+    device = check_device(name)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
 

@@ -8,15 +8,19 @@ Forms are kept per torch thread count (the router and the workers of one fleet r
 counts). A file written on another CPU, with other ISA flags or another torch is ignored and rebuilt; a
 corrupt one is rebuilt with a warning. Writes are atomic and merge with what another process of the same
 fleet wrote meanwhile (an flock around read-modify-write), so a router and its workers can share one file.
+Measuring is exclusive too (`FormsFile.measuring`): the workers of a fleet start at once with the same
+shapes, so the first measures them and the others reuse its forms instead of racing it on the same cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -70,7 +74,7 @@ def resolve(setting: str) -> Path | None:
     return default_path() if setting == "auto" else Path(setting)
 
 
-def _read(path: Path, here: dict[str, object]) -> dict[str, dict[str, str]]:
+def _read(path: Path, here: dict[str, object], say: bool = True) -> dict[str, dict[str, str]]:
     """The forms sections of `path` if it was written on this machine; {} otherwise (said in the log)."""
     if not path.is_file():
         return {}
@@ -80,10 +84,12 @@ def _read(path: Path, here: dict[str, object]) -> dict[str, dict[str, str]]:
             raise ValueError("unknown layout")
         sections = {k: {str(a): str(b) for a, b in v.items()} for k, v in raw["forms"].items()}
     except (ValueError, AttributeError, OSError) as exc:
-        log.warning("%s is corrupt (%s); measuring the CPU forms again", path, exc)
+        if say:
+            log.warning("%s is corrupt (%s); measuring the CPU forms again", path, exc)
         return {}
     if raw.get("machine") != here:
-        log.info("%s was measured on %s; this is %s: measuring again", path, raw.get("machine"), here)
+        if say:
+            log.info("%s was measured on %s; this is %s: measuring again", path, raw.get("machine"), here)
         return {}
     return sections
 
@@ -102,6 +108,26 @@ class FormsFile:
     def summary(self, measured: list[str]) -> str:
         where = self.path if self.path is not None else "(not kept: --cpu-forms off)"
         return (f"CPU linear forms ({self.section}): {self.loaded} reused and {len(measured)} measured, {where}")
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Hold the file's measuring lock (another process of the fleet may be measuring: wait for it), then take
+        the forms it measured meanwhile; measure inside. Without a file (or a writable directory), no lock."""
+        if self.path is None:
+            yield
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(self.path.with_suffix(".measure.lock"), "w")
+        except OSError:
+            yield
+            return
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            fresh = _read(self.path, self.machine, say=False).get(self.section, {})
+            self.forms.update({k: v for k, v in fresh.items() if k not in self.forms})
+            self.loaded = len(self.forms)
+            yield
 
     def save(self) -> None:
         """Merge this process's forms into the file, atomically; a file that cannot be written is a warning."""

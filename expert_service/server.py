@@ -156,7 +156,9 @@ def serve_expert(opts: ExpertOptions) -> None:
     return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
     forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES)
     if forms.path is not None and device.type == "cpu":
-        log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()])))
+        with forms.measuring():
+            log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save,
+                                        moe=[experts.moe_shape()])))
     tier = "all packed" if experts.cache is None else (
         f"expert cache of {experts.cache.hot.w13.shape[0]} slots ({opts.cache.expert_cache_capacity}, "
         f"{opts.cache.expert_cache_policy}); the rest mapped")

@@ -102,7 +102,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES)
     if forms.path is not None and device.type == "cpu":
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
-        log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows)))
+        with forms.measuring():
+            log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows)))
     kv_heads, k_dim, v_dim = cfg.kv_layout          # latent attention: the compressed latent, its real size
     per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, kv_heads, k_dim, dtype, v_dim)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)

@@ -108,7 +108,9 @@ class WorkerLink:
         self.stub = expert_pb2_grpc.ExpertWorkerStub(self.channel)
 
     def describe(self, deadline: float) -> expert_pb2.DescribeResponse:
-        """Ask until it answers (a worker may still be loading) or `deadline` (time.monotonic) passes."""
+        """Ask until it answers (a worker may still be loading) or `deadline` (time.monotonic) passes; the pause
+        between asks grows from 50 ms to 0.5 s (a fleet's router and workers start at once: most are up soon)."""
+        pause = 0.05
         while True:
             try:
                 return self.stub.Describe(expert_pb2.DescribeRequest(), timeout=10, wait_for_ready=True)
@@ -116,7 +118,8 @@ class WorkerLink:
                 if time.monotonic() > deadline:
                     raise WorkerError(f"expert worker {self.address} did not answer Describe: "
                                       f"{exc.details()}") from exc
-                time.sleep(0.5)
+                time.sleep(pause)
+                pause = min(0.5, 2 * pause)
 
     def send(self, request: expert_pb2.ForwardRequest) -> Reply:
         raise NotImplementedError

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from tests.conftest import Oracle
-from tests.models import build_model, save_checkpoint, small_config
+from tests.models import Oracle, build_model, save_checkpoint, small_config
 from tests.tokenizer_fixtures import byte_level_tokenizer
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"

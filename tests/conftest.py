@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import signal
 import subprocess
@@ -10,22 +12,23 @@ import tempfile
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
-import torch
 
 from router_service.metrics import parse
 from tests import forkserver
 from tests.forkserver import Forked
-from tests.models import build_model, save_checkpoint, small_config
+
+if TYPE_CHECKING:
+    from tests.models import Oracle
 
 REPO = Path(__file__).resolve().parent.parent
 COLIBRI = str(Path(sys.executable).parent / "colibri")
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v2", "deepseek_v3",
          "gpt_oss")
 
-torch.set_num_threads(1)
 # The measured CPU forms (and expert heat files) of every service the suite starts go to a directory of
 # this run's own, not ~/.cache: one for the whole run, shared by pytest-xdist's workers (the forms file is
 # written under a lock), removed when the run ends.
@@ -41,11 +44,33 @@ else:
     _OWN_CACHE = None
 
 
+def _controller(config) -> bool:
+    """pytest-xdist's controller, which runs no test: it need not import torch or transformers (5 s before
+    the workers could start)."""
+    return bool(getattr(config.option, "numprocesses", None)) and not os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def _quick_exit() -> None:
+    """Python's last collection walks every object torch and transformers made (2 s of each test process's
+    exit); frozen, they are left to the OS, which frees them anyway."""
+    gc.disable()
+    gc.freeze()
+
+
+def pytest_configure(config):
+    if not _controller(config):
+        import torch
+
+        torch.set_num_threads(1)
+        atexit.register(_quick_exit)          # registered first, so run last of the exit handlers
+
+
 def pytest_sessionstart(session):
-    """The fork server starts importing now, beside collection and the first tests (not on an xdist
-    controller, which runs no test)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(session.config.option, "numprocesses", None):
-        forkserver.server(wait=False)
+    """The fork server starts importing now, beside collection and the first tests. pytest-xdist's controller
+    starts it before its workers (its own hook is trylast), which find it in their environment and share it."""
+    srv = forkserver.server(wait=False)
+    if _controller(session.config):
+        os.environ[forkserver.SHARED] = srv.path
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -125,52 +150,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Oracle:
-    """A transformers model and its saved checkpoint; its outputs are cached for the whole session."""
-
-    def __init__(self, model, path: Path) -> None:
-        self.model, self.path = model, path
-        self._greedy: dict[tuple[tuple[int, ...], int], list[int]] = {}
-        self._logits: dict[tuple[int, ...], torch.Tensor] = {}
-
-    @torch.no_grad()
-    def greedy(self, prompt: list[int], n: int) -> list[int]:
-        key = (tuple(prompt), n)
-        if key not in self._greedy:
-            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            self._greedy[key] = out[0, len(prompt):].tolist()
-        return self._greedy[key]
-
-    @torch.no_grad()
-    def greedy_many(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        """`greedy` of each prompt, those of one length in one batched `generate` (no padding: 16 streams of
-        120 tokens in 1 s instead of 10; the same tokens as one by one)."""
-        todo: dict[int, list[list[int]]] = {}
-        for p in prompts:
-            if (tuple(p), n) not in self._greedy:
-                todo.setdefault(len(p), []).append(list(p))
-        for length, group in todo.items():
-            out = self.model.generate(torch.tensor(group), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            for p, row in zip(group, out, strict=True):
-                self._greedy[(tuple(p), n)] = row[length:].tolist()
-        return [self._greedy[(tuple(p), n)] for p in prompts]
-
-    @torch.no_grad()
-    def step_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-        """Logits [n, V] at each of the n = len(tokens) steps of generating `tokens` after `prompt`."""
-        seq = prompt + tokens[:-1]
-        return self.model(torch.tensor([seq])).logits[0, len(prompt) - 1:].float()
-
-    @torch.no_grad()
-    def last_logits(self, prompt: list[int]) -> torch.Tensor:
-        key = tuple(prompt)
-        if key not in self._logits:
-            self._logits[key] = self.model(torch.tensor([prompt])).logits[0, -1].float()
-        return self._logits[key]
-
-
 @pytest.fixture(scope="session")
 def oracles(tmp_path_factory) -> dict[str, Oracle]:
+    from tests.models import Oracle, build_model, save_checkpoint, small_config
+
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
     for i, arch in enumerate(ARCHS):

@@ -194,27 +194,56 @@ class Forked:
         return tuple(got)
 
 
+SHARED = "COLIBRI_TEST_FORKSERVER"       # the socket of the server that pytest-xdist's controller started
+
+
 class ForkServer:
-    def __init__(self) -> None:
+    """The server process and its socket; with `path`, the socket of one another process started (pytest-xdist's
+    workers share their controller's server: one import of torch and the services for the whole run)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.proc: subprocess.Popen | None = None
+        self._ready = False
+        if path is not None:
+            self._dir, self.path = None, path
+            return
         self._dir = tempfile.mkdtemp(prefix="colibri-forkserver-")
         self.path = os.path.join(self._dir, "socket")
         repo = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]).rstrip(":"))
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", self.path], stdout=PIPE,
                                      stdin=DEVNULL, text=True, cwd=repo, env=env)
-        self._ready = False
         atexit.register(self.close)
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return not self._ready or os.path.exists(self.path)      # its owner unlinks the socket as it stops
 
     def wait_ready(self) -> None:
         """Until the server has imported everything and listens (it starts at once, this waits on first use)."""
         if self._ready:
             return
-        line = self.proc.stdout.readline()            # type: ignore[union-attr]
-        if line.strip() != "ready":
-            raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()}): {line!r}")
+        if self.proc is None:                         # another process's: ready once its socket listens
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                        probe.connect(self.path)      # the server answers this empty request with an error
+                    break
+                except (FileNotFoundError, ConnectionRefusedError):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the shared fork server at {self.path} did not start") from None
+                    time.sleep(0.05)
+        else:
+            line = self.proc.stdout.readline()        # type: ignore[union-attr]
+            if line.strip() != "ready":
+                raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()}): {line!r}")
         self._ready = True
 
     def close(self) -> None:
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -279,11 +308,13 @@ _SERVER_LOCK = threading.Lock()
 
 
 def server(wait: bool = True) -> ForkServer:
-    """The suite's fork server (one per pytest process), started if it is not running."""
+    """The suite's fork server: the one named by $COLIBRI_TEST_FORKSERVER while it runs, else this process's
+    own, started if it is not running."""
     global _SERVER
     with _SERVER_LOCK:
-        if _SERVER is None or _SERVER.proc.poll() is not None:
-            _SERVER = ForkServer()
+        if _SERVER is None or not _SERVER.alive():
+            shared = os.environ.get(SHARED)
+            _SERVER = ForkServer(shared if shared and _SERVER is None else None)
         if wait:
             _SERVER.wait_ready()
         return _SERVER

@@ -139,3 +139,28 @@ def test_tune_cli_writes_the_file_the_services_read(tmp_path, oracles):
     sections = json.loads(path.read_text())["forms"]
     assert sections and all(sections.values())
     assert any(k.startswith("moe:") for forms in sections.values() for k in forms)   # the worker's MoE form
+
+
+def test_the_workers_of_a_fleet_measure_their_shared_shapes_once(tmp_path, oracles):
+    """Two workers with the same shapes start at once on a new file: one measures (holding the file's measuring
+    lock), the other waits for it and reuses every form, instead of racing it on the same cores."""
+    import signal
+    import subprocess
+
+    from tests.conftest import colibri_popen
+
+    path = tmp_path / "fleet.json"
+    p = colibri_popen(["serve", "--model", str(oracles["olmoe"].path), "--workers", "2", "--port", "0",
+                       "--cpu-forms", str(path), "--log-level", "INFO"], stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().startswith("ready ")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if "expert[" in line and "CPU linear forms" in line]
+    assert len(lines) == 2, err[-3000:]
+    counts = sorted((int(line.split(": ")[-1].split()[0]), int(line.split(" and ")[1].split()[0])) for line in lines)
+    (reused0, measured0), (reused1, measured1) = counts                 # (reused, measured), fewest reused first
+    assert reused0 == 0 and measured0 > 0, lines                         # the first measured everything
+    assert (reused1, measured1) == (measured0, 0), lines                 # the second reused all of it

@@ -20,9 +20,9 @@ from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from router_service.scheduler import SchedulerConfig
 from router_service.weights import RouterWeights
-from tests.conftest import ARCHS, Oracle, fleet
+from tests.conftest import ARCHS, fleet
 from tests.inprocess import InProcess
-from tests.models import build_model, save_checkpoint, small_config
+from tests.models import Oracle, build_model, save_checkpoint, small_config
 
 PROMPTS = [[3, 17, 42, 99, 5, 8], [200], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1, 2]]
 NEW_TOKENS = 16

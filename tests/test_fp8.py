@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.errors import CheckpointError
 from colibri_common.fp8 import dequantize, quantize
-from tests.conftest import Oracle, colibri_run, fleet
+from tests.conftest import colibri_run, fleet
 from tests.inprocess import InProcess
-from tests.models import build_model, save_checkpoint, small_config
+from tests.models import Oracle, build_model, save_checkpoint, small_config
 from tests.test_e2e_oracle import check_against_oracle
 
 BLOCK = (8, 32)            # smaller than the published 128 x 128, so these tiny weights span several blocks

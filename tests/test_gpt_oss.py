@@ -24,9 +24,8 @@ from colibri_common.config import ModelConfig
 from colibri_common.errors import CheckpointError, ConfigError
 from expert_service.shard import CacheSetting, cache_setting
 from router_service.scheduler import SchedulerConfig
-from tests.conftest import Oracle
 from tests.inprocess import InProcess
-from tests.models import build_model, save_checkpoint, small_config
+from tests.models import Oracle, build_model, save_checkpoint, small_config
 from tests.test_e2e_oracle import NEW_TOKENS, PROMPTS, check_against_oracle
 
 LONG = [(11 * j + 5) % 256 for j in range(30)]          # far past the window of 4

@@ -17,9 +17,9 @@ from kernels.quant import Int8Weight, quantize_int8
 from kernels.reference import fused_moe_reference
 from router_service.experts import RemoteExperts
 from router_service.moe_transport import WorkerError
-from tests.conftest import ARCHS, Oracle, fleet
+from tests.conftest import ARCHS, fleet
 from tests.inprocess import InProcess
-from tests.models import build_model, memorize, save_checkpoint, small_config
+from tests.models import Oracle, build_model, memorize, save_checkpoint, small_config
 
 torch.set_num_threads(1)
 

@@ -17,8 +17,8 @@ import torch
 from colibri.client import Client
 from colibri_common.placement import replica_experts
 from router_service.moe_partition import assign, split_pairs
-from tests.conftest import Oracle, argv_of, fleet, free_port, metrics
-from tests.models import save_checkpoint
+from tests.conftest import argv_of, fleet, free_port, metrics
+from tests.models import Oracle, save_checkpoint
 
 STREAMS = [[(5 * i + j) % 200 + 1 for j in range(5)] for i in range(16)]
 

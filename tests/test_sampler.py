@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -58,6 +59,19 @@ def draw(sampler: Sampler, logits: torch.Tensor, sp: Sampling, n: int, rid: str 
     """n single-row steps of one request, so its generator is reused from step to step."""
     row = logits.reshape(1, -1)
     return [sampler.tokens(row, rows([(rid, sp)]))[0] for _ in range(n)]
+
+
+BATCH = 50
+
+
+def draws(logits: torch.Tensor, sp: Sampling, n: int) -> list[int]:
+    """n draws for a frequency check: n / 50 steps of 50 requests (seeds sp.seed + j), the batched path a
+    serving step takes, each generator reused from step to step; request by request, step by step."""
+    assert n % BATCH == 0 and sp.seed is not None
+    sampler = Sampler()
+    batch = rows([(f"r{j}", dataclasses.replace(sp, seed=sp.seed + j)) for j in range(BATCH)])
+    steps = [sampler.tokens(logits.reshape(1, -1).expand(BATCH, -1), batch) for _ in range(n // BATCH)]
+    return [step[j] for j in range(BATCH) for step in steps]
 
 
 def mismatch(tokens: list[int], expected: torch.Tensor, sigmas: float = SIGMAS) -> str | None:
@@ -135,7 +149,7 @@ def test_greedy_never_samples_even_on_nearly_flat_logits() -> None:
 def test_temperature_frequencies_match_the_tempered_softmax() -> None:
     freq_of_argmax = {}
     for seed, temperature, other in ((11, 0.5, 2.0), (12, 2.0, 0.5)):
-        tokens = draw(Sampler(), LOGITS, Sampling(temperature=temperature, seed=seed), N_DRAWS)
+        tokens = draws(LOGITS, Sampling(temperature=temperature, seed=seed), N_DRAWS)
         # T = 1 and the other temperature are far enough away that the check would catch a sampler ignoring T.
         assert_distribution(tokens, tempered(temperature), wrong=[tempered(1.0), tempered(other)])
         freq_of_argmax[temperature] = tokens.count(ARGMAX) / N_DRAWS
@@ -148,7 +162,7 @@ def test_temperature_frequencies_match_the_tempered_softmax() -> None:
 
 def test_top_k_keeps_only_the_k_best_tokens_with_renormalised_frequencies() -> None:
     temperature = 1.5
-    tokens = draw(Sampler(), LOGITS, Sampling(temperature=temperature, top_k=3, seed=21), N_DRAWS)
+    tokens = draws(LOGITS, Sampling(temperature=temperature, top_k=3, seed=21), N_DRAWS)
     assert set(tokens) == {3, 1, 5}
     uniform = torch.full((6,), 1 / 6, dtype=torch.float64)
     wrong = [restricted(tempered(1.0), {3, 1, 5}), restricted(uniform, {3, 1, 5}), tempered(temperature)]
@@ -157,7 +171,7 @@ def test_top_k_keeps_only_the_k_best_tokens_with_renormalised_frequencies() -> N
 
 @pytest.mark.parametrize("top_k", [1, 6, 100])
 def test_top_k_edges(top_k: int) -> None:
-    tokens = draw(Sampler(), LOGITS, Sampling(temperature=1.0, top_k=top_k, seed=22), 1000 if top_k > 1 else 200)
+    tokens = draws(LOGITS, Sampling(temperature=1.0, top_k=top_k, seed=22), 1000 if top_k > 1 else 200)
     if top_k == 1:
         assert set(tokens) == {ARGMAX}
     else:  # k >= vocab: nothing is cut
@@ -177,7 +191,7 @@ def test_top_k_edges(top_k: int) -> None:
     ],
 )
 def test_top_p_keeps_the_smallest_prefix_reaching_p(temperature: float, top_p: float, support: set[int]) -> None:
-    tokens = draw(Sampler(), LOGITS, Sampling(temperature=temperature, top_p=top_p, seed=31), N_SUPPORT)
+    tokens = draws(LOGITS, Sampling(temperature=temperature, top_p=top_p, seed=31), N_SUPPORT)
     assert set(tokens) == support
     full = tempered(temperature)
     # Sanity of the hard-coded support: the smallest descending prefix whose mass reaches top_p.
@@ -189,7 +203,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(temperature: float, top_p: f
 
 @pytest.mark.parametrize("top_p", [1e-6, 0.25])  # the top token has 0.28 at T = 2
 def test_top_p_below_the_top_token_keeps_only_the_top_token(top_p: float) -> None:
-    tokens = draw(Sampler(), LOGITS, Sampling(temperature=2.0, top_p=top_p, seed=32), 300)
+    tokens = draws(LOGITS, Sampling(temperature=2.0, top_p=top_p, seed=32), 300)
     assert set(tokens) == {ARGMAX}
 
 
@@ -206,7 +220,7 @@ def test_top_p_below_the_top_token_keeps_only_the_top_token(top_p: float) -> Non
     ],
 )
 def test_top_k_and_top_p_together(top_k: int, top_p: float, support: set[int]) -> None:
-    tokens = draw(Sampler(), LOGITS, Sampling(temperature=1.0, top_k=top_k, top_p=top_p, seed=41), N_SUPPORT)
+    tokens = draws(LOGITS, Sampling(temperature=1.0, top_k=top_k, top_p=top_p, seed=41), N_SUPPORT)
     assert set(tokens) == support
     assert_distribution(tokens, restricted(tempered(1.0), support), wrong=[tempered(1.0)])
 
@@ -309,7 +323,7 @@ def test_unseeded_request_leaves_the_global_rng_alone() -> None:
 def test_min_p_keeps_the_tokens_at_least_min_p_times_the_likeliest() -> None:
     # p_max = 0.40: min_p 0.3 keeps p >= 0.12, i.e. {3, 1, 5}; min_p 0.5 keeps p >= 0.20, i.e. {3, 1}.
     for min_p, support in ((0.3, {3, 1, 5}), (0.5, {3, 1})):
-        tokens = draw(Sampler(), LOGITS, Sampling(temperature=1.0, min_p=min_p, seed=51), N_SUPPORT)
+        tokens = draws(LOGITS, Sampling(temperature=1.0, min_p=min_p, seed=51), N_SUPPORT)
         assert set(tokens) == support
         assert_distribution(tokens, restricted(tempered(1.0), support), wrong=[tempered(1.0)])
 

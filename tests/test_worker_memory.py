@@ -26,6 +26,14 @@ def peak_rss(pid: int) -> int:
     raise AssertionError("no VmHWM in /proc/PID/status")
 
 
+def window(pool: torch.Tensor, shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    """A copy of `pool` from a random offset: random-looking weights at memcpy speed (randn of the ≈1 GB of
+    experts took 4 s; their values matter to no assertion here, only their bytes)."""
+    n = shape[0] * shape[1]
+    start = int(torch.randint(0, pool.numel() - n + 1, (1,), generator=g))
+    return pool[start:start + n].view(shape).clone()
+
+
 def write_big_checkpoint(path) -> int:
     """A Qwen3-MoE checkpoint of ≈1.2 GB, written straight to safetensors (random weights)."""
     path.mkdir()
@@ -36,6 +44,7 @@ def write_big_checkpoint(path) -> int:
     raw["architectures"] = ["Qwen3MoeForCausalLM"]
     (path / "config.json").write_text(json.dumps(raw))
     g = torch.Generator().manual_seed(0)
+    pool = torch.randn(2 * H * I, generator=g) * 0.02                  # the experts' values, at random offsets
     t = {"model.embed_tokens.weight": torch.randn(256, H, generator=g) * 0.02,
          "lm_head.weight": torch.randn(256, H, generator=g) * 0.02, "model.norm.weight": torch.ones(H)}
     for layer in range(L):
@@ -49,9 +58,8 @@ def write_big_checkpoint(path) -> int:
               p + "mlp.gate.weight": torch.randn(E, H, generator=g) * 0.02}
         for e in range(E):
             q = f"{p}mlp.experts.{e}."
-            t |= {q + "gate_proj.weight": torch.randn(I, H, generator=g) * 0.02,
-                  q + "up_proj.weight": torch.randn(I, H, generator=g) * 0.02,
-                  q + "down_proj.weight": torch.randn(H, I, generator=g) * 0.02}
+            t |= {q + name: window(pool, shape, g) for name, shape in
+                  (("gate_proj.weight", (I, H)), ("up_proj.weight", (I, H)), ("down_proj.weight", (H, I)))}
     save_file(t, path / "model.safetensors")
     return (path / "model.safetensors").stat().st_size
 
