@@ -112,22 +112,29 @@ class FormsFile:
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
         """Hold the file's measuring lock (another process of the fleet may be measuring: wait for it), then take
-        the forms it measured meanwhile; measure inside. Without a file (or a writable directory), no lock."""
-        if self.path is None:
-            yield
-            return
+        the forms it measured meanwhile; measure inside. Without a file, or where the lock cannot be had (an
+        unwritable directory, a filesystem without flock), measure unlocked."""
+        fd = -1
+        if self.path is not None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path.with_suffix(".measure.lock"), os.O_RDONLY | os.O_CREAT, 0o666)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                log.warning("cannot lock %s for measuring (%s); measuring beside the other services",
+                            self.path, exc)
+                if fd >= 0:
+                    os.close(fd)
+                fd = -1
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            lock = open(self.path.with_suffix(".measure.lock"), "w")
-        except OSError:
+            if fd >= 0:
+                fresh = _read(self.path, self.machine, say=False).get(self.section, {})  # type: ignore[arg-type]
+                self.forms.update({k: v for k, v in fresh.items() if k not in self.forms})
+                self.loaded = len(self.forms)
             yield
-            return
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            fresh = _read(self.path, self.machine, say=False).get(self.section, {})
-            self.forms.update({k: v for k, v in fresh.items() if k not in self.forms})
-            self.loaded = len(self.forms)
-            yield
+        finally:
+            if fd >= 0:
+                os.close(fd)                            # closing the descriptor releases the lock
 
     def save(self) -> None:
         """Merge this process's forms into the file, atomically; a file that cannot be written is a warning."""

@@ -70,7 +70,7 @@ def pytest_sessionstart(session):
     starts it before its workers (its own hook is trylast), which find it in their environment and share it."""
     srv = forkserver.server(wait=False)
     if _controller(session.config):
-        os.environ[forkserver.SHARED] = srv.path
+        os.environ[forkserver.SHARED] = srv.shared
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -29,6 +29,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import psutil
+
 from colibri.fork import FRONT_MODULES, SERVICE_MODULES, become, die_with_parent, preload
 
 PIPE, DEVNULL = subprocess.PIPE, subprocess.DEVNULL
@@ -197,15 +199,24 @@ class Forked:
 SHARED = "COLIBRI_TEST_FORKSERVER"       # the socket of the server that pytest-xdist's controller started
 
 
-class ForkServer:
-    """The server process and its socket; with `path`, the socket of one another process started (pytest-xdist's
-    workers share their controller's server: one import of torch and the services for the whole run)."""
+def _running(pid: int) -> bool:
+    """pid is a live process (not a zombie: the controller that started a shared server reaps it only at exit)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
-    def __init__(self, path: str | None = None) -> None:
+
+class ForkServer:
+    """The server process and its socket; with `shared` (its pid and socket), one that another process started
+    (pytest-xdist's workers share their controller's: one import of torch and the services for the run)."""
+
+    def __init__(self, shared: tuple[int, str] | None = None) -> None:
         self.proc: subprocess.Popen | None = None
         self._ready = False
-        if path is not None:
-            self._dir, self.path = None, path
+        self._pid = 0
+        if shared is not None:
+            (self._pid, self.path), self._dir = shared, None
             return
         self._dir = tempfile.mkdtemp(prefix="colibri-forkserver-")
         self.path = os.path.join(self._dir, "socket")
@@ -215,25 +226,28 @@ class ForkServer:
                                      stdin=DEVNULL, text=True, cwd=repo, env=env)
         atexit.register(self.close)
 
+    @property
+    def shared(self) -> str:
+        """What the processes that share this server find in $COLIBRI_TEST_FORKSERVER."""
+        assert self.proc is not None
+        return f"{self.proc.pid}:{self.path}"
+
     def alive(self) -> bool:
-        if self.proc is not None:
-            return self.proc.poll() is None
-        return not self._ready or os.path.exists(self.path)      # its owner unlinks the socket as it stops
+        return self.proc.poll() is None if self.proc is not None else _running(self._pid)
 
     def wait_ready(self) -> None:
         """Until the server has imported everything and listens (it starts at once, this waits on first use)."""
         if self._ready:
             return
         if self.proc is None:                         # another process's: ready once its socket listens
-            deadline = time.monotonic() + 120
             while True:
                 try:
                     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
                         probe.connect(self.path)      # the server answers this empty request with an error
                     break
                 except (FileNotFoundError, ConnectionRefusedError):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"the shared fork server at {self.path} did not start") from None
+                    if not self.alive():
+                        raise RuntimeError(f"the shared fork server (pid {self._pid}) exited") from None
                     time.sleep(0.05)
         else:
             line = self.proc.stdout.readline()        # type: ignore[union-attr]
@@ -309,14 +323,21 @@ _SERVER_LOCK = threading.Lock()
 
 def server(wait: bool = True) -> ForkServer:
     """The suite's fork server: the one named by $COLIBRI_TEST_FORKSERVER while it runs, else this process's
-    own, started if it is not running."""
+    own, started if it is not running (a shared one that died is replaced by an own one)."""
     global _SERVER
     with _SERVER_LOCK:
         if _SERVER is None or not _SERVER.alive():
-            shared = os.environ.get(SHARED)
-            _SERVER = ForkServer(shared if shared and _SERVER is None else None)
+            pid, _, path = os.environ.get(SHARED, "").partition(":")
+            shared = (int(pid), path) if pid.isdigit() and path and _running(int(pid)) else None
+            _SERVER = ForkServer(shared if _SERVER is None else None)
         if wait:
-            _SERVER.wait_ready()
+            try:
+                _SERVER.wait_ready()
+            except RuntimeError:
+                if _SERVER.proc is not None:
+                    raise
+                _SERVER = ForkServer()
+                _SERVER.wait_ready()
         return _SERVER
 
 

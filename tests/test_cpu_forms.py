@@ -143,7 +143,8 @@ def test_tune_cli_writes_the_file_the_services_read(tmp_path, oracles):
 
 def test_the_workers_of_a_fleet_measure_their_shared_shapes_once(tmp_path, oracles):
     """Two workers with the same shapes start at once on a new file: one measures (holding the file's measuring
-    lock), the other waits for it and reuses every form, instead of racing it on the same cores."""
+    lock), the other waits for it and reuses every form, instead of racing it on the same cores. Two cores:
+    the router (two threads) keeps a section of its own, the workers (one thread each) share one."""
     import signal
     import subprocess
 
@@ -151,7 +152,7 @@ def test_the_workers_of_a_fleet_measure_their_shared_shapes_once(tmp_path, oracl
 
     path = tmp_path / "fleet.json"
     p = colibri_popen(["serve", "--model", str(oracles["olmoe"].path), "--workers", "2", "--port", "0",
-                       "--cpu-forms", str(path), "--log-level", "INFO"], stdout=subprocess.PIPE,
+                       "--threads", "2", "--cpu-forms", str(path), "--log-level", "INFO"], stdout=subprocess.PIPE,
                       stderr=subprocess.PIPE)
     try:
         assert p.stdout.readline().startswith("ready ")

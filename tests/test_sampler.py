@@ -65,11 +65,12 @@ BATCH = 50
 
 
 def draws(logits: torch.Tensor, sp: Sampling, n: int) -> list[int]:
-    """n draws for a frequency check: n / 50 steps of 50 requests (seeds sp.seed + j), the batched path a
-    serving step takes, each generator reused from step to step; request by request, step by step."""
+    """n draws for a frequency check: n / 50 steps of 50 requests (seeds 50 * sp.seed + j: two calls with other
+    seeds share no generator), the batched path a serving step takes, each generator reused from step to step;
+    request by request, step by step."""
     assert n % BATCH == 0 and sp.seed is not None
     sampler = Sampler()
-    batch = rows([(f"r{j}", dataclasses.replace(sp, seed=sp.seed + j)) for j in range(BATCH)])
+    batch = rows([(f"r{j}", dataclasses.replace(sp, seed=BATCH * sp.seed + j)) for j in range(BATCH)])
     steps = [sampler.tokens(logits.reshape(1, -1).expand(BATCH, -1), batch) for _ in range(n // BATCH)]
     return [step[j] for j in range(BATCH) for step in steps]
 

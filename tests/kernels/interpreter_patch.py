@@ -47,7 +47,7 @@ def install() -> bool:
     def patch(fn):
         langs = _langs(fn, tl, tl.core)
         inside, patched = getattr(_state, "depth", 0) > 0, getattr(_state, "langs", None)
-        if inside and patched is not None and langs <= patched:
+        if inside and patched is not None and langs and langs <= patched:   # none visible: Triton's own error
             return interpreter._LangPatchScope()       # nothing to patch: the launch did; nothing to restore
         scope = patch_lang(fn)
         if inside and patched is None:

@@ -36,22 +36,27 @@ def make_case(T: int, E: int, K: int, dtype: torch.dtype, pattern: str, seed: in
     return x, w13, w2, ids, w, expert_map
 
 
-@functools.cache
+def fingerprint(tensors) -> tuple[float, ...]:
+    return tuple(float(t.double().abs().sum()) for t in tensors if t is not None)
+
+
+@functools.lru_cache(maxsize=16)
 def case_and_reference(T: int, E: int, K: int, dtype: torch.dtype, pattern: str):
-    """A case and its float64 reference (a Python loop over the pairs), made once for every form and backend
-    checked on it; nothing checked writes to its inputs."""
+    """A case, its float64 reference (a Python loop over the pairs) and its inputs' fingerprint, made once for
+    the forms and backends checked on it one after another."""
     case = make_case(T, E, K, dtype, pattern)
-    return case, fused_moe_reference(*case)                              # [T, H] float64
+    return case, fused_moe_reference(*case), fingerprint(case)          # [T, H] float64
 
 
 def check(backend: str, T: int, E: int, K: int, dtype: torch.dtype, pattern: str) -> None:
-    (x, w13, w2, ids, w, emap), ref = case_and_reference(T, E, K, dtype, pattern)
+    (x, w13, w2, ids, w, emap), ref, inputs = case_and_reference(T, E, K, dtype, pattern)
     out = torch.full_like(x, float("nan"))                               # poisoned: unwritten rows fail
     got = fused_moe(x, w13, w2, ids, w, emap, backend=backend, out=out)
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
     assert torch.isfinite(got).all(), "a row was not written"
     err = float((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
     assert err <= TOL[dtype], f"{backend} T={T} E={E} K={K} {dtype} {pattern}: rel err {err:.2e}"
+    assert fingerprint((x, w13, w2, ids, w, emap)) == inputs, f"{backend} wrote to its inputs"
 
 
 GRID = list(itertools.product([1, 3, 64, 257], [8, 60], [1, 2, 8]))
