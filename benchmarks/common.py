@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import platform
 import statistics
@@ -15,15 +14,14 @@ from pathlib import Path
 import torch
 
 from colibri_common.forms_file import cpu_isa, cpu_model
+from colibri_common.heap import skip_exit_collection
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def finish(rc: int | None = 0) -> None:
-    """Exit a benchmark's process without Python's last collection over every object torch and transformers
-    made (1-2.5 s of each exit on these machines; the OS frees them anyway). Exit handlers still run."""
-    gc.disable()
-    gc.freeze()
+    """Exit a benchmark's process without Python's last garbage collection (`skip_exit_collection`)."""
+    skip_exit_collection()
     sys.exit(rc)
 
 

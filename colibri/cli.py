@@ -9,7 +9,6 @@ a command runs, so `--help` and `--version` are instant.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -25,6 +24,7 @@ from colibri.openai_api.options import OpenAIOptions
 from colibri.tune import TuneOptions
 from colibri.validate import ValidateOptions
 from colibri_common.errors import ColibriError
+from colibri_common.heap import skip_exit_collection
 from colibri_common.options import Parser, add_options, from_args
 from expert_service.options import ExpertOptions
 from router_service.options import RouterOptions
@@ -170,8 +170,7 @@ def entry() -> None:
             except (BrokenPipeError, ValueError):                 # a reader gone: the exit code still counts
                 pass
         os._exit(rc)
-    gc.disable()                              # a tool's exit: no last collection over torch's objects (1-2 s)
-    gc.freeze()
+    skip_exit_collection()
     sys.exit(rc)
 
 

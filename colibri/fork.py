@@ -48,7 +48,30 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
-class ForkedChild:
+class Signalled:
+    """Popen's signalling for a child handle that knows its `pid` and can `poll` it (ForkedChild here, the
+    suite's fork server's children in tests/forkserver.py)."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:                     # never a signal to a reaped pid (it may be reused)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:              # it has just exited, unreaped: as Popen, not an error
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedChild(Signalled):
     """The part of `subprocess.Popen` the launcher and the tests use, for a child forked by `fork_command`."""
 
     def __init__(self, pid: int, args: list[str], stdout: io.TextIOWrapper | None) -> None:
@@ -94,19 +117,6 @@ class ForkedChild:
             delay = min(2 * delay, left, 0.05)
             time.sleep(delay)
         return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:                     # never a signal to a reaped pid (it may be reused)
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:              # it has just exited, unreaped: as Popen, not an error
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def exit_code(exc: SystemExit) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING
 import psutil
 import pytest
 
+from colibri_common.heap import skip_exit_collection
 from router_service.metrics import parse
 from tests import forkserver
 from tests.forkserver import Forked
@@ -50,19 +50,12 @@ def _controller(config) -> bool:
     return bool(getattr(config.option, "numprocesses", None)) and not os.environ.get("PYTEST_XDIST_WORKER")
 
 
-def _quick_exit() -> None:
-    """Python's last collection walks every object torch and transformers made (2 s of each test process's
-    exit); frozen, they are left to the OS, which frees them anyway."""
-    gc.disable()
-    gc.freeze()
-
-
 def pytest_configure(config):
     if not _controller(config):
         import torch
 
         torch.set_num_threads(1)
-        atexit.register(_quick_exit)          # registered first, so run last of the exit handlers
+        atexit.register(skip_exit_collection)   # 2 s of each test process's exit (colibri_common/heap.py)
 
 
 def pytest_sessionstart(session):

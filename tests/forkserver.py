@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from colibri.fork import FRONT_MODULES, SERVICE_MODULES, become, die_with_parent, preload
+from colibri.fork import FRONT_MODULES, SERVICE_MODULES, Signalled, become, die_with_parent, preload
 
 PIPE, DEVNULL = subprocess.PIPE, subprocess.DEVNULL
 _PRELOAD = SERVICE_MODULES + FRONT_MODULES + ("colibri.cli", "colibri.validate", "colibri.client",
@@ -116,7 +116,7 @@ def _start(conn: socket.socket, listener: socket.socket, others: list[socket.soc
     _send(conn, {"pid": pid})
 
 
-class Forked:
+class Forked(Signalled):
     """A `colibri` process started by the fork server: the parts of `subprocess.Popen` the tests use."""
 
     def __init__(self, args: list[str], pid: int, conn: socket.socket, stdout, stderr) -> None:
@@ -155,19 +155,6 @@ class Forked:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             self._read_exit(left)
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:                    # exited, its status not read yet: as Popen
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple:
         """Read stdout and stderr to their ends (together, so neither pipe fills), then wait."""
