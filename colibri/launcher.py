@@ -99,7 +99,7 @@ class ServeOptions:
         if any(g < 0 for g in self.gpus):
             raise ValueError(f"--gpus takes GPU indices >= 0, got {','.join(map(str, self.gpus))}")
         if self.gpus and (self.router.quantize or self.router.quantize_dense):
-            raise ValueError("--quantize int8 / --quantize-dense are the CPU path; on GPUs serve bfloat16")
+            raise ValueError("--quantize / --quantize-dense are the CPU path; on GPUs serve bfloat16")
         if self.spawn not in SPAWNS:
             raise ValueError(f"--spawn must be one of {', '.join(SPAWNS)}, got {self.spawn!r}")
         if self.spawn == "fork" and self.on_gpus:

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from colibri.launcher import split_threads
-from colibri_common.options import DTYPES, option
+from colibri_common.options import DTYPES, QUANTIZE, option
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ class TuneOptions:
     cpu_forms: str = option("auto", "where to write the forms ('auto' = where the services look)",
                             metavar="PATH|auto")
     max_rows: int = option(64, "largest row count to measure (rows beyond it use its winner)")
-    quantize: str | None = option(None, "measure the int8 forms, as for serve --quantize int8", choices=("int8",))
+    quantize: str | None = option(None, "measure the int8 forms, as for serve --quantize int8 | w8a8",
+                                  choices=QUANTIZE)
 
     def __post_init__(self) -> None:
         if self.workers <= 0 or self.threads < 0 or self.max_rows <= 0:
@@ -50,13 +51,13 @@ def run_tune(opts: TuneOptions) -> int:
     ckpt = Checkpoint(opts.model)
     weights = RouterWeights.load(ckpt, cfg, router_dtype)
     ckpt.close()
-    expert_kind = weight_kind(opts.quantize == "int8", getattr(torch, opts.dtype))
+    expert_kind = weight_kind(opts.quantize, getattr(torch, opts.dtype))
     jobs = [("router", router_threads, weights.linear_shapes(router_dtype), []),
             ("expert worker", worker_threads, expert_linear_shapes(cfg, expert_kind),
              [expert_moe_shape(cfg, opts.workers, expert_kind)])]
     for role, threads, shapes, moe in jobs:
         torch.set_num_threads(threads)
-        forms = FormsFile(resolve(opts.cpu_forms), CANDIDATES)
+        forms = FormsFile(resolve(opts.cpu_forms), CANDIDATES, experts=role == "expert worker")
         with forms.measuring():
             measured = tune(shapes, forms.forms, forms.save, max_rows=opts.max_rows, moe=moe)
         print(f"{role} ({threads} threads): {forms.summary(measured)}")

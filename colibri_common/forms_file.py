@@ -1,11 +1,16 @@
 """The file that keeps the CPU linear forms measured on this machine, so the next start reuses them.
 
     {"version": 1,
-     "machine": {"cpu": "AMD EPYC ...", "isa": ["avx2", "fma", ...], "torch": "2.13.0+cpu"},
-     "forms": {"threads=2": {"1024x1024:float32:1": "mv", ...}, "threads=1": {...}}}
+     "machine": {"cpu": "AMD EPYC ...", "isa": ["avx2", "fma", ...], "torch": "2.13.0+cpu", "aten": "AVX2"},
+     "forms": {"threads=2 forms=...": {"1024x1024:float32:1": "mv", ...,
+                                       "reject:40x72:int8-bfloat16:int8_pack": "crashed (SIGSEGV)"},
+               "experts forms=...": {...}}}
 
-Forms are kept per torch thread count (the router and the workers of one fleet run with different
-counts). A file written on another CPU, with other ISA flags or another torch is ignored and rebuilt; a
+The router's forms are kept per torch thread count. The experts' forms are one section for every worker of
+the machine whatever its thread count, so a given expert computes a given row alike on every worker: the
+fleet's shape (1, 2 or 3 workers, replicas) never changes a token. `reject:` entries are the forms found
+wrong or crashing here for a shape, and why (kernels/cpu_tune.py). A file written on another CPU, with other
+ISA flags, another torch or another ATen kernel level (`ATEN_CPU_CAPABILITY`) is ignored and rebuilt; a
 corrupt one is rebuilt with a warning. Writes are atomic and merge with what another process of the same
 fleet wrote meanwhile (an flock around read-modify-write), so a router and its workers can share one file.
 Measuring is exclusive too (`FormsFile.measuring`): the workers of a fleet start at once with the same
@@ -58,7 +63,14 @@ def cpu_isa() -> list[str]:
 
 
 def machine() -> dict[str, object]:
-    return {"cpu": cpu_model(), "isa": cpu_isa(), "torch": torch.__version__}
+    return {"cpu": cpu_model(), "isa": cpu_isa(), "torch": torch.__version__,
+            "aten": torch.backends.cpu.get_cpu_capability()}
+
+
+def describe_machine() -> str:
+    """One line for logs and results files: the CPU, its ISA flags and the kernel level torch runs."""
+    m = machine()
+    return f"{m['cpu']} (ISA: {' '.join(m['isa']) or 'none listed'}; torch {m['torch']}, ATen {m['aten']} kernels)"
 
 
 def default_path() -> Path:
@@ -97,17 +109,22 @@ def _read(path: Path, here: dict[str, object], say: bool = True) -> dict[str, di
 class FormsFile:
     """The measured forms of this machine for this process's thread count, as a dict to fill."""
 
-    def __init__(self, path: Path | None, candidates: str = "") -> None:
-        """`candidates` names the forms the caller races (a release that adds one measures again)."""
+    def __init__(self, path: Path | None, candidates: str = "", experts: bool = False) -> None:
+        """`candidates` names the forms the caller races (a release that adds one measures again); `experts`: the
+        experts' section, one for every worker of the machine."""
         self.path = path
         self.machine = machine()
-        self.section = f"threads={torch.get_num_threads()}" + (f" forms={candidates}" if candidates else "")
+        who = "experts" if experts else f"threads={torch.get_num_threads()}"
+        self.section = who + (f" forms={candidates}" if candidates else "")
         self.forms: dict[str, str] = dict(_read(path, self.machine).get(self.section, {})) if path else {}
         self.loaded = len(self.forms)
 
     def summary(self, measured: list[str]) -> str:
         where = self.path if self.path is not None else "(not kept: --cpu-forms off)"
-        return (f"CPU linear forms ({self.section}): {self.loaded} reused and {len(measured)} measured, {where}")
+        rejects = sorted(k.removeprefix("reject:") for k in self.forms if k.startswith("reject:"))
+        said = f"; rejected here: {', '.join(rejects)}" if rejects else ""
+        return (f"CPU linear forms ({self.section.split(' forms=')[0]}): {self.loaded} reused and {len(measured)} "
+                f"measured, {where}{said}")
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
@@ -153,3 +170,24 @@ class FormsFile:
                 os.replace(tmp, self.path)
         except OSError as exc:
             log.warning("cannot write %s (%s); the measured forms are used but not kept", self.path, exc)
+
+
+def in_force(path: Path | None) -> list[str]:
+    """What the file holds for this machine, section by section (for `colibri validate`): how many forms, which
+    won how often, and every reject with its reason."""
+    if path is None:
+        return ["CPU forms: off (the built-in defaults)"]
+    sections = _read(path, machine(), say=False)
+    if not sections:
+        return [f"CPU forms: none measured on this machine yet ({path}; the first start measures them)"]
+    out = []
+    for name, table in sorted(sections.items()):
+        won: dict[str, int] = {}
+        for k, form in table.items():
+            if not k.startswith("reject:"):
+                won[form] = won.get(form, 0) + 1
+        wins = ", ".join(f"{form} x{n}" for form, n in sorted(won.items(), key=lambda kv: -kv[1]))
+        out.append(f"CPU forms {name.split(' forms=')[0]}: {wins or 'none'} ({path})")
+        out += [f"  rejected {k.removeprefix('reject:')}: {why}" for k, why in sorted(table.items())
+                if k.startswith("reject:")]
+    return out

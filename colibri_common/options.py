@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
+QUANTIZE = ("int8", "w8a8")         # as kernels.quant.QUANTIZE_MODES (this module stays torch-free)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEVICE_SYNTAX = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -52,9 +53,12 @@ class ServiceOptions:
     dtype: str = option("float32", "compute dtype", choices=DTYPES)
     threads: int = option(0, "torch threads for this process (0 = all cores)")
     log_level: str = option("INFO", "log level", choices=LOG_LEVELS, type=upper)
-    quantize: str | None = option(None, "int8: the routed experts as symmetric per-output-channel int8 weights "
-                                        "with float32 scales, made at load time from the checkpoint (the router "
-                                        "checks that its workers serve what it was told)", choices=("int8",))
+    quantize: str | None = option(None, "the routed experts as symmetric per-output-channel int8 weights with "
+                                        "float32 scales, made at load time from the checkpoint: int8 = weight-only "
+                                        "(the activations keep the compute dtype); w8a8 = the activations are "
+                                        "quantised per token to int8 too (int8 x int8 products, int32 sums: faster "
+                                        "where the CPU has VNNI, less accurate). The router checks that its "
+                                        "workers serve what it was told", choices=QUANTIZE)
     device: str = option("cpu", "compute device: cpu, cuda or cuda:N (weights, KV cache and compute go there; "
                                 "only the wire stays on the host)", metavar="cpu|cuda[:N]")
     tls_cert: str | None = option(None, "PEM certificate: serve TLS only (the router also shows it to its "
@@ -63,6 +67,10 @@ class ServiceOptions:
     tls_ca: str | None = option(None, "PEM CA that signs the peers' certificates: a worker refuses callers "
                                       "without one (mutual TLS); the router verifies its workers with it",
                                 metavar="PATH")
+    batch_invariant: bool = option(False, "a request's tokens do not depend on what else is in its batch or when "
+                                          "it arrived: every token's row is computed alone (one-row kernels, "
+                                          "attention over its exact context), the MoE sum exactly; slower (see the "
+                                          "README). Router and workers must agree; CPU only")
     cpu_forms: str = option("auto", "JSON file of the CPU linear forms measured on this machine, written on the "
                                     "first start and reused after ('auto' = $COLIBRI_CACHE_DIR or "
                                     "~/.cache/colibri/cpu-forms.json; 'off' = built-in defaults, no measurement)",
@@ -75,8 +83,12 @@ class ServiceOptions:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if not DEVICE_SYNTAX.match(self.device):
             raise ValueError(f"--device '{self.device}' is not a device; use cpu, cuda or cuda:N")
-        if self.quantize == "int8" and self.device != "cpu":
-            raise ValueError("--quantize int8 is the CPU path (int8 CPU kernels); on a GPU serve bfloat16 experts")
+        if self.quantize is not None and self.device != "cpu":
+            raise ValueError(f"--quantize {self.quantize} is the CPU path (int8 CPU kernels); on a GPU serve bfloat16 "
+                             f"experts")
+        if self.batch_invariant and self.device != "cpu":
+            raise ValueError("--batch-invariant runs on CPUs (one-row kernels); on a GPU the Triton kernels' tiles "
+                             "depend on the batch: serve without it")
 
 
 class Parser(argparse.ArgumentParser):

@@ -12,6 +12,7 @@ from colibri_common.pb import expert_pb2
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 _TO_TORCH: dict[str, torch.dtype] = {
+    "float64": torch.float64,          # the workers' exact partial sums of the MoE (kernels/cpu_moe.py)
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,

@@ -177,7 +177,8 @@ class ExpertCache:
     # -- compute -------------------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: GatedAct = SILU,
                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H], ids [T, K] global ids (-1 or others' experts ignored), weights [T, K] -> [T, H]; the experts'
+        """x [T, H], ids [T, K] global ids (-1 or others' experts ignored), weights [T, K] -> float64 [T, H], the
+        exact sum over every round's pairs (kernels.fused_moe's `acc`: no rounding between rounds); the experts'
         biases b13 [E_local, 2I], b2 [E_local, H] (rows in the held experts' order) follow them into their slots."""
         valid = ids[ids >= 0].unique().tolist()                                # experts the call names
         cap = self.hot.pool(layer).size
@@ -185,15 +186,12 @@ class ExpertCache:
             # the hot ones first: a round's misses never evict an expert a later round needs and has
             need = sorted((e for e in valid if e in self.held), key=lambda e: (layer, e) not in self.hot.slot_of)
             rounds = [need[start:start + cap] for start in range(0, len(need), cap)] or [[]]
-            out = None
+            acc = torch.zeros(x.shape, dtype=torch.float64, device=x.device)   # [T, H] every round's pairs
             for part in rounds:                                               # usually one; of at most `cap`
                 slot_map = self._slot_map(layer, part)
                 sb13, sb2 = self._slot_biases(slot_map, part, b13, b2)
-                y = fused_moe(x, self.hot.w13, self.hot.w2, ids, weights, slot_map, act=act, b13=sb13, b2=sb2)
-                if len(rounds) == 1:
-                    return y
-                out = y.float() if out is None else out + y.float()           # [T, H] rounds summed in float32
-            return out.to(x.dtype)
+                fused_moe(x, self.hot.w13, self.hot.w2, ids, weights, slot_map, act=act, b13=sb13, b2=sb2, acc=acc)
+            return acc
 
     def _slot_biases(self, slot_map: torch.Tensor, experts: list[int], b13: torch.Tensor | None,
                      b2: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -29,6 +29,7 @@ from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard, cache_setting
 from kernels import describe_backend
+from kernels.cpu_forms import batch_invariant, set_batch_invariant
 from kernels.cpu_tune import CANDIDATES, tune
 
 log = logging.getLogger("colibri.expert")
@@ -54,7 +55,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             moe_layers=list(cfg.moe_layers), experts=s.experts, num_experts=cfg.num_experts,
             hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
             dtype=s.weight_dtype, packed_bytes=s.packed_bytes,
-            expert_cache_slots=0 if s.cache is None else s.cache.hot.w13.shape[0])
+            expert_cache_slots=0 if s.cache is None else s.cache.hot.w13.shape[0], batch_invariant=batch_invariant())
 
     def _compute(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
         hidden = wire.decode(request.hidden)                                 # [n, H]
@@ -79,8 +80,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         t0 = time.perf_counter()
         with torch.inference_mode(), device_scope(self.staging.device):     # this handler thread's GPU
             hidden_d, ids_d, weights_d = self.staging.to_device(hidden, ids, weights)
-            out, = self.staging.to_host(self.shard.forward(request.layer, hidden_d, ids_d, weights_d)
-                                        .to(hidden.dtype))                   # [n, H] on the host
+            out, = self.staging.to_host(self.shard.forward(request.layer, hidden_d, ids_d, weights_d))  # [n, H] f64
         seconds = time.perf_counter() - t0
         self.metrics.count("ok", hidden.shape[0], seconds)
         return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=seconds * 1e3)
@@ -120,6 +120,7 @@ def serve_expert(opts: ExpertOptions) -> None:
     setup_logging(f"expert[{opts.shard}]", opts.log_level)
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
+    set_batch_invariant(opts.batch_invariant)
     dtype = getattr(torch, opts.dtype)
     device = open_device(opts.device)
     cfg = ModelConfig.from_dir(opts.model)
@@ -154,7 +155,7 @@ def serve_expert(opts: ExpertOptions) -> None:
         if warm:
             log.info("packed the %d hottest experts of the last run (%s); the rest stay mapped", warm, heat)
     return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
-    forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES)
+    forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES, experts=True)
     if forms.path is not None and device.type == "cpu":
         with forms.measuring():
             log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save,

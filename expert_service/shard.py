@@ -30,7 +30,7 @@ from expert_service.packing import check_expert, expert_biases, pack_expert
 from kernels import Fp8Weight, GatedAct, Mxfp4Weight, fused_moe
 from kernels.cpu_forms import Weight, weight_kind
 from kernels.cpu_tune import MoeShape
-from kernels.quant import Int8Weight
+from kernels.quant import QUANTIZE_MODES, Int8Weight
 
 log = logging.getLogger("colibri.expert")
 
@@ -56,7 +56,7 @@ def packed_expert_bytes(cfg: ModelConfig, dtype: torch.dtype, quantize: str | No
     """One expert's gate/up/down, packed: int8 values and a float32 scale per row, the checkpoint's FP8 or
     MXFP4 values and scales, or the compute dtype."""
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    if quantize == "int8":
+    if quantize in QUANTIZE_MODES:
         return 3 * H * I + (2 * I + H) * 4
     if kept is not None:
         return kept.expert_bytes(cfg)
@@ -89,16 +89,17 @@ def cache_setting(cfg: ModelConfig, num_local: int, dtype: torch.dtype, quantize
 
 class ExpertShard:
     """`dtype` is the compute dtype of the activations; the weights are packed in it, or as int8 with a
-    float32 scale per output row when `quantize == "int8"` (quantised expert by expert as they are read), or,
+    float32 scale per output row when `quantize` is "int8" (weight-only) or "w8a8" (the activations quantised
+    per row too) (quantised expert by expert as they are read), or,
     with `kept` (expert_service/kept_format.py), as the checkpoint's FP8 or MXFP4 values and scales."""
 
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, shard: int, num_shards: int, dtype: torch.dtype,
                  progress: bool = False, quantize: str | None = None, device: torch.device | None = None,
                  replicas: int = 1, cache: CacheSetting | None = None, kept: Kept | None = None) -> None:
-        if quantize not in (None, "int8"):
-            raise ValueError(f"quantize '{quantize}' is unknown; use int8 or none")
+        if quantize not in (None, *QUANTIZE_MODES):
+            raise ValueError(f"quantize '{quantize}' is unknown; use {', '.join(QUANTIZE_MODES)} or none")
         self.device = device or torch.device("cpu")
-        if quantize == "int8" and self.device.type != "cpu":
+        if quantize is not None and self.device.type != "cpu":
             raise ValueError("int8 experts are computed by the CPU kernels; on a GPU pack them in bf16")
         if quantize is not None and kept is not None:
             raise ValueError("experts are held as int8 or in the checkpoint's quantised format, not both")
@@ -139,8 +140,8 @@ class ExpertShard:
                 check_expert(self.cfg, ckpt, layer, e)
 
     def _empty(self, *shape: int) -> Weight | Fp8Weight | Mxfp4Weight:
-        if self.quantize == "int8":
-            return Int8Weight.empty(*shape)
+        if self.quantize is not None:
+            return Int8Weight.empty(*shape, w8a8=self.quantize == "w8a8")
         if self.kept is not None:
             return self.kept.empty(*shape, device=self.device)
         return torch.empty(shape, dtype=self.dtype, device=self.device)     # filled expert by expert
@@ -190,18 +191,18 @@ class ExpertShard:
         self.ckpt.close()
 
     def linear_shapes(self) -> list[tuple[int, int, str]]:
-        return expert_linear_shapes(self.cfg, weight_kind(self.quantize == "int8", self.dtype))
+        return expert_linear_shapes(self.cfg, weight_kind(self.quantize, self.dtype))
 
     def moe_shape(self) -> MoeShape:
         slots = None if self.cache is None else self.cache.hot.w13.shape[0]
-        return expert_moe_shape(self.cfg, self.num_shards, weight_kind(self.quantize == "int8", self.dtype),
+        return expert_moe_shape(self.cfg, self.num_shards, weight_kind(self.quantize, self.dtype),
                                 self.replicas, slots)
 
     @property
     def weight_dtype(self) -> str:
         if self.kept is not None:
             return self.kept.dtype_name
-        return "int8" if self.quantize == "int8" else str(self.dtype).removeprefix("torch.")
+        return self.quantize or str(self.dtype).removeprefix("torch.")
 
     @property
     def packed_bytes(self) -> int:
@@ -223,13 +224,15 @@ class ExpertShard:
 
     def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
-        """hidden [n, H], ids [n, K] global ids (others' experts ignored), weights [n, K] -> [n, H]."""
+        """hidden [n, H], ids [n, K] global ids (others' experts ignored), weights [n, K] -> the weighted sum over
+        the experts held here, float64 [n, H], unrounded: the router adds the workers' sums and rounds once."""
         if layer not in self.cfg.moe_layers:
             raise KeyError(f"layer {layer} has no routed experts (MoE layers: {list(self.cfg.moe_layers)})")
         x = hidden.to(self.device, self.dtype)                                             # [n, H]
         ids, weights = ids.to(self.device), weights.to(self.device)                       # [n, K]
         b13, b2 = self.biases.get(layer, (None, None))
         if self.cache is not None:
-            return self.cache.forward(layer, x, ids, weights, self.act, b13, b2)           # [n, H]
+            return self.cache.forward(layer, x, ids, weights, self.act, b13, b2)           # [n, H] float64
+        acc = torch.zeros(x.shape, dtype=torch.float64, device=self.device)               # [n, H]
         return fused_moe(x, self.w13[layer], self.w2[layer], ids, weights, self.expert_map, act=self.act,
-                         b13=b13, b2=b2)                                                   # [n, H] on device
+                         b13=b13, b2=b2, acc=acc)                                          # [n, H] on device

@@ -49,13 +49,17 @@ def _pick(x: torch.Tensor, backend: str | None) -> str:
 def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
               backend: str | None = None, out: torch.Tensor | None = None, act: GatedAct = SILU,
-              b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+              b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              acc: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_k w_k · (w2[e_k] @ act(gate, up) + b2[e_k]) per token; gate/up are the first/second halves of
     w13[e] @ x + b13[e]; `act` is silu(gate) * up or GPT-OSS's clamped form (kernels/activation.py).
 
     x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids/topk_weights [T, K] -> [T, H] in x's dtype (written
     into `out` when given). expert_map [E_global] maps global ids to rows of w13/w2, -1 = not held here.
     b13 [E, 2I] and b2 [E, H] (optional, together) are the experts' biases, rows as w13's.
+    Each pair's weighted output is float32 and the sum over a token's pairs float64 (exact, so in any order:
+    kernels/cpu_moe.py), rounded once to x's dtype; with `acc` (a float64 [T, H] tensor) the sum is added to
+    it and `acc` returned unrounded, so calls over parts of the experts (workers, cache rounds) add up exactly.
     w13 and w2 may be `Int8Weight`s (per-row int8 with float32 scales): the CPU path computes them; or
     `Fp8Weight`s (block-scaled e4m3, as FP8 checkpoints publish them) or `Mxfp4Weight`s (GPT-OSS's experts as
     published): the Triton kernels compute them.
@@ -75,8 +79,11 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
     if (b13 is None) != (b2 is None) or (b13 is not None and (b13.shape != (E, two_i) or b2.shape != (E, H))):
         raise ValueError(f"fused_moe: biases must come together as b13 [E={E}, 2I={two_i}] and b2 [E, H={H}], got "
                          f"{None if b13 is None else list(b13.shape)}, {None if b2 is None else list(b2.shape)}")
+    if acc is not None and (acc.shape != x.shape or acc.dtype != torch.float64 or not acc.is_contiguous()
+                            or acc.device != x.device):
+        raise ValueError(f"fused_moe: acc must be a contiguous float64 tensor of shape {list(x.shape)} on {x.device}")
     if x.shape[0] == 0:
-        return torch.empty_like(x) if out is None else out
+        return acc if acc is not None else torch.empty_like(x) if out is None else out
     kept = isinstance(w13, (Fp8Weight, Mxfp4Weight)) or isinstance(w2, (Fp8Weight, Mxfp4Weight))
     if _pick(x, backend) == "triton":
         if isinstance(w13, Int8Weight) or isinstance(w2, Int8Weight):
@@ -84,11 +91,12 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
                              "take float32, float16 or bfloat16 weights")
         from kernels.triton_moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_map, out=out, act=act, b13=b13, b2=b2)
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_map, out=out, act=act, b13=b13, b2=b2,
+                                acc=acc)
     if kept:
         raise ValueError("fused_moe: FP8 and MXFP4 experts are computed by the Triton kernels (backend='triton', a "
                          "GPU or TRITON_INTERPRET=1); the CPU path takes them dequantised")
-    return fused_moe_cpu(x, w13, w2, topk_ids, topk_weights, expert_map, out=out, act=act, b13=b13, b2=b2)
+    return fused_moe_cpu(x, w13, w2, topk_ids, topk_weights, expert_map, out=out, act=act, b13=b13, b2=b2, acc=acc)
 
 
 def topk_route(logits: torch.Tensor, k: int, renormalize: bool, scoring: str = "softmax",

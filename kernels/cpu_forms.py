@@ -1,29 +1,44 @@
-"""The forms of y = x @ W.T on a CPU, and the measurement that picks one per weight shape and row count.
+"""The forms of y = x @ W.T on a CPU, which one a call uses, and what each may be trusted with.
 
 CPUs disagree: on an AVX2-only EPYC bf16 arithmetic is emulated and an upcast to float32 wins from ≈8 rows,
 on a Xeon with AMX / AVX512-BF16 oneDNN's bf16 GEMM wins at every row count. So nothing is hard-coded:
-`measure` times every candidate for the model's real shapes at row buckets 1, 2, 4, ... 64, and
-`install` makes `kernels.cpu_linear.linear` use the winners. Persisting them (keyed by CPU, ISA flags and
-torch version) is the caller's business: `measure` reads and fills any mutable mapping it is given.
+`kernels/cpu_tune.py` checks every candidate against a float64 reference on the model's real shapes, then
+times the right ones at row buckets 1, 2, 4, ... 64, and `install` makes `pick_rows` use the winners.
 
-A weight's *kind* names what the forms see: its dtype ("float32", "bfloat16"), or "int8-<activation
-dtype>" for an `Int8Weight` (kernels/quant.py) multiplied by activations of that dtype.
+Three rules keep a form from changing what the user asked for:
+- **No form lowers precision.** Float activations stay in their dtype (an upcast computes more precisely, never
+  less); weight-only int8 (`int8-*`) multiplies the activations as they are; only the explicit W8A8 kind
+  (`w8a8-*`, `--quantize w8a8`) quantises activations, and every W8A8 form computes the same int8 products.
+- **Guards for the shapes a kernel cannot take.** torch's `_weight_int8pack_mm` loads 16 (AVX-512) or 8 (AVX2)
+  values of a row with aligned loads: with an input width that is not a multiple of 16 it reads past the row
+  (garbage, or SIGSEGV at the buffer's end; aten/src/ATen/native/cpu/int8mm_kernel.cpp), so it is no candidate
+  there, and its inputs are made 64-byte aligned.
+- **Batch invariance** (`set_batch_invariant`): one form per weight for every row count, a single-row form run
+  row by row, so a row's result never depends on the other rows of its batch.
+
+A weight's *kind* names what the forms see: its dtype ("float32", "bfloat16"), "int8-<activation dtype>" for
+a weight-only `Int8Weight`, or "w8a8-<activation dtype>" for one that quantises its activations too.
 
 Shapes: n rows of x, Din input features, Dout output features; W [Dout, Din].
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import Int8Weight, quantize_int8, quantize_rows
+from kernels.quant import Int8Weight, quantize_rows
 
 Weight = torch.Tensor | Int8Weight
 Form = Callable[[torch.Tensor, Weight], torch.Tensor]            # (x [n, Din], W [Dout, Din]) -> [n, Dout]
+
+
+def _aligned(t: torch.Tensor, to: int = 64) -> torch.Tensor:
+    """`t` contiguous at a `to`-byte aligned address (a copy only where it is not)."""
+    return t if t.is_contiguous() and t.data_ptr() % to == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def _mv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -43,28 +58,53 @@ def _upcast(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _int8_pack(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    return torch._weight_int8pack_mm(x, w.q, w.scale.to(x.dtype))   # int8 weights, activations as they are
-
-
-def _int8_pack_bf16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    """float32 activations through the bf16 int8 kernel: on an AVX2 CPU `_weight_int8pack_mm` moves ≈8-19 GB/s
-    of int8 weights with bf16 activations and ≈1.3-2 GB/s with float32 ones (measured at 1 row)."""
-    return torch._weight_int8pack_mm(x.bfloat16(), w.q, w.scale.bfloat16()).to(x.dtype)
-
-
-def _int8_intmm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    xq, xs = quantize_rows(x)                                     # [n, Din] int8, [n] per-row scales
-    return (torch._int_mm(xq, w.q.t()).float() * xs[:, None] * w.scale).to(x.dtype)   # int32 accumulation
+    """int8 weights, activations as they are (bf16: AVX2/AVX-512 code; float32: torch's scalar loop)."""
+    return torch._weight_int8pack_mm(_aligned(x), _aligned(w.q), w.scale.to(x.dtype))
 
 
 def _int8_dequant(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return (F.linear(x.float(), w.q.float()) * w.scale).to(x.dtype)   # float32 GEMM on a converted copy
 
 
-FORMS: dict[str, Form] = {"mv": _mv, "gemv_t": _gemv_t, "linear": _linear, "upcast": _upcast,
-                          "int8_pack": _int8_pack, "int8_pack_bf16": _int8_pack_bf16, "int8_intmm": _int8_intmm,
-                          "int8_dequant": _int8_dequant}
-INT8_FORMS = ("int8_pack", "int8_pack_bf16", "int8_intmm", "int8_dequant")
+def _w8a8_intmm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    xq, xs = quantize_rows(x)                                     # [n, Din] int8, [n] per-row scales
+    acc = torch._int_mm(xq, w.q.t())                              # [n, Dout] int32, exact
+    return (acc.float() * xs[:, None] * w.scale).to(x.dtype)
+
+
+def _w8a8_dequant(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """The same int8 products in a float32 GEMM (exact while a row's sum stays below 2^24)."""
+    xq, xs = quantize_rows(x)
+    return (F.linear(xq.float(), w.q.float()) * xs[:, None] * w.scale).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class FormSpec:
+    """One form: which kinds it computes, up to how many rows it is worth racing, whether it is torch's own
+    kernel that may crash on some CPU (first run in a forked child: kernels/form_check.py), and the shapes it
+    cannot take (`fits(dout, din)`)."""
+
+    fn: Form
+    family: str                                  # "float", "int8" (weight-only) or "w8a8"
+    max_rows: int = 1 << 30
+    isolate: bool = False
+    fits: Callable[[int, int], bool] = lambda dout, din: True
+
+
+def _int8pack_fits(dout: int, din: int) -> bool:
+    return din % 16 == 0                         # the AVX-512 kernel's 16-wide aligned loads of each row
+
+
+FORMS: dict[str, FormSpec] = {
+    "mv": FormSpec(_mv, "float", max_rows=1),
+    "gemv_t": FormSpec(_gemv_t, "float", max_rows=8),
+    "linear": FormSpec(_linear, "float"),
+    "upcast": FormSpec(_upcast, "float"),
+    "int8_pack": FormSpec(_int8_pack, "int8", isolate=True, fits=_int8pack_fits),
+    "int8_dequant": FormSpec(_int8_dequant, "int8"),
+    "w8a8_intmm": FormSpec(_w8a8_intmm, "w8a8", isolate=True),
+    "w8a8_dequant": FormSpec(_w8a8_dequant, "w8a8"),
+}
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -80,57 +120,106 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def weight_kind(int8: bool, dtype: torch.dtype) -> str:
-    """The kind of a weight held in `dtype`, or held as int8 and multiplied by `dtype` activations."""
-    return f"int8-{dtype_name(dtype)}" if int8 else dtype_name(dtype)
+def weight_kind(quantize: str | None, dtype: torch.dtype) -> str:
+    """The kind of a weight held in `dtype` (quantize None), or as int8 ("int8": weight-only; "w8a8": int8
+    activations too) multiplied by `dtype` activations."""
+    return f"{quantize}-{dtype_name(dtype)}" if quantize else dtype_name(dtype)
 
 
 def kind(w: Weight, x_dtype: torch.dtype) -> str:
-    int8 = isinstance(w, Int8Weight)
-    return weight_kind(int8, x_dtype if int8 else w.dtype)
+    if isinstance(w, Int8Weight):
+        return weight_kind("w8a8" if w.w8a8 else "int8", x_dtype)
+    return dtype_name(w.dtype)
 
 
-def key(dout: int, din: int, weight_kind: str, rows: int) -> str:
-    return f"{dout}x{din}:{weight_kind}:{rows}"
+def family(weight_kind_: str) -> str:
+    return weight_kind_.split("-")[0] if "-" in weight_kind_ else "float"
 
 
-def candidates(weight_kind: str, rows: int) -> list[str]:
-    if weight_kind == "int8-float32":
-        return list(INT8_FORMS)
-    if weight_kind.startswith("int8-"):
-        return [f for f in INT8_FORMS if f != "int8_pack_bf16"]       # the same as int8_pack there
-    out = ["linear"]
-    if rows == 1:
-        out.append("mv")
-    if rows <= 8:
-        out.append("gemv_t")
-    if weight_kind in ("bfloat16", "float16"):
-        out.append("upcast")
+def key(dout: int, din: int, weight_kind_: str, rows: int) -> str:
+    return f"{dout}x{din}:{weight_kind_}:{rows}"
+
+
+def candidates(weight_kind_: str, rows: int, dout: int = 0, din: int = 0) -> list[str]:
+    """The forms raced for this kind at this row bucket on W [dout, din] (0, 0: any shape a form takes)."""
+    fam = family(weight_kind_)
+    out = [name for name, f in FORMS.items() if f.family == fam and rows <= f.max_rows
+           and (not dout or f.fits(dout, din))]
+    if fam == "float" and weight_kind_ == "float32":
+        out = [n for n in out if n != "upcast"]                       # already float32: the same as linear
     return out
 
 
-def default_form(weight_kind: str, rows: int) -> str:
-    """What to use before (or without) a measurement: the forms measured on the AVX2 dev machine."""
-    if weight_kind.startswith("int8-"):
-        return "int8_pack" if rows <= 4 else "int8_dequant"
-    if rows == 1:
-        return "mv"
-    if weight_kind == "bfloat16" and rows >= 8:
-        return "upcast"
-    if weight_kind == "float32" and rows <= 4:
-        return "gemv_t"
-    return "linear"
+_REJECTED: set[tuple[int, int, str, str]] = set()      # (dout, din, kind, form) found wrong or crashing here
+
+
+def usable(name: str, dout: int, din: int, weight_kind_: str) -> bool:
+    f = FORMS[name]
+    return f.family == family(weight_kind_) and f.fits(dout, din) and (dout, din, weight_kind_, name) not in _REJECTED
+
+
+def default_form(weight_kind_: str, rows: int, dout: int = 0, din: int = 0) -> str:
+    """What to use before (or without) a measurement: the forms measured on the AVX2 dev machine, where this
+    shape may take them and this machine did not reject them; else the plain torch GEMM of the family."""
+    fam = family(weight_kind_)
+    if fam == "int8":
+        want = "int8_pack" if rows <= 4 else "int8_dequant"
+    elif fam == "w8a8":
+        want = "w8a8_intmm"
+    elif rows == 1:
+        want = "mv"
+    elif weight_kind_ == "bfloat16" and rows >= 8:
+        want = "upcast"
+    elif weight_kind_ == "float32" and rows <= 4:
+        want = "gemv_t"
+    else:
+        want = "linear"
+    if not dout or usable(want, dout, din, weight_kind_):
+        return want
+    return {"int8": "int8_dequant", "w8a8": "w8a8_dequant"}.get(fam, "linear")
+
+
+def invariant_form(weight_kind_: str, dout: int, din: int) -> str:
+    """The one form a weight uses at every row count under batch invariance, run one row at a time: chosen by
+    rule, not by timing, so every process of a fleet computes a given row alike."""
+    fam = family(weight_kind_)
+    order = {"int8": ("int8_pack", "int8_dequant"), "w8a8": ("w8a8_intmm", "w8a8_dequant")}.get(fam, ("mv", "linear"))
+    return next((n for n in order if usable(n, dout, din, weight_kind_)), order[-1])
 
 
 _TABLE: dict[str, str] = {}
+_INVARIANT = False
 
 
-def install(table: dict[str, str]) -> None:
-    """Make `linear` use these winners (keys from `key`); shapes not in it keep the defaults."""
+def install(table: dict[str, str], rejected: set[tuple[int, int, str, str]] | None = None) -> None:
+    """Make `pick_rows` use these winners (keys from `key`) and never the `rejected` forms; shapes not in the
+    table keep the defaults."""
     unknown = set(table.values()) - set(FORMS)
     if unknown:
         raise ValueError(f"unknown CPU linear forms {sorted(unknown)}; known: {', '.join(FORMS)}")
+    _REJECTED.update(rejected or ())
     _TABLE.update(table)
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Batch invariance for this process: every linear runs its weight's `invariant_form` row by row."""
+    global _INVARIANT
+    _INVARIANT = on
+
+
+def batch_invariant() -> bool:
+    return _INVARIANT
+
+
+def _rowwise(form: Form) -> Form:
+    def run(x: torch.Tensor, w: Weight) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return torch.empty(0, w.shape[0], dtype=x.dtype, device=x.device)
+        if x.shape[0] == 1:
+            return form(_aligned(x), w)
+        return torch.cat([form(_aligned(x[i:i + 1]), w) for i in range(x.shape[0])])   # [n, Dout]
+
+    return run
 
 
 def pick(x: torch.Tensor, w: Weight) -> Form:
@@ -141,67 +230,11 @@ def pick_rows(rows: int, x_dtype: torch.dtype, w: Weight) -> Form:
     """The form for `rows` rows of `x_dtype` times `w` (callers that multiply many weights of one shape and
     kind, such as the experts of a layer, look it up once)."""
     k = kind(w, x_dtype)
-    name = _TABLE.get(key(w.shape[0], w.shape[1], k, bucket(rows))) or default_form(k, rows)
-    return FORMS[name if rows == 1 or name != "mv" else "gemv_t"]
-
-
-MARGIN = 0.9   # another form must take at most this share of the default's time to replace it
-
-
-def race(names: list[str] | tuple[str, ...], default: str, run: Callable[[str, int], object],
-         min_seconds: float) -> str:
-    """The candidate with the lowest median time per call of `run(name, call_index)`, if it beats `default`
-    by a clear margin (a noisy or shared machine must not flip a choice on a few percent). The candidates
-    take turns call by call, so a slow patch hits them all alike; `run` may read a different copy of the
-    weights per call index, so no candidate finds the weight its predecessor just pulled into the cache."""
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for name in names:
-        run(name, 0)                                               # warm-up (first-call allocations)
-    deadline = time.perf_counter() + min_seconds * len(names)
-    i, call = 0, 0
-    while i < 5 or (time.perf_counter() < deadline and i < 200):
-        for name in names:
-            t0 = time.perf_counter()
-            run(name, call)
-            times[name].append(time.perf_counter() - t0)
-            call += 1
-        i += 1
-    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-    best = min(names, key=median.__getitem__)
-    return best if best == default or median[best] <= MARGIN * median[default] else default
-
-
-def _sample(dout: int, din: int, weight_kind: str, g: torch.Generator) -> tuple[Weight, torch.dtype]:
-    """A random weight of this kind and the activation dtype it is multiplied by."""
-    w = torch.randn(dout, din, generator=g)                                          # [Dout, Din]
-    if weight_kind.startswith("int8-"):
-        return quantize_int8(w), getattr(torch, weight_kind.removeprefix("int8-"))
-    dtype = getattr(torch, weight_kind)
-    return w.to(dtype), dtype
-
-
-def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, str],
-            max_rows: int = BUCKETS[-1], stream_bytes: int = 64 * 2**20, min_seconds: float = 0.02) -> list[str]:
-    """Time the candidates of every (Dout, Din, kind) at each row bucket up to max_rows, filling `table`
-    with the winners. Entries already in `table` are kept (a reused file measures nothing). Returns the
-    keys it measured."""
-    measured = []
-    g = torch.Generator().manual_seed(0)
-    for dout, din, weight_kind in dict.fromkeys(shapes):
-        todo = [b for b in BUCKETS if b <= bucket(max_rows) and key(dout, din, weight_kind, b) not in table]
-        if not todo:
-            continue
-        first, x_dtype = _sample(dout, din, weight_kind, g)
-        itemsize = 1 if isinstance(first, Int8Weight) else first.dtype.itemsize
-        copies = max(1, min(64, stream_bytes // max(1, dout * din * itemsize)))
-        weights = [first] + [_sample(dout, din, weight_kind, g)[0] for _ in range(copies - 1)]
-        for b in todo:
-            x = torch.randn(b, din, generator=g).to(x_dtype)                             # [n, Din]
-            table[key(dout, din, weight_kind, b)] = race(
-                candidates(weight_kind, b), default_form(weight_kind, b),
-                lambda name, call, x=x, ws=weights: FORMS[name](x, ws[call % len(ws)]), min_seconds)
-            measured.append(key(dout, din, weight_kind, b))
-    return measured
+    dout, din = w.shape[0], w.shape[1]
+    if _INVARIANT:
+        return _rowwise(FORMS[invariant_form(k, dout, din)].fn)
+    name = _TABLE.get(key(dout, din, k, bucket(rows))) or default_form(k, rows, dout, din)
+    return FORMS[name if rows == 1 or name != "mv" else "gemv_t"].fn
 
 
 def describe(table: dict[str, str]) -> str:
@@ -213,13 +246,21 @@ def describe(table: dict[str, str]) -> str:
     return "; ".join(f"{shape} {' '.join(v)}" for shape, v in by_shape.items())
 
 
-def valid(entry_key: str, form: str) -> bool:
-    """Whether `form` is a candidate for the kind and rows that `entry_key` names (a hand-edited or foreign
-    file could pair an int8 weight with a float form)."""
+def parse_key(entry_key: str) -> tuple[int, int, str, int] | None:
+    """(dout, din, kind, rows) of a table key, None where it is not one."""
     try:
-        shape, weight_kind, rows = entry_key.split(":")
-        if "x" not in shape:
-            return False
-        return form in candidates(weight_kind, int(rows))
+        shape, weight_kind_, rows = entry_key.split(":")
+        dout, din = (int(v) for v in shape.split("x"))
+        return dout, din, weight_kind_, int(rows)
     except ValueError:
+        return None
+
+
+def valid(entry_key: str, form: str) -> bool:
+    """Whether `form` is a candidate for the shape, kind and rows that `entry_key` names (a hand-edited or
+    foreign file could pair an int8 weight with a float form, or a guarded form with a shape it cannot take)."""
+    parsed = parse_key(entry_key)
+    if parsed is None or parsed[3] not in BUCKETS:
         return False
+    dout, din, weight_kind_, rows = parsed
+    return form in candidates(weight_kind_, rows, dout, din)

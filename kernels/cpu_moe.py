@@ -1,13 +1,19 @@
-"""Fused MoE on CPU: token-expert pairs sorted by expert, then one of two measured forms.
+"""Fused MoE on CPU: token-expert pairs sorted by expert, then one of three forms.
 
-- `loop`: one pair of GEMMs per expert that has work, each through `kernels.cpu_linear.linear` (which
-  picks its own form per row count and dtype). Any weight kind, int8 included.
+- `loop`: one pair of GEMMs per expert that has work, each through the linear form `kernels.cpu_forms` picks
+  for its row count and kind. Any weight kind, int8 included.
 - `grouped`: one `torch._grouped_mm` over all the experts for gate/up and one for down, on the packed
-  buffers as they are (a transposed view, no copy). Float weights only; the activations take their dtype.
+  buffers as they are (a transposed view, no copy). Float weights only. It computes each expert exactly as
+  the `linear` form does (checked bitwise on the machine before it may be chosen), so it runs only where
+  every expert of the call would use `linear` anyway: which form runs never changes a pair's result.
+- batch invariance (`cpu_forms.set_batch_invariant`): every pair alone, one-row forms, so a pair's result
+  does not depend on the other pairs of the call.
 
-No Python work per token: the sort, the counts and the scatter-add are vectorised. Accumulation is float32
-whatever the weights' dtype. Which form runs is measured per machine (`kernels/cpu_tune.py`) for the
-shard's shape and the row bucket; before that, `loop` (the form measured on the AVX2 dev machine).
+No Python work per token outside batch invariance: the sort, the counts and the scatter-add are vectorised.
+Each pair's weighted output is float32; the sum over a token's pairs is float64. A sum of float32 values
+whose magnitudes lie within 2^26 of each other is exact in float64, so it is the same in any order or
+grouping: the experts' placement over workers, replicas, an expert cache's rounds, none of them changes it.
+Callers that add several calls (workers, cache rounds) pass one float64 `acc` and round once at the end.
 
 Shapes: T tokens, H hidden size, E local experts, I expert width, K experts per token (top-k), P
 token-expert pairs computed here, n pairs of one expert.
@@ -18,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kernels.activation import SILU, GatedAct
-from kernels.cpu_forms import Form, bucket, dtype_name, pick_rows
+from kernels.cpu_forms import FORMS, Form, batch_invariant, bucket, kind, pick_rows
 from kernels.quant import Int8Weight
 
 MOE_FORMS = ("loop", "grouped")
@@ -30,7 +36,7 @@ def moe_key(E: int, I: int, H: int, weight_kind: str, rows: int) -> str:
 
 
 def moe_candidates(weight_kind: str) -> tuple[str, ...]:
-    return ("loop",) if weight_kind.startswith("int8") else MOE_FORMS
+    return ("loop",) if weight_kind.startswith(("int8-", "w8a8-")) else MOE_FORMS
 
 
 def install_moe(table: dict[str, str]) -> None:
@@ -41,13 +47,9 @@ def install_moe(table: dict[str, str]) -> None:
     _TABLE.update(table)
 
 
-def _kind(w13: torch.Tensor | Int8Weight, x: torch.Tensor) -> str:
-    return f"int8-{dtype_name(x.dtype)}" if isinstance(w13, Int8Weight) else dtype_name(w13.dtype)
-
-
 def pick_moe(x: torch.Tensor, w13: torch.Tensor | Int8Weight) -> str:
     E, two_i, H = w13.shape
-    return _TABLE.get(moe_key(E, two_i // 2, H, _kind(w13, x), bucket(x.shape[0])), "loop")
+    return _TABLE.get(moe_key(E, two_i // 2, H, kind(w13[0], x.dtype), bucket(x.shape[0])), "loop")
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -84,6 +86,37 @@ def _loop(xs: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Tensor | I
     return ys
 
 
+def _rows(xs: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Tensor | Int8Weight,
+          counts: list[int], act: GatedAct, b13: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
+    """Batch invariance: each pair alone (one-row forms, the activation on one row)."""
+    I = w2.shape[2]
+    ys = torch.empty(xs.shape[0], w2.shape[1], dtype=torch.float32)           # [P, H]
+    e13 = w13.rows if isinstance(w13, Int8Weight) else w13
+    e2 = w2.rows if isinstance(w2, Int8Weight) else w2
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        f13, f2 = pick_rows(1, xs.dtype, e13[e]), pick_rows(1, xs.dtype, e2[e])
+        for p in range(start, start + n):
+            gate_up = f13(xs[p:p + 1], e13[e])                                 # [1, 2I]
+            if b13 is not None:
+                gate_up = (gate_up + b13[e]).to(gate_up.dtype)
+            ys[p:p + 1] = f2(act(gate_up[:, :I], gate_up[:, I:]), e2[e])       # [1, H]
+            if b2 is not None:
+                ys[p] += b2[e]
+        start += n
+    return ys
+
+
+def _grouped_matches_linear(counts: list[int], dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether every expert with work would use the `linear` form for its row count (the grouped GEMM then
+    computes what the loop would)."""
+    linear = FORMS["linear"].fn
+    return all(pick_rows(n, dtype, w13[0]) is linear and pick_rows(n, dtype, w2[0]) is linear
+               for n in set(counts) if n)
+
+
 def _grouped(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: list[int], act: GatedAct,
              b13: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
     I = w2.shape[2]
@@ -101,11 +134,14 @@ def _grouped(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: list
 def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Tensor | Int8Weight,
                   topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, form: str | None = None, act: GatedAct = SILU,
-                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
-    """`form` None = the measured one for this shape and row count; `act`, b13 [E, 2I], b2 [E, H] as
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  acc: torch.Tensor | None = None) -> torch.Tensor:
+    """`form` None = the measured one for this shape and row count (a given `form` is run as asked: the
+    measurement races them); `act`, b13 [E, 2I], b2 [E, H], `acc` (float64 [T, H], added to and returned) as
     kernels.fused_moe."""
     T, H = x.shape
     K = topk_ids.shape[1]
+    forced = form is not None
     form = form or pick_moe(x, w13)
     if form == "grouped" and isinstance(w13, Int8Weight):
         raise ValueError("the grouped CPU MoE form takes float weights; int8 experts use 'loop'")
@@ -118,12 +154,15 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Ten
     xs = (x if same else x.to(w13.dtype))[rows]                  # [P, H] one gather for all experts
     if order.numel() == 0:
         ys = torch.empty(0, H, dtype=torch.float32)
-    elif form == "grouped":
+    elif batch_invariant() and not forced:
+        ys = _rows(xs, w13, w2, counts[1:], act, b13, b2)
+    elif form == "grouped" and (forced or _grouped_matches_linear(counts[1:], xs.dtype, w13, w2)):  # type: ignore[arg-type]
         ys = _grouped(xs, w13, w2, counts[1:], act, b13, b2)     # type: ignore[arg-type]
     else:
         ys = _loop(xs, w13, w2, counts[1:], act, b13, b2)
-    ys *= topk_weights.reshape(-1)[order].float()[:, None]       # routed weight per pair
-    acc = torch.zeros(T, H, dtype=torch.float32).index_add_(0, rows, ys)  # [T, H] sum over k
-    if out is None:
-        return acc.to(x.dtype)
-    return out.copy_(acc)
+    ys *= topk_weights.reshape(-1)[order].float()[:, None]       # routed weight per pair, float32
+    sums = torch.zeros(T, H, dtype=torch.float64) if acc is None else acc
+    sums.index_add_(0, rows, ys.double())                        # [T, H] sum over k, exact (see above)
+    if acc is not None:
+        return acc
+    return sums.to(x.dtype) if out is None else out.copy_(sums)

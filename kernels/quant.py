@@ -1,8 +1,9 @@
 """Symmetric per-output-channel int8 weights: w ≈ q * scale, q in [-127, 127], one float32 scale per row.
 
 Made at load time from float checkpoints (`quantize_int8`, row by row, so no float copy of a whole shard
-is ever held), computed by the int8 forms of `kernels/cpu_forms.py` (`torch._weight_int8pack_mm`,
-`torch._int_mm` on per-row quantised activations, or a dequantising GEMM), whichever this CPU runs fastest.
+is ever held), computed by the int8 forms of `kernels/cpu_forms.py`: weight-only (`torch._weight_int8pack_mm` or
+a dequantising GEMM, the activations as they are), or, for W8A8 weights (`w8a8=True`, `--quantize w8a8`), on
+per-row int8 activations with int32 sums (`torch._int_mm`).
 
 Shapes: E experts, Dout output features (one scale each), Din input features, n rows of x.
 """
@@ -14,16 +15,19 @@ from functools import cached_property
 
 import torch
 
+QUANTIZE_MODES = ("int8", "w8a8")      # weight-only int8; int8 weights and per-row int8 activations
+
 
 @dataclass(frozen=True)
 class Int8Weight:
     q: torch.Tensor          # [..., Dout, Din] int8
     scale: torch.Tensor      # [..., Dout] float32
+    w8a8: bool = False       # the activations are quantised per row too (int8 x int8 products)
 
     @staticmethod
-    def empty(*shape: int) -> Int8Weight:
+    def empty(*shape: int, w8a8: bool = False) -> Int8Weight:
         """Uninitialised storage for `shape` = (..., Dout, Din), to be filled by `copy_`."""
-        return Int8Weight(torch.empty(shape, dtype=torch.int8), torch.empty(shape[:-1], dtype=torch.float32))
+        return Int8Weight(torch.empty(shape, dtype=torch.int8), torch.empty(shape[:-1], dtype=torch.float32), w8a8)
 
     @property
     def shape(self) -> torch.Size:
@@ -41,7 +45,7 @@ class Int8Weight:
         return self.q.dim()
 
     def __getitem__(self, index) -> Int8Weight:
-        return Int8Weight(self.q[index], self.scale[index])
+        return Int8Weight(self.q[index], self.scale[index], self.w8a8)
 
     @cached_property
     def rows(self) -> list[Int8Weight]:
@@ -63,12 +67,12 @@ class Int8Weight:
         return (self.q.to(torch.float32) * self.scale[..., None]).to(dtype)       # [..., Dout, Din]
 
 
-def quantize_int8(w: torch.Tensor) -> Int8Weight:
+def quantize_int8(w: torch.Tensor, w8a8: bool = False) -> Int8Weight:
     """Per output channel: scale = max|w_row| / 127, q = round(w / scale)."""
     wf = w.float()                                                                 # [..., Dout, Din]
     scale = (wf.abs().amax(dim=-1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)  # [..., Dout]
     q = torch.round(wf / scale[..., None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q.contiguous(), scale.contiguous())
+    return Int8Weight(q.contiguous(), scale.contiguous(), w8a8)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,7 +68,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight | Mxfp4Weigh
                      topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
                      config: LaunchConfig | None = None, out: torch.Tensor | None = None, act: GatedAct = SILU,
-                     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+                     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                     acc: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, w13, w2)
     if b13 is not None and b2 is not None:
         if b13.device != x.device or b2.device != x.device:
@@ -82,10 +83,10 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight | Mxfp4Weigh
     align = moe_align_block_size(local_ids(topk_ids, expert_map), E, cfg.block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     num_blocks = align.block_expert.numel()
-    if out is None:
-        out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if num_blocks == 0:
-        return out.zero_()
+        if acc is not None:
+            return acc
+        return torch.zeros(T, H, dtype=x.dtype, device=x.device) if out is None else out.zero_()
     h = torch.empty(T * top_k, I, dtype=x.dtype, device=x.device)              # [P, I]
     y = torch.zeros(T * top_k, H, dtype=torch.float32, device=x.device)        # [P, H] dropped pairs stay 0
     weights = topk_weights.reshape(-1).contiguous()                             # [P]
@@ -105,8 +106,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight | Mxfp4Weigh
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0) if has_bias else 0, *s2_meta,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         HAS_BIAS=has_bias, WFMT=wfmt, **launch)
-    # Σ over each token's top_k rows in float32, then cast: one memory-bound torch reduction (as vLLM's moe_sum)
-    pairs = y.view(T, top_k, H)                                                 # [T, top_k, H]
-    if out.dtype == torch.float32:
-        return torch.sum(pairs, dim=1, out=out)
-    return out.copy_(pairs.sum(dim=1))
+    # Σ over each token's top_k rows in float64 (exact for float32 pairs, so in any order: kernels/cpu_moe.py),
+    # then one rounding: one memory-bound torch reduction (as vLLM's moe_sum)
+    sums = y.view(T, top_k, H).sum(dim=1, dtype=torch.float64)                 # [T, H]
+    if acc is not None:
+        return acc.add_(sums)
+    return sums.to(x.dtype) if out is None else out.copy_(sums)

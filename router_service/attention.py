@@ -18,14 +18,22 @@ import torch
 import torch.nn.functional as F
 
 from router_service.kv_cache import KVCache
+from router_service.query_context import query_contexts
 from router_service.step_inputs import StepInputs
 
 
 def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, kv: KVCache,
-              sliding: bool, sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [T, Hq, D], this step's rotated k and v [T, Hkv, D] (written to the cache here) -> [T, Hq, D]."""
+              sliding: bool, sinks: torch.Tensor | None, per_query: bool = False) -> torch.Tensor:
+    """q [T, Hq, D], this step's rotated k and v [T, Hkv, D] (written to the cache here) -> [T, Hq, D].
+    `per_query` (batch invariance): each query alone over its exact context (router_service/query_context.py)."""
     kv.write(layer, step.slots, k, v)
     out = torch.empty_like(q)                                                # [T, Hq, D]
+    if per_query:
+        for row, slots in query_contexts(step, sliding):
+            kc, vc = kv.gather(layer, slots)                                 # [C, Hkv, D]
+            out[row] = _attend(q[row][None, :, None, :], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
+                               None, sinks, causal=False)[0, :, 0, :]        # [Hq, D]
+        return out
     nd = step.num_decode
     if nd:
         slots, mask = (step.decode_window_slots, step.decode_window_mask) if sliding else \
@@ -44,11 +52,12 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [B, Hq, n, D], k/v [B, Hkv, C, D], mask bool [B | 1, 1, n | 1, C] or [n, C] or None (causal)
-    -> [B, Hq, n, D]. 4-D throughout: SDPA's fused CPU kernels."""
+            sinks: torch.Tensor | None, causal: bool = True) -> torch.Tensor:
+    """q [B, Hq, n, D], k/v [B, Hkv, C, D], mask bool [B | 1, 1, n | 1, C] or [n, C] or None (causal, or every key
+    with causal=False) -> [B, Hq, n, D]. 4-D throughout: SDPA's fused CPU kernels."""
     if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              enable_gqa=True)
     B, Hq, n, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
     scale = D**-0.5
@@ -60,7 +69,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     va = v.new_zeros(B, Hkv, C + 1, D + 1)                                   # its value: zeros
     va[:, :, :C, :D] = v
     if mask is None:
-        mask = torch.ones(n, C, dtype=torch.bool, device=q.device).tril(C - n)
+        mask = torch.ones(n, C, dtype=torch.bool, device=q.device)
+        mask = mask.tril(C - n) if causal else mask
     sink_ok = torch.ones(*mask.shape[:-1], 1, dtype=torch.bool, device=mask.device)
     mask = torch.cat([mask, sink_ok], dim=-1)                                # every query sees the sink
     out = F.scaled_dot_product_attention(qa, ka, va, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -24,6 +24,7 @@ from colibri_common.heap import return_free_heap
 from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Tokenizer
 from kernels import describe_backend
+from kernels.cpu_forms import set_batch_invariant
 from kernels.cpu_linear import cpu_has_fast_bf16
 from kernels.cpu_tune import CANDIDATES, tune
 from router_service.block_allocator import BlockAllocator
@@ -78,11 +79,11 @@ def compute_dtype(requested: torch.dtype, device: torch.device | None = None) ->
 
 def remote_experts(opts: RouterOptions) -> ExpertsFactory:
     wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype)
-    expect = "int8" if opts.quantize == "int8" else None
     tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
     return lambda cfg, device: RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
-                                             expect_weight_dtype=expect, device=device,
-                                             track_routing=opts.expert_metrics, tls=tls)
+                                             expect_quantize=opts.quantize, device=device,
+                                             track_routing=opts.expert_metrics, tls=tls,
+                                             batch_invariant=opts.batch_invariant)
 
 
 def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
@@ -97,7 +98,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO), device=device)
     ckpt.close()
     if opts.quantize_dense:
-        weights.quantize_int8()
+        weights.quantize_int8(w8a8=opts.quantize == "w8a8")
+    set_batch_invariant(opts.batch_invariant)   # the process's linears (and its in-process experts)
     return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
     forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES)
     if forms.path is not None and device.type == "cpu":
@@ -118,6 +120,7 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     remote = experts(cfg, device)
     model = RouterModel(cfg, weights, dtype, device)
     model.prefetch = opts.expert_prefetch
+    model.batch_invariant = opts.batch_invariant
     model.track_routing = sched.routing_aware_batching
     engine = Engine(model, kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
     log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB), %s on %s, %s routing",

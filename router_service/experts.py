@@ -24,6 +24,7 @@ from colibri_common import wire
 from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging
 from colibri_common.metrics_http import TOKEN_BUCKETS
+from colibri_common.options import QUANTIZE as QUANTIZE_NAMES
 from colibri_common.pb import expert_pb2
 from colibri_common.tls import TlsFiles
 from router_service.liveness import Liveness
@@ -172,14 +173,15 @@ class RemoteExperts:
 
     def __init__(self, cfg: ModelConfig, addresses: tuple[str, ...], wire_dtype: torch.dtype,
                  transport: str = "stream", timeout_s: float = 60.0, connect_timeout_s: float = 300.0,
-                 expect_weight_dtype: str | None = None, device: torch.device | None = None,
-                 track_routing: bool = False, tls: TlsFiles | None = None) -> None:
+                 expect_quantize: str | None = None, device: torch.device | None = None,
+                 track_routing: bool = False, tls: TlsFiles | None = None, batch_invariant: bool = False) -> None:
         self.cfg, self.addresses, self.wire_dtype = cfg, addresses, wire_dtype
         self.liveness = Liveness(addresses)
         self.holders = torch.zeros(cfg.num_experts, len(addresses), dtype=torch.bool)   # [E, W] expert on worker
         self.replicated = False
         self.staging = HostStaging(device or torch.device("cpu"))   # the wire's pinned buffers on a GPU
-        self.expect_weight_dtype = expect_weight_dtype        # "int8" under --quantize int8
+        self.expect_quantize = expect_quantize                # --quantize: None, "int8" or "w8a8"
+        self.batch_invariant = batch_invariant
         self.links = Links(addresses, transport, timeout_s, None if tls is None else tls.channel())
         self.owner = torch.full((cfg.num_experts,), -1, dtype=torch.long)    # [E] expert -> worker
         self.watcher: WorkerWatch | None = None
@@ -208,10 +210,15 @@ class RemoteExperts:
                 raise WorkerError(f"expert worker {link.address} serves a different model ({d.model_type}, "
                                   f"{d.num_experts} experts, hidden {d.hidden_size}, width {d.intermediate_size}, "
                                   f"MoE layers {list(d.moe_layers)})")
-            if (d.dtype == "int8") != (self.expect_weight_dtype == "int8"):
-                want = "int8" if self.expect_weight_dtype == "int8" else "float"
+            served = d.dtype if d.dtype in QUANTIZE_NAMES else None
+            if served != self.expect_quantize:
                 raise WorkerError(f"expert worker {link.address} serves {d.dtype} experts but the router expects "
-                                  f"{want} ones; start router and workers with the same --quantize")
+                                  f"{self.expect_quantize or 'float'} ones; start router and workers with the same "
+                                  f"--quantize")
+            if d.batch_invariant != self.batch_invariant:
+                raise WorkerError(f"expert worker {link.address} runs {'with' if d.batch_invariant else 'without'} "
+                                  f"--batch-invariant and the router {'with' if self.batch_invariant else 'without'}"
+                                  f" it; start router and workers with the same flag")
             self.holders[list(d.experts), w] = True
             self.owner[list(d.experts)] = torch.where(self.owner[list(d.experts)] < 0, w, self.owner[list(d.experts)])
             held = (f"{d.packed_bytes / 2**20:.1f} MiB" if not d.expert_cache_slots else

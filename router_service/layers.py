@@ -6,11 +6,33 @@ Shapes: T tokens, H hidden size, D head dim, I an MLP's width.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from colibri_common.rope_scaling import RopeScaling
 from kernels.cpu_linear import linear
+
+RowMap = Callable[..., Any]     # (fn, *tensors with T rows) -> fn's result for all T rows
+
+
+def whole(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
+    """fn on all rows at once: the batched form."""
+    return fn(*xs)
+
+
+def by_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
+    """fn on one row of `xs` at a time, the results (a tensor or a tuple of them) concatenated: batch invariance,
+    where every op sees the shapes of one token, so neither a kernel's blocking nor an elementwise loop's
+    vectorised tail can depend on the other rows."""
+    T = xs[0].shape[0]
+    if T <= 1:
+        return fn(*xs)
+    outs = [fn(*(x[i:i + 1] for x in xs)) for i in range(T)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+    return torch.cat(outs)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from colibri_common.config import ModelConfig
 from kernels.cpu_linear import linear
 from router_service.kv_cache import KVCache
-from router_service.layers import rms_norm
+from router_service.layers import RowMap, rms_norm, whole
+from router_service.query_context import query_contexts
 from router_service.step_inputs import StepInputs
 from router_service.weights import MlaWeights
 
@@ -46,24 +47,40 @@ Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]      #
 
 
 def mla_attention(cfg: ModelConfig, w: MlaWeights, layer: int, x: torch.Tensor, rope: Rope, cos: torch.Tensor,
-                  sin: torch.Tensor, step: StepInputs, kv: KVCache, scale: float) -> torch.Tensor:
-    """x [T, H] (normed) -> the heads' outputs [T, Hq Dv], before o_proj; writes this step's latents."""
+                  sin: torch.Tensor, step: StepInputs, kv: KVCache, scale: float, rows: RowMap = whole,
+                  per_query: bool = False) -> torch.Tensor:
+    """x [T, H] (normed) -> the heads' outputs [T, Hq Dv], before o_proj; writes this step's latents. `rows` runs
+    the row-local parts (`by_row` under batch invariance), `per_query` the attention one query at a time."""
     m = cfg.mla
     assert m is not None
     T, heads = x.shape[0], cfg.num_heads
     Dn, Dr, L = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
-    if w.q is not None:
-        q = linear(x, w.q)                                                    # [T, Hq (Dn + Dr)]
-    else:
-        q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, LATENT_EPS), w.q_b)  # [T, Hq (Dn + Dr)]
-    q_nope, q_pe = q.view(T, heads, Dn + Dr).split([Dn, Dr], dim=-1)         # [T, Hq, Dn], [T, Hq, Dr]
-    c, k_pe = linear(x, w.kv_a).split([L, Dr], dim=-1)                      # [T, Lkv], [T, Dr]
-    c = rms_norm(c, w.kv_a_norm, LATENT_EPS)[:, None, :]                    # [T, 1, Lkv]
-    q_pe, k_pe = rope(q_pe, cos, sin), rope(k_pe[:, None, :], cos, sin)     # [T, Hq, Dr], [T, 1, Dr]
+
+    def project(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token's query in latent space and its latent and rotated key."""
+        t = x.shape[0]
+        if w.q is not None:
+            q = linear(x, w.q)                                                # [t, Hq (Dn + Dr)]
+        else:
+            q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, LATENT_EPS), w.q_b)  # [t, Hq (Dn + Dr)]
+        q_nope, q_pe = q.view(t, heads, Dn + Dr).split([Dn, Dr], dim=-1)     # [t, Hq, Dn], [t, Hq, Dr]
+        c, k_pe = linear(x, w.kv_a).split([L, Dr], dim=-1)                  # [t, Lkv], [t, Dr]
+        c = rms_norm(c, w.kv_a_norm, LATENT_EPS)[:, None, :]                # [t, 1, Lkv]
+        q_pe, k_pe = rope(q_pe, cos, sin), rope(k_pe[:, None, :], cos, sin) # [t, Hq, Dr], [t, 1, Dr]
+        q_lat = torch.einsum("thn,hnl->thl", q_nope, w.w_uk)                # [t, Hq, Lkv]
+        return torch.cat([q_lat, q_pe], dim=-1), c, k_pe                     # [t, Hq, Lkv + Dr]
+
+    query, c, k_pe = rows(project, x, cos, sin)
     kv.write(layer, step.slots, c, k_pe)
-    q_lat = torch.einsum("thn,hnl->thl", q_nope, w.w_uk)                    # [T, Hq, Lkv]
-    query = torch.cat([q_lat, q_pe], dim=-1)                                 # [T, Hq, Lkv + Dr]
     out = torch.empty(T, heads, L, dtype=x.dtype, device=x.device)          # [T, Hq, Lkv]
+    if per_query:                            # the decode layout for every query: heads as the query length
+        for row, slots in query_contexts(step, False):
+            lat, rot = kv.gather(layer, slots)                               # [C, 1, Lkv], [C, 1, Dr]
+            keys = torch.cat([lat, rot], dim=-1).transpose(0, 1)[None]       # [1, 1, C, Lkv + Dr]
+            o = F.scaled_dot_product_attention(query[row][None, None], keys, keys, scale=scale)  # [1, 1, Hq, .]
+            out[row] = o[0, 0, :, :L]
+        return rows(lambda o: torch.einsum("thl,hvl->thv", o, w.w_uv), out).reshape(T, -1)
     nd = step.num_decode
     if nd:
         lat, rot = kv.gather(layer, step.decode_slots)                       # [Bd, C, 1, Lkv], [Bd, C, 1, Dr]

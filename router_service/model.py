@@ -21,6 +21,7 @@ sequences, C context length (cached + new tokens), n new tokens of one prefill.
 from __future__ import annotations
 
 from collections.abc import Generator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from kernels.cpu_linear import linear
 from router_service.attention import attention
 from router_service.experts import Experts, ExpertsUnavailable, Handle
 from router_service.kv_cache import KVCache
-from router_service.layers import Rope, apply_rope, apply_rope_interleaved, rms_norm, silu_mlp
+from router_service.layers import Rope, RowMap, apply_rope, apply_rope_interleaved, by_row, rms_norm, silu_mlp, whole
 from router_service.mla import mla_attention, mla_scale
 from router_service.step_inputs import StepInputs
 from router_service.weights import LayerWeights, RouterWeights
@@ -55,6 +56,7 @@ class RouterModel:
         self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing
         self.prefetch = False
         self.track_routing = False
+        self.batch_invariant = False   # every row alone (`by_row`), attention per query: see `rows`
         self.last_routing: list[list[torch.Tensor]] = []      # per micro-batch: ids [T, K] per MoE layer
         self.predicted = self.predicted_right = 0            # prefetch: experts predicted, and then routed to
         moe = [i for i, lw in enumerate(weights.layers) if lw.router is not None]
@@ -83,6 +85,12 @@ class RouterModel:
             raise
         self.last_routing = routes if self.track_routing else []
         return torch.cat(results)  # type: ignore[arg-type]
+
+    @property
+    def rows(self) -> RowMap:
+        """How the row-local parts of a step run: all rows at once, or, under batch invariance, one row at a time
+        (each op then sees one token's shapes, so no kernel's blocking or vector tail depends on the batch)."""
+        return by_row if self.batch_invariant else whole
 
     def _gate(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s routing of residual states h [T, H]: weights [T, K] float32, ids [T, K]."""
@@ -125,21 +133,18 @@ class RouterModel:
 
     def _forward(self, step: StepInputs, kv: KVCache, experts: Experts, routes: list[torch.Tensor]
                  ) -> Generator[Handle, torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
+        cfg, rows = self.cfg, self.rows
         step = step.to(self.device)                                          # built on the host
         assert not self.sliding or step.window == cfg.sliding_window, "sliding layers need the window's masks"
         h = self.w.embed[step.token_ids]                                     # [T, H]
-        cos, sin = self.rope.cos_sin(step.positions, self.dtype)             # [T, R] rotary dims
+        cos, sin = rows(lambda p: self.rope.cos_sin(p, self.dtype), step.positions)   # [T, R] rotary dims
         guess: set[int] | None = None                                        # prefetch: this layer's prediction
         for i, lw in enumerate(self.w.layers):
-            r = rms_norm(h, lw.ln1, cfg.rms_norm_eps)
-            h = h + self._attention(i, lw, r, cos, sin, step, kv)
-            r = rms_norm(h, lw.ln2, cfg.rms_norm_eps)
+            h = h + self._attention(i, lw, h, cos, sin, step, kv)
             if lw.router is None:
-                h = h + silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)
+                h = h + rows(partial(self._dense_mlp, lw), h)
                 continue
-            scores = self._scores(r, lw)                                   # [T, E]  route
-            weights, ids = route(scores, self.routing, lw.router_bias)     # [T, K] f32, [T, K]
+            r, weights, ids = rows(partial(self._route, lw), h)             # [T, H], [T, K] f32, [T, K]  route
             if self.track_routing:
                 routes.append(ids)
             ahead = None
@@ -153,22 +158,47 @@ class RouterModel:
             handle = experts.submit(i, r, ids, weights, ahead)               # partition → transport
             shared = None
             if lw.mlp_gate_up is not None:                     # shared experts, computed while the experts run
-                shared = silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)                                 # [T, H]
-                if lw.shared_gate is not None:                                 # Qwen2-MoE's sigmoid gate
-                    shared = torch.sigmoid(linear(r, lw.shared_gate)) * shared
+                shared = rows(partial(self._shared, lw), r)                                       # [T, H]
             out = yield handle                                               # combine  [T, H]
             h = h + (out if shared is None else out + shared)
-        last = rms_norm(h[step.sample_rows], self.w.norm, cfg.rms_norm_eps)  # [B, H]
-        return linear(last, self.w.lm_head).float()                        # [B, V]
+        return rows(lambda h: linear(rms_norm(h, self.w.norm, cfg.rms_norm_eps), self.w.lm_head),
+                    h[step.sample_rows]).float()                             # [B, V]
 
-    def _attention(self, layer: int, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+    def _dense_mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        return silu_mlp(rms_norm(h, lw.ln2, self.cfg.rms_norm_eps), lw.mlp_gate_up, lw.mlp_down)    # [T, H]
+
+    def _route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The MoE block's input r [T, H] and its routing: weights [T, K] float32, ids [T, K]."""
+        r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
+        weights, ids = route(self._scores(r, lw), self.routing, lw.router_bias)
+        return r, weights, ids
+
+    @staticmethod
+    def _shared(lw: LayerWeights, r: torch.Tensor) -> torch.Tensor:
+        shared = silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)                                         # [T, H]
+        if lw.shared_gate is not None:                                     # Qwen2-MoE's sigmoid gate
+            shared = torch.sigmoid(linear(r, lw.shared_gate)) * shared
+        return shared
+
+    def _attention(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, step: StepInputs, kv: KVCache) -> torch.Tensor:
-        cfg = self.cfg
+        """The attention block's output [T, H] for residual states h [T, H] (its norm included)."""
+        cfg, rows = self.cfg, self.rows
         if lw.mla is not None:
-            out = mla_attention(cfg, lw.mla, layer, x, self.mla_rope, cos, sin, step, kv, self.mla_scale)
-            return linear(out, lw.o, lw.o_bias)                              # [T, H]
-        T, D = x.shape[0], cfg.head_dim
-        qkv = linear(x, lw.qkv, lw.qkv_bias)                              # [T, (Hq + 2Hkv) D]
+            x = rows(lambda h: rms_norm(h, lw.ln1, cfg.rms_norm_eps), h)
+            out = mla_attention(cfg, lw.mla, layer, x, self.mla_rope, cos, sin, step, kv, self.mla_scale, rows,
+                                self.batch_invariant)
+            return rows(lambda o: linear(o, lw.o, lw.o_bias), out)          # [T, H]
+        q, k, v = rows(lambda h, cos, sin: self._qkv(lw, h, cos, sin), h, cos, sin)
+        out = attention(layer, q, k, v, step, kv, layer in self.sliding, lw.sinks, self.batch_invariant)
+        return rows(lambda o: linear(o.reshape(o.shape[0], -1), lw.o, lw.o_bias), out)   # [T, H]
+
+    def _qkv(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rotated queries [T, Hq, D] and keys, and the values [T, Hkv, D] of residual states h [T, H]."""
+        cfg = self.cfg
+        T, D = h.shape[0], cfg.head_dim
+        qkv = linear(rms_norm(h, lw.ln1, cfg.rms_norm_eps), lw.qkv, lw.qkv_bias)  # [T, (Hq + 2Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if cfg.qk_norm == "full":
             q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
@@ -181,6 +211,4 @@ class RouterModel:
         if cfg.qk_norm == "head":
             q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(layer, q, k, v, step, kv, layer in self.sliding, lw.sinks)   # [T, Hq, D]
-        return linear(out.reshape(T, -1), lw.o, lw.o_bias)                 # [T, H]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

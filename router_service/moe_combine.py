@@ -13,12 +13,13 @@ def combine(num_tokens: int, hidden: int, dtype: torch.dtype,
             parts: list[tuple[torch.Tensor | None, torch.Tensor]]) -> torch.Tensor:
     """parts: (rows [n] or None for all T rows, partial sums [n, H]) -> Σ over workers [T, H] in `dtype`.
 
-    Accumulates in float32 whatever the wire dtype, as the fused kernels do, then casts once.
+    The workers' sums are float64 and exact (kernels/cpu_moe.py), so adding them in float64 gives the sum of
+    every pair whatever the placement; it is rounded to `dtype` once, here.
     """
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32)               # [T, H]
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float64)               # [T, H]
     for rows, part in parts:
         if rows is None:
-            out += part.float()
+            out += part.double()
         else:
-            out.index_add_(0, rows, part.float())
+            out.index_add_(0, rows, part.double())
     return out.to(dtype)

@@ -35,7 +35,8 @@ class RouterOptions(ServiceOptions):
     stream_stall_timeout: float = option(30.0, "seconds a client may leave its stream unread (the server "
                                                "cannot send) before the request is cancelled")
     quantize_dense: bool = option(False, "int8 for the router's own attention, dense MLPs, shared experts and "
-                                         "lm_head too (gates and embeddings stay): less memory, less accuracy")
+                                         "lm_head too (gates and embeddings stay): less memory, less accuracy; "
+                                         "weight-only, or W8A8 with --quantize w8a8")
     metrics_port: int | None = option(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
                                             "0 = any free port)")
     tls_client_auth: bool = option(False, "with --tls-cert: clients must show a certificate --tls-ca signed")

@@ -16,7 +16,7 @@ from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.tensors import model_tensors, router_layer_tensors
 from kernels.cpu_forms import Weight, kind
-from kernels.quant import quantize_int8
+from kernels.quant import Int8Weight, quantize_int8
 
 
 @dataclass
@@ -80,19 +80,22 @@ class RouterWeights:
         ws += [w for lw in self.layers if lw.mla is not None for w in lw.mla.linears()]
         return list(dict.fromkeys((w.shape[0], w.shape[1], kind(w, act_dtype)) for w in ws))
 
-    def quantize_int8(self) -> None:
-        """int8 attention, dense MLPs, shared experts and lm_head; the gates (which pick the experts), norms,
-        biases and the embedding lookup keep the compute dtype."""
-        self.lm_head = quantize_int8(self.lm_head)       # a copy even when tied: the embedding stays as it is
+    def quantize_int8(self, w8a8: bool = False) -> None:
+        """int8 attention, dense MLPs, shared experts and lm_head (weight-only, or W8A8); the gates (which pick the
+        experts), norms, biases and the embedding lookup keep the compute dtype."""
+        def q8(w: torch.Tensor) -> Int8Weight:
+            return quantize_int8(w, w8a8=w8a8)
+
+        self.lm_head = q8(self.lm_head)                  # a copy even when tied: the embedding stays as it is
         for lw in self.layers:                     # latent attention: its projections (W_UK, W_UV stay)
-            lw.qkv = None if lw.qkv is None else quantize_int8(lw.qkv)
-            lw.o = quantize_int8(lw.o)
+            lw.qkv = None if lw.qkv is None else q8(lw.qkv)
+            lw.o = q8(lw.o)
             if lw.mla is not None:
                 m = lw.mla
-                m.q, m.q_a, m.q_b = (None if w is None else quantize_int8(w) for w in (m.q, m.q_a, m.q_b))
-                m.kv_a = quantize_int8(m.kv_a)
+                m.q, m.q_a, m.q_b = (None if w is None else q8(w) for w in (m.q, m.q_a, m.q_b))
+                m.kv_a = q8(m.kv_a)
             if lw.mlp_gate_up is not None:
-                lw.mlp_gate_up, lw.mlp_down = quantize_int8(lw.mlp_gate_up), quantize_int8(lw.mlp_down)
+                lw.mlp_gate_up, lw.mlp_down = q8(lw.mlp_gate_up), q8(lw.mlp_down)
 
     @staticmethod
     def load(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, progress: bool = False,

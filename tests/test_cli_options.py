@@ -40,14 +40,16 @@ def test_defaults_come_from_the_dataclasses():
 def test_every_field_is_a_flag_and_round_trips_through_to_argv():
     r = RouterOptions(model="/m", workers=("h:1", "h:2"), host="0.0.0.0", port=7, dtype="bfloat16", threads=3,
                       log_level="DEBUG", kv_cache_mb=64, kv_cache_blocks=9, block_size=8, wire_dtype="float32",
-                      micro_batches=2, transport="unary", worker_timeout=2.5, metrics_port=0, quantize="int8",
+                      micro_batches=2, transport="unary", worker_timeout=2.5, metrics_port=0, quantize="w8a8",
+                      batch_invariant=True,
                       grace_period=3.5, max_prompt_bytes=1000, max_request_bytes=9000, max_stop_token_ids=7,
                       max_stop_strings=5, stream_stall_timeout=4.5, expert_metrics=True, tls_client_auth=True,
                       tls_cert="/c.pem", tls_key="/k.pem", tls_ca="/ca.pem",
                       quantize_dense=True, cpu_forms="/tmp/forms.json", expert_prefetch=True,
                       sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99,
                                             routing_aware_batching=True, max_passed_over=3))
-    gpu = dataclasses.replace(r, device="cuda:1", quantize=None, quantize_dense=False)   # int8 is CPU-only
+    gpu = dataclasses.replace(r, device="cuda:1", quantize=None, quantize_dense=False,   # int8 is CPU-only
+                              batch_invariant=False)
     changed = {f.name for o in (r, gpu) for f in dataclasses.fields(o)
                if getattr(o, f.name) != getattr(RouterOptions(), f.name)}
     assert changed == {f.name for f in dataclasses.fields(RouterOptions)}        # the test sets every field
@@ -115,6 +117,11 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["serve", "--model", "m", "--device", "tpu"], "--device 'tpu' is not a device; use cpu, cuda or cuda:N"),
     (["expert", "--model", "m", "--shard", "0/1", "--device", "cuda", "--quantize", "int8"],
      "--quantize int8 is the CPU path"),
+    (["expert", "--model", "m", "--shard", "0/1", "--device", "cuda", "--quantize", "w8a8"],
+     "--quantize w8a8 is the CPU path"),
+    (["router", "--model", "m", "--workers", "a:1", "--device", "cuda", "--batch-invariant"],
+     "--batch-invariant runs on CPUs"),
+    (["serve", "--model", "m", "--quantize", "int4"], "invalid choice: 'int4'"),
     (["serve", "--model", "m", "--gpus", "0", "--device", "cuda:1"], "give --gpus (one GPU per child) or --device"),
     (["serve", "--model", "m", "--gpus", "0,x"], "invalid comma-separated int value"),
     (["serve", "--model", "m", "--gpus", "0", "--quantize", "int8"], "are the CPU path; on GPUs serve bfloat16"),

@@ -1,0 +1,91 @@
+"""The same greedy tokens in bfloat16 whatever the fleet's shape, and, with --batch-invariant, whatever the batch.
+
+The checkpoint is a bf16 Qwen3-MoE with small random weights (std 0.05), so its logits are close together: a
+last-bit difference in any sum flips greedy choices within a few tokens (rounding each worker's partial sum
+to bf16, as Colibri once did, changed the tokens of every configuration below). Every fleet
+here serves the same prompts; their tokens must be identical.
+
+- The fleet's shape: 1, 2 or 3 workers, replicas, the unary transport, a bounded expert cache. The MoE sum
+  is exact in float64 and rounded once, and every worker computes an expert's rows with the same forms, so
+  none of these may change a token. Streams run one after another here: concurrent streams change the
+  batches, which only --batch-invariant makes irrelevant.
+- `--batch-invariant`: the same prompts one at a time, all at once, and over two micro-batches.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+
+from colibri.client import Client
+from tests.conftest import fleet
+from tests.models import build_model, save_checkpoint
+
+PROMPTS = [[random.Random(i).randrange(512) for _ in range(4 + 3 * i)] for i in range(6)]
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def near_ties(tmp_path_factory) -> Path:
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, num_experts=24, num_experts_per_tok=4,
+                         moe_intermediate_size=96, intermediate_size=256, norm_topk_prob=True,
+                         max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=None,
+                         bos_token_id=None, pad_token_id=None)
+    model = build_model(cfg, seed=7, std=0.05, dtype=torch.bfloat16)    # logits close enough to tie often
+    return save_checkpoint(model, tmp_path_factory.mktemp("near-ties") / "qwen3-bf16")
+
+
+Run = list[tuple[list[int], bytes]]      # per prompt: its tokens and the float32 logits they were chosen from
+
+
+def serve(path: Path, workers: int, extra: list[str], together: bool = False) -> Run:
+    with fleet(path, workers, ["--dtype", "bfloat16", *extra]) as (addr, _):
+        client = Client(addr)
+
+        def one(prompt: list[int]) -> tuple[list[int], bytes]:
+            res = client.generate(prompt, TOKENS, return_logits=True)
+            return res.token_ids, b"".join(x.tobytes() for x in res.logits)
+
+        if not together:
+            return [one(p) for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            return list(pool.map(one, PROMPTS))
+
+
+def same(a: Run, b: Run) -> None:
+    """Identical tokens, and the logits behind them identical to the bit (a last-bit difference anywhere in a
+    step shows there even where it flips no token)."""
+    assert [t for t, _ in a] == [t for t, _ in b]
+    assert [i for i, ((_, la), (_, lb)) in enumerate(zip(a, b, strict=True)) if la != lb] == []
+
+
+@pytest.fixture(scope="module")
+def one_worker(near_ties) -> Run:
+    return serve(near_ties, 1, [])
+
+
+@pytest.mark.parametrize("workers, extra", [
+    (2, []),
+    (3, []),
+    (3, ["--replicas", "2"]),
+    (2, ["--transport", "unary"]),
+    (2, ["--expert-cache-capacity", "25%"]),
+], ids=["2-workers", "3-workers", "3-workers-2-replicas", "unary", "cache-25pct"])
+def test_bf16_tokens_do_not_depend_on_the_fleets_shape(near_ties, one_worker, workers, extra):
+    got = serve(near_ties, workers, extra)
+    assert all(len(t) == TOKENS for t, _ in got)
+    same(got, one_worker)
+
+
+def test_batch_invariant_tokens_are_the_same_alone_together_and_in_micro_batches(near_ties):
+    """Prompts served one at a time, then all at once (their steps shared by up to six sequences, prefills beside
+    decodes), then over two micro-batches on three workers: identical bf16 tokens."""
+    alone = serve(near_ties, 2, ["--batch-invariant"])
+    same(serve(near_ties, 2, ["--batch-invariant"], together=True), alone)
+    same(serve(near_ties, 3, ["--batch-invariant", "--micro-batches", "2"], together=True), alone)
