@@ -29,10 +29,16 @@ demo: setup
 # The layer contract (pyproject.toml, [tool.importlinter]) runs first: a wrong import fails the suite.
 # Two pytest processes (pytest-xdist): most tests run one torch thread, so a second process uses the second
 # core; the services they start are forked from a pre-imported fork server (tests/forkserver.py).
+# Then the kernel, forms and oracle tests again under a second ATen kernel level (tests/other_isa.py: AVX2 on
+# an AVX-512 machine, torch's portable kernels on an AVX2 one), so no test assumes the developer's ISA.
 TEST_WORKERS ?= 2
+ISA_TESTS := tests/kernels tests/test_cpu_forms.py tests/test_e2e_oracle.py tests/test_quantize.py \
+	tests/test_same_tokens.py
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
+	level=$$($(PY) -m tests.other_isa) && echo "ATEN_CPU_CAPABILITY=$$level:" && \
+		ATEN_CPU_CAPABILITY=$$level $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ISA_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

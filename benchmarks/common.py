@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from colibri_common.forms_file import cpu_isa, cpu_model
+from colibri_common.forms_file import cpu_isa, cpu_model, default_path, in_force
 from colibri_common.heap import skip_exit_collection
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -48,15 +48,17 @@ def read_bandwidth_gbs(nbytes: int = 1024 * 2**20) -> float:
 
 
 def machine() -> str:
-    """The CPU, the ISA flags that decide the fast GEMM forms, cores, torch and Python: every results file
-    starts with this line, since a result measured on one CPU says little about another."""
+    """The CPU, the ISA flags that decide the fast GEMM forms, cores, torch, its ATen kernel level, Python and
+    the CPU forms in force (what the machine's forms file holds, with its rejects): every results file starts
+    with this line, since a result measured on one CPU says little about another."""
     isa = " ".join(cpu_isa()) or "none found"
     return (f"{cpu_model()} (ISA: {isa}), {len(os.sched_getaffinity(0))} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+            f"({torch.get_num_threads()} threads, ATen {torch.backends.cpu.get_cpu_capability()} kernels), "
+            f"Python {platform.python_version()}; " + "; ".join(line.strip() for line in in_force(default_path())))
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 

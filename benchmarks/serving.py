@@ -157,6 +157,10 @@ def main() -> int:
         ("colibri 2 workers int8 + dense int8", lambda: run_fleet(
             model, 2, args.dtype, streams, args.prompt_len, args.max_tokens,
             ["--quantize", "int8", "--quantize-dense"])),
+        ("colibri 2 workers w8a8", lambda: run_fleet(model, 2, args.dtype, streams, args.prompt_len, args.max_tokens,
+                                                     ["--quantize", "w8a8"])),
+        ("colibri 2 workers batch-invariant", lambda: run_fleet(
+            model, 2, args.dtype, streams, args.prompt_len, args.max_tokens, ["--batch-invariant"])),
         ("colibri 2 workers replicas 2", lambda: run_fleet(model, 2, args.dtype, streams, args.prompt_len,
                                                            args.max_tokens, ["--replicas", "2"])),
         ("colibri 2 workers replicas 2, one killed", lambda: run_fleet(
@@ -176,7 +180,7 @@ def main() -> int:
         for c in streams:
             r = res["rows"][str(c)] if str(c) in res["rows"] else res["rows"][c]
             h = hf["rows"][str(c)]
-            expert_itemsize = 1 if "int8" in name else itemsize
+            expert_itemsize = 1 if "int8" in name or "w8a8" in name else itemsize
             dense_itemsize = 1 if name.endswith("dense int8") else itemsize
             roof = c / (step_bytes(cfg, c, dense_itemsize, expert_itemsize) / (bw * 1e9))
             rows.append([name, str(c), f"{r['output_tokens_per_s']:.1f}",
@@ -219,7 +223,7 @@ def main() -> int:
         table(["fleet", "streams", "tok/s", "requests failed", "expert balance (mean ÷ max rows per worker)"],
               [[n, str(c), f"{results[n]['rows'][c]['output_tokens_per_s']:.1f}",
                 str(results[n]['rows'][c]['requests_failed']), f"{results[n]['rows'][c]['balance']:.2f}"]
-               for n in results if n.startswith("colibri 2 workers") and "int8" not in n for c in streams]),
+               for n in results if n.startswith("colibri 2 workers replicas") for c in streams]),
         ""])
     print(text)
     RESULTS.mkdir(exist_ok=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from colibri_common.options import option
+from colibri_common.options import QUANTIZE, option
 
 if TYPE_CHECKING:   # the CLI builds its parser from ValidateOptions without importing torch
     from colibri_common.checkpoint import Checkpoint
@@ -18,6 +18,10 @@ class ValidateOptions:
     model: str = option("", "checkpoint directory", required=True, metavar="DIR")
     workers: int = option(2, "size the shards for this many workers")
     replicas: int = option(1, "every expert on this many workers (as for serve --replicas)")
+    quantize: str | None = option(None, "size the shards as serve --quantize would hold them: int8 (weight-only) "
+                                        "or w8a8, a byte a weight and a float32 scale a row", choices=QUANTIZE)
+    cpu_forms: str = option("auto", "the forms file whose forms for this machine to report (as for serve)",
+                            metavar="PATH|auto|off")
 
     def __post_init__(self) -> None:
         if self.workers <= 0:
@@ -53,11 +57,19 @@ def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) ->
         sum(held_bytes(ckpt, n, s) // cfg.num_experts for n, s in per_layer)
 
 
-def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
+def quantized_expert_bytes(cfg: ModelConfig) -> int:
+    """One expert held as int8 (either mode): a byte a weight, a float32 scale per output row."""
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    return 3 * H * I + (2 * I + H) * 4
+
+
+def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | None = None,
+             cpu_forms: str = "off") -> list[str]:
     """Returns the summary lines; raises ColibriError naming the first problem."""
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
     from colibri_common.errors import CheckpointError
+    from colibri_common.forms_file import describe_machine, in_force, resolve
     from colibri_common.placement import replica_experts
     from colibri_common.tensors import router_tensors
     from colibri_common.tokenizer import Tokenizer
@@ -65,7 +77,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
     cfg = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)
     router_bytes = sum(held_bytes(ckpt, n, s) for n, s in router_tensors(cfg))
-    per_expert = {(layer, e): expert_bytes(ckpt, cfg, layer, e)
+    per_expert = {(layer, e): quantized_expert_bytes(cfg) if quantize else expert_bytes(ckpt, cfg, layer, e)
                   for layer in cfg.moe_layers for e in range(cfg.num_experts)}
     total_bytes = sum(e.nbytes for e in ckpt.entries.values())
     params = sum(_params(name, e.dtype, e.shape) for name, e in ckpt.entries.items())
@@ -96,6 +108,11 @@ def validate(model_dir: str, workers: int, replicas: int = 1) -> list[str]:
         _attention_line(cfg),
         f"tokenizer        {'none' if tok_vocab is None else f'{tok_vocab} tokens'} (vocab_size {cfg.vocab_size})",
         f"router holds     {router_bytes / 2**20:.1f} MiB",
+        "experts held     " + {None: "as stored (dequantised to the compute dtype)",
+                               "int8": "int8 weight-only (--quantize int8): activations in the compute dtype",
+                               "w8a8": "int8 weights and per-token int8 activations (--quantize w8a8)"}[quantize],
+        f"this CPU         {describe_machine()}",
+        *(f"                 {line}" for line in in_force(resolve(cpu_forms))),
     ]
     for i in range(workers):
         experts = replica_experts(cfg.num_experts, i, workers, replicas)

@@ -12,7 +12,7 @@ Three rules keep a form from changing what the user asked for:
 - **Guards for the shapes a kernel cannot take.** torch's `_weight_int8pack_mm` loads 16 (AVX-512) or 8 (AVX2)
   values of a row with aligned loads: with an input width that is not a multiple of 16 it reads past the row
   (garbage, or SIGSEGV at the buffer's end; aten/src/ATen/native/cpu/int8mm_kernel.cpp), so it is no candidate
-  there, and its inputs are made 64-byte aligned.
+  there, and its inputs are aligned as those loads need (32 bytes for the activations, 16 for the weight).
 - **Batch invariance** (`set_batch_invariant`): one form per weight for every row count, a single-row form run
   row by row, so a row's result never depends on the other rows of its batch.
 
@@ -59,7 +59,7 @@ def _upcast(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _int8_pack(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """int8 weights, activations as they are (bf16: AVX2/AVX-512 code; float32: torch's scalar loop)."""
-    return torch._weight_int8pack_mm(_aligned(x), _aligned(w.q), w.scale.to(x.dtype))
+    return torch._weight_int8pack_mm(_aligned(x, 32), _aligned(w.q, 16), w.scale.to(x.dtype))   # its loads
 
 
 def _int8_dequant(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:

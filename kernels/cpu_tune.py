@@ -72,8 +72,14 @@ def rejected(table: MutableMapping[str, str]) -> set[tuple[int, int, str, str]]:
 
 
 def _machine() -> str:
-    return f"{platform.processor() or platform.machine()} with torch {torch.__version__} " \
-           f"({torch.backends.cpu.get_cpu_capability()} kernels)"
+    """The CPU model (from /proc/cpuinfo), torch and its ATen kernel level, for the one log line of a reject."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, torch {torch.__version__}, ATen {torch.backends.cpu.get_cpu_capability()} kernels"
 
 
 def _sample(dout: int, din: int, weight_kind: str, g: torch.Generator) -> tuple[Weight, torch.dtype]:

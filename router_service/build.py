@@ -59,8 +59,10 @@ class BuiltEngine:
         return self.engine.scheduler.cfg.max_model_len
 
     def close(self) -> None:
-        """Stop the engine (open requests end UNAVAILABLE), then close the connections to the workers."""
+        """Stop the engine (open requests end UNAVAILABLE), then close the connections to the workers; the
+        process's batch invariance ends with the engine that set it."""
         self.engine.stop()
+        set_batch_invariant(False)
         close = getattr(self.experts, "close", None)
         if close is not None:
             close()

@@ -27,6 +27,7 @@ VALUE_SETS = {
     "hpa": {"router": {"autoscaling": {"enabled": True, "maxReplicas": 6}}, "serviceMonitor": {"enabled": True}},
     "one-shard": {"experts": {"shards": 1}},
     "int8": {"model": {"quantize": "int8"}},
+    "w8a8-batch-invariant": {"model": {"quantize": "w8a8", "batchInvariant": True}},
     "eight-shards": {"experts": {"shards": 8, "spreadAcrossNodes": False}},
     "expert-cache": {"experts": {"cache": {"capacity": "25%", "policy": "lfu", "hostCapacity": "8GiB"}},
                      "router": {"expertPrefetch": True, "routingAwareBatching": True}},
@@ -129,6 +130,7 @@ def test_wiring(name):
         opts = command_options(ap, ap.parse_args(argv))
         assert opts.model == "/models/model"
         assert opts.quantize == (values.get("model", {}).get("quantize") or None)   # router and workers agree
+        assert opts.batch_invariant == values.get("model", {}).get("batchInvariant", False)
 
     # probes are native gRPC probes on the ports the containers expose; readiness names the service
     for container, service in ((router, "colibri.v1.Generation"), (expert, "colibri.v1.ExpertWorker")):
@@ -205,6 +207,9 @@ def test_helm_test_pod_checks_router_health():
     {"terminationGracePeriodSeconds": 2},
     {"routr": {}},
     {"model": {"quantize": "int8"}, "experts": {"gpus": 1}},     # int8 experts are the CPU path
+    {"model": {"quantize": "w8a8"}, "experts": {"gpus": 1}},
+    {"model": {"batchInvariant": True}, "router": {"gpus": 1}},  # batch invariance is the CPU path
+    {"model": {"batchInvariant": "yes"}},
     {"experts": {"shards": 2, "replicas": 3}},                    # more replicas than pods
     {"experts": {"replicas": 0}},
     {"experts": {"cache": {"capacity": "lots"}}},

@@ -29,6 +29,15 @@ def test_validate_accepts_a_good_checkpoint(ckpt):
     assert out.returncode == 0, out.stderr
     assert "Qwen3MoeForCausalLM" in out.stdout
     assert "worker 2/3" in out.stdout and "experts 40..59" in out.stdout
+    assert "this CPU " in out.stdout and "ATen " in out.stdout and "CPU forms" in out.stdout
+    q8 = run("validate", "--model", str(ckpt), "--workers", "3", "--quantize", "w8a8")
+    assert q8.returncode == 0, q8.stderr
+    assert "per-token int8 activations (--quantize w8a8)" in q8.stdout
+
+    def shard_mib(text: str) -> float:
+        return float(next(line for line in text.splitlines() if line.startswith("worker 2/3")).split()[-2])
+
+    assert shard_mib(q8.stdout) < 0.3 * shard_mib(out.stdout)           # int8 + scales vs the stored float32
 
 
 def test_unknown_architecture(ckpt):

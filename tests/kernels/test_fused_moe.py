@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from colibri_common import mxfp4
-from kernels import Fp8Weight, GatedAct, Mxfp4Weight, cpu_moe, fused_moe, quantize_int8, topk_route
+from kernels import Fp8Weight, GatedAct, Mxfp4Weight, cpu_forms, cpu_moe, fused_moe, quantize_int8, topk_route
 from kernels.cpu_forms import bucket
 from kernels.reference import fused_moe_reference, topk_route_reference
 
@@ -82,6 +82,75 @@ def test_cpu_path(T, E, K, dtype, form, moe_forms):
     assert cpu_moe.pick_moe(torch.empty(T, H, dtype=dtype), torch.empty(E, 2 * I, H, dtype=dtype)) == form
     for pattern in ("random", "expert_map", "one_expert"):
         check("torch", T, E, K, dtype, pattern)
+    if form == "grouped":           # measured as chosen; run only where it equals the per-expert linear form
+        (x, w13, w2, ids, w, emap), ref, _ = case_and_reference(T, E, K, dtype, "expert_map")
+        got = cpu_moe.fused_moe_cpu(x, w13, w2, ids, w, emap, form="grouped")
+        assert float((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)) <= TOL[dtype]
+
+
+def split(E: int, workers: int, strided: bool) -> list[list[int]]:
+    """The experts each of `workers` holds: contiguous shards, or every workers-th expert."""
+    return [list(range(w, E, workers)) if strided else list(range(w * E // workers, (w + 1) * E // workers))
+            for w in range(workers)]
+
+
+def partial_sums(x, w13, w2, ids, w, held: list[int], rounds: int = 1) -> torch.Tensor:
+    """What a worker holding `held` returns: its float64 sum, over `rounds` calls as a bounded cache makes."""
+    emap = torch.full((w13.shape[0],), -1, dtype=torch.long)
+    emap[held] = torch.arange(len(held))
+    acc = torch.zeros(x.shape, dtype=torch.float64)
+    for r in range(rounds):
+        part = torch.full_like(emap, -1)
+        part[held[r::rounds]] = emap[held[r::rounds]]
+        fused_moe(x, w13[held], w2[held], ids, w, part, backend="torch", acc=acc)
+    return acc
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_moe_sum_is_the_same_bits_however_the_experts_are_spread(dtype):
+    """Float32 pair outputs summed in float64 are exact: 1, 2 or 3 workers, contiguous or strided shards, cache
+    rounds, all give the one call's result to the bit once rounded. Rounding each worker's sum to the compute
+    dtype (as before) does not."""
+    x, w13, w2, ids, w, _ = make_case(33, 24, 4, dtype, "random", seed=9)
+    whole = fused_moe(x, w13, w2, ids, w, backend="torch")
+    rounded_each = torch.zeros_like(x, dtype=torch.float32)
+    for workers, strided, rounds in [(1, False, 3), (2, False, 1), (3, False, 2), (3, True, 1), (2, True, 4)]:
+        acc = sum(partial_sums(x, w13, w2, ids, w, held, rounds) for held in split(24, workers, strided))
+        assert torch.equal(acc.to(dtype), whole), (workers, strided, rounds)
+        if workers == 3:
+            rounded_each = sum(partial_sums(x, w13, w2, ids, w, held).to(dtype).float()
+                               for held in split(24, workers, strided))
+    assert not torch.equal(rounded_each.to(dtype), whole)
+
+
+def test_acc_must_be_float64_of_the_shape_and_the_triton_path_adds_into_it():
+    x, w13, w2, ids, w, _ = make_case(5, 8, 2, torch.float32, "random")
+    with pytest.raises(ValueError, match="acc must be a contiguous float64 tensor of shape"):
+        fused_moe(x, w13, w2, ids, w, acc=torch.zeros(5, H))
+    start = torch.randn(5, H, dtype=torch.float64)
+    got = fused_moe(x, w13, w2, ids, w, backend="triton", acc=start.clone())
+    want = start + fused_moe_reference(x, w13, w2, ids, w)
+    assert float((got - want).abs().max() / want.abs().max()) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "w8a8"])
+def test_batch_invariance_gives_each_token_the_same_bits_in_any_call(kind):
+    """Every pair alone: a token's result in a call of 64 tokens is the one it gets alone, or among 5."""
+    dtype = torch.float32 if kind in ("float32", "w8a8") else torch.bfloat16
+    x, w13, w2, ids, w, emap = make_case(64, 8, 3, dtype, "expert_map", seed=2)
+    if kind in ("int8", "w8a8"):
+        w13, w2 = quantize_int8(w13.float(), w8a8=kind == "w8a8"), quantize_int8(w2.float(), w8a8=kind == "w8a8")
+    cpu_forms.set_batch_invariant(True)
+    try:
+        whole = fused_moe(x, w13, w2, ids, w, emap, backend="torch")
+        for lo, hi in [(0, 1), (3, 8), (17, 18), (40, 64)]:
+            assert torch.equal(fused_moe(x[lo:hi], w13, w2, ids[lo:hi], w[lo:hi], emap, backend="torch"),
+                               whole[lo:hi]), (lo, hi)
+    finally:
+        cpu_forms.set_batch_invariant(False)
+    if kind in ("float32", "bfloat16"):
+        ref = fused_moe_reference(x, w13, w2, ids, w, emap)
+        assert float((whole.double() - ref).abs().max() / ref.abs().max()) <= TOL[dtype]
 
 
 def test_int8_experts_refuse_the_grouped_form():
