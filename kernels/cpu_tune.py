@@ -39,6 +39,7 @@ log = logging.getLogger("colibri.kernels")
 CANDIDATES = "+".join(FORMS) + "/" + "+".join(MOE_FORMS) + "/checked"
 REJECT = "reject:"
 CHECK_ROWS = (1, 2, 3, 5, 8, 13, 33, 64, 67)     # odd counts too: a kernel's row tails
+CHECK_BUDGET = 2**29     # multiply-adds of one form's check: the largest weights (an lm_head) check fewer rows
 
 
 @dataclass(frozen=True)
@@ -60,15 +61,17 @@ def reject_key(dout: int, din: int, weight_kind: str, form: str) -> str:
     return f"{REJECT}{dout}x{din}:{weight_kind}:{form}"
 
 
+def _parse_reject(k: str) -> tuple[int, int, str, str] | None:
+    """(dout, din, kind, form) of a linear form's reject key, None where it is not one."""
+    parts = k.removeprefix(REJECT).split(":")
+    parsed = cpu_forms.parse_key(f"{parts[0]}:{parts[1]}:1") if len(parts) == 3 else None
+    return None if parsed is None else (parsed[0], parsed[1], parsed[2], parts[2])
+
+
 def rejected(table: MutableMapping[str, str]) -> set[tuple[int, int, str, str]]:
     """The (dout, din, kind, form) the table's reject entries name."""
-    out = set()
-    for k in table:
-        if k.startswith(REJECT) and not k.startswith(REJECT + "moe:"):
-            shape, weight_kind, form = k.removeprefix(REJECT).split(":")
-            dout, din = (int(v) for v in shape.split("x"))
-            out.add((dout, din, weight_kind, form))
-    return out
+    found = (_parse_reject(k) for k in table if k.startswith(REJECT) and not k.startswith(REJECT + "moe:"))
+    return {r for r in found if r is not None}
 
 
 def _machine() -> str:
@@ -95,9 +98,16 @@ def _sample(dout: int, din: int, weight_kind: str, g: torch.Generator) -> tuple[
 def check_forms(dout: int, din: int, weight_kind: str, names: list[str], max_rows: int, g: torch.Generator,
                 table: MutableMapping[str, str]) -> list[str]:
     """The forms among `names` that compute W [dout, din] of this kind right here at every checked row count
-    up to max_rows (and one beyond the buckets where calls get more rows); the others recorded as rejects."""
+    up to max_rows (and one beyond the buckets where calls get more rows; fewer for the largest weights, so
+    a check costs at most CHECK_BUDGET multiply-adds a form); the others recorded as rejects."""
     w, x_dtype = _sample(dout, din, weight_kind, g)
-    counts = [n for n in CHECK_ROWS if n <= max(bucket(max_rows), min(max_rows, CHECK_ROWS[-1]))]
+    counts, total = [], 0
+    for n in CHECK_ROWS:                   # 1, 2, 3, 5 always; more while the budget lasts
+        over = (total + n) * dout * din > CHECK_BUDGET
+        if n > max(bucket(max_rows), min(max_rows, CHECK_ROWS[-1])) or (n > 5 and over):
+            break
+        counts.append(n)
+        total += n
     xs = [torch.randn(n, din, generator=g).to(x_dtype) for n in counts]              # [n, Din] each
     refs = reference(torch.cat(xs), w).split(counts)                                # float64 [n, Dout] each
     good = []
@@ -258,8 +268,10 @@ def measure_moe(shapes: Iterable[MoeShape], table: MutableMapping[str, str], max
 
 
 def _valid(k: str, form: str) -> bool:
+    if k.startswith(REJECT + "moe:"):
+        return len(k.split(":")) == 5
     if k.startswith(REJECT):
-        return True
+        return _parse_reject(k) is not None
     if k.startswith("moe:"):
         try:
             _, _, weight_kind, rows = k.split(":")

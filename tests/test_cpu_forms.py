@@ -214,10 +214,13 @@ def test_a_corrupt_file_is_rebuilt_with_a_warning(tmp_path, oracles, caplog):
     assert json.loads(path.read_text())["machine"] == machine()
 
 
-def test_entries_that_make_no_sense_are_measured_again():
-    table = {cpu_forms.key(48, 32, "int8-float32", 1): "linear", "garbage": "mv"}   # a float form for int8
+def test_entries_that_make_no_sense_are_measured_again(forms_state):
+    table = {cpu_forms.key(48, 32, "int8-float32", 1): "linear", "garbage": "mv",   # a float form for int8
+             "reject:nonsense": "?", "reject:1x:float32:mv": "?", cpu_tune.reject_key(8, 8, "float32", "mv"): "kept"}
     measured = cpu_tune.tune([(48, 32, "int8-float32")], table, save=lambda: None, max_rows=1)
     assert measured == [cpu_forms.key(48, 32, "int8-float32", 1)] and "garbage" not in table
+    assert "reject:nonsense" not in table and "reject:1x:float32:mv" not in table     # a hand-edited file
+    assert table[cpu_tune.reject_key(8, 8, "float32", "mv")] == "kept"
     assert table[measured[0]] in cpu_forms.candidates("int8-float32", 1, 48, 32)
 
 
