@@ -15,6 +15,7 @@ import torch
 
 from colibri_common.forms_file import cpu_isa, cpu_model, default_path, in_force
 from colibri_common.heap import skip_exit_collection
+from kernels.cpu_tune import CANDIDATES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -52,9 +53,10 @@ def machine() -> str:
     the CPU forms in force (what the machine's forms file holds, with its rejects): every results file starts
     with this line, since a result measured on one CPU says little about another."""
     isa = " ".join(cpu_isa()) or "none found"
+    forms = "; ".join(line.strip() for line in in_force(default_path(), CANDIDATES))
     return (f"{cpu_model()} (ISA: {isa}), {len(os.sched_getaffinity(0))} cores, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads, ATen {torch.backends.cpu.get_cpu_capability()} kernels), "
-            f"Python {platform.python_version()}; " + "; ".join(line.strip() for line in in_force(default_path())))
+            f"Python {platform.python_version()}; {forms}")
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:

@@ -100,6 +100,9 @@ class ServeOptions:
             raise ValueError(f"--gpus takes GPU indices >= 0, got {','.join(map(str, self.gpus))}")
         if self.gpus and (self.router.quantize or self.router.quantize_dense):
             raise ValueError("--quantize / --quantize-dense are the CPU path; on GPUs serve bfloat16")
+        if self.gpus and self.router.batch_invariant:
+            raise ValueError("--batch-invariant runs on CPUs (one-row kernels); on GPUs the Triton kernels' tiles "
+                             "depend on the batch: serve without it")
         if self.spawn not in SPAWNS:
             raise ValueError(f"--spawn must be one of {', '.join(SPAWNS)}, got {self.spawn!r}")
         if self.spawn == "fork" and self.on_gpus:

@@ -73,6 +73,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
     from colibri_common.placement import replica_experts
     from colibri_common.tensors import router_tensors
     from colibri_common.tokenizer import Tokenizer
+    from kernels.cpu_tune import CANDIDATES
 
     cfg = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)
@@ -112,7 +113,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
                                "int8": "int8 weight-only (--quantize int8): activations in the compute dtype",
                                "w8a8": "int8 weights and per-token int8 activations (--quantize w8a8)"}[quantize],
         f"this CPU         {describe_machine()}",
-        *(f"                 {line}" for line in in_force(resolve(cpu_forms))),
+        *(f"                 {line}" for line in in_force(resolve(cpu_forms), CANDIDATES)),
     ]
     for i in range(workers):
         experts = replica_experts(cfg.num_experts, i, workers, replicas)

@@ -120,11 +120,12 @@ class FormsFile:
         self.loaded = len(self.forms)
 
     def summary(self, measured: list[str]) -> str:
-        where = self.path if self.path is not None else "(not kept: --cpu-forms off)"
         rejects = sorted(k.removeprefix("reject:") for k in self.forms if k.startswith("reject:"))
         said = f"; rejected here: {', '.join(rejects)}" if rejects else ""
-        return (f"CPU linear forms ({self.section.split(' forms=')[0]}): {self.loaded} reused and {len(measured)} "
-                f"measured, {where}{said}")
+        who = self.section.split(" forms=")[0]
+        if self.path is None:
+            return f"CPU forms ({who}): the built-in defaults, checked on this machine (--cpu-forms off){said}"
+        return f"CPU linear forms ({who}): {self.loaded} reused and {len(measured)} measured, {self.path}{said}"
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
@@ -136,7 +137,11 @@ class FormsFile:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path.with_suffix(".measure.lock"), os.O_RDONLY | os.O_CREAT, 0o666)
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:             # another service of the fleet is measuring: say so, wait
+                    log.info("another process is measuring the CPU forms (%s); waiting to reuse them", self.path)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
             except OSError as exc:
                 log.warning("cannot lock %s for measuring (%s); measuring beside the other services",
                             self.path, exc)
@@ -172,16 +177,20 @@ class FormsFile:
             log.warning("cannot write %s (%s); the measured forms are used but not kept", self.path, exc)
 
 
-def in_force(path: Path | None) -> list[str]:
-    """What the file holds for this machine, section by section (for `colibri validate`): how many forms, which
-    won how often, and every reject with its reason."""
+def in_force(path: Path | None, candidates: str = "") -> list[str]:
+    """What the file holds for this machine, section by section (for `colibri validate`): which forms won how
+    often, and every reject with its reason; sections measured among other `candidates` (an older release's)
+    are only counted, as the services measure again."""
     if path is None:
-        return ["CPU forms: off (the built-in defaults)"]
+        return ["CPU forms: off (the built-in defaults, checked at start)"]
     sections = _read(path, machine(), say=False)
-    if not sections:
-        return [f"CPU forms: none measured on this machine yet ({path}; the first start measures them)"]
-    out = []
-    for name, table in sorted(sections.items()):
+    current = {k: v for k, v in sections.items() if not candidates or k.endswith(f" forms={candidates}")}
+    stale = len(sections) - len(current)
+    if not current:
+        return [f"CPU forms: none measured on this machine yet ({path}; the first start measures them)"
+                + (f"; {stale} section(s) of an older set of forms" if stale else "")]
+    out = [f"CPU forms: {stale} section(s) of an older set of forms, not used"] if stale else []
+    for name, table in sorted(current.items()):
         won: dict[str, int] = {}
         for k, form in table.items():
             if not k.startswith("reject:"):

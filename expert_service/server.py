@@ -29,6 +29,7 @@ from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard, cache_setting
 from kernels import describe_backend
+from kernels.cpu_check import NoRightForm
 from kernels.cpu_forms import batch_invariant, set_batch_invariant
 from kernels.cpu_tune import CANDIDATES, tune
 
@@ -80,7 +81,8 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         t0 = time.perf_counter()
         with torch.inference_mode(), device_scope(self.staging.device):     # this handler thread's GPU
             hidden_d, ids_d, weights_d = self.staging.to_device(hidden, ids, weights)
-            out, = self.staging.to_host(self.shard.forward(request.layer, hidden_d, ids_d, weights_d))  # [n, H] f64
+            sums = self.shard.forward(request.layer, hidden_d, ids_d, weights_d)                       # [n, H] f64
+            out, = self.staging.to_host(sums if request.exact_sum else sums.to(hidden.dtype))
         seconds = time.perf_counter() - t0
         self.metrics.count("ok", hidden.shape[0], seconds)
         return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=seconds * 1e3)
@@ -148,6 +150,14 @@ def serve_expert(opts: ExpertOptions) -> None:
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
                           quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache, kept=kept)
     experts.loaded()                            # without a cache every expert is packed: unmap the files
+    forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES, experts=True)
+    if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
+        with forms.measuring():
+            try:
+                log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()],
+                                            timed=forms.path is not None)))
+            except NoRightForm as exc:           # this machine cannot serve the model
+                raise ConfigError(str(exc)) from exc
     experts.warm_up()                           # the kernels run here (compiled on a GPU), before ready
     heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas)
     if experts.cache is not None:
@@ -155,11 +165,6 @@ def serve_expert(opts: ExpertOptions) -> None:
         if warm:
             log.info("packed the %d hottest experts of the last run (%s); the rest stay mapped", warm, heat)
     return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
-    forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES, experts=True)
-    if forms.path is not None and device.type == "cpu":
-        with forms.measuring():
-            log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save,
-                                        moe=[experts.moe_shape()])))
     tier = "all packed" if experts.cache is None else (
         f"expert cache of {experts.cache.hot.w13.shape[0]} slots ({opts.cache.expert_cache_capacity}, "
         f"{opts.cache.expert_cache_policy}); the rest mapped")

@@ -16,7 +16,7 @@ import os
 import torch
 
 from kernels.activation import SILU, GatedAct
-from kernels.cpu_forms import Weight
+from kernels.cpu_forms import Weight, batch_invariant
 from kernels.cpu_moe import fused_moe_cpu
 from kernels.fp8_weight import Fp8Weight
 from kernels.mxfp4_weight import Mxfp4Weight
@@ -43,6 +43,9 @@ def _pick(x: torch.Tensor, backend: str | None) -> str:
     choice = backend or backend_for(x.device)
     if choice not in BACKENDS:
         raise ValueError(f"MoE backend '{choice}' is unknown; use one of {', '.join(BACKENDS)}")
+    if choice == "triton" and batch_invariant():
+        raise ValueError("batch invariance runs the CPU forms one row at a time; the Triton kernels' tiles depend "
+                         "on the batch (unset COLIBRI_MOE_BACKEND=triton, or serve without --batch-invariant)")
     return choice
 
 

@@ -24,7 +24,8 @@ Shapes: n rows of x, Din input features, Dout output features; W [Dout, Din].
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -192,13 +193,29 @@ _INVARIANT = False
 
 
 def install(table: dict[str, str], rejected: set[tuple[int, int, str, str]] | None = None) -> None:
-    """Make `pick_rows` use these winners (keys from `key`) and never the `rejected` forms; shapes not in the
-    table keep the defaults."""
+    """Make `pick_rows` use these winners (keys from `key`) and never the `rejected` forms (a winner they name is
+    dropped: that shape and row count takes its default); shapes not in the table keep the defaults."""
     unknown = set(table.values()) - set(FORMS)
     if unknown:
         raise ValueError(f"unknown CPU linear forms {sorted(unknown)}; known: {', '.join(FORMS)}")
     _REJECTED.update(rejected or ())
     _TABLE.update(table)
+    for k, form in list(_TABLE.items()):
+        parsed = parse_key(k)
+        if parsed is not None and (*parsed[:3], form) in _REJECTED:
+            del _TABLE[k]
+
+
+@contextlib.contextmanager
+def installed(table: dict[str, str]) -> Iterator[None]:
+    """These winners for the duration (a measurement's own comparisons), then the table as it was."""
+    saved = dict(_TABLE)
+    _TABLE.update(table)
+    try:
+        yield
+    finally:
+        _TABLE.clear()
+        _TABLE.update(saved)
 
 
 def set_batch_invariant(on: bool) -> None:

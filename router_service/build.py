@@ -21,9 +21,11 @@ from colibri_common.errors import ConfigError
 from colibri_common.forms_file import FormsFile
 from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.heap import return_free_heap
+from colibri_common.serving import MAX_MESSAGE_BYTES
 from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Tokenizer
 from kernels import describe_backend
+from kernels.cpu_check import NoRightForm
 from kernels.cpu_forms import set_batch_invariant
 from kernels.cpu_linear import cpu_has_fast_bf16
 from kernels.cpu_tune import CANDIDATES, tune
@@ -82,10 +84,19 @@ def compute_dtype(requested: torch.dtype, device: torch.device | None = None) ->
 def remote_experts(opts: RouterOptions) -> ExpertsFactory:
     wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype)
     tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
-    return lambda cfg, device: RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
-                                             expect_quantize=opts.quantize, device=device,
-                                             track_routing=opts.expert_metrics, tls=tls,
-                                             batch_invariant=opts.batch_invariant)
+
+    def connect(cfg: ModelConfig, device: torch.device) -> RemoteExperts:
+        rows = max(opts.sched.max_num_tokens, opts.sched.max_batch_size)
+        if rows * cfg.hidden_size * 8 > MAX_MESSAGE_BYTES:       # a worker's float64 sums for a whole step
+            raise ConfigError(f"--max-num-tokens {rows}: a step's MoE sums from one worker ({rows} x hidden "
+                              f"{cfg.hidden_size} x 8 bytes, float64) would exceed the {MAX_MESSAGE_BYTES >> 20} MiB "
+                              f"message limit between router and workers; lower it to at most "
+                              f"{MAX_MESSAGE_BYTES // (cfg.hidden_size * 8)}")
+        return RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
+                             expect_quantize=opts.quantize, device=device, track_routing=opts.expert_metrics, tls=tls,
+                             batch_invariant=opts.batch_invariant)
+
+    return connect
 
 
 def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
@@ -104,10 +115,14 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     set_batch_invariant(opts.batch_invariant)   # the process's linears (and its in-process experts)
     return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
     forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES)
-    if forms.path is not None and device.type == "cpu":
+    if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
         with forms.measuring():
-            log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows)))
+            try:
+                log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows,
+                                            timed=forms.path is not None)))
+            except NoRightForm as exc:           # this machine cannot serve the model
+                raise ConfigError(str(exc)) from exc
     kv_heads, k_dim, v_dim = cfg.kv_layout          # latent attention: the compressed latent, its real size
     per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, kv_heads, k_dim, dtype, v_dim)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)

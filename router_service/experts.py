@@ -294,7 +294,7 @@ class RemoteExperts:
                 else:
                     enc = (wire.encode(x[wr.rows]), wire.encode(ids32[wr.rows]), wire.encode(w32[wr.rows]))
                 req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
-                                                step=self.step, prefetch=ahead)
+                                                step=self.step, prefetch=ahead, exact_sum=True)
                 parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
         self.timers["dispatch"] += time.perf_counter() - t0
@@ -307,7 +307,8 @@ class RemoteExperts:
         """Worker w's share of a layer, already cut to its rows ([n, H], [n, K] with -1 for pairs computed
         elsewhere, [n, K]); `ahead` the next layer's predicted experts (a failover re-send carries none)."""
         req = expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(x), topk_ids=wire.encode(ids),
-                                        topk_weights=wire.encode(weights), step=self.step, prefetch=ahead)
+                                        topk_weights=wire.encode(weights), step=self.step, prefetch=ahead,
+                                        exact_sum=True)
         self.worker_rows[w] += x.shape[0]
         return self.links.links[w].send(req)
 

@@ -122,6 +122,7 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["router", "--model", "m", "--workers", "a:1", "--device", "cuda", "--batch-invariant"],
      "--batch-invariant runs on CPUs"),
     (["serve", "--model", "m", "--quantize", "int4"], "invalid choice: 'int4'"),
+    (["serve", "--model", "m", "--gpus", "0", "--batch-invariant"], "--batch-invariant runs on CPUs"),
     (["serve", "--model", "m", "--gpus", "0", "--device", "cuda:1"], "give --gpus (one GPU per child) or --device"),
     (["serve", "--model", "m", "--gpus", "0,x"], "invalid comma-separated int value"),
     (["serve", "--model", "m", "--gpus", "0", "--quantize", "int8"], "are the CPU path; on GPUs serve bfloat16"),

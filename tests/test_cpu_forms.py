@@ -14,7 +14,7 @@ import torch
 from colibri_common.forms_file import machine
 from kernels import cpu_forms, cpu_moe, cpu_tune
 from kernels.cpu_linear import linear
-from kernels.form_check import isolated, reference, wrong
+from kernels.form_check import Verdict, isolated, reference, wrong
 from kernels.quant import quantize_int8
 from tests.conftest import colibri_run
 from tests.inprocess import InProcess
@@ -131,8 +131,35 @@ def test_a_form_that_crashes_is_caught_in_a_forked_child_and_marked_unusable(for
     assert all(v != "crashy" for v in table.values())
     assert (24, 40, "int8-bfloat16", "crashy") in cpu_forms._REJECTED
     assert any("crashy" in r.getMessage() and "crashed (SIGSEGV)" in r.getMessage() for r in caplog.records)
-    assert isolated(lambda: None) is None and isolated(lambda: "wrong") == "wrong"
-    assert isolated(lambda: time.sleep(30), timeout=0.5).startswith("hung")
+    assert isolated(lambda: None) is None and isolated(lambda: "wrong") == Verdict("wrong")
+    hung = isolated(lambda: time.sleep(30), timeout=0.5)
+    assert hung.why.startswith("hung") and not hung.lasting             # maybe the load: not kept in the file
+    raised = isolated(lambda: 1 / 0)
+    assert raised.why.startswith("raised ZeroDivisionError") and not raised.lasting
+
+
+def test_a_reject_read_from_the_file_keeps_its_form_out_of_the_defaults_and_the_table(forms_state):
+    """A forms file that rejects this shape's default form (as another start on this machine found it wrong):
+    the default falls back to the plain GEMM, and a winner naming it is dropped and measured again."""
+    k = cpu_forms.key(24, 40, "float32", 1)
+    table = {cpu_tune.reject_key(24, 40, "float32", "mv"): "crashed (SIGSEGV)", k: "mv"}
+    measured = cpu_tune.tune([(24, 40, "float32")], table, save=lambda: None, max_rows=1)
+    assert measured == [k] and table[k] != "mv"
+    assert cpu_forms.default_form("float32", 1, 24, 40) == "linear"
+    x, w = torch.randn(1, 40), torch.randn(24, 40)
+    assert cpu_forms.pick(x, w) is not cpu_forms.FORMS["mv"].fn
+
+
+def test_without_a_forms_file_the_forms_the_defaults_run_are_still_checked(forms_state, caplog):
+    """--cpu-forms off measures nothing, but a default that is wrong here is refused all the same."""
+    cpu_forms.FORMS["mv"] = cpu_forms.FormSpec(_garbage, "float", max_rows=1)         # the 1-row default, broken
+    table: dict[str, str] = {}
+    with caplog.at_level(logging.WARNING, logger="colibri.kernels"):
+        assert cpu_tune.tune([(24, 40, "float32")], table, save=lambda: 1 / 0, max_rows=4, timed=False) == []
+    assert cpu_tune.reject_key(24, 40, "float32", "mv") in table
+    assert not [k for k in table if not k.startswith(cpu_tune.REJECT)]                # nothing timed
+    x, w = torch.randn(1, 40), torch.randn(24, 40)
+    assert wrong(linear(x, w), x, w) is None                                          # the fallback computes it
 
 
 def test_the_check_refuses_a_form_that_lowers_precision():

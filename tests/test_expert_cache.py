@@ -168,3 +168,28 @@ def test_a_pack_that_fails_fails_its_call_alone_and_leaves_no_half_written_exper
     finally:
         cache.close()
         ckpt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_bounded_cache_gives_the_full_shards_sums_to_the_bit_over_many_rounds(oracles, dtype):
+    """Two slots a layer against every expert packed: the calls that need more experts than the slots run in
+    rounds, all adding into one float64 sum, so the result is the full shard's to the bit in bf16 too (rounding
+    each round's sum, as before, was not)."""
+    path = oracles["qwen3_moe"].path                                  # 60 experts, top-4: rounds of 2
+    cfg = ModelConfig.from_dir(path)
+    ckpt = Checkpoint(path)
+    full = ExpertShard(cfg, ckpt, 0, 1, dtype)
+    small = ExpertShard(cfg, ckpt, 0, 1, dtype, cache=cache_setting(cfg, cfg.num_experts, dtype, None, "2/layer"))
+    g = torch.Generator().manual_seed(3)
+    try:
+        for step in range(4):
+            layer = cfg.moe_layers[step % len(cfg.moe_layers)]
+            x = torch.randn(9, cfg.hidden_size, generator=g).to(dtype)                # [T, H]
+            ids = torch.rand(9, cfg.num_experts, generator=g).argsort(dim=1)[:, :cfg.top_k]   # [T, K]
+            w = torch.rand(9, cfg.top_k, generator=g)
+            got = small.forward(layer, x, ids, w)
+            assert got.dtype == torch.float64 and torch.equal(got, full.forward(layer, x, ids, w)), step
+        assert small.cache.stats.misses > 2 * cfg.top_k                  # many rounds, many packs
+    finally:
+        small.close()
+        ckpt.close()

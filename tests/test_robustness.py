@@ -13,9 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import psutil
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from colibri.client import Client, make_request
+from colibri_common import wire
+from colibri_common.config import ModelConfig
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb.generation_pb2_grpc import GenerationStub
@@ -159,6 +162,16 @@ def test_a_worker_rejects_a_malformed_tensor_with_invalid_argument(served, oracl
             with pytest.raises(grpc.RpcError) as err:
                 stub.Forward(req, timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+        # A router that asks for the exact sum gets it in float64; an older one, that cannot ask, in its dtype.
+        x = torch.randn(3, ModelConfig.from_dir(path).hidden_size).bfloat16()
+        ids, ws = torch.tensor([[0, 1], [2, 3], [1, 4]], dtype=torch.int32), torch.rand(3, 2)
+        req = expert_pb2.ForwardRequest(layer=0, hidden=wire.encode(x), topk_ids=wire.encode(ids),
+                                        topk_weights=wire.encode(ws))
+        plain = wire.decode(stub.Forward(req, timeout=10).output)
+        req.exact_sum = True
+        exact = wire.decode(stub.Forward(req, timeout=10).output)
+        assert plain.dtype == torch.bfloat16 and exact.dtype == torch.float64
+        assert torch.equal(exact.to(torch.bfloat16), plain)
         # Idle streams up to the cap; the next is refused at once, and health still answers.
         idle = [stub.ForwardStream(iter(threading.Event().wait, True), timeout=30) for _ in range(2)]
         time.sleep(0.5)

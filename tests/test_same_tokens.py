@@ -9,7 +9,9 @@ here serves the same prompts; their tokens must be identical.
   is exact in float64 and rounded once, and every worker computes an expert's rows with the same forms, so
   none of these may change a token. Streams run one after another here: concurrent streams change the
   batches, which only --batch-invariant makes irrelevant.
-- `--batch-invariant`: the same prompts one at a time, all at once, and over two micro-batches.
+- `--batch-invariant`: the same prompts one at a time, all at once, and over two micro-batches; in-process
+  in float32 on odd sizes (hidden 72: vector loops with scalar tails), a sigmoid-gated shared expert, latent
+  attention, sliding layers with sinks.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from transformers import Qwen3MoeConfig
 
 from colibri.client import Client
 from tests.conftest import fleet
-from tests.models import build_model, save_checkpoint
+from tests.inprocess import InProcess
+from tests.models import build_model, save_checkpoint, small_config
 
 PROMPTS = [[random.Random(i).randrange(512) for _ in range(4 + 3 * i)] for i in range(6)]
 TOKENS = 32
@@ -89,3 +92,30 @@ def test_batch_invariant_tokens_are_the_same_alone_together_and_in_micro_batches
     alone = serve(near_ties, 2, ["--batch-invariant"])
     same(serve(near_ties, 2, ["--batch-invariant"], together=True), alone)
     same(serve(near_ties, 3, ["--batch-invariant", "--micro-batches", "2"], together=True), alone)
+
+
+@pytest.fixture(scope="module")
+def odd_shapes(tmp_path_factory, oracles) -> dict[str, Path]:
+    """Qwen2-MoE at hidden 72 (its shared expert's sigmoid gate is one value a token, so a batch's vector loop
+    meets a scalar tail), and the suite's DeepSeek-V3 (latent attention) and GPT-OSS (sliding layers, sinks)."""
+    qwen2 = build_model(small_config("qwen2_moe", hidden_size=72), seed=3)
+    return {"qwen2_moe": save_checkpoint(qwen2, tmp_path_factory.mktemp("odd") / "qwen2-72"),
+            "deepseek_v3": oracles["deepseek_v3"].path, "gpt_oss": oracles["gpt_oss"].path}
+
+
+def logits_of(path: Path, together: bool, **opts) -> list[bytes]:
+    prompts = [[random.Random(50 + i).randrange(256) for _ in range(5 + 2 * i)] for i in range(6)]
+    with InProcess(path, cpu_forms="off", **opts) as engine:
+        if together:
+            runs = [engine.submit(p, 6, return_logits=True) for p in prompts]
+            results = [engine.collect(r) for r in runs]
+        else:
+            results = [engine.generate(p, 6, return_logits=True) for p in prompts]
+    return [b"".join(x.numpy().tobytes() for x in r.logits) for r in results]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_batch_invariant_float32_logits_are_the_same_bits_alone_and_together(odd_shapes, arch):
+    path = odd_shapes[arch]
+    assert logits_of(path, True, batch_invariant=True) == logits_of(path, False, batch_invariant=True)
+    assert logits_of(path, True) != logits_of(path, False)        # without it the batch shows in the last bits

@@ -40,6 +40,13 @@ def test_validate_accepts_a_good_checkpoint(ckpt):
     assert shard_mib(q8.stdout) < 0.3 * shard_mib(out.stdout)           # int8 + scales vs the stored float32
 
 
+def test_a_step_whose_moe_sums_would_not_fit_a_message_is_refused_at_start(ckpt):
+    out = run("router", "--model", str(ckpt), "--workers", "127.0.0.1:9", "--max-num-tokens", "1000000",
+              "--port", "0")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "--max-num-tokens 1000000" in out.stderr and "message limit" in out.stderr and "lower it to" in out.stderr
+
+
 def test_unknown_architecture(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["architectures"] = ["GrokForCausalLM"]
