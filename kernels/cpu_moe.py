@@ -13,7 +13,8 @@ No Python work per token outside batch invariance: the sort, the counts and the 
 Each pair's weighted output is float32; the sum over a token's pairs is float64. A sum of K float32 values
 whose magnitudes lie within 2^(29 - ceil(log2 K)) of each other (2^26 for top-8, 2^25 for top-16) is exact in
 float64, so it is the same in any order or grouping: the experts' placement over workers, replicas, an
-expert cache's rounds, none of them changes it. Callers that add several calls (workers, cache rounds) pass one float64 `acc` and round once at the end.
+expert cache's rounds, none of them changes it. Callers that add several calls (workers, cache rounds) pass
+one float64 `acc` and round once at the end.
 
 Shapes: T tokens, H hidden size, E local experts, I expert width, K experts per token (top-k), P
 token-expert pairs computed here, n pairs of one expert.

@@ -53,7 +53,7 @@ def test_every_form_computes_the_product_of_its_kind_without_lowering_precision(
     x, wf, b = torch.randn(rows, din, generator=g).to(act), torch.randn(40, din, generator=g), \
         torch.randn(40, generator=g).to(act)
     w = weight_of(family, wf, act)
-    want = reference(x, w) + b.double()
+    want = reference(x, w).product + b.double()
     tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[act]
     k = cpu_forms.kind(w, act)
     names = cpu_forms.candidates(k, cpu_forms.bucket(rows), 40, din)
@@ -173,6 +173,14 @@ def test_the_check_refuses_a_form_that_lowers_precision():
     assert "against float64" in wrong(as_bf16, x, w) and "against float64" in wrong(as_int8, x, w)
     assert wrong(cpu_forms.FORMS["int8_dequant"].fn(x, w), x, w) is None
     assert "non-finite" in wrong(torch.full((5, 64), float("nan")), x, w)
+    # A result that cancels to almost nothing (a one-output gate whose terms sum to ~0) is judged by the size of
+    # its terms, not its own: float32 accumulation is right there even when it is far off relative to ~0.
+    gate = torch.randn(1, 96, generator=g)
+    xs = torch.randn(8, 96, generator=g)
+    xs -= (xs @ gate.t()) / gate.square().sum() * gate * (1 - 1e-4)              # x . gate ~ 1e-4 of its terms
+    for name in ("mv", "gemv_t", "linear"):
+        assert wrong(cpu_forms.FORMS[name].fn(xs[:1] if name == "mv" else xs, gate), xs[:1] if name == "mv"
+                     else xs, gate) is None, name
     assert "not torch.float32" in wrong(as_bf16.bfloat16(), x, w)
 
 
