@@ -29,7 +29,6 @@ from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard, cache_setting
 from kernels import describe_backend
-from kernels.cpu_check import NoRightForm
 from kernels.cpu_forms import batch_invariant, set_batch_invariant
 from kernels.cpu_tune import CANDIDATES, tune
 
@@ -153,11 +152,8 @@ def serve_expert(opts: ExpertOptions) -> None:
     forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES, experts=True)
     if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
         with forms.measuring():
-            try:
-                log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()],
-                                            timed=forms.path is not None)))
-            except NoRightForm as exc:           # this machine cannot serve the model
-                raise ConfigError(str(exc)) from exc
+            log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()],
+                                        timed=forms.path is not None)))
     experts.warm_up()                           # the kernels run here (compiled on a GPU), before ready
     heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas)
     if experts.cache is not None:

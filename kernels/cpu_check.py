@@ -32,10 +32,6 @@ CHECK_BUDGET = 2**29     # multiply-adds of one form's full check: the largest w
 SAMPLED_COLS = 256       # output columns a bucket's check compares (every row of the bucket)
 
 
-class NoRightForm(RuntimeError):
-    """Every candidate form of a weight was found wrong on this machine."""
-
-
 def machine_name() -> str:
     """The CPU model (from /proc/cpuinfo), torch and its ATen kernel level, for the one log line of a reject."""
     name = platform.processor() or platform.machine()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.form_check import reference
 from kernels.quant import Int8Weight, quantize_rows
 
 Weight = torch.Tensor | Int8Weight
@@ -79,6 +80,11 @@ def _w8a8_dequant(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return (F.linear(xq.float(), w.q.float()) * xs[:, None] * w.scale).to(x.dtype)
 
 
+def _float64(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """The float64 product of what is held, cast: the last resort where every other form was found wrong."""
+    return reference(x, w).product.to(x.dtype)
+
+
 @dataclass(frozen=True)
 class FormSpec:
     """One form: which kinds it computes, up to how many rows it is worth racing, whether it is torch's own
@@ -106,6 +112,7 @@ FORMS: dict[str, FormSpec] = {
     "w8a8_intmm": FormSpec(_w8a8_intmm, "w8a8", isolate=True),
     "w8a8_dequant": FormSpec(_w8a8_dequant, "w8a8"),
 }
+LAST_RESORT = "float64"     # never raced: used only where no candidate of a shape and row count is right
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -177,7 +184,8 @@ def default_form(weight_kind_: str, rows: int, dout: int = 0, din: int = 0) -> s
         want = "linear"
     if not dout or usable(want, dout, din, weight_kind_):
         return want
-    return {"int8": "int8_dequant", "w8a8": "w8a8_dequant"}.get(fam, "linear")
+    plain = {"int8": "int8_dequant", "w8a8": "w8a8_dequant"}.get(fam, "linear")
+    return plain if usable(plain, dout, din, weight_kind_) else LAST_RESORT
 
 
 def invariant_form(weight_kind_: str, dout: int, din: int) -> str:
@@ -185,7 +193,7 @@ def invariant_form(weight_kind_: str, dout: int, din: int) -> str:
     rule, not by timing, so every process of a fleet computes a given row alike."""
     fam = family(weight_kind_)
     order = {"int8": ("int8_pack", "int8_dequant"), "w8a8": ("w8a8_intmm", "w8a8_dequant")}.get(fam, ("mv", "linear"))
-    return next((n for n in order if usable(n, dout, din, weight_kind_)), order[-1])
+    return next((n for n in order if usable(n, dout, din, weight_kind_)), LAST_RESORT)
 
 
 _TABLE: dict[str, str] = {}
@@ -195,7 +203,7 @@ _INVARIANT = False
 def install(table: dict[str, str], rejected: set[tuple[int, int, str, str]] | None = None) -> None:
     """Make `pick_rows` use these winners (keys from `key`) and never the `rejected` forms (a winner they name is
     dropped: that shape and row count takes its default); shapes not in the table keep the defaults."""
-    unknown = set(table.values()) - set(FORMS)
+    unknown = set(table.values()) - set(FORMS) - {LAST_RESORT}
     if unknown:
         raise ValueError(f"unknown CPU linear forms {sorted(unknown)}; known: {', '.join(FORMS)}")
     _REJECTED.update(rejected or ())
@@ -249,9 +257,13 @@ def pick_rows(rows: int, x_dtype: torch.dtype, w: Weight) -> Form:
     k = kind(w, x_dtype)
     dout, din = w.shape[0], w.shape[1]
     if _INVARIANT:
-        return _rowwise(FORMS[invariant_form(k, dout, din)].fn)
+        return _rowwise(_fn(invariant_form(k, dout, din)))
     name = _TABLE.get(key(dout, din, k, bucket(rows))) or default_form(k, rows, dout, din)
-    return FORMS[name if rows == 1 or name != "mv" else "gemv_t"].fn
+    return _fn(name if rows == 1 or name != "mv" else "gemv_t")
+
+
+def _fn(name: str) -> Form:
+    return _float64 if name == LAST_RESORT else FORMS[name].fn
 
 
 def describe(table: dict[str, str]) -> str:
@@ -275,9 +287,10 @@ def parse_key(entry_key: str) -> tuple[int, int, str, int] | None:
 
 def valid(entry_key: str, form: str) -> bool:
     """Whether `form` is a candidate for the shape, kind and rows that `entry_key` names (a hand-edited or
-    foreign file could pair an int8 weight with a float form, or a guarded form with a shape it cannot take)."""
+    foreign file could pair an int8 weight with a float form, or a guarded form with a shape it cannot take),
+    or the last resort."""
     parsed = parse_key(entry_key)
     if parsed is None or parsed[3] not in BUCKETS:
         return False
     dout, din, weight_kind_, rows = parsed
-    return form in candidates(weight_kind_, rows, dout, din)
+    return form == LAST_RESORT or form in candidates(weight_kind_, rows, dout, din)

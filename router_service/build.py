@@ -25,7 +25,6 @@ from colibri_common.serving import MAX_MESSAGE_BYTES
 from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Tokenizer
 from kernels import describe_backend
-from kernels.cpu_check import NoRightForm
 from kernels.cpu_forms import set_batch_invariant
 from kernels.cpu_linear import cpu_has_fast_bf16
 from kernels.cpu_tune import CANDIDATES, tune
@@ -118,11 +117,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
         with forms.measuring():
-            try:
-                log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows,
-                                            timed=forms.path is not None)))
-            except NoRightForm as exc:           # this machine cannot serve the model
-                raise ConfigError(str(exc)) from exc
+            log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows,
+                                        timed=forms.path is not None)))
     kv_heads, k_dim, v_dim = cfg.kv_layout          # latent attention: the compressed latent, its real size
     per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, kv_heads, k_dim, dtype, v_dim)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)

@@ -320,3 +320,22 @@ def test_the_workers_of_a_fleet_measure_their_shared_shapes_once(tmp_path, oracl
     (reused0, measured0), (reused1, measured1) = counts                 # (reused, measured), fewest reused first
     assert reused0 == 0 and measured0 > 0, lines                         # the first measured everything
     assert (reused1, measured1) == (measured0, 0), lines                 # the second reused all of it
+
+
+def test_where_every_form_is_wrong_the_weight_is_computed_in_float64_and_the_log_says_so(forms_state, caplog):
+    """Correct before fast, and still serving: no candidate right at a row count means the float64 product,
+    with an error in the log (a service starts; it is slow there, and says why)."""
+    for name in ("mv", "gemv_t", "linear"):
+        spec = cpu_forms.FORMS[name]
+        cpu_forms.FORMS[name] = cpu_forms.FormSpec(_garbage, "float", max_rows=spec.max_rows)
+    table: dict[str, str] = {}
+    with caplog.at_level(logging.ERROR, logger="colibri.kernels"):
+        cpu_tune.tune([(24, 40, "float32")], table, save=lambda: None, max_rows=8)
+    assert {table[cpu_forms.key(24, 40, "float32", b)] for b in (1, 2, 4, 8)} == {cpu_forms.LAST_RESORT}
+    assert any("computed in float64" in r.getMessage() for r in caplog.records)
+    for rows in (1, 3, 8, 70):
+        x, w = torch.randn(rows, 40), torch.randn(24, 40)
+        assert wrong(linear(x, w), x, w) is None
+    cpu_forms.set_batch_invariant(True)
+    x = torch.randn(3, 40)
+    assert wrong(linear(x, w), x, w) is None
