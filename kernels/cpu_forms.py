@@ -136,7 +136,7 @@ def weight_kind(quantize: str | None, dtype: torch.dtype) -> str:
 
 def kind(w: Weight, x_dtype: torch.dtype) -> str:
     if isinstance(w, Int8Weight):
-        return weight_kind("w8a8" if w.w8a8 else "int8", x_dtype)
+        return weight_kind("w8a8" if w.w8a8 else "int8", w.act_dtype or x_dtype)
     return dtype_name(w.dtype)
 
 

@@ -22,10 +22,17 @@ from kernels.quant import Int8Weight
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, Din], w [Dout, Din] float or int8 (+ bias [Dout]) -> [n, Dout] in x's dtype."""
+    """x [n, Din], w [Dout, Din] float or int8 (+ bias [Dout]) -> [n, Dout] in x's dtype. An int8 weight with an
+    `act_dtype` multiplies x in that dtype (the one the user chose: a router that computes its float layers in
+    float32 on a CPU without bf16 arithmetic still gives its int8 layers bf16 activations, which the int8 kernel
+    runs fastest)."""
     if x.dim() != 2 or (x.is_cuda and not isinstance(w, Int8Weight)):
         return F.linear(x, w, bias)
-    y = pick(x, w)(x, w)                                                    # [n, Dout]
+    if isinstance(w, Int8Weight) and w.act_dtype is not None and x.dtype != w.act_dtype:
+        xa = x.to(w.act_dtype)                                              # [n, Din]
+        y = pick(xa, w)(xa, w).to(x.dtype)                                  # [n, Dout]
+    else:
+        y = pick(x, w)(x, w)                                                # [n, Dout]
     return y if bias is None else y + bias
 
 

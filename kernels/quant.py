@@ -23,6 +23,8 @@ class Int8Weight:
     q: torch.Tensor          # [..., Dout, Din] int8
     scale: torch.Tensor      # [..., Dout] float32
     w8a8: bool = False       # the activations are quantised per row too (int8 x int8 products)
+    act_dtype: torch.dtype | None = None   # the dtype the activations are multiplied in, when not theirs: the
+    #                                        dtype the user chose, where the router computes in float32
 
     @staticmethod
     def empty(*shape: int, w8a8: bool = False) -> Int8Weight:
@@ -45,7 +47,7 @@ class Int8Weight:
         return self.q.dim()
 
     def __getitem__(self, index) -> Int8Weight:
-        return Int8Weight(self.q[index], self.scale[index], self.w8a8)
+        return Int8Weight(self.q[index], self.scale[index], self.w8a8, self.act_dtype)
 
     @cached_property
     def rows(self) -> list[Int8Weight]:
@@ -67,12 +69,12 @@ class Int8Weight:
         return (self.q.to(torch.float32) * self.scale[..., None]).to(dtype)       # [..., Dout, Din]
 
 
-def quantize_int8(w: torch.Tensor, w8a8: bool = False) -> Int8Weight:
+def quantize_int8(w: torch.Tensor, w8a8: bool = False, act_dtype: torch.dtype | None = None) -> Int8Weight:
     """Per output channel: scale = max|w_row| / 127, q = round(w / scale)."""
     wf = w.float()                                                                 # [..., Dout, Din]
     scale = (wf.abs().amax(dim=-1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)  # [..., Dout]
     q = torch.round(wf / scale[..., None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q.contiguous(), scale.contiguous(), w8a8)
+    return Int8Weight(q.contiguous(), scale.contiguous(), w8a8, act_dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

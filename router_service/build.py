@@ -110,7 +110,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO), device=device)
     ckpt.close()
     if opts.quantize_dense:
-        weights.quantize_int8(w8a8=opts.quantize == "w8a8")
+        asked = getattr(torch, opts.dtype)
+        weights.quantize_int8(w8a8=opts.quantize == "w8a8", act_dtype=asked if asked != dtype else None)
     set_batch_invariant(opts.batch_invariant)   # the process's linears (and its in-process experts)
     return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
     forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES)

@@ -80,11 +80,12 @@ class RouterWeights:
         ws += [w for lw in self.layers if lw.mla is not None for w in lw.mla.linears()]
         return list(dict.fromkeys((w.shape[0], w.shape[1], kind(w, act_dtype)) for w in ws))
 
-    def quantize_int8(self, w8a8: bool = False) -> None:
-        """int8 attention, dense MLPs, shared experts and lm_head (weight-only, or W8A8); the gates (which pick the
-        experts), norms, biases and the embedding lookup keep the compute dtype."""
+    def quantize_int8(self, w8a8: bool = False, act_dtype: torch.dtype | None = None) -> None:
+        """int8 attention, dense MLPs, shared experts and lm_head (weight-only, or W8A8), their activations in
+        `act_dtype` where given (the dtype the user chose, where the router computes in float32); the gates
+        (which pick the experts), norms, biases and the embedding lookup keep the compute dtype."""
         def q8(w: torch.Tensor) -> Int8Weight:
-            return quantize_int8(w, w8a8=w8a8)
+            return quantize_int8(w, w8a8=w8a8, act_dtype=act_dtype)
 
         self.lm_head = q8(self.lm_head)                  # a copy even when tied: the embedding stays as it is
         for lw in self.layers:                     # latent attention: its projections (W_UK, W_UV stay)

@@ -153,3 +153,22 @@ def test_a_w8a8_fleet_with_w8a8_dense_layers_serves_the_greedy_tokens(separated)
         for row in data[:3]:
             prompt = row[:8].tolist()
             assert client.generate(prompt, 12).token_ids == oracle.greedy(prompt, 12)
+
+
+def test_int8_dense_layers_take_the_activations_in_the_dtype_asked_for(separated):
+    """A bf16 request on a CPU without bf16 arithmetic: the router computes its float layers in float32, and its
+    int8 layers multiply bf16 activations (what was asked, and what the int8 kernel runs fastest): the same
+    product as a bf16 activation times the int8 weight, returned in float32."""
+    from kernels.cpu_linear import cpu_has_fast_bf16, linear
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 64, generator=g), torch.randn(5, 64, generator=g)
+    tagged, plain = quantize_int8(w, act_dtype=torch.bfloat16), quantize_int8(w)
+    got = linear(x, tagged)
+    assert got.dtype == torch.float32 and torch.equal(got, linear(x.bfloat16(), plain).float())
+    oracle, _ = separated["qwen3_moe"]
+    with InProcess(oracle.path, dtype="bfloat16", quantize="int8", quantize_dense=True) as engine:
+        lm_head = engine.built.engine.model.w.lm_head
+        routed_in_float32 = engine.built.compute_dtype == torch.float32
+        assert routed_in_float32 == (not cpu_has_fast_bf16())
+        assert lm_head.act_dtype == (torch.bfloat16 if routed_in_float32 else None)
