@@ -7,9 +7,14 @@ PB := colibri_common/pb
 PROTOS := $(wildcard protos/*.proto)
 PB_STAMP := $(PB)/.generated
 
-.PHONY: setup demo test lint bench bench-kernels bench-cache bench-openai bench-gpu chart-check clean
+.PHONY: setup native demo test lint bench bench-kernels bench-cache bench-openai bench-gpu chart-check clean
 
-setup: $(STAMP) $(PB_STAMP)
+setup: $(STAMP) $(PB_STAMP) native
+
+# The native CPU kernels (kernels/native/, g++): rebuilt when their sources change; without a compiler, or if
+# the build fails, it says so and the torch forms run.
+native: $(STAMP)
+	$(PY) -m kernels.native_build
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,16 +34,17 @@ demo: setup
 # The layer contract (pyproject.toml, [tool.importlinter]) runs first: a wrong import fails the suite.
 # Two pytest processes (pytest-xdist): most tests run one torch thread, so a second process uses the second
 # core; the services they start are forked from a pre-imported fork server (tests/forkserver.py).
-# Then the kernel, forms and oracle tests again under a second ATen kernel level (tests/other_isa.py: AVX2 on
-# an AVX-512 machine, torch's portable kernels on an AVX2 one), so no test assumes the developer's ISA.
+# Then the kernel, forms and oracle tests again under a second ATen kernel level and a second level of the native
+# kernels (tests/other_isa.py: AVX2 on an AVX-512 machine, torch's portable kernels and the generic native build
+# on an AVX2 one), so no test assumes the developer's ISA.
 TEST_WORKERS ?= 2
 ISA_TESTS := tests/kernels tests/test_cpu_forms.py tests/test_e2e_oracle.py tests/test_quantize.py \
 	tests/test_same_tokens.py
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
-	level=$$($(PY) -m tests.other_isa) && echo "ATEN_CPU_CAPABILITY=$$level:" && \
-		ATEN_CPU_CAPABILITY=$$level $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ISA_TESTS)
+	levels="$$($(PY) -m tests.other_isa)" && echo "$$levels:" && \
+		env $$levels $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ISA_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

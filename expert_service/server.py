@@ -28,7 +28,7 @@ from expert_service.kept_format import kept_format
 from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard, cache_setting
-from kernels import describe_backend
+from kernels import describe_backend, native
 from kernels.cpu_forms import batch_invariant, set_batch_invariant
 from kernels.cpu_tune import CANDIDATES, tune
 
@@ -151,6 +151,9 @@ def serve_expert(opts: ExpertOptions) -> None:
     experts.loaded()                            # without a cache every expert is packed: unmap the files
     forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES, experts=True)
     if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
+        if native.refused_override():
+            raise ConfigError(native.refused_override())
+        log.info(native.describe())
         with forms.measuring():
             log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()],
                                         timed=forms.path is not None)))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels.form_check import reference
 from kernels.quant import Int8Weight, quantize_rows
 
@@ -87,15 +88,18 @@ def _float64(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FormSpec:
-    """One form: which kinds it computes, up to how many rows it is worth racing, whether it is torch's own
-    kernel that may crash on some CPU (first run in a forked child: kernels/form_check.py), and the shapes it
-    cannot take (`fits(dout, din)`)."""
+    """One form: which kinds it computes (its family, and within it only `kinds` where given), up to how many rows
+    it is worth racing, whether it is a compiled kernel that may crash on some CPU (first run in a forked child:
+    kernels/form_check.py), the shapes it cannot take (`fits(dout, din)`), and whether each row's result is
+    independent of the others by construction (batch invariance needs no row-by-row loop then)."""
 
     fn: Form
     family: str                                  # "float", "int8" (weight-only) or "w8a8"
     max_rows: int = 1 << 30
     isolate: bool = False
     fits: Callable[[int, int], bool] = lambda dout, din: True
+    kinds: tuple[str, ...] = ()
+    invariant: bool = False
 
 
 def _int8pack_fits(dout: int, din: int) -> bool:
@@ -112,6 +116,10 @@ FORMS: dict[str, FormSpec] = {
     "w8a8_intmm": FormSpec(_w8a8_intmm, "w8a8", isolate=True),
     "w8a8_dequant": FormSpec(_w8a8_dequant, "w8a8"),
 }
+if native.available():                       # Colibri's own kernels (kernels/native/), where make setup built them
+    FORMS["native"] = FormSpec(native.linear, "float", isolate=True, kinds=("float32", "bfloat16"), invariant=True)
+    FORMS["native_int8"] = FormSpec(native.linear, "int8", isolate=True, kinds=("int8-float32", "int8-bfloat16"),
+                                    invariant=True)
 LAST_RESORT = "float64"     # never raced: used only where no candidate of a shape and row count is right
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -152,7 +160,7 @@ def candidates(weight_kind_: str, rows: int, dout: int = 0, din: int = 0) -> lis
     """The forms raced for this kind at this row bucket on W [dout, din] (0, 0: any shape a form takes)."""
     fam = family(weight_kind_)
     out = [name for name, f in FORMS.items() if f.family == fam and rows <= f.max_rows
-           and (not dout or f.fits(dout, din))]
+           and (not dout or f.fits(dout, din)) and (not f.kinds or weight_kind_ in f.kinds)]
     if fam == "float" and weight_kind_ == "float32":
         out = [n for n in out if n != "upcast"]                       # already float32: the same as linear
     return out
@@ -162,14 +170,19 @@ _REJECTED: set[tuple[int, int, str, str]] = set()      # (dout, din, kind, form)
 
 
 def usable(name: str, dout: int, din: int, weight_kind_: str) -> bool:
-    f = FORMS[name]
-    return f.family == family(weight_kind_) and f.fits(dout, din) and (dout, din, weight_kind_, name) not in _REJECTED
+    f = FORMS.get(name)
+    return f is not None and f.family == family(weight_kind_) and f.fits(dout, din) and \
+        (not f.kinds or weight_kind_ in f.kinds) and (dout, din, weight_kind_, name) not in _REJECTED
 
 
 def default_form(weight_kind_: str, rows: int, dout: int = 0, din: int = 0) -> str:
-    """What to use before (or without) a measurement: the forms measured on the AVX2 dev machine, where this
-    shape may take them and this machine did not reject them; else the plain torch GEMM of the family."""
+    """What to use before (or without) a measurement: the native kernel where it takes the kind, else the torch
+    forms measured on the AVX2 dev machine, where this shape may take them and this machine did not reject
+    them; else the plain torch GEMM of the family."""
     fam = family(weight_kind_)
+    mine = {"float": "native", "int8": "native_int8"}.get(fam)
+    if mine is not None and (usable(mine, dout, din, weight_kind_) if dout else mine in candidates(weight_kind_, rows)):
+        return mine
     if fam == "int8":
         want = "int8_pack" if rows <= 4 else "int8_dequant"
     elif fam == "w8a8":
@@ -192,7 +205,8 @@ def invariant_form(weight_kind_: str, dout: int, din: int) -> str:
     """The one form a weight uses at every row count under batch invariance, run one row at a time: chosen by
     rule, not by timing, so every process of a fleet computes a given row alike."""
     fam = family(weight_kind_)
-    order = {"int8": ("int8_pack", "int8_dequant"), "w8a8": ("w8a8_intmm", "w8a8_dequant")}.get(fam, ("mv", "linear"))
+    order = {"int8": ("native_int8", "int8_pack", "int8_dequant"),
+             "w8a8": ("w8a8_intmm", "w8a8_dequant")}.get(fam, ("native", "mv", "linear"))
     return next((n for n in order if usable(n, dout, din, weight_kind_)), LAST_RESORT)
 
 
@@ -257,7 +271,8 @@ def pick_rows(rows: int, x_dtype: torch.dtype, w: Weight) -> Form:
     k = kind(w, x_dtype)
     dout, din = w.shape[0], w.shape[1]
     if _INVARIANT:
-        return _rowwise(_fn(invariant_form(k, dout, din)))
+        name = invariant_form(k, dout, din)
+        return _fn(name) if name in FORMS and FORMS[name].invariant else _rowwise(_fn(name))
     name = _TABLE.get(key(dout, din, k, bucket(rows))) or default_form(k, rows, dout, din)
     return _fn(name if rows == 1 or name != "mv" else "gemv_t")
 

@@ -8,6 +8,9 @@
   every expert of the call would use `linear` anyway: which form runs never changes a pair's result.
 - batch invariance (`cpu_forms.set_batch_invariant`): every pair alone, one-row forms, so a pair's result
   does not depend on the other pairs of the call.
+- `native`: Colibri's own expert FFN (kernels/native/), the whole layer's experts in one call, gate/up, the
+  activation and down in float32: used wherever it was built, takes the kind and was found right (not raced,
+  so no measurement can change a pair's result; batch-invariant by construction).
 
 No Python work per token outside batch invariance: the sort, the counts and the scatter-add are vectorised.
 Each pair's weighted output is float32; the sum over a token's pairs is float64. A sum of K float32 values
@@ -24,33 +27,51 @@ from __future__ import annotations
 
 import torch
 
+from kernels import native
 from kernels.activation import SILU, GatedAct
 from kernels.cpu_forms import FORMS, Form, batch_invariant, bucket, kind, pick_rows
 from kernels.quant import Int8Weight
 
 MOE_FORMS = ("loop", "grouped")
 _TABLE: dict[str, str] = {}
+_NATIVE_REJECTED: set[str] = set()       # moe_shape_id()s whose native expert FFN was found wrong here
 
 
 def moe_key(E: int, I: int, H: int, weight_kind: str, rows: int) -> str:
     return f"moe:{E}x{I}x{H}:{weight_kind}:{rows}"
 
 
+def moe_shape_id(E: int, I: int, H: int, weight_kind: str) -> str:
+    return f"{E}x{I}x{H}:{weight_kind}"
+
+
 def moe_candidates(weight_kind: str) -> tuple[str, ...]:
+    """The torch forms raced where the native expert FFN does not serve (the native one is not raced: it is
+    used wherever it takes the kind and was found right, so no measurement can change a pair's result)."""
     return ("loop",) if weight_kind.startswith(("int8-", "w8a8-")) else MOE_FORMS
 
 
-def install_moe(table: dict[str, str]) -> None:
-    """Make `fused_moe_cpu` use these winners (keys from `moe_key`); others keep `loop`."""
+def native_serves(E: int, I: int, H: int, weight_kind: str) -> bool:
+    return native.available() and weight_kind in native.KINDS and moe_shape_id(E, I, H, weight_kind) not in \
+        _NATIVE_REJECTED
+
+
+def install_moe(table: dict[str, str], native_rejected: set[str] | frozenset[str] = frozenset()) -> None:
+    """Make `fused_moe_cpu` use these winners (keys from `moe_key`; others keep `loop`) where the native expert
+    FFN does not serve, and never the native one for the `native_rejected` shapes."""
     unknown = set(table.values()) - set(MOE_FORMS)
     if unknown:
         raise ValueError(f"unknown CPU MoE forms {sorted(unknown)}; known: {', '.join(MOE_FORMS)}")
     _TABLE.update(table)
+    _NATIVE_REJECTED.update(native_rejected)
 
 
 def pick_moe(x: torch.Tensor, w13: torch.Tensor | Int8Weight) -> str:
     E, two_i, H = w13.shape
-    return _TABLE.get(moe_key(E, two_i // 2, H, kind(w13[0], x.dtype), bucket(x.shape[0])), "loop")
+    weight_kind = kind(w13[0], x.dtype)
+    if native_serves(E, two_i // 2, H, weight_kind):
+        return "native"
+    return _TABLE.get(moe_key(E, two_i // 2, H, weight_kind, bucket(x.shape[0])), "loop")
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -155,6 +176,8 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Ten
     xs = (x if same else x.to(w13.dtype))[rows]                  # [P, H] one gather for all experts
     if order.numel() == 0:
         ys = torch.empty(0, H, dtype=torch.float32)
+    elif form == "native":                                       # one call for the layer; invariant by construction
+        ys = native.expert_ffn(xs, counts[1:], w13, w2, act, b13, b2)
     elif batch_invariant() and not forced:
         ys = _rows(xs, w13, w2, counts[1:], act, b13, b2)
     elif form == "grouped" and (forced or _grouped_matches_linear(counts[1:], xs.dtype, w13, w2)):  # type: ignore[arg-type]

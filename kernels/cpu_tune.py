@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_forms
+from kernels import cpu_forms, cpu_moe, native
 from kernels.cpu_check import (
     REJECT,
     check_bucket,
@@ -38,9 +38,17 @@ from kernels.cpu_check import (
     sample,
 )
 from kernels.cpu_forms import BUCKETS, FORMS, bucket, key
-from kernels.cpu_moe import MOE_FORMS, fused_moe_cpu, install_moe, moe_candidates, moe_key
-from kernels.form_check import guarded
+from kernels.cpu_moe import (
+    MOE_FORMS,
+    fused_moe_cpu,
+    install_moe,
+    moe_candidates,
+    moe_key,
+    moe_shape_id,
+)
+from kernels.form_check import guarded, isolated
 from kernels.quant import Int8Weight, quantize_int8
+from kernels.reference import fused_moe_reference
 
 # What the winners were chosen among (and how): a forms file measured with other candidates or without the
 # checks is measured again.
@@ -138,9 +146,11 @@ def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, s
     return measured
 
 
-def _moe_weights(s: MoeShape, g: torch.Generator) -> tuple[object, object, torch.dtype]:
-    w13 = torch.randn(s.experts, 2 * s.width, s.hidden, generator=g) * 0.02             # [E, 2I, H]
-    w2 = torch.randn(s.experts, s.hidden, s.width, generator=g) * 0.02                  # [E, H, I]
+def _moe_weights(s: MoeShape, g: torch.Generator, experts: int = 0) -> tuple[object, object, torch.dtype]:
+    """Random weights of the shape (of `experts` of its experts where given), and the activations' dtype."""
+    E = experts or s.experts
+    w13 = torch.randn(E, 2 * s.width, s.hidden, generator=g) * 0.02                     # [E, 2I, H]
+    w2 = torch.randn(E, s.hidden, s.width, generator=g) * 0.02                          # [E, H, I]
     fam = cpu_forms.family(s.kind)
     if fam != "float":
         x_dtype = getattr(torch, s.kind.split("-", 1)[1])
@@ -177,12 +187,56 @@ def moe_reject_key(s: MoeShape, form: str) -> str:
     return f"{REJECT}{moe_key(s.experts, s.width, s.hidden, s.kind, 0).rsplit(':', 1)[0]}:{form}"
 
 
+def check_native_moe(shapes: Iterable[MoeShape], table: MutableMapping[str, str], refused: set[str]) -> None:
+    """The native expert FFN of each shard shape against the float64 reference at 1, 5 and 33 tokens, in a
+    forked child first: where it is wrong it is rejected (the torch forms serve that shape). It runs on a few
+    experts of the shape's size (the kernel treats every expert alike): a shard's worth of random weights would
+    make the check the largest allocation of a worker with a bounded expert cache."""
+    g = torch.Generator().manual_seed(1)
+    for s in dict.fromkeys(shapes):
+        rkey = moe_reject_key(s, "native")
+        if not (native.available() and s.kind in native.KINDS) or rkey in table:
+            continue
+        experts = min(s.experts, s.pairs + 3)
+        w13, w2, x_dtype = _moe_weights(s, g, experts)
+        ref13, ref2 = (w.dequantize(torch.float64) if isinstance(w, Int8Weight) else w for w in (w13, w2))
+        cases = []
+        for tokens in (1, 5, 33):
+            x = torch.randn(tokens, s.hidden, generator=g).to(x_dtype)                     # [T, H]
+            ids = torch.rand(tokens, experts, generator=g).argsort(dim=1)[:, :s.pairs]     # [T, K]
+            weights = torch.rand(tokens, s.pairs, generator=g)                             # [T, K]
+            cases.append((x, ids, weights, fused_moe_reference(x, ref13, ref2, ids, weights)))
+
+        def run(cases=cases, w13=w13, w2=w2) -> str | None:
+            for x, ids, weights, ref in cases:
+                got = fused_moe_cpu(x, w13, w2, ids, weights, form="native", acc=torch.zeros(x.shape,
+                                                                                            dtype=torch.float64))
+                err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-300))
+                if not err <= MOE_TOLERANCE.get(x.dtype, 1e-2):
+                    return f"at {x.shape[0]} tokens it is off by {err:.3g} of the largest output against float64"
+            return None
+
+        verdict = isolated(run) or guarded(run)
+        if verdict is not None:
+            if verdict.lasting:
+                table[rkey] = verdict.why
+            refused.add(moe_shape_id(s.experts, s.width, s.hidden, s.kind))
+            log.warning("the native expert FFN is not used for %s (%s): %s", s, machine_name(), verdict.why)
+
+
+MOE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}    # the kernel tests' bounds (two GEMMs, float32)
+
+
 def measure_moe(shapes: Iterable[MoeShape], table: MutableMapping[str, str], max_rows: int = BUCKETS[-1],
-                min_seconds: float = 0.02) -> list[str]:
-    """Race the MoE forms for each shard shape at each row bucket up to max_rows; fills `table`."""
+                min_seconds: float = 0.02, refused: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Race the MoE forms for each shard shape at each row bucket up to max_rows, where the native expert FFN
+    does not serve it (not built, another kind, or `refused`/rejected here); fills `table`."""
     measured = []
     g = torch.Generator().manual_seed(0)
     for s in dict.fromkeys(shapes):
+        if cpu_moe.native_serves(s.experts, s.width, s.hidden, s.kind) and moe_reject_key(s, "native") not in table \
+                and moe_shape_id(s.experts, s.width, s.hidden, s.kind) not in refused:
+            continue                                    # the native expert FFN serves it: nothing to race
         names = list(moe_candidates(s.kind))
         todo = [b for b in BUCKETS if b <= bucket(max_rows)
                 and moe_key(s.experts, s.width, s.hidden, s.kind, b) not in table]
@@ -235,19 +289,24 @@ def tune(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, str]
     invariant = cpu_forms.batch_invariant()
     cpu_forms.set_batch_invariant(False)                 # forms are checked and timed as they are
     refused: Refused = set()
+    moe_refused: set[str] = set()
     try:
         measured = measure(shapes, table, max_rows=max_rows, refused=refused, timed=timed)
-        measured += measure_moe(moe, table, max_rows=max_rows) if timed else []
+        check_native_moe(moe, table, moe_refused)
+        measured += measure_moe(moe, table, max_rows=max_rows, refused=moe_refused) if timed else []
     finally:
         cpu_forms.set_batch_invariant(invariant)
     if measured:
         save()
-    install(table, refused)
+    install(table, refused, moe_refused)
     return measured
 
 
-def install(table: MutableMapping[str, str], refused: Refused = frozenset()) -> None:
-    """Make the kernels use the table's winners and never its rejects (nor this process's `refused`)."""
+def install(table: MutableMapping[str, str], refused: Refused = frozenset(), moe_refused: set[str] = frozenset()
+            ) -> None:
+    """Make the kernels use the table's winners and never its rejects (nor this process's refusals)."""
     cpu_forms.install({k: v for k, v in table.items() if not k.startswith(("moe:", REJECT))},
                       set(refused) | rejected(table))
-    install_moe({k: v for k, v in table.items() if k.startswith("moe:")})
+    native_rejected = {k.removeprefix(REJECT + "moe:").rsplit(":", 1)[0] for k in table
+                       if k.startswith(REJECT + "moe:") and k.endswith(":native")}
+    install_moe({k: v for k, v in table.items() if k.startswith("moe:")}, native_rejected | set(moe_refused))

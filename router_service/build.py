@@ -24,7 +24,7 @@ from colibri_common.heap import return_free_heap
 from colibri_common.serving import MAX_MESSAGE_BYTES
 from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Tokenizer
-from kernels import describe_backend
+from kernels import describe_backend, native
 from kernels.cpu_forms import set_batch_invariant
 from kernels.cpu_linear import cpu_has_fast_bf16
 from kernels.cpu_tune import CANDIDATES, tune
@@ -137,6 +137,10 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     model.batch_invariant = opts.batch_invariant
     model.track_routing = sched.routing_aware_batching
     engine = Engine(model, kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
+    if device.type == "cpu":
+        if native.refused_override():
+            raise ConfigError(native.refused_override())
+        log.info(native.describe())
     log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB), %s on %s, %s routing",
              cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size,
              num_blocks * per_block / 2**20, str(dtype).removeprefix("torch."), device, describe_backend(device))

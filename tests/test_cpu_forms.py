@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from colibri_common.forms_file import machine
-from kernels import cpu_forms, cpu_moe, cpu_tune
+from kernels import cpu_forms, cpu_moe, cpu_tune, native
 from kernels.cpu_linear import linear
 from kernels.form_check import Verdict, isolated, reference, wrong
 from kernels.quant import quantize_int8
@@ -34,6 +34,14 @@ def forms_state():
     cpu_forms.FORMS.clear()
     cpu_forms.FORMS.update(forms)
     cpu_forms.set_batch_invariant(False)
+
+
+@pytest.fixture
+def torch_forms(forms_state, monkeypatch):
+    """The forms machinery over torch's forms alone, as on a machine without the native kernels."""
+    for name in ("native", "native_int8"):
+        cpu_forms.FORMS.pop(name, None)
+    monkeypatch.setattr(cpu_moe, "native_serves", lambda *shape: False)
 
 
 def weight_of(family: str, wf: torch.Tensor, act: torch.dtype):
@@ -66,7 +74,7 @@ def test_every_form_computes_the_product_of_its_kind_without_lowering_precision(
         assert float((got.double() - want).abs().max() / want.abs().max()) < tol, name
 
 
-def test_int8_bf16_on_the_odd_40x72_weight_never_reaches_the_kernel_that_reads_past_its_rows(forms_state):
+def test_int8_bf16_on_the_odd_40x72_weight_never_reaches_the_kernel_that_reads_past_its_rows(torch_forms):
     """The shape that returned 5e17 or SIGSEGV on an AVX-512 EPYC through `_weight_int8pack_mm`: not a candidate,
     not a default, and every row count computes the right product (this runs under every ATen level the suite
     runs, AVX2 included)."""
@@ -107,7 +115,7 @@ def _segfault(x, w):
     return _garbage(x, w)
 
 
-def test_a_wrong_form_is_never_chosen_and_the_table_says_why(forms_state, caplog):
+def test_a_wrong_form_is_never_chosen_and_the_table_says_why(torch_forms, caplog):
     cpu_forms.FORMS["zeros"] = cpu_forms.FormSpec(_garbage, "float")
     table: dict[str, str] = {}
     with caplog.at_level(logging.WARNING, logger="colibri.kernels"):
@@ -138,7 +146,7 @@ def test_a_form_that_crashes_is_caught_in_a_forked_child_and_marked_unusable(for
     assert raised.why.startswith("raised ZeroDivisionError") and not raised.lasting
 
 
-def test_a_reject_read_from_the_file_keeps_its_form_out_of_the_defaults_and_the_table(forms_state):
+def test_a_reject_read_from_the_file_keeps_its_form_out_of_the_defaults_and_the_table(torch_forms):
     """A forms file that rejects this shape's default form (as another start on this machine found it wrong):
     the default falls back to the plain GEMM, and a winner naming it is dropped and measured again."""
     k = cpu_forms.key(24, 40, "float32", 1)
@@ -150,7 +158,7 @@ def test_a_reject_read_from_the_file_keeps_its_form_out_of_the_defaults_and_the_
     assert cpu_forms.pick(x, w) is not cpu_forms.FORMS["mv"].fn
 
 
-def test_without_a_forms_file_the_forms_the_defaults_run_are_still_checked(forms_state, caplog):
+def test_without_a_forms_file_the_forms_the_defaults_run_are_still_checked(torch_forms, caplog):
     """--cpu-forms off measures nothing, but a default that is wrong here is refused all the same."""
     cpu_forms.FORMS["mv"] = cpu_forms.FormSpec(_garbage, "float", max_rows=1)         # the 1-row default, broken
     table: dict[str, str] = {}
@@ -259,7 +267,7 @@ def test_entries_that_make_no_sense_are_measured_again(forms_state):
     assert table[measured[0]] in cpu_forms.candidates("int8-float32", 1, 48, 32)
 
 
-def test_the_moe_form_is_raced_per_row_bucket_and_kept_with_the_linear_forms():
+def test_the_moe_form_is_raced_per_row_bucket_and_kept_with_the_linear_forms(torch_forms):
     shapes = [cpu_tune.MoeShape(6, 24, 40, 2, "bfloat16"), cpu_tune.MoeShape(6, 24, 40, 2, "int8-float32")]
     table = {cpu_moe.moe_key(6, 24, 40, "bfloat16", 1): "loop", cpu_moe.moe_key(6, 24, 40, "float32", 2): "magic"}
     saved = []
@@ -292,7 +300,8 @@ def test_tune_cli_writes_the_file_the_services_read(tmp_path, oracles):
     assert "router (" in out.stdout and "expert worker (" in out.stdout
     sections = json.loads(path.read_text())["forms"]
     assert sections and all(sections.values())
-    assert any(k.startswith("moe:") for forms in sections.values() for k in forms)   # the worker's MoE form
+    # the worker's MoE form is raced only where the native expert FFN does not serve (it is never raced)
+    assert any(k.startswith("moe:") for forms in sections.values() for k in forms) != native.available()
 
 
 def test_the_workers_of_a_fleet_measure_their_shared_shapes_once(tmp_path, oracles):
@@ -322,7 +331,7 @@ def test_the_workers_of_a_fleet_measure_their_shared_shapes_once(tmp_path, oracl
     assert (reused1, measured1) == (measured0, 0), lines                 # the second reused all of it
 
 
-def test_where_every_form_is_wrong_the_weight_is_computed_in_float64_and_the_log_says_so(forms_state, caplog):
+def test_where_every_form_is_wrong_the_weight_is_computed_in_float64_and_the_log_says_so(torch_forms, caplog):
     """Correct before fast, and still serving: no candidate right at a row count means the float64 product,
     with an error in the log (a service starts; it is slow there, and says why)."""
     for name in ("mv", "gemv_t", "linear"):

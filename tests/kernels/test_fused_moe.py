@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from colibri_common import mxfp4
-from kernels import Fp8Weight, GatedAct, Mxfp4Weight, cpu_forms, cpu_moe, fused_moe, quantize_int8, topk_route
+from kernels import Fp8Weight, GatedAct, Mxfp4Weight, cpu_forms, cpu_moe, fused_moe, native, quantize_int8, topk_route
 from kernels.cpu_forms import bucket
 from kernels.reference import fused_moe_reference, topk_route_reference
 
@@ -68,24 +68,40 @@ TRITON_GRID = [(T, 8 if (i + j) % 2 else 60, K) for i, T in enumerate([1, 3, 64,
 
 @pytest.fixture
 def moe_forms():
-    saved = dict(cpu_moe._TABLE)
+    saved, rejected = dict(cpu_moe._TABLE), set(cpu_moe._NATIVE_REJECTED)
     yield cpu_moe.install_moe
     cpu_moe._TABLE.clear()
     cpu_moe._TABLE.update(saved)
+    cpu_moe._NATIVE_REJECTED.clear()
+    cpu_moe._NATIVE_REJECTED.update(rejected)
 
 
-@pytest.mark.parametrize("form", cpu_moe.MOE_FORMS)
+CPU_FORMS = [*cpu_moe.MOE_FORMS, *(["native"] if native.available() else [])]
+
+
+@pytest.mark.parametrize("form", CPU_FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,E,K", GRID)
-def test_cpu_path(T, E, K, dtype, form, moe_forms):
-    moe_forms({cpu_moe.moe_key(E, I, H, str(dtype).removeprefix("torch."), bucket(T)): form})
-    assert cpu_moe.pick_moe(torch.empty(T, H, dtype=dtype), torch.empty(E, 2 * I, H, dtype=dtype)) == form
+def test_cpu_path(T, E, K, dtype, form):
+    """Each CPU form, run as asked, over every pattern; and the public path, which picks one."""
     for pattern in ("random", "expert_map", "one_expert"):
-        check("torch", T, E, K, dtype, pattern)
-    if form == "grouped":           # measured as chosen; run only where it equals the per-expert linear form
-        (x, w13, w2, ids, w, emap), ref, _ = case_and_reference(T, E, K, dtype, "expert_map")
-        got = cpu_moe.fused_moe_cpu(x, w13, w2, ids, w, emap, form="grouped")
-        assert float((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)) <= TOL[dtype]
+        (x, w13, w2, ids, w, emap), ref, inputs = case_and_reference(T, E, K, dtype, pattern)
+        got = cpu_moe.fused_moe_cpu(x, w13, w2, ids, w, emap, form=form)
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        err = float((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+        assert err <= TOL[dtype], f"{form} T={T} E={E} K={K} {dtype} {pattern}: rel err {err:.2e}"
+        assert fingerprint((x, w13, w2, ids, w, emap)) == inputs, f"{form} wrote to its inputs"
+        if form == CPU_FORMS[-1]:
+            check("torch", T, E, K, dtype, pattern)
+
+
+def test_the_native_expert_ffn_serves_where_it_can_and_the_table_elsewhere(moe_forms):
+    x, w13 = torch.empty(3, H), torch.empty(8, 2 * I, H)
+    moe_forms({cpu_moe.moe_key(8, I, H, "float32", bucket(3)): "grouped"})
+    assert cpu_moe.pick_moe(x, w13) == ("native" if native.available() else "grouped")
+    moe_forms({}, {cpu_moe.moe_shape_id(8, I, H, "float32")})                 # found wrong on this machine
+    assert cpu_moe.pick_moe(x, w13) == "grouped"
+    assert cpu_moe.pick_moe(x.half(), w13.half()) == "loop"                  # a kind the native one does not take
 
 
 def split(E: int, workers: int, strided: bool) -> list[list[int]]:
@@ -181,9 +197,9 @@ def test_triton_float16_and_patterns(T, E, K, pattern):
 GPT_OSS = GatedAct(alpha=1.702, limit=1.5, up_offset=1.0)     # a low limit, so the clamps bite at these scales
 
 
-@pytest.mark.parametrize("backend, form", [("torch", "loop"), ("torch", "grouped"), ("triton", None)])
+@pytest.mark.parametrize("backend, form", [*(("torch", f) for f in CPU_FORMS), ("triton", None)])
 @pytest.mark.parametrize("T,E,K,pattern", [(1, 8, 2, "random"), (17, 21, 3, "expert_map"), (64, 8, 4, "one_expert")])
-def test_clamped_swiglu_with_expert_biases(backend, form, T, E, K, pattern, moe_forms):
+def test_clamped_swiglu_with_expert_biases(backend, form, T, E, K, pattern):
     """GPT-OSS's experts: biases on gate/up and down, gate clamped above, up both sides, up + 1, alpha 1.702."""
     x, w13, w2, ids, w, emap = make_case(T, E, K, torch.float32, pattern, seed=T)
     x = 3 * x                                                            # pre-activations past the limit
@@ -194,8 +210,9 @@ def test_clamped_swiglu_with_expert_biases(backend, form, T, E, K, pattern, moe_
     assert (gu[..., :I] > GPT_OSS.limit).any() and (gu[..., I:] < -GPT_OSS.limit).any()   # clamps bite
     assert not torch.allclose(ref, fused_moe_reference(x, w13, w2, ids, w, emap))          # not plain SwiGLU
     if form is not None:
-        moe_forms({cpu_moe.moe_key(E, I, H, "float32", bucket(T)): form})
-    got = fused_moe(x, w13, w2, ids, w, emap, backend=backend, act=GPT_OSS, b13=b13, b2=b2)
+        got = cpu_moe.fused_moe_cpu(x, w13, w2, ids, w, emap, form=form, act=GPT_OSS, b13=b13, b2=b2)
+    else:
+        got = fused_moe(x, w13, w2, ids, w, emap, backend=backend, act=GPT_OSS, b13=b13, b2=b2)
     err = float((got.double() - ref).abs().max() / ref.abs().max())
     assert err <= 1e-4, f"{backend}/{form} T={T} E={E} K={K} {pattern}: rel err {err:.2e}"
 
@@ -218,11 +235,14 @@ def test_int8_experts_with_biases_keep_the_activations_dtype(moe_forms):
 
     cpu_moe.pick_rows = spy
     try:
-        got = fused_moe(x, q13, q2, ids, w, emap, backend="torch", act=GPT_OSS, b13=b13, b2=b2)
+        got = cpu_moe.fused_moe_cpu(x, q13, q2, ids, w, emap, form="loop", act=GPT_OSS, b13=b13, b2=b2)
     finally:
         cpu_moe.pick_rows = real
     assert set(seen) == {torch.bfloat16} and got.dtype == torch.bfloat16
     assert float((got.double() - ref).abs().max() / ref.abs().max()) < 3e-2
+    if native.available():           # float32 inside: only the bf16 activations' own rounding
+        got = cpu_moe.fused_moe_cpu(x, q13, q2, ids, w, emap, form="native", act=GPT_OSS, b13=b13, b2=b2)
+        assert got.dtype == torch.bfloat16 and float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-2
 
 
 def test_biases_must_come_together_with_their_shapes():

@@ -1,0 +1,205 @@
+// y = x @ W.T for small row counts, written once and compiled once per ISA level (isa_*.cpp define CK_WIDTH,
+// the float lanes of a vector, and CK_NAME, the suffix of the entry point; the compiler flags of each
+// translation unit pick the instructions). No torch headers: these files compile in seconds.
+//
+// Bandwidth first: the weight is streamed from memory once per call. Up to 3 rows of x share each pass,
+// converted to float32 in registers (bf16: a 16-bit shift; int8: a widening convert, its row scale applied
+// once at the end); more rows get each block of 32 weight rows converted once into a float32 panel that
+// stays in L2 while every 4-row tile of x passes over it.
+//
+// Fixed numerics: every output element y[m, o] is one vector accumulator over k in steps of CK_WIDTH lanes
+// (the last step zero-padded), fused multiply-adds where the ISA has them, then the same pairwise sum over its
+// lanes, whatever the tile, the row count or the thread that computes it. So a row's result never depends on
+// the other rows of a call, nor on the thread split (batch invariance by construction).
+//
+// Shapes: x [M, K] float32 row-major; W [Dout, K] row-major (float32, bf16 as uint16, or int8 with a float32
+// scale per row); y [M, ldy] float32, columns o0..o1 written.
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace colibri_native {
+
+typedef float fvec __attribute__((vector_size(CK_WIDTH * 4)));
+typedef int32_t ivec __attribute__((vector_size(CK_WIDTH * 4)));
+typedef uint32_t uvec __attribute__((vector_size(CK_WIDTH * 4)));
+typedef uint16_t hvec __attribute__((vector_size(CK_WIDTH * 2)));
+typedef int8_t bvec __attribute__((vector_size(CK_WIDTH)));
+
+template <typename T>
+static inline T load(const void* p) {
+    T v;
+    std::memcpy(&v, p, sizeof(T));             // an unaligned vector load
+    return v;
+}
+
+static inline fvec widen(const float* p) { return load<fvec>(p); }
+
+// bf16 -> float32 is the bits 16 places up; int8 -> float32 a widening convert. The ISA's own widening loads
+// where it has them (the portable form below compiles to element inserts there).
+#if defined(__AVX512F__) && CK_WIDTH == 16
+static inline fvec widen(const uint16_t* p) {
+    return (fvec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+static inline fvec widen(const int8_t* p) {
+    return (fvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#elif defined(__AVX2__) && CK_WIDTH == 8
+static inline fvec widen(const uint16_t* p) {
+    return (fvec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+}
+static inline fvec widen(const int8_t* p) {
+    return (fvec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#else
+static inline fvec widen(const uint16_t* p) {
+    uvec u = __builtin_convertvector(load<hvec>(p), uvec) << 16;
+    fvec f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline fvec widen(const int8_t* p) {
+    return __builtin_convertvector(__builtin_convertvector(load<bvec>(p), ivec), fvec);
+}
+#endif
+
+template <typename T>
+static inline fvec widen_tail(const T* p, int n) {  // the last n < CK_WIDTH elements, zero-padded
+    T buf[CK_WIDTH] = {};
+    std::memcpy(buf, p, n * sizeof(T));
+    return widen(buf);
+}
+
+static inline float lanes_sum(fvec v) {            // the same pairwise tree for every element
+    float a[CK_WIDTH];
+    std::memcpy(a, &v, sizeof a);
+    for (int width = CK_WIDTH / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; ++i) a[i] += a[i + width];
+    return a[0];
+}
+
+// One tile: MT rows of x against OT consecutive rows of W (from `w`, row o of the call), the whole of K;
+// y and scale point at column o.
+template <int MT, int OT, typename WT>
+static inline void tile(const float* x, int K, const WT* w, const float* scale, float* y, int ldy) {
+    fvec acc[MT][OT] = {};
+    int k = 0;
+    for (; k + CK_WIDTH <= K; k += CK_WIDTH) {
+        fvec wv[OT];
+#pragma GCC unroll 8
+        for (int j = 0; j < OT; ++j) wv[j] = widen(w + (int64_t)j * K + k);
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+            fvec xv = widen(x + (int64_t)i * K + k);
+#pragma GCC unroll 8
+            for (int j = 0; j < OT; ++j) acc[i][j] += xv * wv[j];
+        }
+    }
+    if (k < K) {
+        fvec wv[OT];
+        for (int j = 0; j < OT; ++j) wv[j] = widen_tail(w + (int64_t)j * K + k, K - k);
+        for (int i = 0; i < MT; ++i) {
+            fvec xv = widen_tail(x + (int64_t)i * K + k, K - k);
+            for (int j = 0; j < OT; ++j) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < OT; ++j)
+            y[(int64_t)i * ldy + j] = scale ? lanes_sum(acc[i][j]) * scale[j] : lanes_sum(acc[i][j]);
+}
+
+// MT rows of x against W rows [0, n) of `w`: OT rows at a time (as many accumulators as the registers
+// hold beside the loads), the rest one by one.
+template <int MT, typename WT>
+static inline void rows(const float* x, int K, const WT* w, const float* scale, int n, float* y, int ldy) {
+    constexpr int OT = MT == 1 ? 4 : MT == 2 ? 3 : MT == 3 ? 2 : 3;
+    int o = 0;
+    for (; o + OT <= n; o += OT)
+        tile<MT, OT>(x, K, w + (int64_t)o * K, scale ? scale + o : nullptr, y + o, ldy);
+    for (; o < n; ++o) tile<MT, 1>(x, K, w + (int64_t)o * K, scale ? scale + o : nullptr, y + o, ldy);
+}
+
+template <typename WT>
+static inline void rows_any(const float* x, int mt, int K, const WT* w, const float* scale, int n, float* y, int ldy) {
+    switch (mt) {
+        case 1: rows<1>(x, K, w, scale, n, y, ldy); break;
+        case 2: rows<2>(x, K, w, scale, n, y, ldy); break;
+        case 3: rows<3>(x, K, w, scale, n, y, ldy); break;
+        default: rows<4>(x, K, w, scale, n, y, ldy); break;
+    }
+}
+
+template <typename WT>
+static inline void to_float(const WT* w, int64_t n, float* out) {   // exact: bf16 and int8 widen losslessly
+    int64_t i = 0;
+    for (; i + CK_WIDTH <= n; i += CK_WIDTH) {
+        fvec v = widen(w + i);
+        std::memcpy(out + i, &v, sizeof v);
+    }
+    for (; i < n; ++i) out[i] = float(w[i]);
+}
+static inline void to_float(const uint16_t* w, int64_t n, float* out) {
+    int64_t i = 0;
+    for (; i + CK_WIDTH <= n; i += CK_WIDTH) {
+        fvec v = widen(w + i);
+        std::memcpy(out + i, &v, sizeof v);
+    }
+    for (; i < n; ++i) {
+        uint32_t u = uint32_t(w[i]) << 16;
+        std::memcpy(out + i, &u, 4);
+    }
+}
+
+// Up to 3 rows: the weight streamed once, converted in registers (memory-bound: decode). More: each block of
+// OB weight rows converted once into a float32 panel (in L2), then every 4-row tile of x passes over it
+// (compute-bound: prefill, many streams). The same float32 products and sums either way.
+template <typename WT>
+static void linear_block(const float* x, int M, int K, const WT* w, const float* scale, int o0, int o1, float* y,
+                         int ldy) {
+    constexpr int OB = 32;
+    if (M <= 3) {
+        for (int ob = o0; ob < o1; ob += OB) {
+            int n = (ob + OB < o1 ? ob + OB : o1) - ob;
+            rows_any(x, M, K, w + (int64_t)ob * K, scale ? scale + ob : nullptr, n, y + ob, ldy);
+        }
+        return;
+    }
+    thread_local float* panel = nullptr;
+    thread_local int64_t panel_size = 0;
+    if (!std::is_same<WT, float>::value && panel_size < (int64_t)OB * K) {
+        delete[] panel;
+        panel_size = (int64_t)OB * K;
+        panel = new float[panel_size];
+    }
+    for (int ob = o0; ob < o1; ob += OB) {
+        int n = (ob + OB < o1 ? ob + OB : o1) - ob;
+        const float* wf;
+        if constexpr (std::is_same<WT, float>::value) {
+            wf = w + (int64_t)ob * K;
+        } else {
+            to_float(w + (int64_t)ob * K, (int64_t)n * K, panel);
+            wf = panel;
+        }
+        for (int m = 0; m < M; m += 4)
+            rows_any(x + (int64_t)m * K, M - m < 4 ? M - m : 4, K, wf, scale ? scale + ob : nullptr, n,
+                     y + (int64_t)m * ldy + ob, ldy);
+    }
+}
+
+}  // namespace colibri_native
+
+#define CK_CAT2(a, b) a##b
+#define CK_CAT(a, b) CK_CAT2(a, b)
+
+// The entry point of this ISA level: wdtype 0 = float32, 1 = bf16, 2 = int8 (with `scale`).
+extern "C" void CK_CAT(colibri_linear_, CK_NAME)(const float* x, int M, int K, const void* w, int wdtype,
+                                                  const float* scale, int o0, int o1, float* y, int ldy) {
+    using namespace colibri_native;
+    if (wdtype == 0) linear_block(x, M, K, static_cast<const float*>(w), nullptr, o0, o1, y, ldy);
+    else if (wdtype == 1) linear_block(x, M, K, static_cast<const uint16_t*>(w), nullptr, o0, o1, y, ldy);
+    else linear_block(x, M, K, static_cast<const int8_t*>(w), scale, o0, o1, y, ldy);
+}

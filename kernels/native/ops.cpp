@@ -1,0 +1,231 @@
+// Colibri's native CPU kernels as torch ops (torch.ops.colibri.*), one entry per ISA level chosen at load by
+// CPUID (COLIBRI_CPU_ISA=generic|avx2|avx512|avx512bf16 overrides, refusing a level this CPU lacks), run on
+// torch's own thread pool (at::parallel_for), so torch.set_num_threads governs them.
+//
+//   linear(x [M, K], w [Dout, K], scale [Dout]?) -> float32 [M, Dout]        (w float32 | bf16 | int8)
+//   expert_ffn(xs [P, H], counts [E], w13 [E, 2I, H], s13?, w2 [E, H, I], s2?, b13?, b2?, alpha, limit,
+//              up_offset) -> float32 [P, H]: each pair's expert FFN, pairs sorted by expert (counts[e] each),
+//              gate/up, the gated activation and down in float32, biases included, not yet weighted
+//   isa() -> str; use_isa(str) -> str (the level now in force)
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+extern "C" {
+typedef void (*linear_fn)(const float*, int, int, const void*, int, const float*, int, int, float*, int);
+void colibri_linear_generic(const float*, int, int, const void*, int, const float*, int, int, float*, int);
+#if defined(__x86_64__)
+void colibri_linear_avx2(const float*, int, int, const void*, int, const float*, int, int, float*, int);
+void colibri_linear_avx512(const float*, int, int, const void*, int, const float*, int, int, float*, int);
+void colibri_linear_avx512bf16(const float*, int, int, const void*, int, const float*, int, int, float*, int);
+#endif
+}
+
+namespace {
+
+constexpr int64_t BLOCK = 32;          // output rows a task computes (gemm.h streams its weight bytes once)
+
+struct Level {
+    const char* name;
+    linear_fn linear;
+    bool (*supported)();
+};
+
+bool always() { return true; }
+#if defined(__x86_64__)
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool has_avx512() {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+#endif
+
+const Level LEVELS[] = {                      // best last
+    {"generic", colibri_linear_generic, always},
+#if defined(__x86_64__)
+    {"avx2", colibri_linear_avx2, has_avx2},
+    {"avx512", colibri_linear_avx512, has_avx512},
+    {"avx512bf16", colibri_linear_avx512bf16, has_avx512bf16},
+#endif
+};
+
+const Level* pick(const std::string& want) {
+    if (!want.empty()) {
+        for (const auto& l : LEVELS)
+            if (want == l.name) {
+                TORCH_CHECK(l.supported(), "COLIBRI_CPU_ISA=", want, ": this CPU cannot run that level; use one of "
+                            "the levels it has (generic, avx2, avx512, avx512bf16 as CPUID allows)");
+                return &l;
+            }
+        TORCH_CHECK(false, "COLIBRI_CPU_ISA=", want, " is unknown; use generic, avx2, avx512 or avx512bf16");
+    }
+    const Level* best = &LEVELS[0];
+    for (const auto& l : LEVELS)
+        if (l.supported()) best = &l;
+    return best;
+}
+
+const Level* current() {
+    static const Level* level = [] {
+        const char* env = std::getenv("COLIBRI_CPU_ISA");
+        return pick(env ? env : "");
+    }();
+    return level;
+}
+
+const Level* in_force = nullptr;
+
+const Level& level() { return in_force ? *in_force : *current(); }
+
+int wdtype(const at::Tensor& w, const c10::optional<at::Tensor>& scale) {
+    if (w.scalar_type() == at::kFloat) return 0;
+    if (w.scalar_type() == at::kBFloat16) return 1;
+    TORCH_CHECK(w.scalar_type() == at::kChar, "colibri::linear: weights must be float32, bfloat16 or int8, got ",
+                w.scalar_type());
+    TORCH_CHECK(scale.has_value(), "colibri::linear: int8 weights need their per-row scales");
+    return 2;
+}
+
+int64_t grain(int64_t rows, int64_t k) {         // blocks a task takes: at least ~256K multiply-adds
+    return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, rows * k * BLOCK));
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale) {
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "colibri::linear: need x [M, K] and w "
+                "[Dout, K], got ", x.sizes(), " and ", w.sizes());
+    int kind = wdtype(w, scale);
+    at::Tensor xf = x.to(at::kFloat).contiguous();
+    at::Tensor wc = w.contiguous();
+    at::Tensor sc = kind == 2 ? scale->to(at::kFloat).contiguous() : at::Tensor();
+    TORCH_CHECK(kind != 2 || (sc.dim() == 1 && sc.size(0) == w.size(0)), "colibri::linear: scale must be [Dout]");
+    const int64_t M = x.size(0), K = x.size(1), D = w.size(0);
+    at::Tensor y = at::empty({M, D}, x.options().dtype(at::kFloat));
+    if (M == 0 || D == 0) return y;
+    const float* xp = xf.data_ptr<float>();
+    const void* wp = wc.data_ptr();
+    const float* sp = kind == 2 ? sc.data_ptr<float>() : nullptr;
+    float* yp = y.data_ptr<float>();
+    linear_fn fn = level().linear;
+    at::parallel_for(0, (D + BLOCK - 1) / BLOCK, grain(M, K), [&](int64_t b0, int64_t b1) {
+        fn(xp, int(M), int(K), wp, kind, sp, int(b0 * BLOCK), int(std::min(D, b1 * BLOCK)), yp, int(D));
+    });
+    return y;
+}
+
+struct Task {
+    int64_t expert, row, n, o0, o1;            // the expert, its first pair row and count, its output rows
+};
+
+std::vector<Task> tasks(const std::vector<int64_t>& counts, int64_t out_rows) {
+    std::vector<Task> out;
+    int64_t row = 0;
+    for (int64_t e = 0; e < int64_t(counts.size()); ++e) {
+        for (int64_t o = 0; counts[e] && o < out_rows; o += BLOCK)
+            out.push_back({e, row, counts[e], o, std::min(out_rows, o + BLOCK)});
+        row += counts[e];
+    }
+    return out;
+}
+
+// One projection of every expert with work: out[pairs of e] = in[pairs of e] @ w[e].T (float32).
+void project(const at::Tensor& in, const std::vector<int64_t>& counts, const at::Tensor& w,
+             const c10::optional<at::Tensor>& scale, at::Tensor& out) {
+    int kind = wdtype(w, scale);
+    const int64_t Dout = w.size(1), K = w.size(2);
+    at::Tensor sc = kind == 2 ? scale->to(at::kFloat).contiguous() : at::Tensor();
+    const char* wp = static_cast<const char*>(w.data_ptr());
+    const int64_t wstride = w.stride(0) * w.element_size();
+    const float* xp = in.data_ptr<float>();
+    float* yp = out.data_ptr<float>();
+    auto todo = tasks(counts, Dout);
+    linear_fn fn = level().linear;
+    int64_t mean_rows = 1 + in.size(0) / std::max<int64_t>(1, int64_t(counts.size()));
+    at::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const Task& j = todo[t];
+            fn(xp + j.row * K, int(j.n), int(K), wp + j.expert * wstride, kind,
+               kind == 2 ? sc.data_ptr<float>() + j.expert * Dout : nullptr, int(j.o0), int(j.o1),
+               yp + j.row * Dout, int(Dout));
+        }
+    });
+}
+
+at::Tensor expert_ffn(const at::Tensor& xs, at::IntArrayRef counts_, const at::Tensor& w13,
+                      const c10::optional<at::Tensor>& s13, const at::Tensor& w2, const c10::optional<at::Tensor>& s2,
+                      const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,
+                      c10::optional<double> limit, double up_offset) {
+    TORCH_CHECK(xs.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "colibri::expert_ffn: need xs [P, H], w13 "
+                "[E, 2I, H], w2 [E, H, I]");
+    const int64_t P = xs.size(0), H = xs.size(1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
+    TORCH_CHECK(w13.size(2) == H && w2.size(0) == E && w2.size(1) == H && w2.size(2) == I && I2 % 2 == 0,
+                "colibri::expert_ffn: shapes disagree: xs ", xs.sizes(), ", w13 ", w13.sizes(), ", w2 ", w2.sizes());
+    TORCH_CHECK(int64_t(counts_.size()) == E, "colibri::expert_ffn: counts must have one entry per expert");
+    std::vector<int64_t> counts(counts_.begin(), counts_.end());
+    int64_t total = 0;
+    for (auto c : counts) total += c;
+    TORCH_CHECK(total == P, "colibri::expert_ffn: counts sum to ", total, ", not the ", P, " pairs");
+    TORCH_CHECK(w13.stride(2) == 1 && w13.stride(1) == H && w2.stride(2) == 1 && w2.stride(1) == I,
+                "colibri::expert_ffn: each expert's weights must be row-major");
+    at::Tensor x = xs.to(at::kFloat).contiguous();
+    at::Tensor gu = at::empty({P, I2}, x.options());                        // [P, 2I]
+    project(x, counts, w13, s13, gu);
+    at::Tensor h = at::empty({P, I}, x.options());                          // [P, I]
+    at::Tensor bias13 = b13.has_value() ? b13->to(at::kFloat).contiguous() : at::Tensor();
+    const float* g = gu.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    std::vector<int64_t> expert_of(P);
+    for (int64_t e = 0, row = 0; e < E; row += counts[e], ++e)
+        for (int64_t r = row; r < row + counts[e]; ++r) expert_of[r] = e;
+    const float a = float(alpha), off = float(up_offset);
+    const bool clamp = limit.has_value();
+    const float lim = clamp ? float(*limit) : 0.f;
+    at::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) {
+            const float* b = bias13.defined() ? bias13.data_ptr<float>() + expert_of[p] * I2 : nullptr;
+            for (int64_t i = 0; i < I; ++i) {
+                float gate = g[p * I2 + i] + (b ? b[i] : 0.f), up = g[p * I2 + I + i] + (b ? b[I + i] : 0.f);
+                if (clamp) {
+                    gate = std::min(gate, lim);
+                    up = std::max(-lim, std::min(up, lim));
+                }
+                hp[p * I + i] = gate / (1.f + std::exp(-a * gate)) * (up + off);
+            }
+        }
+    });
+    at::Tensor ys = at::empty({P, H}, x.options());                         // [P, H]
+    project(h, counts, w2, s2, ys);
+    if (b2.has_value()) {
+        at::Tensor bias2 = b2->to(at::kFloat);
+        at::Tensor ids = at::from_blob(expert_of.data(), {P}, at::kLong);
+        ys.add_(bias2.index_select(0, ids));
+    }
+    return ys;
+}
+
+std::string isa() { return level().name; }
+
+std::string use_isa(const std::string& name) {
+    in_force = name.empty() ? nullptr : pick(name);
+    return level().name;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(colibri, m) {
+    m.def("linear(Tensor x, Tensor w, Tensor? scale=None) -> Tensor");
+    m.def("expert_ffn(Tensor xs, int[] counts, Tensor w13, Tensor? s13, Tensor w2, Tensor? s2, Tensor? b13, "
+          "Tensor? b2, float alpha, float? limit, float up_offset) -> Tensor");
+    m.def("isa() -> str", &isa);
+    m.def("use_isa(str name) -> str", &use_isa);
+}
+
+TORCH_LIBRARY_IMPL(colibri, CPU, m) {
+    m.impl("linear", &linear);
+    m.impl("expert_ffn", &expert_ffn);
+}

@@ -1,0 +1,226 @@
+"""Colibri's native CPU kernels (kernels/native/) against float64 references on odd shapes, at every ISA level
+this machine can run (`native.use_isa`), with the properties the rest of the system relies on: one float32
+rounding per output, a row's result independent of the other rows and of the thread count, inputs untouched,
+and clear errors for bad inputs and for an override the CPU cannot honour."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.activation import SILU, GatedAct
+from kernels.native_build import compiler
+from kernels.quant import Int8Weight, quantize_int8
+
+LEVELS = ("generic", "avx2", "avx512", "avx512bf16")
+
+
+def runnable_levels() -> list[str]:
+    if not native.available():
+        return []
+    out = []
+    for level in LEVELS:
+        try:
+            native.use_isa(level)
+            out.append(level)
+        except RuntimeError:
+            pass
+    native.use_isa("")
+    return out
+
+
+RUNNABLE = runnable_levels()
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.UNAVAILABLE}")
+
+
+@pytest.fixture(params=RUNNABLE or ["none"])
+def level(request):
+    if request.param == "none":
+        pytest.skip(f"native kernels: {native.UNAVAILABLE}")
+    native.use_isa(request.param)
+    yield request.param
+    native.use_isa("")
+
+
+def test_the_kernels_are_built_wherever_a_compiler_is():
+    """make setup builds them; only a machine without g++ (or COLIBRI_NATIVE=off) runs without them."""
+    if compiler() is None or os.environ.get("COLIBRI_NATIVE") == "off":
+        pytest.skip("no C++ compiler here, or the native kernels are switched off")
+    assert native.available(), native.UNAVAILABLE
+    assert "generic" in RUNNABLE and native.isa() in RUNNABLE
+    assert native.describe().startswith(f"native CPU kernels: {native.isa()}")
+
+
+def weight(dout: int, din: int, kind: str, g: torch.Generator) -> tuple[torch.Tensor | Int8Weight, torch.Tensor]:
+    """A weight of `kind` and its exact float64 value."""
+    w = torch.randn(dout, din, generator=g) / din**0.5                                 # [Dout, Din]
+    if kind == "int8":
+        q = quantize_int8(w)
+        return q, q.q.double() * q.scale.double()[:, None]
+    wk = w.to(getattr(torch, kind))
+    return wk, wk.double()
+
+
+SHAPES = [(1, 1), (37, 19), (100, 72), (33, 257), (70, 1030)]     # tails of every vector width and block
+ROWS = [1, 2, 3, 4, 5, 7, 33, 67]                                   # the register path, the panel path, tails
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dout,din", SHAPES)
+def test_linear_against_float64(level, kind, dout, din):
+    g = torch.Generator().manual_seed(dout * din)
+    w, wd = weight(dout, din, kind, g)
+    for x_dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(max(ROWS), din, generator=g).to(x_dtype)                      # [M, Din]
+        before = (x.clone(), (w.q.clone(), w.scale.clone()) if isinstance(w, Int8Weight) else w.clone())
+        for m in ROWS:
+            xm = x[:m]
+            want = xm.double() @ wd.T                                                  # [m, Dout]
+            bound = xm.double().abs() @ wd.abs().T                                     # the terms' sizes
+            q, s = (w.q, w.scale) if isinstance(w, Int8Weight) else (w, None)
+            got = torch.ops.colibri.linear(xm, q, s)                                   # float32, unrounded
+            assert got.dtype == torch.float32 and got.shape == (m, dout)
+            err = float(((got.double() - want).abs() / bound.clamp(min=1e-30)).max())
+            where = f"{level} {kind} x {x_dtype} [{m}, {din}] @ [{dout}, {din}].T"
+            assert err <= 4e-6 * (1 + din / 1024), f"{where}: {err:.2e}"
+            rounded = native.linear(xm, w)                                              # x's dtype, rounded once
+            assert rounded.dtype == x_dtype and torch.equal(rounded, got.to(x_dtype))
+        assert torch.equal(x, before[0]), "linear wrote to x"
+        if isinstance(w, Int8Weight):
+            assert torch.equal(w.q, before[1][0]) and torch.equal(w.scale, before[1][1]), "linear wrote to w"
+        else:
+            assert torch.equal(w, before[1]), "linear wrote to w"
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_a_rows_result_depends_neither_on_the_other_rows_nor_on_the_threads(level, kind):
+    """Batch invariance by construction: each row of a 67-row call equals that row alone, to the bit, at one
+    thread and at two."""
+    g = torch.Generator().manual_seed(3)
+    w, _ = weight(300, 1030, kind, g)
+    x = torch.randn(67, 1030, generator=g)                                            # [67, Din]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = native.linear(x, w)
+        torch.set_num_threads(1)
+        assert torch.equal(native.linear(x, w), full)
+        for m in (0, 1, 4, 33, 66):
+            assert torch.equal(native.linear(x[m:m + 1], w), full[m:m + 1]), f"row {m}"
+        assert torch.equal(native.linear(x[3:8], w), full[3:8])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def pair_reference(xs, counts, w13d, w2d, act, b13, b2) -> torch.Tensor:
+    """Each sorted pair's expert FFN in float64, pair by pair."""
+    out, row = [], 0
+    I = w2d.shape[2]
+    for e, n in enumerate(counts):
+        for r in range(row, row + n):
+            gu = w13d[e] @ xs[r].double() + (b13[e].double() if b13 is not None else 0)          # [2I]
+            gate, up = gu[:I], gu[I:]
+            if act.limit is not None:
+                gate, up = gate.clamp(max=act.limit), up.clamp(-act.limit, act.limit)
+            h = gate * torch.sigmoid(act.alpha * gate) * (up + act.up_offset)                    # [I]
+            out.append(w2d[e] @ h + (b2[e].double() if b2 is not None else 0))                  # [H]
+        row += n
+    return torch.stack(out) if out else torch.zeros(0, w2d.shape[1], dtype=torch.float64)
+
+
+def expert_weights(E, I, H, kind, g):
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
+    if kind == "int8":
+        q13, q2 = quantize_int8(w13), quantize_int8(w2)
+        return q13, q2, q13.q.double() * q13.scale.double()[..., None], q2.q.double() * q2.scale.double()[..., None]
+    w13, w2 = w13.to(getattr(torch, kind)), w2.to(getattr(torch, kind))
+    return w13, w2, w13.double(), w2.double()
+
+
+GPT_OSS = GatedAct(alpha=1.702, limit=1.5, up_offset=1.0)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("E,I,H,counts", [(1, 1, 1, [1]), (5, 40, 72, [0, 3, 1, 0, 9]), (3, 19, 33, [5, 0, 67]),
+                                          (4, 24, 16, [0, 0, 0, 0])])
+@pytest.mark.parametrize("act,biases", [(SILU, False), (GPT_OSS, True)])
+def test_expert_ffn_against_float64(level, kind, E, I, H, counts, act, biases):
+    g = torch.Generator().manual_seed(E * I + H)
+    w13, w2, w13d, w2d = expert_weights(E, I, H, kind, g)
+    b13 = torch.randn(E, 2 * I, generator=g) if biases else None
+    b2 = torch.randn(E, H, generator=g) if biases else None
+    for x_dtype in (torch.float32, torch.bfloat16):
+        xs = (3 * torch.randn(sum(counts), H, generator=g)).to(x_dtype)               # [P, H] past the clamps
+        want = pair_reference(xs, counts, w13d, w2d, act, b13, b2)                     # [P, H]
+        got = native.expert_ffn(xs, counts, w13, w2, act, b13, b2)
+        assert got.dtype == torch.float32 and got.shape == xs.shape
+        err = float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-12)) if want.numel() else 0
+        assert err <= 2e-5, f"{level} {kind} x {x_dtype} E={E} I={I} H={H} {counts}: rel err {err:.2e}"
+        if sum(counts) > 1:                     # a pair's result does not depend on the other pairs of the call
+            first = next(e for e, n in enumerate(counts) if n)
+            alone = [1 if e == first else 0 for e in range(E)]
+            assert torch.equal(native.expert_ffn(xs[:1], alone, w13, w2, act, b13, b2), got[:1])
+
+
+def test_expert_ffn_on_views_of_a_larger_buffer(level):
+    """A worker's experts are views (a slice of a packed buffer, or of a mapped file): strided over experts,
+    row-major within each."""
+    g = torch.Generator().manual_seed(5)
+    big13, big2 = torch.randn(9, 2 * 24, 40, generator=g), torch.randn(9, 40, 24, generator=g)
+    w13, w2 = big13[1::3], big2[1::3]                                                   # experts 1, 4, 7
+    xs = torch.randn(6, 40, generator=g)
+    want = pair_reference(xs, [2, 1, 3], w13.double(), w2.double(), SILU, None, None)
+    got = native.expert_ffn(xs, [2, 1, 3], w13, w2)
+    assert float((got.double() - want).abs().max() / want.abs().max()) <= 2e-5
+
+
+@needs_native
+@pytest.mark.parametrize("call,message", [
+    (lambda: torch.ops.colibri.linear(torch.ones(2, 3), torch.ones(4, 5)), "need x [M, K] and w [Dout, K]"),
+    (lambda: torch.ops.colibri.linear(torch.ones(2, 3), torch.ones(4, 3, dtype=torch.float16)),
+     "float32, bfloat16 or int8"),
+    (lambda: torch.ops.colibri.linear(torch.ones(2, 3), torch.ones(4, 3, dtype=torch.int8)), "per-row scales"),
+    (lambda: torch.ops.colibri.linear(torch.ones(2, 3), torch.ones(4, 3, dtype=torch.int8), torch.ones(3)),
+     "scale must be [Dout]"),
+    (lambda: native.expert_ffn(torch.ones(3, 8), [1, 1], torch.ones(2, 10, 8), torch.ones(2, 8, 5)),
+     "counts sum to 2, not the 3 pairs"),
+    (lambda: native.expert_ffn(torch.ones(3, 8), [3], torch.ones(2, 10, 8), torch.ones(2, 8, 5)),
+     "one entry per expert"),
+    (lambda: native.expert_ffn(torch.ones(3, 8), [1, 2], torch.ones(2, 10, 8), torch.ones(2, 8, 4)),
+     "shapes disagree"),
+    (lambda: native.expert_ffn(torch.ones(3, 8), [1, 2], torch.ones(2, 8, 10).transpose(1, 2),
+                               torch.ones(2, 8, 5)), "row-major"),
+])
+def test_bad_inputs_are_clear_errors(call, message):
+    with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+def _child(env: dict[str, str]) -> str:
+    code = "from kernels import native; print(native.describe()); print(native.refused_override())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@needs_native
+def test_the_override_picks_a_level_and_refuses_what_the_cpu_lacks():
+    lines = _child({"COLIBRI_CPU_ISA": "generic"}).splitlines()
+    assert lines == ["native CPU kernels: generic (by COLIBRI_CPU_ISA)", "None"]
+    lines = _child({"COLIBRI_CPU_ISA": "avx3000"}).splitlines()
+    assert "COLIBRI_CPU_ISA=avx3000 is unknown" in lines[1] and "none" in lines[0]
+    missing = [lv for lv in LEVELS if lv not in RUNNABLE]
+    if missing:                                 # a level above this CPU's: refused, named, never run
+        lines = _child({"COLIBRI_CPU_ISA": missing[-1]}).splitlines()
+        assert f"COLIBRI_CPU_ISA={missing[-1]}: this CPU cannot run that level" in lines[1]
+    with pytest.raises(RuntimeError, match="is unknown"):
+        native.use_isa("avx3000")
+    assert native.isa() == native.use_isa("")
+    lines = _child({"COLIBRI_NATIVE": "off"}).splitlines()
+    assert lines == ["native CPU kernels: none (COLIBRI_NATIVE=off); the torch forms run", "None"]
