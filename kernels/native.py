@@ -3,6 +3,7 @@ Python op per kernel, each checked against a float64 reference before it may be 
 
     linear(x, w) -> x @ w.T in x's dtype                   w float32 | bfloat16 | Int8Weight (weight-only)
     expert_ffn(xs, counts, w13, w2, act, b13, b2) -> [P, H] float32, each sorted pair's expert FFN
+    moe_sum_(acc, ys, rows, weights): acc [T, H] float64 += each pair's ys * weight (float32) at its token's row
 
 The ISA level is chosen when the library loads, by CPUID (generic, avx2, avx512, avx512bf16);
 COLIBRI_CPU_ISA=LEVEL overrides it, and `use_isa(LEVEL)` switches it in this process (the tests run every
@@ -88,3 +89,10 @@ def expert_ffn(xs: torch.Tensor, counts: list[int], w13: torch.Tensor | Int8Weig
     q13, s13 = (w13.q, w13.scale) if isinstance(w13, Int8Weight) else (w13, None)
     q2, s2 = (w2.q, w2.scale) if isinstance(w2, Int8Weight) else (w2, None)
     return torch.ops.colibri.expert_ffn(xs, counts, q13, s13, q2, s2, b13, b2, act.alpha, act.limit, act.up_offset)
+
+
+def moe_sum_(acc: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """acc [T, H] float64 += ys [P, H] float32 times weights [P] (the product in float32) at rows [P]; returns acc.
+    The same bits as `acc.index_add_(0, rows, (ys * weights[:, None]).double())`, without its serial scatter."""
+    torch.ops.colibri.moe_sum_(acc, ys, rows, weights)
+    return acc

@@ -6,6 +6,7 @@
 //   expert_ffn(xs [P, H], counts [E], w13 [E, 2I, H], s13?, w2 [E, H, I], s2?, b13?, b2?, alpha, limit,
 //              up_offset) -> float32 [P, H]: each pair's expert FFN, pairs sorted by expert (counts[e] each),
 //              gate/up, the gated activation and down in float32, biases included, not yet weighted
+//   moe_sum_(acc [T, H] float64, ys [P, H] float32, rows [P], weights [P]): acc[rows[p]] += ys[p] * weights[p]
 //   isa() -> str; use_isa(str) -> str (the level now in force)
 
 #include <ATen/ATen.h>
@@ -208,6 +209,36 @@ at::Tensor expert_ffn(const at::Tensor& xs, at::IntArrayRef counts_, const at::T
     return ys;
 }
 
+// acc[rows[p], :] += double(ys[p, :] * weights[p]) for every pair p: the routed weight multiplied in float32 (as
+// torch's `ys *= w`), the sum in float64 (exact for a token's few pairs, so any order gives the same bits). The
+// columns are split over the threads: no two write one element.
+void moe_sum_(at::Tensor& acc, const at::Tensor& ys, const at::Tensor& rows, const at::Tensor& weights) {
+    TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kDouble && acc.is_contiguous(), "colibri::moe_sum_: acc "
+                "must be a contiguous float64 [T, H]");
+    TORCH_CHECK(ys.dim() == 2 && ys.scalar_type() == at::kFloat && ys.size(1) == acc.size(1), "colibri::moe_sum_: "
+                "ys must be float32 [P, H] with acc's H");
+    const int64_t P = ys.size(0), T = acc.size(0), H = acc.size(1);
+    TORCH_CHECK(rows.dim() == 1 && rows.size(0) == P && weights.dim() == 1 && weights.size(0) == P,
+                "colibri::moe_sum_: rows and weights must be [P]");
+    at::Tensor y = ys.contiguous(), r = rows.to(at::kLong).contiguous(), w = weights.to(at::kFloat).contiguous();
+    const int64_t* rp = r.data_ptr<int64_t>();
+    for (int64_t p = 0; p < P; ++p)
+        TORCH_CHECK(rp[p] >= 0 && rp[p] < T, "colibri::moe_sum_: row ", rp[p], " of pair ", p, " is outside [0, ", T,
+                    ")");
+    const float* yp = y.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    double* ap = acc.data_ptr<double>();
+    at::parallel_for(0, H, std::max<int64_t>(64, (int64_t(1) << 16) / std::max<int64_t>(1, P)), [&](int64_t h0,
+                                                                                                  int64_t h1) {
+        for (int64_t p = 0; p < P; ++p) {
+            const float* src = yp + p * H;
+            double* dst = ap + rp[p] * H;
+            const float wt = wp[p];
+            for (int64_t h = h0; h < h1; ++h) dst[h] += double(src[h] * wt);
+        }
+    });
+}
+
 std::string isa() { return level().name; }
 
 std::string use_isa(const std::string& name) {
@@ -221,6 +252,7 @@ TORCH_LIBRARY(colibri, m) {
     m.def("linear(Tensor x, Tensor w, Tensor? scale=None) -> Tensor");
     m.def("expert_ffn(Tensor xs, int[] counts, Tensor w13, Tensor? s13, Tensor w2, Tensor? s2, Tensor? b13, "
           "Tensor? b2, float alpha, float? limit, float up_offset) -> Tensor");
+    m.def("moe_sum_(Tensor(a!) acc, Tensor ys, Tensor rows, Tensor weights) -> ()");
     m.def("isa() -> str", &isa);
     m.def("use_isa(str name) -> str", &use_isa);
 }
@@ -228,4 +260,5 @@ TORCH_LIBRARY(colibri, m) {
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {
     m.impl("linear", &linear);
     m.impl("expert_ffn", &expert_ffn);
+    m.impl("moe_sum_", &moe_sum_);
 }

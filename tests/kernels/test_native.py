@@ -180,7 +180,31 @@ def test_expert_ffn_on_views_of_a_larger_buffer(level):
 
 
 @needs_native
+@pytest.mark.parametrize("T,H,P", [(1, 1, 0), (1, 72, 8), (33, 1030, 264), (5, 3, 40)])
+def test_moe_sum_is_torchs_scatter_to_the_bit(T, H, P):
+    """The weighted pair outputs summed into float64 at their tokens' rows: the bits of
+    acc.index_add_(0, rows, (ys * w).double()), at every thread count."""
+    g = torch.Generator().manual_seed(T * H + P)
+    acc = torch.randn(T, H, generator=g, dtype=torch.float64)                          # [T, H]
+    ys = torch.randn(P, H, generator=g) * 10 ** torch.randint(-3, 4, (P, 1), generator=g)   # [P, H] float32
+    rows = torch.randint(0, T, (P,), generator=g)                                      # [P]
+    w = torch.rand(P, generator=g)                                                     # [P]
+    want = acc.clone().index_add_(0, rows, (ys * w[:, None]).double())
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(native.moe_sum_(acc.clone(), ys, rows, w), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
 @pytest.mark.parametrize("call,message", [
+    (lambda: native.moe_sum_(torch.zeros(2, 4, dtype=torch.float64), torch.ones(1, 4), torch.tensor([2]),
+                             torch.ones(1)), "row 2 of pair 0 is outside"),
+    (lambda: native.moe_sum_(torch.zeros(2, 4), torch.ones(1, 4), torch.tensor([0]), torch.ones(1)),
+     "contiguous float64"),
     (lambda: torch.ops.colibri.linear(torch.ones(2, 3), torch.ones(4, 5)), "need x [M, K] and w [Dout, K]"),
     (lambda: torch.ops.colibri.linear(torch.ones(2, 3), torch.ones(4, 3, dtype=torch.float16)),
      "float32, bfloat16 or int8"),

@@ -1,0 +1,138 @@
+"""`make bench-kernels` (second part): Colibri's native CPU kernels on the bench shapes, as a fraction of the
+memory read rate, at 1 and 2 threads, beside torch's own kernels on the same weights.
+
+- The expert side of one MoE layer (`kernels.fused_moe`: sort, the expert FFN of every expert with work, the
+  routed weights, the sum), E=64 experts of H=1024 x I=512, top-8, at T = 1, 8, 32 tokens.
+- The small-M linear on the router's dense shapes (qkv [1536, 1024], o [1024, 1024], lm_head [32000, 1024]).
+
+Weights in bf16 and int8 (per-row scales, weight-only; bf16 activations). Every call reads weights that are not
+in the caches: the expert weights span several layers (fresh routing each call) and each linear cycles through
+copies of its weight totalling over 4x the L3. GB/s = weight bytes the call reads / time; "% read" divides by a
+streaming sum over 1 GiB at the same thread count (the rate a decode step can reach).
+
+    python -m benchmarks.native_kernels [--tokens 1,8,32] [--threads 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from benchmarks.common import RESULTS, finish, machine, read_bandwidth_gbs, table, time_fn
+from kernels import fused_moe, native, quantize_int8, topk_route
+from kernels.quant import Int8Weight
+
+H, I, E, K = 1024, 512, 64, 8
+LINEARS = {"qkv": (1536, 1024), "o": (1024, 1024), "lm_head": (32000, 1024)}
+POOL_BYTES = 256 * 2**20          # each weight's copies together: far past any L3
+
+
+def weight_bytes(w: torch.Tensor | Int8Weight) -> int:
+    return w.q.nbytes + w.scale.nbytes if isinstance(w, Int8Weight) else w.nbytes
+
+
+def make(kind: str, *shape: int, g: torch.Generator) -> torch.Tensor | Int8Weight:
+    w = torch.randn(*shape, generator=g) * 0.02
+    return quantize_int8(w) if kind == "int8" else w.to(torch.bfloat16)
+
+
+class Cycle:
+    """Calls that take the next of several inputs each time (no call finds its weights in the caches)."""
+
+    def __init__(self, items: list) -> None:
+        self.items, self.i = items, 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
+def expert_rows(kind: str, tokens: list[int], g: torch.Generator, torch_too: bool) -> list[list[str]]:
+    layers = 3                                                           # 600 MB in bf16: no layer stays cached
+    weights = [(make(kind, E, 2 * I, H, g=g), make(kind, E, H, I, g=g)) for _ in range(layers)]
+    per_expert = weight_bytes(weights[0][0]) // E + weight_bytes(weights[0][1]) // E
+    rows = []
+    for T in tokens:
+        cases = []
+        for j in range(8 * layers):
+            x = torch.randn(T, H, generator=g).to(torch.bfloat16)                        # [T, H]
+            w, ids = topk_route(torch.randn(T, E, generator=g), K, True)                 # [T, K]
+            cases.append((x, *weights[j % layers], ids, w))
+        touched = sum(int(c[3].unique().numel()) for c in cases) / len(cases) * per_expert
+        cyc = Cycle(cases)
+        native.use_isa("")
+        s = time_fn(lambda cyc=cyc: fused_moe(*cyc.next()), min_runs=10, min_seconds=0.5)
+        ref = ""
+        if torch_too:                                  # the torch forms on the same calls (Colibri before)
+            from kernels import cpu_moe
+
+            ref_s = time_fn(lambda cyc=cyc: cpu_moe.fused_moe_cpu(*cyc.next(), form="loop"), min_runs=5,
+                            min_seconds=0.5)
+            ref = f"{touched / ref_s / 1e9:.1f}"
+        rows.append([f"experts {kind}", str(T), f"{touched / 2**20:.0f}", f"{s * 1e3:.2f}",
+                     f"{touched / s / 1e9:.1f}", ref])
+    return rows
+
+
+def linear_rows(kind: str, tokens: list[int], g: torch.Generator) -> list[list[str]]:
+    rows = []
+    for name, (dout, din) in LINEARS.items():
+        one = make(kind, dout, din, g=g)
+        copies = [one] + [make(kind, dout, din, g=g) for _ in range(max(1, POOL_BYTES // weight_bytes(one)) - 1)]
+        nbytes = weight_bytes(one)
+        for T in tokens:
+            x = torch.randn(T, din, generator=g).to(torch.bfloat16)                      # [T, Din]
+            cyc = Cycle(copies)
+            s = time_fn(lambda x=x, cyc=cyc: native.linear(x, cyc.next()), min_runs=10, min_seconds=0.3)
+            if kind == "int8":
+                t = time_fn(lambda x=x, cyc=cyc: torch._weight_int8pack_mm(x, (w := cyc.next()).q, w.scale),
+                            min_runs=5, min_seconds=0.3)
+            else:
+                t = time_fn(lambda x=x, cyc=cyc: F.linear(x, cyc.next()), min_runs=5, min_seconds=0.3)
+            rows.append([f"{name} {kind} [{dout}, {din}]", str(T), f"{nbytes / 2**20:.1f}", f"{s * 1e3:.3f}",
+                         f"{nbytes / s / 1e9:.1f}", f"{nbytes / t / 1e9:.1f}"])
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,8,32", help="row counts T (default: %(default)s)")
+    ap.add_argument("--threads", default="1,2", help="thread counts (default: %(default)s)")
+    ap.add_argument("--kinds", default="bfloat16,int8", help="weight kinds (default: %(default)s)")
+    args = ap.parse_args()
+    if not native.available():
+        print(f"the native kernels are not available here ({native.UNAVAILABLE}): nothing to measure")
+        return 1
+    tokens = [int(t) for t in args.tokens.split(",")]
+    kinds = args.kinds.split(",")
+    g = torch.Generator().manual_seed(0)
+    sections = []
+    for threads in tqdm([int(t) for t in args.threads.split(",")], desc="native kernels", unit="thread count"):
+        torch.set_num_threads(threads)
+        bw = read_bandwidth_gbs()
+        rows = []
+        for kind in kinds:
+            rows += expert_rows(kind, tokens, g, torch_too=True)
+            rows += linear_rows(kind, tokens, g)
+        for r in rows:
+            r.insert(5, f"{100 * float(r[4]) / bw:.0f}%")
+        sections += [f"## {threads} thread{'s' if threads > 1 else ''}: read rate {bw:.1f} GB/s (streaming sum "
+                     f"over 1 GiB)", "",
+                     table(["op", "T", "MiB read", "ms", "GB/s", "% read", "torch GB/s"], rows), ""]
+    text = "\n".join([
+        "# Native CPU kernels on the bench shapes", "",
+        f"Machine: {machine()}; native kernels: {native.isa()}.",
+        "Command: `python -m benchmarks.native_kernels` (part of `make bench-kernels`). torch GB/s: the expert "
+        "side with the torch forms (`loop`, Colibri without native kernels), the linears with `F.linear` (bf16) "
+        "or `torch._weight_int8pack_mm` (int8), on the same weights.", "", *sections])
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "native_kernels.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    finish(main())
