@@ -12,7 +12,7 @@ from colibri.client import Client
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from expert_service.shard import ExpertShard
-from kernels import fused_moe, topk_route
+from kernels import fused_moe, native, topk_route
 from kernels.quant import Int8Weight, quantize_int8
 from kernels.reference import fused_moe_reference
 from router_service.experts import RemoteExperts
@@ -156,7 +156,8 @@ def test_a_w8a8_fleet_with_w8a8_dense_layers_serves_the_greedy_tokens(separated)
 
 
 def test_int8_dense_layers_take_the_activations_in_the_dtype_asked_for(separated):
-    """A bf16 request on a CPU without bf16 arithmetic: the router computes its float layers in float32, and its
+    """A bf16 request on a CPU without bf16 arithmetic and without the native kernels (which take bf16 weights at
+    float32 speed anywhere): the router computes its float layers in float32, and its
     int8 layers multiply bf16 activations (what was asked, and what the int8 kernel runs fastest): the same
     product as a bf16 activation times the int8 weight, returned in float32."""
     from kernels.cpu_linear import cpu_has_fast_bf16, linear
@@ -170,5 +171,5 @@ def test_int8_dense_layers_take_the_activations_in_the_dtype_asked_for(separated
     with InProcess(oracle.path, dtype="bfloat16", quantize="int8", quantize_dense=True) as engine:
         lm_head = engine.built.engine.model.w.lm_head
         routed_in_float32 = engine.built.compute_dtype == torch.float32
-        assert routed_in_float32 == (not cpu_has_fast_bf16())
+        assert routed_in_float32 == (not cpu_has_fast_bf16() and not native.available())   # native: bf16 kept
         assert lm_head.act_dtype == (torch.bfloat16 if routed_in_float32 else None)

@@ -19,12 +19,17 @@
 #include <vector>
 
 extern "C" {
-typedef void (*linear_fn)(const float*, int, int, const void*, int, const float*, int, int, float*, int);
-void colibri_linear_generic(const float*, int, int, const void*, int, const float*, int, int, float*, int);
+typedef void (*linear_fn)(const float*, int, int, const void*, int, const float*, int, int, float*, int,
+                          const void*, int64_t);
+void colibri_linear_generic(const float*, int, int, const void*, int, const float*, int, int, float*, int,
+                            const void*, int64_t);
 #if defined(__x86_64__)
-void colibri_linear_avx2(const float*, int, int, const void*, int, const float*, int, int, float*, int);
-void colibri_linear_avx512(const float*, int, int, const void*, int, const float*, int, int, float*, int);
-void colibri_linear_avx512bf16(const float*, int, int, const void*, int, const float*, int, int, float*, int);
+void colibri_linear_avx2(const float*, int, int, const void*, int, const float*, int, int, float*, int,
+                         const void*, int64_t);
+void colibri_linear_avx512(const float*, int, int, const void*, int, const float*, int, int, float*, int,
+                           const void*, int64_t);
+void colibri_linear_avx512bf16(const float*, int, int, const void*, int, const float*, int, int, float*, int,
+                               const void*, int64_t);
 #endif
 }
 
@@ -114,7 +119,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     float* yp = y.data_ptr<float>();
     linear_fn fn = level().linear;
     at::parallel_for(0, (D + BLOCK - 1) / BLOCK, grain(M, K), [&](int64_t b0, int64_t b1) {
-        fn(xp, int(M), int(K), wp, kind, sp, int(b0 * BLOCK), int(std::min(D, b1 * BLOCK)), yp, int(D));
+        fn(xp, int(M), int(K), wp, kind, sp, int(b0 * BLOCK), int(std::min(D, b1 * BLOCK)), yp, int(D), nullptr, 0);
     });
     return y;
 }
@@ -141,7 +146,7 @@ void project(const at::Tensor& in, const std::vector<int64_t>& counts, const at:
     const int64_t Dout = w.size(1), K = w.size(2);
     at::Tensor sc = kind == 2 ? scale->to(at::kFloat).contiguous() : at::Tensor();
     const char* wp = static_cast<const char*>(w.data_ptr());
-    const int64_t wstride = w.stride(0) * w.element_size();
+    const int64_t wstride = w.stride(0) * w.element_size(), esize = w.element_size();
     const float* xp = in.data_ptr<float>();
     float* yp = out.data_ptr<float>();
     auto todo = tasks(counts, Dout);
@@ -150,9 +155,16 @@ void project(const at::Tensor& in, const std::vector<int64_t>& counts, const at:
     at::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
             const Task& j = todo[t];
+            const char* next = nullptr;                   // the next task's weight rows, requested during this one
+            int64_t next_bytes = 0;
+            if (t + 1 < t1) {
+                const Task& n = todo[t + 1];
+                next = wp + n.expert * wstride + n.o0 * K * esize;
+                next_bytes = (n.o1 - n.o0) * K * esize;
+            }
             fn(xp + j.row * K, int(j.n), int(K), wp + j.expert * wstride, kind,
                kind == 2 ? sc.data_ptr<float>() + j.expert * Dout : nullptr, int(j.o0), int(j.o1),
-               yp + j.row * Dout, int(Dout));
+               yp + j.row * Dout, int(Dout), next, next_bytes);
         }
     });
 }
