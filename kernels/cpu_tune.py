@@ -52,7 +52,8 @@ from kernels.reference import fused_moe_reference
 
 # What the winners were chosen among (and how): a forms file measured with other candidates or without the
 # checks is measured again.
-CANDIDATES = "+".join(FORMS) + "/" + "+".join(MOE_FORMS) + "/checked"
+CANDIDATES = "+".join(FORMS) + "/" + "+".join(MOE_FORMS) + "/checked" + \
+    (f"/native@{native.build_id()}" if native.available() else "")
 Refused = set[tuple[int, int, str, str]]
 
 

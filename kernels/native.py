@@ -51,6 +51,15 @@ def available() -> bool:
     return UNAVAILABLE is None
 
 
+def build_id() -> str:
+    """Which build of the kernels is loaded (its sources' fingerprint from kernels/native_build.py), so that
+    forms measured with another build are measured again; 'none' without them."""
+    stamp = LIBRARY.parent / "fingerprint"
+    if not available():
+        return "none"
+    return stamp.read_text().strip() if stamp.is_file() else "unknown"
+
+
 def refused_override() -> str | None:
     """Why COLIBRI_CPU_ISA cannot be honoured (a level this CPU lacks, a name that is none): a start-up error
     for the services, who were asked for it explicitly; None when it is unset or honoured."""
