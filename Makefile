@@ -53,8 +53,11 @@ lint: setup
 bench: setup
 	$(PY) -m benchmarks.serving
 
+# The fused MoE against its peers (benchmarks/results/kernels.md), then the native kernels' GB/s and % of the read
+# rate at T = 1, 8, 32 on 1 and 2 threads, bf16 and int8 (benchmarks/results/native_kernels.md).
 bench-kernels: setup
 	$(PY) -m benchmarks.kernels
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.native_kernels
 
 # The expert tiers on a skewed checkpoint (built once in .cache/): writes benchmarks/results/expert_cache.md.
 bench-cache: setup
