@@ -87,9 +87,10 @@ def linear_rows(kind: str, tokens: list[int], g: torch.Generator) -> list[list[s
             x = torch.randn(T, din, generator=g).to(torch.bfloat16)                      # [T, Din]
             cyc = Cycle(copies)
             s = time_fn(lambda x=x, cyc=cyc: native.linear(x, cyc.next()), min_runs=10, min_seconds=0.3)
-            if kind == "int8":
-                t = time_fn(lambda x=x, cyc=cyc: torch._weight_int8pack_mm(x, (w := cyc.next()).q, w.scale),
-                            min_runs=5, min_seconds=0.3)
+            if kind == "int8":                          # torch's kernel takes the scales in x's dtype
+                packed = Cycle([(c.q, c.scale.to(x.dtype)) for c in copies])
+                t = time_fn(lambda x=x, p=packed: torch._weight_int8pack_mm(x, *p.next()), min_runs=5,
+                            min_seconds=0.3)
             else:
                 t = time_fn(lambda x=x, cyc=cyc: F.linear(x, cyc.next()), min_runs=5, min_seconds=0.3)
             rows.append([f"{name} {kind} [{dout}, {din}]", str(T), f"{nbytes / 2**20:.1f}", f"{s * 1e3:.3f}",
