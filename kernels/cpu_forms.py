@@ -121,12 +121,7 @@ if native.available():                       # Colibri's own kernels (kernels/na
     FORMS["native_int8"] = FormSpec(native.linear, "int8", isolate=True, kinds=("int8-float32", "int8-bfloat16"),
                                     invariant=True)
 LAST_RESORT = "float64"     # never raced: used only where no candidate of a shape and row count is right
-# Up to this many rows a GEMM streams its weight from memory (decode): the native form serves there wherever it
-# takes the kind and was found right, not raced. A race times one weight over and over from the caches, where
-# torch's forms win; from memory the native form reads more (bench shapes, 2 threads of an AVX2 EPYC, a weight
-# not in the caches: qkv 11.1 GB/s against F.linear's 8.6, lm_head 12.1 against 8.1; benchmarks/native_kernels.py).
-STREAMING_ROWS = 3
-NATIVE_OF = {"float": "native", "int8": "native_int8"}
+NATIVE_OF = {"float": "native", "int8": "native_int8"}     # the native form of a family: the default where built
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -279,8 +274,6 @@ def pick_rows(rows: int, x_dtype: torch.dtype, w: Weight) -> Form:
     if _INVARIANT:
         name = invariant_form(k, dout, din)
         return _fn(name) if name in FORMS and FORMS[name].invariant else _rowwise(_fn(name))
-    if rows <= STREAMING_ROWS and (mine := NATIVE_OF.get(family(k))) and usable(mine, dout, din, k):
-        return FORMS[mine].fn
     name = _TABLE.get(key(dout, din, k, bucket(rows))) or default_form(k, rows, dout, din)
     return _fn(name if rows == 1 or name != "mv" else "gemv_t")
 

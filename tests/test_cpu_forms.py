@@ -349,17 +349,3 @@ def test_where_every_form_is_wrong_the_weight_is_computed_in_float64_and_the_log
     x = torch.randn(3, 40)
     assert wrong(linear(x, w), x, w) is None
 
-
-@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.UNAVAILABLE}")
-def test_decode_rows_stream_through_the_native_form_whatever_a_race_in_the_caches_said(forms_state):
-    """Up to STREAMING_ROWS rows the native form serves (a race times a cached weight, where torch's forms win);
-    from there on the measured winner; and never a native form this machine found wrong for the shape."""
-    w = torch.randn(40, 24).to(torch.bfloat16)
-    cpu_forms.install({cpu_forms.key(40, 24, "bfloat16", b): "linear" for b in cpu_forms.BUCKETS})
-    for rows in range(1, cpu_forms.STREAMING_ROWS + 1):
-        assert cpu_forms.pick_rows(rows, torch.bfloat16, w) is cpu_forms.FORMS["native"].fn
-    assert cpu_forms.pick_rows(cpu_forms.STREAMING_ROWS + 1, torch.bfloat16, w) is cpu_forms.FORMS["linear"].fn
-    q = quantize_int8(torch.randn(40, 24))
-    assert cpu_forms.pick_rows(1, torch.bfloat16, q) is cpu_forms.FORMS["native_int8"].fn
-    cpu_forms.install({}, {(40, 24, "bfloat16", "native")})                     # found wrong here
-    assert cpu_forms.pick_rows(1, torch.bfloat16, w) is not cpu_forms.FORMS["native"].fn
