@@ -20,6 +20,13 @@ from kernels.cpu_tune import CANDIDATES
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def publish(text: str, name: str) -> None:
+    """Print a benchmark's report and keep it as benchmarks/results/NAME.md."""
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(text)
+
+
 def finish(rc: int | None = 0) -> None:
     """Exit a benchmark's process without Python's last garbage collection (`skip_exit_collection`)."""
     skip_exit_collection()

@@ -13,7 +13,7 @@ import argparse
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, finish, machine, read_bandwidth_gbs, table, time_fn
+from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table, time_fn
 from colibri_common.forms_file import FormsFile, resolve
 from kernels import fused_moe, topk_route
 from kernels.cpu_tune import CANDIDATES, MoeShape, tune
@@ -89,9 +89,7 @@ def main() -> int:
     else:
         out += ["", "Triton: not run (no CUDA device on this machine)."]
     text = "\n".join(out) + "\n"
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kernels.md").write_text(text)
+    publish(text, "kernels")
     return 0
 
 

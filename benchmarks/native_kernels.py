@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, finish, machine, read_bandwidth_gbs, table, time_fn
+from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table, time_fn
 from kernels import fused_moe, native, quantize_int8, topk_route
 from kernels.quant import Int8Weight
 
@@ -129,9 +129,7 @@ def main() -> int:
         "Command: `python -m benchmarks.native_kernels` (part of `make bench-kernels`). torch GB/s: the expert "
         "side with the torch forms (`loop`, Colibri without native kernels), the linears with `F.linear` (bf16) "
         "or `torch._weight_int8pack_mm` (int8), on the same weights.", "", *sections])
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "native_kernels.md").write_text(text)
+    publish(text, "native_kernels")
     return 0
 
 

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, finish, machine, table
+from benchmarks.common import finish, machine, publish, table
 from benchmarks.demo import MODEL, ensure_demo_model
 from benchmarks.serving import COLIBRI, run_json
 from colibri.client import Client
@@ -127,9 +127,7 @@ def main() -> int:
         "run beside each round: on a model this small the fleet's per-step gRPC round trips, not the maths, set "
         "its speed, so transformers in one process is faster here; `make bench` compares the engines on a "
         "model of realistic shape.", ""])
-    print(out)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "openai_front.md").write_text(out)
+    publish(out, "openai_front")
     return 0
 
 

@@ -26,7 +26,7 @@ import psutil
 from tqdm import tqdm
 
 from benchmarks.bench_model import ensure_bench_model
-from benchmarks.common import RESULTS, finish, machine, read_bandwidth_gbs, table
+from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table
 from colibri.loadgen import run_load
 from colibri_common.config import ModelConfig
 from router_service.metrics import parse
@@ -225,11 +225,8 @@ def main() -> int:
                 str(results[n]['rows'][c]['requests_failed']), f"{results[n]['rows'][c]['balance']:.2f}"]
                for n in results if n.startswith("colibri 2 workers replicas") for c in streams]),
         ""])
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    name = "serving" + ("" if args.dtype == "bfloat16" else f"-{args.dtype}") + \
-        ("" if not args.engines else "-" + "".join(ch if ch.isalnum() else "-" for ch in args.engines).strip("-"))
-    (RESULTS / f"{name}.md").write_text(text)
+    publish(text, "serving" + ("" if args.dtype == "bfloat16" else f"-{args.dtype}") + (
+        "" if not args.engines else "-" + "".join(ch if ch.isalnum() else "-" for ch in args.engines).strip("-")))
     return 0
 
 
