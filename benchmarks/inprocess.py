@@ -25,8 +25,13 @@ def main() -> None:
     args = engine_args([("--micro-batches", {"type": int, "default": 1})])
     dtype = getattr(torch, args.dtype)
     opts = RouterOptions(model=args.model, dtype=args.dtype, micro_batches=args.micro_batches, device=args.device)
-    router = build_engine(opts, lambda cfg, device: LocalExperts(
-        ExpertShard(cfg, Checkpoint(args.model), 0, 1, dtype, device=device)))
+
+    def experts(cfg, device) -> LocalExperts:
+        shard = ExpertShard(cfg, Checkpoint(args.model), 0, 1, dtype, device=device, in_place=True)  # as a worker
+        shard.loaded()
+        return LocalExperts(shard)
+
+    router = build_engine(opts, experts)
     router.engine.start()
     cold = time.perf_counter() - T_START
 

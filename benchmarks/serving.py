@@ -3,6 +3,8 @@
 Colibri: `colibri serve` with 1 and 2 expert workers (real processes, gRPC on loopback, driven by the
 `colibri bench` load generator) and the in-process mode (every expert in the router's process, no gRPC).
 transformers: `generate` with the fastest of its experts implementations, same weights, same dtype.
+llama.cpp: bf16 and q8_0 through `llama-batched-bench` whenever a build is at hand (benchmarks/llamacpp.py says
+where one comes from), with the ratios of every Colibri row to it.
 Output tok/s at 1, 8 and 32 concurrent streams (16-token prompts, 64 new tokens), TTFT and inter-token
 latency p50/p99, cold start (process start → ready / loaded), peak RSS of every process, % of the
 memory-bandwidth roofline, and the engine's time split. Writes benchmarks/results/serving.md.
@@ -27,6 +29,8 @@ from tqdm import tqdm
 
 from benchmarks.bench_model import ensure_bench_model
 from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table
+from benchmarks.llamacpp import add_peer_args, find_peer
+from benchmarks.llamacpp import measure as measure_llamacpp
 from colibri.loadgen import run_load
 from colibri_common.config import ModelConfig
 from router_service.metrics import parse
@@ -127,6 +131,33 @@ def run_json(module: str, args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def llamacpp_section(llama: dict, results: dict, streams: list[int]) -> list[str]:
+    """llama.cpp's rows and each Colibri engine's ratio to them (output tok/s, prefill included on both sides);
+    int8 and w8a8 engines against q8_0 too."""
+    if not llama:
+        return ["", "## Against llama.cpp", "", "Not measured in this run: no llama.cpp build at hand "
+                "(benchmarks/llamacpp.py: --llamacpp-bin with --llamacpp-gguf, or the peer script)."]
+    source = next(iter(llama.values()))["source"]
+    peer_rows = [[f"llama.cpp {q}", str(c), f"{r['rows'][c].decode_tokens_per_s:.1f}",
+                  f"{r['rows'][c].output_tokens_per_s:.1f}"] for q, r in llama.items() for c in streams
+                 if c in r["rows"]]
+    ratio_rows = []
+    for name, res in results.items():
+        if not name.startswith("colibri"):
+            continue
+        for c in streams:
+            ours = res["rows"][str(c)] if str(c) in res["rows"] else res["rows"][c]
+            cells = [name, str(c), f"{ours['output_tokens_per_s']:.1f}"]
+            for q in ("bf16", "q8_0"):
+                theirs = llama.get(q, {}).get("rows", {}).get(c)
+                cells.append(f"{ours['output_tokens_per_s'] / theirs.output_tokens_per_s:.2f}x" if theirs else "-")
+            ratio_rows.append(cells)
+    return ["", "## Against llama.cpp", "", f"{source}; `llama-batched-bench` with the same prompt length, new tokens, "
+            "streams and threads, run in this same benchmark.", "",
+            table(["engine", "streams", "decode tok/s (S_TG)", "output tok/s (prefill included)"], peer_rows), "",
+            table(["engine", "streams", "output tok/s", "vs llama.cpp bf16", "vs llama.cpp q8_0"], ratio_rows)]
+
+
 def fmt_gib(values: list[int]) -> str:
     return " + ".join(f"{v / 2**30:.2f}" for v in values) + " GiB"
 
@@ -140,8 +171,13 @@ def main() -> int:
     ap.add_argument("--engines", default="", help="comma-separated substrings (or =exact names): run only the "
                                                   "matching engines (transformers always runs, for the ratios); "
                                                   "the results go to serving-<engines>.md")
+    ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's rows out")
+    add_peer_args(ap)
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
+    peer, peer_line = (None, "llama.cpp: left out (--no-llamacpp)") if args.no_llamacpp else find_peer(
+        args.llamacpp_bin, args.llamacpp_gguf, args.llamacpp_peer)
+    print(peer_line, file=sys.stderr)
     model = ensure_bench_model()
     cfg = ModelConfig.from_dir(model)
     bw = read_bandwidth_gbs()
@@ -170,9 +206,13 @@ def main() -> int:
         wanted = [w.strip() for w in args.engines.split(",")]
         jobs = [(n, j) for n, j in jobs if n == "transformers" or any(
             n == w[1:] if w.startswith("=") else w in n for w in wanted)]
+    if peer is not None and args.dtype == "bfloat16":
+        jobs.insert(1, ("llama.cpp", lambda: measure_llamacpp(peer, model, streams, args.prompt_len,
+                                                               args.max_tokens, len(os.sched_getaffinity(0)))))
     results = {}
     for name, job in tqdm(jobs, desc="bench", unit="engine"):
         results[name] = job()
+    llama = results.pop("llama.cpp", {})
     hf = results["transformers"]
     itemsize = 2 if args.dtype == "bfloat16" else 4
     rows = []
@@ -200,6 +240,7 @@ def main() -> int:
             orch = ph.get("schedule", 0) + ph.get("prepare", 0) + ph.get("postprocess", 0) + ph.get("dispatch", 0)
             split.append([name, str(c), f"{100 * orch / total:.1f}%", f"{100 * ph.get('wait', 0) / total:.0f}%",
                           f"{100 * ph.get('expert_compute', 0) / total:.0f}%"])
+    vs_llama = llamacpp_section(llama, results, streams)
     text = "\n".join([
         f"# Serving benchmark: bench model ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_experts} experts "
         f"top-{cfg.top_k}, hidden {cfg.hidden_size}), {args.dtype}",
@@ -213,6 +254,7 @@ def main() -> int:
                "ITL p99 ms", "% roofline"], rows),
         "", "Roofline: streams ÷ (weight bytes a decode step must read ÷ read bandwidth); transformers' "
         "TTFT/ITL are per static batch (no p99).",
+        *vs_llama,
         "", "## Cold start and memory", "",
         table(["engine", "start → ready", "vs transformers", "peak RSS per process"], cold),
         "", "## Where a Colibri decode step goes (engine phase counters)", "",

@@ -303,7 +303,9 @@ def serve(opts: ServeOptions) -> int:
         return 1
     cache = opts.cache.expert_cache_capacity
     log.info("fleet ready in %.1fs (workers ready after %s s; expert cache: %s)", time.monotonic() - t_start,
-             ", ".join(f"{t:.1f}" for t in ready_s), "every expert packed" if cache == "all" else cache)
+             ", ".join(f"{t:.1f}" for t in ready_s), cache if cache != "all" else "every expert held, in place where "
+             "the checkpoint allows (each worker's log says)" if opts.cache.experts_in_place == "auto" else
+             "every expert packed")
     print(f"ready {addr}", flush=True)
 
     def drain(p: Child) -> None:

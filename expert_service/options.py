@@ -38,6 +38,13 @@ class ExpertCacheOptions:
                                             "on a CUDA GPU (FP8 where it has FP8, compute capability 8.9+), else "
                                             "dequantize", choices=("auto", "keep", "dequantize"))
 
+    experts_in_place: str = option("auto", "compute the experts where they lie in the mapped checkpoint (auto: "
+                                           "where its experts are bf16 or float32 in the compute dtype, row-major, "
+                                           "and the native CPU kernels run): no packed copy, the page cache shared "
+                                           "by every worker and restart on the host; off: pack them into the "
+                                           "worker's own memory (a checkpoint on a network filesystem, or pages the "
+                                           "host must not evict)", choices=("auto", "off"))
+
     def __post_init__(self) -> None:
         check_capacity(self.expert_cache_capacity)
         if self.expert_cache_host_capacity != "off":

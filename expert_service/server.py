@@ -147,8 +147,8 @@ def serve_expert(opts: ExpertOptions) -> None:
                           opts.quantize, c.expert_cache_capacity, c.expert_cache_policy, c.expert_cache_half_life,
                           c.expert_cache_host_capacity, kept)
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
-                          quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache, kept=kept)
-    experts.loaded()                            # without a cache every expert is packed: unmap the files
+                          quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache, kept=kept,
+                          in_place=c.experts_in_place == "auto")
     forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES, experts=True)
     if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
         if native.refused_override():
@@ -157,6 +157,7 @@ def serve_expert(opts: ExpertOptions) -> None:
         with forms.measuring():
             log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()],
                                         timed=forms.path is not None)))
+    experts.loaded()                            # packed experts need the mappings no more (unmapped)
     experts.warm_up()                           # the kernels run here (compiled on a GPU), before ready
     heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas)
     if experts.cache is not None:
@@ -164,7 +165,8 @@ def serve_expert(opts: ExpertOptions) -> None:
         if warm:
             log.info("packed the %d hottest experts of the last run (%s); the rest stay mapped", warm, heat)
     return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
-    tier = "all packed" if experts.cache is None else (
+    packed = "all packed" if c.experts_in_place == "off" else f"all packed, not in place: {experts.in_place_refusal}"
+    tier = "in place (mapped)" if experts.in_place else packed if experts.cache is None else (
         f"expert cache of {experts.cache.hot.w13.shape[0]} slots ({opts.cache.expert_cache_capacity}, "
         f"{opts.cache.expert_cache_policy}); the rest mapped")
     log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB %s (%s) on %s, %s kernels, ready in %.2fs",

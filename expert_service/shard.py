@@ -1,8 +1,13 @@
-"""A worker's experts: mapped from the checkpoint, packed into contiguous per-layer buffers.
+"""A worker's experts: mapped from the checkpoint, computed in place or packed into per-layer buffers.
 
 Mapped: every safetensors file is mmap'd; only the byte ranges of this shard's experts are ever read.
+In place (the default where it can be): the checkpoint stores the experts as the native kernels read them
+(bf16 or float32 in the compute dtype, one row-major tensor per expert and projection, or a stacked gate/up),
+so each layer's experts are views over the mapping (kernels.ExpertRows): nothing is copied at start, the pages
+are the page cache's, shared with every other process that maps the file and kept across a restart, and the
+resident memory is the pages the calls touched.
 Packed: for each MoE layer, w13 [E_local, 2I, H] (gate rows, then up rows) and w2 [E_local, H, I] in the
-compute dtype, in anonymous memory. After packing the mappings are released, so the worker's resident
+compute dtype or int8, in anonymous memory. After packing the mappings are released, so the worker's resident
 memory is its shard, not the model.
 
 With a bounded `--expert-cache-capacity` nothing is packed at start: the files stay mapped (cold) and an
@@ -23,12 +28,14 @@ from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import ConfigError
 from colibri_common.placement import replica_experts
+from colibri_common.tensors import stored_expert_tensors
 from expert_service.cache_capacity import CacheCapacity, parse_capacity
 from expert_service.expert_cache import ExpertCache
 from expert_service.kept_format import Kept
 from expert_service.packing import check_expert, expert_biases, pack_expert
-from kernels import Fp8Weight, GatedAct, Mxfp4Weight, fused_moe
+from kernels import ExpertRows, Fp8Weight, GatedAct, Mxfp4Weight, backend_for, fused_moe, native
 from kernels.cpu_forms import Weight, weight_kind
+from kernels.cpu_moe import native_serves
 from kernels.cpu_tune import MoeShape
 from kernels.quant import QUANTIZE_MODES, Int8Weight
 
@@ -91,11 +98,14 @@ class ExpertShard:
     """`dtype` is the compute dtype of the activations; the weights are packed in it, or as int8 with a
     float32 scale per output row when `quantize` is "int8" (weight-only) or "w8a8" (the activations quantised
     per row too) (quantised expert by expert as they are read), or,
-    with `kept` (expert_service/kept_format.py), as the checkpoint's FP8 or MXFP4 values and scales."""
+    with `kept` (expert_service/kept_format.py), as the checkpoint's FP8 or MXFP4 values and scales. With
+    `in_place` they are computed where they lie in the checkpoint wherever its layout allows (`in_place_refusal`
+    says why not, and they are packed)."""
 
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, shard: int, num_shards: int, dtype: torch.dtype,
                  progress: bool = False, quantize: str | None = None, device: torch.device | None = None,
-                 replicas: int = 1, cache: CacheSetting | None = None, kept: Kept | None = None) -> None:
+                 replicas: int = 1, cache: CacheSetting | None = None, kept: Kept | None = None,
+                 in_place: bool = False) -> None:
         if quantize not in (None, *QUANTIZE_MODES):
             raise ValueError(f"quantize '{quantize}' is unknown; use {', '.join(QUANTIZE_MODES)} or none")
         self.device = device or torch.device("cpu")
@@ -112,8 +122,8 @@ class ExpertShard:
         expert_map = torch.full((cfg.num_experts,), -1, dtype=torch.long)       # [E] global -> local
         expert_map[self.experts] = torch.arange(len(self.experts))
         self.expert_map = expert_map.to(self.device)
-        self.w13: dict[int, Weight] = {}
-        self.w2: dict[int, Weight] = {}
+        self.w13: dict[int, Weight | ExpertRows] = {}
+        self.w2: dict[int, Weight | ExpertRows] = {}
         self.cache: ExpertCache | None = None
         self.ckpt = ckpt
         self.act = GatedAct(cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_up_offset)   # the experts' activation
@@ -122,15 +132,65 @@ class ExpertShard:
             b = expert_biases(cfg, ckpt, layer, self.experts, dtype, self.device)
             if b is not None:
                 self.biases[layer] = b
+        self.in_place_refusal: str | None = "the experts go through an expert cache (--expert-cache-capacity)"
         if cache is not None and cache.capacity.bounded:
             self._check_tensors(ckpt)
             pin = self.device.type == "cuda"
             self.cache = ExpertCache(cfg, ckpt, self.experts, cache.capacity, cache.policy, self._empty, self.device,
                                      cache.half_life, cache.warm if pin else None, self._pinned)
             return
-        for layer in tqdm(cfg.moe_layers, desc=f"experts {shard}/{num_shards}", unit="layer",
+        self.in_place_refusal = self._refusal(ckpt) if in_place else "not asked for (--experts-in-place off)"
+        if self.in_place_refusal is None:
+            for layer in cfg.moe_layers:
+                self.w13[layer], self.w2[layer] = self._views(ckpt, layer)
+            return
+        self._pack_all(progress)
+
+    @property
+    def in_place(self) -> bool:
+        return self.cache is None and self.in_place_refusal is None
+
+    def _refusal(self, ckpt: Checkpoint) -> str | None:
+        """Why this shard's experts cannot be computed where they lie (None: they can)."""
+        if self.device.type != "cpu":
+            return f"the experts are computed on {self.device}"
+        if self.quantize is not None or self.kept is not None:
+            return "int8, FP8 and MXFP4 experts are held in their own packed form"
+        if not native.available():
+            return f"the native CPU kernels are not in use ({native.UNAVAILABLE})"
+        if backend_for(self.device) != "torch":
+            return f"the experts run on the {backend_for(self.device)} kernels (COLIBRI_MOE_BACKEND)"
+        if self.dtype not in (torch.bfloat16, torch.float32):
+            return f"the native expert FFN computes bf16 or float32 weights, not {self.dtype}"
+        want = {torch.bfloat16: "BF16", torch.float32: "F32"}[self.dtype]
+        for layer in self.cfg.moe_layers:
+            for e in self.experts:
+                layout, t = stored_expert_tensors(self.cfg, layer, e, ckpt)
+                if layout not in ("per_expert", "stacked"):
+                    return f"the checkpoint's experts are stored {layout} (gate and up interleaved or transposed)"
+                for name, shape in t.values():
+                    entry = ckpt.check(name, shape)
+                    if entry.dtype != want:
+                        return f"the checkpoint's experts are {entry.dtype}, computed in {self.dtype}"
+        return None
+
+    def _views(self, ckpt: Checkpoint, layer: int) -> tuple[ExpertRows, ExpertRows]:
+        """The layer's experts as views over the mapping: gate/up [2I, H] as one or two row blocks, down [H, I]."""
+        b13, b2 = [], []
+        for e in self.experts:
+            layout, t = stored_expert_tensors(self.cfg, layer, e, ckpt)
+            if layout == "per_expert":
+                b13.append((ckpt.view(*t["gate"]), ckpt.view(*t["up"])))
+                b2.append((ckpt.view(*t["down"]),))
+            else:
+                b13.append((ckpt.view(*t["gate_up"])[e],))
+                b2.append((ckpt.view(*t["down"])[e],))
+        return ExpertRows(tuple(b13)), ExpertRows(tuple(b2))
+
+    def _pack_all(self, progress: bool) -> None:
+        for layer in tqdm(self.cfg.moe_layers, desc=f"experts {self.shard}/{self.num_shards}", unit="layer",
                           disable=not progress):
-            self.w13[layer], self.w2[layer] = self._pack(ckpt, layer)
+            self.w13[layer], self.w2[layer] = self._pack(self.ckpt, layer)
 
     def _check_tensors(self, ckpt: Checkpoint) -> None:
         """Every expert tensor this shard will read exists with its shape (headers only): a cache packs them
@@ -181,13 +241,25 @@ class ExpertShard:
                               f"{self.device}: {type(exc).__name__}: {str(exc)[-400:]}") from exc
 
     def loaded(self) -> None:
-        """Start-up is over: without a cache every expert is packed, so the mappings go."""
+        """Start-up is over (the kernels checked): experts in place stay mapped, unless the native expert FFN was
+        found wrong for this shape, and then they are packed; packed experts need the mappings no more."""
+        if self.in_place:
+            if not self.cfg.moe_layers or native_serves(len(self.experts), self.cfg.moe_intermediate_size,
+                                                        self.cfg.hidden_size, weight_kind(None, self.dtype)):
+                return
+            self.in_place_refusal = "the native expert FFN was found wrong for this shape on this CPU"
+            log.warning("experts packed: %s", self.in_place_refusal)
+            self.w13.clear()
+            self.w2.clear()
+            self._pack_all(False)
         if self.cache is None:
             self.ckpt.close()
 
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+        self.w13.clear()                     # views over the mapping go before it
+        self.w2.clear()
         self.ckpt.close()
 
     def linear_shapes(self) -> list[tuple[int, int, str]]:
@@ -209,6 +281,8 @@ class ExpertShard:
         """Bytes of packed experts held now (the hot tier's filled slots with a cache)."""
         if self.cache is not None:
             return self.cache.hot.resident_bytes
+        if self.in_place:
+            return 0
         return sum(w.nbytes for w in (*self.w13.values(), *self.w2.values()))
 
     @property

@@ -18,6 +18,7 @@ import torch
 from kernels.activation import SILU, GatedAct
 from kernels.cpu_forms import Weight, batch_invariant
 from kernels.cpu_moe import fused_moe_cpu
+from kernels.expert_rows import ExpertRows
 from kernels.fp8_weight import Fp8Weight
 from kernels.mxfp4_weight import Mxfp4Weight
 from kernels.quant import Int8Weight, quantize_int8
@@ -49,7 +50,7 @@ def _pick(x: torch.Tensor, backend: str | None) -> str:
     return choice
 
 
-def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
+def fused_moe(x: torch.Tensor, w13: Weight | ExpertRows, w2: Weight | ExpertRows, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
               backend: str | None = None, out: torch.Tensor | None = None, act: GatedAct = SILU,
               b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
@@ -65,7 +66,8 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
     it and `acc` returned unrounded, so calls over parts of the experts (workers, cache rounds) add up exactly.
     w13 and w2 may be `Int8Weight`s (per-row int8 with float32 scales): the CPU path computes them; or
     `Fp8Weight`s (block-scaled e4m3, as FP8 checkpoints publish them) or `Mxfp4Weight`s (GPT-OSS's experts as
-    published): the Triton kernels compute them.
+    published): the Triton kernels compute them; or `ExpertRows` (experts in place over a mapped checkpoint):
+    the native CPU kernels compute them.
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fused_moe: need x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {list(x.shape)}, "
@@ -89,9 +91,9 @@ def fused_moe(x: torch.Tensor, w13: Weight, w2: Weight, topk_ids: torch.Tensor,
         return acc if acc is not None else torch.empty_like(x) if out is None else out
     kept = isinstance(w13, (Fp8Weight, Mxfp4Weight)) or isinstance(w2, (Fp8Weight, Mxfp4Weight))
     if _pick(x, backend) == "triton":
-        if isinstance(w13, Int8Weight) or isinstance(w2, Int8Weight):
-            raise ValueError("fused_moe: int8 experts run on the CPU path (backend='torch'); the Triton kernels "
-                             "take float32, float16 or bfloat16 weights")
+        if isinstance(w13, (Int8Weight, ExpertRows)) or isinstance(w2, (Int8Weight, ExpertRows)):
+            raise ValueError("fused_moe: int8 experts and experts in place run on the CPU path (backend='torch'); "
+                             "the Triton kernels take packed float32, float16 or bfloat16 weights")
         from kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_map, out=out, act=act, b13=b13, b2=b2,
@@ -129,5 +131,5 @@ def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = No
     return topk_route_torch(logits, routing, bias)
 
 
-__all__ = ["fused_moe", "route", "topk_route", "BACKENDS", "Fp8Weight", "GatedAct", "Int8Weight", "Mxfp4Weight",
-           "Routing", "SILU", "quantize_int8"]
+__all__ = ["fused_moe", "route", "topk_route", "BACKENDS", "ExpertRows", "Fp8Weight", "GatedAct", "Int8Weight",
+           "Mxfp4Weight", "Routing", "SILU", "quantize_int8"]

@@ -29,7 +29,8 @@ import torch
 
 from kernels import native
 from kernels.activation import SILU, GatedAct
-from kernels.cpu_forms import FORMS, Form, batch_invariant, bucket, kind, pick_rows
+from kernels.cpu_forms import FORMS, Form, batch_invariant, bucket, dtype_name, kind, pick_rows
+from kernels.expert_rows import ExpertRows
 from kernels.quant import Int8Weight
 
 MOE_FORMS = ("loop", "grouped")
@@ -66,8 +67,13 @@ def install_moe(table: dict[str, str], native_rejected: set[str] | frozenset[str
     _NATIVE_REJECTED.update(native_rejected)
 
 
-def pick_moe(x: torch.Tensor, w13: torch.Tensor | Int8Weight) -> str:
+def pick_moe(x: torch.Tensor, w13: torch.Tensor | Int8Weight | ExpertRows) -> str:
     E, two_i, H = w13.shape
+    if isinstance(w13, ExpertRows):                      # in place: only the native kernel reads row blocks
+        if not native_serves(E, two_i // 2, H, dtype_name(w13.dtype)):
+            raise ValueError("experts in place (mapped) need the native expert FFN, which is not in use here "
+                             f"({native.UNAVAILABLE or 'found wrong for this shape'}); pack them instead")
+        return "native"
     weight_kind = kind(w13[0], x.dtype)
     if native_serves(E, two_i // 2, H, weight_kind):
         return "native"
@@ -162,7 +168,8 @@ def combine(sums: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, pair_weigh
         sums.index_add_(0, rows, (ys * pair_weights[:, None]).double())
 
 
-def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Tensor | Int8Weight,
+def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor | Int8Weight | ExpertRows,
+                  w2: torch.Tensor | Int8Weight | ExpertRows,
                   topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, form: str | None = None, act: GatedAct = SILU,
                   b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
@@ -181,10 +188,15 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor | Int8Weight, w2: torch.Ten
     counts = torch.bincount(flat + 1, minlength=w13.shape[0] + 1).tolist()  # [1 + E]; slot 0 = dropped
     order = order[counts[0]:]                                    # [P] the pairs computed here
     rows = order // K                                            # [P] token of each pair
+    if isinstance(w13, ExpertRows) != isinstance(w2, ExpertRows) or (isinstance(w13, ExpertRows)
+                                                                     and form != "native"):
+        raise ValueError("experts in place (ExpertRows) come as both w13 and w2 and run the native expert FFN")
     same = x.dtype == w13.dtype or isinstance(w13, Int8Weight)   # int8 weights take x's dtype as it is
     xs = (x if same else x.to(w13.dtype))[rows]                  # [P, H] one gather for all experts
     if order.numel() == 0:
         ys = torch.empty(0, H, dtype=torch.float32)
+    elif isinstance(w13, ExpertRows) and isinstance(w2, ExpertRows):
+        ys = native.expert_ffn_rows(xs, counts[1:], w13, w2, act, b13, b2)
     elif form == "native":                                       # one call for the layer; invariant by construction
         ys = native.expert_ffn(xs, counts[1:], w13, w2, act, b13, b2)
     elif batch_invariant() and not forced:

@@ -3,6 +3,7 @@ Python op per kernel, each checked against a float64 reference before it may be 
 
     linear(x, w) -> x @ w.T in x's dtype                   w float32 | bfloat16 | Int8Weight (weight-only)
     expert_ffn(xs, counts, w13, w2, act, b13, b2) -> [P, H] float32, each sorted pair's expert FFN
+    expert_ffn_rows(xs, counts, w13, w2, act, b13, b2) -> the same over ExpertRows (experts in place, mapped)
     moe_sum_(acc, ys, rows, weights): acc [T, H] float64 += each pair's ys * weight (float32) at its token's row
 
 The ISA level is chosen when the library loads, by CPUID (generic, avx2, avx512, avx512bf16);
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kernels.activation import SILU, GatedAct
+from kernels.expert_rows import ExpertRows
 from kernels.quant import Int8Weight
 
 LIBRARY = Path(__file__).resolve().parent / "native" / "_build" / "colibri_native.so"
@@ -98,6 +100,17 @@ def expert_ffn(xs: torch.Tensor, counts: list[int], w13: torch.Tensor | Int8Weig
     q13, s13 = (w13.q, w13.scale) if isinstance(w13, Int8Weight) else (w13, None)
     q2, s2 = (w2.q, w2.scale) if isinstance(w2, Int8Weight) else (w2, None)
     return torch.ops.colibri.expert_ffn(xs, counts, q13, s13, q2, s2, b13, b2, act.alpha, act.limit, act.up_offset)
+
+
+def expert_ffn_rows(xs: torch.Tensor, counts: list[int], w13: ExpertRows, w2: ExpertRows, act: GatedAct = SILU,
+                    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+    """`expert_ffn` over experts in place (counts[e] pairs of local expert e, as there): only the experts with work
+    are handed to the kernel, their row blocks as they lie."""
+    active = [e for e, n in enumerate(counts) if n]
+    blocks13 = [b for e in active for b in w13.blocks[e]]
+    return torch.ops.colibri.expert_ffn_rows(xs, [counts[e] for e in active], active, blocks13,
+                                             [len(w13.blocks[e]) for e in active], [w2.blocks[e][0] for e in active],
+                                             b13, b2, act.alpha, act.limit, act.up_offset)
 
 
 def moe_sum_(acc: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ class Result:
 
 class InProcess:
     def __init__(self, model_dir: Path | str, dtype: str = "float32", sched: SchedulerConfig | None = None,
-                 wrap_experts=None, cache: CacheSetting | None = None, **opts) -> None:
+                 wrap_experts=None, cache: CacheSetting | None = None, in_place: bool = True, **opts) -> None:
         options = RouterOptions(model=str(model_dir), dtype=dtype, **opts)
         if sched is not None:
             options = dataclasses.replace(options, sched=sched)
@@ -40,7 +40,7 @@ class InProcess:
         def local(cfg, device):
             ckpt = Checkpoint(model_dir)
             shard = ExpertShard(cfg, ckpt, 0, 1, getattr(torch, dtype), quantize=options.quantize, device=device,
-                                cache=cache)
+                                cache=cache, in_place=in_place)
             shard.loaded()
             self.shard = shard
             experts = LocalExperts(shard)

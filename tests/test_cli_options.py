@@ -61,7 +61,8 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
     e = ExpertOptions(model="/m", shard="2/4", port=0, threads=1, log_level="WARNING")
     assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e
     c = ExpertCacheOptions(expert_cache_capacity="3/layer", expert_cache_policy="lfu", expert_cache_half_life=9.5,
-                           expert_cache_host_capacity="2GiB", expert_cache_heat="/h.json", quantized_experts="keep")
+                           expert_cache_host_capacity="2GiB", expert_cache_heat="/h.json", quantized_experts="keep",
+                           experts_in_place="off")
     assert all(getattr(c, f.name) != getattr(ExpertCacheOptions(), f.name) for f in dataclasses.fields(c))
     e = dataclasses.replace(e, cache=c)
     assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e

@@ -72,10 +72,20 @@ def big(tmp_path_factory):
     return path, size
 
 
-def test_each_worker_holds_about_its_shard(big):
+def rss_parts(pid: int) -> dict[str, int]:
+    """RssAnon (the process's own memory) and RssFile (mapped file pages it touches, shared with the page cache)."""
+    out = {}
+    for line in open(f"/proc/{pid}/status"):
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def test_each_packing_worker_holds_about_its_shard(big):
     path, size = big
     workers = 4
-    with fleet(path, workers) as (addr, proc):
+    with fleet(path, workers, ["--experts-in-place", "off"]) as (addr, proc):
         assert len(Client(addr).generate([1, 2, 3, 4], 4).token_ids) == 4   # every worker has computed
         experts = [c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline())]
         assert len(experts) == workers
@@ -87,6 +97,23 @@ def test_each_worker_holds_about_its_shard(big):
             assert rss < 0.6 * size, msg
             assert rss > 0.9 * size / workers, msg   # it really holds its shard
             assert peak < 0.6 * size, msg            # packing releases the mapped pages as it goes
+
+
+def test_workers_computing_in_place_hold_no_copy_of_their_experts(big):
+    """The checkpoint's float32 experts computed where they lie (the default): a worker's own memory is the
+    interpreter, torch and gRPC, its experts are the page cache's pages it touched, and two workers on the host
+    share those pages instead of holding a copy each."""
+    path, size = big
+    shard = E * L * 3 * H * I * 4 // 2
+    with fleet(path, 2, ["--dtype", "float32"]) as (addr, proc):
+        assert len(Client(addr).generate([1, 2, 3, 4], 4).token_ids) == 4
+        experts = [c for c in psutil.Process(proc.pid).children() if "expert" in " ".join(c.cmdline())]
+        parts = [rss_parts(c.pid) for c in experts]
+    msg = f"workers' RssAnon/RssFile {[(p['RssAnon'] >> 20, p['RssFile'] >> 20) for p in parts]} MiB, shard " \
+          f"{shard >> 20} MiB"
+    for p in parts:
+        assert p["RssAnon"] < 0.5 * shard, msg                 # no packed copy (+580 MiB with one)
+        assert p["RssFile"] < shard + 200 * 2**20, msg          # at most its shard's pages (and libraries)
 
 
 def start_expert(path, *extra: str) -> Forked:

@@ -6,6 +6,9 @@
 //   expert_ffn(xs [P, H], counts [E], w13 [E, 2I, H], s13?, w2 [E, H, I], s2?, b13?, b2?, alpha, limit,
 //              up_offset) -> float32 [P, H]: each pair's expert FFN, pairs sorted by expert (counts[e] each),
 //              gate/up, the gated activation and down in float32, biases included, not yet weighted
+//   expert_ffn_rows(xs, counts, bias_rows, w13 [blocks], parts13, w2 [blocks], b13?, b2?, alpha, limit,
+//              up_offset) -> float32 [P, H]: the same over experts given as row blocks in place (a mapped
+//              checkpoint's gate, up and down tensors), active experts only
 //   moe_sum_(acc [T, H] float64, ys [P, H] float32, rows [P], weights [P]): acc[rows[p]] += ys[p] * weights[p]
 //   isa() -> str; use_isa(str) -> str (the level now in force)
 
@@ -124,32 +127,38 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     return y;
 }
 
-struct Task {
-    int64_t expert, row, n, o0, o1;            // the expert, its first pair row and count, its output rows
+// A block of rows of one expert's matrix, in place: a packed stack's expert, or a tensor of a mapped checkpoint
+// (gate and up may be two blocks). `scale` is the int8 rows' scales, null for float weights.
+struct Src {
+    const char* w;
+    const float* scale;
+    int64_t rows;
 };
 
-std::vector<Task> tasks(const std::vector<int64_t>& counts, int64_t out_rows) {
-    std::vector<Task> out;
-    int64_t row = 0;
-    for (int64_t e = 0; e < int64_t(counts.size()); ++e) {
-        for (int64_t o = 0; counts[e] && o < out_rows; o += BLOCK)
-            out.push_back({e, row, counts[e], o, std::min(out_rows, o + BLOCK)});
-        row += counts[e];
-    }
-    return out;
-}
+struct Task {
+    const char* w;                             // the block's first row
+    const float* scale;
+    int64_t row, n, o0, o1, col;               // the expert's first pair row and count, block rows, output column
+};
 
-// One projection of every expert with work: out[pairs of e] = in[pairs of e] @ w[e].T (float32).
-void project(const at::Tensor& in, const std::vector<int64_t>& counts, const at::Tensor& w,
-             const c10::optional<at::Tensor>& scale, at::Tensor& out) {
-    int kind = wdtype(w, scale);
-    const int64_t Dout = w.size(1), K = w.size(2);
-    at::Tensor sc = kind == 2 ? scale->to(at::kFloat).contiguous() : at::Tensor();
-    const char* wp = static_cast<const char*>(w.data_ptr());
-    const int64_t wstride = w.stride(0) * w.element_size(), esize = w.element_size();
+// One projection of every expert with work: out[pairs of a] = in[pairs of a] @ (a's blocks stacked).T (float32);
+// counts[a] pairs of active expert a, its blocks srcs[a].
+void project(const at::Tensor& in, const std::vector<int64_t>& counts, const std::vector<std::vector<Src>>& srcs,
+             int kind, int64_t K, int64_t esize, at::Tensor& out) {
+    const int64_t Dout = out.size(1);
     const float* xp = in.data_ptr<float>();
     float* yp = out.data_ptr<float>();
-    auto todo = tasks(counts, Dout);
+    std::vector<Task> todo;
+    int64_t row = 0;
+    for (size_t a = 0; a < counts.size(); ++a) {
+        int64_t col = 0;
+        for (const Src& s : srcs[a]) {
+            for (int64_t o = 0; o < s.rows; o += BLOCK)
+                todo.push_back({s.w, s.scale, row, counts[a], o, std::min(s.rows, o + BLOCK), col});
+            col += s.rows;
+        }
+        row += counts[a];
+    }
     linear_fn fn = level().linear;
     int64_t mean_rows = 1 + in.size(0) / std::max<int64_t>(1, int64_t(counts.size()));
     at::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
@@ -159,14 +168,66 @@ void project(const at::Tensor& in, const std::vector<int64_t>& counts, const at:
             int64_t next_bytes = 0;
             if (t + 1 < t1) {
                 const Task& n = todo[t + 1];
-                next = wp + n.expert * wstride + n.o0 * K * esize;
+                next = n.w + n.o0 * K * esize;
                 next_bytes = (n.o1 - n.o0) * K * esize;
             }
-            fn(xp + j.row * K, int(j.n), int(K), wp + j.expert * wstride, kind,
-               kind == 2 ? sc.data_ptr<float>() + j.expert * Dout : nullptr, int(j.o0), int(j.o1),
-               yp + j.row * Dout, int(Dout), next, next_bytes);
+            fn(xp + j.row * K, int(j.n), int(K), j.w, kind, j.scale, int(j.o0), int(j.o1), yp + j.row * Dout + j.col,
+               int(Dout), next, next_bytes);
         }
     });
+}
+
+// The expert FFN of the active experts (counts[a] sorted pairs each; `bias_row[a]` its row of b13/b2): gate/up,
+// the gated activation, down, in float32, biases included, not yet weighted -> [P, H].
+at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const std::vector<int64_t>& bias_row,
+               const std::vector<std::vector<Src>>& s13, const std::vector<std::vector<Src>>& s2, int kind,
+               int64_t esize, int64_t I, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+               double alpha, c10::optional<double> limit, double up_offset) {
+    const int64_t P = xs.size(0), H = xs.size(1), I2 = 2 * I;
+    at::Tensor x = xs.to(at::kFloat).contiguous();
+    at::Tensor gu = at::empty({P, I2}, x.options());                        // [P, 2I]
+    project(x, counts, s13, kind, H, esize, gu);
+    at::Tensor h = at::empty({P, I}, x.options());                          // [P, I]
+    at::Tensor bias13 = b13.has_value() ? b13->to(at::kFloat).contiguous() : at::Tensor();
+    const float* g = gu.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    std::vector<int64_t> expert_of(P);                                      // each pair's bias row
+    for (size_t a = 0, row = 0; a < counts.size(); row += counts[a], ++a)
+        for (int64_t r = row; r < int64_t(row) + counts[a]; ++r) expert_of[r] = bias_row[a];
+    const float al = float(alpha), off = float(up_offset);
+    const bool clamp = limit.has_value();
+    const float lim = clamp ? float(*limit) : 0.f;
+    at::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) {
+            const float* b = bias13.defined() ? bias13.data_ptr<float>() + expert_of[p] * I2 : nullptr;
+            for (int64_t i = 0; i < I; ++i) {
+                float gate = g[p * I2 + i] + (b ? b[i] : 0.f), up = g[p * I2 + I + i] + (b ? b[I + i] : 0.f);
+                if (clamp) {
+                    gate = std::min(gate, lim);
+                    up = std::max(-lim, std::min(up, lim));
+                }
+                hp[p * I + i] = gate / (1.f + std::exp(-al * gate)) * (up + off);
+            }
+        }
+    });
+    at::Tensor ys = at::empty({P, H}, x.options());                         // [P, H]
+    project(h, counts, s2, kind, I, esize, ys);
+    if (b2.has_value()) {
+        at::Tensor bias2 = b2->to(at::kFloat);
+        at::Tensor ids = at::from_blob(expert_of.data(), {P}, at::kLong);
+        ys.add_(bias2.index_select(0, ids));
+    }
+    return ys;
+}
+
+int64_t check_counts(at::IntArrayRef counts, int64_t P, const char* op) {
+    int64_t total = 0;
+    for (auto c : counts) {
+        TORCH_CHECK(c >= 0, op, ": counts must not be negative");
+        total += c;
+    }
+    TORCH_CHECK(total == P, op, ": counts sum to ", total, ", not the ", P, " pairs");
+    return total;
 }
 
 at::Tensor expert_ffn(const at::Tensor& xs, at::IntArrayRef counts_, const at::Tensor& w13,
@@ -179,46 +240,69 @@ at::Tensor expert_ffn(const at::Tensor& xs, at::IntArrayRef counts_, const at::T
     TORCH_CHECK(w13.size(2) == H && w2.size(0) == E && w2.size(1) == H && w2.size(2) == I && I2 % 2 == 0,
                 "colibri::expert_ffn: shapes disagree: xs ", xs.sizes(), ", w13 ", w13.sizes(), ", w2 ", w2.sizes());
     TORCH_CHECK(int64_t(counts_.size()) == E, "colibri::expert_ffn: counts must have one entry per expert");
-    std::vector<int64_t> counts(counts_.begin(), counts_.end());
-    int64_t total = 0;
-    for (auto c : counts) total += c;
-    TORCH_CHECK(total == P, "colibri::expert_ffn: counts sum to ", total, ", not the ", P, " pairs");
+    check_counts(counts_, P, "colibri::expert_ffn");
     TORCH_CHECK(w13.stride(2) == 1 && w13.stride(1) == H && w2.stride(2) == 1 && w2.stride(1) == I,
                 "colibri::expert_ffn: each expert's weights must be row-major");
-    at::Tensor x = xs.to(at::kFloat).contiguous();
-    at::Tensor gu = at::empty({P, I2}, x.options());                        // [P, 2I]
-    project(x, counts, w13, s13, gu);
-    at::Tensor h = at::empty({P, I}, x.options());                          // [P, I]
-    at::Tensor bias13 = b13.has_value() ? b13->to(at::kFloat).contiguous() : at::Tensor();
-    const float* g = gu.data_ptr<float>();
-    float* hp = h.data_ptr<float>();
-    std::vector<int64_t> expert_of(P);
-    for (int64_t e = 0, row = 0; e < E; row += counts[e], ++e)
-        for (int64_t r = row; r < row + counts[e]; ++r) expert_of[r] = e;
-    const float a = float(alpha), off = float(up_offset);
-    const bool clamp = limit.has_value();
-    const float lim = clamp ? float(*limit) : 0.f;
-    at::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p) {
-            const float* b = bias13.defined() ? bias13.data_ptr<float>() + expert_of[p] * I2 : nullptr;
-            for (int64_t i = 0; i < I; ++i) {
-                float gate = g[p * I2 + i] + (b ? b[i] : 0.f), up = g[p * I2 + I + i] + (b ? b[I + i] : 0.f);
-                if (clamp) {
-                    gate = std::min(gate, lim);
-                    up = std::max(-lim, std::min(up, lim));
-                }
-                hp[p * I + i] = gate / (1.f + std::exp(-a * gate)) * (up + off);
-            }
-        }
-    });
-    at::Tensor ys = at::empty({P, H}, x.options());                         // [P, H]
-    project(h, counts, w2, s2, ys);
-    if (b2.has_value()) {
-        at::Tensor bias2 = b2->to(at::kFloat);
-        at::Tensor ids = at::from_blob(expert_of.data(), {P}, at::kLong);
-        ys.add_(bias2.index_select(0, ids));
+    const int kind = wdtype(w13, s13);
+    TORCH_CHECK(wdtype(w2, s2) == kind, "colibri::expert_ffn: w13 and w2 must be of one kind");
+    at::Tensor sc13 = kind == 2 ? s13->to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor sc2 = kind == 2 ? s2->to(at::kFloat).contiguous() : at::Tensor();
+    const char* p13 = static_cast<const char*>(w13.data_ptr());
+    const char* p2 = static_cast<const char*>(w2.data_ptr());
+    const int64_t esize = w13.element_size();
+    std::vector<int64_t> counts, rows;
+    std::vector<std::vector<Src>> src13, src2;
+    for (int64_t e = 0; e < E; ++e) {
+        if (!counts_[e]) continue;
+        counts.push_back(counts_[e]);
+        rows.push_back(e);
+        src13.push_back({{p13 + e * w13.stride(0) * esize, kind == 2 ? sc13.data_ptr<float>() + e * I2 : nullptr, I2}});
+        src2.push_back({{p2 + e * w2.stride(0) * esize, kind == 2 ? sc2.data_ptr<float>() + e * H : nullptr, H}});
     }
-    return ys;
+    return ffn(xs, counts, rows, src13, src2, kind, esize, I, b13, b2, alpha, limit, up_offset);
+}
+
+// The expert FFN over experts given as row blocks in place (a mapped checkpoint's tensors): for active expert a,
+// counts[a] sorted pairs, w13 holds parts13[a] blocks whose rows stacked are its [2I, H] (gate rows, then up rows),
+// w2 one [H, I] block; bias_rows[a] its row of b13 [*, 2I] and b2 [*, H]. Float32 or bf16 weights.
+at::Tensor expert_ffn_rows(const at::Tensor& xs, at::IntArrayRef counts_, at::IntArrayRef bias_rows,
+                           at::TensorList w13, at::IntArrayRef parts13, at::TensorList w2,
+                           const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,
+                           c10::optional<double> limit, double up_offset) {
+    const char* op = "colibri::expert_ffn_rows";
+    TORCH_CHECK(xs.dim() == 2, op, ": need xs [P, H]");
+    const int64_t P = xs.size(0), H = xs.size(1), A = int64_t(counts_.size());
+    TORCH_CHECK(int64_t(bias_rows.size()) == A && int64_t(parts13.size()) == A && int64_t(w2.size()) == A, op,
+                ": counts, bias_rows, parts13 and w2 need one entry per active expert");
+    check_counts(counts_, P, op);
+    if (A == 0) return at::empty({0, H}, xs.options().dtype(at::kFloat));
+    const int64_t I = w2[0].dim() == 2 ? w2[0].size(1) : -1;
+    const at::ScalarType dt = w2[0].scalar_type();
+    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op, ": weights must be float32 or bfloat16, got ", dt);
+    const int kind = dt == at::kFloat ? 0 : 1;
+    const int64_t esize = w2[0].element_size();
+    auto block = [&](const at::Tensor& t, int64_t cols, const char* what) {
+        TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.is_contiguous() && t.scalar_type() == dt && t.is_cpu(),
+                    op, ": every ", what, " block must be a contiguous CPU ", dt, " [rows, ", cols, "], got ",
+                    t.sizes(), " ", t.scalar_type());
+        return Src{static_cast<const char*>(t.data_ptr()), nullptr, t.size(0)};
+    };
+    std::vector<int64_t> counts(counts_.begin(), counts_.end()), rows(bias_rows.begin(), bias_rows.end());
+    std::vector<std::vector<Src>> src13(A), src2(A);
+    size_t next = 0;
+    for (int64_t a = 0; a < A; ++a) {
+        int64_t total = 0;
+        for (int64_t j = 0; j < parts13[a]; ++j) {
+            TORCH_CHECK(next < w13.size(), op, ": parts13 names more blocks than w13 holds");
+            src13[a].push_back(block(w13[next++], H, "gate/up"));
+            total += src13[a].back().rows;
+        }
+        TORCH_CHECK(total == 2 * I, op, ": expert ", a, "'s gate/up blocks have ", total, " rows, not 2I = ", 2 * I);
+        src2[a].push_back(block(w2[a], I, "down"));
+        TORCH_CHECK(src2[a].back().rows == H, op, ": expert ", a, "'s down block must be [H=", H, ", I]");
+    }
+    TORCH_CHECK(next == w13.size(), op, ": w13 holds ", w13.size(), " blocks, parts13 names ", next);
+    return ffn(xs, counts, rows, src13, src2, kind, esize, I, b13, b2, alpha, limit, up_offset);
 }
 
 // acc[rows[p], :] += double(ys[p, :] * weights[p]) for every pair p: the routed weight multiplied in float32 (as
@@ -264,6 +348,8 @@ TORCH_LIBRARY(colibri, m) {
     m.def("linear(Tensor x, Tensor w, Tensor? scale=None) -> Tensor");
     m.def("expert_ffn(Tensor xs, int[] counts, Tensor w13, Tensor? s13, Tensor w2, Tensor? s2, Tensor? b13, "
           "Tensor? b2, float alpha, float? limit, float up_offset) -> Tensor");
+    m.def("expert_ffn_rows(Tensor xs, int[] counts, int[] bias_rows, Tensor[] w13, int[] parts13, Tensor[] w2, "
+          "Tensor? b13, Tensor? b2, float alpha, float? limit, float up_offset) -> Tensor");
     m.def("moe_sum_(Tensor(a!) acc, Tensor ys, Tensor rows, Tensor weights) -> ()");
     m.def("isa() -> str", &isa);
     m.def("use_isa(str name) -> str", &use_isa);
@@ -272,5 +358,6 @@ TORCH_LIBRARY(colibri, m) {
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {
     m.impl("linear", &linear);
     m.impl("expert_ffn", &expert_ffn);
+    m.impl("expert_ffn_rows", &expert_ffn_rows);
     m.impl("moe_sum_", &moe_sum_);
 }

@@ -14,6 +14,7 @@ import torch
 
 from kernels import native
 from kernels.activation import SILU, GatedAct
+from kernels.expert_rows import ExpertRows
 from kernels.native_build import compiler
 from kernels.quant import Int8Weight, quantize_int8
 
@@ -179,6 +180,63 @@ def test_expert_ffn_on_views_of_a_larger_buffer(level):
     assert float((got.double() - want).abs().max() / want.abs().max()) <= 2e-5
 
 
+def in_place(w13: torch.Tensor, w2: torch.Tensor, split: bool) -> tuple[ExpertRows, ExpertRows]:
+    """Each expert's matrices as separate tensors, as a mapped checkpoint's per-expert gate, up and down lie (each
+    its own allocation, so no two blocks are adjacent): gate and up as two blocks when `split`."""
+    I = w2.shape[2]
+    b13 = tuple((w[:I].clone(), w[I:].clone()) if split else (w.clone(),) for w in w13)
+    return ExpertRows(b13), ExpertRows(tuple((w.clone(),) for w in w2))
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+@pytest.mark.parametrize("E,I,H,counts", [(1, 1, 1, [1]), (5, 40, 72, [0, 3, 1, 0, 9]), (3, 19, 33, [5, 0, 67]),
+                                          (4, 24, 16, [0, 0, 0, 0])])
+@pytest.mark.parametrize("act,biases", [(SILU, False), (GPT_OSS, True)])
+def test_expert_ffn_in_place_against_float64(level, kind, E, I, H, counts, act, biases):
+    """Experts in place (kernels.ExpertRows: row blocks where a mapped checkpoint holds them) against float64, and
+    the same bits as the packed stack: one kernel, whichever memory it reads."""
+    g = torch.Generator().manual_seed(E * I + H + 1)
+    w13, w2, w13d, w2d = expert_weights(E, I, H, kind, g)
+    b13 = torch.randn(E, 2 * I, generator=g) if biases else None
+    b2 = torch.randn(E, H, generator=g) if biases else None
+    xs = (3 * torch.randn(sum(counts), H, generator=g)).to(torch.bfloat16 if kind == "bfloat16" else torch.float32)
+    want = pair_reference(xs, counts, w13d, w2d, act, b13, b2)                         # [P, H]
+    packed = native.expert_ffn(xs, counts, w13, w2, act, b13, b2)
+    for split in (False, True):
+        r13, r2 = in_place(w13, w2, split)
+        got = native.expert_ffn_rows(xs, counts, r13, r2, act, b13, b2)
+        assert got.dtype == torch.float32 and got.shape == xs.shape
+        err = float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-12)) if want.numel() else 0
+        assert err <= 2e-5, f"{level} {kind} E={E} I={I} H={H} {counts} split={split}: rel err {err:.2e}"
+        assert torch.equal(got, packed)
+
+
+def test_fused_moe_takes_experts_in_place():
+    """kernels.fused_moe over ExpertRows: the packed stack's result to the bit, through an expert map."""
+    from kernels import fused_moe
+    if not native.available():
+        pytest.skip(f"native kernels: {native.UNAVAILABLE}")
+    g = torch.Generator().manual_seed(11)
+    w13, w2, _, _ = expert_weights(6, 24, 40, "bfloat16", g)
+    x = torch.randn(5, 40, generator=g).to(torch.bfloat16)                             # [T, H]
+    ids = torch.randint(0, 9, (5, 3), generator=g)                                     # [T, K] global ids
+    weights = torch.rand(5, 3, generator=g)
+    emap = torch.tensor([0, -1, 1, 2, -1, 3, 4, -1, 5])                                # [E_global] -> local
+    r13, r2 = in_place(w13, w2, True)
+    assert torch.equal(fused_moe(x, r13, r2, ids, weights, emap), fused_moe(x, w13, w2, ids, weights, emap))
+    with pytest.raises(ValueError, match="both w13 and w2"):
+        fused_moe(x, r13, w2, ids, weights, emap)
+
+
+def test_expert_rows_refuse_what_the_kernel_cannot_read():
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ExpertRows(((torch.ones(4, 3, dtype=torch.float16),),))
+    with pytest.raises(ValueError, match="contiguous"):
+        ExpertRows(((torch.ones(3, 4).T,),))
+    with pytest.raises(ValueError, match="one matrix shape per layer"):
+        ExpertRows(((torch.ones(4, 3),), (torch.ones(5, 3),)))
+
+
 @needs_native
 @pytest.mark.parametrize("T,H,P", [(1, 1, 0), (1, 72, 8), (33, 1030, 264), (5, 3, 40)])
 def test_moe_sum_is_torchs_scatter_to_the_bit(T, H, P):
@@ -219,6 +277,18 @@ def test_moe_sum_is_torchs_scatter_to_the_bit(T, H, P):
      "shapes disagree"),
     (lambda: native.expert_ffn(torch.ones(3, 8), [1, 2], torch.ones(2, 8, 10).transpose(1, 2),
                                torch.ones(2, 8, 5)), "row-major"),
+    (lambda: torch.ops.colibri.expert_ffn_rows(torch.ones(3, 8), [3], [0], [torch.ones(9, 8)], [1],
+                                               [torch.ones(8, 5)], None, None, 1.0, None, 0.0),
+     "gate/up blocks have 9 rows, not 2I = 10"),
+    (lambda: torch.ops.colibri.expert_ffn_rows(torch.ones(3, 8), [3], [0], [torch.ones(10, 8)], [2],
+                                               [torch.ones(8, 5)], None, None, 1.0, None, 0.0),
+     "names more blocks than w13 holds"),
+    (lambda: torch.ops.colibri.expert_ffn_rows(torch.ones(3, 8), [3], [0], [torch.ones(10, 8)], [1],
+                                               [torch.ones(8, 5, dtype=torch.bfloat16)], None, None, 1.0, None, 0.0),
+     "every gate/up block must be a contiguous CPU BFloat16"),
+    (lambda: torch.ops.colibri.expert_ffn_rows(torch.ones(3, 8), [3], [0], [torch.ones(10, 8, dtype=torch.int8)],
+                                               [1], [torch.ones(8, 5, dtype=torch.int8)], None, None, 1.0, None, 0.0),
+     "float32 or bfloat16"),
 ])
 def test_bad_inputs_are_clear_errors(call, message):
     with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):

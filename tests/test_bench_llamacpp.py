@@ -1,0 +1,74 @@
+"""The llama.cpp peer of `make bench` (benchmarks/llamacpp.py): its table read as llama-batched-bench prints it,
+and the ways a user points at a build refused clearly when they are wrong."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from benchmarks.llamacpp import Peer, find_peer, parse_batched_bench, parse_ggufs
+
+# The tail of a real `llama-batched-bench -npp 16 -ntg 64 -npl 1,8,32 -t 2` run on the bench model (bf16, an AVX2
+# EPYC), log lines included.
+REAL = """\
+0.01.179.725 W llama_context: n_ctx is not divisible by n_seq_max - rounding down to 8192
+
+llama_batched_bench: n_kv_max = 8192, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, \
+is_tg_separate = 0, n_gpu_layers = -1, n_threads = 2, n_threads_batch = 2
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    16 |     64 |    1 |     80 |    0.137 |   116.50 |    1.441 |    44.42 |    1.578 |    50.69 |
+|    16 |     64 |    8 |    640 |    0.827 |   154.81 |    8.213 |    62.34 |    9.040 |    70.80 |
+|    16 |     64 |   32 |   2560 |    3.454 |   148.23 |   22.365 |    91.57 |   25.819 |    99.15 |
+"""
+
+
+def test_the_table_gives_decode_and_output_rates() -> None:
+    rates = parse_batched_bench(REAL)
+    assert sorted(rates) == [1, 8, 32]
+    assert rates[1].decode_tokens_per_s == 44.42
+    assert rates[8].output_tokens_per_s == pytest.approx(8 * 64 / 9.040)      # prefill included
+    assert rates[32].output_tokens_per_s == pytest.approx(32 * 64 / 25.819)
+
+
+def test_a_failed_run_is_an_error_with_its_output() -> None:
+    with pytest.raises(ValueError, match="error loading model"):
+        parse_batched_bench("llama_model_load: error loading model: tensor 'x' has wrong shape\n")
+
+
+def test_ggufs_spec() -> None:
+    assert parse_ggufs("bf16=/a.gguf, q8_0=/b.gguf") == {"bf16": Path("/a.gguf"), "q8_0": Path("/b.gguf")}
+    with pytest.raises(ValueError, match="QUANT=PATH"):
+        parse_ggufs("/a.gguf")
+
+
+def test_a_build_folder_without_the_binary_or_ggufs_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="holds llama-batched-bench"):
+        Peer(bin_dir=tmp_path, ggufs={"bf16": tmp_path / "m.gguf"})
+    exe = tmp_path / "llama-batched-bench"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    with pytest.raises(ValueError, match="does not exist"):
+        Peer(bin_dir=tmp_path, ggufs={"bf16": tmp_path / "missing.gguf"})
+    with pytest.raises(ValueError, match="q8_0"):
+        Peer(bin_dir=tmp_path, ggufs={"q4": tmp_path / "m.gguf"})
+
+
+def test_the_environment_points_at_a_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exe = tmp_path / "llama-batched-bench"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("COLIBRI_LLAMACPP_BIN", str(tmp_path))
+    monkeypatch.setenv("COLIBRI_LLAMACPP_GGUF", f"bf16={tmp_path / 'm.gguf'}")
+    peer, line = find_peer()
+    assert peer is not None and peer.bin_dir == tmp_path and str(tmp_path) in line
+    monkeypatch.delenv("COLIBRI_LLAMACPP_BIN")
+    monkeypatch.setenv("COLIBRI_LLAMACPP_PEER", str(tmp_path / "m.gguf"))      # not executable
+    with pytest.raises(ValueError, match="not an executable"):
+        find_peer()
+    assert os.access(exe, os.X_OK)
