@@ -181,6 +181,15 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor | Int8Weight | ExpertRows,
     K = topk_ids.shape[1]
     forced = form is not None
     form = form or pick_moe(x, w13)
+    if isinstance(w13, ExpertRows) != isinstance(w2, ExpertRows) or (isinstance(w13, ExpertRows)
+                                                                     and form != "native"):
+        raise ValueError("experts in place (ExpertRows) come as both w13 and w2 and run the native expert FFN")
+    if form == "native":                                         # the layer's expert side in one native call
+        sums = torch.zeros(T, H, dtype=torch.float64) if acc is None else acc
+        native.moe_(sums, x, topk_ids, topk_weights, expert_map, w13, w2, act, b13, b2)
+        if acc is not None:
+            return acc
+        return sums.to(x.dtype) if out is None else out.copy_(sums)
     if form == "grouped" and isinstance(w13, Int8Weight):
         raise ValueError("the grouped CPU MoE form takes float weights; int8 experts use 'loop'")
     flat = local_ids(topk_ids, expert_map).reshape(-1)           # [T*K]
@@ -188,17 +197,10 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor | Int8Weight | ExpertRows,
     counts = torch.bincount(flat + 1, minlength=w13.shape[0] + 1).tolist()  # [1 + E]; slot 0 = dropped
     order = order[counts[0]:]                                    # [P] the pairs computed here
     rows = order // K                                            # [P] token of each pair
-    if isinstance(w13, ExpertRows) != isinstance(w2, ExpertRows) or (isinstance(w13, ExpertRows)
-                                                                     and form != "native"):
-        raise ValueError("experts in place (ExpertRows) come as both w13 and w2 and run the native expert FFN")
     same = x.dtype == w13.dtype or isinstance(w13, Int8Weight)   # int8 weights take x's dtype as it is
     xs = (x if same else x.to(w13.dtype))[rows]                  # [P, H] one gather for all experts
     if order.numel() == 0:
         ys = torch.empty(0, H, dtype=torch.float32)
-    elif isinstance(w13, ExpertRows) and isinstance(w2, ExpertRows):
-        ys = native.expert_ffn_rows(xs, counts[1:], w13, w2, act, b13, b2)
-    elif form == "native":                                       # one call for the layer; invariant by construction
-        ys = native.expert_ffn(xs, counts[1:], w13, w2, act, b13, b2)
     elif batch_invariant() and not forced:
         ys = _rows(xs, w13, w2, counts[1:], act, b13, b2)
     elif form == "grouped" and (forced or _grouped_matches_linear(counts[1:], xs.dtype, w13, w2)):  # type: ignore[arg-type]

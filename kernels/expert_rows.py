@@ -13,6 +13,7 @@ width.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -38,6 +39,9 @@ class ExpertRows:
                         or b.device.type != "cpu":
                     raise ValueError(f"expert {e}: every row block must be a contiguous CPU {first.dtype} [rows, "
                                      f"{K}], got {b.dtype} {list(b.shape)}")
+            if len(parts) != len(self.blocks[0]):
+                raise ValueError(f"expert {e} has {len(parts)} row blocks, expert 0 has {len(self.blocks[0])}: one "
+                                 f"layout per layer")
             n = sum(b.shape[0] for b in parts)
             if rows is not None and n != rows:
                 raise ValueError(f"expert {e} has {n} rows, expert 0 has {rows}: one matrix shape per layer")
@@ -59,6 +63,16 @@ class ExpertRows:
 
     def dim(self) -> int:
         return 3
+
+    @property
+    def parts(self) -> int:
+        """Row blocks per expert."""
+        return len(self.blocks[0])
+
+    @cached_property
+    def flat(self) -> tuple[torch.Tensor, ...]:
+        """Every expert's blocks in order, as the native kernel takes them (made once)."""
+        return tuple(b for parts in self.blocks for b in parts)
 
     def __getitem__(self, index: slice) -> ExpertRows:
         """The experts `index` selects (a slice), as the packed stack's rows."""

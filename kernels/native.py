@@ -2,8 +2,8 @@
 Python op per kernel, each checked against a float64 reference before it may be used (kernels/cpu_check.py).
 
     linear(x, w) -> x @ w.T in x's dtype                   w float32 | bfloat16 | Int8Weight (weight-only)
-    expert_ffn(xs, counts, w13, w2, act, b13, b2) -> [P, H] float32, each sorted pair's expert FFN
-    expert_ffn_rows(xs, counts, w13, w2, act, b13, b2) -> the same over ExpertRows (experts in place, mapped)
+    moe_(acc, x, ids, weights, expert_map, w13, w2, act, b13, b2): the whole expert side of a layer in one call
+        (sort, gather, expert FFN, routed weights, the float64 sum into acc [T, H])
     moe_sum_(acc, ys, rows, weights): acc [T, H] float64 += each pair's ys * weight (float32) at its token's row
 
 The ISA level is chosen when the library loads, by CPUID (generic, avx2, avx512, avx512bf16);
@@ -88,29 +88,41 @@ def describe() -> str:
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
     """x [n, K] @ w.T -> [n, Dout] in x's dtype (float32 accumulation, one rounding)."""
-    if isinstance(w, Int8Weight):
-        return torch.ops.colibri.linear(x, w.q, w.scale).to(x.dtype)
-    return torch.ops.colibri.linear(x, w).to(x.dtype)
+    y = torch.ops.colibri.linear(x, w.q, w.scale) if isinstance(w, Int8Weight) else torch.ops.colibri.linear(x, w)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def expert_ffn(xs: torch.Tensor, counts: list[int], w13: torch.Tensor | Int8Weight, w2: torch.Tensor | Int8Weight,
-               act: GatedAct = SILU, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
-    """Each pair's expert FFN (pairs sorted by expert, counts[e] of them for local expert e): gate/up, the gated
-    activation and down in float32, biases included -> [P, H] float32, not yet weighted."""
-    q13, s13 = (w13.q, w13.scale) if isinstance(w13, Int8Weight) else (w13, None)
-    q2, s2 = (w2.q, w2.scale) if isinstance(w2, Int8Weight) else (w2, None)
-    return torch.ops.colibri.expert_ffn(xs, counts, q13, s13, q2, s2, b13, b2, act.alpha, act.limit, act.up_offset)
+_NO_MAP = torch.empty(0, dtype=torch.long)
+_SPLIT: dict[tuple, tuple[tuple[torch.Tensor, ...], ...]] = {}     # a packed stack's per-expert views, made once
 
 
-def expert_ffn_rows(xs: torch.Tensor, counts: list[int], w13: ExpertRows, w2: ExpertRows, act: GatedAct = SILU,
-                    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
-    """`expert_ffn` over experts in place (counts[e] pairs of local expert e, as there): only the experts with work
-    are handed to the kernel, their row blocks as they lie."""
-    active = [e for e, n in enumerate(counts) if n]
-    blocks13 = [b for e in active for b in w13.blocks[e]]
-    return torch.ops.colibri.expert_ffn_rows(xs, [counts[e] for e in active], active, blocks13,
-                                             [len(w13.blocks[e]) for e in active], [w2.blocks[e][0] for e in active],
-                                             b13, b2, act.alpha, act.limit, act.up_offset)
+def _per_expert(w: torch.Tensor | Int8Weight | ExpertRows) -> tuple[tuple[torch.Tensor, ...], int, tuple[torch.Tensor,
+                                                                                                      ...]]:
+    """(row blocks of every expert in order, blocks per expert, int8 scales per expert or ()) for the kernel."""
+    if isinstance(w, ExpertRows):
+        return w.flat, w.parts, ()
+    t = w.q if isinstance(w, Int8Weight) else w
+    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    views = _SPLIT.get(key)
+    if views is None:
+        if len(_SPLIT) >= 64:                      # stacks come and go (tests, cache tiers): keep the cache small
+            _SPLIT.clear()
+        views = _SPLIT[key] = (t.unbind(0), w.scale.unbind(0) if isinstance(w, Int8Weight) else ())
+    return views[0], 1, views[1]
+
+
+def moe_(acc: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+         expert_map: torch.Tensor | None, w13: torch.Tensor | Int8Weight | ExpertRows,
+         w2: torch.Tensor | Int8Weight | ExpertRows, act: GatedAct = SILU, b13: torch.Tensor | None = None,
+         b2: torch.Tensor | None = None) -> torch.Tensor:
+    """acc [T, H] float64 += Σ_k weights[t, k] · FFN_e(x[t]) (e = expert_map[ids[t, k]], -1 = not here): the sort,
+    the gather, the expert FFN, the routed weights and the sum in one native call; the bits of
+    `fused_moe_cpu`'s native form step by step. Returns acc."""
+    b13_, parts, s13 = _per_expert(w13)
+    b2_, _, s2 = _per_expert(w2)
+    torch.ops.colibri.moe_(acc, x, ids, weights, _NO_MAP if expert_map is None else expert_map, b13_, parts, b2_,
+                           s13, s2, b13, b2, act.alpha, act.limit, act.up_offset)
+    return acc
 
 
 def moe_sum_(acc: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

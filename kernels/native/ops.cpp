@@ -2,13 +2,14 @@
 // CPUID (COLIBRI_CPU_ISA=generic|avx2|avx512|avx512bf16 overrides, refusing a level this CPU lacks), run on
 // torch's own thread pool (at::parallel_for), so torch.set_num_threads governs them.
 //
-//   linear(x [M, K], w [Dout, K], scale [Dout]?) -> float32 [M, Dout]        (w float32 | bf16 | int8)
-//   expert_ffn(xs [P, H], counts [E], w13 [E, 2I, H], s13?, w2 [E, H, I], s2?, b13?, b2?, alpha, limit,
-//              up_offset) -> float32 [P, H]: each pair's expert FFN, pairs sorted by expert (counts[e] each),
-//              gate/up, the gated activation and down in float32, biases included, not yet weighted
-//   expert_ffn_rows(xs, counts, bias_rows, w13 [blocks], parts13, w2 [blocks], b13?, b2?, alpha, limit,
-//              up_offset) -> float32 [P, H]: the same over experts given as row blocks in place (a mapped
-//              checkpoint's gate, up and down tensors), active experts only
+//   linear(x [M, K], w [Dout, K], scale [Dout]?) -> [M, Dout] bf16 for bf16 x (one rounding), else float32
+//                                                                            (w float32 | bf16 | int8)
+//   moe_(acc [T, H] float64, x [T, H], ids [T, K], weights [T, K], local [E_global], w13 [blocks], parts13,
+//        w2 [blocks], s13 [scales], s2 [scales], b13?, b2?, alpha, limit, up_offset): the whole expert side of a
+//        layer in one call: the pairs sorted by expert, x's rows gathered, each expert's FFN (gate/up, the gated
+//        activation, down, in float32, biases included; every weight byte read once per call), the routed
+//        weights and the float64 sum. Expert e's weights are row blocks (a packed stack's expert, or a mapped
+//        checkpoint's gate, up and down tensors where they lie)
 //   moe_sum_(acc [T, H] float64, ys [P, H] float32, rows [P], weights [P]): acc[rows[p]] += ys[p] * weights[p]
 //   isa() -> str; use_isa(str) -> str (the level now in force)
 
@@ -17,6 +18,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -114,17 +116,24 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     at::Tensor sc = kind == 2 ? scale->to(at::kFloat).contiguous() : at::Tensor();
     TORCH_CHECK(kind != 2 || (sc.dim() == 1 && sc.size(0) == w.size(0)), "colibri::linear: scale must be [Dout]");
     const int64_t M = x.size(0), K = x.size(1), D = w.size(0);
+    const bool bf16_out = x.scalar_type() == at::kBFloat16;      // rounded here, once (as torch's .to would)
     at::Tensor y = at::empty({M, D}, x.options().dtype(at::kFloat));
-    if (M == 0 || D == 0) return y;
+    at::Tensor out = bf16_out ? at::empty({M, D}, x.options()) : y;
+    if (M == 0 || D == 0) return out;
     const float* xp = xf.data_ptr<float>();
     const void* wp = wc.data_ptr();
     const float* sp = kind == 2 ? sc.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
+    c10::BFloat16* op = bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr;
     linear_fn fn = level().linear;
     at::parallel_for(0, (D + BLOCK - 1) / BLOCK, grain(M, K), [&](int64_t b0, int64_t b1) {
-        fn(xp, int(M), int(K), wp, kind, sp, int(b0 * BLOCK), int(std::min(D, b1 * BLOCK)), yp, int(D), nullptr, 0);
+        const int64_t o0 = b0 * BLOCK, o1 = std::min(D, b1 * BLOCK);
+        fn(xp, int(M), int(K), wp, kind, sp, int(o0), int(o1), yp, int(D), nullptr, 0);
+        if (op)
+            for (int64_t m = 0; m < M; ++m)
+                for (int64_t o = o0; o < o1; ++o) op[m * D + o] = c10::BFloat16(yp[m * D + o]);
     });
-    return y;
+    return out;
 }
 
 // A block of rows of one expert's matrix, in place: a packed stack's expert, or a tensor of a mapped checkpoint
@@ -220,91 +229,6 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
     return ys;
 }
 
-int64_t check_counts(at::IntArrayRef counts, int64_t P, const char* op) {
-    int64_t total = 0;
-    for (auto c : counts) {
-        TORCH_CHECK(c >= 0, op, ": counts must not be negative");
-        total += c;
-    }
-    TORCH_CHECK(total == P, op, ": counts sum to ", total, ", not the ", P, " pairs");
-    return total;
-}
-
-at::Tensor expert_ffn(const at::Tensor& xs, at::IntArrayRef counts_, const at::Tensor& w13,
-                      const c10::optional<at::Tensor>& s13, const at::Tensor& w2, const c10::optional<at::Tensor>& s2,
-                      const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,
-                      c10::optional<double> limit, double up_offset) {
-    TORCH_CHECK(xs.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "colibri::expert_ffn: need xs [P, H], w13 "
-                "[E, 2I, H], w2 [E, H, I]");
-    const int64_t P = xs.size(0), H = xs.size(1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
-    TORCH_CHECK(w13.size(2) == H && w2.size(0) == E && w2.size(1) == H && w2.size(2) == I && I2 % 2 == 0,
-                "colibri::expert_ffn: shapes disagree: xs ", xs.sizes(), ", w13 ", w13.sizes(), ", w2 ", w2.sizes());
-    TORCH_CHECK(int64_t(counts_.size()) == E, "colibri::expert_ffn: counts must have one entry per expert");
-    check_counts(counts_, P, "colibri::expert_ffn");
-    TORCH_CHECK(w13.stride(2) == 1 && w13.stride(1) == H && w2.stride(2) == 1 && w2.stride(1) == I,
-                "colibri::expert_ffn: each expert's weights must be row-major");
-    const int kind = wdtype(w13, s13);
-    TORCH_CHECK(wdtype(w2, s2) == kind, "colibri::expert_ffn: w13 and w2 must be of one kind");
-    at::Tensor sc13 = kind == 2 ? s13->to(at::kFloat).contiguous() : at::Tensor();
-    at::Tensor sc2 = kind == 2 ? s2->to(at::kFloat).contiguous() : at::Tensor();
-    const char* p13 = static_cast<const char*>(w13.data_ptr());
-    const char* p2 = static_cast<const char*>(w2.data_ptr());
-    const int64_t esize = w13.element_size();
-    std::vector<int64_t> counts, rows;
-    std::vector<std::vector<Src>> src13, src2;
-    for (int64_t e = 0; e < E; ++e) {
-        if (!counts_[e]) continue;
-        counts.push_back(counts_[e]);
-        rows.push_back(e);
-        src13.push_back({{p13 + e * w13.stride(0) * esize, kind == 2 ? sc13.data_ptr<float>() + e * I2 : nullptr, I2}});
-        src2.push_back({{p2 + e * w2.stride(0) * esize, kind == 2 ? sc2.data_ptr<float>() + e * H : nullptr, H}});
-    }
-    return ffn(xs, counts, rows, src13, src2, kind, esize, I, b13, b2, alpha, limit, up_offset);
-}
-
-// The expert FFN over experts given as row blocks in place (a mapped checkpoint's tensors): for active expert a,
-// counts[a] sorted pairs, w13 holds parts13[a] blocks whose rows stacked are its [2I, H] (gate rows, then up rows),
-// w2 one [H, I] block; bias_rows[a] its row of b13 [*, 2I] and b2 [*, H]. Float32 or bf16 weights.
-at::Tensor expert_ffn_rows(const at::Tensor& xs, at::IntArrayRef counts_, at::IntArrayRef bias_rows,
-                           at::TensorList w13, at::IntArrayRef parts13, at::TensorList w2,
-                           const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,
-                           c10::optional<double> limit, double up_offset) {
-    const char* op = "colibri::expert_ffn_rows";
-    TORCH_CHECK(xs.dim() == 2, op, ": need xs [P, H]");
-    const int64_t P = xs.size(0), H = xs.size(1), A = int64_t(counts_.size());
-    TORCH_CHECK(int64_t(bias_rows.size()) == A && int64_t(parts13.size()) == A && int64_t(w2.size()) == A, op,
-                ": counts, bias_rows, parts13 and w2 need one entry per active expert");
-    check_counts(counts_, P, op);
-    if (A == 0) return at::empty({0, H}, xs.options().dtype(at::kFloat));
-    const int64_t I = w2[0].dim() == 2 ? w2[0].size(1) : -1;
-    const at::ScalarType dt = w2[0].scalar_type();
-    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op, ": weights must be float32 or bfloat16, got ", dt);
-    const int kind = dt == at::kFloat ? 0 : 1;
-    const int64_t esize = w2[0].element_size();
-    auto block = [&](const at::Tensor& t, int64_t cols, const char* what) {
-        TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.is_contiguous() && t.scalar_type() == dt && t.is_cpu(),
-                    op, ": every ", what, " block must be a contiguous CPU ", dt, " [rows, ", cols, "], got ",
-                    t.sizes(), " ", t.scalar_type());
-        return Src{static_cast<const char*>(t.data_ptr()), nullptr, t.size(0)};
-    };
-    std::vector<int64_t> counts(counts_.begin(), counts_.end()), rows(bias_rows.begin(), bias_rows.end());
-    std::vector<std::vector<Src>> src13(A), src2(A);
-    size_t next = 0;
-    for (int64_t a = 0; a < A; ++a) {
-        int64_t total = 0;
-        for (int64_t j = 0; j < parts13[a]; ++j) {
-            TORCH_CHECK(next < w13.size(), op, ": parts13 names more blocks than w13 holds");
-            src13[a].push_back(block(w13[next++], H, "gate/up"));
-            total += src13[a].back().rows;
-        }
-        TORCH_CHECK(total == 2 * I, op, ": expert ", a, "'s gate/up blocks have ", total, " rows, not 2I = ", 2 * I);
-        src2[a].push_back(block(w2[a], I, "down"));
-        TORCH_CHECK(src2[a].back().rows == H, op, ": expert ", a, "'s down block must be [H=", H, ", I]");
-    }
-    TORCH_CHECK(next == w13.size(), op, ": w13 holds ", w13.size(), " blocks, parts13 names ", next);
-    return ffn(xs, counts, rows, src13, src2, kind, esize, I, b13, b2, alpha, limit, up_offset);
-}
-
 // acc[rows[p], :] += double(ys[p, :] * weights[p]) for every pair p: the routed weight multiplied in float32 (as
 // torch's `ys *= w`), the sum in float64 (exact for a token's few pairs, so any order gives the same bits). The
 // columns are split over the threads: no two write one element.
@@ -335,6 +259,104 @@ void moe_sum_(at::Tensor& acc, const at::Tensor& ys, const at::Tensor& rows, con
     });
 }
 
+// The whole expert side of a layer in one call: acc [T, H] float64 += Σ_k weights[t, k] · FFN_{e}(x[t]) over the
+// pairs whose expert e = local[ids[t, k]] is held here (>= 0; `local` empty = ids are local rows already).
+// Expert e's gate/up is w13[e * parts13 .. + parts13) stacked (row blocks), its down w2[e]; int8 weights come with
+// their row scales s13[e], s2[e]. The pairs are sorted by expert (and by position within one, as a stable sort),
+// x's rows gathered (rounded to the weights' dtype first where they are float and x is not: as the packed path
+// does), the FFN run (`ffn`), and each pair's output times its weight (float32) summed into acc in float64.
+void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+          const at::Tensor& local, at::TensorList w13, int64_t parts13, at::TensorList w2, at::TensorList s13,
+          at::TensorList s2, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,
+          c10::optional<double> limit, double up_offset) {
+    const char* op = "colibri::moe_";
+    TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0), op,
+                ": need x [T, H], ids and weights [T, K]");
+    TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kDouble && acc.is_contiguous() && acc.sizes() == x.sizes(),
+                op, ": acc must be a contiguous float64 [T, H]");
+    const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), E = int64_t(w2.size());
+    TORCH_CHECK(parts13 >= 1 && int64_t(w13.size()) == E * parts13, op, ": w13 must hold parts13 blocks per expert");
+    TORCH_CHECK(E > 0, op, ": no experts");
+    const at::ScalarType dt = w2[0].scalar_type();
+    const int kind = dt == at::kFloat ? 0 : dt == at::kBFloat16 ? 1 : 2;
+    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kChar, op, ": weights must be float32, bfloat16 "
+                "or int8, got ", dt);
+    TORCH_CHECK(kind != 2 || (int64_t(s13.size()) == E && int64_t(s2.size()) == E && parts13 == 1), op,
+                ": int8 experts need one scale vector per expert for w13 and for w2 (and one gate/up block)");
+    const int64_t I = w2[0].dim() == 2 ? w2[0].size(1) : -1;
+    const int64_t esize = w2[0].element_size();
+    at::Tensor id = ids.to(at::kLong).contiguous();
+    at::Tensor lmap = local.defined() && local.numel() ? local.to(at::kLong).contiguous() : at::Tensor();
+    const int64_t* ip = id.data_ptr<int64_t>();
+    const int64_t* lp = lmap.defined() ? lmap.data_ptr<int64_t>() : nullptr;
+    const int64_t G = lmap.defined() ? lmap.numel() : E;
+    // counting sort of the pairs by local expert: stable, so within an expert pairs keep their flat order
+    std::vector<int64_t> le(T * K), counts_all(E, 0);
+    for (int64_t f = 0; f < T * K; ++f) {
+        int64_t g = ip[f];
+        int64_t e = g < 0 || g >= G ? -1 : lp ? lp[g] : g;
+        TORCH_CHECK(e < E, op, ": expert map sends id ", g, " to row ", e, " of ", E);
+        le[f] = e;
+        if (e >= 0) ++counts_all[e];
+    }
+    std::vector<int64_t> start(E + 1, 0);
+    for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts_all[e];
+    const int64_t P = start[E];
+    if (P == 0) return;
+    std::vector<int64_t> order(P), fill(start.begin(), start.end() - 1);
+    for (int64_t f = 0; f < T * K; ++f)
+        if (le[f] >= 0) order[fill[le[f]]++] = f;
+    // x's rows for the pairs, float32 (rounded to the weights' float dtype first, as the packed path's cast)
+    at::Tensor xw = (kind != 2 && x.scalar_type() != dt) ? x.to(dt) : x;
+    at::Tensor xf = xw.to(at::kFloat).contiguous();
+    at::Tensor xs = at::empty({P, H}, xf.options());                             // [P, H]
+    const float* xp = xf.data_ptr<float>();
+    float* xsp = xs.data_ptr<float>();
+    for (int64_t p = 0; p < P; ++p) std::memcpy(xsp + p * H, xp + (order[p] / K) * H, H * sizeof(float));
+    std::vector<int64_t> counts, rows;
+    std::vector<std::vector<Src>> src13, src2;
+    auto block = [&](const at::Tensor& t, int64_t cols, const float* scale) {
+        TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.is_contiguous() && t.scalar_type() == dt && t.is_cpu(), op,
+                    ": every weight block must be a contiguous CPU ", dt, " [rows, ", cols, "], got ", t.sizes(), " ",
+                    t.scalar_type());
+        return Src{static_cast<const char*>(t.data_ptr()), scale, t.size(0)};
+    };
+    auto scales = [&](const at::Tensor& s, int64_t n) -> const float* {
+        TORCH_CHECK(s.dim() == 1 && s.size(0) == n && s.scalar_type() == at::kFloat && s.is_contiguous(), op,
+                    ": int8 scales must be contiguous float32 [", n, "]");
+        return s.data_ptr<float>();
+    };
+    for (int64_t e = 0; e < E; ++e) {
+        if (!counts_all[e]) continue;
+        counts.push_back(counts_all[e]);
+        rows.push_back(e);
+        std::vector<Src> parts;
+        int64_t total = 0;
+        for (int64_t j = 0; j < parts13; ++j) {
+            parts.push_back(block(w13[e * parts13 + j], H, kind == 2 ? scales(s13[e], w13[e].size(0)) : nullptr));
+            total += parts.back().rows;
+        }
+        TORCH_CHECK(total == 2 * I, op, ": expert ", e, "'s gate/up has ", total, " rows, not 2I = ", 2 * I);
+        src13.push_back(parts);
+        src2.push_back({block(w2[e], I, kind == 2 ? scales(s2[e], H) : nullptr)});
+        TORCH_CHECK(src2.back()[0].rows == H, op, ": expert ", e, "'s down must be [H=", H, ", I]");
+    }
+    at::Tensor ys = ffn(xs, counts, rows, src13, src2, kind, esize, I, b13, b2, alpha, limit, up_offset);   // [P, H]
+    at::Tensor wf = weights.to(at::kFloat).contiguous();
+    const float* wp = wf.data_ptr<float>();
+    const float* yp = ys.data_ptr<float>();
+    double* ap = acc.data_ptr<double>();
+    at::parallel_for(0, H, std::max<int64_t>(64, (int64_t(1) << 16) / std::max<int64_t>(1, P)), [&](int64_t h0,
+                                                                                                  int64_t h1) {
+        for (int64_t p = 0; p < P; ++p) {
+            const float* src = yp + p * H;
+            double* dst = ap + (order[p] / K) * H;
+            const float wt = wp[order[p]];
+            for (int64_t h = h0; h < h1; ++h) dst[h] += double(src[h] * wt);
+        }
+    });
+}
+
 std::string isa() { return level().name; }
 
 std::string use_isa(const std::string& name) {
@@ -346,10 +368,9 @@ std::string use_isa(const std::string& name) {
 
 TORCH_LIBRARY(colibri, m) {
     m.def("linear(Tensor x, Tensor w, Tensor? scale=None) -> Tensor");
-    m.def("expert_ffn(Tensor xs, int[] counts, Tensor w13, Tensor? s13, Tensor w2, Tensor? s2, Tensor? b13, "
-          "Tensor? b2, float alpha, float? limit, float up_offset) -> Tensor");
-    m.def("expert_ffn_rows(Tensor xs, int[] counts, int[] bias_rows, Tensor[] w13, int[] parts13, Tensor[] w2, "
-          "Tensor? b13, Tensor? b2, float alpha, float? limit, float up_offset) -> Tensor");
+    m.def("moe_(Tensor(a!) acc, Tensor x, Tensor ids, Tensor weights, Tensor local, Tensor[] w13, int parts13, "
+          "Tensor[] w2, Tensor[] s13, Tensor[] s2, Tensor? b13, Tensor? b2, float alpha, float? limit, "
+          "float up_offset) -> ()");
     m.def("moe_sum_(Tensor(a!) acc, Tensor ys, Tensor rows, Tensor weights) -> ()");
     m.def("isa() -> str", &isa);
     m.def("use_isa(str name) -> str", &use_isa);
@@ -357,7 +378,6 @@ TORCH_LIBRARY(colibri, m) {
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {
     m.impl("linear", &linear);
-    m.impl("expert_ffn", &expert_ffn);
-    m.impl("expert_ffn_rows", &expert_ffn_rows);
     m.impl("moe_sum_", &moe_sum_);
+    m.impl("moe_", &moe_);
 }

@@ -84,7 +84,7 @@ def test_linear_against_float64(level, kind, dout, din):
             want = xm.double() @ wd.T                                                  # [m, Dout]
             bound = xm.double().abs() @ wd.abs().T                                     # the terms' sizes
             q, s = (w.q, w.scale) if isinstance(w, Int8Weight) else (w, None)
-            got = torch.ops.colibri.linear(xm, q, s)                                   # float32, unrounded
+            got = torch.ops.colibri.linear(xm.float(), q, s)                           # float32, unrounded
             assert got.dtype == torch.float32 and got.shape == (m, dout)
             err = float(((got.double() - want).abs() / bound.clamp(min=1e-30)).max())
             where = f"{level} {kind} x {x_dtype} [{m}, {din}] @ [{dout}, {din}].T"
@@ -118,20 +118,22 @@ def test_a_rows_result_depends_neither_on_the_other_rows_nor_on_the_threads(leve
         torch.set_num_threads(threads)
 
 
-def pair_reference(xs, counts, w13d, w2d, act, b13, b2) -> torch.Tensor:
-    """Each sorted pair's expert FFN in float64, pair by pair."""
-    out, row = [], 0
+def layer_reference(x, ids, weights, local, w13d, w2d, act, b13, b2) -> torch.Tensor:
+    """Σ_k weights[t, k] · FFN_e(x[t]) over the pairs held here (e = local[id] >= 0), in float64, pair by pair."""
     I = w2d.shape[2]
-    for e, n in enumerate(counts):
-        for r in range(row, row + n):
-            gu = w13d[e] @ xs[r].double() + (b13[e].double() if b13 is not None else 0)          # [2I]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(local[ids[t, k]]) if ids[t, k] >= 0 else -1
+            if e < 0:
+                continue
+            gu = w13d[e] @ x[t].double() + (b13[e].double() if b13 is not None else 0)            # [2I]
             gate, up = gu[:I], gu[I:]
             if act.limit is not None:
                 gate, up = gate.clamp(max=act.limit), up.clamp(-act.limit, act.limit)
             h = gate * torch.sigmoid(act.alpha * gate) * (up + act.up_offset)                    # [I]
-            out.append(w2d[e] @ h + (b2[e].double() if b2 is not None else 0))                  # [H]
-        row += n
-    return torch.stack(out) if out else torch.zeros(0, w2d.shape[1], dtype=torch.float64)
+            out[t] += float(weights[t, k]) * (w2d[e] @ h + (b2[e].double() if b2 is not None else 0))   # [H]
+    return out
 
 
 def expert_weights(E, I, H, kind, g):
@@ -143,43 +145,6 @@ def expert_weights(E, I, H, kind, g):
     return w13, w2, w13.double(), w2.double()
 
 
-GPT_OSS = GatedAct(alpha=1.702, limit=1.5, up_offset=1.0)
-
-
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("E,I,H,counts", [(1, 1, 1, [1]), (5, 40, 72, [0, 3, 1, 0, 9]), (3, 19, 33, [5, 0, 67]),
-                                          (4, 24, 16, [0, 0, 0, 0])])
-@pytest.mark.parametrize("act,biases", [(SILU, False), (GPT_OSS, True)])
-def test_expert_ffn_against_float64(level, kind, E, I, H, counts, act, biases):
-    g = torch.Generator().manual_seed(E * I + H)
-    w13, w2, w13d, w2d = expert_weights(E, I, H, kind, g)
-    b13 = torch.randn(E, 2 * I, generator=g) if biases else None
-    b2 = torch.randn(E, H, generator=g) if biases else None
-    for x_dtype in (torch.float32, torch.bfloat16):
-        xs = (3 * torch.randn(sum(counts), H, generator=g)).to(x_dtype)               # [P, H] past the clamps
-        want = pair_reference(xs, counts, w13d, w2d, act, b13, b2)                     # [P, H]
-        got = native.expert_ffn(xs, counts, w13, w2, act, b13, b2)
-        assert got.dtype == torch.float32 and got.shape == xs.shape
-        err = float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-12)) if want.numel() else 0
-        assert err <= 2e-5, f"{level} {kind} x {x_dtype} E={E} I={I} H={H} {counts}: rel err {err:.2e}"
-        if sum(counts) > 1:                     # a pair's result does not depend on the other pairs of the call
-            first = next(e for e, n in enumerate(counts) if n)
-            alone = [1 if e == first else 0 for e in range(E)]
-            assert torch.equal(native.expert_ffn(xs[:1], alone, w13, w2, act, b13, b2), got[:1])
-
-
-def test_expert_ffn_on_views_of_a_larger_buffer(level):
-    """A worker's experts are views (a slice of a packed buffer, or of a mapped file): strided over experts,
-    row-major within each."""
-    g = torch.Generator().manual_seed(5)
-    big13, big2 = torch.randn(9, 2 * 24, 40, generator=g), torch.randn(9, 40, 24, generator=g)
-    w13, w2 = big13[1::3], big2[1::3]                                                   # experts 1, 4, 7
-    xs = torch.randn(6, 40, generator=g)
-    want = pair_reference(xs, [2, 1, 3], w13.double(), w2.double(), SILU, None, None)
-    got = native.expert_ffn(xs, [2, 1, 3], w13, w2)
-    assert float((got.double() - want).abs().max() / want.abs().max()) <= 2e-5
-
-
 def in_place(w13: torch.Tensor, w2: torch.Tensor, split: bool) -> tuple[ExpertRows, ExpertRows]:
     """Each expert's matrices as separate tensors, as a mapped checkpoint's per-expert gate, up and down lie (each
     its own allocation, so no two blocks are adjacent): gate and up as two blocks when `split`."""
@@ -188,27 +153,64 @@ def in_place(w13: torch.Tensor, w2: torch.Tensor, split: bool) -> tuple[ExpertRo
     return ExpertRows(b13), ExpertRows(tuple((w.clone(),) for w in w2))
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
-@pytest.mark.parametrize("E,I,H,counts", [(1, 1, 1, [1]), (5, 40, 72, [0, 3, 1, 0, 9]), (3, 19, 33, [5, 0, 67]),
-                                          (4, 24, 16, [0, 0, 0, 0])])
+def routing(T: int, K: int, E_global: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, K] (distinct per token, some -1) and weights [T, K] float32."""
+    ids = torch.stack([torch.randperm(E_global, generator=g)[:K] for _ in range(T)]) if T else \
+        torch.zeros(0, K, dtype=torch.long)
+    if T:
+        ids[0, -1] = -1                                                                 # a dropped pair
+    return ids, torch.rand(T, K, generator=g)
+
+
+GPT_OSS = GatedAct(alpha=1.702, limit=1.5, up_offset=1.0)
+LAYOUTS = {"float32": ("stack", "rows", "rows split"), "bfloat16": ("stack", "rows", "rows split"), "int8": ("stack",)}
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("E,I,H,T,K", [(1, 1, 1, 1, 1), (5, 40, 72, 7, 3), (3, 19, 33, 33, 2), (4, 24, 16, 0, 2)])
 @pytest.mark.parametrize("act,biases", [(SILU, False), (GPT_OSS, True)])
-def test_expert_ffn_in_place_against_float64(level, kind, E, I, H, counts, act, biases):
-    """Experts in place (kernels.ExpertRows: row blocks where a mapped checkpoint holds them) against float64, and
-    the same bits as the packed stack: one kernel, whichever memory it reads."""
-    g = torch.Generator().manual_seed(E * I + H + 1)
+def test_moe_layer_against_float64(level, kind, E, I, H, T, K, act, biases):
+    """The whole expert side of a layer (sort, gather, expert FFN, routed weights, float64 sum) against float64,
+    through an expert map with experts held elsewhere; packed stacks and experts in place (one or two gate/up
+    blocks) to the same bits; a token's result does not depend on the other tokens of the call."""
+    g = torch.Generator().manual_seed(E * I + H + T)
     w13, w2, w13d, w2d = expert_weights(E, I, H, kind, g)
     b13 = torch.randn(E, 2 * I, generator=g) if biases else None
     b2 = torch.randn(E, H, generator=g) if biases else None
-    xs = (3 * torch.randn(sum(counts), H, generator=g)).to(torch.bfloat16 if kind == "bfloat16" else torch.float32)
-    want = pair_reference(xs, counts, w13d, w2d, act, b13, b2)                         # [P, H]
-    packed = native.expert_ffn(xs, counts, w13, w2, act, b13, b2)
-    for split in (False, True):
-        r13, r2 = in_place(w13, w2, split)
-        got = native.expert_ffn_rows(xs, counts, r13, r2, act, b13, b2)
-        assert got.dtype == torch.float32 and got.shape == xs.shape
-        err = float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-12)) if want.numel() else 0
-        assert err <= 2e-5, f"{level} {kind} E={E} I={I} H={H} {counts} split={split}: rel err {err:.2e}"
-        assert torch.equal(got, packed)
+    E_global = E + 3
+    local = torch.full((E_global,), -1, dtype=torch.long)
+    local[torch.randperm(E_global, generator=g)[:E]] = torch.arange(E)                  # [E_global] -> local
+    ids, weights = routing(T, min(K, E_global), E_global, g)
+    for x_dtype in (torch.float32, torch.bfloat16):
+        x = (3 * torch.randn(T, H, generator=g)).to(x_dtype)                            # [T, H] past the clamps
+        xr = x if kind == "int8" or x_dtype == w13.dtype else x.to(w13.dtype)           # what the weights meet
+        want = layer_reference(xr, ids, weights, local, w13d, w2d, act, b13, b2)        # [T, H]
+        results = []
+        for layout in LAYOUTS[kind]:
+            a13, a2 = (w13, w2) if layout == "stack" else in_place(w13, w2, layout == "rows split")
+            got = native.moe_(torch.zeros(T, H, dtype=torch.float64), x, ids, weights, local, a13, a2, act, b13, b2)
+            err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-12)) if want.numel() else 0
+            assert err <= 2e-5, f"{level} {kind} {layout} x {x_dtype} E={E} I={I} H={H} T={T}: rel err {err:.2e}"
+            results.append(got)
+        assert all(torch.equal(r, results[0]) for r in results)
+        if T > 1:
+            alone = native.moe_(torch.zeros(1, H, dtype=torch.float64), x[1:2], ids[1:2], weights[1:2], local, w13,
+                                w2, act, b13, b2)
+            assert torch.equal(alone, results[0][1:2])
+
+
+def test_moe_layer_on_views_of_a_larger_buffer(level):
+    """A worker's experts are views (a slice of a packed buffer, or of a mapped file): strided over experts,
+    row-major within each; acc is added to, not overwritten."""
+    g = torch.Generator().manual_seed(5)
+    big13, big2 = torch.randn(9, 2 * 24, 40, generator=g), torch.randn(9, 40, 24, generator=g)
+    w13, w2 = big13[1::3], big2[1::3]                                                   # experts 1, 4, 7
+    x = torch.randn(6, 40, generator=g)
+    ids, weights = routing(6, 2, 3, g)
+    start = torch.randn(6, 40, generator=g, dtype=torch.float64)
+    want = start + layer_reference(x, ids, weights, torch.arange(3), w13.double(), w2.double(), SILU, None, None)
+    got = native.moe_(start.clone(), x, ids, weights, None, w13, w2)
+    assert float((got - want).abs().max() / want.abs().max()) <= 2e-5
 
 
 def test_fused_moe_takes_experts_in_place():
@@ -235,6 +237,8 @@ def test_expert_rows_refuse_what_the_kernel_cannot_read():
         ExpertRows(((torch.ones(3, 4).T,),))
     with pytest.raises(ValueError, match="one matrix shape per layer"):
         ExpertRows(((torch.ones(4, 3),), (torch.ones(5, 3),)))
+    with pytest.raises(ValueError, match="one layout per layer"):
+        ExpertRows(((torch.ones(4, 3),), (torch.ones(2, 3), torch.ones(2, 3))))
 
 
 @needs_native
@@ -257,6 +261,12 @@ def test_moe_sum_is_torchs_scatter_to_the_bit(T, H, P):
         torch.set_num_threads(threads)
 
 
+def _moe(x, w13, w2, ids=None, local=None):
+    ids = torch.zeros(x.shape[0], 2, dtype=torch.long) if ids is None else ids
+    torch.ops.colibri.moe_(torch.zeros(x.shape, dtype=torch.float64), x, ids, torch.ones(ids.shape), torch.empty(0)
+                           if local is None else local, w13, 1, w2, [], [], None, None, 1.0, None, 0.0)
+
+
 @needs_native
 @pytest.mark.parametrize("call,message", [
     (lambda: native.moe_sum_(torch.zeros(2, 4, dtype=torch.float64), torch.ones(1, 4), torch.tensor([2]),
@@ -269,26 +279,16 @@ def test_moe_sum_is_torchs_scatter_to_the_bit(T, H, P):
     (lambda: torch.ops.colibri.linear(torch.ones(2, 3), torch.ones(4, 3, dtype=torch.int8)), "per-row scales"),
     (lambda: torch.ops.colibri.linear(torch.ones(2, 3), torch.ones(4, 3, dtype=torch.int8), torch.ones(3)),
      "scale must be [Dout]"),
-    (lambda: native.expert_ffn(torch.ones(3, 8), [1, 1], torch.ones(2, 10, 8), torch.ones(2, 8, 5)),
-     "counts sum to 2, not the 3 pairs"),
-    (lambda: native.expert_ffn(torch.ones(3, 8), [3], torch.ones(2, 10, 8), torch.ones(2, 8, 5)),
-     "one entry per expert"),
-    (lambda: native.expert_ffn(torch.ones(3, 8), [1, 2], torch.ones(2, 10, 8), torch.ones(2, 8, 4)),
-     "shapes disagree"),
-    (lambda: native.expert_ffn(torch.ones(3, 8), [1, 2], torch.ones(2, 8, 10).transpose(1, 2),
-                               torch.ones(2, 8, 5)), "row-major"),
-    (lambda: torch.ops.colibri.expert_ffn_rows(torch.ones(3, 8), [3], [0], [torch.ones(9, 8)], [1],
-                                               [torch.ones(8, 5)], None, None, 1.0, None, 0.0),
-     "gate/up blocks have 9 rows, not 2I = 10"),
-    (lambda: torch.ops.colibri.expert_ffn_rows(torch.ones(3, 8), [3], [0], [torch.ones(10, 8)], [2],
-                                               [torch.ones(8, 5)], None, None, 1.0, None, 0.0),
-     "names more blocks than w13 holds"),
-    (lambda: torch.ops.colibri.expert_ffn_rows(torch.ones(3, 8), [3], [0], [torch.ones(10, 8)], [1],
-                                               [torch.ones(8, 5, dtype=torch.bfloat16)], None, None, 1.0, None, 0.0),
-     "every gate/up block must be a contiguous CPU BFloat16"),
-    (lambda: torch.ops.colibri.expert_ffn_rows(torch.ones(3, 8), [3], [0], [torch.ones(10, 8, dtype=torch.int8)],
-                                               [1], [torch.ones(8, 5, dtype=torch.int8)], None, None, 1.0, None, 0.0),
-     "float32 or bfloat16"),
+    (lambda: _moe(torch.ones(3, 8), [torch.ones(9, 8)], [torch.ones(8, 5)]), "gate/up has 9 rows, not 2I = 10"),
+    (lambda: _moe(torch.ones(3, 8), [torch.ones(10, 8)], [torch.ones(7, 5)]), "down must be [H=8, I]"),
+    (lambda: _moe(torch.ones(3, 8), [torch.ones(10, 8)], [torch.ones(8, 5, dtype=torch.bfloat16)]),
+     "every weight block must be a contiguous CPU BFloat16"),
+    (lambda: _moe(torch.ones(3, 8), [torch.ones(10, 8, dtype=torch.int8)], [torch.ones(8, 5, dtype=torch.int8)]),
+     "int8 experts need one scale vector per expert"),
+    (lambda: _moe(torch.ones(3, 8), [torch.ones(10, 8)], [torch.ones(8, 5)], ids=torch.zeros(2, 2, dtype=torch.long)),
+     "need x [T, H], ids and weights [T, K]"),
+    (lambda: _moe(torch.ones(3, 8), [torch.ones(10, 8)], [torch.ones(8, 5)], local=torch.tensor([3])),
+     "expert map sends id 0 to row 3 of 1"),
 ])
 def test_bad_inputs_are_clear_errors(call, message):
     with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
