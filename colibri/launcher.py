@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -122,13 +123,15 @@ class ServeOptions:
             return self.router.device
         return f"cuda:{self.gpus[0 if child is None else child % len(self.gpus)]}"
 
-    def expert(self, shard: int, threads: int, port: int = 0) -> ExpertOptions:
-        """Worker `shard`'s options: the service options it shares with the router, on loopback."""
+    def expert(self, shard: int, threads: int, port: int = 0, sockets: Path | None = None) -> ExpertOptions:
+        """Worker `shard`'s options: the service options it shares with the router, on loopback; with `sockets`
+        (a directory only this user enters) its same-host socket there."""
         common = dict(shared_fields(self.router), host="127.0.0.1", port=port, threads=threads,
                       device=self.device(shard))
         mport = self.router.metrics_port                 # the router's port P; worker i gets P + 1 + i
         return ExpertOptions(**common, shard=f"{shard}/{self.workers}", replicas=self.replicas, cache=self.cache,
-                             metrics_port=None if mport is None else (mport and mport + 1 + shard))
+                             metrics_port=None if mport is None else (mport and mport + 1 + shard),
+                             local_socket="" if sockets is None else str(sockets / f"worker-{shard}.sock"))
 
     def router_options(self, workers: tuple[str, ...], threads: int) -> RouterOptions:
         return replace(self.router, workers=workers, threads=threads, device=self.device(None))
@@ -243,6 +246,16 @@ class Fleet:
 
 
 def serve(opts: ServeOptions) -> int:
+    """Run the fleet until a signal (or a fatal failure); its workers' same-host sockets live in a directory of
+    their own (mode 0700), removed when the fleet stops."""
+    sockets = Path(tempfile.mkdtemp(prefix="colibri-fleet-"))
+    try:
+        return _serve(opts, sockets)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def _serve(opts: ServeOptions, sockets: Path) -> int:
     from colibri_common.serving import setup_logging
 
     setup_logging("serve", opts.router.log_level)
@@ -284,7 +297,7 @@ def serve(opts: ServeOptions) -> int:
         # for them): the workers get their ports up front, so the router knows where to find them.
         t_start = time.monotonic()
         ports = free_ports(n)
-        procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i])) for i in range(n)]
+        procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i], sockets)) for i in range(n)]
         workers = tuple(f"127.0.0.1:{port}" for port in ports)
         router = fleet.spawn("router", opts.router_options(workers, router_threads))
         addrs, ready_s = [], []
@@ -331,7 +344,7 @@ def serve(opts: ServeOptions) -> int:
                 return
             started = time.monotonic()
             try:
-                p = fleet.spawn("expert", opts.expert(i, worker_threads, port))
+                p = fleet.spawn("expert", opts.expert(i, worker_threads, port, sockets))
                 fleet.wait_ready(p, f"expert worker {i}/{n}")
                 log.info("expert worker %d/%d is back", i, n)
             except (RuntimeError, OSError) as exc:      # OSError: no fork (EAGAIN, ENOMEM) or no exec

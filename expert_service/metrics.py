@@ -2,7 +2,8 @@
 
 - colibri:expert_compute_seconds (histogram): one Forward's fused-MoE compute.
 - colibri:expert_tokens_total: token rows computed; colibri:expert_forward_total{code}: calls by outcome.
-- colibri:expert_resident_bytes: bytes of packed expert weights held; colibri:expert_streams_open.
+- colibri:expert_resident_bytes: bytes of packed expert weights held; colibri:expert_in_place_bytes: bytes of
+  experts computed where they lie in the mapped checkpoint (page cache, shared); colibri:expert_streams_open.
 - With a bounded expert cache: colibri:expert_cache_{hits,misses,evictions}_total,
   colibri:expert_cache_prefetch_{packed,used,wasted}_total (experts packed ahead on the router's prediction,
   then hit or evicted unused), colibri:expert_cache_resident_bytes{tier="hot"|"warm"|"mapped"},
@@ -28,6 +29,7 @@ class WorkerMetrics:
         self.resident_bytes = 0
         self.cache = None          # the shard's ExpertCache, when its capacity is bounded
         self.mapped_bytes = 0      # the shard's experts in the checkpoint files (the cold tier)
+        self.in_place_bytes = 0    # the shard's experts computed in place on the mapping (0 when packed)
         self.streams_open = 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.compute = Histogram("colibri:expert_compute_seconds", "One Forward's fused-MoE compute.",
@@ -48,6 +50,9 @@ class WorkerMetrics:
             resident = self.resident_bytes if self.cache is None else sum(self.cache.resident_bytes.values())
             yield GaugeMetricFamily("colibri:expert_resident_bytes", "Bytes of packed expert weights held.",
                                     value=resident)
+            yield GaugeMetricFamily("colibri:expert_in_place_bytes", "Bytes of experts computed where they lie in "
+                                    "the mapped checkpoint (the page cache's pages, shared; none packed).",
+                                    value=self.in_place_bytes)
             yield GaugeMetricFamily("colibri:expert_streams_open", "ForwardStream calls open.",
                                     value=self.streams_open)
         if self.cache is not None:

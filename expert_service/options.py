@@ -63,6 +63,9 @@ class ExpertOptions(ServiceOptions):
                                             "0 = any free port)")
     max_streams: int = option(16, "concurrent ForwardStream (and Forward) calls at most; beyond it "
                                   "RESOURCE_EXHAUSTED (each router holds one stream per worker)")
+    local_socket: str = option("", "also answer Forward on this UNIX socket, for a router on the same host (framed "
+                                   "messages, no HTTP/2; `colibri serve` gives each worker one in a directory only "
+                                   "its user can enter); gRPC stays for everything else", metavar="PATH")
     cache: ExpertCacheOptions = ExpertCacheOptions()
 
     def __post_init__(self) -> None:

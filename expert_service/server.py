@@ -7,6 +7,7 @@ import time
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from colibri_common import wire
 from colibri_common.checkpoint import Checkpoint
@@ -19,12 +20,13 @@ from colibri_common.handlers import add_servicer
 from colibri_common.heap import return_free_heap
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.placement import replica_experts
-from colibri_common.serving import Service, setup_logging
+from colibri_common.serving import MAX_MESSAGE_BYTES, Service, setup_logging
 from colibri_common.tls import TlsFiles
 from expert_service.heat_file import heat_path
 from expert_service.heat_file import load as load_heat
 from expert_service.heat_file import save as save_heat
 from expert_service.kept_format import kept_format
+from expert_service.local_socket import LocalServer
 from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard, cache_setting
@@ -41,6 +43,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.shard: ExpertShard | None = None   # set once the weights are packed
         self.staging: HostStaging | None = None
         self.metrics = WorkerMetrics()
+        self.local_socket = ""                  # the same-host socket's path, once it listens
 
     def _loaded(self, context) -> ExpertShard:
         if self.shard is None:
@@ -55,7 +58,8 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             moe_layers=list(cfg.moe_layers), experts=s.experts, num_experts=cfg.num_experts,
             hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
             dtype=s.weight_dtype, packed_bytes=s.packed_bytes,
-            expert_cache_slots=0 if s.cache is None else s.cache.hot.w13.shape[0], batch_invariant=batch_invariant())
+            expert_cache_slots=0 if s.cache is None else s.cache.hot.w13.shape[0], batch_invariant=batch_invariant(),
+            local_socket=self.local_socket)
 
     def _compute(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
         hidden = wire.decode(request.hidden)                                 # [n, H]
@@ -86,12 +90,36 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.metrics.count("ok", hidden.shape[0], seconds)
         return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=seconds * 1e3)
 
+    def _respond(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
+        reply = self._compute(request)
+        if request.HasField("prefetch"):                      # packed on the cache's own thread, after this
+            self.shard.hint(request.prefetch.layer, list(request.prefetch.experts))
+        return reply
+
+    def answer_frame(self, payload: bytes) -> tuple[int, bytes]:
+        """A Forward over the same-host socket (expert_service/local_socket.py): (status, reply bytes or the
+        error's message), the statuses the gRPC path would give."""
+        if self.shard is None:
+            return grpc.StatusCode.UNAVAILABLE.value[0], b"expert worker is still loading its weights; retry"
+        try:
+            request = expert_pb2.ForwardRequest.FromString(payload)
+        except DecodeError as exc:
+            self.metrics.count("invalid_argument")
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"not a ForwardRequest: {exc}".encode()
+        try:
+            return 0, self._respond(request).SerializeToString()
+        except ValueError as exc:
+            self.metrics.count("invalid_argument")
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], str(exc).encode()
+        except Exception as exc:  # noqa: BLE001 (logged whole here; the router gets a status, not a traceback)
+            self.metrics.count("internal")
+            log.exception("Forward failed on layer %d (router step %d)", request.layer, request.step)
+            return grpc.StatusCode.INTERNAL.value[0], f"expert compute failed on layer {request.layer}: " \
+                f"{exc!r}".encode()
+
     def _answer(self, request, context) -> expert_pb2.ForwardResponse:
         try:
-            reply = self._compute(request)
-            if request.HasField("prefetch"):                  # packed on the cache's own thread, after this
-                self.shard.hint(request.prefetch.layer, list(request.prefetch.experts))
-            return reply
+            return self._respond(request)
         except ValueError as exc:
             self.metrics.count("invalid_argument")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -175,12 +203,20 @@ def serve_expert(opts: ExpertOptions) -> None:
              time.perf_counter() - t0)
     servicer.staging = HostStaging(device)
     servicer.metrics.resident_bytes = experts.packed_bytes
+    servicer.metrics.in_place_bytes = experts.shard_bytes if experts.in_place else 0
     servicer.metrics.cache, servicer.metrics.mapped_bytes = experts.cache, experts.shard_bytes
     if opts.metrics_port is not None:
         mport = servicer.metrics.serve(opts.host, opts.metrics_port)
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     servicer.shard = experts
+    local = None
+    if opts.local_socket:                       # same-host routers: Forward without HTTP/2 (gRPC stays for the rest)
+        local = LocalServer(opts.local_socket, servicer.answer_frame, MAX_MESSAGE_BYTES, opts.max_streams)
+        servicer.local_socket = str(local.path)
+        log.info("Forward also on the local socket %s", local.path)
     service.ready(opts.host, bound)
     service.run_until_signal()
+    if local is not None:
+        local.close()
     if experts.cache is not None:
         save_heat(heat, opts.model, experts.cache.hottest())

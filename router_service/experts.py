@@ -29,8 +29,9 @@ from colibri_common.pb import expert_pb2
 from colibri_common.tls import TlsFiles
 from router_service.liveness import Liveness
 from router_service.moe_combine import combine
+from router_service.moe_local import Links
 from router_service.moe_partition import assign, partition, split_pairs
-from router_service.moe_transport import Links, Reply, WorkerError
+from router_service.moe_transport import Reply, WorkerError
 from router_service.worker_watch import WorkerWatch
 
 log = logging.getLogger("colibri.router")
@@ -172,7 +173,7 @@ class RemoteExperts:
     """The experts on the workers at `addresses`; placement is learnt from each worker's Describe."""
 
     def __init__(self, cfg: ModelConfig, addresses: tuple[str, ...], wire_dtype: torch.dtype,
-                 transport: str = "stream", timeout_s: float = 60.0, connect_timeout_s: float = 300.0,
+                 transport: str = "auto", timeout_s: float = 60.0, connect_timeout_s: float = 300.0,
                  expect_quantize: str | None = None, device: torch.device | None = None,
                  track_routing: bool = False, tls: TlsFiles | None = None, batch_invariant: bool = False) -> None:
         self.cfg, self.addresses, self.wire_dtype = cfg, addresses, wire_dtype
@@ -221,10 +222,11 @@ class RemoteExperts:
                                   f" it; start router and workers with the same flag")
             self.holders[list(d.experts), w] = True
             self.owner[list(d.experts)] = torch.where(self.owner[list(d.experts)] < 0, w, self.owner[list(d.experts)])
-            held = (f"{d.packed_bytes / 2**20:.1f} MiB" if not d.expert_cache_slots else
-                    f"an expert cache of {d.expert_cache_slots} slots")
-            log.info("worker %s: shard %d/%d, experts %d..%d, %s %s", link.address, d.shard_index,
-                     d.num_shards, min(d.experts), max(d.experts), held, d.dtype)
+            held = (f"an expert cache of {d.expert_cache_slots} slots" if d.expert_cache_slots else
+                    f"{d.packed_bytes / 2**20:.1f} MiB packed" if d.packed_bytes else "in place (mapped)")
+            log.info("worker %s: shard %d/%d, experts %d..%d, %s %s, layers over %s", link.address, d.shard_index,
+                     d.num_shards, min(d.experts), max(d.experts), d.dtype, held,
+                     f"its local socket {d.local_socket}" if link.local else "gRPC")
         self.replicated = bool(self.holders.sum(dim=1).max() > 1)
         missing = (self.owner < 0).nonzero().flatten().tolist()
         if missing:

@@ -1,8 +1,8 @@
-"""MoE stage 3 of 4, transport (route → partition → **transport** → combine): the only place that knows gRPC.
+"""MoE stage 3 of 4, transport (route → partition → **transport** → combine): the links to the workers over gRPC.
 
 One `WorkerLink` per expert worker. `send` returns at once with a reply handle, so the engine can compute
 attention for one micro-batch while the workers compute experts for another; `Reply.get` blocks for the
-answer. Two kinds, chosen by `--transport`:
+answer. Two kinds here (the same-host one, `moe_local.py`, extends the stream), chosen by `--transport`:
 
 - `StreamLink`: a bidirectional `ForwardStream` held open per worker, one message per MoE layer per step;
   answers come back in request order. A watchdog cancels a stream whose worker has not answered within
@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import logging
 import queue
-import threading
 import time
 from collections.abc import Iterator
 
@@ -37,7 +36,7 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reco
 
 
 # A worker that answers INTERNAL or INVALID_ARGUMENT has a bug or was sent a bad request: retrying will not help.
-_NOT_RETRYABLE = (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+NOT_RETRYABLE = (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 class WorkerError(Exception):
@@ -50,7 +49,7 @@ class WorkerError(Exception):
 
     @staticmethod
     def from_rpc(message: str, exc: BaseException) -> WorkerError:
-        retryable = not (isinstance(exc, grpc.RpcError) and exc.code() in _NOT_RETRYABLE)
+        retryable = not (isinstance(exc, grpc.RpcError) and exc.code() in NOT_RETRYABLE)
         return WorkerError(message, retryable)
 
 
@@ -123,6 +122,11 @@ class WorkerLink:
 
     def send(self, request: expert_pb2.ForwardRequest) -> Reply:
         raise NotImplementedError
+
+    @property
+    def local(self) -> bool:
+        """Whether the layers go over the worker's same-host socket (moe_local.py) rather than gRPC."""
+        return False
 
     def check_deadline(self) -> None:
         """Called about once a second by the watchdog."""
@@ -213,28 +217,3 @@ class StreamLink(WorkerLink):
     def close(self) -> None:
         self.reset(f"expert worker {self.address}: the router is closing its connections")
         super().close()
-
-
-LINKS: dict[str, type[WorkerLink]] = {"stream": StreamLink, "unary": UnaryLink}
-
-
-class Links:
-    """Every worker's link, plus the watchdog thread that enforces the stream deadlines."""
-
-    def __init__(self, addresses: tuple[str, ...], transport: str, timeout_s: float,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        if transport not in LINKS:
-            raise ValueError(f"transport '{transport}' is unknown; use one of {', '.join(LINKS)}")
-        self.links = [LINKS[transport](a, timeout_s, credentials) for a in addresses]
-        self._closed = threading.Event()
-        threading.Thread(target=self._watchdog, name="moe-watchdog", daemon=True).start()
-
-    def _watchdog(self) -> None:
-        while not self._closed.wait(1.0):
-            for link in self.links:
-                link.check_deadline()
-
-    def close(self) -> None:
-        self._closed.set()
-        for link in self.links:
-            link.close()

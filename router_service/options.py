@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from colibri_common.options import DTYPES, ServiceOptions, option
 from router_service.scheduler import SchedulerConfig
 
-TRANSPORTS = ("stream", "unary")
+TRANSPORTS = ("auto", "stream", "unary")
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,10 @@ class RouterOptions(ServiceOptions):
                                           "compute dtype)", choices=DTYPES)
     micro_batches: int = option(1, "split each step into this many micro-batches and overlap the router's "
                                    "attention of one with the workers' experts of another")
-    transport: str = option("stream", "router → worker calls: one bidirectional stream per worker, or unary "
-                                      "calls", choices=TRANSPORTS)
+    transport: str = option("auto", "router → worker calls: auto = a worker's same-host UNIX socket where it "
+                                    "names one this router reaches (`colibri serve`), else one bidirectional gRPC "
+                                    "stream per worker; stream = always the gRPC stream; unary = one gRPC call "
+                                    "per layer", choices=TRANSPORTS)
     worker_timeout: float = option(10.0, "seconds a worker may take to answer one layer (or a health check) "
                                          "before its call is cancelled and the step fails UNAVAILABLE")
     grace_period: float = option(30.0, "on SIGTERM: seconds the open requests get to finish (new ones are "

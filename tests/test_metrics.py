@@ -52,5 +52,7 @@ def test_router_and_worker_metrics_move_with_the_traffic(oracles):
             wm = scrape(w)
             assert value(wm["colibri:expert_compute_seconds"], "colibri:expert_compute_seconds_count") > 0
             assert value(wm["colibri:expert_tokens"], "colibri:expert_tokens_total") > 0
-            assert value(wm["colibri:expert_resident_bytes"], "colibri:expert_resident_bytes") > 0
+            held = value(wm["colibri:expert_resident_bytes"], "colibri:expert_resident_bytes")      # packed
+            in_place = value(wm["colibri:expert_in_place_bytes"], "colibri:expert_in_place_bytes")  # or mapped
+            assert (held > 0) != (in_place > 0)
             assert value(wm["colibri:expert_forward"], "colibri:expert_forward_total", code="ok") > 0

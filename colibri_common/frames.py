@@ -1,0 +1,46 @@
+"""Length-prefixed frames over a stream socket: the same-host path between the router and a worker.
+
+A frame is an 8-byte header (payload bytes as a little-endian u32, a status byte: 0 = OK, else a gRPC status
+code's number, three zero bytes) and the payload: a serialized protobuf message, or, with a non-zero status,
+the error's message in UTF-8. The messages are the gRPC service's own (ForwardRequest, ForwardResponse), so the
+two paths carry the same bytes; this one skips HTTP/2, its flow control and gRPC's polling threads.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+HEADER = struct.Struct("<IB3x")
+OK = 0
+
+
+class FrameError(ConnectionError):
+    """The peer closed the connection, or sent a frame that breaks the format or the size limit."""
+
+
+def send_frame(sock: socket.socket, status: int, payload: bytes) -> None:
+    sock.sendall(HEADER.pack(len(payload), status) + payload if len(payload) < 65536 else HEADER.pack(
+        len(payload), status))
+    if len(payload) >= 65536:                  # large payloads: no copy to prepend the header
+        sock.sendall(payload)
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise FrameError("the connection was closed" + (" mid-frame" if got else ""))
+        got += k
+    return buf
+
+
+def recv_frame(sock: socket.socket, limit: int) -> tuple[int, bytes]:
+    """(status, payload) of the next frame; FrameError when the peer closed or the frame exceeds `limit` bytes
+    (nothing of it is read then: the connection must be dropped)."""
+    size, status = HEADER.unpack(_read_exactly(sock, HEADER.size))
+    if size > limit:
+        raise FrameError(f"a frame of {size} bytes is over the limit of {limit}")
+    return status, bytes(_read_exactly(sock, size)) if size else b""

@@ -1,0 +1,89 @@
+"""A worker's same-host door: Forward over a UNIX socket, as framed protobuf messages (colibri_common/frames.py).
+
+A router on the same host (a `colibri serve` fleet) sends each MoE layer here instead of through a gRPC stream:
+the same ForwardRequest bytes, without HTTP/2 framing, flow control and gRPC's polling threads, which on a
+2-core machine took a third of a one-stream decode step. gRPC stays the control plane (Describe, health,
+reflection) and the path between hosts.
+
+The socket lives in a directory only the fleet's user can enter (the launcher makes it, mode 0700) and is
+itself mode 0600. Each connection gets a thread that answers its frames in order; a frame over the size limit
+or broken framing closes that connection alone. At most `max_connections` are served at once (beyond, a new
+connection is answered RESOURCE_EXHAUSTED and closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from colibri_common.frames import FrameError, recv_frame, send_frame
+
+log = logging.getLogger("colibri.expert")
+Answer = Callable[[bytes], tuple[int, bytes]]        # request payload -> (status, reply payload or message)
+
+
+class LocalServer:
+    def __init__(self, path: str | Path, answer: Answer, limit: int, max_connections: int) -> None:
+        self.path = Path(path)
+        self.answer, self.limit, self.max_connections = answer, limit, max_connections
+        self._open = 0
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        if self.path.is_socket():                         # a restarted worker's old socket
+            self.path.unlink()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)                             # created 0600: only this user connects
+        try:
+            self.sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        self.sock.listen(16)
+        threading.Thread(target=self._accept, name="local-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return                                    # closed
+            with self._lock:
+                full = self._open >= self.max_connections
+                self._open += not full
+            if full:
+                try:
+                    send_frame(conn, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                               f"this worker serves {self.max_connections} connections at most".encode())
+                finally:
+                    conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="local-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                _, payload = recv_frame(conn, self.limit)
+                status, reply = self.answer(payload)
+                send_frame(conn, status, reply)
+        except FrameError as exc:
+            if "closed" not in str(exc):
+                log.warning("local connection dropped: %s", exc)
+        except OSError:
+            pass                                          # the router went away mid-write
+        finally:
+            conn.close()
+            with self._lock:
+                self._open -= 1
+
+    def close(self) -> None:
+        self._closed.set()
+        self.sock.close()
+        try:
+            self.path.unlink()
+        except OSError:
+            pass

@@ -1,0 +1,97 @@
+"""The same-host path between the router and its workers (router_service/moe_local.py,
+expert_service/local_socket.py): a `colibri serve` fleet sends its layers over each worker's UNIX socket with
+the tokens of gRPC streams; the socket is private to the fleet's user and goes with the fleet; bad frames on it
+are refused clearly and the worker serves on."""
+
+from __future__ import annotations
+
+import socket
+import stat
+import subprocess
+from pathlib import Path
+
+import grpc
+import psutil
+import torch
+
+from colibri.client import Client
+from colibri_common import wire
+from colibri_common.frames import HEADER, recv_frame, send_frame
+from colibri_common.pb import expert_pb2, expert_pb2_grpc
+from tests.conftest import argv_of, colibri_popen, fleet
+
+PROMPTS = [[1, 2, 3, 4], [9, 8, 7], [5, 17, 33, 2, 11]]
+
+
+def socket_of(worker: psutil.Process) -> Path:
+    """The worker's same-host socket: the UNIX socket it listens on in the fleet's directory."""
+    paths = {c.laddr for c in worker.net_connections(kind="unix") if "colibri-fleet-" in (c.laddr or "")}
+    assert len(paths) == 1, f"worker {worker.pid} listens on {paths or 'no fleet socket'}"
+    return Path(paths.pop())
+
+
+def test_a_fleet_sends_its_layers_over_local_sockets_with_the_tokens_of_grpc_streams(oracles):
+    oracle = oracles["qwen3_moe"]
+    with fleet(oracle.path, 2, ["--transport", "stream"]) as (addr, _):
+        over_grpc = [Client(addr).generate(p, 12).token_ids for p in PROMPTS]
+    with fleet(oracle.path, 2) as (addr, proc):
+        local = [Client(addr).generate(p, 12).token_ids for p in PROMPTS]
+        workers = [c for c in psutil.Process(proc.pid).children() if "expert" in argv_of(c)]
+        paths = [socket_of(w) for w in workers]
+        for w, path in zip(workers, paths, strict=True):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, "only the fleet's user may connect"
+            assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+            conns = [c for c in w.net_connections(kind="unix") if c.laddr == str(path)]
+            assert len(conns) >= 2, f"the router is not connected to {path}: {conns}"   # listening + accepted
+    assert local == over_grpc and all(len(t) == 12 for t in local)
+    assert not paths[0].parent.exists(), "the fleet's socket directory outlived it"
+
+
+def request(hidden: torch.Tensor, ids: torch.Tensor, layer: int = 0) -> expert_pb2.ForwardRequest:
+    return expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(hidden), topk_ids=wire.encode(ids),
+                                     topk_weights=wire.encode(torch.full(ids.shape, 0.5)), exact_sum=True)
+
+
+def ask(path: Path, payload: bytes) -> tuple[int, bytes]:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(path))
+        send_frame(s, 0, payload)
+        return recv_frame(s, 1 << 30)
+
+
+def test_bad_frames_on_a_workers_socket_are_refused_and_it_serves_on(oracles, tmp_path):
+    oracle = oracles["qwen3_moe"]
+    H = oracle.model.config.hidden_size
+    path = tmp_path / "w.sock"
+    p = colibri_popen(["expert", "--model", str(oracle.path), "--shard", "0/1", "--port", "0", "--threads", "1",
+                       "--log-level", "WARNING", "--cpu-forms", "off", "--local-socket", str(path)],
+                      stdout=subprocess.PIPE)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("ready "), line
+        good = request(torch.randn(3, H), torch.tensor([[0, 1], [2, 3], [1, -1]]))
+        status, reply = ask(path, good.SerializeToString())
+        assert status == 0
+        out = wire.decode(expert_pb2.ForwardResponse.FromString(reply).output)
+        assert out.shape == (3, H) and out.dtype == torch.float64
+        with grpc.insecure_channel(line.split()[1]) as ch:     # the gRPC door answers the same sums
+            assert torch.equal(wire.decode(expert_pb2_grpc.ExpertWorkerStub(ch).Forward(good, timeout=30).output), out)
+
+        status, message = ask(path, b"\xff\x00 not protobuf")
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"not a ForwardRequest" in message
+        status, message = ask(path, request(torch.randn(3, H + 1), torch.zeros(3, 2, dtype=torch.long))
+                              .SerializeToString())
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and f"[n, {H}]".encode() in message
+        status, message = ask(path, request(torch.randn(1, H), torch.tensor([[0, 1]]), layer=999)
+                              .SerializeToString())
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"layer 999" in message
+        with socket.socket(socket.AF_UNIX) as s:               # a frame over the limit: that connection closes
+            s.connect(str(path))
+            s.sendall(HEADER.pack(2**31, 0))
+            assert s.recv(16) == b""
+        status, again = ask(path, good.SerializeToString())                # and the worker serves on
+        assert status == 0 and torch.equal(wire.decode(expert_pb2.ForwardResponse.FromString(again).output), out)
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    assert not path.exists(), "a stopped worker leaves its socket behind"
