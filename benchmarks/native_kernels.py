@@ -5,7 +5,8 @@ memory read rate, at 1 and 2 threads, beside torch's own kernels on the same wei
   routed weights, the sum), E=64 experts of H=1024 x I=512, top-8, at T = 1, 8, 32 tokens.
 - The small-M linear on the router's dense shapes (qkv [1536, 1024], o [1024, 1024], lm_head [32000, 1024]).
 
-Weights in bf16 and int8 (per-row scales, weight-only; bf16 activations). Every call reads weights that are not
+Weights in bf16, int8 (per-row scales, weight-only; bf16 activations) and W8A8 (int8 weights, the activations'
+rows quantised to int8, exact int32 sums). Every call reads weights that are not
 in the caches: the expert weights span several layers (fresh routing each call) and each linear cycles through
 copies of its weight totalling over 4x the L3. GB/s = weight bytes the call reads / time; "% read" divides by a
 streaming sum over 1 GiB at the same thread count (the rate a decode step can reach).
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table, time_fn
 from kernels import fused_moe, native, quantize_int8, topk_route
+from kernels.cpu_forms import FORMS
 from kernels.quant import Int8Weight
 
 H, I, E, K = 1024, 512, 64, 8
@@ -36,7 +38,7 @@ def weight_bytes(w: torch.Tensor | Int8Weight) -> int:
 
 def make(kind: str, *shape: int, g: torch.Generator) -> torch.Tensor | Int8Weight:
     w = torch.randn(*shape, generator=g) * 0.02
-    return quantize_int8(w) if kind == "int8" else w.to(torch.bfloat16)
+    return quantize_int8(w, w8a8=kind == "w8a8") if kind in ("int8", "w8a8") else w.to(torch.bfloat16)
 
 
 class Cycle:
@@ -87,7 +89,9 @@ def linear_rows(kind: str, tokens: list[int], g: torch.Generator) -> list[list[s
             x = torch.randn(T, din, generator=g).to(torch.bfloat16)                      # [T, Din]
             cyc = Cycle(copies)
             s = time_fn(lambda x=x, cyc=cyc: native.linear(x, cyc.next()), min_runs=10, min_seconds=0.3)
-            if kind == "int8":                          # torch's kernel takes the scales in x's dtype
+            if kind == "w8a8":                          # the torch form: torch._int_mm on the quantised rows
+                t = time_fn(lambda x=x, cyc=cyc: FORMS["w8a8_intmm"].fn(x, cyc.next()), min_runs=5, min_seconds=0.3)
+            elif kind == "int8":                        # torch's kernel takes the scales in x's dtype
                 packed = Cycle([(c.q, c.scale.to(x.dtype)) for c in copies])
                 t = time_fn(lambda x=x, p=packed: torch._weight_int8pack_mm(x, *p.next()), min_runs=5,
                             min_seconds=0.3)
@@ -102,7 +106,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,8,32", help="row counts T (default: %(default)s)")
     ap.add_argument("--threads", default="1,2", help="thread counts (default: %(default)s)")
-    ap.add_argument("--kinds", default="bfloat16,int8", help="weight kinds (default: %(default)s)")
+    ap.add_argument("--kinds", default="bfloat16,int8,w8a8", help="weight kinds (default: %(default)s)")
     args = ap.parse_args()
     if not native.available():
         print(f"the native kernels are not available here ({native.UNAVAILABLE}): nothing to measure")
@@ -127,8 +131,8 @@ def main() -> int:
         "# Native CPU kernels on the bench shapes", "",
         f"Machine: {machine()}; native kernels: {native.isa()}.",
         "Command: `python -m benchmarks.native_kernels` (part of `make bench-kernels`). torch GB/s: the expert "
-        "side with the torch forms (`loop`, Colibri without native kernels), the linears with `F.linear` (bf16) "
-        "or `torch._weight_int8pack_mm` (int8), on the same weights.", "", *sections])
+        "side with the torch forms (`loop`, Colibri without native kernels), the linears with `F.linear` (bf16), "
+        "`torch._weight_int8pack_mm` (int8) or `torch._int_mm` (W8A8), on the same weights.", "", *sections])
     publish(text, "native_kernels")
     return 0
 

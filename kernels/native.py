@@ -1,9 +1,10 @@
 """Colibri's native CPU kernels (kernels/native/, built by `make setup`): loaded here when the build exists, one
 Python op per kernel, each checked against a float64 reference before it may be used (kernels/cpu_check.py).
 
-    linear(x, w) -> x @ w.T in x's dtype                   w float32 | bfloat16 | Int8Weight (weight-only)
+    linear(x, w) -> x @ w.T in x's dtype                   w float32 | bfloat16 | Int8Weight (weight-only or W8A8)
     moe_(acc, x, ids, weights, expert_map, w13, w2, act, b13, b2): the whole expert side of a layer in one call
-        (sort, gather, expert FFN, routed weights, the float64 sum into acc [T, H])
+        (sort, gather, expert FFN, routed weights, the float64 sum into acc [T, H]); W8A8 experts quantise the
+        pairs' rows and the activations' rows (int8 x int8 products, exact int32 sums; AVX2: maddubs)
     moe_sum_(acc, ys, rows, weights): acc [T, H] float64 += each pair's ys * weight (float32) at its token's row
 
 The ISA level is chosen when the library loads, by CPUID (generic, avx2, avx512, avx512bf16);
@@ -26,7 +27,7 @@ from kernels.expert_rows import ExpertRows
 from kernels.quant import Int8Weight
 
 LIBRARY = Path(__file__).resolve().parent / "native" / "_build" / "colibri_native.so"
-KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16")     # what the kernels take
+KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
 
 
 def _load() -> str | None:
@@ -87,8 +88,10 @@ def describe() -> str:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
-    """x [n, K] @ w.T -> [n, Dout] in x's dtype (float32 accumulation, one rounding)."""
-    y = torch.ops.colibri.linear(x, w.q, w.scale) if isinstance(w, Int8Weight) else torch.ops.colibri.linear(x, w)
+    """x [n, K] @ w.T -> [n, Dout] in x's dtype (float32 accumulation, one rounding); a W8A8 weight quantises x's
+    rows as kernels.quant.quantize_rows and sums the int8 products exactly (the bits of cpu_forms' w8a8_intmm)."""
+    y = torch.ops.colibri.linear(x, w.q, w.scale, w.w8a8) if isinstance(w, Int8Weight) else \
+        torch.ops.colibri.linear(x, w)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
@@ -121,7 +124,8 @@ def moe_(acc: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
     b13_, parts, s13 = _per_expert(w13)
     b2_, _, s2 = _per_expert(w2)
     torch.ops.colibri.moe_(acc, x, ids, weights, _NO_MAP if expert_map is None else expert_map, b13_, parts, b2_,
-                           s13, s2, b13, b2, act.alpha, act.limit, act.up_offset)
+                           s13, s2, b13, b2, act.alpha, act.limit, act.up_offset,
+                           isinstance(w13, Int8Weight) and w13.w8a8)
     return acc
 
 

@@ -173,6 +173,98 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
     }
 }
 
+// W8A8: int8 activations (rows quantised by the caller, zero-padded to Kp, a multiple of 32) against int8 weight
+// rows of K; exact int32 sums (so any order, tile or thread gives the same bits), then y = (float(sum) * xs[m]) *
+// ws[o], as torch's `_int_mm(xq, wq.T).float() * xs[:, None] * ws`. AVX2 multiplies 32 pairs per step with
+// maddubs (|x| as unsigned bytes against w carrying x's sign; a pair of products is at most 2 * 127 * 127, inside
+// int16) and widens with madd; without AVX2 a plain int32 loop.
+template <int MT, int OT>
+static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, const float* xs, const float* ws,
+                           float* y, int ldy, Ahead& ahead) {
+    int32_t sums[MT][OT];
+#if defined(__AVX2__)
+    __m256i acc[MT][OT];
+    for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < OT; ++j) acc[i][j] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    alignas(32) int8_t tail[OT][32];
+    for (int k = 0; k < K; k += 32) {
+        ahead.step();
+        __m256i wv[OT];
+        if (k + 32 <= K) {
+            for (int j = 0; j < OT; ++j) wv[j] = _mm256_loadu_si256((const __m256i*)(w + (int64_t)j * K + k));
+        } else {                                   // the last partial step: the rest of each row, zero-padded
+            for (int j = 0; j < OT; ++j) {
+                std::memset(tail[j], 0, 32);
+                std::memcpy(tail[j], w + (int64_t)j * K + k, K - k);
+                wv[j] = _mm256_load_si256((const __m256i*)tail[j]);
+            }
+        }
+        for (int i = 0; i < MT; ++i) {
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(x + (int64_t)i * Kp + k));
+            __m256i ax = _mm256_sign_epi8(xv, xv);
+            for (int j = 0; j < OT; ++j) {
+                __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[j], xv));
+                acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(p, ones));
+            }
+        }
+    }
+    for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < OT; ++j) {
+            alignas(32) int32_t lanes[8];
+            _mm256_store_si256((__m256i*)lanes, acc[i][j]);
+            int32_t t = 0;
+            for (int l = 0; l < 8; ++l) t += lanes[l];
+            sums[i][j] = t;
+        }
+#else
+    (void)Kp;
+    for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < OT; ++j) sums[i][j] = 0;
+    for (int k = 0; k < K; ++k) {
+        if ((k & 63) == 0) ahead.step();
+        for (int i = 0; i < MT; ++i)
+            for (int j = 0; j < OT; ++j) sums[i][j] += int32_t(x[(int64_t)i * Kp + k]) * int32_t(w[(int64_t)j * K + k]);
+    }
+#endif
+    for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < OT; ++j) y[(int64_t)i * ldy + j] = (float(sums[i][j]) * xs[i]) * ws[j];
+}
+
+template <int MT>
+static inline void rows_i8(const int8_t* x, int Kp, int K, const int8_t* w, const float* xs, const float* ws, int n,
+                           float* y, int ldy, Ahead& ahead) {
+    constexpr int OT = MT == 1 ? 4 : MT == 2 ? 3 : 2;
+    int o = 0;
+    for (; o + OT <= n; o += OT)
+        tile_i8<MT, OT>(x, Kp, K, w + (int64_t)o * K, xs, ws + o, y + o, ldy, ahead);
+    for (; o < n; ++o) tile_i8<MT, 1>(x, Kp, K, w + (int64_t)o * K, xs, ws + o, y + o, ldy, ahead);
+}
+
+static void linear_block_i8(const int8_t* x, const float* xs, int M, int Kp, int K, const int8_t* w,
+                            const float* ws, int o0, int o1, float* y, int ldy, Ahead after) {
+    constexpr int OB = 32;
+    for (int ob = o0; ob < o1; ob += OB) {
+        int n = (ob + OB < o1 ? ob + OB : o1) - ob;
+        Ahead ahead = ob + OB >= o1 ? Ahead{after.p, after.end, 1}
+                                    : Ahead{reinterpret_cast<const char*>(w + (int64_t)(ob + OB) * K),
+                                            reinterpret_cast<const char*>(w + (int64_t)(ob + 2 * OB < o1 ? ob + 2 * OB
+                                                                                                      : o1) * K), 1};
+        for (int m = 0; m < M; m += 4) {
+            const int mt = M - m < 4 ? M - m : 4;
+            const int8_t* xm = x + (int64_t)m * Kp;
+            float* ym = y + (int64_t)m * ldy + ob;
+            const int8_t* wb = w + (int64_t)ob * K;
+            switch (mt) {
+                case 1: rows_i8<1>(xm, Kp, K, wb, xs + m, ws + ob, n, ym, ldy, ahead); break;
+                case 2: rows_i8<2>(xm, Kp, K, wb, xs + m, ws + ob, n, ym, ldy, ahead); break;
+                case 3: rows_i8<3>(xm, Kp, K, wb, xs + m, ws + ob, n, ym, ldy, ahead); break;
+                default: rows_i8<4>(xm, Kp, K, wb, xs + m, ws + ob, n, ym, ldy, ahead); break;
+            }
+        }
+    }
+}
+
 }  // namespace colibri_native
 
 #define CK_CAT2(a, b) a##b
@@ -189,4 +281,13 @@ extern "C" void CK_CAT(colibri_linear_, CK_NAME)(const float* x, int M, int K, c
     if (wdtype == 0) linear_block(x, M, K, static_cast<const float*>(w), nullptr, o0, o1, y, ldy, after);
     else if (wdtype == 1) linear_block(x, M, K, static_cast<const uint16_t*>(w), nullptr, o0, o1, y, ldy, after);
     else linear_block(x, M, K, static_cast<const int8_t*>(w), scale, o0, o1, y, ldy, after);
+}
+
+// W8A8 (see linear_block_i8): xq [M, Kp] quantised rows with scales xs [M]; w [Dout, K] int8 with scales ws.
+extern "C" void CK_CAT(colibri_linear_i8_, CK_NAME)(const int8_t* xq, const float* xs, int M, int Kp, int K,
+                                                     const int8_t* w, const float* ws, int o0, int o1, float* y,
+                                                     int ldy, const void* next, int64_t next_bytes) {
+    using namespace colibri_native;
+    const char* n = static_cast<const char*>(next);
+    linear_block_i8(xq, xs, M, Kp, K, w, ws, o0, o1, y, ldy, Ahead{n, n ? n + next_bytes : n, 1});
 }

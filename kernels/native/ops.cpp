@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,15 @@ typedef void (*linear_fn)(const float*, int, int, const void*, int, const float*
                           const void*, int64_t);
 void colibri_linear_generic(const float*, int, int, const void*, int, const float*, int, int, float*, int,
                             const void*, int64_t);
+typedef void (*linear_i8_fn)(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int, float*,
+                             int, const void*, int64_t);
+#define CK_DECLARE_I8(name) void name(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int, \
+                                      float*, int, const void*, int64_t);
+CK_DECLARE_I8(colibri_linear_i8_generic)
 #if defined(__x86_64__)
+CK_DECLARE_I8(colibri_linear_i8_avx2)
+CK_DECLARE_I8(colibri_linear_i8_avx512)
+CK_DECLARE_I8(colibri_linear_i8_avx512bf16)
 void colibri_linear_avx2(const float*, int, int, const void*, int, const float*, int, int, float*, int,
                          const void*, int64_t);
 void colibri_linear_avx512(const float*, int, int, const void*, int, const float*, int, int, float*, int,
@@ -45,6 +54,7 @@ constexpr int64_t BLOCK = 32;          // output rows a task computes (gemm.h st
 struct Level {
     const char* name;
     linear_fn linear;
+    linear_i8_fn linear_i8;                    // W8A8: int8 activations against int8 weights
     bool (*supported)();
 };
 
@@ -58,11 +68,11 @@ bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf1
 #endif
 
 const Level LEVELS[] = {                      // best last
-    {"generic", colibri_linear_generic, always},
+    {"generic", colibri_linear_generic, colibri_linear_i8_generic, always},
 #if defined(__x86_64__)
-    {"avx2", colibri_linear_avx2, has_avx2},
-    {"avx512", colibri_linear_avx512, has_avx512},
-    {"avx512bf16", colibri_linear_avx512bf16, has_avx512bf16},
+    {"avx2", colibri_linear_avx2, colibri_linear_i8_avx2, has_avx2},
+    {"avx512", colibri_linear_avx512, colibri_linear_i8_avx512, has_avx512},
+    {"avx512bf16", colibri_linear_avx512bf16, colibri_linear_i8_avx512bf16, has_avx512bf16},
 #endif
 };
 
@@ -107,7 +117,37 @@ int64_t grain(int64_t rows, int64_t k) {         // blocks a task takes: at leas
     return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, rows * k * BLOCK));
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale) {
+constexpr int64_t KPAD = 32;            // W8A8 activation rows are zero-padded to a multiple of this
+
+// W8A8 activations: float32 rows [n, K] -> int8 [n, Kp] (zero-padded) and a float32 scale per row, as
+// kernels.quant.quantize_rows: scale = max(max|x| / 127, FLT_MIN), q = round-half-even(x / scale) in [-127, 127].
+struct Quantized {
+    std::vector<int8_t> q;
+    std::vector<float> scale;
+    int64_t Kp = 0;
+};
+
+Quantized quantize_rows(const float* x, int64_t n, int64_t K) {
+    Quantized out;
+    out.Kp = (K + KPAD - 1) / KPAD * KPAD;
+    out.q.assign(n * out.Kp, 0);
+    out.scale.resize(n);
+    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float* row = x + r * K;
+            float amax = 0.f;
+            for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+            const float scale = std::max(amax / 127.0f, std::numeric_limits<float>::min());
+            int8_t* q = out.q.data() + r * out.Kp;
+            for (int64_t k = 0; k < K; ++k)
+                q[k] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(row[k] / scale))));
+            out.scale[r] = scale;
+        }
+    });
+    return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, bool w8a8) {
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "colibri::linear: need x [M, K] and w "
                 "[Dout, K], got ", x.sizes(), " and ", w.sizes());
     int kind = wdtype(w, scale);
@@ -126,9 +166,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     float* yp = y.data_ptr<float>();
     c10::BFloat16* op = bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr;
     linear_fn fn = level().linear;
+    linear_i8_fn fn8 = level().linear_i8;
+    TORCH_CHECK(!w8a8 || kind == 2, "colibri::linear: W8A8 takes int8 weights");
+    Quantized xq = w8a8 ? quantize_rows(xp, M, K) : Quantized{};
     at::parallel_for(0, (D + BLOCK - 1) / BLOCK, grain(M, K), [&](int64_t b0, int64_t b1) {
         const int64_t o0 = b0 * BLOCK, o1 = std::min(D, b1 * BLOCK);
-        fn(xp, int(M), int(K), wp, kind, sp, int(o0), int(o1), yp, int(D), nullptr, 0);
+        if (w8a8)
+            fn8(xq.q.data(), xq.scale.data(), int(M), int(xq.Kp), int(K), static_cast<const int8_t*>(wp), sp, int(o0),
+                int(o1), yp, int(D), nullptr, 0);
+        else
+            fn(xp, int(M), int(K), wp, kind, sp, int(o0), int(o1), yp, int(D), nullptr, 0);
         if (op)
             for (int64_t m = 0; m < M; ++m)
                 for (int64_t o = o0; o < o1; ++o) op[m * D + o] = c10::BFloat16(yp[m * D + o]);
@@ -151,12 +198,13 @@ struct Task {
 };
 
 // One projection of every expert with work: out[pairs of a] = in[pairs of a] @ (a's blocks stacked).T (float32);
-// counts[a] pairs of active expert a, its blocks srcs[a].
+// counts[a] pairs of active expert a, its blocks srcs[a]. kind 3 (W8A8): in's rows are quantised first.
 void project(const at::Tensor& in, const std::vector<int64_t>& counts, const std::vector<std::vector<Src>>& srcs,
              int kind, int64_t K, int64_t esize, at::Tensor& out) {
     const int64_t Dout = out.size(1);
     const float* xp = in.data_ptr<float>();
     float* yp = out.data_ptr<float>();
+    Quantized xq = kind == 3 ? quantize_rows(xp, in.size(0), K) : Quantized{};
     std::vector<Task> todo;
     int64_t row = 0;
     for (size_t a = 0; a < counts.size(); ++a) {
@@ -169,6 +217,7 @@ void project(const at::Tensor& in, const std::vector<int64_t>& counts, const std
         row += counts[a];
     }
     linear_fn fn = level().linear;
+    linear_i8_fn fn8 = level().linear_i8;
     int64_t mean_rows = 1 + in.size(0) / std::max<int64_t>(1, int64_t(counts.size()));
     at::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
@@ -180,8 +229,13 @@ void project(const at::Tensor& in, const std::vector<int64_t>& counts, const std
                 next = n.w + n.o0 * K * esize;
                 next_bytes = (n.o1 - n.o0) * K * esize;
             }
-            fn(xp + j.row * K, int(j.n), int(K), j.w, kind, j.scale, int(j.o0), int(j.o1), yp + j.row * Dout + j.col,
-               int(Dout), next, next_bytes);
+            if (kind == 3)
+                fn8(xq.q.data() + j.row * xq.Kp, xq.scale.data() + j.row, int(j.n), int(xq.Kp), int(K),
+                    reinterpret_cast<const int8_t*>(j.w), j.scale, int(j.o0), int(j.o1), yp + j.row * Dout + j.col,
+                    int(Dout), next, next_bytes);
+            else
+                fn(xp + j.row * K, int(j.n), int(K), j.w, kind, j.scale, int(j.o0), int(j.o1), yp + j.row * Dout + j.col,
+                   int(Dout), next, next_bytes);
         }
     });
 }
@@ -268,7 +322,7 @@ void moe_sum_(at::Tensor& acc, const at::Tensor& ys, const at::Tensor& rows, con
 void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
           const at::Tensor& local, at::TensorList w13, int64_t parts13, at::TensorList w2, at::TensorList s13,
           at::TensorList s2, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,
-          c10::optional<double> limit, double up_offset) {
+          c10::optional<double> limit, double up_offset, bool w8a8) {
     const char* op = "colibri::moe_";
     TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0), op,
                 ": need x [T, H], ids and weights [T, K]");
@@ -341,7 +395,9 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
         src2.push_back({block(w2[e], I, kind == 2 ? scales(s2[e], H) : nullptr)});
         TORCH_CHECK(src2.back()[0].rows == H, op, ": expert ", e, "'s down must be [H=", H, ", I]");
     }
-    at::Tensor ys = ffn(xs, counts, rows, src13, src2, kind, esize, I, b13, b2, alpha, limit, up_offset);   // [P, H]
+    TORCH_CHECK(!w8a8 || kind == 2, op, ": W8A8 takes int8 weights");
+    at::Tensor ys = ffn(xs, counts, rows, src13, src2, w8a8 ? 3 : kind, esize, I, b13, b2, alpha, limit,
+                        up_offset);                                                                     // [P, H]
     at::Tensor wf = weights.to(at::kFloat).contiguous();
     const float* wp = wf.data_ptr<float>();
     const float* yp = ys.data_ptr<float>();
@@ -367,10 +423,10 @@ std::string use_isa(const std::string& name) {
 }  // namespace
 
 TORCH_LIBRARY(colibri, m) {
-    m.def("linear(Tensor x, Tensor w, Tensor? scale=None) -> Tensor");
+    m.def("linear(Tensor x, Tensor w, Tensor? scale=None, bool w8a8=False) -> Tensor");
     m.def("moe_(Tensor(a!) acc, Tensor x, Tensor ids, Tensor weights, Tensor local, Tensor[] w13, int parts13, "
           "Tensor[] w2, Tensor[] s13, Tensor[] s2, Tensor? b13, Tensor? b2, float alpha, float? limit, "
-          "float up_offset) -> ()");
+          "float up_offset, bool w8a8=False) -> ()");
     m.def("moe_sum_(Tensor(a!) acc, Tensor ys, Tensor rows, Tensor weights) -> ()");
     m.def("isa() -> str", &isa);
     m.def("use_isa(str name) -> str", &use_isa);

@@ -14,9 +14,10 @@ import torch
 
 from kernels import native
 from kernels.activation import SILU, GatedAct
+from kernels.cpu_forms import FORMS
 from kernels.expert_rows import ExpertRows
 from kernels.native_build import compiler
-from kernels.quant import Int8Weight, quantize_int8
+from kernels.quant import Int8Weight, quantize_int8, quantize_rows
 
 LEVELS = ("generic", "avx2", "avx512", "avx512bf16")
 
@@ -118,28 +119,36 @@ def test_a_rows_result_depends_neither_on_the_other_rows_nor_on_the_threads(leve
         torch.set_num_threads(threads)
 
 
-def layer_reference(x, ids, weights, local, w13d, w2d, act, b13, b2) -> torch.Tensor:
-    """Σ_k weights[t, k] · FFN_e(x[t]) over the pairs held here (e = local[id] >= 0), in float64, pair by pair."""
+def as_w8a8(v: torch.Tensor) -> torch.Tensor:
+    """A row of activations as a W8A8 kernel multiplies it: quantised (kernels.quant.quantize_rows), in float64."""
+    q, scale = quantize_rows(v.float()[None])
+    return q[0].double() * float(scale[0])
+
+
+def layer_reference(x, ids, weights, local, w13d, w2d, act, b13, b2, w8a8=False) -> torch.Tensor:
+    """Σ_k weights[t, k] · FFN_e(x[t]) over the pairs held here (e = local[id] >= 0), in float64, pair by pair;
+    with `w8a8` the rows entering each projection quantised first."""
     I = w2d.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64)
+    q = as_w8a8 if w8a8 else (lambda v: v.double())
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = int(local[ids[t, k]]) if ids[t, k] >= 0 else -1
             if e < 0:
                 continue
-            gu = w13d[e] @ x[t].double() + (b13[e].double() if b13 is not None else 0)            # [2I]
+            gu = w13d[e] @ q(x[t]) + (b13[e].double() if b13 is not None else 0)                  # [2I]
             gate, up = gu[:I], gu[I:]
             if act.limit is not None:
                 gate, up = gate.clamp(max=act.limit), up.clamp(-act.limit, act.limit)
             h = gate * torch.sigmoid(act.alpha * gate) * (up + act.up_offset)                    # [I]
-            out[t] += float(weights[t, k]) * (w2d[e] @ h + (b2[e].double() if b2 is not None else 0))   # [H]
+            out[t] += float(weights[t, k]) * (w2d[e] @ q(h) + (b2[e].double() if b2 is not None else 0))   # [H]
     return out
 
 
 def expert_weights(E, I, H, kind, g):
     w13, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
-    if kind == "int8":
-        q13, q2 = quantize_int8(w13), quantize_int8(w2)
+    if kind in ("int8", "w8a8"):
+        q13, q2 = quantize_int8(w13, w8a8=kind == "w8a8"), quantize_int8(w2, w8a8=kind == "w8a8")
         return q13, q2, q13.q.double() * q13.scale.double()[..., None], q2.q.double() * q2.scale.double()[..., None]
     w13, w2 = w13.to(getattr(torch, kind)), w2.to(getattr(torch, kind))
     return w13, w2, w13.double(), w2.double()
@@ -163,10 +172,14 @@ def routing(T: int, K: int, E_global: int, g: torch.Generator) -> tuple[torch.Te
 
 
 GPT_OSS = GatedAct(alpha=1.702, limit=1.5, up_offset=1.0)
-LAYOUTS = {"float32": ("stack", "rows", "rows split"), "bfloat16": ("stack", "rows", "rows split"), "int8": ("stack",)}
+LAYOUTS = {"float32": ("stack", "rows", "rows split"), "bfloat16": ("stack", "rows", "rows split"), "int8": ("stack",),
+           "w8a8": ("stack",)}
+# W8A8: the reference quantises float64 activations where the kernel quantises float32 ones, so a value on a
+# rounding boundary may land one step apart (a step is 1/127 of the row's largest value)
+BOUND = {"w8a8": 2e-3}
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "w8a8"])
 @pytest.mark.parametrize("E,I,H,T,K", [(1, 1, 1, 1, 1), (5, 40, 72, 7, 3), (3, 19, 33, 33, 2), (4, 24, 16, 0, 2)])
 @pytest.mark.parametrize("act,biases", [(SILU, False), (GPT_OSS, True)])
 def test_moe_layer_against_float64(level, kind, E, I, H, T, K, act, biases):
@@ -183,20 +196,33 @@ def test_moe_layer_against_float64(level, kind, E, I, H, T, K, act, biases):
     ids, weights = routing(T, min(K, E_global), E_global, g)
     for x_dtype in (torch.float32, torch.bfloat16):
         x = (3 * torch.randn(T, H, generator=g)).to(x_dtype)                            # [T, H] past the clamps
-        xr = x if kind == "int8" or x_dtype == w13.dtype else x.to(w13.dtype)           # what the weights meet
-        want = layer_reference(xr, ids, weights, local, w13d, w2d, act, b13, b2)        # [T, H]
+        xr = x if kind in ("int8", "w8a8") or x_dtype == w13.dtype else x.to(w13.dtype)  # what the weights meet
+        want = layer_reference(xr, ids, weights, local, w13d, w2d, act, b13, b2, kind == "w8a8")   # [T, H]
         results = []
         for layout in LAYOUTS[kind]:
             a13, a2 = (w13, w2) if layout == "stack" else in_place(w13, w2, layout == "rows split")
             got = native.moe_(torch.zeros(T, H, dtype=torch.float64), x, ids, weights, local, a13, a2, act, b13, b2)
             err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-12)) if want.numel() else 0
-            assert err <= 2e-5, f"{level} {kind} {layout} x {x_dtype} E={E} I={I} H={H} T={T}: rel err {err:.2e}"
+            assert err <= BOUND.get(kind, 2e-5), f"{level} {kind} {layout} x {x_dtype} E={E} I={I} H={H} T={T}: " \
+                f"rel err {err:.2e}"
             results.append(got)
         assert all(torch.equal(r, results[0]) for r in results)
         if T > 1:
             alone = native.moe_(torch.zeros(1, H, dtype=torch.float64), x[1:2], ids[1:2], weights[1:2], local, w13,
                                 w2, act, b13, b2)
             assert torch.equal(alone, results[0][1:2])
+
+
+@pytest.mark.parametrize("dout,din", SHAPES)
+def test_w8a8_linear_is_torchs_int_mm_to_the_bit(level, dout, din):
+    """The W8A8 kernel (int8 x int8 products, exact int32 sums: AVX2's maddubs, or a plain loop) gives the bits of
+    the torch form it stands beside (`torch._int_mm` on the same quantised rows), at every row count."""
+    g = torch.Generator().manual_seed(dout + din)
+    w = quantize_int8(torch.randn(dout, din, generator=g), w8a8=True)
+    for x_dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(max(ROWS), din, generator=g) * 4).to(x_dtype)
+        for m in ROWS:
+            assert torch.equal(native.linear(x[:m], w), FORMS["w8a8_intmm"].fn(x[:m], w)), f"{level} {m} rows"
 
 
 def test_moe_layer_on_views_of_a_larger_buffer(level):
