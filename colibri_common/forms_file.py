@@ -117,7 +117,7 @@ class FormsFile:
         who = "experts" if experts else f"threads={torch.get_num_threads()}"
         self.section = who + (f" forms={candidates}" if candidates else "")
         self.forms: dict[str, str] = dict(_read(path, self.machine).get(self.section, {})) if path else {}
-        self.loaded = len(self.forms)
+        self.loaded = sum(not k.startswith("checked:") for k in self.forms)   # forms, not checks passed
 
     def summary(self, measured: list[str]) -> str:
         rejects = sorted(k.removeprefix("reject:") for k in self.forms if k.startswith("reject:"))
@@ -152,7 +152,7 @@ class FormsFile:
             if fd >= 0:
                 fresh = _read(self.path, self.machine, say=False).get(self.section, {})  # type: ignore[arg-type]
                 self.forms.update({k: v for k, v in fresh.items() if k not in self.forms})
-                self.loaded = len(self.forms)
+                self.loaded = sum(not k.startswith("checked:") for k in self.forms)   # forms, not checks passed
             yield
         finally:
             if fd >= 0:
@@ -193,7 +193,7 @@ def in_force(path: Path | None, candidates: str = "") -> list[str]:
     for name, table in sorted(current.items()):
         won: dict[str, int] = {}
         for k, form in table.items():
-            if not k.startswith("reject:"):
+            if not k.startswith(("reject:", "checked:")):        # a check passed is no form won
                 won[form] = won.get(form, 0) + 1
         wins = ", ".join(f"{form} x{n}" for form, n in sorted(won.items(), key=lambda kv: -kv[1]))
         out.append(f"CPU forms {name.split(' forms=')[0]}: {wins or 'none'} ({path})")

@@ -188,15 +188,26 @@ def moe_reject_key(s: MoeShape, form: str) -> str:
     return f"{REJECT}{moe_key(s.experts, s.width, s.hidden, s.kind, 0).rsplit(':', 1)[0]}:{form}"
 
 
-def check_native_moe(shapes: Iterable[MoeShape], table: MutableMapping[str, str], refused: set[str]) -> None:
+CHECKED = "checked:"        # a check passed, recorded in the table (not a form that won a race)
+
+
+def moe_checked_key(s: MoeShape) -> str:
+    """Where the table records that the native expert FFN passed its check for this shape (with a forms file, a
+    later start skips it: the check takes ≈0.4 s, serialised over a fleet's processes by the file's lock)."""
+    return f"{CHECKED}{moe_key(s.experts, s.width, s.hidden, s.kind, 0).rsplit(':', 1)[0]}"
+
+
+def check_native_moe(shapes: Iterable[MoeShape], table: MutableMapping[str, str], refused: set[str]) -> list[str]:
     """The native expert FFN of each shard shape against the float64 reference at 1, 5 and 33 tokens, in a
-    forked child first: where it is wrong it is rejected (the torch forms serve that shape). It runs on a few
-    experts of the shape's size (the kernel treats every expert alike): a shard's worth of random weights would
-    make the check the largest allocation of a worker with a bounded expert cache."""
+    forked child first: where it is wrong it is rejected (the torch forms serve that shape), where right the pass
+    is recorded. It runs on a few experts of the shape's size (the kernel treats every expert alike): a shard's
+    worth of random weights would make the check the largest allocation of a worker with a bounded expert cache.
+    Returns the keys it added."""
     g = torch.Generator().manual_seed(1)
+    added = []
     for s in dict.fromkeys(shapes):
-        rkey = moe_reject_key(s, "native")
-        if not (native.available() and s.kind in native.KINDS) or rkey in table:
+        rkey, ckey = moe_reject_key(s, "native"), moe_checked_key(s)
+        if not (native.available() and s.kind in native.KINDS) or rkey in table or ckey in table:
             continue
         experts = min(s.experts, s.pairs + 3)
         w13, w2, x_dtype = _moe_weights(s, g, experts)
@@ -220,11 +231,16 @@ def check_native_moe(shapes: Iterable[MoeShape], table: MutableMapping[str, str]
             return None
 
         verdict = isolated(run) or guarded(run)
-        if verdict is not None:
-            if verdict.lasting:
-                table[rkey] = verdict.why
-            refused.add(moe_shape_id(s.experts, s.width, s.hidden, s.kind))
-            log.warning("the native expert FFN is not used for %s (%s): %s", s, machine_name(), verdict.why)
+        if verdict is None:
+            table[ckey] = "native"
+            added.append(ckey)
+            continue
+        if verdict.lasting:
+            table[rkey] = verdict.why
+            added.append(rkey)
+        refused.add(moe_shape_id(s.experts, s.width, s.hidden, s.kind))
+        log.warning("the native expert FFN is not used for %s (%s): %s", s, machine_name(), verdict.why)
+    return added
 
 
 MOE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}    # the kernel tests' bounds (two GEMMs, float32)
@@ -268,6 +284,8 @@ def measure_moe(shapes: Iterable[MoeShape], table: MutableMapping[str, str], max
 
 
 def _valid(k: str, form: str, rejects: Refused) -> bool:
+    if k.startswith(CHECKED):
+        return k.startswith(CHECKED + "moe:") and form == "native" and len(k.split(":")) == 4
     if k.startswith(REJECT + "moe:"):
         return len(k.split(":")) == 5
     if k.startswith(REJECT):
@@ -296,11 +314,11 @@ def tune(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, str]
     moe_refused: set[str] = set()
     try:
         measured = measure(shapes, table, max_rows=max_rows, refused=refused, timed=timed)
-        check_native_moe(moe, table, moe_refused)
+        checked = check_native_moe(moe, table, moe_refused)
         measured += measure_moe(moe, table, max_rows=max_rows, refused=moe_refused) if timed else []
     finally:
         cpu_forms.set_batch_invariant(invariant)
-    if measured:
+    if measured or checked:
         save()
     install(table, refused, moe_refused)
     return measured
@@ -309,7 +327,7 @@ def tune(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, str]
 def install(table: MutableMapping[str, str], refused: Refused = frozenset(), moe_refused: set[str] = frozenset()
             ) -> None:
     """Make the kernels use the table's winners and never its rejects (nor this process's refusals)."""
-    cpu_forms.install({k: v for k, v in table.items() if not k.startswith(("moe:", REJECT))},
+    cpu_forms.install({k: v for k, v in table.items() if not k.startswith(("moe:", REJECT, CHECKED))},
                       set(refused) | rejected(table))
     native_rejected = {k.removeprefix(REJECT + "moe:").rsplit(":", 1)[0] for k in table
                        if k.startswith(REJECT + "moe:") and k.endswith(":native")}
