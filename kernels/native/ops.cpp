@@ -283,6 +283,20 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
     return ys;
 }
 
+// ap[rows[p], :] += double(yp[p, :] * weights[p]) for p < P (rows of H): the columns split over the threads, so no
+// two write one element; the float64 sum of a token's few pairs is exact, so the order does not matter.
+void add_weighted(double* ap, const float* yp, int64_t P, int64_t H, const int64_t* rows, const float* weights) {
+    at::parallel_for(0, H, std::max<int64_t>(64, (int64_t(1) << 16) / std::max<int64_t>(1, P)), [&](int64_t h0,
+                                                                                                  int64_t h1) {
+        for (int64_t p = 0; p < P; ++p) {
+            const float* src = yp + p * H;
+            double* dst = ap + rows[p] * H;
+            const float wt = weights[p];
+            for (int64_t h = h0; h < h1; ++h) dst[h] += double(src[h] * wt);
+        }
+    });
+}
+
 // acc[rows[p], :] += double(ys[p, :] * weights[p]) for every pair p: the routed weight multiplied in float32 (as
 // torch's `ys *= w`), the sum in float64 (exact for a token's few pairs, so any order gives the same bits). The
 // columns are split over the threads: no two write one element.
@@ -299,18 +313,7 @@ void moe_sum_(at::Tensor& acc, const at::Tensor& ys, const at::Tensor& rows, con
     for (int64_t p = 0; p < P; ++p)
         TORCH_CHECK(rp[p] >= 0 && rp[p] < T, "colibri::moe_sum_: row ", rp[p], " of pair ", p, " is outside [0, ", T,
                     ")");
-    const float* yp = y.data_ptr<float>();
-    const float* wp = w.data_ptr<float>();
-    double* ap = acc.data_ptr<double>();
-    at::parallel_for(0, H, std::max<int64_t>(64, (int64_t(1) << 16) / std::max<int64_t>(1, P)), [&](int64_t h0,
-                                                                                                  int64_t h1) {
-        for (int64_t p = 0; p < P; ++p) {
-            const float* src = yp + p * H;
-            double* dst = ap + rp[p] * H;
-            const float wt = wp[p];
-            for (int64_t h = h0; h < h1; ++h) dst[h] += double(src[h] * wt);
-        }
-    });
+    add_weighted(acc.data_ptr<double>(), y.data_ptr<float>(), P, H, rp, w.data_ptr<float>());
 }
 
 // The whole expert side of a layer in one call: acc [T, H] float64 += Σ_k weights[t, k] · FFN_{e}(x[t]) over the
@@ -400,17 +403,13 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
                         up_offset);                                                                     // [P, H]
     at::Tensor wf = weights.to(at::kFloat).contiguous();
     const float* wp = wf.data_ptr<float>();
-    const float* yp = ys.data_ptr<float>();
-    double* ap = acc.data_ptr<double>();
-    at::parallel_for(0, H, std::max<int64_t>(64, (int64_t(1) << 16) / std::max<int64_t>(1, P)), [&](int64_t h0,
-                                                                                                  int64_t h1) {
-        for (int64_t p = 0; p < P; ++p) {
-            const float* src = yp + p * H;
-            double* dst = ap + (order[p] / K) * H;
-            const float wt = wp[order[p]];
-            for (int64_t h = h0; h < h1; ++h) dst[h] += double(src[h] * wt);
-        }
-    });
+    std::vector<int64_t> token(P);                                              // each pair's row of acc
+    std::vector<float> pair_weight(P);
+    for (int64_t p = 0; p < P; ++p) {
+        token[p] = order[p] / K;
+        pair_weight[p] = wp[order[p]];
+    }
+    add_weighted(acc.data_ptr<double>(), ys.data_ptr<float>(), P, H, token.data(), pair_weight.data());
 }
 
 std::string isa() { return level().name; }
