@@ -30,6 +30,7 @@ from router_service.moe_transport import (
     UnaryLink,
     WorkerError,
     WorkerLink,
+    fail_in_flight,
 )
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -125,9 +126,7 @@ class LocalLink(StreamLink):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        for r in self._pending:
-            r.error = why
-        self._pending.clear()
+        fail_in_flight(self._pending, why)
 
     def reset(self, why: str) -> None:
         self._drop(why)

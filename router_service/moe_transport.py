@@ -96,6 +96,13 @@ class StreamReply(Reply):
         return self.link.receive(self)
 
 
+def fail_in_flight(replies: collections.deque[StreamReply], why: str) -> None:
+    """A link was reset: every reply still awaited on it fails with `why` (its `get` raises WorkerError)."""
+    for r in replies:
+        r.error = why
+    replies.clear()
+
+
 class WorkerLink:
     """The router's connection to one expert worker."""
 
@@ -210,9 +217,7 @@ class StreamLink(WorkerLink):
         if self._stream is not None:
             self._stream.cancel()
         self._stream = None
-        for r in self._awaiting:
-            r.error = why
-        self._awaiting.clear()
+        fail_in_flight(self._awaiting, why)
 
     def close(self) -> None:
         self.reset(f"expert worker {self.address}: the router is closing its connections")

@@ -369,7 +369,9 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
     at::Tensor xs = at::empty({P, H}, xf.options());                             // [P, H]
     const float* xp = xf.data_ptr<float>();
     float* xsp = xs.data_ptr<float>();
-    for (int64_t p = 0; p < P; ++p) std::memcpy(xsp + p * H, xp + (order[p] / K) * H, H * sizeof(float));
+    at::parallel_for(0, P, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H)), [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) std::memcpy(xsp + p * H, xp + (order[p] / K) * H, H * sizeof(float));
+    });
     std::vector<int64_t> counts, rows;
     std::vector<std::vector<Src>> src13, src2;
     auto block = [&](const at::Tensor& t, int64_t cols, const float* scale) {
