@@ -6,6 +6,8 @@ Python op per kernel, each checked against a float64 reference before it may be 
         (sort, gather, expert FFN, routed weights, the float64 sum into acc [T, H]); W8A8 experts quantise the
         pairs' rows and the activations' rows (int8 x int8 products, exact int32 sums; AVX2: maddubs)
     moe_sum_(acc, ys, rows, weights): acc [T, H] float64 += each pair's ys * weight (float32) at its token's row
+    decode_attention(q, k, v, slots, lens, sinks, scale): each decode query against its keys where the paged KV
+        cache holds them (SDPA's flash maths for one query, no gather)
 
 The ISA level is chosen when the library loads, by CPUID (generic, avx2, avx512, avx512bf16);
 COLIBRI_CPU_ISA=LEVEL overrides it, and `use_isa(LEVEL)` switches it in this process (the tests run every
@@ -54,6 +56,20 @@ def available() -> bool:
     return UNAVAILABLE is None
 
 
+_decoder_refused: str | None = None     # why the decoder ops failed their start-up check (kernels/decoder_check.py)
+
+
+def decoder_ops() -> bool:
+    """Whether decode_attention, rms_norm and rope serve the router's layers: built, and not refused here."""
+    return UNAVAILABLE is None and _decoder_refused is None
+
+
+def refuse_decoder_ops(why: str | None) -> None:
+    """Switch the decoder ops off in this process (None: on again, as the tests reset it)."""
+    global _decoder_refused
+    _decoder_refused = why
+
+
 def build_id() -> str:
     """Which build of the kernels is loaded (its sources' fingerprint from kernels/native_build.py), so that
     forms measured with another build are measured again; 'none' without them."""
@@ -84,7 +100,8 @@ def describe() -> str:
     if not available():
         return f"native CPU kernels: none ({UNAVAILABLE}); the torch forms run"
     chosen = "COLIBRI_CPU_ISA" if os.environ.get("COLIBRI_CPU_ISA") else "CPUID"
-    return f"native CPU kernels: {isa()} (by {chosen})"
+    off = f"; decoder ops off: {_decoder_refused}" if _decoder_refused else ""
+    return f"native CPU kernels: {isa()} (by {chosen}){off}"
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
@@ -134,3 +151,23 @@ def moe_sum_(acc: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, weights: t
     The same bits as `acc.index_add_(0, rows, (ys * weights[:, None]).double())`, without its serial scatter."""
     torch.ops.colibri.moe_sum_(acc, ys, rows, weights)
     return acc
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
+                     sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, Hq, D] against a layer's cache k [S, Hkv, D], v [S, Hkv, Dv] (float32 or bf16): row b reads the keys at
+    slots[b, :lens[b]] only -> [B, Hq, Dv] in q's dtype. softmax(q·k · scale) over those keys and, where given, one
+    sink logit per head (GPT-OSS), which takes weight but adds no value."""
+    return torch.ops.colibri.decode_attention(q, k, v, slots, lens, sinks, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of x [..., H] (float32 or bf16; weight [H] float32, or bf16 on bf16 x) in one call: the
+    float32 norm from a float64 sum of squares, the scale and the casts in transformers' order."""
+    return torch.ops.colibri.rms_norm(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """layers.apply_rope in one call, with its bits: x [T, heads, D], cos/sin [T, R] (R <= D rotate; rotate_half's
+    layout) -> [T, heads, D] contiguous."""
+    return torch.ops.colibri.rope(x, cos, sin)

@@ -22,6 +22,8 @@ HERE = Path(__file__).resolve().parent / "native"
 OUT = HERE / "_build"
 LIBRARY = OUT / "colibri_native.so"
 STD = ["-std=gnu++20", "-O3", "-fPIC", "-fno-math-errno"]
+TORCH_UNITS = ("ops.cpp", "attention_op.cpp", "norm_op.cpp", "rope_op.cpp")   # with torch's headers (the isa_*.cpp
+TORCH_FLAGS = ["-w", "-fopenmp", "-ffp-contract=off"]   # without): OpenMP for at::parallel_for; each product rounded
 X86_LEVELS = {                  # the levels of kernels/native/ops.cpp and the flags their TUs compile with
     "generic": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=fast"],
@@ -48,7 +50,7 @@ def _fingerprint(cxx: str) -> str:
     h = hashlib.sha256()
     for f in sorted(HERE.glob("*.[ch]*")):
         h.update(f.name.encode() + f.read_bytes())
-    h.update(repr((levels(), STD, torch.__version__, sys.version)).encode())
+    h.update(repr((levels(), STD, TORCH_UNITS, TORCH_FLAGS, torch.__version__, sys.version)).encode())
     h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode())
     return h.hexdigest()[:16]
 
@@ -79,16 +81,19 @@ def build(force: bool = False) -> Path | None:
             objects.append(obj)
         abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
         includes = [f"-I{p}" for p in ext.include_paths()]
-        ops = Path(tmp) / "ops.o"
-        jobs.append(subprocess.Popen([cxx, *STD, abi, "-w", "-fopenmp", *includes, "-c", str(HERE / "ops.cpp"),
-                                      "-o", str(ops)], stderr=subprocess.PIPE, text=True))   # at::parallel_for
+        torch_side = []                                  # the torch ops over the levels (at::parallel_for)
+        for name in TORCH_UNITS:
+            obj = Path(tmp) / f"{Path(name).stem}.o"
+            jobs.append(subprocess.Popen([cxx, *STD, *TORCH_FLAGS, abi, *includes, "-c", str(HERE / name), "-o",
+                                          str(obj)], stderr=subprocess.PIPE, text=True))
+            torch_side.append(str(obj))
         failed = [err for job in jobs if (err := job.communicate()[1]) is not None and job.returncode != 0]
         if failed:
             print(f"native kernels: the build failed; the torch forms will run\n{failed[0][-3000:]}", file=sys.stderr)
             return None
         libs = [f"-L{p}" for p in ext.library_paths()] + [f"-Wl,-rpath,{p}" for p in ext.library_paths()]
         tmp_lib = Path(tmp) / LIBRARY.name
-        link = subprocess.run([cxx, "-shared", "-fopenmp", "-o", str(tmp_lib), str(ops), *map(str, objects), *libs,
+        link = subprocess.run([cxx, "-shared", "-fopenmp", "-o", str(tmp_lib), *torch_side, *map(str, objects), *libs,
                                "-lc10", "-ltorch_cpu"], capture_output=True, text=True)   # torch's own libgomp.so.1
         if link.returncode != 0:
             print(f"native kernels: linking failed; the torch forms will run\n{link.stderr[-3000:]}", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""Grouped-query attention over the paged KV cache, for every non-latent architecture: one SDPA call per decode
-batch and per prefill. A sliding layer reads only its window's keys (the step's window slots and masks).
+"""Grouped-query attention over the paged KV cache, for every non-latent architecture: one call per decode batch
+(on a CPU the native kernel, which reads each query's keys where the cache holds them; else gathered keys and
+SDPA) and one SDPA call per prefill. A sliding layer reads only its window's keys (the step's window slots and masks).
 
 Attention sinks (GPT-OSS): transformers appends each head's learned logit s_h as one more column of the scores,
 softmaxes, and drops it, so the weights are exp(x_j) / (Σ exp(x_i) + exp(s_h)). Here that column is one extra
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from router_service.kv_cache import KVCache
 from router_service.query_context import query_contexts
 from router_service.step_inputs import StepInputs
@@ -35,7 +37,12 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
                                None, sinks, causal=False)[0, :, 0, :]        # [Hq, D]
         return out
     nd = step.num_decode
-    if nd:
+    if nd and in_place(q, kv):                                               # where the cache holds the keys
+        slots, lens = (step.decode_window_slots, step.decode_window_lens) if sliding else \
+            (step.decode_slots, step.decode_lens)                            # [Bd, C], [Bd]
+        out[:nd] = native.decode_attention(q[:nd], kv.k[layer], kv.v[layer], slots, lens, sinks,
+                                           q.shape[-1] ** -0.5)              # [Bd, Hq, D]
+    elif nd:
         slots, mask = (step.decode_window_slots, step.decode_window_mask) if sliding else \
             (step.decode_slots, step.decode_mask)                            # [Bd, C], [Bd, 1, 1, C]
         kd, vd = kv.gather(layer, slots)                                     # [Bd, C, Hkv, D]
@@ -49,6 +56,12 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
                     mask, sinks)                                             # [1, Hq, n, D]
         out[row:row + n] = o[0].transpose(0, 1)
     return out
+
+
+def in_place(q: torch.Tensor, kv: KVCache) -> bool:
+    """Decode rows attend where the cache holds their keys (kernels.native.decode_attention): on a CPU with the
+    native kernels, a float32 or bf16 cache; elsewhere gathered copies and SDPA."""
+    return not q.is_cuda and native.decoder_ops() and kv.k.dtype in (torch.float32, torch.bfloat16)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

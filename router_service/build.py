@@ -33,6 +33,7 @@ from router_service.engine import Engine
 from router_service.experts import Experts, RemoteExperts
 from router_service.kv_cache import KVCache
 from router_service.model import RouterModel
+from router_service.native_check import check_decoder_ops
 from router_service.options import RouterOptions
 from router_service.scheduler import Scheduler
 from router_service.weights import RouterWeights
@@ -122,6 +123,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
         with forms.measuring():
             log.info(forms.summary(tune(weights.linear_shapes(dtype), forms.forms, forms.save, max_rows=rows,
                                         timed=forms.path is not None)))
+        check_decoder_ops(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, cfg.hidden_size,
+                          cfg.rotary_dim, dtype)
     kv_heads, k_dim, v_dim = cfg.kv_layout          # latent attention: the compressed latent, its real size
     per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, kv_heads, k_dim, dtype, v_dim)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from colibri_common.rope_scaling import RopeScaling
+from kernels import native
 from kernels.cpu_linear import linear
 
 RowMap = Callable[..., Any]     # (fn, *tensors with T rows) -> fn's result for all T rows
@@ -35,9 +36,22 @@ def by_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
     return torch.cat(outs)
 
 
+_ROPE_TYPES = (torch.float32, torch.bfloat16)
+_NORM_TYPES = {(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)}
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in float32, scale in the input dtype (as transformers' RMSNorm does); a float32 weight on lower
-    precision activations scales in float32, then casts (GPT-OSS's norms, kept in float32)."""
+    precision activations scales in float32, then casts (GPT-OSS's norms, kept in float32). On a CPU with the
+    native kernels, one call (kernels.native.rms_norm: the same maths, its mean from a float64 sum); else torch's
+    ops below."""
+    if not x.is_cuda and native.decoder_ops() and (x.dtype, weight.dtype) in _NORM_TYPES:
+        return native.rms_norm(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` in torch's ops (GPUs, other dtypes, and the reference the native op is tested against)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight.dtype == torch.float32 and x.dtype != torch.float32:
@@ -100,7 +114,15 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, R]: the first R <= D dims of each head rotate, the rest pass (partial
-    rotary, as transformers' apply_rotary_pos_emb)."""
+    rotary, as transformers' apply_rotary_pos_emb). On a CPU with the native kernels one call with the same bits
+    (kernels.native.rope); else the torch ops below."""
+    if not x.is_cuda and native.decoder_ops() and x.dtype in _ROPE_TYPES and cos.dtype == x.dtype:
+        return native.rope(x, cos, sin)
+    return apply_rope_torch(x, cos, sin)
+
+
+def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in torch's ops (GPUs, other dtypes, and the bits the native op must give)."""
     R = cos.shape[-1]
     rot = x if R == x.shape[-1] else x[..., :R]                       # [T, heads, R]
     half = R // 2

@@ -36,6 +36,8 @@ class StepInputs:
     decode_window_mask: torch.Tensor | None = None     # [Bd, 1, 1, Cw] True where within the window
     prefill_windows: list[tuple[int, torch.Tensor]] = field(default_factory=list)   # per prefill: keys from lo,
                                                                                     # mask [n, ctx - lo]
+    decode_lens: torch.Tensor | None = None          # [Bd] valid slots of each decode_slots row (a prefix)
+    decode_window_lens: torch.Tensor | None = None   # [Bd] the same for decode_window_slots
 
     def to(self, device: torch.device) -> StepInputs:
         """These inputs on `device` (asynchronous copies on a GPU; the same object on the CPU)."""
@@ -51,7 +53,8 @@ class StepInputs:
             prefills=[(row, n, move(slots), move(mask)) for row, n, slots, mask in self.prefills],
             sample_rows=move(self.sample_rows), window=self.window,
             decode_window_slots=move(self.decode_window_slots), decode_window_mask=move(self.decode_window_mask),
-            prefill_windows=[(lo, move(m)) for lo, m in self.prefill_windows])
+            prefill_windows=[(lo, move(m)) for lo, m in self.prefill_windows], decode_lens=move(self.decode_lens),
+            decode_window_lens=move(self.decode_window_lens))
 
     @staticmethod
     def build(seqs: list[SeqSlice], token_ids: list[int], block_size: int, window: int = 0) -> StepInputs:
@@ -80,11 +83,13 @@ class StepInputs:
                 pos = (lens - window).clamp(min=0)[:, None] + torch.arange(cw)[None, :]         # [Bd, Cw]
                 wmask = (pos < lens[:, None])[:, None, None, :]                                # [Bd, 1, 1, Cw]
                 wslots = dslots.gather(1, pos.clamp(max=cmax - 1))                             # [Bd, Cw]
+                wlens = lens.clamp(max=cw)                                                     # [Bd]
         else:
             dslots = torch.zeros(0, 0, dtype=torch.long)
             dmask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
+            lens = torch.zeros(0, dtype=torch.long)
         if not (decode and window):
-            wslots, wmask = dslots, dmask
+            wslots, wmask, wlens = dslots, dmask, lens
         prefills, windows = [], []
         row = num_decode
         for s in seqs[num_decode:]:
@@ -115,4 +120,5 @@ class StepInputs:
             prefills=prefills, sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             window=window, decode_window_slots=wslots if window else None,
             decode_window_mask=wmask if window else None, prefill_windows=windows,
+            decode_lens=lens, decode_window_lens=wlens if window else None,
         )

@@ -2,3 +2,4 @@
 #define CK_WIDTH 16
 #define CK_NAME avx512
 #include "gemm.h"
+#include "attention.h"

@@ -2,3 +2,4 @@
 #define CK_WIDTH 8
 #define CK_NAME generic
 #include "gemm.h"
+#include "attention.h"

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
@@ -31,11 +33,17 @@ void colibri_linear_generic(const float*, int, int, const void*, int, const floa
                             const void*, int64_t);
 typedef void (*linear_i8_fn)(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int, float*,
                              int, const void*, int64_t);
+#define CK_DECLARE_ATT(name) void name(const float*, int, int, int, const void*, const void*, int, int64_t, int64_t, \
+                                       const int64_t*, int, const float*, float, float*, float*);
+CK_DECLARE_ATT(colibri_decode_attention_generic)
 #define CK_DECLARE_I8(name) void name(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int, \
                                       float*, int, const void*, int64_t);
 CK_DECLARE_I8(colibri_linear_i8_generic)
 #if defined(__x86_64__)
 CK_DECLARE_I8(colibri_linear_i8_avx2)
+CK_DECLARE_ATT(colibri_decode_attention_avx2)
+CK_DECLARE_ATT(colibri_decode_attention_avx512)
+CK_DECLARE_ATT(colibri_decode_attention_avx512bf16)
 CK_DECLARE_I8(colibri_linear_i8_avx512)
 CK_DECLARE_I8(colibri_linear_i8_avx512bf16)
 void colibri_linear_avx2(const float*, int, int, const void*, int, const float*, int, int, float*, int,
@@ -55,6 +63,7 @@ struct Level {
     const char* name;
     linear_fn linear;
     linear_i8_fn linear_i8;                    // W8A8: int8 activations against int8 weights
+    attention_fn attention;                    // decode attention over the paged KV cache
     bool (*supported)();
 };
 
@@ -68,11 +77,15 @@ bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf1
 #endif
 
 const Level LEVELS[] = {                      // best last
-    {"generic", colibri_linear_generic, colibri_linear_i8_generic, always},
+    {"generic", colibri_linear_generic, colibri_linear_i8_generic, colibri_decode_attention_generic,
+     always},
 #if defined(__x86_64__)
-    {"avx2", colibri_linear_avx2, colibri_linear_i8_avx2, has_avx2},
-    {"avx512", colibri_linear_avx512, colibri_linear_i8_avx512, has_avx512},
-    {"avx512bf16", colibri_linear_avx512bf16, colibri_linear_i8_avx512bf16, has_avx512bf16},
+    {"avx2", colibri_linear_avx2, colibri_linear_i8_avx2, colibri_decode_attention_avx2,
+     has_avx2},
+    {"avx512", colibri_linear_avx512, colibri_linear_i8_avx512, colibri_decode_attention_avx512,
+     has_avx512},
+    {"avx512bf16", colibri_linear_avx512bf16, colibri_linear_i8_avx512bf16, colibri_decode_attention_avx512bf16,
+     has_avx512bf16},
 #endif
 };
 
@@ -422,6 +435,8 @@ std::string use_isa(const std::string& name) {
 }
 
 }  // namespace
+
+attention_fn colibri_ops::attention_kernel() { return level().attention; }
 
 TORCH_LIBRARY(colibri, m) {
     m.def("linear(Tensor x, Tensor w, Tensor? scale=None, bool w8a8=False) -> Tensor");

@@ -18,35 +18,7 @@ from kernels.cpu_forms import FORMS
 from kernels.expert_rows import ExpertRows
 from kernels.native_build import compiler
 from kernels.quant import Int8Weight, quantize_int8, quantize_rows
-
-LEVELS = ("generic", "avx2", "avx512", "avx512bf16")
-
-
-def runnable_levels() -> list[str]:
-    if not native.available():
-        return []
-    out = []
-    for level in LEVELS:
-        try:
-            native.use_isa(level)
-            out.append(level)
-        except RuntimeError:
-            pass
-    native.use_isa("")
-    return out
-
-
-RUNNABLE = runnable_levels()
-needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.UNAVAILABLE}")
-
-
-@pytest.fixture(params=RUNNABLE or ["none"])
-def level(request):
-    if request.param == "none":
-        pytest.skip(f"native kernels: {native.UNAVAILABLE}")
-    native.use_isa(request.param)
-    yield request.param
-    native.use_isa("")
+from tests.kernels.levels import LEVELS, RUNNABLE, needs_native
 
 
 def test_the_kernels_are_built_wherever_a_compiler_is():

@@ -1,0 +1,154 @@
+// Decode attention over the paged KV cache: one query row per sequence against its context's key and value rows
+// where the cache holds them (no gather, no padding), for one KV head and the R query heads that share it (GQA).
+// Included by isa_*.cpp after gemm.h (its vector types and widening loads), so it is compiled once per ISA level.
+//
+// The maths of SDPA's CPU flash kernel for one query: scores s_j = (q · k_j) · scale in float32 (each one vector
+// accumulator over the head dim, the lanes summed by the fixed tree of gemm.h), m = the largest score (and the
+// head's sink logit, GPT-OSS), p_j = exp(s_j - m), l = Σ p_j (+ exp(sink - m)), and out = (Σ p_j · v_j) / l, where
+// p_j is rounded to bf16 for a bf16 cache before it weights the values (as the flash kernel feeds its reduced-type
+// probabilities to the PV product) while l sums the unrounded ones. Every row's result depends on its own keys
+// only: batch invariant by construction.
+//
+// Shapes: R query heads of one KV head, D the key dim, Dv the value dim, n context keys.
+
+namespace colibri_native {
+
+// exp(x) up to ~2 ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n by the exponent bits); x
+// below -87.3 gives exp(-87.3) ≈ 1e-38, a weight that adds nothing beside the largest one's 1.
+static inline fvec vexp(fvec x) {
+    const fvec lo = fvec{} - 87.3f, hi = fvec{} + 88.0f;
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    const fvec magic = fvec{} + 12582912.0f;                  // 1.5 * 2^23: adding it rounds to an integer
+    fvec n = (x * 1.44269504088896341f + magic) - magic;
+    fvec r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    fvec y = fvec{} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    ivec e = (__builtin_convertvector(n, ivec) + 127) << 23;
+    fvec scale;
+    std::memcpy(&scale, &e, sizeof scale);
+    return y * scale;
+}
+
+static inline float bf16_round(float f) {                     // round to nearest even at bf16, kept as float32
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// Scores of up to 8 query heads (q rows r0.. of R) against one key row.
+template <typename KT>
+static inline void score_row(const float* q, int rn, int D, const KT* k, float* s, int64_t s_stride, float scale) {
+    fvec acc[8] = {};
+    int d = 0;
+    for (; d + CK_WIDTH <= D; d += CK_WIDTH) {
+        fvec kv = widen(k + d);
+        for (int r = 0; r < rn; ++r) acc[r] += widen(q + (int64_t)r * D + d) * kv;
+    }
+    if (d < D) {
+        fvec kv = widen_tail(k + d, D - d);
+        for (int r = 0; r < rn; ++r) acc[r] += widen_tail(q + (int64_t)r * D + d, D - d) * kv;
+    }
+    for (int r = 0; r < rn; ++r) s[r * s_stride] = lanes_sum(acc[r]) * scale;
+}
+
+// p = exp(s - m) in place over n scores; returns l = Σ p (+ the sink's share); p rounded to bf16 if asked.
+static inline float softmax_row(float* s, int n, const float* sink, bool round_p) {
+    float m = sink ? *sink : -__builtin_inff();
+    for (int j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
+    fvec sum = {};
+    int j = 0;
+    for (; j + CK_WIDTH <= n; j += CK_WIDTH) {
+        fvec p = vexp(load<fvec>(s + j) - m);
+        sum += p;
+        std::memcpy(s + j, &p, sizeof p);
+    }
+    float l = lanes_sum(sum);
+    if (j < n) {
+        float buf[CK_WIDTH] = {};
+        std::memcpy(buf, s + j, (n - j) * sizeof(float));
+        fvec p = vexp(load<fvec>(buf) - m);
+        std::memcpy(buf, &p, sizeof p);
+        for (int t = 0; t < n - j; ++t) {
+            s[j + t] = buf[t];
+            l += buf[t];
+        }
+    }
+    if (sink) {
+        float e[CK_WIDTH];
+        fvec p = vexp(fvec{} + (*sink - m));
+        std::memcpy(e, &p, sizeof p);
+        l += e[0];
+    }
+    if (round_p)
+        for (int t = 0; t < n; ++t) s[t] = bf16_round(s[t]);
+    return l;
+}
+
+// out[r, :] = Σ_j p[r, j] v_j / l[r] for up to 4 heads, CK_WIDTH value dims at a time.
+template <typename KT>
+static inline void weigh_values(const float* p, int64_t p_stride, int rn, int n, const KT* v, int64_t v_stride,
+                                const int64_t* slots, int Dv, const float* inv_l, float* out) {
+    for (int d = 0; d < Dv; d += CK_WIDTH) {
+        const int w = Dv - d < CK_WIDTH ? Dv - d : CK_WIDTH;
+        fvec acc[4] = {};
+        for (int j = 0; j < n; ++j) {
+            const KT* vj = v + slots[j] * v_stride + d;
+            fvec vv = w == CK_WIDTH ? widen(vj) : widen_tail(vj, w);
+            for (int r = 0; r < rn; ++r) acc[r] += p[r * p_stride + j] * vv;
+        }
+        for (int r = 0; r < rn; ++r) {
+            float o[CK_WIDTH];
+            fvec y = acc[r] * inv_l[r];
+            std::memcpy(o, &y, sizeof o);
+            std::memcpy(out + (int64_t)r * Dv + d, o, w * sizeof(float));
+        }
+    }
+}
+
+// One sequence and one KV head: q [R, D] float32 (the heads sharing it), k / v the cache rows of this KV head
+// (slot s at k + s * k_stride), slots [n], sinks [R] or null; out [R, Dv]; scratch [R * n] floats.
+template <typename KT>
+static void decode_group(const float* q, int R, int D, int Dv, const KT* k, const KT* v, int64_t k_stride,
+                         int64_t v_stride, const int64_t* slots, int n, const float* sinks, float scale, float* out,
+                         float* scratch) {
+    for (int r0 = 0; r0 < R; r0 += 8) {
+        const int rn = R - r0 < 8 ? R - r0 : 8;
+        for (int j = 0; j < n; ++j)
+            score_row(q + (int64_t)r0 * D, rn, D, k + slots[j] * k_stride, scratch + (int64_t)r0 * n + j, n, scale);
+    }
+    float inv_l[4];
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        const int rn = R - r0 < 4 ? R - r0 : 4;
+        for (int r = 0; r < rn; ++r) {
+            float l = softmax_row(scratch + (int64_t)(r0 + r) * n, n, sinks ? sinks + r0 + r : nullptr,
+                                  sizeof(KT) == 2);
+            inv_l[r] = 1.0f / l;
+        }
+        weigh_values(scratch + (int64_t)r0 * n, n, rn, n, v, v_stride, slots, Dv, inv_l, out + (int64_t)r0 * Dv);
+    }
+}
+
+}  // namespace colibri_native
+
+// The entry point of this ISA level: kvtype 0 = float32, 1 = bf16 (as uint16); see decode_group.
+extern "C" void CK_CAT(colibri_decode_attention_, CK_NAME)(const float* q, int R, int D, int Dv, const void* k,
+                                                            const void* v, int kvtype, int64_t k_stride,
+                                                            int64_t v_stride, const int64_t* slots, int n,
+                                                            const float* sinks, float scale, float* out,
+                                                            float* scratch) {
+    using namespace colibri_native;
+    if (kvtype == 0)
+        decode_group(q, R, D, Dv, static_cast<const float*>(k), static_cast<const float*>(v), k_stride, v_stride,
+                     slots, n, sinks, scale, out, scratch);
+    else
+        decode_group(q, R, D, Dv, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), k_stride,
+                     v_stride, slots, n, sinks, scale, out, scratch);
+}

@@ -1,0 +1,74 @@
+// colibri::rms_norm: transformers' RMSNorm in one call (its half-dozen torch ops cost more than the arithmetic at
+// the few rows of a decode step).
+//
+//   rms_norm(x [..., H], w [H], eps) -> [..., H] in x's dtype
+//
+// Each row: r = 1 / sqrt(mean(x²) + eps) in float32, the mean from a float64 sum of the squares rounded once (so
+// it is the same on every ISA and thread split; torch's float32 sum may differ from it in the last bit), then
+//   float32 x:            w · (x · r)
+//   bf16 x, float32 w:    bf16(w · (x · r))            (GPT-OSS's norms, kept in float32)
+//   bf16 x, bf16 w:       bf16(w · bf16(x · r))         (transformers: the cast, then the scale)
+// A row is computed by one thread; rows split across threads only where there are many.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+template <typename XT, typename WT>
+void rows(const XT* x, const WT* w, XT* out, int64_t r0, int64_t r1, int64_t H, float eps) {
+    constexpr bool round_first = std::is_same<XT, c10::BFloat16>::value && std::is_same<WT, c10::BFloat16>::value;
+    for (int64_t r = r0; r < r1; ++r) {
+        const XT* xr = x + r * H;
+        XT* o = out + r * H;
+        double ss = 0;
+        for (int64_t h = 0; h < H; ++h) {
+            const double v = float(xr[h]);
+            ss += v * v;
+        }
+        const float inv = 1.0f / std::sqrt(float(ss / double(H)) + eps);
+        for (int64_t h = 0; h < H; ++h) {
+            float n = float(xr[h]) * inv;
+            if (round_first) n = float(c10::BFloat16(n));
+            o[h] = XT(float(w[h]) * n);
+        }
+    }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+    const char* op = "colibri::rms_norm";
+    TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0), op, ": need x [..., H] and w [H], got ",
+                x.sizes(), " and ", w.sizes());
+    const auto xt = x.scalar_type(), wt = w.scalar_type();
+    TORCH_CHECK((xt == at::kFloat || xt == at::kBFloat16) && (wt == at::kFloat || wt == at::kBFloat16), op,
+                ": x and w must be float32 or bfloat16, got ", xt, " and ", wt);
+    TORCH_CHECK(!(xt == at::kFloat && wt == at::kBFloat16), op, ": a bfloat16 weight on float32 activations is "
+                "not a form the models use");
+    const int64_t H = x.size(-1);
+    at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    at::Tensor out = at::empty_like(xc);
+    const int64_t T = H ? xc.numel() / H : 0;
+    if (T == 0) return out;
+    const float e = float(eps);
+    at::parallel_for(0, T, std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, H)), [&](int64_t r0,
+                                                                                                  int64_t r1) {
+        if (xt == at::kFloat)
+            rows(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), r0, r1, H, e);
+        else if (wt == at::kFloat)
+            rows(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), r0, r1, H, e);
+        else
+            rows(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), r0, r1,
+                 H, e);
+    });
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(colibri, m) { m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("rms_norm", &rms_norm); }
