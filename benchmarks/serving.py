@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 from tqdm import tqdm
 
-from benchmarks.bench_model import ensure_bench_model
+from benchmarks.bench_model import SIZES, ensure_bench_model
 from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table
 from benchmarks.llamacpp import add_peer_args, find_peer
 from benchmarks.llamacpp import measure as measure_llamacpp
@@ -172,13 +172,15 @@ def main() -> int:
                                                   "matching engines (transformers always runs, for the ratios); "
                                                   "the results go to serving-<engines>.md")
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's rows out")
+    ap.add_argument("--size", choices=sorted(SIZES), default="bench", help="the bench checkpoint's size "
+                    "(benchmarks/bench_model.py): bench (892M parameters) or small (0.29B)")
     add_peer_args(ap)
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     peer, peer_line = (None, "llama.cpp: left out (--no-llamacpp)") if args.no_llamacpp else find_peer(
         args.llamacpp_bin, args.llamacpp_gguf, args.llamacpp_peer)
     print(peer_line, file=sys.stderr)
-    model = ensure_bench_model()
+    model = ensure_bench_model(size=args.size)
     cfg = ModelConfig.from_dir(model)
     bw = read_bandwidth_gbs()
     common = ["--model", str(model), "--dtype", args.dtype, "--streams", args.streams,
@@ -242,10 +244,11 @@ def main() -> int:
                           f"{100 * ph.get('expert_compute', 0) / total:.0f}%"])
     vs_llama = llamacpp_section(llama, results, streams)
     text = "\n".join([
-        f"# Serving benchmark: bench model ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_experts} experts "
-        f"top-{cfg.top_k}, hidden {cfg.hidden_size}), {args.dtype}",
+        f"# Serving benchmark: {args.size} bench model ({cfg.architecture}, {cfg.num_layers} layers, "
+        f"{cfg.num_experts} experts top-{cfg.top_k}, hidden {cfg.hidden_size}), {args.dtype}",
         "", f"Machine: {machine()}; measured read bandwidth {bw:.1f} GB/s (streaming sum over 1 GiB).",
         f"Command: `python -m benchmarks.serving --dtype {args.dtype}"
+        f"{' --size ' + args.size if args.size != 'bench' else ''}"
         f"{' --engines ' + repr(args.engines) if args.engines else ''}` ({args.prompt_len}-token prompts, "
         f"{args.max_tokens} new tokens, one request per stream). transformers experts implementation: "
         f"{hf['experts_implementation']}.",
@@ -267,7 +270,8 @@ def main() -> int:
                 str(results[n]['rows'][c]['requests_failed']), f"{results[n]['rows'][c]['balance']:.2f}"]
                for n in results if n.startswith("colibri 2 workers replicas") for c in streams]),
         ""])
-    publish(text, "serving" + ("" if args.dtype == "bfloat16" else f"-{args.dtype}") + (
+    publish(text, "serving" + ("" if args.size == "bench" else f"-{args.size}") + (
+        "" if args.dtype == "bfloat16" else f"-{args.dtype}") + (
         "" if not args.engines else "-" + "".join(ch if ch.isalnum() else "-" for ch in args.engines).strip("-")))
     return 0
 
