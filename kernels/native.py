@@ -171,3 +171,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """layers.apply_rope in one call, with its bits: x [T, heads, D], cos/sin [T, R] (R <= D rotate; rotate_half's
     layout) -> [T, heads, D] contiguous."""
     return torch.ops.colibri.rope(x, cos, sin)
+
+
+def attention_block(h: torch.Tensor, ln1: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
+                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, full_qk_norm: bool, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write: torch.Tensor,
+                    slots: torch.Tensor, lens: torch.Tensor, sinks: torch.Tensor | None, w_o: torch.Tensor,
+                    b_o: torch.Tensor | None, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
+    """A decode step's attention block in one call, with the bits of the router's op-by-op path: h [T, H] (every
+    row one decode token) -> the block's output [T, H]; this step's keys and values are written to k_cache /
+    v_cache [S, Hkv, D] at `write` [T], row t attends to slots[t, :lens[t]]."""
+    return torch.ops.colibri.attention_block(h, ln1, w_qkv, b_qkv, q_norm, k_norm, full_qk_norm, cos, sin, k_cache,
+                                             v_cache, write, slots, lens, sinks, w_o, b_o, heads, kv_heads, eps)

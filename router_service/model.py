@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from colibri_common.config import ModelConfig
-from kernels import Routing, route
+from kernels import Routing, native, route
+from kernels.cpu_forms import pick_rows
 from kernels.cpu_linear import linear
 from router_service.attention import attention
 from router_service.experts import Experts, ExpertsUnavailable, Handle
@@ -57,6 +58,7 @@ class RouterModel:
         self.prefetch = False
         self.track_routing = False
         self.batch_invariant = False   # every row alone (`by_row`), attention per query: see `rows`
+        self.fused_attention = True    # decode steps' attention blocks in one native call where they may (_fusable)
         self.last_routing: list[list[torch.Tensor]] = []      # per micro-batch: ids [T, K] per MoE layer
         self.predicted = self.predicted_right = 0            # prefetch: experts predicted, and then routed to
         moe = [i for i, lw in enumerate(weights.layers) if lw.router is not None]
@@ -189,9 +191,32 @@ class RouterModel:
             out = mla_attention(cfg, lw.mla, layer, x, self.mla_rope, cos, sin, step, kv, self.mla_scale, rows,
                                 self.batch_invariant)
             return rows(lambda o: linear(o, lw.o, lw.o_bias), out)          # [T, H]
+        if self._fusable(lw, h, cos, step, kv):                           # decode rows only: one native call
+            slots, lens = (step.decode_window_slots, step.decode_window_lens) if layer in self.sliding else \
+                (step.decode_slots, step.decode_lens)                        # [Bd, C], [Bd]
+            qk = cfg.qk_norm != "none"
+            return native.attention_block(h, lw.ln1, lw.qkv, lw.qkv_bias, lw.q_norm if qk else None,
+                                          lw.k_norm if qk else None, cfg.qk_norm == "full", cos, sin, kv.k[layer],
+                                          kv.v[layer], step.slots, slots, lens, lw.sinks, lw.o, lw.o_bias,
+                                          cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)   # [T, H]
         q, k, v = rows(lambda h, cos, sin: self._qkv(lw, h, cos, sin), h, cos, sin)
         out = attention(layer, q, k, v, step, kv, layer in self.sliding, lw.sinks, self.batch_invariant)
         return rows(lambda o: linear(o.reshape(o.shape[0], -1), lw.o, lw.o_bias), out)   # [T, H]
+
+    def _fusable(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs, kv: KVCache) -> bool:
+        """Whether this layer's attention block may run as one native call (kernels.native.attention_block, the
+        bits of the op-by-op path below): a CPU step of decode rows only, no batch-invariant mode, plain float
+        weights whose linear form here is the native one, and no clipped qkv."""
+        T, dtype = h.shape[0], h.dtype
+        if not (self.fused_attention and not self.batch_invariant and step.num_decode == T and T > 0
+                and not step.prefills and h.device.type == "cpu" and native.decoder_ops()
+                and self.cfg.clip_qkv is None and cos.dtype == dtype and kv.k.dtype == dtype
+                and kv.v.shape[-1] == self.cfg.head_dim and dtype in (torch.float32, torch.bfloat16)):
+            return False
+        norms = [w for w in (lw.ln1, lw.q_norm, lw.k_norm) if w is not None]
+        return (isinstance(lw.qkv, torch.Tensor) and isinstance(lw.o, torch.Tensor) and lw.qkv.dtype == dtype
+                and lw.o.dtype == dtype and all(w.dtype in (dtype, torch.float32) for w in norms)
+                and pick_rows(T, dtype, lw.qkv) is native.linear and pick_rows(T, dtype, lw.o) is native.linear)
 
     def _qkv(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

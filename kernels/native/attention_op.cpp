@@ -17,6 +17,10 @@
 
 namespace {
 
+}  // namespace
+
+namespace colibri_ops {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                             const at::Tensor& lens, const c10::optional<at::Tensor>& sinks, double scale) {
     const char* op = "colibri::decode_attention";
@@ -79,11 +83,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
-}  // namespace
+}  // namespace colibri_ops
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
     m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lens, Tensor? sinks, float scale) "
           "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("decode_attention", &colibri_ops::decode_attention); }

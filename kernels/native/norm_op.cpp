@@ -15,6 +15,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 
 namespace {
@@ -38,6 +40,10 @@ void rows(const XT* x, const WT* w, XT* out, int64_t r0, int64_t r1, int64_t H, 
         }
     }
 }
+
+}  // namespace
+
+namespace colibri_ops {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     const char* op = "colibri::rms_norm";
@@ -67,8 +73,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     return out;
 }
 
-}  // namespace
+}  // namespace colibri_ops
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) { m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("rms_norm", &colibri_ops::rms_norm); }

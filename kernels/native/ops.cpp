@@ -438,6 +438,11 @@ std::string use_isa(const std::string& name) {
 
 attention_fn colibri_ops::attention_kernel() { return level().attention; }
 
+at::Tensor colibri_ops::linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                               bool w8a8) {
+    return ::linear(x, w, scale, w8a8);
+}
+
 TORCH_LIBRARY(colibri, m) {
     m.def("linear(Tensor x, Tensor w, Tensor? scale=None, bool w8a8=False) -> Tensor");
     m.def("moe_(Tensor(a!) acc, Tensor x, Tensor ids, Tensor weights, Tensor local, Tensor[] w13, int parts13, "

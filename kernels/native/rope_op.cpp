@@ -11,6 +11,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 namespace {
 
 template <typename T>
@@ -34,6 +36,10 @@ void rotate(const T* x, int64_t sx0, int64_t sx1, const T* cs, const T* sn, T* o
             for (int64_t i = R; i < D; ++i) o[i] = xr[i];
         }
 }
+
+}  // namespace
+
+namespace colibri_ops {
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     const char* op = "colibri::rope";
@@ -60,8 +66,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
     return out;
 }
 
-}  // namespace
+}  // namespace colibri_ops
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) { m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("rope", &rope); }
+TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("rope", &colibri_ops::rope); }
