@@ -3,7 +3,7 @@
 // Included by isa_*.cpp after gemm.h (its vector types and widening loads), so it is compiled once per ISA level.
 //
 // The maths of SDPA's CPU flash kernel for one query: scores s_j = (q · k_j) · scale in float32 (each one vector
-// accumulator over the head dim, the lanes summed by the fixed tree of gemm.h), m = the largest score (and the
+// accumulator over the head dim, keys in groups of 8 whose lanes one shuffle tree sums), m = the largest score (and the
 // head's sink logit, GPT-OSS), p_j = exp(s_j - m), l = Σ p_j (+ exp(sink - m)), and out = (Σ p_j · v_j) / l, where
 // p_j is rounded to bf16 for a bf16 cache before it weights the values (as the flash kernel feeds its reduced-type
 // probabilities to the PV product) while l sums the unrounded ones. Every row's result depends on its own keys
@@ -43,20 +43,46 @@ static inline float bf16_round(float f) {                     // round to neares
     return f;
 }
 
-// Scores of up to 8 query heads (q rows r0.. of R) against one key row.
-template <typename KT>
-static inline void score_row(const float* q, int rn, int D, const KT* k, float* s, int64_t s_stride, float scale) {
+// The lane sums of 8 accumulators as one vector (lane i = the sum of a[i]'s lanes): pairwise adds of shuffled
+// halves, one fixed tree for every key of a group.
+static inline fvec sums8(const fvec* a) {
+#if CK_WIDTH == 8
+    fvec h[4];
+    for (int i = 0; i < 4; ++i)
+        h[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+    fvec q0 = __builtin_shufflevector(h[0], h[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+              __builtin_shufflevector(h[0], h[1], 1, 3, 9, 11, 5, 7, 13, 15);
+    fvec q1 = __builtin_shufflevector(h[2], h[3], 0, 2, 8, 10, 4, 6, 12, 14) +
+              __builtin_shufflevector(h[2], h[3], 1, 3, 9, 11, 5, 7, 13, 15);
+    return __builtin_shufflevector(q0, q1, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(q0, q1, 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+    fvec out;                                        // wider vectors: each accumulator's lanes by lanes_sum
+    float o[CK_WIDTH] = {};
+    for (int i = 0; i < 8; ++i) o[i] = lanes_sum(a[i]);
+    std::memcpy(&out, o, sizeof out);
+    return out;
+#endif
+}
+
+// Scores of query head q [D] against a group of 8 keys (rows k[j], all of D): s[j] = (q · k_j) · scale, each one
+// vector accumulator over the head dim, the lanes summed by sums8.
+static inline void score_group(const float* q, int D, const float* const* k, float* s, float scale) {
     fvec acc[8] = {};
     int d = 0;
     for (; d + CK_WIDTH <= D; d += CK_WIDTH) {
-        fvec kv = widen(k + d);
-        for (int r = 0; r < rn; ++r) acc[r] += widen(q + (int64_t)r * D + d) * kv;
+        const fvec qv = widen(q + d);
+        for (int j = 0; j < 8; ++j) acc[j] += qv * widen(k[j] + d);
     }
     if (d < D) {
-        fvec kv = widen_tail(k + d, D - d);
-        for (int r = 0; r < rn; ++r) acc[r] += widen_tail(q + (int64_t)r * D + d, D - d) * kv;
+        const fvec qv = widen_tail(q + d, D - d);
+        for (int j = 0; j < 8; ++j) acc[j] += qv * widen_tail(k[j] + d, D - d);
     }
-    for (int r = 0; r < rn; ++r) s[r * s_stride] = lanes_sum(acc[r]) * scale;
+    float out[CK_WIDTH];
+    fvec v = sums8(acc) * scale;
+    std::memcpy(out, &v, sizeof out);
+    std::memcpy(s, out, 8 * sizeof(float));
 }
 
 // p = exp(s - m) in place over n scores; returns l = Σ p (+ the sink's share); p rounded to bf16 if asked.
@@ -92,11 +118,35 @@ static inline float softmax_row(float* s, int n, const float* sink, bool round_p
     return l;
 }
 
-// out[r, :] = Σ_j p[r, j] v_j / l[r] for up to 4 heads, CK_WIDTH value dims at a time.
+// out[r, :] = Σ_j p[r, j] v_j / l[r] for up to 4 heads: two vectors of value dims per pass over the keys (each
+// value row widened once for the heads), then a last single vector where Dv leaves one; tails zero-padded.
 template <typename KT>
 static inline void weigh_values(const float* p, int64_t p_stride, int rn, int n, const KT* v, int64_t v_stride,
                                 const int64_t* slots, int Dv, const float* inv_l, float* out) {
-    for (int d = 0; d < Dv; d += CK_WIDTH) {
+    auto store = [&](const fvec* acc, int d, int w) {
+        for (int r = 0; r < rn; ++r) {
+            float o[CK_WIDTH];
+            fvec y = acc[r] * inv_l[r];
+            std::memcpy(o, &y, sizeof o);
+            std::memcpy(out + (int64_t)r * Dv + d, o, w * sizeof(float));
+        }
+    };
+    int d = 0;
+    for (; d + 2 * CK_WIDTH <= Dv; d += 2 * CK_WIDTH) {
+        fvec a0[4] = {}, a1[4] = {};
+        for (int j = 0; j < n; ++j) {
+            const KT* vj = v + slots[j] * v_stride + d;
+            const fvec v0 = widen(vj), v1 = widen(vj + CK_WIDTH);
+            for (int r = 0; r < rn; ++r) {
+                const float pr = p[r * p_stride + j];
+                a0[r] += pr * v0;
+                a1[r] += pr * v1;
+            }
+        }
+        store(a0, d, CK_WIDTH);
+        store(a1, d + CK_WIDTH, CK_WIDTH);
+    }
+    for (; d < Dv; d += CK_WIDTH) {
         const int w = Dv - d < CK_WIDTH ? Dv - d : CK_WIDTH;
         fvec acc[4] = {};
         for (int j = 0; j < n; ++j) {
@@ -104,25 +154,42 @@ static inline void weigh_values(const float* p, int64_t p_stride, int rn, int n,
             fvec vv = w == CK_WIDTH ? widen(vj) : widen_tail(vj, w);
             for (int r = 0; r < rn; ++r) acc[r] += p[r * p_stride + j] * vv;
         }
-        for (int r = 0; r < rn; ++r) {
-            float o[CK_WIDTH];
-            fvec y = acc[r] * inv_l[r];
-            std::memcpy(o, &y, sizeof o);
-            std::memcpy(out + (int64_t)r * Dv + d, o, w * sizeof(float));
-        }
+        store(acc, d, w);
     }
 }
 
 // One sequence and one KV head: q [R, D] float32 (the heads sharing it), k / v the cache rows of this KV head
-// (slot s at k + s * k_stride), slots [n], sinks [R] or null; out [R, Dv]; scratch [R * n] floats.
+// (slot s at k + s * k_stride), slots [n], sinks [R] or null; out [R, Dv]; scratch [R * n + 8 * D] floats.
 template <typename KT>
 static void decode_group(const float* q, int R, int D, int Dv, const KT* k, const KT* v, int64_t k_stride,
                          int64_t v_stride, const int64_t* slots, int n, const float* sinks, float scale, float* out,
                          float* scratch) {
-    for (int r0 = 0; r0 < R; r0 += 8) {
-        const int rn = R - r0 < 8 ? R - r0 : 8;
-        for (int j = 0; j < n; ++j)
-            score_row(q + (int64_t)r0 * D, rn, D, k + slots[j] * k_stride, scratch + (int64_t)r0 * n + j, n, scale);
+    float* kf = scratch + (int64_t)R * n;           // [8, D]: a bf16 group widened once for all R heads
+    for (int j0 = 0; j0 < n; j0 += 8) {            // keys in groups of 8 (the last one padded with key 0's row)
+        const float* rows_[8];
+        for (int j = 0; j < 8; ++j) {
+            const KT* row = k + slots[j0 + j < n ? j0 + j : 0] * k_stride;
+            if constexpr (sizeof(KT) == 4) {
+                rows_[j] = reinterpret_cast<const float*>(row);
+            } else {
+                float* dst = kf + (int64_t)j * D;
+                int d = 0;
+                for (; d + CK_WIDTH <= D; d += CK_WIDTH) {
+                    fvec w = widen(row + d);
+                    std::memcpy(dst + d, &w, sizeof w);
+                }
+                for (; d < D; ++d) {
+                    uint32_t u = uint32_t(row[d]) << 16;
+                    std::memcpy(dst + d, &u, 4);
+                }
+                rows_[j] = dst;
+            }
+        }
+        float s8[8];
+        for (int r = 0; r < R; ++r) {
+            score_group(q + (int64_t)r * D, D, rows_, s8, scale);
+            std::memcpy(scratch + (int64_t)r * n + j0, s8, (n - j0 < 8 ? n - j0 : 8) * sizeof(float));
+        }
     }
     float inv_l[4];
     for (int r0 = 0; r0 < R; r0 += 4) {

@@ -71,10 +71,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t b = 0; b < B; ++b) keys += lp[b];
     const int64_t per_task = std::max<int64_t>(1, keys / B * R * (D + Dv));
     at::parallel_for(0, B * Hkv, std::max<int64_t>(1, (int64_t(1) << 17) / per_task), [&](int64_t t0, int64_t t1) {
-        std::vector<float> scratch;                                                 // [R, n] scores, then weights
+        std::vector<float> scratch;              // [R, n] scores, then weights; [8, D] a key group widened
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t b = t / Hkv, g = t % Hkv, n = lp[b];
-            scratch.resize(R * n);
+            scratch.resize(R * n + 8 * D);
             fn(qp + (b * Hq + g * R) * D, R, int(D), int(Dv), kb + g * D * es, vb + g * Dv * es, kvtype, Hkv * D,
                Hkv * Dv, sp + b * C, int(n), skp ? skp + g * R : nullptr, float(scale), op_ + (b * Hq + g * R) * Dv,
                scratch.data());
