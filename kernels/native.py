@@ -8,6 +8,9 @@ Python op per kernel, each checked against a float64 reference before it may be 
     moe_sum_(acc, ys, rows, weights): acc [T, H] float64 += each pair's ys * weight (float32) at its token's row
     decode_attention(q, k, v, slots, lens, sinks, scale): each decode query against its keys where the paged KV
         cache holds them (SDPA's flash maths for one query, no gather)
+    rms_norm(x, weight, eps), rope(x, cos, sin): transformers' RMSNorm and rotary embedding in one call each
+    attention_block(h, …): a decode step's whole attention block (norm, qkv, q/k norms, rope, cache write,
+        attention, o) in one call, with the bits of those ops run one by one
 
 The ISA level is chosen when the library loads, by CPUID (generic, avx2, avx512, avx512bf16);
 COLIBRI_CPU_ISA=LEVEL overrides it, and `use_isa(LEVEL)` switches it in this process (the tests run every
@@ -30,6 +33,7 @@ from kernels.quant import Int8Weight
 
 LIBRARY = Path(__file__).resolve().parent / "native" / "_build" / "colibri_native.so"
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
+OPS = ("linear", "moe_", "moe_sum_", "decode_attention", "rms_norm", "rope", "attention_block", "isa", "use_isa")
 
 
 def _load() -> str | None:
@@ -42,6 +46,9 @@ def _load() -> str | None:
         torch.ops.load_library(str(LIBRARY))
     except (OSError, RuntimeError) as exc:
         return f"cannot load {LIBRARY}: {str(exc).splitlines()[0]} (run `make setup` again)"
+    missing = [op for op in OPS if not hasattr(torch.ops.colibri, op)]
+    if missing:                                          # a build older than these sources (no `make setup` since)
+        return f"{LIBRARY} lacks {', '.join(missing)}: it was built from older sources (run `make setup` again)"
     try:
         torch.ops.colibri.isa()                          # the CPUID choice, or the override's refusal
     except RuntimeError as exc:
@@ -56,7 +63,7 @@ def available() -> bool:
     return UNAVAILABLE is None
 
 
-_decoder_refused: str | None = None     # why the decoder ops failed their start-up check (kernels/decoder_check.py)
+_decoder_refused: str | None = None     # why the decoder ops failed their start-up check (native_check.py)
 
 
 def decoder_ops() -> bool:
@@ -65,7 +72,8 @@ def decoder_ops() -> bool:
 
 
 def refuse_decoder_ops(why: str | None) -> None:
-    """Switch the decoder ops off in this process (None: on again, as the tests reset it)."""
+    """Switch the decoder ops off in this process (None: on again, as the tests reset it). Process-wide: every
+    router model in the process then runs the torch forms (one router per process is the services' case)."""
     global _decoder_refused
     _decoder_refused = why
 

@@ -56,6 +56,12 @@ def _fingerprint(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _discard_stale() -> None:
+    """A failed rebuild leaves no library of older sources behind (the torch forms run, as the message says)."""
+    LIBRARY.unlink(missing_ok=True)
+    (OUT / "fingerprint").unlink(missing_ok=True)
+
+
 def build(force: bool = False) -> Path | None:
     """The library's path, built now if it is missing or stale; None (said on stderr) where it cannot be."""
     cxx = compiler()
@@ -90,6 +96,7 @@ def build(force: bool = False) -> Path | None:
             torch_side.append(str(obj))
         failed = [err for job in jobs if (err := job.communicate()[1]) is not None and job.returncode != 0]
         if failed:
+            _discard_stale()
             print(f"native kernels: the build failed; the torch forms will run\n{failed[0][-3000:]}", file=sys.stderr)
             return None
         libs = [f"-L{p}" for p in ext.library_paths()] + [f"-Wl,-rpath,{p}" for p in ext.library_paths()]
@@ -97,6 +104,7 @@ def build(force: bool = False) -> Path | None:
         link = subprocess.run([cxx, "-shared", "-fopenmp", "-o", str(tmp_lib), *torch_side, *map(str, objects), *libs,
                                "-lc10", "-ltorch_cpu"], capture_output=True, text=True)   # torch's own libgomp.so.1
         if link.returncode != 0:
+            _discard_stale()
             print(f"native kernels: linking failed; the torch forms will run\n{link.stderr[-3000:]}", file=sys.stderr)
             return None
         os.replace(tmp_lib, LIBRARY)

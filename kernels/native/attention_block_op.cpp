@@ -35,7 +35,8 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& ln1, const at:
                            int64_t kv_heads, double eps) {
     const char* op = "colibri::attention_block";
     TORCH_CHECK(h.dim() == 2 && k_cache.dim() == 3 && heads > 0 && kv_heads > 0, op,
-                ": need h [T, H], a cache [S, Hkv, D] and positive head counts");
+                ": need h [T, H], a cache [S, Hkv, D] and positive head counts, got h ", h.sizes(), ", cache ",
+                k_cache.sizes(), ", ", heads, " heads and ", kv_heads, " KV heads");
     const int64_t T = h.size(0), D = k_cache.size(2);
     TORCH_CHECK(w_qkv.dim() == 2 && w_qkv.size(0) == (heads + 2 * kv_heads) * D, op, ": w_qkv must have (heads + 2 "
                 "kv_heads) x D = ", (heads + 2 * kv_heads) * D, " rows, got ", w_qkv.sizes());

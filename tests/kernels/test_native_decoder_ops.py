@@ -89,19 +89,23 @@ def test_a_rows_attention_depends_neither_on_the_other_rows_nor_on_the_threads(l
         torch.set_num_threads(threads)
 
 
-def test_decode_attention_never_reads_the_padding(level):
-    """Slots past a row's length may point anywhere in the cache (a padded table): NaN there changes nothing."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [13, 64])
+def test_decode_attention_never_reads_the_padding(level, dtype, D):
+    """Slots past a row's length are padding that may point anywhere (a padded table): here far outside the
+    cache, so a read of one would fault; lengths that leave every size of last key group."""
     g = torch.Generator().manual_seed(4)
-    q, k, v, _, _, _ = case(3, 8, 2, 32, 32, 100, torch.float32, False, g)
-    lens = torch.tensor([5, 1, 40])
-    slots = torch.stack([torch.randperm(99, generator=g)[:60] for _ in range(3)])   # [3, 60] keys in 0..98
-    for b in range(3):
-        slots[b, lens[b]:] = 99                                                       # padding: slot 99
-    poisoned_k, poisoned_v = k.clone(), v.clone()
-    poisoned_k[99] = float("nan")
-    poisoned_v[99] = float("nan")
-    assert torch.equal(native.decode_attention(q, poisoned_k, poisoned_v, slots, lens, None, 0.2),
-                       native.decode_attention(q, k, v, slots, lens, None, 0.2))
+    q, k, v, _, _, _ = case(5, 8, 2, D, D, 300, dtype, False, g)
+    lens = torch.tensor([1, 7, 9, 17, 250])
+    slots = torch.stack([torch.randperm(300, generator=g)[:256] for _ in range(5)])   # [5, 256]
+    for b in range(5):
+        slots[b, lens[b]:] = 1 << 50
+    got = native.decode_attention(q, k, v, slots, lens, None, D ** -0.5)
+    for b in range(5):
+        alone = native.decode_attention(q[b:b + 1], k, v, slots[b:b + 1, :lens[b]], lens[b:b + 1], None, D ** -0.5)
+        assert torch.equal(got[b:b + 1], alone)
+    ref = attention_reference(q, k, v, slots, lens, None, D ** -0.5)
+    assert (got.double() - ref).abs().max().item() < (2e-6 if dtype == torch.float32 else 1.6e-2)
 
 
 @pytest.mark.parametrize("xd,wd", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
@@ -198,3 +202,11 @@ def test_a_wrong_op_at_start_up_switches_the_torch_forms_on(monkeypatch, caplog)
     finally:
         native.refuse_decoder_ops(None)
     assert native.decoder_ops()
+
+
+@needs_native
+def test_a_library_built_from_older_sources_is_not_used(monkeypatch):
+    """A build that lacks an op these sources call (no `make setup` since a pull) leaves the torch forms, said."""
+    monkeypatch.setattr(native, "OPS", (*native.OPS, "an_op_of_tomorrow"))
+    why = native._load()
+    assert why is not None and "lacks an_op_of_tomorrow" in why and "make setup" in why
