@@ -6,8 +6,9 @@ the same ForwardRequest bytes, without HTTP/2 framing, flow control and gRPC's p
 reflection) and the path between hosts.
 
 The socket lives in a directory only the fleet's user can enter (the launcher makes it, mode 0700) and is
-itself mode 0600. Each connection gets a thread that answers its frames in order; a frame over the size limit
-or broken framing closes that connection alone. At most `max_connections` are served at once (beyond, a new
+itself mode 0600. Each connection gets a thread that answers its frames in order and one that reads them in
+meanwhile (so both directions flow at once); a frame over the size limit or broken framing closes that
+connection alone. At most `max_connections` are served at once (beyond, a new
 connection is answered RESOURCE_EXHAUSTED and closed).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 from collections.abc import Callable
@@ -65,20 +67,36 @@ class LocalServer:
             threading.Thread(target=self._serve, args=(conn,), name="local-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        """Answer the connection's frames in order, while a reader thread takes the next ones in: a router with
+        two micro-batches in flight writes a layer's request while this thread writes the other's reply, and
+        neither side may wait for the other to read (megabytes each way fill both sockets' buffers)."""
+        frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()     # at most a router's micro-batches
+        threading.Thread(target=self._read, args=(conn, frames), name="local-read", daemon=True).start()
         try:
-            while True:
-                _, payload = recv_frame(conn, self.limit)
+            while (payload := frames.get()) is not None:
                 status, reply = self.answer(payload)
                 send_frame(conn, status, reply)
+        except OSError:
+            pass                                          # the router went away mid-write
+        finally:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)           # the reader's recv returns: it ends too
+            except OSError:
+                pass
+            conn.close()
+            with self._lock:
+                self._open -= 1
+
+    def _read(self, conn: socket.socket, frames: queue.SimpleQueue[bytes | None]) -> None:
+        try:
+            while True:
+                frames.put(recv_frame(conn, self.limit)[1])
         except FrameError as exc:
             if "closed" not in str(exc):
                 log.warning("local connection dropped: %s", exc)
         except OSError:
-            pass                                          # the router went away mid-write
-        finally:
-            conn.close()
-            with self._lock:
-                self._open -= 1
+            pass                                          # closed under it
+        frames.put(None)
 
     def close(self) -> None:
         self._closed.set()

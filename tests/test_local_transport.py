@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import stat
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -95,3 +96,16 @@ def test_bad_frames_on_a_workers_socket_are_refused_and_it_serves_on(oracles, tm
         p.terminate()
         p.wait(timeout=30)
     assert not path.exists(), "a stopped worker leaves its socket behind"
+
+
+def test_two_micro_batches_of_large_steps_flow_both_ways_on_the_socket(oracles):
+    """With two micro-batches in flight the router sends one layer's request while the worker still writes the
+    other's reply: megabytes each way at once on one socket (a step of 3840 prompt tokens). A worker that read
+    only between its replies deadlocked there (both sides blocked writing); it reads on while it answers."""
+    oracle = oracles["qwen3_moe"]
+    prompts = [[(7 * i + 3 * j) % 256 for j in range(480)] for i in range(8)]
+    with fleet(oracle.path, 2, ["--micro-batches", "2", "--max-num-tokens", "4096"]) as (addr, _):
+        client = Client(addr)
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: client.generate(p, 2, timeout=60).token_ids, prompts))
+    assert [got[i] for i in (0, 5)] == [oracle.greedy(prompts[i], 2) for i in (0, 5)]
