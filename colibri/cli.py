@@ -33,7 +33,7 @@ from router_service.options import RouterOptions
 def _serve(opts: ServeOptions) -> int:
     from colibri.launcher import serve
 
-    return serve(opts)
+    return serve(opts, main)                   # the children run `main` too (forked: colibri/fork.py)
 
 
 def _router(opts: RouterOptions) -> int:

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 PR_SET_PDEATHSIG = 1
 # What a service child runs, imported once in the parent. Triton stays out: TRITON_INTERPRET is read when
@@ -129,11 +129,14 @@ def exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def become(argv: list[str], env: Mapping[str, str], fds: tuple[int, int, int],
+Entry = Callable[[list[str]], int]     # `colibri ARGV...` in this process (colibri.cli.main, handed in by its caller)
+
+
+def become(argv: list[str], env: Mapping[str, str], fds: tuple[int, int, int], entry: Entry,
            close: tuple[io.IOBase, ...] = ()) -> None:
-    """In a freshly forked child: become `colibri ARGV...` on stdin / stdout / stderr = `fds` (closed once
-    duplicated), with the parent's files `close` closed, then exit with its code. Never returns (the
-    parent's stack below this frame is not unwound)."""
+    """In a freshly forked child: become `colibri ARGV...` (`entry(argv)`) on stdin / stdout / stderr = `fds`
+    (closed once duplicated), with the parent's files `close` closed, then exit with its code. Never returns
+    (the parent's stack below this frame is not unwound)."""
     rc = 1
     try:
         for sig in _SIGNALS:
@@ -158,9 +161,7 @@ def become(argv: list[str], env: Mapping[str, str], fds: tuple[int, int, int],
         _set_title(" ".join(sys.argv))             # first: it needs the environment block as the kernel laid it
         os.environ.clear()
         os.environ.update(env)
-        from colibri.cli import main
-
-        rc = main(argv)
+        rc = entry(argv)
     except SystemExit as exc:                       # argparse's usage errors, --help
         rc = exit_code(exc)
     except KeyboardInterrupt:
@@ -190,11 +191,11 @@ def _set_title(title: str) -> None:
         pass
 
 
-def fork_command(argv: list[str], env: Mapping[str, str], stdout_pipe: bool = True, new_group: bool = False,
-                 die_with_parent_sig: int | None = signal.SIGTERM, close: tuple[io.IOBase, ...] = ()
-                 ) -> ForkedChild:
-    """Fork `colibri ARGV...` (stdin /dev/null, stdout a pipe when asked, stderr shared; the parent's files
-    `close` closed in the child); call it from the main thread. Signals are held across the fork, so one
+def fork_command(argv: list[str], env: Mapping[str, str], entry: Entry, stdout_pipe: bool = True,
+                 new_group: bool = False, die_with_parent_sig: int | None = signal.SIGTERM,
+                 close: tuple[io.IOBase, ...] = ()) -> ForkedChild:
+    """Fork `colibri ARGV...` run by `entry` (stdin /dev/null, stdout a pipe when asked, stderr shared; the
+    parent's files `close` closed in the child); call it from the main thread. Signals are held across the fork, so one
     that arrives before the child has its own handlers is not taken by the parent's."""
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -215,7 +216,7 @@ def fork_command(argv: list[str], env: Mapping[str, str], stdout_pipe: bool = Tr
                 die_with_parent(die_with_parent_sig)
             if r >= 0:
                 os.close(r)
-            become(argv, env, (devnull, w if w >= 0 else 1, 2), close)
+            become(argv, env, (devnull, w if w >= 0 else 1, 2), entry, close)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
     os.close(devnull)

@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
-from colibri.fork import FRONT_MODULES, SERVICE_MODULES, ForkedChild, die_with_parent, fork_command, preload
+from colibri.cores import split_threads
+from colibri.fork import FRONT_MODULES, SERVICE_MODULES, Entry, ForkedChild, die_with_parent, fork_command, preload
 from colibri.openai_api.options import OpenAIOptions
 from colibri_common.config import ModelConfig
 from colibri_common.options import option, shared_fields, to_argv
@@ -53,11 +54,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def split_threads(cores: int, workers: int) -> tuple[int, int]:
-    """Router and workers take turns within a step, so each may use the cores it would share."""
-    return max(1, cores), max(1, cores // max(1, workers))
 
 
 @dataclass(frozen=True)
@@ -154,10 +150,11 @@ def child_argv(command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions
 
 
 class Fleet:
-    def __init__(self, forks: bool = False) -> None:
+    def __init__(self, forks: bool = False, entry: Entry | None = None) -> None:
         self.children: list[Child] = []
         self.stopping = threading.Event()
         self.forks = forks
+        self.entry = entry                  # what a forked child runs: colibri.cli.main, handed in by the CLI
         # SimpleQueue: its put is reentrant, so a signal handler on the main thread may wake `serve_calls`
         self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
 
@@ -176,7 +173,8 @@ class Fleet:
                 raise RuntimeError("the fleet is stopping")
             if self.forks:                          # the other children's pipes are none of its business
                 others = tuple(c.stdout for c in self.children if c.stdout is not None and not c.stdout.closed)
-                p: Child = fork_command(argv, env, new_group=True, close=others)
+                assert self.entry is not None, "a forking fleet needs the CLI's entry point"
+                p: Child = fork_command(argv, env, self.entry, new_group=True, close=others)
             else:
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
                                      preexec_fn=die_with_parent, process_group=0)
@@ -245,24 +243,24 @@ class Fleet:
                     p.wait()
 
 
-def serve(opts: ServeOptions) -> int:
+def serve(opts: ServeOptions, entry: Entry) -> int:
     """Run the fleet until a signal (or a fatal failure); its workers' same-host sockets live in a directory of
-    their own (mode 0700), removed when the fleet stops."""
+    their own (mode 0700), removed when the fleet stops. `entry` is what forked children run (colibri.cli.main)."""
     sockets = Path(tempfile.mkdtemp(prefix="colibri-fleet-"))
     try:
-        return _serve(opts, sockets)
+        return _serve(opts, sockets, entry)
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
 
 
-def _serve(opts: ServeOptions, sockets: Path) -> int:
+def _serve(opts: ServeOptions, sockets: Path, entry: Entry) -> int:
     from colibri_common.serving import setup_logging
 
     setup_logging("serve", opts.router.log_level)
     n = opts.workers
     cores = opts.router.threads or len(os.sched_getaffinity(0))
     router_threads, worker_threads = split_threads(cores, n)
-    fleet = Fleet(forks=opts.forks)
+    fleet = Fleet(forks=opts.forks, entry=entry)
     stop_signal = threading.Event()
 
     def stop_now() -> None:

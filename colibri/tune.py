@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from colibri.launcher import split_threads
+from colibri.cores import split_threads
 from colibri_common.options import DTYPES, QUANTIZE, option
 
 

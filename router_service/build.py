@@ -65,9 +65,7 @@ class BuiltEngine:
         process's batch invariance ends with the engine that set it."""
         self.engine.stop()
         set_batch_invariant(False)
-        close = getattr(self.experts, "close", None)
-        if close is not None:
-            close()
+        self.experts.close()
 
 
 def compute_dtype(requested: torch.dtype, device: torch.device | None = None) -> torch.dtype:

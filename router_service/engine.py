@@ -43,7 +43,7 @@ class Engine:
         self.model, self.kv, self.scheduler, self.experts = model, kv, scheduler, experts
         self.micro_batches = micro_batches
         self.window = model.cfg.sliding_window if model.cfg.sliding_layers else 0   # sliding layers' masks
-        self.metrics = Metrics(sources=[experts] if hasattr(experts, "metric_families") else [])
+        self.metrics = Metrics(sources=[experts])
         self.phase = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "postprocess": 0.0}  # seconds
         self.metrics.gauges.update({
             "kv_cache_blocks_total": scheduler.alloc.num_blocks, "kv_cache_blocks_free": scheduler.alloc.num_free,
@@ -285,7 +285,7 @@ class Engine:
                 "kv_cache_usage_perc": 1 - sch.alloc.num_free / sch.alloc.num_blocks,
                 "batch_size": len(batch), "batch_tokens": sum(s.num_new for s in batch),
             })
-            m.phases = dict(self.phase, **getattr(self.experts, "timers", {}))
+            m.phases = dict(self.phase, **self.experts.timers)
             for name in ("batch_size", "batch_tokens"):
                 m.gauges[name + "_max"] = max(m.gauges.get(name + "_max", 0), m.gauges[name])
 

@@ -49,11 +49,33 @@ Prefetch = tuple[int, list[int]]          # (the next MoE layer, the global expe
 
 
 class Experts(Protocol):
-    """Σ_k w_k · FFN_{e_k}(x) per token for one MoE layer, maybe computed elsewhere. `prefetch`, when given,
-    is the router's prediction for the next MoE layer: the experts' holders may pack them ahead."""
+    """Σ_k w_k · FFN_{e_k}(x) per token for one MoE layer, maybe computed elsewhere, and everything the engine,
+    the router's build and its server ask of them. `prefetch`, when given, is the router's prediction for the
+    next MoE layer: the experts' holders may pack them ahead."""
+
+    timers: dict[str, float]       # seconds by phase (wait, expert_compute, dispatch); empty where none are kept
 
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                prefetch: Prefetch | None = None) -> Handle: ...
+
+    def metric_families(self) -> Iterator[Metric]:
+        """Their own Prometheus families (per worker: rows, liveness, bans); none in-process."""
+        ...
+
+    def watch(self, on_change: Callable[[bool], None]) -> None:
+        """Call on_change(ok) whenever every expert gains (ok) or loses a live holder; in-process never."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Shard(Protocol):
+    """What LocalExperts needs of the experts it holds (expert_service.shard.ExpertShard)."""
+
+    def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor: ...
+
+    def hint(self, layer: int, experts: list[int]) -> None: ...
 
 
 class Ready:
@@ -70,17 +92,28 @@ class Ready:
 
 
 class LocalExperts:
-    """Every expert in the router's own process: no gRPC. `shard` is anything with the worker's `forward`."""
+    """Every expert in the router's own process: no gRPC, no phases timed, no metrics of their own, always
+    ready; closing them leaves the shard to its owner."""
 
-    def __init__(self, shard) -> None:
+    def __init__(self, shard: Shard) -> None:
         self.shard = shard
+        self.timers: dict[str, float] = {}
 
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                prefetch: Prefetch | None = None) -> Ready:
         out = self.shard.forward(layer, hidden, ids, weights).to(hidden.dtype)
-        if prefetch is not None and hasattr(self.shard, "hint"):
+        if prefetch is not None:
             self.shard.hint(*prefetch)
         return Ready(out)
+
+    def metric_families(self) -> Iterator[Metric]:
+        return iter(())
+
+    def watch(self, on_change: Callable[[bool], None]) -> None:
+        pass                                       # every expert is here: readiness never changes
+
+    def close(self) -> None:
+        pass
 
 
 class ExpertsUnavailable(Exception):

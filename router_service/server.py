@@ -240,9 +240,8 @@ def serve_router(opts: RouterOptions) -> None:
         mport = built.engine.metrics.serve(opts.host, opts.metrics_port)
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     log.info("router loaded in %.2fs", time.perf_counter() - t0)
-    watch = getattr(built.experts, "watch", None)
-    if watch is not None:       # readiness follows the workers: NOT_SERVING while an expert has no live worker
-        watch(lambda ok: service.set_serving(ok and not built.engine.draining))
+    # readiness follows the workers: NOT_SERVING while an expert has no live worker
+    built.experts.watch(lambda ok: service.set_serving(ok and not built.engine.draining))
     service.ready(opts.host, bound)
     service.run_until_signal(drain=lambda: _drain(built, opts.grace_period), on_stop=built.close)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from colibri.cli import main
 from colibri.fork import FRONT_MODULES, SERVICE_MODULES, Signalled, become, die_with_parent, preload
 
 PIPE, DEVNULL = subprocess.PIPE, subprocess.DEVNULL
@@ -109,7 +110,7 @@ def _start(conn: socket.socket, listener: socket.socket, others: list[socket.soc
         os.close(wake_w)
         die_with_parent(signal.SIGTERM)
         os.chdir(req["cwd"])
-        become(req["argv"], req["env"], (fds[0], fds[1], fds[2]))
+        become(req["argv"], req["env"], (fds[0], fds[1], fds[2]), main)
     for fd in fds:
         os.close(fd)
     running[pid] = conn

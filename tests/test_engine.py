@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from router_service.experts import LocalExperts
 from router_service.moe_transport import WorkerError
 from router_service.scheduler import SchedulerConfig
 from tests.inprocess import InProcess
@@ -100,10 +101,11 @@ def test_preemption_recomputes_with_identical_tokens(oracles):
         assert (r.finish_reason, r.token_ids) == ("length", oracle.greedy(p, 14))
 
 
-class FailOnce:
+class FailOnce(LocalExperts):
     """Experts that raise once on the given layer, then compute normally."""
 
-    def __init__(self, inner, exc: Exception) -> None:
+    def __init__(self, inner: LocalExperts, exc: Exception) -> None:
+        super().__init__(inner.shard)
         self.inner, self.exc, self.armed = inner, exc, threading.Event()
 
     def submit(self, layer, hidden, ids, weights, prefetch=None):
