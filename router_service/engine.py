@@ -45,9 +45,7 @@ class Engine:
         self.window = model.cfg.sliding_window if model.cfg.sliding_layers else 0   # sliding layers' masks
         self.metrics = Metrics(sources=[experts])
         self.phase = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "postprocess": 0.0}  # seconds
-        self.metrics.gauges.update({
-            "kv_cache_blocks_total": scheduler.alloc.num_blocks, "kv_cache_blocks_free": scheduler.alloc.num_free,
-            "num_requests_running": 0, "num_requests_waiting": 0})
+        self.metrics.gauges.update(self._occupancy())
         self.eos = frozenset(eos_token_ids)
         self.sampler = Sampler(self.eos)
         self.outputs: dict[int, queue.SimpleQueue[Event]] = {}     # by Sequence.uid (a request's choices share one)
@@ -251,7 +249,7 @@ class Engine:
         for seq in self._forks.pop(first.uid):
             if self.seqs.get(seq.uid) is not seq:       # aborted while it waited
                 continue
-            seq.block_table = self.scheduler.alloc.share(first.block_table[:shared])
+            seq.block_table = self.scheduler.share_blocks(first.block_table[:shared])
             seq.num_cached = shared * self.kv.block_size
             self.scheduler.add_fork(seq)
             with self.metrics.lock:
@@ -270,6 +268,14 @@ class Engine:
                 s.seq.experts = frozenset(j * E + e for j, es in zip(self.model.moe_layers, layers,
                                                                        strict=True) for e in es)
 
+    def _occupancy(self) -> dict[str, float]:
+        """The gauges of what the engine holds (KV blocks, requests), the same wherever they are refreshed: at
+        start, after each step and when a request leaves (a cancel or an abort between steps included)."""
+        total, free = self.scheduler.kv_blocks()
+        return {"kv_cache_blocks_total": total, "kv_cache_blocks_free": free, "kv_cache_usage_perc": 1 - free / total,
+                "num_requests_running": len(self.scheduler.running),
+                "num_requests_waiting": len(self.scheduler.waiting)}
+
     def _update_metrics(self, step: Step, seconds: float) -> None:
         m, sch, batch = self.metrics, self.scheduler, step.scheduled
         with m.lock:
@@ -279,12 +285,7 @@ class Engine:
             m.preemptions = sch.num_preemptions
             m.micro_batch_overlaps = self.model.overlaps
             m.prefetch_predicted, m.prefetch_right = self.model.predicted, self.model.predicted_right
-            m.gauges.update({
-                "num_requests_running": len(sch.running), "num_requests_waiting": len(sch.waiting),
-                "kv_cache_blocks_total": sch.alloc.num_blocks, "kv_cache_blocks_free": sch.alloc.num_free,
-                "kv_cache_usage_perc": 1 - sch.alloc.num_free / sch.alloc.num_blocks,
-                "batch_size": len(batch), "batch_tokens": sum(s.num_new for s in batch),
-            })
+            m.gauges.update(self._occupancy(), batch_size=len(batch), batch_tokens=sum(s.num_new for s in batch))
             m.phases = dict(self.phase, **self.experts.timers)
             for name in ("batch_size", "batch_tokens"):
                 m.gauges[name + "_max"] = max(m.gauges.get(name + "_max", 0), m.gauges[name])
@@ -323,9 +324,7 @@ class Engine:
             self.metrics.e2e.observe(time.monotonic() - seq.arrival)
         with self.metrics.lock:
             self.metrics.requests[reason.value] += 1
-            self.metrics.gauges["kv_cache_blocks_free"] = self.scheduler.alloc.num_free
-            self.metrics.gauges["num_requests_running"] = len(self.scheduler.running)
-            self.metrics.gauges["num_requests_waiting"] = len(self.scheduler.waiting)
+            self.metrics.gauges.update(self._occupancy())
         self.outputs.pop(seq.uid).put(last)
         del self.seqs[seq.uid]
         group = self.by_request_id.get(seq.request_id)

@@ -68,6 +68,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
+    def kv_blocks(self) -> tuple[int, int]:
+        """(total, free) KV cache blocks."""
+        return self.alloc.num_blocks, self.alloc.num_free
+
+    def share_blocks(self, table: list[int]) -> list[int]:
+        """Another reference to these blocks: a parallel-sampling sibling takes its first's prompt blocks."""
+        return self.alloc.share(table)
+
     def add(self, seq: Sequence, siblings: int = 0) -> None:
         """Queue a new request; `siblings` more of its choices will join later (`add_fork`), counted now."""
         if len(self.waiting) + siblings >= self.cfg.max_waiting:

@@ -69,6 +69,7 @@ def test_cancellation_frees_the_kv_cache_at_once(oracles):
             assert time.monotonic() < deadline, f"KV cache not freed: {m}"
             time.sleep(0.1)
         assert m['colibri:request_success_total{finished_reason="abort"}'] == 3
+        assert m["colibri:kv_cache_usage_perc"] == 0.0            # refreshed by the cancels, not by a next step
         assert len(client.generate([1, 2, 3], 4).token_ids) == 4   # still serving
 
 
