@@ -21,7 +21,7 @@ def logits(path, dtype: str, fused: bool) -> list[bytes]:
         engine.engine.model.fused_attention = fused
         runs = [engine.submit(p, 7, return_logits=True) for p in prompts]
         results = [engine.collect(r) for r in runs]
-    return [b"".join(x.numpy().tobytes() for x in r.logits) + bytes(r.token_ids) for r in results]
+    return [b"".join(x.numpy().tobytes() for x in r.logits) + repr(r.token_ids).encode() for r in results]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
