@@ -38,7 +38,7 @@ demo: setup
 # kernels (tests/other_isa.py: AVX2 on an AVX-512 machine, torch's portable kernels and the generic native build
 # on an AVX2 one), so no test assumes the developer's ISA.
 TEST_WORKERS ?= 2
-ISA_TESTS := tests/kernels tests/test_cpu_forms.py tests/test_e2e_oracle.py tests/test_quantize.py \
+ISA_TESTS := tests/kernels tests/test_e2e_oracle.py tests/test_quantize.py \
 	tests/test_same_tokens.py
 test: setup
 	$(VENV)/bin/lint-imports --no-cache

@@ -15,7 +15,7 @@ import torch
 
 from colibri_common.forms_file import cpu_isa, cpu_model, default_path, in_force
 from colibri_common.heap import skip_exit_collection
-from kernels.cpu_tune import CANDIDATES
+from kernels import CANDIDATES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

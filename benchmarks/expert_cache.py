@@ -38,7 +38,7 @@ from benchmarks.serving import COLIBRI, PY, peak_rss
 from benchmarks.skewed_model import ensure_skewed_model, topic_prompts
 from colibri.loadgen import grpc_stream, measure
 from colibri_common.config import ModelConfig
-from router_service.metrics import parse
+from router_service.engine.metrics import parse
 
 RESULTS = Path(__file__).resolve().parent / "results" / "expert_cache.md"
 HEAT = "heat"      # the configurations that write (the one before last) and read (the last) a heat file

@@ -8,35 +8,21 @@ import time
 
 T_START = time.perf_counter()
 
-import torch  # noqa: E402
-
 from benchmarks.common import engine_args, finish  # noqa: E402
+from colibri import LLM  # noqa: E402
 from colibri.loadgen import measure, random_prompts  # noqa: E402
-from colibri_common.checkpoint import Checkpoint  # noqa: E402
-from expert_service.shard import ExpertShard  # noqa: E402
-from router_service.build import build_engine  # noqa: E402
-from router_service.events import Failed, Finished, Tokens  # noqa: E402
-from router_service.experts import LocalExperts  # noqa: E402
-from router_service.options import RouterOptions  # noqa: E402
-from router_service.sequence import Sampling, Sequence  # noqa: E402
+from router_service.engine.events import Failed, Finished, Tokens  # noqa: E402
+from router_service.engine.sequence import Sampling, Sequence  # noqa: E402
 
 
 def main() -> None:
     args = engine_args([("--micro-batches", {"type": int, "default": 1})])
-    dtype = getattr(torch, args.dtype)
-    opts = RouterOptions(model=args.model, dtype=args.dtype, micro_batches=args.micro_batches, device=args.device)
-
-    def experts(cfg, device) -> LocalExperts:
-        shard = ExpertShard(cfg, Checkpoint(args.model), 0, 1, dtype, device=device, in_place=True)  # as a worker
-        shard.loaded()
-        return LocalExperts(shard)
-
-    router = build_engine(opts, experts)
-    router.engine.start()
+    llm = LLM(args.model, 0, dtype=args.dtype, micro_batches=args.micro_batches, device=args.device)
+    engine = llm.engine
     cold = time.perf_counter() - T_START
 
     def stream(prompt: list[int], max_tokens: int, rid: str):
-        q = router.engine.submit(Sequence(rid, prompt, Sampling(max_tokens=max_tokens, ignore_eos=True)))
+        q = engine.submit(Sequence(rid, prompt, Sampling(max_tokens=max_tokens, ignore_eos=True)))
         while True:
             ev = q.get()
             if isinstance(ev, Tokens):
@@ -48,12 +34,12 @@ def main() -> None:
 
     rows = {}
     for c in (int(s) for s in args.streams.split(",")):
-        prompts = random_prompts(c, args.prompt_len, router.cfg.vocab_size, seed=0)
+        prompts = random_prompts(c, args.prompt_len, llm.built.cfg.vocab_size, seed=0)
         measure(stream, prompts[:1], 1, 2, tag=f"warm{c}")
         r = measure(stream, prompts, c, args.max_tokens, tag=f"c{c}")
         rows[c] = {k: getattr(r, k) for k in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                                               "itl_p99_ms", "requests_failed")}
-    router.engine.stop()
+    llm.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"cold_start_s": cold, "rows": rows, "peak_rss": [peak]}))
 

@@ -14,9 +14,8 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table, time_fn
-from colibri_common.forms_file import FormsFile, resolve
-from kernels import fused_moe, topk_route
-from kernels.cpu_tune import CANDIDATES, MoeShape, tune
+from colibri_common.forms_file import tune_forms
+from kernels import MoeShape, fused_moe, topk_route
 
 H, I, E, K = 1024, 512, 64, 8
 
@@ -53,9 +52,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     tokens = [int(t) for t in args.tokens.split(",")]
     # the CPU forms a worker of this machine would use for these shapes (measured once, kept in the forms file)
-    forms = FormsFile(resolve("auto"), CANDIDATES)
-    tune([(2 * I, H, k) for k in ("float32", "bfloat16")] + [(H, I, k) for k in ("float32", "bfloat16")],
-         forms.forms, forms.save, moe=[MoeShape(E, I, H, K, k) for k in ("float32", "bfloat16")])
+    tune_forms("auto", [(2 * I, H, k) for k in ("float32", "bfloat16")] + [(H, I, k) for k in ("float32", "bfloat16")],
+               moe=[MoeShape(E, I, H, K, k) for k in ("float32", "bfloat16")])
     bw = read_bandwidth_gbs()
     g = torch.Generator().manual_seed(0)
     w13_32 = torch.randn(E, 2 * I, H, generator=g) * 0.02

@@ -23,9 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table, time_fn
-from kernels import fused_moe, native, quantize_int8, topk_route
-from kernels.cpu_forms import FORMS
-from kernels.quant import Int8Weight
+from kernels import FORMS, Int8Weight, fused_moe, fused_moe_cpu, native, quantize_int8, topk_route
 
 H, I, E, K = 1024, 512, 64, 8
 LINEARS = {"qkv": (1536, 1024), "o": (1024, 1024), "lm_head": (32000, 1024)}
@@ -69,9 +67,7 @@ def expert_rows(kind: str, tokens: list[int], g: torch.Generator, torch_too: boo
         s = time_fn(lambda cyc=cyc: fused_moe(*cyc.next()), min_runs=10, min_seconds=0.5)
         ref = ""
         if torch_too:                                  # the torch forms on the same calls (Colibri before)
-            from kernels import cpu_moe
-
-            ref_s = time_fn(lambda cyc=cyc: cpu_moe.fused_moe_cpu(*cyc.next(), form="loop"), min_runs=5,
+            ref_s = time_fn(lambda cyc=cyc: fused_moe_cpu(*cyc.next(), form="loop"), min_runs=5,
                             min_seconds=0.5)
             ref = f"{touched / ref_s / 1e9:.1f}"
         rows.append([f"experts {kind}", str(T), f"{touched / 2**20:.0f}", f"{s * 1e3:.2f}",

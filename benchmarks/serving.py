@@ -33,7 +33,7 @@ from benchmarks.llamacpp import add_peer_args, find_peer
 from benchmarks.llamacpp import measure as measure_llamacpp
 from colibri.loadgen import run_load
 from colibri_common.config import ModelConfig
-from router_service.metrics import parse
+from router_service.engine.metrics import parse
 
 PY = sys.executable
 COLIBRI = str(Path(PY).parent / "colibri")

@@ -32,14 +32,6 @@ def skewed_config(hidden: int = 1024, layers: int = 8, experts: int = 32, width:
                           bos_token_id=None, pad_token_id=None)
 
 
-def topic_of_token(token: int, vocab: int) -> int:
-    return token * TOPICS // vocab
-
-
-def topic_of_expert(expert: int) -> int:
-    return expert % TOPICS
-
-
 @torch.no_grad()
 def skew(model, seed: int = 0, embed: float = 4.0, gate: float = 1.0, head: float = 1.0) -> None:
     """Give `model` (a transformers Qwen3-MoE) the topic structure described above, in place."""

@@ -1,6 +1,13 @@
-"""What users run: the `colibri` CLI, the local launcher, the load generator, the Python client, the validator."""
+"""What users run: the `colibri` CLI, the local launcher, the load generator, the Python client, the validator,
+and the offline API: `from colibri import LLM, SamplingParams` (colibri/llm.py)."""
+
+from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from colibri.llm import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -8,3 +15,15 @@ __version__ = "0.1.0"
 # in flight gets "Other threads are currently calling into gRPC, skipping fork() handlers"); its errors
 # stay. Set before any gRPC import; a GRPC_VERBOSITY the user set wins.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+_OFFLINE = ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput")
+
+
+def __getattr__(name: str) -> object:
+    """The offline API loads torch and the services: imported on first use, so `colibri --help` stays quick."""
+    if name in _OFFLINE:
+        from colibri import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'colibri' has no attribute {name!r}")

@@ -27,7 +27,7 @@ from colibri_common.errors import ColibriError
 from colibri_common.heap import skip_exit_collection
 from colibri_common.options import Parser, add_options, from_args
 from expert_service.options import ExpertOptions
-from router_service.options import RouterOptions
+from router_service.api.options import RouterOptions
 
 
 def _serve(opts: ServeOptions) -> int:
@@ -37,7 +37,7 @@ def _serve(opts: ServeOptions) -> int:
 
 
 def _router(opts: RouterOptions) -> int:
-    from router_service.server import serve_router
+    from router_service.api.server import serve_router
 
     serve_router(opts)
     return 0

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 PR_SET_PDEATHSIG = 1
 # What a service child runs, imported once in the parent. Triton stays out: TRITON_INTERPRET is read when
 # a kernel is defined, so each child imports it under its own environment.
-SERVICE_MODULES = ("router_service.server", "expert_service.server")
+SERVICE_MODULES = ("router_service.api.server", "expert_service.server")
 FRONT_MODULES = ("colibri.openai_api.server",)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
 

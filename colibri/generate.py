@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from colibri_common.options import option
-from router_service.sequence import Sampling
+from router_service.engine.sequence import Sampling
 
 
 @dataclass(frozen=True)

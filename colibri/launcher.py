@@ -31,7 +31,7 @@ from colibri.openai_api.options import OpenAIOptions
 from colibri_common.config import ModelConfig
 from colibri_common.options import option, shared_fields, to_argv
 from expert_service.options import ExpertCacheOptions, ExpertOptions
-from router_service.options import RouterOptions
+from router_service.api.options import RouterOptions
 
 log = logging.getLogger("colibri.serve")
 SPAWNS = ("auto", "fork", "exec")

@@ -38,12 +38,11 @@ def run_tune(opts: TuneOptions) -> int:
 
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
-    from colibri_common.forms_file import FormsFile, resolve
+    from colibri_common.forms_file import tune_forms
     from expert_service.shard import expert_linear_shapes, expert_moe_shape
-    from kernels.cpu_forms import describe, weight_kind
-    from kernels.cpu_tune import CANDIDATES, tune
-    from router_service.build import compute_dtype
-    from router_service.weights import RouterWeights
+    from kernels import describe_forms, weight_kind
+    from router_service.api.build import compute_dtype
+    from router_service.model.weights import RouterWeights
 
     cfg = ModelConfig.from_dir(opts.model)
     router_threads, worker_threads = split_threads(opts.threads or len(os.sched_getaffinity(0)), opts.workers)
@@ -57,9 +56,8 @@ def run_tune(opts: TuneOptions) -> int:
              [expert_moe_shape(cfg, opts.workers, expert_kind)])]
     for role, threads, shapes, moe in jobs:
         torch.set_num_threads(threads)
-        forms = FormsFile(resolve(opts.cpu_forms), CANDIDATES, experts=role == "expert worker")
-        with forms.measuring():
-            measured = tune(shapes, forms.forms, forms.save, max_rows=opts.max_rows, moe=moe)
+        forms, measured = tune_forms(opts.cpu_forms, shapes, experts=role == "expert worker", moe=moe,
+                                     max_rows=opts.max_rows)
         print(f"{role} ({threads} threads): {forms.summary(measured)}")
-        print(f"  {describe({k: forms.forms[k] for k in measured})}" if measured else "  nothing new to measure")
+        print(f"  {describe_forms({k: forms.forms[k] for k in measured})}" if measured else "  nothing new to measure")
     return 0

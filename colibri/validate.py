@@ -73,7 +73,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
     from colibri_common.placement import replica_experts
     from colibri_common.tensors import router_tensors
     from colibri_common.tokenizer import Tokenizer
-    from kernels.cpu_tune import CANDIDATES
+    from kernels import CANDIDATES
 
     cfg = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from colibri_common import mxfp4
 from colibri_common.errors import CheckpointError
-from colibri_common.fp8 import SCALE_SUFFIX, Fp8Format, dequantize
+from colibri_common.fp8 import Fp8Format
+from kernels import fp8, mxfp4
 
 _ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F32": (torch.float32, 4),
@@ -188,14 +188,17 @@ class Checkpoint:
         t = self.view(name, shape)
         if t.dtype != torch.float8_e4m3fn:
             return t if index is None else t[index]
-        scales = name + SCALE_SUFFIX
+        scales = name + fp8.SCALE_SUFFIX
         if self.fp8 is None or scales not in self.entries:
             raise CheckpointError(f"{self.entry(name).file}: tensor '{name}' is FP8 but "
                                   + ("config.json has no fp8 quantization_config" if self.fp8 is None
                                      else f"its scales '{scales}' are missing"))
         s = self.view(scales)
         w, s = (t, s) if index is None else (t[index], s[index])
-        return dequantize(w, s, self.fp8.block)
+        try:
+            return fp8.dequantize(w, s, self.fp8.block)
+        except ValueError as exc:
+            raise CheckpointError(f"{self.entry(name).file}: '{name}': {exc}") from exc
 
     def mxfp4(self, blocks: str, scales: str, index: int | None = None) -> torch.Tensor:
         """An MXFP4 weight's float32 values [R, C] (slice `index` of the layer's experts), from its blocks and
@@ -205,13 +208,13 @@ class Checkpoint:
             b, s = b[index], s[index]
         try:
             return mxfp4.dequantize(b, s)
-        except CheckpointError as exc:
+        except ValueError as exc:
             raise CheckpointError(f"{self.entry(blocks).file}: '{blocks}': {exc}") from exc
 
     def check_fp8(self, name: str) -> None:
         """An FP8 weight's block scales exist with the shape its blocks need (headers only)."""
         e = self.entry(name)
-        scales = name + SCALE_SUFFIX
+        scales = name + fp8.SCALE_SUFFIX
         if self.fp8 is None:
             raise CheckpointError(f"{e.file}: tensor '{name}' is FP8 but config.json has no fp8 "
                                   f"quantization_config")

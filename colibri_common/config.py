@@ -34,7 +34,7 @@ class ArchSpec:
     scoring: str = "softmax"       # router scores: "softmax" | "sigmoid" (kernels/routing.py)
     routing_bias: str | None = None  # the choice-only correction bias inside the MoE block, if the model has one
     group_score: str = "max"       # group-limited routing: a group's score ("max" | "top2")
-    router_fp32: bool = False      # the gate computes in float32 whatever the compute dtype (as transformers)
+    gate_fp32: bool = False      # the gate computes in float32 whatever the compute dtype (as transformers)
     attention: str = "mha"         # "mha" (grouped-query) | "mla" (DeepSeek's latent attention, a latent KV cache)
     renormalize: bool | None = None  # fixed by the architecture (DeepSeek-V2 never renormalises); None: config
     groups_when: tuple[str, str] | None = None      # (key, value): group-limited routing only when key == value
@@ -77,14 +77,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
         qk_norm="head", qk_norm_key="use_qk_norm", o_proj_bias=False, experts_key=("n_routed_experts",),
         shared_experts_key="n_shared_experts", shared_prefix="shared_experts", dense_first_key="first_k_dense_replace",
-        scoring="sigmoid", routing_bias="gate.e_score_correction_bias", group_score="top2", router_fp32=True,
+        scoring="sigmoid", routing_bias="gate.e_score_correction_bias", group_score="top2", gate_fp32=True,
         norm_topk_default=True,
         defaults=(("partial_rotary_factor", 0.5), ("n_shared_experts", 1), ("first_k_dense_replace", 1)),
     ),
     "DeepseekV2ForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"), o_proj_bias=False,
         experts_key=("n_routed_experts",), shared_experts_key="n_shared_experts", shared_prefix="shared_experts",
-        dense_first_key="first_k_dense_replace", router_fp32=True, attention="mla", renormalize=False,
+        dense_first_key="first_k_dense_replace", gate_fp32=True, attention="mla", renormalize=False,
         groups_when=("topk_method", "group_limited_greedy"),
         allowed=(("topk_method", ("greedy", "group_limited_greedy")), ("scoring_func", (None, "softmax")),
                  ("moe_layer_freq", (None, 1)), ("mlp_bias", (None, False))),
@@ -94,7 +94,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"), o_proj_bias=False,
         experts_key=("n_routed_experts",), shared_experts_key="n_shared_experts", shared_prefix="shared_experts",
         dense_first_key="first_k_dense_replace", scoring="sigmoid", routing_bias="gate.e_score_correction_bias",
-        group_score="top2", router_fp32=True, attention="mla", norm_topk_default=True,
+        group_score="top2", gate_fp32=True, attention="mla", norm_topk_default=True,
         allowed=(("topk_method", (None, "noaux_tc")), ("scoring_func", (None, "sigmoid")),
                  ("moe_layer_freq", (None, 1))),
         defaults=(("n_shared_experts", 1), ("routed_scaling_factor", 2.5), ("n_group", 8), ("topk_group", 4),

@@ -25,10 +25,12 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+
+from kernels import BUCKETS, CANDIDATES, MoeShape, tune
 
 log = logging.getLogger("colibri")
 
@@ -200,3 +202,15 @@ def in_force(path: Path | None, candidates: str = "") -> list[str]:
         out += [f"  rejected {k.removeprefix('reject:')}: {why}" for k, why in sorted(table.items())
                 if k.startswith("reject:")]
     return out
+
+
+def tune_forms(setting: str, shapes: Iterable[tuple[int, int, str]], *, experts: bool = False,
+               moe: Iterable[MoeShape] = (), max_rows: int = BUCKETS[-1]) -> tuple[FormsFile, list[str]]:
+    """The one way a router, a worker and `colibri tune` settle their CPU forms: those of the forms file named by
+    `setting` (`--cpu-forms`: a path, 'auto' or 'off'), checked, and what it lacks measured now, one process of
+    the machine at a time, then installed. `experts`: the workers' section; `moe`: their fused MoE shapes.
+    Returns the file and the keys measured now (for `FormsFile.summary`)."""
+    forms = FormsFile(resolve(setting), CANDIDATES, experts=experts)
+    with forms.measuring():
+        measured = tune(shapes, forms.forms, forms.save, max_rows=max_rows, moe=moe, timed=forms.path is not None)
+    return forms, measured

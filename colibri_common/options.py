@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
-QUANTIZE = ("int8", "w8a8")         # as kernels.quant.QUANTIZE_MODES (this module stays torch-free)
+QUANTIZE = ("int8", "w8a8")         # as kernels.formats.int8.QUANTIZE_MODES (this module stays torch-free)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEVICE_SYNTAX = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -69,8 +69,8 @@ class ServiceOptions:
                                 metavar="PATH")
     batch_invariant: bool = option(False, "a request's tokens do not depend on what else is in its batch or when "
                                           "it arrived: every token's row is computed alone (one-row kernels, "
-                                          "attention over its exact context), the MoE sum exactly; slower (see the "
-                                          "README). Router and workers must agree; CPU only")
+                                          "attention over its exact context), the MoE sum exactly; slower (see "
+                                          "docs/models.md). Router and workers must agree; CPU only")
     cpu_forms: str = option("auto", "JSON file of the CPU linear forms measured on this machine, written on the "
                                     "first start and reused after ('auto' = $COLIBRI_CACHE_DIR or "
                                     "~/.cache/colibri/cpu-forms.json; 'off' = built-in defaults, no measurement)",

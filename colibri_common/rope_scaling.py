@@ -1,5 +1,5 @@
 """RoPE scaling as a checkpoint's config.json gives it (transformers' rope_parameters / rope_scaling). Torch-free:
-router_service.layers.Rope computes the frequencies from it."""
+router_service.model.layers.Rope computes the frequencies from it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling as the config gives it (transformers' rope_parameters): computed by router_service.layers.Rope.
+    """RoPE scaling as the config gives it (transformers' rope_parameters), computed by the router's model.layers.Rope.
 
     linear: every frequency / factor. dynamic (NTK): transformers changes the base only past
     max_position_embeddings, which Colibri never serves, so it is the default RoPE here. yarn: frequencies

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Container
 
 from colibri_common.config import ModelConfig
-from colibri_common.mxfp4 import BLOCK as MXFP4_BLOCK  # values per block: 16 bytes of e2m1 pairs, one scale
+from kernels import mxfp4
 
 Spec = tuple[str, tuple[int, ...]]
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -84,7 +84,7 @@ def mlp_tensors(prefix: str, width: int, hidden: int, names: tuple[str, str, str
 
 def router_layer_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
     """Everything of one layer the router holds (all but the routed experts), by role: ln1, ln2, attention
-    roles; then `router` [E, H] (+ its logits' `gate_bias` [E], its choice-only `router_bias` [E], shared
+    roles; then `gate` [E, H] (+ its logits' `gate_bias` [E], its choice-only `gate_correction` [E], shared
     experts `shared.gate|up|down` and a shared expert's sigmoid gate `shared_gate` [1, H] where the
     architecture has them) in a MoE layer, or a dense MLP `mlp.gate|up|down`."""
     p = layer_prefix(layer)
@@ -94,11 +94,11 @@ def router_layer_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
     out |= attention_tensors(cfg, layer)
     if cfg.is_moe_layer(layer):
         moe = p + cfg.arch.moe_prefix + "."
-        out["router"] = (moe + cfg.arch.gate_name + ".weight", (cfg.num_experts, H))
+        out["gate"] = (moe + cfg.arch.gate_name + ".weight", (cfg.num_experts, H))
         if cfg.arch.gate_bias:
             out["gate_bias"] = (moe + cfg.arch.gate_name + ".bias", (cfg.num_experts,))
         if cfg.arch.routing_bias:
-            out["router_bias"] = (moe + cfg.arch.routing_bias, (cfg.num_experts,))
+            out["gate_correction"] = (moe + cfg.arch.routing_bias, (cfg.num_experts,))
         if cfg.shared_expert_intermediate_size:
             shared = mlp_tensors(moe + cfg.arch.shared_prefix + ".", cfg.shared_expert_intermediate_size, H)
             out |= {f"shared.{role}": spec for role, spec in shared.items()}
@@ -152,10 +152,10 @@ def mxfp4_expert_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
     first) and scales [.., Din / 32] uint8 (e8m0, 2^(s - 127)); gate_up rows alternate gate and up."""
     prefix = f"{layer_prefix(layer)}{cfg.arch.moe_prefix}.experts."
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    gh, gi = -(-H // MXFP4_BLOCK), -(-I // MXFP4_BLOCK)
-    return {"gate_up_blocks": (prefix + "gate_up_proj_blocks", (E, 2 * I, gh, MXFP4_BLOCK // 2)),
+    gh, gi = -(-H // mxfp4.BLOCK), -(-I // mxfp4.BLOCK)
+    return {"gate_up_blocks": (prefix + "gate_up_proj_blocks", (E, 2 * I, gh, mxfp4.BLOCK // 2)),
             "gate_up_scales": (prefix + "gate_up_proj_scales", (E, 2 * I, gh)),
-            "down_blocks": (prefix + "down_proj_blocks", (E, H, gi, MXFP4_BLOCK // 2)),
+            "down_blocks": (prefix + "down_proj_blocks", (E, H, gi, mxfp4.BLOCK // 2)),
             "down_scales": (prefix + "down_proj_scales", (E, H, gi))}
 
 

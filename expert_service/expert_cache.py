@@ -33,8 +33,7 @@ from expert_service.cache_capacity import CacheCapacity
 from expert_service.cache_policy import Policy, make_policy
 from expert_service.cache_stats import CacheStats
 from expert_service.packing import pack_expert, will_need
-from kernels import SILU, GatedAct, fused_moe
-from kernels.cpu_forms import Weight
+from kernels import SILU, GatedAct, Weight, fused_moe
 
 log = logging.getLogger("colibri.expert")
 Key = tuple[int, int]                     # (layer, global expert id)

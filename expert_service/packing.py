@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from colibri_common import mxfp4
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import CheckpointError
-from colibri_common.fp8 import SCALE_SUFFIX
 from colibri_common.tensors import expert_bias_tensors, stored_expert_tensors
-from kernels.cpu_forms import Weight
-from kernels.fp8_weight import Fp8Weight
-from kernels.mxfp4_weight import Mxfp4Weight
+from kernels import Fp8Weight, Mxfp4Weight, Weight, fp8, mxfp4
 
 
 def pack_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, expert: int, w13: Weight, w2: Weight,
@@ -79,7 +75,7 @@ def _pack_fp8(cfg: ModelConfig, ckpt: Checkpoint, layout: str, t: dict[str, tupl
                                   f"are held in FP8: every expert weight must be FP8 (or serve --quantized-experts "
                                   f"dequantize)")
         ckpt.check_fp8(name)
-        v, sc = ckpt.view(name), ckpt.view(name + SCALE_SUFFIX)
+        v, sc = ckpt.view(name), ckpt.view(name + fp8.SCALE_SUFFIX)
         return (v, sc) if index is None else (v[index], sc[index])
 
     if layout == "per_expert":

@@ -10,29 +10,18 @@ import torch
 from google.protobuf.message import DecodeError
 
 from colibri_common import wire
-from colibri_common.checkpoint import Checkpoint
-from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging, device_scope, open_device
 from colibri_common.errors import ConfigError
-from colibri_common.forms_file import FormsFile
-from colibri_common.forms_file import resolve as resolve_forms
 from colibri_common.handlers import add_servicer
-from colibri_common.heap import return_free_heap
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
-from colibri_common.placement import replica_experts
 from colibri_common.serving import MAX_MESSAGE_BYTES, Service, setup_logging
 from colibri_common.tls import TlsFiles
-from expert_service.heat_file import heat_path
-from expert_service.heat_file import load as load_heat
-from expert_service.heat_file import save as save_heat
-from expert_service.kept_format import kept_format
+from expert_service.build import build_shard
 from expert_service.local_socket import LocalServer
 from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
-from expert_service.shard import ExpertShard, cache_setting
-from kernels import describe_backend, native
-from kernels.cpu_forms import batch_invariant, set_batch_invariant
-from kernels.cpu_tune import CANDIDATES, tune
+from expert_service.shard import ExpertShard
+from kernels import batch_invariant
 
 log = logging.getLogger("colibri.expert")
 SERVICE = "colibri.v1.ExpertWorker"
@@ -145,15 +134,10 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
 
 
 def serve_expert(opts: ExpertOptions) -> None:
-    shard, num_shards = opts.shard_index, opts.num_shards
     setup_logging(f"expert[{opts.shard}]", opts.log_level)
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
-    set_batch_invariant(opts.batch_invariant)
-    dtype = getattr(torch, opts.dtype)
     device = open_device(opts.device)
-    cfg = ModelConfig.from_dir(opts.model)
-    t0 = time.perf_counter()
     # Streams are capped (beyond the cap RESOURCE_EXHAUSTED), and the pool has threads beyond the cap, so
     # idle or slow streams can never leave a health check, Describe or unary Forward without a thread.
     service = Service(SERVICE, max_workers=opts.max_streams + 4)
@@ -166,41 +150,8 @@ def serve_expert(opts: ExpertOptions) -> None:
         raise ConfigError("a worker with TLS needs --tls-ca too: it accepts only callers whose certificate that "
                           "CA signed (mutual TLS)")
     bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(True))
-    ckpt = Checkpoint(opts.model)
-    c = opts.cache
-    kept = kept_format(cfg, ckpt, device, c.quantized_experts, opts.quantize)
-    if kept is not None:
-        log.info("experts held in %s as published, computed by the Triton kernels", kept.dtype_name)
-    cache = cache_setting(cfg, len(replica_experts(cfg.num_experts, shard, num_shards, opts.replicas)), dtype,
-                          opts.quantize, c.expert_cache_capacity, c.expert_cache_policy, c.expert_cache_half_life,
-                          c.expert_cache_host_capacity, kept)
-    experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
-                          quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache, kept=kept,
-                          in_place=c.experts_in_place == "auto")
-    forms = FormsFile(resolve_forms(opts.cpu_forms), CANDIDATES, experts=True)
-    if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
-        if native.refused_override():
-            raise ConfigError(native.refused_override())
-        log.info(native.describe())
-        with forms.measuring():
-            log.info(forms.summary(tune(experts.linear_shapes(), forms.forms, forms.save, moe=[experts.moe_shape()],
-                                        timed=forms.path is not None)))
-    experts.loaded()                            # packed experts need the mappings no more (unmapped)
-    experts.warm_up()                           # the kernels run here (compiled on a GPU), before ready
-    heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas)
-    if experts.cache is not None:
-        warm = experts.cache.preload(load_heat(heat, opts.model))
-        if warm:
-            log.info("packed the %d hottest experts of the last run (%s); the rest stay mapped", warm, heat)
-    return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
-    packed = "all packed" if c.experts_in_place == "off" else f"all packed, not in place: {experts.in_place_refusal}"
-    tier = "in place (mapped)" if experts.in_place else packed if experts.cache is None else (
-        f"expert cache of {experts.cache.hot.w13.shape[0]} slots ({opts.cache.expert_cache_capacity}, "
-        f"{opts.cache.expert_cache_policy}); the rest mapped")
-    log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB %s (%s) on %s, %s kernels, ready in %.2fs",
-             shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
-             experts.shard_bytes / 2**20, experts.weight_dtype, tier, device, describe_backend(device),
-             time.perf_counter() - t0)
+    built = build_shard(opts, device)
+    experts = built.experts
     servicer.staging = HostStaging(device)
     servicer.metrics.resident_bytes = experts.packed_bytes
     servicer.metrics.in_place_bytes = experts.shard_bytes if experts.in_place else 0
@@ -218,5 +169,4 @@ def serve_expert(opts: ExpertOptions) -> None:
     service.run_until_signal()
     if local is not None:
         local.close()
-    if experts.cache is not None:
-        save_heat(heat, opts.model, experts.cache.hottest())
+    built.keep_heat()

@@ -33,11 +33,21 @@ from expert_service.cache_capacity import CacheCapacity, parse_capacity
 from expert_service.expert_cache import ExpertCache
 from expert_service.kept_format import Kept
 from expert_service.packing import check_expert, expert_biases, pack_expert
-from kernels import ExpertRows, Fp8Weight, GatedAct, Mxfp4Weight, backend_for, fused_moe, native
-from kernels.cpu_forms import Weight, weight_kind
-from kernels.cpu_moe import native_serves
-from kernels.cpu_tune import MoeShape
-from kernels.quant import QUANTIZE_MODES, Int8Weight
+from kernels import (
+    QUANTIZE_MODES,
+    ExpertRows,
+    Fp8Weight,
+    GatedAct,
+    Int8Weight,
+    MoeShape,
+    Mxfp4Weight,
+    Weight,
+    backend_for,
+    fused_moe,
+    native,
+    native_serves,
+    weight_kind,
+)
 
 log = logging.getLogger("colibri.expert")
 

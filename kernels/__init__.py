@@ -1,4 +1,6 @@
-"""Fused MoE kernels behind one API: Triton on CUDA tensors, a vectorised torch path on CPU.
+"""The kernels' one API: everything outside `kernels/` imports from here, nothing deeper (a test checks it).
+
+Fused MoE and routing, Triton on CUDA tensors and the CPU forms (native or torch) on CPU tensors:
 
     fused_moe(x, w13, w2, topk_ids, topk_weights, expert_map=None, backend=None, out=None, act=SILU,
               b13=None, b2=None) -> [T, H]
@@ -7,6 +9,10 @@
 
 `backend=None` picks Triton for CUDA tensors and the torch path otherwise; COLIBRI_MOE_BACKEND=triton|torch
 overrides the automatic choice (with TRITON_INTERPRET=1 the Triton kernels run on CPU tensors).
+
+Also here: the small-M `linear` of the router and its CPU forms (`pick_rows`, `tune`, `install` through the
+forms file, `set_batch_invariant`), the weight formats (`int8`, `fp8`, `mxfp4` modules of kernels/formats/ and
+their weight classes), `native` (the C++ ops: `native.describe()`, `native.decoder_ops()`, ...).
 """
 
 from __future__ import annotations
@@ -15,13 +21,19 @@ import os
 
 import torch
 
+from kernels import native
 from kernels.activation import SILU, GatedAct
-from kernels.cpu_forms import Weight, batch_invariant
-from kernels.cpu_moe import fused_moe_cpu
+from kernels.cpu_forms import BUCKETS, FORMS, Weight, batch_invariant, pick_rows, set_batch_invariant, weight_kind
+from kernels.cpu_forms import describe as describe_forms
+from kernels.cpu_forms import kind as form_kind
+from kernels.cpu_linear import cpu_has_fast_bf16, linear
+from kernels.cpu_moe import fused_moe_cpu, native_serves
+from kernels.cpu_tune import CANDIDATES, MoeShape, tune
 from kernels.expert_rows import ExpertRows
-from kernels.fp8_weight import Fp8Weight
-from kernels.mxfp4_weight import Mxfp4Weight
-from kernels.quant import Int8Weight, quantize_int8
+from kernels.formats import fp8, int8, mxfp4
+from kernels.formats.fp8 import Fp8Weight
+from kernels.formats.int8 import QUANTIZE_MODES, Int8Weight, quantize_int8
+from kernels.formats.mxfp4 import Mxfp4Weight
 from kernels.routing import Routing, topk_route_torch
 
 BACKENDS = ("triton", "torch")
@@ -131,5 +143,15 @@ def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = No
     return topk_route_torch(logits, routing, bias)
 
 
-__all__ = ["fused_moe", "route", "topk_route", "BACKENDS", "ExpertRows", "Fp8Weight", "GatedAct", "Int8Weight",
-           "Mxfp4Weight", "Routing", "SILU", "quantize_int8"]
+__all__ = [
+    # fused MoE and routing
+    "fused_moe", "route", "topk_route", "backend_for", "describe_backend", "BACKENDS", "Routing", "GatedAct", "SILU",
+    "ExpertRows", "native_serves", "fused_moe_cpu",
+    # the router's linear and the CPU forms
+    "linear", "cpu_has_fast_bf16", "pick_rows", "Weight", "weight_kind", "form_kind", "describe_forms", "FORMS",
+    "BUCKETS", "CANDIDATES", "MoeShape", "tune", "set_batch_invariant", "batch_invariant",
+    # weight formats
+    "int8", "fp8", "mxfp4", "Int8Weight", "Fp8Weight", "Mxfp4Weight", "quantize_int8", "QUANTIZE_MODES",
+    # the C++ ops
+    "native",
+]

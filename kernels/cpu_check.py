@@ -22,7 +22,7 @@ import torch
 from kernels import cpu_forms
 from kernels.cpu_forms import BUCKETS, FORMS, Weight, bucket
 from kernels.form_check import Verdict, guarded, isolated, reference, wrong
-from kernels.quant import quantize_int8
+from kernels.formats.int8 import quantize_int8
 
 log = logging.getLogger("colibri.kernels")
 

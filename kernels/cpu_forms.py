@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from kernels import native
 from kernels.form_check import reference
-from kernels.quant import Int8Weight, quantize_rows
+from kernels.formats.int8 import Int8Weight, quantize_rows
 
 Weight = torch.Tensor | Int8Weight
 Form = Callable[[torch.Tensor, Weight], torch.Tensor]            # (x [n, Din], W [Dout, Din]) -> [n, Dout]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_forms import Weight, pick
-from kernels.quant import Int8Weight
+from kernels.formats.int8 import Int8Weight
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

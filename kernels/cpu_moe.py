@@ -31,7 +31,7 @@ from kernels import native
 from kernels.activation import SILU, GatedAct
 from kernels.cpu_forms import FORMS, Form, batch_invariant, bucket, dtype_name, kind, pick_rows
 from kernels.expert_rows import ExpertRows
-from kernels.quant import Int8Weight
+from kernels.formats.int8 import Int8Weight
 
 MOE_FORMS = ("loop", "grouped")
 _TABLE: dict[str, str] = {}

@@ -47,7 +47,7 @@ from kernels.cpu_moe import (
     moe_shape_id,
 )
 from kernels.form_check import guarded, isolated
-from kernels.quant import Int8Weight, quantize_int8
+from kernels.formats.int8 import Int8Weight, quantize_int8
 from kernels.reference import fused_moe_reference
 
 # What the winners were chosen among (and how): a forms file measured with other candidates or without the

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import Int8Weight, quantize_rows
+from kernels.formats.int8 import Int8Weight, quantize_rows
 
 # Largest per-row error ||y - ref|| / ||ref|| a correct form shows, by output dtype: the output's rounding
 # (2^-9 for bf16, 2^-12 for fp16, 2^-24 for fp32) and float32 accumulation, with a margin (the correct bf16

@@ -29,7 +29,7 @@ import torch
 
 from kernels.activation import SILU, GatedAct
 from kernels.expert_rows import ExpertRows
-from kernels.quant import Int8Weight
+from kernels.formats.int8 import Int8Weight
 
 LIBRARY = Path(__file__).resolve().parent / "native" / "_build" / "colibri_native.so"
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
@@ -114,7 +114,7 @@ def describe() -> str:
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
     """x [n, K] @ w.T -> [n, Dout] in x's dtype (float32 accumulation, one rounding); a W8A8 weight quantises x's
-    rows as kernels.quant.quantize_rows and sums the int8 products exactly (the bits of cpu_forms' w8a8_intmm)."""
+    rows as formats.int8.quantize_rows and sums the int8 products exactly (the bits of cpu_forms' w8a8_intmm)."""
     y = torch.ops.colibri.linear(x, w.q, w.scale, w.w8a8) if isinstance(w, Int8Weight) else \
         torch.ops.colibri.linear(x, w)
     return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -12,11 +12,11 @@ import triton
 
 from kernels.activation import SILU, GatedAct
 from kernels.cpu_moe import local_ids
-from kernels.fp8_weight import Fp8Weight
+from kernels.formats.fp8 import Fp8Weight
+from kernels.formats.mxfp4 import BLOCK as MXFP4_BLOCK
+from kernels.formats.mxfp4 import Mxfp4Weight
 from kernels.launch_config import LaunchConfig, get_config
 from kernels.moe_align import moe_align_block_size
-from kernels.mxfp4_weight import BLOCK as MXFP4_BLOCK
-from kernels.mxfp4_weight import Mxfp4Weight
 from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

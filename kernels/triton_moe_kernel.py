@@ -5,14 +5,18 @@ BLOCK_N output columns, BLOCK_K steps of the reduction dimension (H in gate/up, 
 each token's top_k weighted rows afterwards (one torch reduction). HAS_BIAS adds the experts' biases
 (b13 [E, 2I], b2 [E, H]); CLAMPED is GPT-OSS's clamped SwiGLU (kernels/activation.py), else alpha = 1 and
 up_offset = 0 give silu(gate) * up.
-WFMT, the weights' format: 0 the activations' float dtype; 1 block-scaled FP8 (kernels/fp8_weight.py), each
-loaded tile times its blocks' float32 scales; 2 MXFP4 (kernels/mxfp4_weight.py), each tile's e2m1 nibbles
-decoded and times 2^(s - 127) of its 32-value block. Scales are [E, R / scale_bn, C / scale_bk] either way;
+WFMT, the weights' format: 0 the activations' float dtype; 1 block-scaled FP8 (kernels/formats/fp8.py), each
+loaded tile times its blocks' float32 scales; 2 MXFP4 (kernels/formats/mxfp4.py), each tile's e2m1 nibbles
+decoded and times 2^(s - SCALE_BIAS) of its BLOCK-value block. Scales are [E, R / scale_bn, C / scale_bk] either way;
 a quantised tile is cast to the activations' dtype before the dot.
 """
 
 import triton
 import triton.language as tl
+
+from kernels.formats.mxfp4 import SCALE_BIAS
+
+MX_SCALE_BIAS = tl.constexpr(SCALE_BIAS)
 
 
 @triton.jit
@@ -28,8 +32,8 @@ def weight_tile(w_base, s_base, rows, ks, ok, stride_wn, stride_sn, stride_sk, s
         half = (code & 1).to(tl.float32) * 0.5
         mag = tl.where(exp == 0, half, (1.0 + half) * tl.exp2((exp - 1).to(tl.float32)))
         sc = tl.load(s_base + (rows[None, :] // scale_bn) * stride_sn + (ks[:, None] // scale_bk) * stride_sk,
-                     mask=ok, other=127).to(tl.float32)
-        w = tl.where((code & 8) != 0, -mag, mag) * tl.exp2(sc - 127.0)
+                     mask=ok, other=MX_SCALE_BIAS).to(tl.float32)
+        w = tl.where((code & 8) != 0, -mag, mag) * tl.exp2(sc - MX_SCALE_BIAS)
     elif WFMT == 1:                                                       # FP8: times its block's scale
         v = tl.load(w_base + rows[None, :] * stride_wn + ks[:, None], mask=ok, other=0.0)
         sc = tl.load(s_base + (rows[None, :] // scale_bn) * stride_sn + (ks[:, None] // scale_bk) * stride_sk,

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from colibri_common.heap import skip_exit_collection
-from router_service.metrics import parse
+from router_service.engine.metrics import parse
 from tests import forkserver
 from tests.forkserver import Forked
 

@@ -6,21 +6,15 @@ transformers, sampling, stop conditions, preemption). Real fleets stay for what 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from colibri_common.checkpoint import Checkpoint
-from expert_service.shard import CacheSetting, ExpertShard
-from router_service.build import BuiltEngine, build_engine
-from router_service.events import Failed, Finished, Tokens
-from router_service.experts import LocalExperts
-from router_service.metrics import parse
-from router_service.options import RouterOptions
-from router_service.scheduler import SchedulerConfig
-from router_service.sequence import Sampling, Sequence
+from colibri import LLM
+from router_service.engine.events import Failed, Finished, Tokens
+from router_service.engine.metrics import parse
+from router_service.engine.sequence import Sampling, Sequence
 
 
 @dataclass
@@ -31,24 +25,15 @@ class Result:
 
 
 class InProcess:
-    def __init__(self, model_dir: Path | str, dtype: str = "float32", sched: SchedulerConfig | None = None,
-                 wrap_experts=None, cache: CacheSetting | None = None, in_place: bool = True, **opts) -> None:
-        options = RouterOptions(model=str(model_dir), dtype=dtype, **opts)
-        if sched is not None:
-            options = dataclasses.replace(options, sched=sched)
+    """`colibri.LLM(workers=0)` with the engine's own doors open: raw sequences in, raw events out (tests read
+    logits, metrics and the experts' cache). `opts` are LLM's (RouterOptions, ExpertCacheOptions fields)."""
 
-        def local(cfg, device):
-            ckpt = Checkpoint(model_dir)
-            shard = ExpertShard(cfg, ckpt, 0, 1, getattr(torch, dtype), quantize=options.quantize, device=device,
-                                cache=cache, in_place=in_place)
-            shard.loaded()
-            self.shard = shard
-            experts = LocalExperts(shard)
-            return experts if wrap_experts is None else wrap_experts(experts)
-
-        self.built: BuiltEngine = build_engine(options, local)
-        self.engine = self.built.engine
-        self.engine.start()
+    def __init__(self, model_dir: Path | str, dtype: str = "float32", wrap_experts=None, **opts) -> None:
+        opts.setdefault("expert_cache_heat", "off")      # no test starts warm from another's run
+        self.llm = LLM(model_dir, 0, dtype=dtype, wrap_experts=wrap_experts, **opts)
+        self.built = self.llm.built
+        self.engine = self.llm.engine
+        self.shard = self.llm.shard.experts
         self._n = 0
 
     def submit(self, prompt: list[int], max_tokens: int, **sampling):
@@ -76,9 +61,7 @@ class InProcess:
         return self.collect(self.submit(prompt, max_tokens, **sampling))
 
     def close(self) -> None:
-        self.built.close()
-        if getattr(self, "shard", None) is not None:
-            self.shard.close()
+        self.llm.close()
 
     def __enter__(self) -> InProcess:
         return self

@@ -8,9 +8,9 @@ import pytest
 from expert_service.cache_capacity import CacheCapacity, check_capacity, parse_capacity
 from expert_service.cache_policy import LFU, LRU, make_policy
 from expert_service.cache_stats import CacheStats
-from router_service.block_allocator import BlockAllocator
-from router_service.scheduler import Scheduler, SchedulerConfig
-from router_service.sequence import Sampling, Sequence
+from router_service.engine.block_allocator import BlockAllocator
+from router_service.engine.scheduler import Scheduler, SchedulerConfig
+from router_service.engine.sequence import Sampling, Sequence
 
 
 def test_lru_evicts_the_least_recently_used_and_never_a_pinned_key():

@@ -18,8 +18,8 @@ from colibri.launcher import ServeOptions, child_argv
 from colibri.openai_api.options import OpenAIOptions
 from colibri_common.options import Parser, _flags, add_options, from_args, option, to_argv
 from expert_service.options import ExpertCacheOptions, ExpertOptions
-from router_service.options import RouterOptions
-from router_service.scheduler import SchedulerConfig
+from router_service.api.options import RouterOptions
+from router_service.engine.scheduler import SchedulerConfig
 from tests.conftest import COLIBRI
 
 

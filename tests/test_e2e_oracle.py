@@ -18,8 +18,8 @@ import torch
 from colibri.client import Client
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
-from router_service.scheduler import SchedulerConfig
-from router_service.weights import RouterWeights
+from router_service.engine.scheduler import SchedulerConfig
+from router_service.model.weights import RouterWeights
 from tests.conftest import ARCHS, fleet
 from tests.inprocess import InProcess
 from tests.models import Oracle, build_model, save_checkpoint, small_config
@@ -106,8 +106,8 @@ def test_sigmoid_routers_stay_float32_when_serving_bfloat16(oracles, arch):
     ckpt = Checkpoint(path)
     weights = RouterWeights.load(ckpt, ModelConfig.from_dir(path), torch.bfloat16)
     ckpt.close()
-    moe = [lw for lw in weights.layers if lw.router is not None]
-    assert moe and all(lw.router.dtype == lw.router_bias.dtype == torch.float32 for lw in moe)
+    moe = [lw for lw in weights.layers if lw.gate is not None]
+    assert moe and all(lw.gate.dtype == lw.gate_correction.dtype == torch.float32 for lw in moe)
     assert all((lw.qkv if lw.mla is None else lw.mla.w_uk).dtype == torch.bfloat16 for lw in weights.layers)
     with InProcess(path, dtype="bfloat16") as engine:
         assert len(engine.generate(PROMPTS[0], 4).token_ids) == 4

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from router_service.experts import LocalExperts
-from router_service.moe_transport import WorkerError
-from router_service.scheduler import SchedulerConfig
+from router_service.engine.scheduler import SchedulerConfig
+from router_service.moe.experts import LocalExperts
+from router_service.moe.transport import WorkerError
 from tests.inprocess import InProcess
 from tests.models import build_model, save_checkpoint, small_config
 

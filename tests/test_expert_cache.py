@@ -14,7 +14,7 @@ from expert_service.heat_file import heat_path
 from expert_service.heat_file import load as load_heat
 from expert_service.heat_file import save as save_heat
 from expert_service.shard import CacheSetting, ExpertShard, cache_setting
-from router_service.scheduler import SchedulerConfig
+from router_service.engine.scheduler import SchedulerConfig
 from tests.conftest import ARCHS
 from tests.inprocess import InProcess
 from tests.test_e2e_oracle import NEW_TOKENS, PROMPTS, check_against_oracle
@@ -40,8 +40,8 @@ def test_tokens_match_transformers_at_every_capacity(oracles, arch, capacity, ex
     setting = _setting(oracle.path, capacity, extra.get("policy", "lru"))
     assert (setting is None) == (capacity == "all")
     sched = SchedulerConfig(routing_aware_batching=extra.get("routing_aware_batching", False))
-    with InProcess(oracle.path, cache=setting, sched=sched, expert_prefetch=extra.get("expert_prefetch", False)
-                   ) as engine:
+    with InProcess(oracle.path, expert_cache_capacity=capacity, expert_cache_policy=extra.get("policy", "lru"),
+                   sched=sched, expert_prefetch=extra.get("expert_prefetch", False)) as engine:
         assert engine.engine.model.track_routing == sched.routing_aware_batching
         for prompt, res in zip(PROMPTS, _generate_all(engine), strict=True):
             check_against_oracle(oracle, prompt, res.token_ids, res.logits, res.finish_reason)
@@ -64,7 +64,7 @@ def test_tokens_match_transformers_at_every_capacity(oracles, arch, capacity, ex
 
 def test_prefetch_packs_the_predicted_experts_and_they_get_used(oracles):
     oracle = oracles["qwen3_moe"]                          # 60 experts, 2 MoE layers: room to predict
-    with InProcess(oracle.path, cache=_setting(oracle.path, "50%"), expert_prefetch=True) as engine:
+    with InProcess(oracle.path, expert_cache_capacity="50%", expert_prefetch=True) as engine:
         for prompt, res in zip(PROMPTS, _generate_all(engine), strict=True):
             check_against_oracle(oracle, prompt, res.token_ids, res.logits, res.finish_reason)
         st = engine.shard.cache.stats

@@ -18,12 +18,11 @@ from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from colibri.validate import validate
-from colibri_common import mxfp4
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import CheckpointError, ConfigError
-from expert_service.shard import CacheSetting, cache_setting
-from router_service.scheduler import SchedulerConfig
+from kernels import mxfp4
+from router_service.engine.scheduler import SchedulerConfig
 from tests.inprocess import InProcess
 from tests.models import Oracle, build_model, save_checkpoint, small_config
 from tests.test_e2e_oracle import NEW_TOKENS, PROMPTS, check_against_oracle
@@ -139,10 +138,7 @@ def test_sliding_windows_over_cached_context(gpt_oss):
 
 def test_the_expert_cache_carries_the_experts_biases(gpt_oss):
     """Two hot slots a layer for top-3 routing: every call runs in rounds, each slot's biases its expert's."""
-    cfg = ModelConfig.from_dir(gpt_oss.path)
-    cache = cache_setting(cfg, cfg.num_experts, torch.float32, None, "2")
-    assert isinstance(cache, CacheSetting)
-    with InProcess(gpt_oss.path, cache=cache) as engine:
+    with InProcess(gpt_oss.path, expert_cache_capacity="2") as engine:
         res = engine.generate(PROMPTS[0], NEW_TOKENS, return_logits=True)
         check_against_oracle(gpt_oss, PROMPTS[0], res.token_ids, res.logits, res.finish_reason)
         assert engine.shard.cache is not None and engine.shard.cache.stats.evictions > 0
@@ -160,7 +156,7 @@ def test_mixtral_with_a_sliding_window_on_every_layer(tmp_path):
 def test_norms_kept_in_float32_scale_before_the_cast_as_transformers():
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 
-    from router_service.layers import rms_norm, rms_norm_torch
+    from router_service.model.layers import rms_norm, rms_norm_torch
 
     norm = GptOssRMSNorm(96, eps=1e-5)
     with torch.no_grad():

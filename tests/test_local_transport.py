@@ -1,4 +1,4 @@
-"""The same-host path between the router and its workers (router_service/moe_local.py,
+"""The same-host path between the router and its workers (router_service/moe/same_host.py,
 expert_service/local_socket.py): a `colibri serve` fleet sends its layers over each worker's UNIX socket with
 the tokens of gRPC streams; the socket is private to the fleet's user and goes with the fleet; bad frames on it
 are refused clearly and the worker serves on."""

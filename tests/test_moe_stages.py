@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from colibri_common.placement import shard_experts
-from router_service.batch import Step
-from router_service.moe_combine import combine
-from router_service.moe_partition import partition
-from router_service.scheduler import Scheduled
-from router_service.sequence import Sampling, Sequence
+from router_service.engine.batch import Step
+from router_service.engine.scheduler import Scheduled
+from router_service.engine.sequence import Sampling, Sequence
+from router_service.moe.combine import combine
+from router_service.moe.partition import partition
 
 torch.set_num_threads(1)
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from colibri_common.pb import expert_pb2
-from router_service.moe_transport import StreamLink, WorkerError
+from router_service.moe.transport import StreamLink, WorkerError
 
 
 class FakeRpcError(grpc.RpcError):

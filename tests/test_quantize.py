@@ -12,11 +12,10 @@ from colibri.client import Client
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from expert_service.shard import ExpertShard
-from kernels import fused_moe, native, topk_route
-from kernels.quant import Int8Weight, quantize_int8
+from kernels import Int8Weight, cpu_has_fast_bf16, fused_moe, linear, native, quantize_int8, topk_route
 from kernels.reference import fused_moe_reference
-from router_service.experts import RemoteExperts
-from router_service.moe_transport import WorkerError
+from router_service.moe.experts import RemoteExperts
+from router_service.moe.transport import WorkerError
 from tests.conftest import ARCHS, fleet
 from tests.inprocess import InProcess
 from tests.models import Oracle, build_model, memorize, save_checkpoint, small_config
@@ -160,7 +159,6 @@ def test_int8_dense_layers_take_the_activations_in_the_dtype_asked_for(separated
     float32 speed anywhere): the router computes its float layers in float32, and its
     int8 layers multiply bf16 activations (what was asked, and what the int8 kernel runs fastest): the same
     product as a bf16 activation times the int8 weight, returned in float32."""
-    from kernels.cpu_linear import cpu_has_fast_bf16, linear
 
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(48, 64, generator=g), torch.randn(5, 64, generator=g)

@@ -16,7 +16,7 @@ import torch
 
 from colibri.client import Client
 from colibri_common.placement import replica_experts
-from router_service.moe_partition import assign, split_pairs
+from router_service.moe.partition import assign, split_pairs
 from tests.conftest import argv_of, fleet, free_port, metrics
 from tests.models import Oracle, save_checkpoint
 

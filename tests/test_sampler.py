@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from router_service.sampler import SampleError, Sampler
-from router_service.sequence import Sampling
+from router_service.engine.sampler import SampleError, Sampler
+from router_service.engine.sequence import Sampling
 
 torch.set_num_threads(1)
 

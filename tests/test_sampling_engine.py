@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router_service.events import Finished, Tokens
-from router_service.scheduler import SchedulerConfig
-from router_service.sequence import Sampling, Sequence
+from router_service.engine.events import Finished, Tokens
+from router_service.engine.scheduler import SchedulerConfig
+from router_service.engine.sequence import Sampling, Sequence
 from tests.inprocess import InProcess
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 7, 19, 23, 4, 77, 12, 90]    # 14 tokens: 3 full blocks of 4 before the last

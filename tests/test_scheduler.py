@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from router_service.block_allocator import BlockAllocator, OutOfBlocks
-from router_service.scheduler import NeverFits, QueueFull, Scheduler, SchedulerConfig
-from router_service.sequence import Sampling, Sequence
+from router_service.engine.block_allocator import BlockAllocator, OutOfBlocks
+from router_service.engine.scheduler import NeverFits, QueueFull, Scheduler, SchedulerConfig
+from router_service.engine.sequence import Sampling, Sequence
 
 
 def seq(rid: str, n: int, max_tokens: int = 4) -> Sequence:
@@ -30,7 +30,8 @@ def test_allocator_is_all_or_nothing_and_returns_blocks():
 
 
 def test_scheduler_is_torch_free():
-    code = "import sys, router_service.scheduler, router_service.block_allocator; print('torch' in sys.modules)"
+    code = ("import sys, router_service.engine.scheduler, router_service.engine.block_allocator; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from colibri_common.tokenizer import Tokenizer
-from router_service.text_output import ChoiceText, StopStrings
+from router_service.api.text_output import ChoiceText, StopStrings
 from tests.tokenizer_fixtures import byte_level_tokenizer
 
 

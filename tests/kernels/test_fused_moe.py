@@ -8,8 +8,18 @@ import itertools
 import pytest
 import torch
 
-from colibri_common import mxfp4
-from kernels import Fp8Weight, GatedAct, Mxfp4Weight, cpu_forms, cpu_moe, fused_moe, native, quantize_int8, topk_route
+from kernels import (
+    Fp8Weight,
+    GatedAct,
+    Mxfp4Weight,
+    cpu_forms,
+    cpu_moe,
+    fused_moe,
+    mxfp4,
+    native,
+    quantize_int8,
+    topk_route,
+)
 from kernels.cpu_forms import bucket
 from kernels.reference import fused_moe_reference, topk_route_reference
 

@@ -16,8 +16,8 @@ from kernels import native
 from kernels.activation import SILU, GatedAct
 from kernels.cpu_forms import FORMS
 from kernels.expert_rows import ExpertRows
+from kernels.formats.int8 import Int8Weight, quantize_int8, quantize_rows
 from kernels.native_build import compiler
-from kernels.quant import Int8Weight, quantize_int8, quantize_rows
 from tests.kernels.levels import LEVELS, RUNNABLE, needs_native
 
 
@@ -92,7 +92,7 @@ def test_a_rows_result_depends_neither_on_the_other_rows_nor_on_the_threads(leve
 
 
 def as_w8a8(v: torch.Tensor) -> torch.Tensor:
-    """A row of activations as a W8A8 kernel multiplies it: quantised (kernels.quant.quantize_rows), in float64."""
+    """A row of activations as a W8A8 kernel multiplies it: quantised (formats.int8.quantize_rows), in float64."""
     q, scale = quantize_rows(v.float()[None])
     return q[0].double() * float(scale[0])
 

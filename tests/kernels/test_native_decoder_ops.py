@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from router_service.layers import Rope, apply_rope_torch, rms_norm_torch
+from router_service.model.layers import Rope, apply_rope_torch, rms_norm_torch
 from tests.kernels.levels import needs_native
 
 # (B, Hq, Hkv, D, Dv, S): odd head dims (vector tails), Dv != D, MHA, MQA, a long context, one key
@@ -179,7 +179,7 @@ def test_bad_inputs_are_clear_errors(call, message):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_start_up_check_passes_the_ops_on_model_shapes(dtype):
-    from router_service.native_check import check_decoder_ops
+    from router_service.model.native_check import check_decoder_ops
 
     for heads, kv_heads, head_dim, hidden, rotary in [(16, 4, 64, 1024, 64), (12, 12, 37, 96, 18), (8, 1, 128, 64, 0)]:
         assert check_decoder_ops(heads, kv_heads, head_dim, head_dim, hidden, rotary, dtype) is None
@@ -188,8 +188,8 @@ def test_the_start_up_check_passes_the_ops_on_model_shapes(dtype):
 
 @needs_native
 def test_a_wrong_op_at_start_up_switches_the_torch_forms_on(monkeypatch, caplog):
-    from router_service import layers
-    from router_service.native_check import check_decoder_ops
+    from router_service.model import layers
+    from router_service.model.native_check import check_decoder_ops
 
     real = native.decode_attention
     monkeypatch.setattr(native, "decode_attention", lambda *a: real(*a) * 1.01)     # a subtly wrong kernel

@@ -1,0 +1,99 @@
+"""The composition root of an expert worker: checkpoint, the shard's experts (in place, packed or cached), the CPU
+forms, warm-up → a `BuiltShard` that the gRPC servicer serves (server.py) or the in-process engine calls
+(`colibri.LLM(workers=0)`, through `LocalExperts`).
+
+Beside router_service/api/build.py, the router's: each service assembles itself in one function, apart from its
+server, so the offline API, tests and benchmarks build the same thing without a port.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.device import open_device
+from colibri_common.errors import ConfigError
+from colibri_common.forms_file import tune_forms
+from colibri_common.heap import return_free_heap
+from colibri_common.placement import replica_experts
+from expert_service.heat_file import heat_path
+from expert_service.heat_file import load as load_heat
+from expert_service.heat_file import save as save_heat
+from expert_service.kept_format import kept_format
+from expert_service.options import ExpertOptions
+from expert_service.shard import ExpertShard, cache_setting
+from kernels import describe_backend, native, set_batch_invariant
+
+log = logging.getLogger("colibri.expert")
+
+
+@dataclass
+class BuiltShard:
+    """A worker's experts, ready to compute, and what its start said about them."""
+
+    opts: ExpertOptions
+    experts: ExpertShard
+    device: torch.device
+    heat: Path | None                       # where the hottest experts are kept between runs (None: off)
+    tier: str                               # how the experts are held, for the logs
+
+    def keep_heat(self) -> None:
+        """Write the hottest experts down, so the next start packs them before it is ready."""
+        if self.experts.cache is not None:
+            save_heat(self.heat, self.opts.model, self.experts.cache.hottest())
+
+    def close(self) -> None:
+        """Keep the heat, then release the cache's thread and the mappings."""
+        self.keep_heat()
+        self.experts.close()
+
+
+def build_shard(opts: ExpertOptions, device: torch.device | None = None) -> BuiltShard:
+    """Shard `opts.shard` of the checkpoint's experts as `opts` says, on `device` (default: `opts.device`)."""
+    t0 = time.perf_counter()
+    shard, num_shards = opts.shard_index, opts.num_shards
+    set_batch_invariant(opts.batch_invariant)
+    dtype = getattr(torch, opts.dtype)
+    device = open_device(opts.device) if device is None else device
+    cfg = ModelConfig.from_dir(opts.model)
+    ckpt = Checkpoint(opts.model)
+    c = opts.cache
+    kept = kept_format(cfg, ckpt, device, c.quantized_experts, opts.quantize)
+    if kept is not None:
+        log.info("experts held in %s as published, computed by the Triton kernels", kept.dtype_name)
+    cache = cache_setting(cfg, len(replica_experts(cfg.num_experts, shard, num_shards, opts.replicas)), dtype,
+                          opts.quantize, c.expert_cache_capacity, c.expert_cache_policy, c.expert_cache_half_life,
+                          c.expert_cache_host_capacity, kept)
+    experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
+                          quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache, kept=kept,
+                          in_place=c.experts_in_place == "auto")
+    if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
+        if native.refused_override():
+            raise ConfigError(native.refused_override())
+        log.info(native.describe())
+        forms, measured = tune_forms(opts.cpu_forms, experts.linear_shapes(), experts=True,
+                                     moe=[experts.moe_shape()])
+        log.info(forms.summary(measured))
+    experts.loaded()                            # packed experts need the mappings no more (unmapped)
+    experts.warm_up()                           # the kernels run here (compiled on a GPU), before ready
+    heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas)
+    if experts.cache is not None:
+        warm = experts.cache.preload(load_heat(heat, opts.model))
+        if warm:
+            log.info("packed the %d hottest experts of the last run (%s); the rest stay mapped", warm, heat)
+    return_free_heap()                          # the quantiser's scratch, so RSS is what the shard holds
+    packed = "all packed" if c.experts_in_place == "off" else f"all packed, not in place: {experts.in_place_refusal}"
+    tier = "in place (mapped)" if experts.in_place else packed if experts.cache is None else (
+        f"expert cache of {experts.cache.hot.w13.shape[0]} slots ({c.expert_cache_capacity}, "
+        f"{c.expert_cache_policy}); the rest mapped")
+    log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB %s (%s) on %s, %s kernels, ready in %.2fs",
+             shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
+             experts.shard_bytes / 2**20, experts.weight_dtype, tier, device, describe_backend(device),
+             time.perf_counter() - t0)
+    return BuiltShard(opts, experts, device, heat, tier)

@@ -1,0 +1,6 @@
+"""The client API of the router: the `colibri.v1.Generation` gRPC service (`server.py`), its options
+(`options.py`), the composition root that assembles tokenizer, engine, model and MoE client (`build.py`), stalled
+client detection (`stalls.py`) and incremental detokenisation with stop strings (`text_output.py`).
+
+May import `engine`, `model` and `moe`; nothing below imports it.
+"""

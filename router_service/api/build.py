@@ -1,0 +1,145 @@
+"""The composition root of the router: weights, KV cache sizing, scheduler, experts client → an `Engine`.
+
+Lives apart from the gRPC server, so benchmarks and tests build an engine in-process
+(`build_engine(opts, lambda cfg, device: LocalExperts(...))`) without importing the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from colibri_common.chat_template import load_chat_template
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.device import open_device
+from colibri_common.errors import ConfigError
+from colibri_common.forms_file import tune_forms
+from colibri_common.heap import return_free_heap
+from colibri_common.serving import MAX_MESSAGE_BYTES
+from colibri_common.tls import TlsFiles
+from colibri_common.tokenizer import Tokenizer
+from kernels import cpu_has_fast_bf16, describe_backend, native, set_batch_invariant
+from router_service.api.options import RouterOptions
+from router_service.engine.block_allocator import BlockAllocator
+from router_service.engine.engine import Engine
+from router_service.engine.scheduler import Scheduler
+from router_service.model.kv_cache import KVCache
+from router_service.model.model import RouterModel
+from router_service.model.native_check import check_decoder_ops
+from router_service.model.weights import RouterWeights
+from router_service.moe.experts import Experts, RemoteExperts
+
+log = logging.getLogger("colibri.router")
+
+ExpertsFactory = Callable[[ModelConfig, torch.device], Experts]     # (model, the router's device)
+
+
+@dataclass
+class BuiltEngine:
+    """Everything the router's front end needs, built and wired."""
+
+    cfg: ModelConfig
+    opts: RouterOptions
+    tokenizer: Tokenizer | None
+    compute_dtype: torch.dtype
+    experts: Experts
+    engine: Engine
+    chat_template: str | None = None           # the checkpoint's, handed to the OpenAI front in ModelInfo
+    special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler.cfg.max_model_len
+
+    def close(self) -> None:
+        """Stop the engine (open requests end UNAVAILABLE), then close the connections to the workers; the
+        process's batch invariance ends with the engine that set it."""
+        self.engine.stop()
+        set_batch_invariant(False)
+        self.experts.close()
+
+
+def compute_dtype(requested: torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """Without native bf16 arithmetic torch's bf16 GEMMs are emulated: where Colibri's native kernels are not
+    built, the router's dense GEMMs run far faster in float32 (batch > 4; the workers keep bf16 experts and the
+    wire stays bf16). The native kernels widen bf16 weights in registers and accumulate in float32 on any CPU,
+    so with them the router keeps bf16 (half the bytes a decode step reads: 310 MB, not 416, on the bench
+    model). A GPU computes in what was asked."""
+    on_cpu = device is None or device.type == "cpu"
+    if requested == torch.bfloat16 and on_cpu and not cpu_has_fast_bf16() and not native.available():
+        log.info("this CPU has no native bf16 arithmetic: the router computes in float32")
+        return torch.float32
+    return requested
+
+
+def remote_experts(opts: RouterOptions) -> ExpertsFactory:
+    wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype)
+    tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
+
+    def connect(cfg: ModelConfig, device: torch.device) -> RemoteExperts:
+        rows = max(opts.sched.max_num_tokens, opts.sched.max_batch_size)
+        if rows * cfg.hidden_size * 8 > MAX_MESSAGE_BYTES:       # a worker's float64 sums for a whole step
+            raise ConfigError(f"--max-num-tokens {rows}: a step's MoE sums from one worker ({rows} x hidden "
+                              f"{cfg.hidden_size} x 8 bytes, float64) would exceed the {MAX_MESSAGE_BYTES >> 20} MiB "
+                              f"message limit between router and workers; lower it to at most "
+                              f"{MAX_MESSAGE_BYTES // (cfg.hidden_size * 8)}")
+        return RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
+                             expect_quantize=opts.quantize, device=device, track_routing=opts.expert_metrics, tls=tls,
+                             batch_invariant=opts.batch_invariant)
+
+    return connect
+
+
+def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
+    cfg = ModelConfig.from_dir(opts.model)
+    device = open_device(opts.device)
+    dtype = compute_dtype(getattr(torch, opts.dtype), device)
+    tokenizer = Tokenizer.from_dir(opts.model)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"{opts.model}/tokenizer.json has {tokenizer.vocab_size} tokens but config.json "
+                          f"vocab_size is {cfg.vocab_size}; they must agree")
+    ckpt = Checkpoint(opts.model)
+    weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO), device=device)
+    ckpt.close()
+    if opts.quantize_dense:
+        asked = getattr(torch, opts.dtype)
+        weights.quantize_int8(w8a8=opts.quantize == "w8a8", act_dtype=asked if asked != dtype else None)
+    set_batch_invariant(opts.batch_invariant)   # the process's linears (and its in-process experts)
+    return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
+    if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
+        rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
+        forms, measured = tune_forms(opts.cpu_forms, weights.linear_shapes(dtype), max_rows=rows)
+        log.info(forms.summary(measured))
+        check_decoder_ops(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, cfg.hidden_size,
+                          cfg.rotary_dim, dtype)
+    kv_heads, k_dim, v_dim = cfg.kv_layout          # latent attention: the compressed latent, its real size
+    per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, kv_heads, k_dim, dtype, v_dim)
+    num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)
+    kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, kv_heads, k_dim, dtype, device, v_dim)
+    sched = dataclasses.replace(opts.sched, max_model_len=min(opts.sched.max_model_len, cfg.max_position_embeddings))
+    if -(-sched.max_model_len // opts.block_size) > num_blocks:
+        raise ConfigError(f"--max-model-len {sched.max_model_len} needs {-(-sched.max_model_len // opts.block_size)} "
+                          f"KV blocks of {opts.block_size} tokens, but the KV cache holds {num_blocks} "
+                          f"({num_blocks * opts.block_size} tokens): raise --kv-cache-mb / --kv-cache-blocks or "
+                          f"lower --max-model-len to {num_blocks * opts.block_size}")
+    scheduler = Scheduler(sched, BlockAllocator(num_blocks, opts.block_size))
+    remote = experts(cfg, device)
+    model = RouterModel(cfg, weights, dtype, device)
+    model.prefetch = opts.expert_prefetch
+    model.batch_invariant = opts.batch_invariant
+    model.track_routing = sched.routing_aware_batching
+    engine = Engine(model, kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
+    if device.type == "cpu":
+        if native.refused_override():
+            raise ConfigError(native.refused_override())
+        log.info(native.describe())
+    log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB), %s on %s, %s routing",
+             cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size,
+             num_blocks * per_block / 2**20, str(dtype).removeprefix("torch."), device, describe_backend(device))
+    template, special = load_chat_template(opts.model)
+    return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special)

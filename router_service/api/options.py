@@ -1,0 +1,70 @@
+"""The router's options: one frozen dataclass; `colibri router` and `colibri serve` build their flags from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colibri_common.options import DTYPES, ServiceOptions, option
+from router_service.engine.scheduler import SchedulerConfig
+
+TRANSPORTS = ("auto", "stream", "unary")
+
+
+@dataclass(frozen=True)
+class RouterOptions(ServiceOptions):
+    port: int = option(50051, "port; 0 picks a free one")
+    workers: tuple[str, ...] = option((), "comma-separated expert worker addresses", required=True,
+                                      metavar="HOST:PORT[,HOST:PORT...]")
+    kv_cache_mb: int = option(512, "KV cache budget in MiB")
+    kv_cache_blocks: int = option(0, "KV cache size in blocks; overrides --kv-cache-mb when > 0")
+    block_size: int = option(16, "tokens per KV cache block")
+    wire_dtype: str | None = option(None, "dtype of hidden states on the wire to the workers (default: the "
+                                          "compute dtype)", choices=DTYPES)
+    micro_batches: int = option(1, "split each step into this many micro-batches and overlap the router's "
+                                   "attention of one with the workers' experts of another")
+    transport: str = option("auto", "router → worker calls: auto = a worker's same-host UNIX socket where it "
+                                    "names one this router reaches (`colibri serve`), else one bidirectional gRPC "
+                                    "stream per worker; stream = always the gRPC stream; unary = one gRPC call "
+                                    "per layer", choices=TRANSPORTS)
+    worker_timeout: float = option(10.0, "seconds a worker may take to answer one layer (or a health check) "
+                                         "before its call is cancelled and the step fails UNAVAILABLE")
+    grace_period: float = option(30.0, "on SIGTERM: seconds the open requests get to finish (new ones are "
+                                       "refused UNAVAILABLE, readiness is NOT_SERVING) before the router exits")
+    max_prompt_bytes: int = option(1 << 20, "largest text prompt in bytes, refused before tokenizing")
+    max_request_bytes: int = option(4 << 20, "largest message a client may send (gRPC receive limit)")
+    max_stop_token_ids: int = option(256, "most stop_token_ids one request may give")
+    max_stop_strings: int = option(16, "most stop strings one request may give")
+    stream_stall_timeout: float = option(30.0, "seconds a client may leave its stream unread (the server "
+                                               "cannot send) before the request is cancelled")
+    quantize_dense: bool = option(False, "int8 for the router's own attention, dense MLPs, shared experts and "
+                                         "lm_head too (gates and embeddings stay): less memory, less accuracy; "
+                                         "weight-only, or W8A8 with --quantize w8a8")
+    metrics_port: int | None = option(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
+                                            "0 = any free port)")
+    tls_client_auth: bool = option(False, "with --tls-cert: clients must show a certificate --tls-ca signed")
+    expert_metrics: bool = option(False, "count the tokens routed to every (layer, expert) in /metrics "
+                                         "(colibri:moe_tokens_routed; layers x experts series)")
+    expert_prefetch: bool = option(False, "predict each next MoE layer's experts (its gate on this layer's "
+                                          "hidden states) and send the prediction with this layer's dispatch, so "
+                                          "workers with a bounded --expert-cache-capacity pack them ahead")
+    sched: SchedulerConfig = SchedulerConfig()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("kv_cache_mb", "block_size", "micro_batches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_blocks < 0:
+            raise ValueError(f"--kv-cache-blocks must be >= 0, got {self.kv_cache_blocks}")
+        if self.quantize_dense and self.device != "cpu":
+            raise ValueError("--quantize-dense is the CPU path (int8 CPU kernels); on a GPU keep the dense "
+                             "layers in the compute dtype")
+        for name in ("worker_timeout", "grace_period", "stream_stall_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("max_prompt_bytes", "max_request_bytes", "max_stop_token_ids", "max_stop_strings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_request_bytes < self.max_prompt_bytes + 4096:
+            raise ValueError(f"--max-request-bytes ({self.max_request_bytes}) must exceed --max-prompt-bytes "
+                             f"({self.max_prompt_bytes}) by the message's own few bytes (4096)")

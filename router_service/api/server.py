@@ -1,0 +1,237 @@
+"""`colibri router`: the client-facing Generation service in front of the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+import torch
+
+from colibri_common.errors import ColibriError
+from colibri_common.handlers import add_servicer
+from colibri_common.pb import generation_pb2 as pb
+from colibri_common.pb import generation_pb2_grpc
+from colibri_common.serving import Service, setup_logging
+from colibri_common.tls import TlsFiles
+from router_service.api.build import BuiltEngine, build_engine, remote_experts
+from router_service.api.choices import ChoiceFailed, Choices, Piece
+from router_service.api.options import RouterOptions
+from router_service.api.stalls import StallWatch
+from router_service.engine.engine import Draining, DuplicateId
+from router_service.engine.scheduler import QueueFull
+from router_service.engine.sequence import Sampled, Sampling, Sequence
+
+log = logging.getLogger("colibri.router")
+SERVICE = "colibri.v1.Generation"
+MAX_STOP_CHARS = 1024
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, opts: RouterOptions) -> None:
+        self.opts = opts
+        self._built: BuiltEngine | None = None   # set once the weights are loaded and the workers described
+        # Tokenizing a big prompt runs here, not on the threads that stream other requests' tokens.
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.stalls = StallWatch(opts.stream_stall_timeout)
+
+    @property
+    def built(self) -> BuiltEngine:
+        """The engine and what it serves; only read after `_loaded` passed."""
+        assert self._built is not None, "read before _loaded"
+        return self._built
+
+    def ready(self, built: BuiltEngine) -> None:
+        """From now on requests are served by `built`."""
+        self._built = built
+
+    def _loaded(self, context) -> None:
+        if self._built is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the router is still loading; retry shortly")
+
+    def _prompt(self, request: pb.GenerateRequest, context) -> list[int]:
+        """Sizes are checked before any work: the text's bytes before tokenizing, the ids' count before
+        reading them."""
+        cfg, limit = self.built.cfg, self.built.max_model_len
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            size = len(request.text.encode("utf-8", "surrogatepass")) if len(request.text) * 4 > \
+                self.opts.max_prompt_bytes else len(request.text)
+            if size > self.opts.max_prompt_bytes:
+                raise ValueError(f"the text prompt has {size} bytes, over the router's --max-prompt-bytes "
+                                 f"{self.opts.max_prompt_bytes}")
+            if self.built.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json; send the prompt as token_ids")
+            left = context.time_remaining()                  # huge when the client set no deadline
+            ids = self.tokenize_pool.submit(self.built.tokenizer.encode, request.text).result(
+                timeout=left if left is not None and left < 1e6 else None)
+        elif kind == "token_ids":
+            if len(request.token_ids.ids) > limit:
+                raise ValueError(f"the prompt has {len(request.token_ids.ids)} token ids, over the model's "
+                                 f"maximum length {limit}")
+            ids = list(request.token_ids.ids)
+        else:
+            ids = []
+        if not ids:
+            raise ValueError("the prompt is empty; send text or at least one token id")
+        if len(ids) > limit:
+            raise ValueError(f"the prompt is {len(ids)} tokens, over the model's maximum length {limit}")
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab_size})")
+        return ids
+
+    def _sampling(self, p: pb.SamplingParams, prompt_len: int) -> list[Sampling]:
+        """The request's sampling, one per choice (choice i seeded seed + i); ValueError names what to fix."""
+        opts = self.opts
+        if len(p.stop_token_ids) > opts.max_stop_token_ids:
+            raise ValueError(f"{len(p.stop_token_ids)} stop_token_ids, over the router's --max-stop-token-ids "
+                             f"{opts.max_stop_token_ids}")
+        if len(p.stop) > opts.max_stop_strings or any(len(s) > MAX_STOP_CHARS for s in p.stop):
+            raise ValueError(f"at most {opts.max_stop_strings} stop strings (--max-stop-strings) of at most "
+                             f"{MAX_STOP_CHARS} characters each; got {len(p.stop)}")
+        if p.stop and self.built.tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer.json; this model has none (use stop_token_ids)")
+        vocab = self.built.cfg.vocab_size
+        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+        n = p.n or 1
+        sched = self.built.engine.scheduler.cfg
+        if not 1 <= n <= min(sched.max_batch_size, sched.max_waiting):
+            raise ValueError(f"n must be in [1, {min(sched.max_batch_size, sched.max_waiting)}] (the router's "
+                             f"--max-batch-size and --max-waiting), got {n}")
+        limit = self.built.max_model_len
+        if p.max_tokens < 0:
+            raise ValueError(f"max_tokens must be > 0 (or 0 = as many as fit), got {p.max_tokens}")
+        max_tokens = p.max_tokens or limit - prompt_len            # 0: what the model's length leaves
+        if max_tokens <= 0:
+            raise ValueError(f"the prompt ({prompt_len} tokens) leaves no room under the model's maximum length "
+                             f"{limit}; shorten it")
+        seed = p.seed if p.HasField("seed") else None
+        base = Sampling(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p,
+                        max_tokens=max_tokens, min_tokens=p.min_tokens, presence_penalty=p.presence_penalty,
+                        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty or 1.0,
+                        seed=seed, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),
+                        ignore_eos=p.ignore_eos, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+                        return_logits=p.return_logits)
+        if prompt_len + base.max_tokens > limit:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({base.max_tokens}) exceeds the model's "
+                             f"maximum length {limit}")
+        return [base if seed is None or i == 0 else dataclasses.replace(base, seed=(seed + i) % 2**64)
+                for i in range(n)]
+
+    def Generate(self, request, context):
+        self._loaded(context)
+        rid = request.request_id or uuid.uuid4().hex
+        if len(rid) > 256:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id has {len(rid)} characters; at most 256")
+        try:
+            ids = self._prompt(request, context)
+            group = [Sequence(rid, ids, sp, index=i) for i, sp in enumerate(self._sampling(request.sampling, len(ids)))]
+            events = self.built.engine.submit(group)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except DuplicateId as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except Draining as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except FutureTimeout:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while tokenizing the prompt")
+        engine = self.built.engine
+
+        def cancel() -> None:                                  # by the engine's own ids, never by request_id
+            for seq in group:
+                engine.cancel(seq)
+
+        if not context.add_callback(cancel):                   # client gone: free its KV at once
+            cancel()
+        yield from self._stream(context, rid, group, events, cancel)
+
+    def _stream(self, context, rid: str, group: list[Sequence], events, cancel):
+        """Every choice's tokens and text as they come; one Complete per choice; then the call ends."""
+        choices = Choices(self.built.engine, group, events, self.built.tokenizer)
+        with self.stalls.watch(context, cancel) as sending:
+            try:
+                for out in choices:
+                    if isinstance(out, Piece):
+                        msg = pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(
+                            token_ids=out.token_ids, text=out.text, logits=out.logits, index=out.index,
+                            logprobs=[_logprob(choices, out.index, s) for s in out.logprobs]))
+                    else:
+                        msg = pb.GenerateResponse(request_id=rid, complete=pb.Complete(
+                            finish_reason=out.reason.value, prompt_tokens=out.prompt_tokens,
+                            completion_tokens=out.completion_tokens, ttft_ms=out.ttft_ms, index=out.index,
+                            stop_reason=out.stop_reason))
+                    with sending:
+                        yield msg
+            except ChoiceFailed as exc:
+                cancel()                                       # the other choices go too: the call ends here
+                context.abort(grpc.StatusCode[exc.failed.code.name], f"generation failed: {exc.failed.message}")
+
+    def Abort(self, request, context):
+        self._loaded(context)
+        return pb.AbortResponse(found=self.built.engine.abort(request.request_id))
+
+    def ModelInfo(self, request, context):
+        self._loaded(context)
+        cfg, r = self.built.cfg, self.built
+        return pb.ModelInfoResponse(
+            model_path=r.opts.model, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+            num_layers=cfg.num_layers, num_experts=cfg.num_experts, experts_per_token=cfg.top_k,
+            dtype=r.opts.dtype, workers=list(r.opts.workers), max_model_len=r.max_model_len,
+            eos_token_ids=list(cfg.eos_token_ids), has_tokenizer=r.tokenizer is not None,
+            chat_template=r.chat_template or "", special_tokens=r.special_tokens)
+
+
+def _logprob(choices: Choices, index: int, s: Sampled) -> pb.TokenLogprob:
+    text = choices.token_text
+    return pb.TokenLogprob(token_id=s.token, logprob=s.logprob or 0.0, token=text(index, s.token),
+                           top=[pb.TopLogprob(token_id=t, logprob=v, token=text(index, t)) for t, v in s.top])
+
+
+def serve_router(opts: RouterOptions) -> None:
+    setup_logging("router", opts.log_level)
+    if opts.threads > 0:
+        torch.set_num_threads(opts.threads)
+    if not opts.workers:
+        raise ColibriError("--workers must list at least one expert worker address HOST:PORT")
+    t0 = time.perf_counter()
+    sched = opts.sched
+    # Generate calls are capped at what the engine can hold (running + waiting, + a few finishing their
+    # last sends); the pool has threads to spare beyond that, so health checks, Abort and ModelInfo always
+    # answer.
+    cap = sched.max_batch_size + sched.max_waiting + 4
+    service = Service(SERVICE, max_workers=cap + 8, max_receive_bytes=opts.max_request_bytes)
+    servicer = GenerationServicer(opts)
+    add_servicer(service.server, servicer, pb.DESCRIPTOR.services_by_name["Generation"], {"Generate": cap})
+    tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
+    if opts.tls_client_auth and tls is None:
+        raise ColibriError("--tls-client-auth needs --tls-cert, --tls-key and --tls-ca")
+    bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(opts.tls_client_auth))
+    built = build_engine(opts, remote_experts(opts))
+    built.engine.start()
+    servicer.ready(built)
+    if opts.metrics_port is not None:
+        mport = built.engine.metrics.serve(opts.host, opts.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", opts.host, mport)
+    log.info("router loaded in %.2fs", time.perf_counter() - t0)
+    # readiness follows the workers: NOT_SERVING while an expert has no live worker
+    built.experts.watch(lambda ok: service.set_serving(ok and not built.engine.draining))
+    service.ready(opts.host, bound)
+    service.run_until_signal(drain=lambda: _drain(built, opts.grace_period), on_stop=built.close)
+
+
+def _drain(built: BuiltEngine, grace: float) -> None:
+    n = len(built.engine.seqs)
+    log.info("draining: %d open requests get up to %.0fs to finish; new ones are refused", n, grace)
+    if built.engine.drain(grace):
+        log.info("drained: every open request finished")
+    else:
+        log.warning("grace period over: %d requests still open end UNAVAILABLE", len(built.engine.seqs))

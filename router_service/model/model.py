@@ -1,0 +1,246 @@
+"""The decoder, once for every architecture: differences come from `ModelConfig`/`ArchSpec` as data.
+
+forward(micro-batches) = for each micro-batch: embed → for each layer: attention (paged KV) → gate/top-k
+→ experts (remote or local) → final norm → lm_head on the rows that sample.
+
+Each micro-batch's forward is a generator that yields at every expert dispatch; `forward` advances them in
+turn, so the router computes attention for one micro-batch while the workers compute experts for another
+(ping-pong). With one micro-batch it is the plain sequential forward.
+
+Two optional by-products for the expert tiers (issue 12), both off by default:
+- `prefetch`: at each MoE layer the *next* MoE layer's gate is applied to this layer's hidden states
+  (pre-gating); the predicted experts travel with this layer's dispatch, so the workers pack them ahead.
+- `track_routing`: each micro-batch's top-k ids per MoE layer are kept (`last_routing`), so the engine knows
+  each sequence's recent experts (routing-aware batching).
+
+Shapes: T tokens in the micro-batch, B of them sampled, H hidden size, V vocabulary, E experts per layer,
+K experts per token (top-k), Hq / Hkv query / key-value heads, D head dim, R of its dims that rotate, Bd decode
+sequences, C context length (cached + new tokens), n new tokens of one prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from colibri_common.config import ModelConfig
+from kernels import Routing, linear, native, pick_rows, route
+from router_service.model.attention import attention
+from router_service.model.kv_cache import KVCache
+from router_service.model.layers import (
+    Rope,
+    RowMap,
+    apply_rope,
+    apply_rope_interleaved,
+    by_row,
+    rms_norm,
+    silu_mlp,
+    whole,
+)
+from router_service.model.mla import mla_attention, mla_scale
+from router_service.model.step_inputs import StepInputs
+from router_service.model.weights import LayerWeights, RouterWeights
+from router_service.moe.experts import Experts, ExpertsUnavailable, Handle
+
+
+class RouterModel:
+    def __init__(self, cfg: ModelConfig, weights: RouterWeights, dtype: torch.dtype,
+                 device: torch.device | None = None) -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.dtype = dtype
+        self.device = device or torch.device("cpu")
+        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, self.device, cfg.rope_scaling)
+        self.routing = Routing(cfg.top_k, cfg.scoring, cfg.norm_topk_prob, cfg.num_groups, cfg.topk_groups,
+                               cfg.arch.group_score, cfg.routed_scaling)
+        self.mla_scale = mla_scale(cfg) if cfg.mla is not None else 0.0
+        self.mla_rope = apply_rope_interleaved if cfg.mla is not None and cfg.mla.rope_interleave else apply_rope
+        self.sliding = frozenset(cfg.sliding_layers)                      # layers that read the window's masks
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.overlaps = 0     # waits on one micro-batch's experts while another micro-batch's are still computing
+        self.prefetch = False
+        self.track_routing = False
+        self.batch_invariant = False   # every row alone (`by_row`), attention per query: see `rows`
+        self.fused_attention = True    # decode steps' attention blocks in one native call where they may (_fusable)
+        self.last_routing: list[list[torch.Tensor]] = []      # per micro-batch: ids [T, K] per MoE layer
+        self.predicted = self.predicted_right = 0            # prefetch: experts predicted, and then routed to
+        moe = [i for i, lw in enumerate(weights.layers) if lw.gate is not None]
+        self.next_moe = {a: b for a, b in zip(moe, moe[1:], strict=False)}   # MoE layer -> the next MoE layer
+        self.moe_layers = moe                                                # the MoE layers, in order
+
+    @torch.inference_mode()
+    def forward(self, steps: list[StepInputs], kv: KVCache, experts: Experts) -> torch.Tensor:
+        """Logits [B, V] float32 of every sampled row, micro-batches concatenated in order."""
+        routes: list[list[torch.Tensor]] = [[] for _ in steps]
+        gens = [self._forward(s, kv, experts, routes[j]) for j, s in enumerate(steps)]
+        results: list[torch.Tensor | None] = [None] * len(gens)
+        j = 0
+        try:
+            pending = []
+            for j, g in enumerate(gens):
+                pending.append(self._advance(g, None, results, j))
+            while any(p is not None for p in pending):
+                for j, g in enumerate(gens):
+                    if pending[j] is not None:
+                        others = [p for i, p in enumerate(pending) if i != j and p is not None]
+                        self.overlaps += any(not p.done() for p in others)
+                        pending[j] = self._advance(g, pending[j].result(), results, j)
+        except ExpertsUnavailable as exc:
+            exc.micro_batch = j               # whose token rows these are
+            raise
+        self.last_routing = routes if self.track_routing else []
+        return torch.cat(results)  # type: ignore[arg-type]
+
+    @property
+    def rows(self) -> RowMap:
+        """How the row-local parts of a step run: all rows at once, or, under batch invariance, one row at a time
+        (each op then sees one token's shapes, so no kernel's blocking or vector tail depends on the batch)."""
+        return by_row if self.batch_invariant else whole
+
+    def _gate(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s routing of residual states h [T, H]: weights [T, K] float32, ids [T, K]."""
+        lw = self.w.layers[layer]
+        r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
+        return route(self._scores(r, lw), self.routing, lw.gate_correction)
+
+    @staticmethod
+    def _scores(r: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        """Gate logits [T, E], in the gate's dtype (float32 where the architecture computes its gate so), plus the
+        gate's bias where it has one (GPT-OSS)."""
+        x = r if r.dtype == lw.gate.dtype else r.to(lw.gate.dtype)
+        if lw.gate_bias is not None:                       # one rounding, as transformers' F.linear with a bias
+            return F.linear(x, lw.gate, lw.gate_bias)
+        return linear(x, lw.gate)
+
+    @torch.inference_mode()
+    def predict_experts(self, token_ids: list[int]) -> frozenset[int]:
+        """A prompt's likely experts before it runs: every MoE layer's gate on the token embeddings (the part
+        of the residual stream the layers add to), the top-k by summed weight per layer, as layer·E + e."""
+        cfg = self.cfg
+        h = self.w.embed[torch.tensor(token_ids[-16:], device=self.device)]          # [n, H]
+        out: set[int] = set()
+        for i, lw in enumerate(self.w.layers):
+            if lw.gate is None:
+                continue
+            weights, ids = self._gate(i, h)                                            # [n, K]
+            mass = torch.zeros(cfg.num_experts, device=self.device).index_add_(0, ids.flatten(), weights.flatten())
+            out.update(i * cfg.num_experts + e for e in mass.topk(cfg.top_k).indices.tolist())
+        return frozenset(out)
+
+    @staticmethod
+    def _advance(gen: Generator[Handle, torch.Tensor, torch.Tensor], value: torch.Tensor | None,
+                 results: list[torch.Tensor | None], j: int) -> Handle | None:
+        try:
+            return next(gen) if value is None else gen.send(value)
+        except StopIteration as stop:
+            results[j] = stop.value
+            return None
+
+    def _forward(self, step: StepInputs, kv: KVCache, experts: Experts, routes: list[torch.Tensor]
+                 ) -> Generator[Handle, torch.Tensor, torch.Tensor]:
+        cfg, rows = self.cfg, self.rows
+        step = step.to(self.device)                                          # built on the host
+        assert not self.sliding or step.window == cfg.sliding_window, "sliding layers need the window's masks"
+        h = self.w.embed[step.token_ids]                                     # [T, H]
+        cos, sin = rows(lambda p: self.rope.cos_sin(p, self.dtype), step.positions)   # [T, R] rotary dims
+        guess: set[int] | None = None                                        # prefetch: this layer's prediction
+        for i, lw in enumerate(self.w.layers):
+            h = h + self._attention(i, lw, h, cos, sin, step, kv)
+            if lw.gate is None:
+                h = h + rows(partial(self._dense_mlp, lw), h)
+                continue
+            r, weights, ids = rows(partial(self._route, lw), h)             # [T, H], [T, K] f32, [T, K]  route
+            if self.track_routing:
+                routes.append(ids)
+            ahead = None
+            if self.prefetch:
+                if guess is not None:                                        # how good was the last guess
+                    self.predicted += len(guess)
+                    self.predicted_right += len(guess & set(ids.unique().tolist()))
+                nxt = self.next_moe.get(i)
+                guess = None if nxt is None else set(self._gate(nxt, h)[1].unique().tolist())
+                ahead = None if nxt is None else (nxt, sorted(guess))
+            handle = experts.submit(i, r, ids, weights, ahead)               # partition → transport
+            shared = None
+            if lw.mlp_gate_up is not None:                     # shared experts, computed while the experts run
+                shared = rows(partial(self._shared, lw), r)                                       # [T, H]
+            out = yield handle                                               # combine  [T, H]
+            h = h + (out if shared is None else out + shared)
+        return rows(lambda h: linear(rms_norm(h, self.w.norm, cfg.rms_norm_eps), self.w.lm_head),
+                    h[step.sample_rows]).float()                             # [B, V]
+
+    def _dense_mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        return silu_mlp(rms_norm(h, lw.ln2, self.cfg.rms_norm_eps), lw.mlp_gate_up, lw.mlp_down)    # [T, H]
+
+    def _route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The MoE block's input r [T, H] and its routing: weights [T, K] float32, ids [T, K]."""
+        r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
+        weights, ids = route(self._scores(r, lw), self.routing, lw.gate_correction)
+        return r, weights, ids
+
+    @staticmethod
+    def _shared(lw: LayerWeights, r: torch.Tensor) -> torch.Tensor:
+        shared = silu_mlp(r, lw.mlp_gate_up, lw.mlp_down)                                         # [T, H]
+        if lw.shared_gate is not None:                                     # Qwen2-MoE's sigmoid gate
+            shared = torch.sigmoid(linear(r, lw.shared_gate)) * shared
+        return shared
+
+    def _attention(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, step: StepInputs, kv: KVCache) -> torch.Tensor:
+        """The attention block's output [T, H] for residual states h [T, H] (its norm included)."""
+        cfg, rows = self.cfg, self.rows
+        if lw.mla is not None:
+            x = rows(lambda h: rms_norm(h, lw.ln1, cfg.rms_norm_eps), h)
+            out = mla_attention(cfg, lw.mla, layer, x, self.mla_rope, cos, sin, step, kv, self.mla_scale, rows,
+                                self.batch_invariant)
+            return rows(lambda o: linear(o, lw.o, lw.o_bias), out)          # [T, H]
+        if self._fusable(lw, h, cos, step, kv):                           # decode rows only: one native call
+            slots, lens = (step.decode_window_slots, step.decode_window_lens) if layer in self.sliding else \
+                (step.decode_slots, step.decode_lens)                        # [Bd, C], [Bd]
+            qk = cfg.qk_norm != "none"
+            return native.attention_block(h, lw.ln1, lw.qkv, lw.qkv_bias, lw.q_norm if qk else None,
+                                          lw.k_norm if qk else None, cfg.qk_norm == "full", cos, sin, kv.k[layer],
+                                          kv.v[layer], step.slots, slots, lens, lw.sinks, lw.o, lw.o_bias,
+                                          cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)   # [T, H]
+        q, k, v = rows(lambda h, cos, sin: self._qkv(lw, h, cos, sin), h, cos, sin)
+        out = attention(layer, q, k, v, step, kv, layer in self.sliding, lw.sinks, self.batch_invariant)
+        return rows(lambda o: linear(o.reshape(o.shape[0], -1), lw.o, lw.o_bias), out)   # [T, H]
+
+    def _fusable(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs, kv: KVCache) -> bool:
+        """Whether this layer's attention block may run as one native call (kernels.native.attention_block, the
+        bits of the op-by-op path below): a CPU step of decode rows only, no batch-invariant mode, plain float
+        weights whose linear form here is the native one, and no clipped qkv."""
+        T, dtype = h.shape[0], h.dtype
+        if not (self.fused_attention and not self.batch_invariant and step.num_decode == T and T > 0
+                and not step.prefills and h.device.type == "cpu" and native.decoder_ops()
+                and self.cfg.clip_qkv is None and cos.dtype == dtype and kv.k.dtype == dtype
+                and kv.v.shape[-1] == self.cfg.head_dim and dtype in (torch.float32, torch.bfloat16)):
+            return False
+        norms = [w for w in (lw.ln1, lw.q_norm, lw.k_norm) if w is not None]
+        return (isinstance(lw.qkv, torch.Tensor) and isinstance(lw.o, torch.Tensor) and lw.qkv.dtype == dtype
+                and lw.o.dtype == dtype and all(w.dtype in (dtype, torch.float32) for w in norms)
+                and pick_rows(T, dtype, lw.qkv) is native.linear and pick_rows(T, dtype, lw.o) is native.linear)
+
+    def _qkv(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rotated queries [T, Hq, D] and keys, and the values [T, Hkv, D] of residual states h [T, H]."""
+        cfg = self.cfg
+        T, D = h.shape[0], cfg.head_dim
+        qkv = linear(rms_norm(h, lw.ln1, cfg.rms_norm_eps), lw.qkv, lw.qkv_bias)  # [T, (Hq + 2Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if cfg.qk_norm == "full":
+            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.reshape(T, cfg.num_heads, D)                                   # [T, Hq, D]
+        k = k.reshape(T, cfg.num_kv_heads, D)                                # [T, Hkv, D]
+        v = v.reshape(T, cfg.num_kv_heads, D)
+        if cfg.qk_norm == "head":
+            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

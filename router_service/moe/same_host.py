@@ -1,0 +1,158 @@
+"""MoE stage 3 of 4, transport, on the same host: Forward over the worker's UNIX socket; and the set of links.
+
+A worker that names a local socket in its Describe (`colibri serve` gives each one) and whose socket this
+router can reach is sent each MoE layer as framed protobuf messages (colibri_common/frames.py) instead of a
+gRPC stream: the same bytes without HTTP/2, its flow control and gRPC's polling threads (on a 2-core machine
+with two workers those took about a third of a one-stream decode step). Anything else, a worker on another
+host or in another pod, keeps the gRPC stream: `LocalLink` is a `StreamLink` that takes the socket when there
+is one. Answers come back in request order; an error answer fails that request only; a closed connection or a
+deadline fails what was in flight, as a reset stream does, and the next send connects again.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from colibri_common.frames import FrameError, recv_frame, send_frame
+from colibri_common.pb import expert_pb2
+from colibri_common.serving import MAX_MESSAGE_BYTES
+from router_service.moe.transport import (
+    NOT_RETRYABLE,
+    Reply,
+    StreamLink,
+    StreamReply,
+    UnaryLink,
+    WorkerError,
+    WorkerLink,
+    fail_in_flight,
+)
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class LocalLink(StreamLink):
+    """A stream link that uses the worker's same-host socket whenever the worker names one this router reaches."""
+
+    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+        super().__init__(address, timeout_s, credentials)
+        self.socket_path: str | None = None
+        self._sock: socket.socket | None = None
+        self._pending: collections.deque[StreamReply] = collections.deque()    # sent on the socket, unanswered
+        self._waiting_since: float | None = None
+
+    def describe(self, deadline: float) -> expert_pb2.DescribeResponse:
+        d = super().describe(deadline)
+        self.socket_path = d.local_socket if d.local_socket and Path(d.local_socket).is_socket() else None
+        return d
+
+    @property
+    def local(self) -> bool:
+        return self.socket_path is not None
+
+    def send(self, request: expert_pb2.ForwardRequest) -> Reply:
+        if self.socket_path is None:
+            return super().send(request)
+        reply = StreamReply(self, request.layer)
+        payload = request.SerializeToString()
+        for fresh in ((False, True) if self._sock is not None else (True,)):
+            try:
+                if fresh:
+                    self._connect()
+                send_frame(self._sock, 0, payload)  # type: ignore[arg-type]
+                break
+            except OSError as exc:
+                # a connection that was up may have died while idle (the worker restarted): one new one
+                self._drop(f"expert worker {self.address}: its local connection failed: {exc}")
+                if fresh:
+                    reply.error = f"expert worker {self.address} is unreachable on {self.socket_path}: {exc}"
+                    return reply
+        self._pending.append(reply)
+        return reply
+
+    def _connect(self) -> None:
+        assert self.socket_path is not None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+
+    def receive(self, reply: StreamReply) -> expert_pb2.ForwardResponse:
+        if self.socket_path is None:
+            return super().receive(reply)
+        while reply.response is None:
+            sock = self._sock
+            if reply.error is not None or sock is None:
+                raise WorkerError(reply.error or f"expert worker {self.address}: its local connection was reset")
+            self._waiting_since = time.monotonic()
+            try:
+                status, payload = recv_frame(sock, MAX_MESSAGE_BYTES)
+            except (FrameError, OSError) as exc:
+                message = f"expert worker {self.address} failed on layer {reply.layer}: its local connection " \
+                          f"broke ({exc})"
+                self._drop(f"expert worker {self.address}: its local connection was reset after a failure")
+                raise WorkerError(message) from exc
+            finally:
+                self._waiting_since = None
+            answered = self._pending.popleft()
+            if status == 0:
+                answered.response = expert_pb2.ForwardResponse.FromString(payload)
+                continue
+            code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
+            answered.error = f"expert worker {self.address} failed on layer {answered.layer}: {code.name}: " \
+                             f"{payload.decode(errors='replace')}"
+            if answered is reply:
+                raise WorkerError(answered.error, retryable=code not in NOT_RETRYABLE)
+        return reply.response
+
+    def check_deadline(self) -> None:
+        super().check_deadline()
+        sock, since = self._sock, self._waiting_since
+        if sock is not None and since is not None and time.monotonic() - since > self.timeout_s:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)           # the blocked read returns: the layer fails
+            except OSError:
+                pass
+
+    def _drop(self, why: str) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        fail_in_flight(self._pending, why)
+
+    def reset(self, why: str) -> None:
+        self._drop(why)
+        super().reset(why)
+
+
+LINKS: dict[str, type[WorkerLink]] = {"auto": LocalLink, "stream": StreamLink, "unary": UnaryLink}
+
+
+class Links:
+    """Every worker's link, plus the watchdog thread that enforces the deadlines."""
+
+    def __init__(self, addresses: tuple[str, ...], transport: str, timeout_s: float,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        if transport not in LINKS:
+            raise ValueError(f"transport '{transport}' is unknown; use one of {', '.join(LINKS)}")
+        self.links = [LINKS[transport](a, timeout_s, credentials) for a in addresses]
+        self._closed = threading.Event()
+        threading.Thread(target=self._watchdog, name="moe-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        while not self._closed.wait(1.0):
+            for link in self.links:
+                link.check_deadline()
+
+    def close(self) -> None:
+        self._closed.set()
+        for link in self.links:
+            link.close()

@@ -1,0 +1,98 @@
+"""The offline API (`colibri.LLM`): in this process and over a local fleet it gives transformers' greedy tokens;
+text prompts, stop strings, one sampling per prompt; bad input is a clear error and the LLM goes on."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from colibri import LLM, SamplingParams
+from tests.test_e2e_oracle import NEW_TOKENS, PROMPTS, check_against_oracle
+from tests.tokenizer_fixtures import save_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model(oracles, tmp_path_factory):
+    """The olmoe oracle's checkpoint with a byte-level tokenizer (id == byte), so text prompts work."""
+    oracle = oracles["olmoe"]
+    path = tmp_path_factory.mktemp("llm") / "olmoe"
+    shutil.copytree(oracle.path, path)
+    save_tokenizer(path)
+    return oracle, path
+
+
+def _greedy(n: int = NEW_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_in_process_gives_transformers_tokens_and_text(model):
+    oracle, path = model
+    with LLM(path, 0, expert_cache_heat="off") as llm:
+        outs = llm.generate(PROMPTS, _greedy(return_logits=True))       # every prompt in one batch
+        assert len({o.request_id for o in outs}) == len(outs)
+        for prompt, out in zip(PROMPTS, outs, strict=True):
+            c = out.outputs[0]
+            check_against_oracle(oracle, prompt, c.token_ids, c.logits, c.finish_reason)
+            assert out.prompt_token_ids == prompt and out.prompt is None
+            assert c.text == bytes(c.token_ids).decode("utf-8", "replace")
+        text = llm.generate("Colibri", _greedy())[0]
+        assert text.prompt == "Colibri" and text.prompt_token_ids == list(b"Colibri")
+        assert text.outputs[0].token_ids == oracle.greedy(list(b"Colibri"), NEW_TOKENS)
+
+
+def test_a_stop_string_ends_the_text_before_it(model):
+    oracle, path = model
+    with LLM(path, 0, expert_cache_heat="off") as llm:
+        full = [o.outputs[0] for o in llm.generate(PROMPTS, _greedy())]
+        # a printable ASCII token after the first: its character's first place in the text is where it stops
+        cases = [(p, c, chr(t)) for p, c in zip(PROMPTS, full, strict=True) for t in c.token_ids[1:] if 32 < t < 127]
+        assert cases, "no printable token in the greedy outputs; change the prompts"
+        prompt, c, stop = cases[0]
+        stopped = llm.generate([prompt], _greedy(stop=(stop,)))[0].outputs[0]
+        assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+        assert stopped.text == c.text[:c.text.index(stop)]
+        assert len(stopped.token_ids) < NEW_TOKENS
+
+
+def test_bad_input_is_a_clear_error_and_the_llm_goes_on(model):
+    oracle, path = model
+    with pytest.raises(TypeError, match="unknown option.*nonsense"):
+        LLM(path, 0, nonsense=1)
+    with pytest.raises(ValueError, match="workers"):
+        LLM(path, -1)
+    with LLM(path, 0, expert_cache_heat="off") as llm:
+        limit = llm.built.max_model_len
+        for prompts, params, match in [
+            ([[]], None, "empty"),
+            ([[3, 256]], None, r"outside the vocabulary \[0, 256\)"),
+            ([[3] * (limit - 2)], _greedy(4), "maximum length"),
+            ([[3], [4]], [_greedy(), _greedy(), _greedy()], "3 sampling params for 2 prompts"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                llm.generate(prompts, params)
+        with pytest.raises(ValueError, match="max_tokens must be > 0"):
+            SamplingParams(max_tokens=0)
+        assert llm.generate([PROMPTS[0]], _greedy())[0].outputs[0].token_ids == oracle.greedy(PROMPTS[0], NEW_TOKENS)
+        assert llm.generate([], _greedy()) == []
+
+
+def test_a_local_fleet_gives_the_same_tokens_as_in_process(model):
+    oracle, path = model
+    params = [_greedy(return_logits=True), _greedy(return_logits=True, temperature=0.8, seed=7)]
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    with LLM(path, 0, expert_cache_heat="off") as llm:
+        here = [o.outputs[0] for o in llm.generate(prompts, params)]
+    with LLM(path, 2, expert_cache_heat="off", log_level="WARNING") as fleet:
+        there = [o.outputs[0] for o in fleet.generate(prompts, params)]
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            fleet.generate([[3, 999]], _greedy())
+        text = fleet.generate("Colibri", _greedy())[0]
+    check_against_oracle(oracle, PROMPTS[0], there[0].token_ids, there[0].logits, there[0].finish_reason)
+    for a, b in zip(here, there, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
+        assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits, strict=True)) < 1e-4
+    assert text.prompt_token_ids == list(b"Colibri")
+    assert text.outputs[0].token_ids == oracle.greedy(list(b"Colibri"), NEW_TOKENS)
+    assert torch.equal(torch.tensor(here[1].token_ids), torch.tensor(there[1].token_ids))   # seeded sampling too
