@@ -95,12 +95,15 @@ class Command:
     run: Callable[..., int]
     help: str
     description: str | None = None
+    exclude: tuple[str, ...] = ()           # option fields that are no flags of this command
+    helps: dict[str, str] | None = None     # this command's own help for some shared fields
 
 
 COMMANDS: dict[str, Command] = {
     "serve": Command(ServeOptions, _serve, "start router + N expert workers on this machine; print 'ready HOST:PORT'",
                      "Start N expert workers and a router as child processes on loopback, split the cores between "
-                     "them, print 'ready HOST:PORT' once every service is SERVING, and stop them together."),
+                     "them, print 'ready HOST:PORT' once every service is SERVING, and stop them together.",
+                     ServeOptions.EXCLUDED, ServeOptions.HELPS),
     "router": Command(RouterOptions, _router, "run the router alone (Kubernetes)"),
     "expert": Command(ExpertOptions, _expert, "run one expert worker alone (Kubernetes)"),
     "openai": Command(OpenAIOptions, _openai, "an OpenAI-compatible HTTP API in front of a router (stateless)",
@@ -108,7 +111,8 @@ COMMANDS: dict[str, Command] = {
                       "or not), /health and /metrics over HTTP, turning each request into gRPC calls to the "
                       "router at --target. Holds no model: run as many as the traffic needs."),
     "validate": Command(ValidateOptions, _validate, "check a checkpoint and size its shards"),
-    "generate": Command(GenerateOptions, _generate, "generate from a running router, streaming the text"),
+    "generate": Command(GenerateOptions, _generate, "generate from a running router, streaming the text",
+                        exclude=GenerateOptions.EXCLUDED),
     "bench": Command(BenchOptions, _bench, "load-test a running router: tok/s, TTFT and ITL percentiles",
                      "A load generator against a running router, like `vllm bench serve`: random prompts of "
                      "--prompt-len token ids, greedy, exactly --max-tokens new tokens each (EOS ignored), "
@@ -128,8 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.description or cmd.help)
-        add_options(p, cmd.options, exclude=getattr(cmd.options, "EXCLUDED", ()),
-                    helps=getattr(cmd.options, "HELPS", None))
+        add_options(p, cmd.options, exclude=cmd.exclude, helps=cmd.helps)
     ap.commands = sub.choices  # type: ignore[attr-defined]
     return ap
 

@@ -31,7 +31,7 @@ class FrontMetrics:
 
     def finished(self, reply: Reply, outcome: str) -> None:
         """Once per request: the first outcome told is the one counted."""
-        if getattr(reply, "counted", True):
+        if reply.counted:
             return
         reply.counted = True
         endpoint = "chat" if reply.chat else "completions"
