@@ -46,8 +46,7 @@ def _router(opts: RouterOptions) -> int:
 def _expert(opts: ExpertOptions) -> int:
     from expert_service.server import serve_expert
 
-    serve_expert(opts)
-    return 0
+    return serve_expert(opts)
 
 
 def _openai(opts: OpenAIOptions) -> int:

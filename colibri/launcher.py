@@ -22,13 +22,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 from colibri.cores import split_threads
 from colibri.fork import FRONT_MODULES, SERVICE_MODULES, Entry, ForkedChild, die_with_parent, fork_command, preload
 from colibri.openai_api.options import OpenAIOptions
+from colibri.openai_api.policy import API_KEY_ENV
 from colibri_common.config import ModelConfig
+from colibri_common.fleet_token import ENV as FLEET_ENV
+from colibri_common.fleet_token import fleet_token, new_token
 from colibri_common.options import option, shared_fields, to_argv
 from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.api.options import RouterOptions
@@ -125,7 +129,9 @@ class ServeOptions:
         common = dict(shared_fields(self.router), host="127.0.0.1", port=port, threads=threads,
                       device=self.device(shard))
         mport = self.router.metrics_port                 # the router's port P; worker i gets P + 1 + i
+        sched = self.router.sched
         return ExpertOptions(**common, shard=f"{shard}/{self.workers}", replicas=self.replicas, cache=self.cache,
+                             max_step_tokens=max(sched.max_num_tokens, sched.max_batch_size),
                              metrics_port=None if mport is None else (mport and mport + 1 + shard),
                              local_socket="" if sockets is None else str(sockets / f"worker-{shard}.sock"))
 
@@ -155,14 +161,21 @@ class Fleet:
         self.stopping = threading.Event()
         self.forks = forks
         self.entry = entry                  # what a forked child runs: colibri.cli.main, handed in by the CLI
+        self.plane_env: dict[str, str] = {}  # the worker plane's secrets: for the router and the workers only
         # SimpleQueue: its put is reentrant, so a signal handler on the main thread may wake `serve_calls`
         self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
 
     def spawn(self, command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> Child:
         # PASSIVE: a process waiting on another (router on workers, workers on the router) must not keep
         # spinning OpenMP threads on the shared cores (measured: router step 109 -> 80 ms on 2 cores).
-        env = dict(os.environ, OMP_NUM_THREADS=str(getattr(opts, "threads", 1)), PYTHONUNBUFFERED="1")
+        threads = opts.threads if isinstance(opts, (RouterOptions, ExpertOptions)) else 1   # the front: one
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if command in ("router", "expert"):        # each secret to the children that use it, no further
+            env.update(self.plane_env)
+            env.pop(API_KEY_ENV, None)
+        else:
+            env.pop(FLEET_ENV, None)
         argv = child_argv(command, opts)
         # Its own process group: a Ctrl-C in the terminal reaches serve alone, which stops the children in
         # order (the router drains first, the workers after it).
@@ -247,13 +260,16 @@ def serve(opts: ServeOptions, entry: Entry) -> int:
     """Run the fleet until a signal (or a fatal failure); its workers' same-host sockets live in a directory of
     their own (mode 0700), removed when the fleet stops. `entry` is what forked children run (colibri.cli.main)."""
     sockets = Path(tempfile.mkdtemp(prefix="colibri-fleet-"))
+    on_exit: list[Callable[[], None]] = []
     try:
-        return _serve(opts, sockets, entry)
+        return _serve(opts, sockets, entry, on_exit)
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
+        for undo in on_exit:                    # the throw-away TLS files
+            undo()
 
 
-def _serve(opts: ServeOptions, sockets: Path, entry: Entry) -> int:
+def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callable[[], None]]) -> int:
     from colibri_common.serving import setup_logging
 
     setup_logging("serve", opts.router.log_level)
@@ -261,6 +277,9 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry) -> int:
     cores = opts.router.threads or len(os.sched_getaffinity(0))
     router_threads, worker_threads = split_threads(cores, n)
     fleet = Fleet(forks=opts.forks, entry=entry)
+    # The worker plane's credential: the user's ($COLIBRI_FLEET_TOKEN) or a fresh one; calls without it are
+    # refused by the workers unread. It reaches the children in their environment, never their argv.
+    fleet.plane_env[FLEET_ENV] = fleet_token() or new_token()
     stop_signal = threading.Event()
 
     def stop_now() -> None:
@@ -288,6 +307,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry) -> int:
 
         base = os.environ.get("COLIBRI_CACHE_DIR") or tempfile.gettempdir()
         tls = self_signed(Path(base) / f"tls-{os.getpid()}")
+        on_exit.append(tls.remove)
         opts = replace(opts, router=replace(opts.router, tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca))
         log.info("TLS: a throw-away CA at %s (clients: --tls-ca %s)", tls.ca, tls.ca)
     try:
@@ -323,59 +343,72 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry) -> int:
         for _ in p.stdout:  # type: ignore[union-attr]
             pass
 
-    def supervise_worker(i: int, p: Child) -> None:
-        """A dead worker is restarted on its own port (the router reconnects), like a pod restart; one that
-        keeps dying soon after its restart waits 1, 2, 4 … 30 s before the next one (CrashLoopBackOff)."""
-        port = int(addrs[i].rsplit(":", 1)[1])
+    def supervise(what: str, p: Child, respawn: Callable[[], Child], clean_exit_stops: bool = False) -> None:
+        """A dead child is started again in its place, on its own port (clients and the router reconnect), like a
+        pod restart; one that keeps dying soon after its restart waits 1, 2, 4 … 30 s before the next one
+        (CrashLoopBackOff). One that cannot start again stops the fleet, and `serve` exits 1. With
+        `clean_exit_stops` (the router), exit code 0 is a stop someone asked for (SIGTERM, drained): the fleet
+        stops with it."""
         delay, started, restarts = 0.0, time.monotonic(), 0
         while True:
             drain(p)
             code = p.wait()
             if fleet.stopping.is_set() or stop_signal.is_set():
                 return
+            if code == 0 and clean_exit_stops:
+                log.info("%s exited with code 0 (it was stopped); stopping the fleet", what)
+                stop_now()
+                return
             quick = time.monotonic() - started < 60          # died soon after its (re)start
             delay = min(30.0, max(1.0, 2 * delay)) if quick and restarts else 0.0
             restarts = restarts + 1 if quick else 0
-            log.error("expert worker %d/%d exited with code %s; restarting it on port %s in %.0fs", i, n, code,
-                      port, delay)
+            log.error("%s exited with code %s; restarting it in %.0fs", what, code, delay)
             if stop_signal.wait(delay):
                 return
             started = time.monotonic()
             try:
-                p = fleet.spawn("expert", opts.expert(i, worker_threads, port, sockets))
-                fleet.wait_ready(p, f"expert worker {i}/{n}")
-                log.info("expert worker %d/%d is back", i, n)
+                p = respawn()
+                fleet.wait_ready(p, what)
+                log.info("%s is back", what)
             except (RuntimeError, OSError) as exc:      # OSError: no fork (EAGAIN, ENOMEM) or no exec
                 if fleet.stopping.is_set():
                     return
+                fatal.append(str(exc))
                 log.error("%s; stopping the fleet", exc)
                 stop_now()
                 return
 
-    def supervise_router(p: Child) -> None:
-        drain(p)
-        code = p.wait()
-        if not fleet.stopping.is_set():
-            log.log(logging.INFO if code == 0 else logging.ERROR, "router exited with code %s; stopping the fleet",
-                    code)
-            stop_now()
+    def port_of(address: str) -> int:
+        return int(address.rsplit(":", 1)[1])
 
-    def supervise_front(p: Child) -> None:
-        drain(p)
-        code = p.wait()
-        if not fleet.stopping.is_set():
-            log.error("the OpenAI front exited with code %s; stopping the fleet", code)
-            stop_now()
+    def respawn_worker(i: int) -> Child:
+        return fleet.spawn("expert", opts.expert(i, worker_threads, port_of(addrs[i]), sockets))
 
+    def respawn_router() -> Child:
+        current["router"] = fleet.spawn("router", replace(opts.router_options(workers, router_threads),
+                                                          port=port_of(addr)))
+        return current["router"]
+
+    def respawn_front() -> Child:
+        current["front"] = fleet.spawn("openai", replace(opts.front(addr), port=port_of(http)))
+        return current["front"]
+
+    fatal: list[str] = []
+    current: dict[str, Child] = {"router": router}
     for i, p in enumerate(procs):
-        threading.Thread(target=supervise_worker, args=(i, p), daemon=True).start()
-    threading.Thread(target=supervise_router, args=(router,), daemon=True).start()
+        threading.Thread(target=supervise, args=(f"expert worker {i}/{n}", p, partial(respawn_worker, i)),
+                         daemon=True).start()
+    threading.Thread(target=supervise, args=("the router", router, respawn_router, True), daemon=True).start()
     if front is not None:
-        threading.Thread(target=supervise_front, args=(front,), daemon=True).start()
+        current["front"] = front
+        threading.Thread(target=supervise, args=("the OpenAI front", front, respawn_front), daemon=True).start()
     fleet.serve_calls(until=stop_signal)
     # The front and the router drain together (the front's open streams are the router's open requests).
-    first = (router,) if front is None else (front, router)
+    router = current["router"]
+    first = (router,) if front is None else (current["front"], router)
     fleet.stop(first=first, first_timeout=opts.router.grace_period + 10)
+    if fatal:                             # stopped for a reason of its own, not a signal: the exit code says so
+        return 1
     if router.returncode != 0:            # it died, or did not drain and exit cleanly when told to stop
         log.error("router exited with code %s", router.returncode)
         return 1

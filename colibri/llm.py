@@ -9,9 +9,10 @@
 tests and benchmarks); `workers=N` starts a local fleet (`colibri serve --workers N` as a child process, gRPC on
 loopback) and talks to it through the Python client; the tokens are the same either way. Options are the flags
 of `colibri serve` as keywords (`dtype="bfloat16"`, `quantize="int8"`, `kv_cache_mb=1024`,
-`sched=SchedulerConfig(...)`, `expert_cache_capacity="50%"`, `replicas=2` ...); an unknown one is a TypeError
-that lists them. Prompts are texts (the checkpoint's tokenizer.json) or lists of token ids; all of one
-`generate` call are batched together.
+`expert_cache_capacity="50%"`, `replicas=2`, `sched=SchedulerConfig(max_batch_size=8)` with
+`from router_service.engine.scheduler import SchedulerConfig` ...); an unknown one is a TypeError that lists them.
+Prompts are texts (the checkpoint's tokenizer.json) or lists of token ids. A `generate` call runs its prompts
+together, as many at once as the engine's --max-waiting queue takes (the rest follow as those finish).
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 import subprocess
 import threading
+import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +33,7 @@ from pathlib import Path
 import torch
 
 from colibri.client import Client, GenerationError
+from colibri.fork import die_with_parent
 from colibri.launcher import ServeOptions, colibri_command
 from colibri_common.options import to_argv
 from colibri_common.tokenizer import Tokenizer
@@ -44,12 +49,30 @@ from router_service.moe.experts import Experts, LocalExperts
 
 log = logging.getLogger("colibri")
 
-SamplingParams = Sampling          # vLLM's name; the fields are vLLM's too (temperature, top_p, max_tokens, ...)
 Prompt = str | list[int]
 
 _ROUTER = {f.name for f in dataclasses.fields(RouterOptions)} - {"model", "workers"}
 _CACHE = {f.name for f in dataclasses.fields(ExpertCacheOptions)}
 _SERVE = {f.name for f in dataclasses.fields(ServeOptions)} - {"router", "workers", "cache"}
+
+
+@dataclass(frozen=True)
+class SamplingParams(Sampling):
+    """vLLM's name and fields (temperature, top_p, top_k, min_p, max_tokens, stop, seed, logprobs ...), plus `n`:
+    that many completions of each prompt (completion i seeded seed + i)."""
+
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+
+    def choices(self) -> list[Sampling]:
+        """One engine sampling per completion, as the router's server makes them."""
+        base = Sampling(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Sampling)})
+        return [base if self.seed is None or i == 0 else dataclasses.replace(base, seed=(self.seed + i) % 2**64)
+                for i in range(self.n)]
 
 
 @dataclass
@@ -60,7 +83,8 @@ class CompletionOutput:
     finish_reason: str = ""                 # "stop" (EOS, a stop token or string) or "length"
     stop_reason: str = ""                   # the stop string, or the stop token id, that ended it
     logits: list[torch.Tensor] = field(default_factory=list)   # float32 [V] per token, with return_logits
-    logprobs: list[float] = field(default_factory=list)        # per token, with logprobs
+    logprobs: list[float] = field(default_factory=list)        # the sampled token's, per token, with logprobs
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)   # with top_logprobs=N
 
 
 @dataclass
@@ -68,19 +92,45 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]         # one per completion (SamplingParams.n)
+
+
+def _shutdown(built: list[BuiltEngine], shards: list[BuiltShard], fleets: list[subprocess.Popen],
+              clients: list[Client]) -> None:
+    """Everything an LLM holds, stopped; at `close`, or when the LLM is collected or the interpreter exits."""
+    while built:
+        built.pop().close()
+    while shards:
+        shards.pop().close()
+    while clients:
+        clients.pop().close()
+    while fleets:
+        p = fleets.pop()
+        p.terminate()
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _token_ids(prompt: object) -> list[int]:
+    try:
+        return [operator.index(t) for t in prompt]               # type: ignore[union-attr]
+    except TypeError:
+        raise TypeError(f"a prompt is a str or a list of int token ids, got {prompt!r:.80}") from None
 
 
 class LLM:
     def __init__(self, model: str | Path, workers: int = 0, *,
                  wrap_experts: Callable[[Experts], Experts] | None = None, **options) -> None:
         """`wrap_experts` (in-process only) wraps the experts the engine calls: fault injection in tests."""
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+            raise ValueError(f"LLM: workers must be 0 (in this process) or the number of workers, got {workers!r}")
         unknown = set(options) - _ROUTER - _CACHE - (_SERVE if workers else set())
         if unknown:
             valid = sorted(_ROUTER | _CACHE | (_SERVE if workers else set()))
             raise TypeError(f"LLM: unknown option(s) {sorted(unknown)}; the options are {', '.join(valid)}")
-        if workers < 0:
-            raise ValueError(f"LLM: workers must be 0 (in this process) or the number of workers, got {workers}")
         if workers and wrap_experts is not None:
             raise ValueError("LLM: wrap_experts wraps in-process experts; it needs workers=0")
         self.model = str(model)
@@ -88,16 +138,23 @@ class LLM:
         router = RouterOptions(model=self.model, **{k: v for k, v in options.items() if k in _ROUTER})
         cache = ExpertCacheOptions(**{k: v for k, v in options.items() if k in _CACHE})
         self._ids = itertools.count()
-        self._built: BuiltEngine | None = None
-        self._shard: BuiltShard | None = None
-        self._fleet: subprocess.Popen | None = None
-        self._client: Client | None = None
-        if workers == 0:
-            self._start_in_process(router, cache, wrap_experts)
-        else:
-            serve = ServeOptions(router=dataclasses.replace(router, port=0), workers=workers, cache=cache,
-                                 **{k: v for k, v in options.items() if k in _SERVE})
-            self._start_fleet(serve)
+        self._built: list[BuiltEngine] = []          # lists, so the finaliser holds them and never self
+        self._shards: list[BuiltShard] = []
+        self._fleets: list[subprocess.Popen] = []
+        self._clients: list[Client] = []
+        self._tokenizer: Tokenizer | None = None
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._built, self._shards, self._fleets, self._clients)
+        try:
+            if workers == 0:
+                self._start_in_process(router, cache, wrap_experts)
+            else:
+                serve = ServeOptions(router=dataclasses.replace(router, port=0), workers=workers, cache=cache,
+                                     **{k: v for k, v in options.items() if k in _SERVE})
+                self._start_fleet(serve)
+        except BaseException:                        # a failed or interrupted start leaves nothing running
+            self._finalizer()
+            raise
 
     # -- in this process ------------------------------------------------------------------------------------
 
@@ -110,38 +167,38 @@ class LLM:
                                    cpu_forms=router.cpu_forms, log_level=router.log_level, cache=cache)
 
         def local(cfg, device: torch.device) -> Experts:
-            self._shard = build_shard(shard_opts, device)
-            experts = LocalExperts(self._shard.experts)
+            shard = build_shard(shard_opts, device)
+            self._shards.append(shard)
+            experts = LocalExperts(shard.experts)
             return experts if wrap is None else wrap(experts)
 
-        try:
-            self._built = build_engine(router, local)
-        except BaseException:
-            if self._shard is not None:
-                self._shard.close()
-            raise
-        self._built.engine.start()
+        built = build_engine(router, local)
+        self._built.append(built)
+        built.engine.start()
+
+    def _in_process_only(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+        if not self._built:
+            raise RuntimeError(f"LLM.{what} is the in-process engine's; this LLM runs a fleet (workers > 0)")
 
     @property
     def engine(self) -> Engine:
         """The in-process engine (workers=0), for what the offline API does not cover."""
-        if self._built is None:
-            raise RuntimeError("LLM.engine is the in-process engine; this LLM runs a fleet (workers > 0)")
-        return self._built.engine
+        self._in_process_only("engine")
+        return self._built[0].engine
 
     @property
     def built(self) -> BuiltEngine:
         """The in-process engine with its model config, tokenizer and experts (workers=0)."""
-        if self._built is None:
-            raise RuntimeError("LLM.built is the in-process engine; this LLM runs a fleet (workers > 0)")
-        return self._built
+        self._in_process_only("built")
+        return self._built[0]
 
     @property
     def shard(self) -> BuiltShard:
         """The in-process experts (workers=0)."""
-        if self._shard is None:
-            raise RuntimeError("LLM.shard is the in-process experts; this LLM runs a fleet (workers > 0)")
-        return self._shard
+        self._in_process_only("shard")
+        return self._shards[0]
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         b = self.built
@@ -150,7 +207,7 @@ class LLM:
                 raise ValueError(f"{self.model} has no tokenizer.json; give prompts as lists of token ids")
             ids = b.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            ids = _token_ids(prompt)
         if not ids:
             raise ValueError("a prompt is empty; give text or at least one token id")
         bad = [t for t in ids if not 0 <= t < b.cfg.vocab_size]
@@ -160,76 +217,103 @@ class LLM:
 
     def _in_process(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
         b = self.built
+        limits = b.engine.limits
         jobs = []
-        for prompt, sp in zip(prompts, params, strict=True):
+        for prompt, sp in zip(prompts, params, strict=True):         # every prompt checked before any runs
             ids = self._prompt_ids(prompt)
             if len(ids) + sp.max_tokens > b.max_model_len:
                 raise ValueError(f"a prompt of {len(ids)} tokens + max_tokens {sp.max_tokens} exceeds the model's "
                                  f"maximum length {b.max_model_len}")
+            if sp.n > min(limits.max_batch_size, limits.max_waiting):
+                raise ValueError(f"n = {sp.n} is more than the engine runs at once ({limits.max_batch_size}); "
+                                 f"raise max_batch_size")
             jobs.append((prompt, ids, sp))
-        runs = []
-        for prompt, ids, sp in jobs:                   # all submitted before any is read: one batch
-            rid = f"llm-{next(self._ids)}"
-            group = [EngineSequence(rid, ids, sp)]
-            runs.append((rid, prompt, ids, group, Choices(b.engine, group, b.engine.submit(group), b.tokenizer)))
-        return [self._collect(*run) for run in runs]
+        window = max(1, limits.max_waiting // max(sp.n for _, _, sp in jobs))
+        open_runs: deque[tuple[str, Prompt, list[int], list[EngineSequence], Choices]] = deque()
+        results = []
+        try:
+            for prompt, ids, sp in jobs:
+                if len(open_runs) >= window:          # the waiting queue's bound: collect the oldest first
+                    results.append(self._collect(*open_runs.popleft()))
+                rid = f"llm-{next(self._ids)}"
+                group = [EngineSequence(rid, ids, s, index=i) for i, s in enumerate(sp.choices())]
+                open_runs.append((rid, prompt, ids, group, Choices(b.engine, group, b.engine.submit(group),
+                                                                   b.tokenizer)))
+            while open_runs:
+                results.append(self._collect(*open_runs.popleft()))
+        finally:                                     # a failure (or Ctrl-C) leaves no request running
+            for *_, group, _ in open_runs:
+                for seq in group:
+                    b.engine.cancel(seq)
+        return results
 
     def _collect(self, rid: str, prompt: Prompt, ids: list[int], group: list[EngineSequence],
                  choices: Choices) -> RequestOutput:
-        out = CompletionOutput(0)
+        outs = [CompletionOutput(i) for i in range(len(group))]
         try:
             for piece in choices:
+                out = outs[piece.index]
                 if isinstance(piece, Piece):
                     out.text += piece.text
                     out.token_ids += piece.token_ids
                     out.logits += [torch.frombuffer(bytearray(x), dtype=torch.float32) for x in piece.logits]
                     out.logprobs += [s.logprob or 0.0 for s in piece.logprobs]
+                    if group[piece.index].sampling.top_logprobs:
+                        out.top_logprobs += [list(s.top) for s in piece.logprobs]
                 elif isinstance(piece, Done):
                     out.finish_reason, out.stop_reason = piece.reason.value, piece.stop_reason
         except ChoiceFailed as exc:
             for seq in group:
-                self.engine.cancel(seq)
+                self.built.engine.cancel(seq)
             raise RuntimeError(f"generation failed ({exc.failed.code.name}): {exc.failed.message}") from exc
-        return RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, [out])
+        return RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, outs)
 
     # -- a local fleet --------------------------------------------------------------------------------------
 
     def _start_fleet(self, serve: ServeOptions) -> None:
         argv = [*colibri_command(), "serve", *to_argv(serve, ServeOptions.EXCLUDED)]
         log.info("starting a local fleet: colibri serve --workers %d", serve.workers)
-        self._fleet = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)   # its logs go to our stderr
-        assert self._fleet.stdout is not None
-        for line in self._fleet.stdout:
+        fleet = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                 preexec_fn=die_with_parent)          # its logs go to our stderr
+        self._fleets.append(fleet)
+        assert fleet.stdout is not None
+        for line in fleet.stdout:
             if line.startswith("ready "):
                 addr = line.split()[1]
                 break
         else:
-            code = self._fleet.wait()
+            code = fleet.wait()
             raise RuntimeError(f"colibri serve exited with code {code} before it was ready (its log above says why)")
-        threading.Thread(target=self._fleet.stdout.read, name="fleet-stdout", daemon=True).start()
-        self._client = Client(addr)
+        threading.Thread(target=fleet.stdout.read, name="fleet-stdout", daemon=True).start()
+        self._clients.append(Client(addr))
         self._tokenizer = Tokenizer.from_dir(self.model)
 
     def _on_fleet(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
-        client = self._client
-        assert client is not None
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+        client = self._clients[0]
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                _token_ids(prompt)
 
         def one(job: tuple[Prompt, SamplingParams]) -> RequestOutput:
             prompt, sp = job
             fields = {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}
             rid = f"llm-{next(self._ids)}"
+            wire_prompt = prompt if isinstance(prompt, str) else _token_ids(prompt)
             try:
-                r = client.generate(prompt, timeout=None, request_id=rid, **fields)
+                r = client.generate(wire_prompt, timeout=None, request_id=rid, **fields)
             except GenerationError as exc:
                 raise (ValueError if exc.code().name == "INVALID_ARGUMENT" else RuntimeError)(exc.details()) from exc
-            c = r.choices[0]
-            out = CompletionOutput(0, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
-                                   [torch.from_numpy(x.copy()) for x in c.logits],
-                                   [lp.logprob for lp in c.logprobs])
+            outs = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                                     [torch.from_numpy(x.copy()) for x in c.logits],
+                                     [lp.logprob for lp in c.logprobs],
+                                     [[(t.token_id, t.logprob) for t in lp.top] for lp in c.logprobs]
+                                     if sp.top_logprobs else []) for c in r.choices]
             if isinstance(prompt, str):                # the router's tokenizer, the same file
                 ids = self._tokenizer.encode(prompt) if self._tokenizer is not None else []
-                return RequestOutput(rid, prompt, ids, [out])
-            return RequestOutput(rid, None, list(prompt), [out])
+                return RequestOutput(rid, prompt, ids, outs)
+            return RequestOutput(rid, None, list(wire_prompt), outs)
 
         with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
             return list(pool.map(one, zip(prompts, params, strict=True)))
@@ -239,39 +323,41 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """One output per prompt, in the prompts' order; `sampling_params` one for all or one per prompt
-        (default: greedy, 16 tokens). Bad input is a ValueError that says what to fix."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        (default: greedy, 16 tokens). Bad values are a ValueError, bad types a TypeError, each saying what to
+        fix; nothing is left running after one."""
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (
+                str, list, tuple))):
+            prompts = [prompts]                                       # one prompt: a text or token ids
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts: a str, a list of token ids, or a list of those; got {type(prompts).__name__}")
         prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        for p in prompts:
+            if not isinstance(p, (str, list, tuple)):
+                raise TypeError(f"a prompt is a str or a list of int token ids, got {p!r:.80}")
+        if sampling_params is None or isinstance(sampling_params, Sampling):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; give one, or one each")
+        else:
+            raise TypeError(f"sampling_params: a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
+        for sp in params:
+            if not isinstance(sp, Sampling):
+                raise TypeError(f"sampling_params: a SamplingParams or a list of them, got {type(sp).__name__}")
+        params = [sp if isinstance(sp, SamplingParams) else SamplingParams(
+            **{f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}) for sp in params]
         if not prompts:
             return []
         return self._in_process(prompts, params) if self.workers == 0 else self._on_fleet(prompts, params)
 
     def close(self) -> None:
         """Stop the engine and release the experts, or stop the fleet (SIGTERM, then its drain)."""
-        if self._built is not None:
-            self._built.close()
-            self._built = None
-        if self._shard is not None:
-            self._shard.close()
-            self._shard = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        if self._fleet is not None:
-            self._fleet.terminate()
-            try:
-                self._fleet.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._fleet.kill()
-                self._fleet.wait()
-            self._fleet = None
+        self._closed = True
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self

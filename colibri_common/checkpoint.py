@@ -57,16 +57,21 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}; file truncated?")
         try:
             header = json.loads(f.read(n))
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     base = 8 + n
     out: dict[str, TensorEntry] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        dtype, shape, (lo, hi) = _header_entry(path, name, info)
         if dtype not in _ST_DTYPES:
             raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {dtype}")
+        if not 0 <= lo <= hi:
+            raise CheckpointError(f"{path}: tensor '{name}' has byte range {lo}..{hi}, outside the data section; "
+                                  f"the file is corrupt, export it again")
         numel = 1
         for d in shape:
             numel *= d
@@ -77,7 +82,39 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{path}: tensor '{name}' ends at byte {base + hi} but the file has only "
                                   f"{size} bytes; the file is truncated, download it again")
         out[name] = TensorEntry(name, path, dtype, shape, base + lo, base + hi)
+    _check_layout(path, out, base, size)
     return out
+
+
+def _header_entry(path: Path, name: str, info: object) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """A header entry's dtype, shape and data offsets, their types checked."""
+    try:
+        dtype, shape, offsets = info["dtype"], tuple(info["shape"]), tuple(info["data_offsets"])  # type: ignore[index]
+    except (TypeError, KeyError) as exc:
+        raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry {info!r}") from exc
+    ints = lambda xs: all(type(x) is int for x in xs)       # noqa: E731  (bool is no size)
+    if not isinstance(dtype, str) or not ints(shape) or any(d < 0 for d in shape) or len(offsets) != 2 \
+            or not ints(offsets):
+        raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry {info!r}")
+    return dtype, shape, (offsets[0], offsets[1])
+
+
+def _check_layout(path: Path, entries: dict[str, TensorEntry], base: int, size: int) -> None:
+    """The safetensors library's rule: the tensors, in offset order, tile the data section exactly (no byte
+    shared by two tensors, none that belongs to no tensor). A file that breaks it is refused, naming the tensors."""
+    corrupt = "the file is corrupt (the safetensors library refuses it too), export it again"
+    end, prev = base, "the start of the data section"
+    for e in sorted(entries.values(), key=lambda e: (e.start, e.end, e.name)):
+        span = f"tensor '{e.name}' (data bytes {e.start - base}..{e.end - base})"
+        if e.start < end:
+            raise CheckpointError(f"{path}: {prev} and {span} overlap; {corrupt}")
+        if e.start > end:
+            raise CheckpointError(f"{path}: {e.start - end} bytes between {prev} and {span} belong to no tensor; "
+                                  f"{corrupt}")
+        end, prev = e.end, span
+    if end != size:
+        raise CheckpointError(f"{path}: {size - end} bytes after {prev} to the end of the file belong to no tensor; "
+                              f"{corrupt}")
 
 
 class Checkpoint:

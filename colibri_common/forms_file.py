@@ -161,7 +161,8 @@ class FormsFile:
                 os.close(fd)                            # closing the descriptor releases the lock
 
     def save(self) -> None:
-        """Merge this process's forms into the file, atomically; a file that cannot be written is a warning."""
+        """Merge this process's forms into the file, atomically; a file that cannot be written (a full disk, a
+        read-only directory) is a warning, and the forms measured stay in use from memory."""
         if self.path is None:
             return
         try:
@@ -170,13 +171,25 @@ class FormsFile:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 sections = _read(self.path, self.machine)
                 sections[self.section] = {**sections.get(self.section, {}), **self.forms}
-                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".cpu-forms-")
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"version": VERSION, "machine": self.machine, "forms": sections}, f, indent=1,
-                              sort_keys=True)
-                os.replace(tmp, self.path)
+                write_atomic(self.path, json.dumps({"version": VERSION, "machine": self.machine, "forms": sections},
+                                                   indent=1, sort_keys=True))
         except OSError as exc:
             log.warning("cannot write %s (%s); the measured forms are used but not kept", self.path, exc)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`text` as the whole of `path`, atomically: written to a temp file beside it, then renamed over it. A write
+    that fails (ENOSPC, EDQUOT, any OSError) removes the temp file before the error goes on, so a full disk
+    gathers no half-written or empty files."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def in_force(path: Path | None, candidates: str = "") -> list[str]:

@@ -33,11 +33,13 @@ def setup_logging(role: str, level: str = "INFO") -> None:
 class Service:
     """A gRPC server with health (liveness on "", readiness on the service name) and reflection."""
 
-    def __init__(self, service_name: str, max_workers: int, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, service_name: str, max_workers: int, max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                 interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> None:
         self.name = service_name
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", max_receive_bytes), *SERVER_KEEPALIVE]
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+                                  interceptors=interceptors)
         self._loaded = False
         self._healthy = True       # what the service's own checks say (the router: every expert has a worker)
         self._lock = threading.Lock()
@@ -71,6 +73,11 @@ class Service:
                     "SERVING" if healthy else "NOT_SERVING")
         self._healthy = healthy
         self._publish()
+
+    def stop_soon(self, why: str) -> None:
+        """Stop as a signal would (readiness NOT_SERVING, the drain, stop), for a reason of the service's own."""
+        log.error("%s: not serving any more, stopping", why)
+        self._stopped.set()
 
     def ready(self, host: str, port: int) -> None:
         self._loaded = True

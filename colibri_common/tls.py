@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from colibri_common.errors import ConfigError
+from colibri_common.errors import ColibriError, ConfigError
+
+log = logging.getLogger("colibri")
+SELF_SIGNED_FILES = ("ca.pem", "cert.pem", "key.pem")
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,7 @@ class TlsFiles:
     cert: str
     key: str
     ca: str | None = None
+    directory: str | None = None     # the throw-away directory `self_signed` made (None: files the user named)
 
     @staticmethod
     def of(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
@@ -51,6 +58,21 @@ class TlsFiles:
     def channel(self) -> grpc.ChannelCredentials:
         return channel_credentials(self.ca, self.cert, self.key)
 
+    def remove(self) -> None:
+        """Delete the throw-away files `self_signed` wrote and their directory (when the fleet stops); files the
+        user named are never touched. Safe to call twice; what cannot be removed is a warning naming it."""
+        if self.directory is None or os.path.islink(self.directory) or not os.path.isdir(self.directory):
+            return
+        d = Path(self.directory)
+        try:
+            for name in SELF_SIGNED_FILES:
+                (d / name).unlink(missing_ok=True)
+            d.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove the throw-away TLS directory %s (%s); delete it by hand", d, exc)
+
 
 def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials:
     read = lambda p: Path(p).read_bytes() if p else None          # noqa: E731
@@ -70,13 +92,13 @@ def client_channel(target: str, options: list, ca: str | None = None, cert: str 
 
 def self_signed(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> TlsFiles:
     """A new CA and one certificate it signs (for `hosts`, usable by servers and clients alike), written as
-    ca.pem, cert.pem, key.pem in `directory` (created, owner-only)."""
+    ca.pem, cert.pem, key.pem in `directory` (created with mode 0700, the files 0600; `TlsFiles.remove` deletes
+    them). A directory that cannot be written is a ColibriError naming it, the files begun there removed."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "colibri throw-away CA")])
@@ -101,9 +123,39 @@ def self_signed(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localho
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
     pem = serialization.Encoding.PEM
-    (directory / "ca.pem").write_bytes(ca.public_bytes(pem))
-    (directory / "cert.pem").write_bytes(cert.public_bytes(pem))
-    key_path = directory / "key.pem"
-    key_path.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    key_path.chmod(0o600)
-    return TlsFiles(str(directory / "cert.pem"), str(key_path), str(directory / "ca.pem"))
+    pems = {"ca.pem": ca.public_bytes(pem), "cert.pem": cert.public_bytes(pem),
+            "key.pem": key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())}
+    files = TlsFiles(str(directory / "cert.pem"), str(directory / "key.pem"), str(directory / "ca.pem"),
+                     directory=str(directory))
+    try:
+        _private_dir(directory)
+        for name, data in pems.items():
+            _write_private(directory / name, data)
+    except OSError as exc:
+        files.remove()
+        raise ColibriError(f"cannot write the throw-away TLS files to {directory} ({exc.strerror or exc}); set "
+                           f"COLIBRI_CACHE_DIR to a writable directory") from exc
+    return files
+
+
+def _private_dir(directory: Path) -> None:
+    """`directory`, created if need be, a real directory of this user with mode 0700 (an existing one that
+    another user owns, or a link, is refused: it could hand the private key to someone else)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise ColibriError(f"{directory} exists and is not a directory of this user; remove it, or set "
+                           f"COLIBRI_CACHE_DIR to a directory of your own")
+    os.chmod(directory, 0o700)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """`data` into `path`, readable by its owner only from the first byte (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)

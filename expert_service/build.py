@@ -19,6 +19,7 @@ from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.device import open_device
 from colibri_common.errors import ConfigError
+from colibri_common.file_watch import FileWatch
 from colibri_common.forms_file import tune_forms
 from colibri_common.heap import return_free_heap
 from colibri_common.placement import replica_experts
@@ -49,8 +50,10 @@ class BuiltShard:
             save_heat(self.heat, self.opts.model, self.experts.cache.hottest())
 
     def close(self) -> None:
-        """Keep the heat, then release the cache's thread and the mappings."""
+        """Keep the heat, then release the cache's thread, the watch and the mappings."""
         self.keep_heat()
+        if self.experts.watch is not None:
+            self.experts.watch.close()
         self.experts.close()
 
 
@@ -81,6 +84,10 @@ def build_shard(opts: ExpertOptions, device: torch.device | None = None) -> Buil
                                      moe=[experts.moe_shape()])
         log.info(forms.summary(measured))
     experts.loaded()                            # packed experts need the mappings no more (unmapped)
+    if experts.in_place or experts.cache is not None:   # served through the mapping: watch its files
+        experts.watch = FileWatch(sorted({e.file for e in ckpt.entries.values()}))
+        if experts.cache is not None:
+            experts.cache.watch = experts.watch
     experts.warm_up()                           # the kernels run here (compiled on a GPU), before ready
     heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas)
     if experts.cache is not None:

@@ -29,6 +29,7 @@ import torch
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.device import device_scope
+from colibri_common.file_watch import FileWatch, MappingChanged
 from expert_service.cache_capacity import CacheCapacity
 from expert_service.cache_policy import Policy, make_policy
 from expert_service.cache_stats import CacheStats
@@ -104,6 +105,7 @@ class ExpertCache:
                  warm: CacheCapacity | None = None, make_warm: Callable[..., Weight] | None = None) -> None:
         self.cfg, self.ckpt, self.device = cfg, ckpt, device
         ckpt.map_all()                          # every file mapped once, before any thread reads through it
+        self.watch: FileWatch | None = None     # checked before each read through the mapping (build.py sets it)
         self.held = set(experts)
         self.local = torch.full((cfg.num_experts,), -1, dtype=torch.long)     # [E] global id -> local row
         self.local[experts] = torch.arange(len(experts))
@@ -138,6 +140,8 @@ class ExpertCache:
 
     def _pack_into(self, key: Key, slot: int) -> None:
         layer, e = key
+        if self.watch is not None and (reason := self.watch.changed()) is not None:
+            raise MappingChanged(reason)        # the pages may be gone: reading them would be SIGBUS
         if self.warm is None:
             pack_expert(self.cfg, self.ckpt, layer, e, self.hot.w13[slot], self.hot.w2[slot])
             return
@@ -233,6 +237,8 @@ class ExpertCache:
                 layer, experts = item
                 try:
                     self._prefetch(layer, experts)
+                except MappingChanged:
+                    return                      # the worker reports it and stops (file-watch); no more guesses
                 except Exception:  # noqa: BLE001 (a prefetch is an optimisation: log it, serve on)
                     log.exception("prefetch of layer %d failed", layer)
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
-from colibri_common.forms_file import default_path
+from colibri_common.forms_file import default_path, write_atomic
 
 log = logging.getLogger("colibri.expert")
 VERSION = 1
@@ -55,12 +54,12 @@ def load(path: Path | None, model_dir: str | Path) -> list[Key]:
 
 
 def save(path: Path | None, model_dir: str | Path, hot: list[Key]) -> None:
+    """The hot keys into `path`, atomically; a file that cannot be written (a full disk, a read-only directory) is
+    a warning (its temp file removed, the file left as it was), and the worker goes on."""
     if path is None or not hot:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"version": VERSION, "checkpoint": fingerprint(model_dir), "hot": hot}))
-        tmp.replace(path)
+        write_atomic(path, json.dumps({"version": VERSION, "checkpoint": fingerprint(model_dir), "hot": hot}))
     except OSError as exc:
-        log.warning("could not write %s: %s", path, exc)
+        log.warning("could not write %s (%s); this run's hot experts are not kept", path, exc)

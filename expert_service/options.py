@@ -63,6 +63,12 @@ class ExpertOptions(ServiceOptions):
                                             "0 = any free port)")
     max_streams: int = option(16, "concurrent ForwardStream (and Forward) calls at most; beyond it "
                                   "RESOURCE_EXHAUSTED (each router holds one stream per worker)")
+    max_streams_per_peer: int = option(8, "ForwardStream (and Forward) calls one peer host may hold open at once; "
+                                          "beyond it RESOURCE_EXHAUSTED, so one caller cannot take every slot")
+    max_step_tokens: int = option(512, "token rows one Forward may carry: the router's --max-num-tokens (or "
+                                       "--max-batch-size when larger; `serve` passes it). A larger message is "
+                                       "refused before it is read, and a router that may send more is refused at "
+                                       "start")
     local_socket: str = option("", "also answer Forward on this UNIX socket, for a router on the same host (framed "
                                    "messages, no HTTP/2; `colibri serve` gives each worker one in a directory only "
                                    "its user can enter); gRPC stays for everything else", metavar="PATH")
@@ -72,8 +78,9 @@ class ExpertOptions(ServiceOptions):
         super().__post_init__()
         if not 1 <= self.replicas <= self.num_shards:
             raise ValueError(f"--replicas {self.replicas}: need 1 <= R <= N (the {self.num_shards} workers)")
-        if self.max_streams <= 0:
-            raise ValueError(f"--max-streams must be positive, got {self.max_streams}")
+        for name in ("max_streams", "max_streams_per_peer", "max_step_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         parse_shard(self.shard)      # raises ValueError with a message that says what to fix
 
     @property

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
 from google.protobuf.message import DecodeError
 
 from colibri_common import wire
+from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging, device_scope, open_device
 from colibri_common.errors import ConfigError
+from colibri_common.file_watch import MappingChanged
+from colibri_common.fleet_token import ENV as FLEET_ENV
+from colibri_common.fleet_token import fleet_token
 from colibri_common.handlers import add_servicer
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
-from colibri_common.serving import MAX_MESSAGE_BYTES, Service, setup_logging
+from colibri_common.serving import Service, setup_logging
+from colibri_common.tensors import expert_tensors
 from colibri_common.tls import TlsFiles
+from colibri_common.token_gate import TokenGate
 from expert_service.build import build_shard
 from expert_service.local_socket import LocalServer
 from expert_service.metrics import WorkerMetrics
@@ -25,14 +33,59 @@ from kernels import batch_invariant
 
 log = logging.getLogger("colibri.expert")
 SERVICE = "colibri.v1.ExpertWorker"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+EXIT_RESTART = 75          # EX_TEMPFAIL: stopped because its experts' bytes changed; a restart maps them afresh
+
+
+class NonFinite(Exception):
+    """Non-finite outputs for small, finite inputs: the experts' weights are damaged (the message names them)."""
+
+
+def non_finite_experts(shard: ExpertShard, layer: int, ids: torch.Tensor) -> str | None:
+    """Which of this call's experts give non-finite outputs for a small finite probe (a fixed row of N(0, 0.1)
+    values, weight 1), and the files that hold them; None when all are finite, so a call's own huge or
+    non-finite inputs are the caller's business (the router fails that request alone) and never stop the
+    worker. The slow path, taken only after a non-finite sum."""
+    probe = (torch.randn(1, shard.cfg.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.1).to(
+        shard.device, shard.dtype)                                                          # [1, H]
+    one = torch.ones(1, 1, device=shard.device)                                             # [1, 1]
+    bad = [e for e in ids.unique().tolist() if e >= 0 and int(shard.expert_map[e]) >= 0 and not bool(
+        torch.isfinite(shard.forward(layer, probe, torch.tensor([[e]], device=shard.device), one)).all())]
+    if not bad:
+        return None
+    files = sorted({str(shard.ckpt.entry(name).file) for e in bad
+                    for name, _ in expert_tensors(shard.cfg, layer, e).values() if name in shard.ckpt})
+    return (f"layer {layer} expert{'s' if len(bad) != 1 else ''} {', '.join(map(str, bad))} give non-finite "
+            f"outputs for finite inputs: their weights are damaged ({', '.join(files) or 'a packed copy'}); this "
+            f"worker stops serving")
+
+
+def forward_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """The largest ForwardRequest a router sends for `tokens` token rows: hidden rows (float64 at most on the
+    wire), each row's expert ids (int64) and weights (float64), the prefetch list, and room for framing."""
+    return tokens * (cfg.hidden_size * 8 + cfg.top_k * 16) + cfg.num_experts * 8 + (1 << 16)
+
+
+def peer_host(peer: str) -> str:
+    """The caller's host in gRPC's peer string: 'ipv4:10.0.0.7:5123' -> '10.0.0.7', 'ipv6:[::1]:5123' -> '::1'."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return peer
 
 
 class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
-    def __init__(self) -> None:
+    def __init__(self, max_per_peer: int = 8) -> None:
+        self.peers: collections.Counter[str] = collections.Counter()   # open streams per caller host
+        self.max_per_peer = max_per_peer
         self.shard: ExpertShard | None = None   # set once the weights are packed
         self.staging: HostStaging | None = None
         self.metrics = WorkerMetrics()
         self.local_socket = ""                  # the same-host socket's path, once it listens
+        self.max_step_tokens = 0                # what one Forward may carry, told to routers in Describe
+        self.on_damage: Callable[[str], None] | None = None   # its experts' bytes cannot be trusted: stop serving
 
     def _loaded(self, context) -> ExpertShard:
         if self.shard is None:
@@ -48,6 +101,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
             dtype=s.weight_dtype, packed_bytes=s.packed_bytes,
             expert_cache_slots=0 if s.cache is None else s.cache.hot.w13.shape[0], batch_invariant=batch_invariant(),
+            max_step_tokens=self.max_step_tokens,
             local_socket=self.local_socket)
 
     def _compute(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
@@ -74,10 +128,23 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         with torch.inference_mode(), device_scope(self.staging.device):     # this handler thread's GPU
             hidden_d, ids_d, weights_d = self.staging.to_device(hidden, ids, weights)
             sums = self.shard.forward(request.layer, hidden_d, ids_d, weights_d)                       # [n, H] f64
+            if not bool(torch.isfinite(sums).all()):        # the inputs' doing, or damaged weights?
+                damaged = non_finite_experts(self.shard, request.layer, ids_d)
+                if damaged is not None:
+                    raise NonFinite(damaged)
             out, = self.staging.to_host(sums if request.exact_sum else sums.to(hidden.dtype))
         seconds = time.perf_counter() - t0
         self.metrics.count("ok", hidden.shape[0], seconds)
         return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=seconds * 1e3)
+
+    def _refusal(self, exc: Exception) -> str:
+        """The status message of a worker that stopped trusting its experts' bytes (it goes NOT_SERVING)."""
+        self.metrics.count("unavailable")
+        s = self.shard
+        who = "expert worker" if s is None else f"expert worker {s.shard}/{s.num_shards}"
+        if self.on_damage is not None:
+            self.on_damage(str(exc))
+        return f"{who}: {exc}"
 
     def _respond(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
         reply = self._compute(request)
@@ -97,6 +164,8 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"not a ForwardRequest: {exc}".encode()
         try:
             return 0, self._respond(request).SerializeToString()
+        except (MappingChanged, NonFinite) as exc:
+            return grpc.StatusCode.UNAVAILABLE.value[0], self._refusal(exc).encode()
         except ValueError as exc:
             self.metrics.count("invalid_argument")
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], str(exc).encode()
@@ -109,6 +178,8 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
     def _answer(self, request, context) -> expert_pb2.ForwardResponse:
         try:
             return self._respond(request)
+        except (MappingChanged, NonFinite) as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal(exc))
         except ValueError as exc:
             self.metrics.count("invalid_argument")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -123,6 +194,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
 
     def ForwardStream(self, request_iterator, context):
         self._loaded(context)
+        peer = self._enter_peer(context)
         with self.metrics.lock:
             self.metrics.streams_open += 1
         try:
@@ -131,24 +203,49 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         finally:
             with self.metrics.lock:
                 self.metrics.streams_open -= 1
+                self.peers[peer] -= 1
+
+    def _enter_peer(self, context) -> str:
+        """Count a stream against its caller's host (`--max-streams-per-peer`): one caller cannot take every
+        slot of `--max-streams`."""
+        peer = peer_host(context.peer())
+        with self.metrics.lock:
+            full = self.peers[peer] >= self.max_per_peer
+            if not full:
+                self.peers[peer] += 1
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{peer} holds {self.max_per_peer} streams of this "
+                          f"worker already (--max-streams-per-peer); close one or retry later")
+        return peer
 
 
-def serve_expert(opts: ExpertOptions) -> None:
+def serve_expert(opts: ExpertOptions) -> int:
+    """Serve until a signal (exit code 0) or until the experts' bytes cannot be trusted (75: restart me)."""
     setup_logging(f"expert[{opts.shard}]", opts.log_level)
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
     device = open_device(opts.device)
-    # Streams are capped (beyond the cap RESOURCE_EXHAUSTED), and the pool has threads beyond the cap, so
-    # idle or slow streams can never leave a health check, Describe or unary Forward without a thread.
-    service = Service(SERVICE, max_workers=opts.max_streams + 4)
-    servicer = ExpertWorkerServicer()
-    add_servicer(service.server, servicer, expert_pb2.DESCRIPTOR.services_by_name["ExpertWorker"],
-                 {"ForwardStream": opts.max_streams, "Forward": opts.max_streams})
-    # Listen (liveness answers) while the weights load; readiness turns SERVING only after.
+    cfg = ModelConfig.from_dir(opts.model)
+    token = fleet_token()
     tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
     if tls is not None and tls.ca is None:
         raise ConfigError("a worker with TLS needs --tls-ca too: it accepts only callers whose certificate that "
                           "CA signed (mutual TLS)")
+    if token is None and tls is None:
+        (log.info if opts.host in LOOPBACK else log.warning)(
+            "the worker plane is open: no fleet token ($%s) and no --tls-*, so any client that reaches %s:%d may "
+            "call Forward", FLEET_ENV, opts.host, opts.port)
+    # Streams are capped (beyond the cap RESOURCE_EXHAUSTED), and the pool has threads beyond the cap, so
+    # idle or slow streams can never leave a health check, Describe or unary Forward without a thread. A
+    # message is at most what a router's step sends; a caller without the fleet's token is refused unread.
+    limit = forward_bytes(cfg, opts.max_step_tokens)
+    service = Service(SERVICE, max_workers=opts.max_streams + 4, max_receive_bytes=limit,
+                      interceptors=() if token is None else (TokenGate(token),))
+    servicer = ExpertWorkerServicer(opts.max_streams_per_peer)
+    servicer.max_step_tokens = opts.max_step_tokens
+    add_servicer(service.server, servicer, expert_pb2.DESCRIPTOR.services_by_name["ExpertWorker"],
+                 {"ForwardStream": opts.max_streams, "Forward": opts.max_streams})
+    # Listen (liveness answers) while the weights load; readiness turns SERVING only after.
     bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(True))
     built = build_shard(opts, device)
     experts = built.experts
@@ -160,9 +257,21 @@ def serve_expert(opts: ExpertOptions) -> None:
         mport = servicer.metrics.serve(opts.host, opts.metrics_port)
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     servicer.shard = experts
+    damaged: list[str] = []
+
+    def stop_serving(reason: str) -> None:        # once: NOT_SERVING, drain, stop; a restart maps afresh
+        if damaged:
+            return
+        damaged.append(reason)
+        service.set_serving(False)
+        service.stop_soon(f"{reason}; the experts' bytes are not read any more (a restart maps the files afresh)")
+
+    servicer.on_damage = stop_serving
+    if experts.watch is not None:
+        experts.watch.watch(stop_serving)
     local = None
     if opts.local_socket:                       # same-host routers: Forward without HTTP/2 (gRPC stays for the rest)
-        local = LocalServer(opts.local_socket, servicer.answer_frame, MAX_MESSAGE_BYTES, opts.max_streams)
+        local = LocalServer(opts.local_socket, servicer.answer_frame, limit, opts.max_streams)
         servicer.local_socket = str(local.path)
         log.info("Forward also on the local socket %s", local.path)
     service.ready(opts.host, bound)
@@ -170,3 +279,7 @@ def serve_expert(opts: ExpertOptions) -> None:
     if local is not None:
         local.close()
     built.keep_heat()
+    if damaged:
+        log.error("stopped: %s", damaged[0])
+        return EXIT_RESTART
+    return 0

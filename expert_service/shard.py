@@ -27,6 +27,7 @@ from tqdm import tqdm
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import ConfigError
+from colibri_common.file_watch import FileWatch, MappingChanged
 from colibri_common.placement import replica_experts
 from colibri_common.tensors import stored_expert_tensors
 from expert_service.cache_capacity import CacheCapacity, parse_capacity
@@ -135,6 +136,7 @@ class ExpertShard:
         self.w13: dict[int, Weight | ExpertRows] = {}
         self.w2: dict[int, Weight | ExpertRows] = {}
         self.cache: ExpertCache | None = None
+        self.watch: FileWatch | None = None      # the mapped files, while experts are read through them (build.py)
         self.ckpt = ckpt
         self.act = GatedAct(cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_up_offset)   # the experts' activation
         self.biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> b13 [E_local, 2I], b2 [E_local, H]
@@ -312,6 +314,8 @@ class ExpertShard:
         the experts held here, float64 [n, H], unrounded: the router adds the workers' sums and rounds once."""
         if layer not in self.cfg.moe_layers:
             raise KeyError(f"layer {layer} has no routed experts (MoE layers: {list(self.cfg.moe_layers)})")
+        if self.watch is not None and self.watch.reason is not None:     # seen by the watch's thread
+            raise MappingChanged(self.watch.reason)
         x = hidden.to(self.device, self.dtype)                                             # [n, H]
         ids, weights = ids.to(self.device), weights.to(self.device)                       # [n, K]
         b13, b2 = self.biases.get(layer, (None, None))

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+import datetime
+import hashlib
+import json
 import re
+import shutil
 from pathlib import Path
 
 import helm_python as helm
@@ -16,8 +21,18 @@ CHART = Path(__file__).resolve().parent.parent / "charts" / "colibri"
 K8S = "1.30.0"
 VALUE_SETS = {
     "defaults": {},
-    "tls": {"tls": {"enabled": True, "secretName": "colibri-tls", "clientAuth": True},
+    "tls": {"tls": {"enabled": True, "existingSecret": "colibri-tls", "clientAuth": True},
             "networkPolicy": {"enabled": True}},
+    "plain": {"tls": {"enabled": False}, "networkPolicy": {"enabled": False}},
+    "cert-manager": {"tls": {"certManager": {"enabled": True}}, "openai": {"enabled": True}},
+    "cert-manager-issuer": {"tls": {"certManager": {"enabled": True, "issuerRef": {
+        "name": "corp-ca", "kind": "ClusterIssuer"}}, "extraDnsNames": ["moe.example.com"]}},
+    "network-peers": {"router": {"networkPolicy": {"from": [
+                          {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}},
+                          {"podSelector": {"matchLabels": {"role": "client"}}}]}},
+                      "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {
+                          "kubernetes.io/metadata.name": "monitoring"}}}]},
+                      "openai": {"enabled": True, "apiKey": {"existingSecret": "front-key", "secretKey": "key"}}},
     "gpu": {"router": {"gpus": 1}, "experts": {"gpus": 1, "shards": 4}},
     "pvc": {"model": {"source": "pvc", "pvc": {"claimName": "qwen3-30b", "subPath": "Qwen3-30B-A3B"}}},
     "hostPath": {"model": {"source": "hostPath", "hostPath": {"path": "/data/models/mixtral"}}},
@@ -37,7 +52,7 @@ VALUE_SETS = {
                               "kubernetes.io/metadata.name": "ingress"}}}]}},
                "serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True}},
     "openai-tls": {"openai": {"enabled": True, "service": {"type": "LoadBalancer"}},
-                   "tls": {"enabled": True, "secretName": "colibri-tls", "clientAuth": True},
+                   "tls": {"enabled": True, "existingSecret": "colibri-tls", "clientAuth": True},
                    "networkPolicy": {"enabled": True}},
 }
 
@@ -77,6 +92,9 @@ def test_every_manifest_validates_against_kubernetes(name):
     for doc in docs:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
             assert doc["kind"] == "ServiceMonitor" and doc["spec"]["endpoints"][0]["port"] in ("metrics", "http")
+            continue
+        if doc["apiVersion"] == "cert-manager.io/v1":                 # CRDs kubernetes-validate does not know
+            assert doc["kind"] in ("Issuer", "Certificate") and doc["spec"]
             continue
         kubernetes_validate.validate(doc, K8S, strict=True)
 
@@ -227,6 +245,15 @@ def test_helm_test_pod_checks_router_health():
     {"openai": {"pdb": {"maxUnavailable": 0}}},
     {"openai": {"networkPolicy": {"from": "everyone"}}},
     {"openai": {"replica": 2}},                                   # a typo is refused, not ignored
+    {"tls": {"validityDays": 0}},
+    {"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "Secret"}}}},
+    {"tls": {"certManager": {"duration": "1 year"}}},
+    {"tls": {"extraDnsNames": "moe.example.com"}},
+    {"tls": {"existingSecret": "a", "certManager": {"enabled": True}}},   # two sources for one Secret
+    {"networkPolicy": {"metricsFrom": "monitoring"}},
+    {"router": {"networkPolicy": {"from": [{"namespaceSelector": {}}], "to": []}}},
+    {"openai": {"apiKey": {"secretKey": ""}}},
+    {"openai": {"apiKey": {"enabled": "yes"}}},
 ])
 def test_schema_rejects_wrong_values(bad):
     chart = helm.Chart.load(CHART)
@@ -304,14 +331,295 @@ def test_tls_mounts_the_secret_passes_the_flags_and_probes_over_tls():
     assert "--tls-client-auth" in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     (pod,) = [d for d in docs if d["kind"] == "Pod"]
     assert "--tls-ca=/etc/colibri/tls/ca.crt" in pod["spec"]["containers"][0]["args"]
-    (pol,) = by_kind(docs, "NetworkPolicy")
+    assert not [d for d in by_kind(docs, "Secret") if d["type"] == "kubernetes.io/tls"]   # the existing one
+    assert {"name": "tls", "secret": {"secretName": "colibri-tls", "defaultMode": 0o440}} in pod["spec"]["volumes"]
+    assert "checksum/tls" not in str(docs)                    # the chart cannot know what is in someone else's Secret
+    (pol,) = of(docs, "NetworkPolicy", "experts")
     grpc_rule, metrics_rule = pol["spec"]["ingress"]
     assert grpc_rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
     assert grpc_rule["ports"] == [{"port": 50061, "protocol": "TCP"}] and "from" not in metrics_rule
     assert pol["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "experts"
-    plain = render({})
+    plain = render(VALUE_SETS["plain"])
     assert not by_kind(plain, "NetworkPolicy") and "grpc" in by_kind(plain, "Deployment")[0]["spec"]["template"][
         "spec"]["containers"][0]["readinessProbe"]
+
+
+# Secure by default: TLS between router and workers with certificates Helm makes, NetworkPolicies for every
+# component, an API key for the HTTP front.
+
+def tls_secret(docs: list[dict]) -> dict:
+    (secret,) = [d for d in by_kind(docs, "Secret") if d["type"] == "kubernetes.io/tls"]
+    return secret
+
+
+def pems(secret: dict) -> dict[str, bytes]:
+    return {k: base64.b64decode(v) for k, v in secret["data"].items()}
+
+
+def host_of(arg: str) -> str:
+    return arg.split("=", 1)[1].rsplit(":", 1)[0]
+
+
+def named_by(host: str, sans: list[str]) -> bool:
+    """TLS host matching: an exact name, or a wildcard standing for the first label only."""
+    return host in sans or any(s.startswith("*.") and host.split(".", 1)[1] == s[2:] for s in sans)
+
+
+def test_tls_and_network_policies_are_on_by_default():
+    docs = render({})
+    secret = tls_secret(docs)
+    assert secret["metadata"]["name"] == "prod-colibri-tls" and set(secret["data"]) == {"ca.crt", "tls.crt", "tls.key"}
+    pem = pems(secret)
+    assert pem["ca.crt"].startswith(b"-----BEGIN CERTIFICATE") and b"PRIVATE KEY" in pem["tls.key"]
+    kubernetes_validate.validate(secret, K8S, strict=True)
+    checksum = hashlib.sha256(json.dumps(secret["data"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    for w in of(docs, "Deployment", "router") + by_kind(docs, "StatefulSet"):
+        spec = w["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        assert {"--tls-cert=/etc/colibri/tls/tls.crt", "--tls-key=/etc/colibri/tls/tls.key",
+                "--tls-ca=/etc/colibri/tls/ca.crt"} <= set(c["args"])
+        assert {"name": "tls", "secret": {"secretName": "prod-colibri-tls", "defaultMode": 0o440}} in spec["volumes"]
+        assert {"name": "tls", "mountPath": "/etc/colibri/tls", "readOnly": True} in c["volumeMounts"]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["exec"]["command"][:2] == ["colibri", "health"] and c[probe]["timeoutSeconds"] > 5
+        # new certificates restart router and workers together: both sides must trust the same CA
+        assert w["spec"]["template"]["metadata"]["annotations"]["checksum/tls"] == checksum
+    assert "--tls-client-auth" not in str(of(docs, "Deployment", "router"))
+    (pod,) = by_kind(docs, "Pod")
+    assert {"name": "tls", "secret": {"secretName": "prod-colibri-tls", "defaultMode": 0o440}} in pod["spec"]["volumes"]
+
+    (workers,) = of(docs, "NetworkPolicy", "experts")
+    assert workers["spec"]["policyTypes"] == ["Ingress"]
+    grpc_rule, metrics_rule = workers["spec"]["ingress"]
+    router_selector = {"app.kubernetes.io/name": "colibri", "app.kubernetes.io/instance": "prod",
+                       "app.kubernetes.io/component": "router"}
+    assert grpc_rule == {"from": [{"podSelector": {"matchLabels": router_selector}}],
+                         "ports": [{"port": 50061, "protocol": "TCP"}]}
+    assert metrics_rule == {"ports": [{"port": 9091, "protocol": "TCP"}]}        # metricsFrom [] = any scraper
+    (router,) = of(docs, "NetworkPolicy", "router")
+    router_pods = of(docs, "Deployment", "router")[0]["spec"]["template"]["metadata"]["labels"]
+    assert router["spec"]["podSelector"]["matchLabels"].items() <= router_pods.items()
+    grpc_rule, metrics_rule = router["spec"]["ingress"]
+    assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    peers = grpc_rule["from"]
+    assert peers[0] == {"podSelector": {}}                        # this namespace's pods, not the whole cluster
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers[1:]] == ["test"]
+    assert peers[1]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()   # `helm test`
+    assert metrics_rule == {"ports": [{"port": 9090, "protocol": "TCP"}]}
+    assert not of(docs, "NetworkPolicy", "openai")
+
+
+def test_the_generated_certificate_names_the_router_and_every_worker():
+    from cryptography import x509
+
+    values = {"openai": {"enabled": True}, "experts": {"shards": 3}, "tls": {"extraDnsNames": ["moe.example.com"]}}
+    docs = render(values)
+    pem = pems(tls_secret(docs))
+    ca = x509.load_pem_x509_certificate(pem["ca.crt"])
+    cert = x509.load_pem_x509_certificate(pem["tls.crt"])
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    cert.verify_directly_issued_by(ca)
+    eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH} <= set(eku)
+    life = cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
+    assert datetime.timedelta(days=3640) < life <= datetime.timedelta(days=3650)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert "moe.example.com" in sans and "*.prod-colibri-experts.llm.svc.cluster.local" in sans
+
+    # every name a TLS client of this release checks: the worker pods the router dials, the names the probes
+    # give, the router Service the front and `helm test` dial
+    router = of(docs, "Deployment", "router")[0]["spec"]["template"]["spec"]["containers"][0]
+    workers = next(a for a in router["args"] if a.startswith("--workers=")).split("=", 1)[1].split(",")
+    hosts = [w.rsplit(":", 1)[0] for w in workers]
+    assert len(hosts) == 3
+    for c in (router, by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]):
+        hosts += [a.split("=", 1)[1] for a in c["readinessProbe"]["exec"]["command"] if a.startswith("--tls-server")]
+    hosts.append(host_of(next(a for a in front(values)[2]["args"] if a.startswith("--target="))))
+    hosts.append(host_of(by_kind(docs, "Pod")[0]["spec"]["containers"][0]["args"][1]))
+    assert len(hosts) == 7
+    for host in hosts:
+        assert named_by(host, sans), host
+    assert not named_by("prod-colibri-experts-0.other.llm.svc.cluster.local", sans)
+
+
+def test_the_generated_certificates_serve_mutual_tls(tmp_path):
+    """The PEM files Helm makes, loaded by Colibri's own TLS code: a worker-like server that requires client
+    certificates answers the router's names and refuses callers without the certificate."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from colibri.health import HealthOptions, run_health
+    from colibri_common.tls import TlsFiles
+
+    for name, data in pems(tls_secret(render({}))).items():
+        (tmp_path / name).write_bytes(data)
+    ca, cert, key = (str(tmp_path / n) for n in ("ca.crt", "tls.crt", "tls.key"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", TlsFiles.of(cert, key, ca).server(require_client_cert=True))
+    server.start()
+    try:
+        def check(name, **tls):
+            return run_health(HealthOptions(target=f"127.0.0.1:{port}", timeout=5, tls_server_name=name, **tls))
+
+        mutual = {"tls_ca": ca, "tls_cert": cert, "tls_key": key}
+        assert check("prod-colibri-experts-1.prod-colibri-experts.llm.svc.cluster.local", **mutual) == 0   # router
+        assert check("probe.prod-colibri-experts.llm.svc.cluster.local", **mutual) == 0                   # probe
+        assert check("prod-colibri-router.llm.svc.cluster.local", **mutual) == 0
+        assert check("evil.example", **mutual) == 1                                   # a name it does not carry
+        assert check("probe.prod-colibri-experts.llm.svc.cluster.local", tls_ca=ca) == 1   # no client certificate
+        assert check(None) == 1                                                            # plaintext
+    finally:
+        server.stop(0)
+
+
+def test_without_tls_nothing_of_it_renders():
+    for values in ({"tls": {"enabled": False}}, VALUE_SETS["plain"]):
+        docs = render({**values, "openai": {"enabled": True}})
+        assert not by_kind(docs, "Secret") or [s["type"] for s in by_kind(docs, "Secret")] == ["Opaque"]
+        text = str([d for d in docs if d["kind"] != "NetworkPolicy"])
+        assert "--tls" not in text and "/etc/colibri/tls" not in text and "checksum/tls" not in text
+        for w in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet"):
+            assert "tls" not in [v["name"] for v in w["spec"]["template"]["spec"]["volumes"]]
+        router = of(docs, "Deployment", "router")[0]["spec"]["template"]["spec"]["containers"][0]
+        assert router["readinessProbe"]["grpc"] == {"port": 50051, "service": "colibri.v1.Generation"}
+    assert of(render({"tls": {"enabled": False}}), "NetworkPolicy", "router")          # the policies stay
+
+
+def test_an_existing_secret_replaces_the_generated_one():
+    docs = render({"tls": {"existingSecret": "corp-tls"}, "openai": {"enabled": True}})
+    assert not [d for d in by_kind(docs, "Secret") if d["type"] == "kubernetes.io/tls"]
+    assert not [d for d in docs if d["apiVersion"].startswith("cert-manager.io")]
+    for w in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet") + by_kind(docs, "Pod"):
+        spec = w["spec"]["template"]["spec"] if w["kind"] != "Pod" else w["spec"]
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "tls"]
+        assert vol["secret"]["secretName"] == "corp-tls"
+        assert "--tls-ca=/etc/colibri/tls/ca.crt" in str(spec["containers"][0])
+    assert "checksum/tls" not in str(docs)
+
+
+def test_cert_manager_writes_the_secret():
+    docs = render(VALUE_SETS["cert-manager"])
+    assert not by_kind(docs, "Secret") or all(s["type"] == "Opaque" for s in by_kind(docs, "Secret"))
+    issuers = {d["metadata"]["name"]: d["spec"] for d in by_kind(docs, "Issuer")}
+    certs = {d["metadata"]["name"]: d["spec"] for d in by_kind(docs, "Certificate")}
+    assert issuers == {"prod-colibri-selfsigned": {"selfSigned": {}}, "prod-colibri-ca": {"ca": {"secretName":
+                                                                                              "prod-colibri-ca"}}}
+    assert certs["prod-colibri-ca"]["isCA"] and certs["prod-colibri-ca"]["secretName"] == "prod-colibri-ca"
+    assert certs["prod-colibri-ca"]["issuerRef"]["name"] == "prod-colibri-selfsigned"
+    leaf = certs["prod-colibri-tls"]
+    assert leaf["secretName"] == "prod-colibri-tls" and leaf["issuerRef"]["name"] == "prod-colibri-ca"
+    assert {"server auth", "client auth"} <= set(leaf["usages"])
+    assert "*.prod-colibri-experts.llm.svc.cluster.local" in leaf["dnsNames"]
+    assert "prod-colibri-router.llm.svc.cluster.local" in leaf["dnsNames"]
+    for w in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet"):
+        (vol,) = [v for v in w["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+        assert vol["secret"]["secretName"] == "prod-colibri-tls"
+    assert "checksum/tls" not in str(docs)
+
+    docs = render(VALUE_SETS["cert-manager-issuer"])
+    assert not by_kind(docs, "Issuer")
+    (leaf,) = by_kind(docs, "Certificate")
+    assert leaf["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"}
+    assert "moe.example.com" in leaf["spec"]["dnsNames"]
+
+
+def test_network_policies_follow_their_values():
+    docs = render(VALUE_SETS["network-peers"])
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    (router,) = of(docs, "NetworkPolicy", "router")
+    grpc_rule, metrics_rule = router["spec"]["ingress"]
+    peers = grpc_rule["from"]
+    assert peers[:2] == [gateway, {"podSelector": {"matchLabels": {"role": "client"}}}]
+    # the chart's own front and test pod stay admitted however narrow the list
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers[2:]] == ["openai", "test"]
+    front_pods = of(docs, "Deployment", "openai")[0]["spec"]["template"]["metadata"]["labels"]
+    assert peers[2]["podSelector"]["matchLabels"].items() <= front_pods.items()
+    assert metrics_rule["from"] == monitoring
+    (workers,) = of(docs, "NetworkPolicy", "experts")
+    assert workers["spec"]["ingress"][1]["from"] == monitoring
+    assert workers["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == \
+        "router"                                                     # the workers admit nobody else on gRPC
+    (anyone,) = of(render({"router": {"networkPolicy": {"from": []}}}), "NetworkPolicy", "router")
+    assert "from" not in anyone["spec"]["ingress"][0]                # [] = any client
+    assert not by_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+def render_upgrade(tmp_path: Path, values: dict, cluster: dict[str, dict]) -> list[dict]:
+    """Render as `helm upgrade` does with `cluster`'s Secrets present: a copy of the chart whose Secret lookups
+    read them from files (helm-python-sdk renders offline, where lookup finds nothing)."""
+    chart = tmp_path / "colibri"
+    if not chart.exists():
+        shutil.copytree(CHART, chart)
+    text = (CHART / "templates" / "_helpers.tpl").read_text()
+    (chart / "cluster").mkdir(exist_ok=True)
+    for name in ("tlsSecretName", "apiKeySecretName"):
+        call = f'lookup "v1" "Secret" .Release.Namespace (include "colibri.{name}" .)'
+        assert text.count(call) == 1
+        text = text.replace(call, f'(.Files.Get "cluster/{name}.json" | fromJson)')
+        (chart / "cluster" / f"{name}.json").write_text(json.dumps(cluster.get(name, {})))
+    (chart / "templates" / "_helpers.tpl").write_text(text)
+    manifests = helm.Chart.load(chart).render(values, name="prod", namespace="llm", is_upgrade=True)
+    return [d for path, t in manifests.items() if not path.endswith(".txt") for d in yaml.safe_load_all(t) if d]
+
+
+def test_upgrades_keep_the_generated_secrets(tmp_path):
+    values = {"openai": {"enabled": True}}
+    first = render(values)
+    tls = tls_secret(first)
+    (key,) = [s for s in by_kind(first, "Secret") if s["type"] == "Opaque"]
+    annotations = lambda docs: [w["spec"]["template"]["metadata"]["annotations"]    # noqa: E731
+                                for w in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet")]
+
+    again = render_upgrade(tmp_path, values, {"tlsSecretName": tls, "apiKeySecretName": key})
+    assert tls_secret(again)["data"] == tls["data"]
+    assert [s for s in by_kind(again, "Secret") if s["type"] == "Opaque"][0]["data"] == key["data"]
+    assert annotations(again) == annotations(first)                     # no pod restarts
+
+    # names changed (another cluster domain): a certificate for the new names, and every pod restarts
+    moved = render_upgrade(tmp_path, {**values, "clusterDomain": "corp.internal"},
+                           {"tlsSecretName": tls, "apiKeySecretName": key})
+    assert pems(tls_secret(moved))["tls.crt"] != pems(tls)["tls.crt"]
+    assert all(a["checksum/tls"] != b["checksum/tls"]
+               for a, b in zip(annotations(moved), annotations(first), strict=True))
+    # a Secret that lost an entry is made anew, not half-reused
+    broken = {**tls, "data": {k: v for k, v in tls["data"].items() if k != "tls.key"}}
+    assert set(tls_secret(render_upgrade(tmp_path, values, {"tlsSecretName": broken}))["data"]) == {
+        "ca.crt", "tls.crt", "tls.key"}
+    # a fresh install makes new ones
+    assert tls_secret(render(values))["data"] != tls["data"]
+
+
+def test_the_front_gets_an_api_key_from_a_secret():
+    docs, dep, c = front({"openai": {"enabled": True}})
+    (secret,) = [s for s in by_kind(docs, "Secret") if s["type"] == "Opaque"]
+    kubernetes_validate.validate(secret, K8S, strict=True)
+    assert secret["metadata"]["name"] == "prod-colibri-openai-api-key"
+    key = base64.b64decode(secret["data"]["api-key"]).decode()
+    assert len(key) == 48 and key.isalnum()
+    env = {e["name"]: e for e in c["env"]}
+    assert env["COLIBRI_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "prod-colibri-openai-api-key",
+                                                                    "key": "api-key"}}
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["checksum/api-key"] == hashlib.sha256(
+        json.dumps(secret["data"], separators=(",", ":")).encode()).hexdigest()
+    assert "checksum/api-key" not in str(of(docs, "Deployment", "router"))
+    assert key not in str([d for d in docs if d["kind"] != "Secret"])
+
+    docs, dep, c = front(VALUE_SETS["network-peers"])                   # openai.apiKey.existingSecret=front-key
+    assert not [s for s in by_kind(docs, "Secret") if s["type"] == "Opaque"]
+    assert {e["name"]: e for e in c["env"]}["COLIBRI_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "front-key", "key": "key"}
+    assert "checksum/api-key" not in str(dep)
+
+    docs, dep, c = front({"openai": {"enabled": True, "apiKey": {"enabled": False}}})
+    assert "COLIBRI_API_KEY" not in str(c) and not [s for s in by_kind(docs, "Secret") if s["type"] == "Opaque"]
+    assert not [s for s in by_kind(render({}), "Secret") if s["type"] == "Opaque"]     # no front, no key
 
 
 # The OpenAI-compatible HTTP front (`colibri openai`), off unless openai.enabled.
@@ -341,7 +649,13 @@ def test_the_openai_front_dials_the_router_service_and_serves_its_port():
     (router_svc,) = of(docs, "Service", "router")
     grpc = next(p["port"] for p in router_svc["spec"]["ports"] if p["name"] == "grpc")
     target = f"{router_svc['metadata']['name']}.llm.svc.cluster.local:{grpc}"
-    assert c["args"] == ["openai", f"--target={target}", "--host=0.0.0.0", "--port=8000", "--log-level=INFO"]
+    front_svc = "prod-colibri-openai"
+    hosts = f"{front_svc},{front_svc}.llm,{front_svc}.llm.svc,{front_svc}.llm.svc.cluster.local,$(POD_IP),localhost," \
+            "127.0.0.1"
+    assert c["args"] == ["openai", f"--target={target}", "--host=0.0.0.0", "--port=8000", f"--allowed-hosts={hosts}",
+                         "--tls-ca=/etc/colibri/tls/ca.crt", "--log-level=INFO"]       # TLS is on by default
+    # the Host names it answers: its Service's, and its pod's IP, which kubelet's probes and scrapers call
+    assert {e["name"]: e for e in c["env"]}["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert dep["spec"]["replicas"] == 1
 
     # one named port, reached by the Service, the readiness probe (/health) and the liveness probe
@@ -367,18 +681,25 @@ def test_the_openai_front_dials_the_router_service_and_serves_its_port():
     assert c["securityContext"] == router_spec["containers"][0]["securityContext"]
     assert c["image"] == router_spec["containers"][0]["image"]
     assert spec["automountServiceAccountToken"] is False
-    assert {v["name"] for v in spec["volumes"]} == {"tmp"}
-    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert {v["name"] for v in spec["volumes"]} == {"tmp", "tls"}
+    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"},
+                                 {"name": "tls", "mountPath": "/etc/colibri/tls", "readOnly": True}]
     assert {"name": "HOME", "value": "/tmp"} in c["env"]
     assert c["resources"]["requests"]["cpu"] and "nvidia.com/gpu" not in str(c["resources"])
 
 
 def test_the_openai_front_follows_its_values():
     docs, dep, c = front({"openai": {"enabled": True, "port": 9000, "replicas": 3, "servedModelName": "org/qwen3: moe",
-                                     "extraArgs": ["--max-tokens-default", "256"], "service": {"type": "NodePort"}},
-                          "router": {"port": 50052}, "logLevel": "DEBUG"})
-    assert c["args"] == ["openai", "--target=prod-colibri-router.llm.svc.cluster.local:50052", "--host=0.0.0.0",
-                         "--port=9000", "--served-model-name=org/qwen3: moe", "--log-level=DEBUG",
+                                     "extraArgs": ["--max-tokens-default", "256"], "service": {"type": "NodePort"},
+                                     "allowedHosts": ["api.example.com"], "allowedOrigins": ["https://a.example",
+                                                                                             "https://b.example"]},
+                          "router": {"port": 50052}, "logLevel": "DEBUG", "clusterDomain": "corp"})
+    svc = "prod-colibri-openai"
+    assert c["args"] == ["openai", "--target=prod-colibri-router.llm.svc.corp:50052", "--host=0.0.0.0",
+                         "--port=9000", "--served-model-name=org/qwen3: moe",
+                         f"--allowed-hosts={svc},{svc}.llm,{svc}.llm.svc,{svc}.llm.svc.corp,$(POD_IP),localhost,"
+                         "127.0.0.1,api.example.com", "--allowed-origins=https://a.example,https://b.example",
+                         "--tls-ca=/etc/colibri/tls/ca.crt", "--log-level=DEBUG",
                          "--max-tokens-default", "256"]
     assert c["ports"][0]["containerPort"] == 9000 and dep["spec"]["replicas"] == 3
     (svc,) = of(docs, "Service", "openai")
@@ -405,8 +726,16 @@ def test_the_openai_fronts_flags_are_ones_the_cli_knows():
         pytest.skip("`colibri openai` is not in the CLI yet")
     for values in (VALUE_SETS["openai"], VALUE_SETS["openai-tls"]):
         ap = build_parser()
-        opts = command_options(ap, ap.parse_args(front(values)[2]["args"]))
+        argv = [a.replace("$(POD_IP)", "10.1.2.3") for a in front(values)[2]["args"]]   # kubelet expands it
+        opts = command_options(ap, ap.parse_args(argv))
         assert opts.target == "prod-colibri-router.llm.svc.cluster.local:50051" and opts.port == 8000
+        assert {"prod-colibri-openai.llm.svc.cluster.local", "10.1.2.3", "localhost"} <= set(opts.allowed_hosts)
+    ap = build_parser()
+    argv = front({"openai": {"enabled": True, "allowedHosts": ["api.example.com", "*.corp.example"],
+                             "allowedOrigins": ["https://app.example.com"]}})[2]["args"]
+    opts = command_options(ap, ap.parse_args([a.replace("$(POD_IP)", "10.1.2.3") for a in argv]))
+    assert {"api.example.com", "*.corp.example", "prod-colibri-openai"} <= set(opts.allowed_hosts)
+    assert opts.allowed_origins == ("https://app.example.com",)
 
 
 def test_the_service_monitor_scrapes_the_fronts_metrics():
@@ -417,6 +746,11 @@ def test_the_service_monitor_scrapes_the_fronts_metrics():
     assert svc["metadata"]["labels"]["app.kubernetes.io/component"] == "openai"
     (endpoint,) = mon["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics" and endpoint["port"] in [p["name"] for p in svc["spec"]["ports"]]
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "prod-colibri-openai-api-key",
+                                                                           "key": "api-key"}}  # only /health is open
+    (mon,) = [m for m in by_kind(render({**VALUE_SETS["openai"], "openai": {"enabled": True, "apiKey": {
+        "enabled": False}}}), "ServiceMonitor") if m["metadata"]["name"] == dep["metadata"]["name"]]
+    assert "authorization" not in mon["spec"]["endpoints"][0]
     assert len(by_kind(docs, "ServiceMonitor")) == 3
     assert not [m for m in by_kind(render({"openai": {"enabled": True}}), "ServiceMonitor")]
 
@@ -435,7 +769,7 @@ def test_network_policies_let_clients_reach_the_front_and_the_front_reach_the_ro
     assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}]
     (anyone,) = of(render({"openai": {"enabled": True}, "networkPolicy": {"enabled": True}}), "NetworkPolicy", "openai")
     assert "from" not in anyone["spec"]["ingress"][0]                     # [] = any client
-    # every policy that selects the router admits the front on the router's gRPC port (none does today)
+    # every policy that selects the router admits the front on the router's gRPC port
     for p in policies:
         if p["spec"]["podSelector"]["matchLabels"].items() <= router_pods.items():
             assert any(r.get("from") is None or any(
@@ -445,7 +779,8 @@ def test_network_policies_let_clients_reach_the_front_and_the_front_reach_the_ro
     (experts_pol,) = [p for p in policies if p["metadata"]["name"].endswith("-experts")]
     assert experts_pol["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"][
         "app.kubernetes.io/component"] == "router"
-    assert not by_kind(render({"openai": {"enabled": True}}), "NetworkPolicy")
+    assert of(docs, "NetworkPolicy", "router")
+    assert not by_kind(render({"openai": {"enabled": True}, "networkPolicy": {"enabled": False}}), "NetworkPolicy")
 
 
 def test_the_openai_front_dials_the_router_over_tls():
@@ -462,15 +797,15 @@ def test_the_openai_front_dials_the_router_over_tls():
     assert svc["spec"]["type"] == "LoadBalancer"
 
     # without client auth: the CA alone, and only the CA from the Secret is mounted
-    docs, dep, c = front({"openai": {"enabled": True}, "tls": {"enabled": True, "secretName": "colibri-tls"}})
+    docs, dep, c = front({"openai": {"enabled": True}, "tls": {"enabled": True, "existingSecret": "colibri-tls"}})
     tls_args = [a for a in c["args"] if a.startswith("--tls")]
     assert tls_args == ["--tls-ca=/etc/colibri/tls/ca.crt"]
     (vol,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
     assert vol["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
     kubernetes_validate.validate(dep, K8S, strict=True)
-    with pytest.raises(helm.HelmError, match="tls.secretName"):
-        render({"openai": {"enabled": True}, "tls": {"enabled": True}})
-    assert "--tls" not in str(front({"openai": {"enabled": True}})[2])
+    with pytest.raises(helm.HelmError, match="tls.secretName is now tls.existingSecret"):
+        render({"openai": {"enabled": True}, "tls": {"enabled": True, "secretName": "colibri-tls"}})
+    assert "--tls" not in str(front({"openai": {"enabled": True}, "tls": {"enabled": False}})[2])
 
 
 @pytest.mark.parametrize(("bad", "where"), [

@@ -58,7 +58,8 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
         argv = child_argv("router", opts)
         assert argv[0] == "router"
         assert parse(RouterOptions, argv[1:]) == opts
-    e = ExpertOptions(model="/m", shard="2/4", port=0, threads=1, log_level="WARNING")
+    e = ExpertOptions(model="/m", shard="2/4", port=0, threads=1, log_level="WARNING", max_streams_per_peer=3,
+                      max_step_tokens=2048)
     assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e
     c = ExpertCacheOptions(expert_cache_capacity="3/layer", expert_cache_policy="lfu", expert_cache_half_life=9.5,
                            expert_cache_host_capacity="2GiB", expert_cache_heat="/h.json", quantized_experts="keep",
@@ -69,7 +70,7 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
     o = OpenAIOptions(target="h:9", host="0.0.0.0", port=8001, served_model_name="m", request_timeout=5.5,
                       max_body_bytes=1000,
                       grace_period=2.5, tls_ca="/ca.pem", tls_cert="/c.pem", tls_key="/k.pem", access_log=True,
-                      log_level="DEBUG")
+                      log_level="DEBUG", api_key="k", allowed_hosts=("h",), allowed_origins=("https://o.example",))
     assert all(getattr(o, f.name) != getattr(OpenAIOptions(), f.name) for f in dataclasses.fields(o))
     assert parse(OpenAIOptions, child_argv("openai", o)[1:]) == o
 

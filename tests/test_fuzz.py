@@ -11,8 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from colibri.client import Client
+from colibri_common.fleet_token import ENV as FLEET_ENV
+from colibri_common.fleet_token import new_token
 from colibri_common.pb import expert_pb2, expert_pb2_grpc, generation_pb2_grpc
 from colibri_common.pb import generation_pb2 as pb
+from colibri_common.token_gate import with_token
 from tests.conftest import argv_of, fleet
 
 CLIENT_ERRORS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -39,6 +42,9 @@ def status(fn) -> grpc.StatusCode:
 def mostly(valid: st.SearchStrategy, extreme: st.SearchStrategy) -> st.SearchStrategy:
     """Valid values two times in three, so requests that run are fuzzed as much as ones refused."""
     return st.one_of(valid, valid, extreme)
+
+
+TOKEN = new_token()
 
 
 def raw_call(ch: grpc.Channel, path: str, data: bytes, kind: str) -> grpc.StatusCode:
@@ -74,8 +80,8 @@ def generate_requests(draw) -> pb.GenerateRequest:
 def served(oracles):
     """One fleet for the module: the router's RPCs and one of its workers' are fuzzed."""
     oracle = oracles["olmoe"]
-    with fleet(oracle.path, 2, ["--max-model-len", "64", "--max-batch-size", "8", "--max-waiting", "8"]) \
-            as (addr, proc):
+    with fleet(oracle.path, 2, ["--max-model-len", "64", "--max-batch-size", "8", "--max-waiting", "8"],
+               env={FLEET_ENV: TOKEN}) as (addr, proc):
         yield addr, proc, oracle
 
 
@@ -147,7 +153,8 @@ def worker(served):
             if "expert" in argv_of(c) and "--shard=0/2" in argv_of(c)]
     port = next(a for a in argv_of(w) if a.startswith("--port=")).removeprefix("--port=")
     addr = f"127.0.0.1:{port}"
-    with grpc.insecure_channel(addr) as ch:
+    with grpc.insecure_channel(addr) as raw:             # a caller with the fleet's token: the payload is read
+        ch = with_token(raw, TOKEN)
         yield expert_pb2_grpc.ExpertWorkerStub(ch), oracle.model.config, ch, w
 
 

@@ -96,3 +96,39 @@ def test_a_local_fleet_gives_the_same_tokens_as_in_process(model):
     assert text.prompt_token_ids == list(b"Colibri")
     assert text.outputs[0].token_ids == oracle.greedy(list(b"Colibri"), NEW_TOKENS)
     assert torch.equal(torch.tensor(here[1].token_ids), torch.tensor(there[1].token_ids))   # seeded sampling too
+
+
+def test_n_completions_top_logprobs_and_wrong_types(model):
+    oracle, path = model
+    with LLM(path, 0, expert_cache_heat="off") as llm:
+        out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, ignore_eos=True, n=3, temperature=0.9, seed=5,
+                                                        logprobs=True, top_logprobs=2))[0]
+        assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 6 for c in out.outputs)
+        assert all(len(c.logprobs) == 6 and all(len(t) == 2 for t in c.top_logprobs) for c in out.outputs)
+        again = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, ignore_eos=True, n=3, temperature=0.9,
+                                                          seed=5))[0]
+        assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]    # seeds seed + i
+        assert SamplingParams(stop="ab").stop == ("ab",)                  # one stop string, not its characters
+        for prompts, params, error in [
+            ({"prompt": "hi"}, None, TypeError), ([[1.5, 2.0]], None, TypeError), (["a", None], None, TypeError),
+            ([PROMPTS[0]], {"max_tokens": 3}, TypeError), ([PROMPTS[0]], [None], TypeError),
+        ]:
+            with pytest.raises(error):
+                llm.generate(prompts, params)
+        for bad in ({"max_tokens": None}, {"logprobs": 3}, {"n": 0}):
+            with pytest.raises((TypeError, ValueError)):
+                SamplingParams(**bad)
+        assert llm.generate((3, 17, 42, 99, 5, 8), _greedy())[0].outputs[0].token_ids == \
+            oracle.greedy(PROMPTS[0], NEW_TOKENS)                        # a tuple of ids is one prompt
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([PROMPTS[0]])
+
+
+def test_more_prompts_than_the_waiting_queue_and_a_failure_leave_nothing_running(model):
+    from router_service.engine.scheduler import SchedulerConfig
+
+    oracle, path = model
+    with LLM(path, 0, expert_cache_heat="off", sched=SchedulerConfig(max_waiting=4, max_batch_size=4)) as llm:
+        outs = llm.generate([[3, i + 1] for i in range(11)], _greedy(4))
+        assert [o.outputs[0].token_ids for o in outs] == [oracle.greedy([3, i + 1], 4) for i in range(11)]
+        assert not llm.engine.seqs                                       # every request retired

@@ -21,25 +21,37 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from colibri.client import AsyncClient, Client, GenerationError
 from colibri.openai_api.errors import ApiError
 from colibri_common.chat_template import ChatTemplate, load_chat_template
+from colibri_common.fleet_token import ENV as FLEET_ENV
+from colibri_common.fleet_token import new_token
+from colibri_common.token_gate import with_token
 from colibri_common.tokenizer import Tokenizer
 from tests.chat_fixtures import chat_checkpoint
 from tests.conftest import colibri_popen, fleet, free_port, metrics
 from tests.test_moe_transport import FakeRpcError
+from tests.test_replicas import port_of, workers_of
 
 METRICS_PORT = free_port()
 MAX_LEN = 96
 EXPERT_METHODS = {"Describe", "Forward", "ForwardStream"}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "  Say hi.  "}]
+FLEET_TOKEN = new_token()              # the worker plane's credential, so a test may call a worker itself
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def serving(tmp_path_factory):
+    """(oracle, transformers tokenizer, router address, serve's process)."""
     path = tmp_path_factory.mktemp("chat") / "chatty"
     oracle, hf_tok = chat_checkpoint(path)
     extra = ["--openai-port", "0", "--max-model-len", str(MAX_LEN), "--metrics-port", str(METRICS_PORT)]
-    with fleet(path, 1, extra) as (addr, proc):
-        api = openai.OpenAI(base_url=proc.openai, api_key="unused", max_retries=0, timeout=60)
-        yield oracle, hf_tok, addr, proc.openai, api
+    with fleet(path, 1, extra, env={FLEET_ENV: FLEET_TOKEN}) as (addr, proc):
+        yield oracle, hf_tok, addr, proc
+
+
+@pytest.fixture(scope="module")
+def served(serving):
+    oracle, hf_tok, addr, proc = serving
+    api = openai.OpenAI(base_url=proc.openai, api_key="unused", max_retries=0, timeout=60)
+    yield oracle, hf_tok, addr, proc.openai, api
 
 
 def greedy_text(oracle, tok: Tokenizer, ids: list[int], n: int) -> str:
@@ -375,13 +387,13 @@ def test_grpc_statuses_map_to_the_codes_openai_clients_retry_on():
     assert got[grpc.StatusCode.INTERNAL].body()["error"]["type"] == "server_error"
 
 
-def test_reflection_lists_both_services_and_their_methods(served):
-    _, _, addr, *_ = served
-    workers = list(Client(addr).model_info().workers)
+def test_reflection_lists_both_services_and_their_methods(serving):
+    *_, addr, proc = serving
+    workers = [port_of(w) for w in workers_of(proc)]          # ModelInfo names no worker
     for target, service, methods in ((addr, "colibri.v1.Generation", {"Generate", "Abort", "ModelInfo"}),
                                      (workers[0], "colibri.v1.ExpertWorker", EXPERT_METHODS)):
         with grpc.insecure_channel(target) as channel:
-            db = ProtoReflectionDescriptorDatabase(channel)
+            db = ProtoReflectionDescriptorDatabase(with_token(channel, FLEET_TOKEN))
             assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(
                 db.get_services())
             found = {m.name for m in DescriptorPool(db).FindServiceByName(service).methods}

@@ -11,6 +11,8 @@ import torch
 from colibri.client import Client
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
+from colibri_common.fleet_token import ENV as FLEET_ENV
+from colibri_common.fleet_token import new_token
 from expert_service.shard import ExpertShard
 from kernels import Int8Weight, cpu_has_fast_bf16, fused_moe, linear, native, quantize_int8, topk_route
 from kernels.reference import fused_moe_reference
@@ -19,6 +21,7 @@ from router_service.moe.transport import WorkerError
 from tests.conftest import ARCHS, fleet
 from tests.inprocess import InProcess
 from tests.models import Oracle, build_model, memorize, save_checkpoint, small_config
+from tests.test_replicas import port_of, workers_of
 
 torch.set_num_threads(1)
 
@@ -128,18 +131,19 @@ def test_int8_experts_give_the_greedy_tokens_of_transformers_fp32(separated, arc
 def test_a_fleet_serves_int8_experts_and_the_router_refuses_mismatched_workers_then(separated):
     oracle, data = separated["qwen3_moe"]
     prompt = data[5, :8].tolist()
-    with fleet(oracle.path, 1, ["--quantize", "int8", "--dtype", "bfloat16"]) as (addr, _):
+    token = new_token()
+    with fleet(oracle.path, 1, ["--quantize", "int8", "--dtype", "bfloat16"], env={FLEET_ENV: token}) as (addr, proc):
         client = Client(addr)
         assert client.generate(prompt, 12).token_ids == oracle.greedy(prompt, 12)
-        workers = tuple(client.model_info().workers)
+        workers = tuple(port_of(w) for w in workers_of(proc))
         cfg = ModelConfig.from_dir(oracle.path)
         with pytest.raises(WorkerError, match="serves int8 experts but the router expects float"):
-            RemoteExperts(cfg, workers, torch.bfloat16, connect_timeout_s=5)
+            RemoteExperts(cfg, workers, torch.bfloat16, connect_timeout_s=5, token=token)
         with pytest.raises(WorkerError, match="serves int8 experts but the router expects w8a8"):
-            RemoteExperts(cfg, workers, torch.bfloat16, connect_timeout_s=5, expect_quantize="w8a8")
+            RemoteExperts(cfg, workers, torch.bfloat16, connect_timeout_s=5, expect_quantize="w8a8", token=token)
         with pytest.raises(WorkerError, match="without --batch-invariant and the router with it"):
             RemoteExperts(cfg, workers, torch.bfloat16, connect_timeout_s=5, expect_quantize="int8",
-                          batch_invariant=True)
+                          batch_invariant=True, token=token)
         with pytest.raises(grpc.RpcError) as err:                      # the fleet keeps serving meanwhile
             client.generate([], 2)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -102,3 +102,5 @@ def test_a_self_signed_fleet_serves_the_same_tokens_over_tls(oracles):
         with pytest.raises(grpc.RpcError) as err:
             Client(addr).generate([1, 2, 3], 2, timeout=10)                        # plaintext to a TLS router
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert d.stat().st_mode & 0o777 == 0o700
+    assert not d.exists()                                                         # the throw-away key is gone

@@ -5,7 +5,8 @@ event it costs what aiohttp does, and it cancels a stream within ~1 ms of the cl
 aborts the request on the router and frees its KV cache.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (each streamed as server-sent events
-or not), GET /health (200 when the router answers SERVING), GET /metrics (Prometheus).
+or not), GET /health (200 when the router answers SERVING), GET /metrics (Prometheus). Before any of them, the
+guard (guard.py): Host, CORS, API key, JSON bodies.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ from typing import Any
 import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from colibri.client import AsyncClient, request_of
 from colibri.openai_api.errors import ApiError, bad
+from colibri.openai_api.guard import Guard
 from colibri.openai_api.metrics import FrontMetrics
 from colibri.openai_api.options import OpenAIOptions
+from colibri.openai_api.policy import Policy
 from colibri.openai_api.protocol import Parsed, check_model, check_text, parse_chat, parse_completion
 from colibri.openai_api.responses import Reply, sse
 from colibri_common.chat_template import ChatTemplate, TemplateError
@@ -39,6 +43,8 @@ log = logging.getLogger("colibri.openai")
 ROUTER_SERVICE = "colibri.v1.Generation"
 DONE = "[DONE]"
 CLIENT_GONE = 499          # nginx's "client closed request": nobody reads it, the metrics count it
+HTTP10_STREAM = ("streaming needs HTTP/1.1 (server-sent events in chunked transfer encoding) and this request came "
+                 "as HTTP/1.0: send it as HTTP/1.1 (behind nginx: proxy_http_version 1.1) or with \"stream\": false")
 
 
 class Front:
@@ -68,6 +74,7 @@ class Front:
         return self._info
 
     def model_name(self, info: pb.ModelInfoResponse) -> str:
+        """--served-model-name, else the checkpoint directory's name (a router sends no more than the name)."""
         return self.opts.served_model_name or os.path.basename(info.model_path.rstrip("/")) or "colibri"
 
     async def health(self) -> bool:
@@ -83,8 +90,9 @@ class Front:
     # -- routes -----------------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         info = await self.info()
-        card = {"id": self.model_name(info), "object": "model", "created": self.started, "owned_by": "colibri",
-                "root": info.model_path, "max_model_len": info.max_model_len}
+        name = self.model_name(info)         # the served name only: no path, no worker or router address
+        card = {"id": name, "object": "model", "created": self.started, "owned_by": "colibri", "root": name,
+                "max_model_len": info.max_model_len}
         if "model" in request.path_params:
             if request.path_params["model"] != card["id"]:
                 raise ApiError(404, f"the model '{request.path_params['model']}' does not exist", "model",
@@ -101,6 +109,8 @@ class Front:
     async def _generate(self, request: Request, chat: bool) -> Response:
         body = await _read_json(request, self.opts.max_body_bytes)
         parsed = parse_chat(body) if chat else parse_completion(body)
+        if parsed.stream and request.scope["http_version"] == "1.0":     # uvicorn would answer it chunked
+            raise bad(HTTP10_STREAM, "stream")
         info = await self.info()
         name = self.model_name(info)
         check_model(parsed, name)
@@ -218,9 +228,10 @@ class Front:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def health_route(self, request: Request) -> Response:
+        """Open to anyone (probes carry no key), so it names no address."""
         if await self.health():
-            return JSONResponse({"status": "ok", "router": self.opts.target})
-        return JSONResponse({"status": "unavailable", "router": self.opts.target}, status_code=503)
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
 
 
 def _cancel(calls: list) -> None:
@@ -307,7 +318,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise bad(f"the request body is not valid JSON: {exc}") from None
 
 
-def build_app(front: Front) -> Starlette:
+def build_app(front: Front, policy: Policy) -> Starlette:
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         front.metrics.refused(exc.status)
@@ -338,4 +349,5 @@ def build_app(front: Front) -> Starlette:
         Route("/metrics", front.metrics_route, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
-                                                        Exception: internal})
+                                                        Exception: internal},
+                     middleware=[Middleware(Guard, policy=policy, refused=front.metrics.refused)])

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
+from colibri.openai_api.policy import API_KEY_ENV, check_key, host_entry, origin_entry
 from colibri_common.options import LOG_LEVELS, option, upper
+
+
+def secret_option(help: str, metavar: str) -> Any:
+    """A flag like `option("")` that stays out of the options' repr (a logged repr never shows it)."""
+    meta = {"help": help, "flag": None, "choices": None, "metavar": metavar, "required": False, "type": None}
+    return dataclasses.field(default="", repr=False, metadata={"cli": meta})
 
 
 @dataclass(frozen=True)
@@ -21,6 +30,19 @@ class OpenAIOptions:
     tls_cert: str | None = option(None, "PEM client certificate, for a router with --tls-client-auth",
                                   metavar="PATH")
     tls_key: str | None = option(None, "PEM private key of --tls-cert", metavar="PATH")
+    api_key: str = secret_option(f"require 'Authorization: Bearer KEY' on every route but /health (401 otherwise, "
+                                 f"compared in constant time). Default: ${API_KEY_ENV}, none when unset. Prefer "
+                                 f"the variable: a flag shows in ps", metavar="KEY")
+    allowed_hosts: tuple[str, ...] = option((), "Host header names (ports ignored) this front answers; others get "
+                                                "421, against DNS rebinding. '*' = any, '*.example.com' = its "
+                                                "subdomains. Default: the --host address, localhost, 127.0.0.1 "
+                                                "and [::1]; on 0.0.0.0 or :: also this machine's addresses and "
+                                                "host name", metavar="HOST[,HOST...]")
+    allowed_origins: tuple[str, ...] = option((), "web origins (https://app.example.com) whose pages may call "
+                                                  "this front from a browser: they get CORS headers and their "
+                                                  "preflights answered; '*' = any. Default none: no CORS headers "
+                                                  "and every preflight refused (403)",
+                                              metavar="ORIGIN[,ORIGIN...]")
     access_log: bool = option(False, "log every HTTP request")
     log_level: str = option("INFO", "log level", choices=LOG_LEVELS, type=upper)
 
@@ -36,3 +58,9 @@ class OpenAIOptions:
             raise ValueError("give --tls-cert and --tls-key together")
         if self.tls_cert is not None and self.tls_ca is None:
             raise ValueError("--tls-cert needs --tls-ca (the router's CA)")
+        if self.api_key:
+            check_key(self.api_key, "--api-key")
+        for entry in self.allowed_hosts:
+            host_entry(entry)
+        for entry in self.allowed_origins:
+            origin_entry(entry)

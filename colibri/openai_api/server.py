@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from colibri.openai_api.app import Front, build_app
 from colibri.openai_api.options import OpenAIOptions
+from colibri.openai_api.policy import LOOPBACK_NAMES, Policy, api_key
 from colibri_common.errors import ColibriError
 from colibri_common.serving import setup_logging
 
@@ -32,6 +33,10 @@ def run_front(opts: OpenAIOptions) -> int:
             yield
 
     setup_logging("openai", opts.log_level)
+    try:
+        key, key_from = api_key(opts)
+    except ValueError as exc:
+        raise ColibriError(str(exc)) from None
     sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -40,10 +45,16 @@ def run_front(opts: OpenAIOptions) -> int:
         raise ColibriError(f"cannot listen on {opts.host}:{opts.port}: {exc.strerror}") from None
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
+    policy = Policy.of(opts, host, key)
+    if key:
+        log.info("every route but /health needs the API key (from %s)", key_from)
+    elif host not in LOOPBACK_NAMES:
+        log.warning("no API key: anyone who reaches %s:%d can generate; set $COLIBRI_API_KEY (or --api-key)",
+                    host, port)
 
     async def main() -> None:
         front = Front(opts)                  # its grpc.aio channel belongs to this event loop
-        config = uvicorn.Config(build_app(front), http="httptools", loop="asyncio", lifespan="off",
+        config = uvicorn.Config(build_app(front, policy), http="httptools", loop="asyncio", lifespan="off",
                                 log_config=None, access_log=opts.access_log,
                                 timeout_graceful_shutdown=int(opts.grace_period), log_level=opts.log_level.lower())
         server = Server(config)

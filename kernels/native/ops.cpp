@@ -133,7 +133,7 @@ int64_t grain(int64_t rows, int64_t k) {         // blocks a task takes: at leas
 constexpr int64_t KPAD = 32;            // W8A8 activation rows are zero-padded to a multiple of this
 
 // W8A8 activations: float32 rows [n, K] -> int8 [n, Kp] (zero-padded) and a float32 scale per row, as
-// kernels.quant.quantize_rows: scale = max(max|x| / 127, FLT_MIN), q = round-half-even(x / scale) in [-127, 127].
+// kernels/formats/int8.py quantize_rows: scale = max(max|x| / 127, FLT_MIN), q = round-half-even(x / scale) in [-127, 127].
 struct Quantized {
     std::vector<int8_t> q;
     std::vector<float> scale;

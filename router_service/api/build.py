@@ -18,6 +18,7 @@ from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.device import open_device
 from colibri_common.errors import ConfigError
+from colibri_common.fleet_token import fleet_token
 from colibri_common.forms_file import tune_forms
 from colibri_common.heap import return_free_heap
 from colibri_common.serving import MAX_MESSAGE_BYTES
@@ -54,7 +55,7 @@ class BuiltEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.scheduler.cfg.max_model_len
+        return self.engine.limits.max_model_len
 
     def close(self) -> None:
         """Stop the engine (open requests end UNAVAILABLE), then close the connections to the workers; the
@@ -90,7 +91,7 @@ def remote_experts(opts: RouterOptions) -> ExpertsFactory:
                               f"{MAX_MESSAGE_BYTES // (cfg.hidden_size * 8)}")
         return RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
                              expect_quantize=opts.quantize, device=device, track_routing=opts.expert_metrics, tls=tls,
-                             batch_invariant=opts.batch_invariant)
+                             batch_invariant=opts.batch_invariant, token=fleet_token(), step_tokens=rows)
 
     return connect
 

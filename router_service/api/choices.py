@@ -5,14 +5,13 @@ them (server.py) and the offline API collects them (colibri/llm.py): one loop fo
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from colibri_common.tokenizer import Tokenizer
 from router_service.api.text_output import ChoiceText
 from router_service.engine.engine import Engine
-from router_service.engine.events import Event, Failed, Tokens
+from router_service.engine.events import Failed, Outputs, Tokens
 from router_service.engine.sequence import FinishReason, Sampled, Sequence
 
 
@@ -46,7 +45,7 @@ class ChoiceFailed(Exception):
 class Choices:
     """Iterate for the pieces of `group` (one request's choices, submitted together) as `events` brings them."""
 
-    def __init__(self, engine: Engine, group: list[Sequence], events: queue.Queue[Event],
+    def __init__(self, engine: Engine, group: list[Sequence], events: Outputs,
                  tokenizer: Tokenizer | None) -> None:
         self.engine, self.group, self.events = engine, group, events
         self.texts = [ChoiceText(tokenizer, seq.sampling.stop, seq.sampling.min_tokens) for seq in group]

@@ -101,7 +101,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if bad:
             raise ValueError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab})")
         n = p.n or 1
-        sched = self.built.engine.scheduler.cfg
+        sched = self.built.engine.limits
         if not 1 <= n <= min(sched.max_batch_size, sched.max_waiting):
             raise ValueError(f"n must be in [1, {min(sched.max_batch_size, sched.max_waiting)}] (the router's "
                              f"--max-batch-size and --max-waiting), got {n}")
@@ -180,12 +180,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return pb.AbortResponse(found=self.built.engine.abort(request.request_id))
 
     def ModelInfo(self, request, context):
+        """What a client needs to call the model, and nothing about the host: `model_path` carries the checkpoint
+        directory's name (not its path) and `workers` stays empty (no worker addresses)."""
+        from pathlib import Path
+
         self._loaded(context)
         cfg, r = self.built.cfg, self.built
         return pb.ModelInfoResponse(
-            model_path=r.opts.model, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+            model_path=Path(r.opts.model).resolve().name, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             num_layers=cfg.num_layers, num_experts=cfg.num_experts, experts_per_token=cfg.top_k,
-            dtype=r.opts.dtype, workers=list(r.opts.workers), max_model_len=r.max_model_len,
+            dtype=r.opts.dtype, max_model_len=r.max_model_len,
             eos_token_ids=list(cfg.eos_token_ids), has_tokenizer=r.tokenizer is not None,
             chat_template=r.chat_template or "", special_tokens=r.special_tokens)
 

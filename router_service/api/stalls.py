@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from colibri_common.heap import return_free_heap
+
 log = logging.getLogger("colibri.router")
 
 
@@ -67,3 +69,5 @@ class StallWatch:
                 self.cancelled += 1
                 cancel()
                 ctx.cancel()
+            if stalled:
+                return_free_heap()          # what their unsent messages held goes back to the OS

@@ -7,7 +7,6 @@ Shapes: B sequences that sample this step, V vocabulary.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 
@@ -15,10 +14,10 @@ import torch
 
 from colibri_common.device import device_scope
 from router_service.engine.batch import Step
-from router_service.engine.events import Event, Failed, FailureCode, Finished, Tokens
+from router_service.engine.events import Event, Failed, FailureCode, Finished, Outputs, Tokens
 from router_service.engine.metrics import Metrics
 from router_service.engine.sampler import SampleError, Sampler
-from router_service.engine.scheduler import QueueFull, Scheduler
+from router_service.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from router_service.engine.sequence import FinishReason, Sequence
 from router_service.model.kv_cache import KVCache
 from router_service.model.model import RouterModel
@@ -48,7 +47,7 @@ class Engine:
         self.metrics.gauges.update(self._occupancy())
         self.eos = frozenset(eos_token_ids)
         self.sampler = Sampler(self.eos)
-        self.outputs: dict[int, queue.SimpleQueue[Event]] = {}     # by Sequence.uid (a request's choices share one)
+        self.outputs: dict[int, Outputs] = {}     # by Sequence.uid (a request's choices share one)
         self.seqs: dict[int, Sequence] = {}
         self.by_request_id: dict[str, list[Sequence]] = {}        # the clients' ids of the open requests
         self._forks: dict[int, list[Sequence]] = {}               # by the first choice's uid: the choices that
@@ -83,7 +82,12 @@ class Engine:
                 self._fail(seq, FailureCode.UNAVAILABLE, "the router is shutting down; retry on another replica")
 
     # -- called from gRPC threads ---------------------------------------------------------------
-    def submit(self, choices: Sequence | list[Sequence]) -> queue.SimpleQueue[Event]:
+    @property
+    def limits(self) -> SchedulerConfig:
+        """What the engine takes: batch size, tokens a step, waiting requests, the model's length."""
+        return self.scheduler.cfg
+
+    def submit(self, choices: Sequence | list[Sequence]) -> Outputs:
         """One request: one sequence, or its n choices (same request_id and prompt, `index` 0..n-1). The first
         choice prefills the prompt; the others then share its full blocks and compute only the rest.
 
@@ -117,13 +121,20 @@ class Engine:
                         self.scheduler.add_fork(other, first=False)
             with self.metrics.lock:
                 self.metrics.prompt_tokens += len(seq.prompt_ids) * len(group)
-            q: queue.SimpleQueue[Event] = queue.SimpleQueue()
+            q = Outputs(on_room=lambda: self._resume(group))
             for member in group:
                 self.outputs[member.uid] = q
                 self.seqs[member.uid] = member
             self.by_request_id[seq.request_id] = list(group)     # its own list: retiring edits it
             self._cv.notify()
         return q
+
+    def _resume(self, group: list[Sequence]) -> None:
+        """A paused request's reader caught up: its sequences take steps again."""
+        with self._cv:
+            for seq in group:
+                seq.paused = False
+            self._cv.notify()
 
     def _likely_experts(self, seq: Sequence) -> frozenset[int]:
         """A new prompt's likely experts (its gates on its embeddings); none if that fails: it is only a hint."""
@@ -237,7 +248,11 @@ class Engine:
                 seq.last_token_at = now
                 raw = [logits[row].cpu().numpy().tobytes()] if seq.sampling.return_logits else []
                 lps = (out,) if seq.sampling.wants_logprobs else ()
-                self.outputs[seq.uid].put(Tokens([tok], raw, seq.index, lps))
+                q = self.outputs[seq.uid]
+                q.put(Tokens([tok], raw, seq.index, lps))
+                if q.pause_if_full():                    # its reader is behind: no more steps until it reads
+                    for member in self.by_request_id.get(seq.request_id, ()):
+                        member.paused = True
                 reason = seq.append_token(tok, self.eos, self.scheduler.cfg.max_model_len)
                 if reason is not None:
                     self._finish(seq, reason)

@@ -4,6 +4,9 @@ No torch."""
 from __future__ import annotations
 
 import enum
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router_service.engine.sequence import FinishReason, Sampled
@@ -41,3 +44,47 @@ class Failed:
 
 
 Event = Tokens | Finished | Failed
+
+
+class Outputs:
+    """One request's events, in order, for its handler to read; the engine's side of backpressure. A request
+    whose reader falls `high` token events behind is `full`: the engine pauses its sequences (they keep their
+    KV but take no steps) so an unread stream holds a bounded amount of memory, and the reader's `get` resumes
+    them (`on_room`) once it is back to `low`."""
+
+    def __init__(self, on_room: Callable[[], None] = lambda: None, high: int = 64, low: int = 16) -> None:
+        self._q: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.unread = 0                     # token events put and not yet read
+        self.high, self.low = high, low
+        self.on_room = on_room
+        self.paused = False                 # the engine paused this request's sequences
+
+    def put(self, ev: Event) -> None:
+        if isinstance(ev, Tokens):
+            with self._lock:
+                self.unread += 1
+        self._q.put(ev)
+
+    def pause_if_full(self) -> bool:
+        """Whether the reader is `high` events behind; if so the request counts as paused until it reads."""
+        with self._lock:
+            if self.unread >= self.high and not self.paused:
+                self.paused = True
+                return True
+            return False
+
+    def get(self, timeout: float | None = None) -> Event:
+        ev = self._q.get(timeout=timeout)
+        if isinstance(ev, Tokens):
+            with self._lock:
+                self.unread -= 1
+                resume = self.paused and self.unread <= self.low
+                if resume:
+                    self.paused = False
+            if resume:
+                self.on_room()
+        return ev
+
+    def empty(self) -> bool:
+        return self._q.empty()

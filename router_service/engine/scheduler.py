@@ -104,7 +104,8 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step has anything to run: waiting requests, or running ones not paused by their reader."""
+        return bool(self.waiting) or any(not s.paused for s in self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -133,7 +134,7 @@ class Scheduler:
         out: list[Scheduled] = []
         budget = self.cfg.max_num_tokens
         for seq in list(self.running):              # decodes (and unfinished chunked prefills) first
-            if seq not in self.running or budget == 0:
+            if seq not in self.running or budget == 0 or seq.paused:
                 continue
             num_new = min(seq.num_tokens - seq.num_cached, budget)
             while True:

@@ -10,6 +10,13 @@ from dataclasses import dataclass, field
 
 from colibri_common.options import option
 
+_NUMBER = (int, float)
+_TYPES: dict[str, tuple[type, ...]] = {     # what each field takes (a bool is no number here: logprobs=3 is no bool)
+    "temperature": _NUMBER, "top_p": _NUMBER, "top_k": (int,), "min_p": _NUMBER, "max_tokens": (int,),
+    "min_tokens": (int,), "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER,
+    "seed": (int, type(None)), "stop_token_ids": (tuple, list), "stop": (tuple, list), "ignore_eos": (bool,),
+    "logprobs": (bool,), "top_logprobs": (int,), "return_logits": (bool,)}
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -45,6 +52,15 @@ class Sampling:
     return_logits: bool = option(False, "return the float32 logits of every sampled position")
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):               # one stop string, not its characters
+            object.__setattr__(self, "stop", (self.stop,))
+        for name, kinds in _TYPES.items():
+            value = getattr(self, name)
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise TypeError(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+        if not all(isinstance(s, str) for s in self.stop) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise TypeError("stop takes strings and stop_token_ids integers")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -125,6 +141,7 @@ class Sequence:
     experts: frozenset[int] = frozenset()   # recent routing, layer·E + e (routing-aware batching)
     passed_over: int = 0                     # admission rounds in which a younger request went first
     index: int = 0                           # which of the request's n choices this is
+    paused: bool = False                     # its reader is behind (Outputs full): no steps until it reads
 
     @property
     def num_tokens(self) -> int:

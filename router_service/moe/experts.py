@@ -31,7 +31,7 @@ from router_service.moe.combine import combine
 from router_service.moe.liveness import Liveness
 from router_service.moe.partition import assign, partition, split_pairs
 from router_service.moe.same_host import Links
-from router_service.moe.transport import Reply, WorkerError
+from router_service.moe.transport import Access, Reply, WorkerError
 from router_service.moe.worker_watch import WorkerWatch
 
 log = logging.getLogger("colibri.router")
@@ -208,7 +208,8 @@ class RemoteExperts:
     def __init__(self, cfg: ModelConfig, addresses: tuple[str, ...], wire_dtype: torch.dtype,
                  transport: str = "auto", timeout_s: float = 60.0, connect_timeout_s: float = 300.0,
                  expect_quantize: str | None = None, device: torch.device | None = None,
-                 track_routing: bool = False, tls: TlsFiles | None = None, batch_invariant: bool = False) -> None:
+                 track_routing: bool = False, tls: TlsFiles | None = None, batch_invariant: bool = False,
+                 token: str | None = None, step_tokens: int = 0) -> None:
         self.cfg, self.addresses, self.wire_dtype = cfg, addresses, wire_dtype
         self.liveness = Liveness(addresses)
         self.holders = torch.zeros(cfg.num_experts, len(addresses), dtype=torch.bool)   # [E, W] expert on worker
@@ -216,7 +217,8 @@ class RemoteExperts:
         self.staging = HostStaging(device or torch.device("cpu"))   # the wire's pinned buffers on a GPU
         self.expect_quantize = expect_quantize                # --quantize: None, "int8" or "w8a8"
         self.batch_invariant = batch_invariant
-        self.links = Links(addresses, transport, timeout_s, None if tls is None else tls.channel())
+        self.step_tokens = step_tokens                       # the most token rows one step sends a worker
+        self.links = Links(addresses, transport, timeout_s, Access(None if tls is None else tls.channel(), token))
         self.owner = torch.full((cfg.num_experts,), -1, dtype=torch.long)    # [E] expert -> worker
         self.watcher: WorkerWatch | None = None
         self.step = 0
@@ -253,6 +255,11 @@ class RemoteExperts:
                 raise WorkerError(f"expert worker {link.address} runs {'with' if d.batch_invariant else 'without'} "
                                   f"--batch-invariant and the router {'with' if self.batch_invariant else 'without'}"
                                   f" it; start router and workers with the same flag")
+            if d.max_step_tokens and d.max_step_tokens < self.step_tokens:
+                raise WorkerError(f"expert worker {link.address} takes at most {d.max_step_tokens} tokens a step "
+                                  f"(its --max-step-tokens) but this router sends up to {self.step_tokens} "
+                                  f"(--max-num-tokens): start the worker with --max-step-tokens "
+                                  f"{self.step_tokens} or more")
             self.holders[list(d.experts), w] = True
             self.owner[list(d.experts)] = torch.where(self.owner[list(d.experts)] < 0, w, self.owner[list(d.experts)])
             held = (f"an expert cache of {d.expert_cache_slots} slots" if d.expert_cache_slots else

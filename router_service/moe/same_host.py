@@ -24,6 +24,8 @@ from colibri_common.pb import expert_pb2
 from colibri_common.serving import MAX_MESSAGE_BYTES
 from router_service.moe.transport import (
     NOT_RETRYABLE,
+    OPEN_ACCESS,
+    Access,
     Reply,
     StreamLink,
     StreamReply,
@@ -39,8 +41,8 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 class LocalLink(StreamLink):
     """A stream link that uses the worker's same-host socket whenever the worker names one this router reaches."""
 
-    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
-        super().__init__(address, timeout_s, credentials)
+    def __init__(self, address: str, timeout_s: float, access: Access = OPEN_ACCESS) -> None:
+        super().__init__(address, timeout_s, access)
         self.socket_path: str | None = None
         self._sock: socket.socket | None = None
         self._pending: collections.deque[StreamReply] = collections.deque()    # sent on the socket, unanswered
@@ -139,11 +141,11 @@ LINKS: dict[str, type[WorkerLink]] = {"auto": LocalLink, "stream": StreamLink, "
 class Links:
     """Every worker's link, plus the watchdog thread that enforces the deadlines."""
 
-    def __init__(self, addresses: tuple[str, ...], transport: str, timeout_s: float,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(self, addresses: tuple[str, ...], transport: str, timeout_s: float, access: Access = OPEN_ACCESS
+                 ) -> None:
         if transport not in LINKS:
             raise ValueError(f"transport '{transport}' is unknown; use one of {', '.join(LINKS)}")
-        self.links = [LINKS[transport](a, timeout_s, credentials) for a in addresses]
+        self.links = [LINKS[transport](a, timeout_s, access) for a in addresses]
         self._closed = threading.Event()
         threading.Thread(target=self._watchdog, name="moe-watchdog", daemon=True).start()
 

@@ -20,11 +20,13 @@ import logging
 import queue
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import CHANNEL_OPTIONS
+from colibri_common.token_gate import with_token
 
 log = logging.getLogger("colibri.router")
 # A worker that is still starting or was just restarted is found again within a second, not after gRPC's
@@ -103,14 +105,27 @@ def fail_in_flight(replies: collections.deque[StreamReply], why: str) -> None:
     replies.clear()
 
 
+@dataclass(frozen=True)
+class Access:
+    """How a router proves itself to its workers: mutual TLS credentials, the fleet's token
+    (colibri_common/fleet_token.py), both or neither."""
+
+    credentials: grpc.ChannelCredentials | None = None
+    token: str | None = None
+
+
+OPEN_ACCESS = Access()
+
+
 class WorkerLink:
     """The router's connection to one expert worker."""
 
-    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(self, address: str, timeout_s: float, access: Access = OPEN_ACCESS) -> None:
         self.address, self.timeout_s = address, timeout_s
         options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
-        self.channel = grpc.insecure_channel(address, options=options) if credentials is None else \
-            grpc.secure_channel(address, credentials, options=options)     # mutual TLS to the worker
+        self._raw = grpc.insecure_channel(address, options=options) if access.credentials is None else \
+            grpc.secure_channel(address, access.credentials, options=options)     # mutual TLS to the worker
+        self.channel = with_token(self._raw, access.token)                       # every call carries the token
         self.stub = expert_pb2_grpc.ExpertWorkerStub(self.channel)
 
     def describe(self, deadline: float) -> expert_pb2.DescribeResponse:
@@ -139,7 +154,7 @@ class WorkerLink:
         """Called about once a second by the watchdog."""
 
     def close(self) -> None:
-        self.channel.close()
+        self._raw.close()
 
 
 class UnaryLink(WorkerLink):
@@ -170,8 +185,8 @@ class StreamLink(WorkerLink):
     such an answer stays with its reply in `_awaiting` and is read off (and dropped with the failed step)
     before the next step's. Only this link's own failure resets it, failing what was in flight on it."""
 
-    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
-        super().__init__(address, timeout_s, credentials)
+    def __init__(self, address: str, timeout_s: float, access: Access = OPEN_ACCESS) -> None:
+        super().__init__(address, timeout_s, access)
         self._stream: _OpenStream | None = None
         self._awaiting: collections.deque[StreamReply] = collections.deque()   # sent, not yet answered
 

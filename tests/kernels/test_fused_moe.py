@@ -305,7 +305,7 @@ def mxfp4_values(w: Mxfp4Weight) -> torch.Tensor:
 @pytest.mark.parametrize("T,E,K,pattern", [(1, 8, 2, "random"), (17, 21, 3, "expert_map"), (64, 8, 4, "one_expert")])
 def test_triton_keeps_mxfp4_experts_and_decodes_their_tiles(T, E, K, pattern, dtype):
     """MXFP4 experts (widths of whole 32-value blocks: H 96, I 64) against the reference on their dequantised
-    values (colibri_common.mxfp4, itself checked against transformers' dequantiser), with GPT-OSS's biases."""
+    values (kernels.formats.mxfp4, itself checked against transformers' dequantiser), with GPT-OSS's biases."""
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, 96, generator=g)
     w13, w2 = torch.randn(E, 128, 96, generator=g) / 10, torch.randn(E, 96, 64, generator=g) / 8

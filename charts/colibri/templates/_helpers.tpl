@@ -73,7 +73,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ required "tls.secretName: a kubernetes.io/tls Secret with ca.crt (cert-manager's)" .Values.tls.secretName }}
+    secretName: {{ include "colibri.tlsSecretName" . }}
     defaultMode: 0440
 {{- end }}
 {{- end -}}
@@ -138,6 +138,103 @@ initContainers:
 {{- toYaml $res -}}
 {{- end -}}
 
+{{/* TLS: where the Secret comes from (existing | certManager | generated), its name, the names its certificate
+     carries, and the generated material. */}}
+{{- define "colibri.tlsSource" -}}
+{{- if .Values.tls.existingSecret -}}existing
+{{- else if .Values.tls.certManager.enabled -}}certManager
+{{- else -}}generated
+{{- end -}}
+{{- end -}}
+
+{{- define "colibri.tlsSecretName" -}}
+{{- if .Values.tls.secretName -}}
+{{- fail "tls.secretName is now tls.existingSecret (without either the chart makes the certificates)" -}}
+{{- end -}}
+{{- .Values.tls.existingSecret | default (printf "%s-tls" (include "colibri.fullname" .)) -}}
+{{- end -}}
+
+{{/* Comma-separated: the router Service (every short form) and every worker pod behind the headless Service
+     (the router dials <experts>-<i>.<experts>.<ns>.svc.<domain>; the workers' probes name probe.<experts>...). */}}
+{{- define "colibri.tlsDnsNames" -}}
+{{- $ns := .Release.Namespace -}}
+{{- $router := include "colibri.routerName" . -}}
+{{- $experts := include "colibri.expertsName" . -}}
+{{- $names := list $router (printf "%s.%s" $router $ns) (printf "%s.%s.svc" $router $ns)
+      (printf "%s.%s.svc.%s" $router $ns .Values.clusterDomain)
+      (printf "*.%s.%s.svc" $experts $ns) (printf "*.%s.%s.svc.%s" $experts $ns .Values.clusterDomain) -}}
+{{- concat $names .Values.tls.extraDnsNames | uniq | join "," -}}
+{{- end -}}
+
+{{/* The generated Secret's data (JSON, base64 values): the Secret already in the cluster when it was made for
+     the same names (so upgrades keep it), else a new CA and a certificate it signs for server and client
+     use. Made once per render and kept in .Values: the Secret and the pods' checksum see the same bytes. */}}
+{{- define "colibri.tlsGenerated" -}}
+{{- if not (hasKey .Values "_colibriTls") -}}
+{{- $names := include "colibri.tlsDnsNames" . -}}
+{{- $old := lookup "v1" "Secret" .Release.Namespace (include "colibri.tlsSecretName" .) | default dict -}}
+{{- $oldData := get $old "data" | default dict -}}
+{{- $oldNames := get (get (get $old "metadata" | default dict) "annotations" | default dict) "colibri.io/tls-names" -}}
+{{- $data := dict -}}
+{{- if and (eq $oldNames $names) (hasKey $oldData "ca.crt") (hasKey $oldData "tls.crt") (hasKey $oldData "tls.key") -}}
+{{- $data = pick $oldData "ca.crt" "tls.crt" "tls.key" -}}
+{{- else -}}
+{{- $days := int .Values.tls.validityDays -}}
+{{- $ca := genCAWithKey (printf "%s-ca" (include "colibri.fullname" .)) $days (genPrivateKey "ecdsa") -}}
+{{- $dns := list -}}
+{{- range splitList "," $names }}{{ $dns = append $dns . }}{{ end -}}
+{{- $cert := genSignedCertWithKey (include "colibri.fullname" .) nil $dns $days $ca (genPrivateKey "ecdsa") -}}
+{{- $data = dict "ca.crt" ($ca.Cert | b64enc) "tls.crt" ($cert.Cert | b64enc) "tls.key" ($cert.Key | b64enc) -}}
+{{- end -}}
+{{- $_ := set .Values "_colibriTls" $data -}}
+{{- end -}}
+{{- toJson .Values._colibriTls -}}
+{{- end -}}
+
+{{/* The Host names the OpenAI front answers: its Service's (every short form), its pod's IP (kubelet's probes,
+     Prometheus), localhost (port-forward), and openai.allowedHosts. */}}
+{{- define "colibri.openaiHosts" -}}
+{{- $svc := include "colibri.openaiName" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $hosts := list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns)
+      (printf "%s.%s.svc.%s" $svc $ns .Values.clusterDomain) "$(POD_IP)" "localhost" "127.0.0.1" -}}
+{{- concat $hosts .Values.openai.allowedHosts | uniq | join "," -}}
+{{- end -}}
+
+{{/* The OpenAI front's API key Secret, and its generated data (kept across upgrades like the TLS Secret). */}}
+{{- define "colibri.apiKeySecretName" -}}
+{{- .Values.openai.apiKey.existingSecret | default (printf "%s-api-key" (include "colibri.openaiName" .)) -}}
+{{- end -}}
+
+{{- define "colibri.apiKeyGenerated" -}}
+{{- if not (hasKey .Values "_colibriApiKey") -}}
+{{- $key := .Values.openai.apiKey.secretKey -}}
+{{- $old := lookup "v1" "Secret" .Release.Namespace (include "colibri.apiKeySecretName" .) | default dict -}}
+{{- $oldData := get $old "data" | default dict -}}
+{{- $_ := set .Values "_colibriApiKey" (dict $key (get $oldData $key | default (randAlphaNum 48 | b64enc))) -}}
+{{- end -}}
+{{- toJson .Values._colibriApiKey -}}
+{{- end -}}
+
+{{/* Pod annotations: podAnnotations, and checksums of the Secrets the chart makes, so new material restarts every
+     pod that reads it (router and workers must trust the same CA; processes read certificates at start).
+     dict: root, component. */}}
+{{- define "colibri.podAnnotations" -}}
+{{- $root := .root -}}
+{{- $ann := deepCopy ($root.Values.podAnnotations | default dict) -}}
+{{- if and $root.Values.tls.enabled (eq (include "colibri.tlsSource" $root) "generated") -}}
+{{- $_ := set $ann "checksum/tls" (include "colibri.tlsGenerated" $root | sha256sum) -}}
+{{- end -}}
+{{- $apiKey := $root.Values.openai.apiKey -}}
+{{- if and (eq .component "openai") $apiKey.enabled (not $apiKey.existingSecret) -}}
+{{- $_ := set $ann "checksum/api-key" (include "colibri.apiKeyGenerated" $root | sha256sum) -}}
+{{- end -}}
+{{- with $ann -}}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end -}}
+{{- end -}}
+
 {{/* TLS flags of a service (a kubernetes.io/tls Secret with ca.crt, as cert-manager writes it). */}}
 {{- define "colibri.tlsArgs" -}}
 {{- if .Values.tls.enabled }}
@@ -150,18 +247,20 @@ initContainers:
 {{/* A health probe: kubelet's native gRPC probe, or (its probes cannot speak TLS) `colibri health` over
      TLS from inside the pod. dict: root, port, service, serverName. */}}
 {{- define "colibri.probe" -}}
-{{- if .root.Values.tls.enabled }}
+{{- if .root.Values.tls.enabled -}}
 exec:
   command:
     - colibri
     - health
     - --target=127.0.0.1:{{ .port }}
+    - --timeout=5
     - --service={{ .service }}
     - --tls-ca={{ .root.Values.tls.mountPath }}/ca.crt
     - --tls-cert={{ .root.Values.tls.mountPath }}/tls.crt
     - --tls-key={{ .root.Values.tls.mountPath }}/tls.key
     - --tls-server-name={{ .serverName }}
-{{- else }}
+timeoutSeconds: 10                   # a Python process on a busy node: more than kubelet's 1 s default
+{{- else -}}
 grpc:
   port: {{ .port }}
   {{- with .service }}

@@ -1,0 +1,74 @@
+"""Files a process has mapped, watched for changes under it: a checkpoint truncated, overwritten or replaced
+while mapped would fault the next read of the lost pages (SIGBUS, the whole process gone) or feed it other
+bytes. `FileWatch` keeps each file's identity (device, inode, size, mtime) from when it was mapped; `changed`
+says which one differs and how, `watch` checks them on a thread of its own and calls back once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("colibri")
+
+
+@dataclass(frozen=True)
+class Stamp:
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @staticmethod
+    def of(path: Path) -> Stamp:
+        st = os.stat(path)
+        return Stamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class FileWatch:
+    def __init__(self, paths: Iterable[Path | str]) -> None:
+        self.stamps = {Path(p): Stamp.of(Path(p)) for p in dict.fromkeys(paths)}
+        self.reason: str | None = None        # the first change seen, kept
+        self._stop = threading.Event()
+
+    def changed(self) -> str | None:
+        """What changed under the mapping (a sentence naming the file), or None; the first answer stays."""
+        if self.reason is not None:
+            return self.reason
+        for path, was in self.stamps.items():
+            try:
+                now = Stamp.of(path)
+            except OSError as exc:
+                self.reason = f"{path} was removed or became unreadable while mapped ({exc.strerror})"
+                break
+            if (now.dev, now.ino) != (was.dev, was.ino):
+                self.reason = f"{path} was replaced by another file while mapped"
+            elif now.size != was.size:
+                self.reason = f"{path} changed size while mapped ({was.size} -> {now.size} bytes)"
+            elif now.mtime_ns != was.mtime_ns:
+                self.reason = f"{path} was written to while mapped (its modification time changed)"
+            if self.reason is not None:
+                break
+        return self.reason
+
+    def watch(self, on_change: Callable[[str], None], interval_s: float = 0.25) -> None:
+        """Check every `interval_s` on a daemon thread; call `on_change(reason)` once, at the first change."""
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                reason = self.changed()
+                if reason is not None:
+                    on_change(reason)
+                    return
+
+        threading.Thread(target=loop, name="file-watch", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class MappingChanged(Exception):
+    """A mapped file changed: nothing may read through its mapping any more (the message names it)."""

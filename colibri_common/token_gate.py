@@ -1,0 +1,72 @@
+"""The fleet token on the wire (colibri_common/fleet_token.py says where it comes from): `TokenGate` on a worker
+refuses calls without it before it reads them, `with_token` on a router's channel adds it to every call."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from colibri_common.fleet_token import ENV
+
+KEY = "authorization"
+OPEN = ("/grpc.health.v1.Health/",)       # probes and the router's readiness checks need no token
+
+
+def _refuse(request: Any, context: grpc.ServicerContext) -> None:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "this expert worker takes calls from its fleet's routers only: "
+                  f"the call carries no valid fleet token (${ENV})")
+
+
+class TokenGate(grpc.ServerInterceptor):
+    """Calls without `Bearer <token>` end UNAUTHENTICATED at once. The refusal is a stream-stream handler that
+    never iterates its requests, so not one message of the caller is read, whatever the method."""
+
+    def __init__(self, token: str) -> None:
+        self._want = f"Bearer {token}".encode()
+        self._deny = grpc.stream_stream_rpc_method_handler(_refuse)
+
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+                          details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if details.method.startswith(OPEN):
+            return continuation(details)
+        given = next((v for k, v in details.invocation_metadata if k == KEY), "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self._want):
+            return continuation(details)
+        return self._deny
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base: grpc.ClientCallDetails, metadata: list[tuple[str, str]]) -> None:
+        self.method, self.timeout, self.credentials = base.method, base.timeout, base.credentials
+        self.wait_for_ready, self.compression = base.wait_for_ready, base.compression
+        self.metadata = metadata
+
+
+class _WithToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.header = (KEY, f"Bearer {token}")
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _Details(details, [*(details.metadata or ()), self.header])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+def with_token(channel: grpc.Channel, token: str | None) -> grpc.Channel:
+    """`channel` whose every call carries the fleet token (the channel itself when there is none)."""
+    return channel if token is None else grpc.intercept_channel(channel, _WithToken(token))

@@ -1,0 +1,119 @@
+"""A worker whose checkpoint changes under its mapping never faults on it: the change is seen (the file named),
+the mapping is not read any more, the worker goes NOT_SERVING and stops with exit code 75 for a restart to map
+the files afresh; experts whose weights give non-finite outputs for finite inputs are named (layer, expert,
+file) and stop the worker the same way."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from colibri_common import wire
+from colibri_common.config import ModelConfig
+from colibri_common.pb import expert_pb2, expert_pb2_grpc
+from tests.conftest import colibri_popen
+
+RESTART = 75
+
+
+def start_worker(model, *extra: str):
+    p = colibri_popen(["expert", "--model", str(model), "--shard", "0/1", "--port", "0", "--cpu-forms", "off",
+                       "--expert-cache-heat", "off", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = p.stdout.readline()
+    if not line.startswith("ready "):
+        _, err = p.communicate(timeout=30)
+        raise RuntimeError(f"the worker did not start: {err[-2000:]}")
+    return p, line.split()[1]
+
+
+def forward(stub, cfg: ModelConfig, layer: int, experts: list[int]):
+    n = len(experts)
+    g = torch.Generator().manual_seed(layer)
+    return stub.Forward(expert_pb2.ForwardRequest(
+        layer=layer, hidden=wire.encode(torch.randn(n, cfg.hidden_size, generator=g)),
+        topk_ids=wire.encode(torch.tensor(experts)[:, None]), topk_weights=wire.encode(torch.ones(n, 1))), timeout=30)
+
+
+def finish(p) -> tuple[int, str]:
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate()
+        pytest.fail(f"the worker did not stop: {err[-2000:]}")
+    return p.returncode, err
+
+
+@pytest.fixture
+def model(oracles, tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(oracles["qwen3_moe"].path, path)
+    return path
+
+
+def test_a_checkpoint_truncated_under_the_expert_cache_is_named_and_never_faulted_on(model):
+    cfg = ModelConfig.from_dir(model)
+    p, addr = start_worker(model, "--expert-cache-capacity", "25%")
+    layer = cfg.moe_layers[0]
+    with grpc.insecure_channel(addr) as ch:
+        stub = expert_pb2_grpc.ExpertWorkerStub(ch)
+        forward(stub, cfg, layer, [0, 1])                                  # packed from the mapping: fine
+        files = sorted(model.glob("*.safetensors"))
+        with open(files[0], "r+b") as f:                                   # half of it gone under the mapping
+            f.truncate(files[0].stat().st_size // 2)
+        codes = []
+        for e in range(2, cfg.num_experts, 2):                             # misses: each would read the mapping
+            try:
+                forward(stub, cfg, layer, [e, e + 1])
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and exc.details():
+                    assert files[0].name in exc.details() or "not serving" in exc.details().lower() or \
+                        "loading" in exc.details(), exc.details()
+                break
+            time.sleep(0.05)
+        assert codes, "every call after the truncation was answered from the mapping"
+    code, err = finish(p)
+    assert code == RESTART, f"exit {code} (a SIGBUS is -7): {err[-2000:]}"
+    assert f"{files[0]} changed size while mapped" in err
+
+
+def test_experts_with_non_finite_weights_are_named_and_stop_the_worker(model):
+    cfg = ModelConfig.from_dir(model)
+    layer = cfg.moe_layers[-1]
+    (f,) = model.glob("*.safetensors")
+    tensors = load_file(f)
+    name = next(n for n in tensors if f"layers.{layer}.mlp.experts.3.down_proj" in n)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+    p, addr = start_worker(model)
+    with grpc.insecure_channel(addr) as ch:
+        stub = expert_pb2_grpc.ExpertWorkerStub(ch)
+        forward(stub, cfg, layer, [1, 2])                                  # healthy experts answer
+        with pytest.raises(grpc.RpcError) as exc:
+            forward(stub, cfg, layer, [1, 3, 5])
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"layer {layer} expert 3 give" in exc.value.details() and str(f) in exc.value.details(), \
+        exc.value.details()
+    code, err = finish(p)
+    assert code == RESTART and f"layer {layer} expert 3" in err
+
+
+def test_a_checkpoint_overwritten_in_place_is_named_and_the_worker_stops_for_a_restart(model):
+    cfg = ModelConfig.from_dir(model)
+    p, addr = start_worker(model, "--expert-cache-capacity", "25%")
+    (f,) = model.glob("*.safetensors")
+    with grpc.insecure_channel(addr) as ch:
+        forward(expert_pb2_grpc.ExpertWorkerStub(ch), cfg, cfg.moe_layers[0], [0, 1])
+        size = f.stat().st_size
+        with open(f, "r+b") as out:                                         # NaN bytes over its second half
+            out.seek(size // 2)
+            out.write(b"\xff" * (size - size // 2))
+    code, err = finish(p)
+    assert code == RESTART and f"{f} was written to while mapped" in err, err[-2000:]
