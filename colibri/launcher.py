@@ -83,6 +83,11 @@ class ServeOptions:
                                            "this port of the router's host (0 = any free port)")
     served_model_name: str = option("", "with --openai-port: the model's name in the HTTP API (default: the "
                                         "checkpoint directory's name)")
+    allowed_hosts: tuple[str, ...] = option((), "with --openai-port: the Host names the front answers besides its "
+                                                "defaults (a Service, an ingress, a proxy name); '*' = any",
+                                            metavar="H[,H...]")
+    allowed_origins: tuple[str, ...] = option((), "with --openai-port: web origins whose pages may call the front "
+                                                  "(CORS); default none", metavar="O[,O...]")
     spawn: str = option("auto", "how the children start: 'fork' them from serve once it has imported torch and "
                                 "the services (one import for the fleet, pages shared), or 'exec' a fresh "
                                 "`colibri` for each; 'auto' forks on CPUs and execs with GPUs (CUDA cannot "
@@ -147,7 +152,8 @@ class ServeOptions:
                              tls_ca=r.tls_ca if r.tls_cert else None,
                              tls_cert=r.tls_cert if r.tls_client_auth else None,
                              tls_key=r.tls_key if r.tls_client_auth else None, log_level=r.log_level,
-                             grace_period=r.grace_period)
+                             grace_period=r.grace_period, allowed_hosts=self.allowed_hosts,
+                             allowed_origins=self.allowed_origins)
 
 
 def child_argv(command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> list[str]:

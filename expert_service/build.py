@@ -23,6 +23,7 @@ from colibri_common.file_watch import FileWatch
 from colibri_common.forms_file import tune_forms
 from colibri_common.heap import return_free_heap
 from colibri_common.placement import replica_experts
+from colibri_common.tensors import layer_prefix
 from expert_service.heat_file import heat_path
 from expert_service.heat_file import load as load_heat
 from expert_service.heat_file import save as save_heat
@@ -86,6 +87,8 @@ def build_shard(opts: ExpertOptions, device: torch.device | None = None) -> Buil
     experts.loaded()                            # packed experts need the mappings no more (unmapped)
     if experts.in_place or experts.cache is not None:   # served through the mapping: watch its files
         experts.watch = FileWatch(sorted({e.file for e in ckpt.entries.values()}))
+        experts.layer_files = {layer: sorted({e.file for name, e in ckpt.entries.items()
+                                              if name.startswith(layer_prefix(layer))}) for layer in cfg.moe_layers}
         if experts.cache is not None:
             experts.cache.watch = experts.watch
     experts.warm_up()                           # the kernels run here (compiled on a GPU), before ready

@@ -190,7 +190,12 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
 
     def Forward(self, request, context):
         self._loaded(context)
-        return self._answer(request, context)
+        peer = self._enter_peer(context)
+        try:
+            return self._answer(request, context)
+        finally:
+            with self.metrics.lock:
+                self.peers[peer] -= 1
 
     def ForwardStream(self, request_iterator, context):
         self._loaded(context)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -137,6 +138,7 @@ class ExpertShard:
         self.w2: dict[int, Weight | ExpertRows] = {}
         self.cache: ExpertCache | None = None
         self.watch: FileWatch | None = None      # the mapped files, while experts are read through them (build.py)
+        self.layer_files: dict[int, list[Path]] = {}   # each MoE layer's files, checked before an in-place read
         self.ckpt = ckpt
         self.act = GatedAct(cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_up_offset)   # the experts' activation
         self.biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> b13 [E_local, 2I], b2 [E_local, H]
@@ -314,6 +316,8 @@ class ExpertShard:
         the experts held here, float64 [n, H], unrounded: the router adds the workers' sums and rounds once."""
         if layer not in self.cfg.moe_layers:
             raise KeyError(f"layer {layer} has no routed experts (MoE layers: {list(self.cfg.moe_layers)})")
+        if self.watch is not None and self.in_place and (reason := self.watch.stale(self.layer_files[layer])):
+            raise MappingChanged(reason)                    # its pages may be gone: reading them would be SIGBUS
         if self.watch is not None and self.watch.reason is not None:     # seen by the watch's thread
             raise MappingChanged(self.watch.reason)
         x = hidden.to(self.device, self.dtype)                                             # [n, H]

@@ -1,11 +1,13 @@
 """A reader that falls behind pauses its request instead of growing the router's memory: at most `high` token
-events wait unread, the other requests go on meanwhile, and reading resumes it with the same tokens."""
+events wait unread, its batch slot goes to the other requests meanwhile, and reading resumes it with the same
+tokens."""
 
 from __future__ import annotations
 
 import time
 
 from router_service.engine.events import Finished, Tokens
+from router_service.engine.scheduler import SchedulerConfig
 from tests.inprocess import InProcess
 
 PROMPT = [3, 17, 42, 99, 5, 8]
@@ -14,7 +16,7 @@ PROMPT = [3, 17, 42, 99, 5, 8]
 def test_an_unread_request_pauses_at_the_bound_and_resumes_when_read(oracles):
     oracle = oracles["olmoe"]
     n = 200
-    with InProcess(oracle.path) as engine:
+    with InProcess(oracle.path, sched=SchedulerConfig(max_batch_size=1)) as engine:    # one batch slot
         slow = engine.submit(PROMPT, n, ignore_eos=True)              # nobody reads it for now
         deadline = time.monotonic() + 60
         while slow.unread < slow.high:
@@ -23,7 +25,7 @@ def test_an_unread_request_pauses_at_the_bound_and_resumes_when_read(oracles):
         time.sleep(0.3)                                               # steps would go on here without the bound
         assert slow.paused and slow.unread == slow.high
         assert all(s.paused for s in engine.engine.by_request_id["r1"])
-        other = engine.generate([1, 2, 3], 24, ignore_eos=True)        # the others are not held up
+        other = engine.generate([1, 2, 3], 24, ignore_eos=True)        # the paused one gave up its slot
         assert other.token_ids == oracle.greedy([1, 2, 3], 24)
         assert slow.unread == slow.high                               # still paused: not one step more
         tokens = []

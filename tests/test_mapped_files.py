@@ -57,9 +57,10 @@ def model(oracles, tmp_path):
     return path
 
 
-def test_a_checkpoint_truncated_under_the_expert_cache_is_named_and_never_faulted_on(model):
+@pytest.mark.parametrize("held", [["--expert-cache-capacity", "25%"], []], ids=["cache", "in-place"])
+def test_a_checkpoint_truncated_under_the_worker_is_named_and_never_faulted_on(model, held):
     cfg = ModelConfig.from_dir(model)
-    p, addr = start_worker(model, "--expert-cache-capacity", "25%")
+    p, addr = start_worker(model, *held)
     layer = cfg.moe_layers[0]
     with grpc.insecure_channel(addr) as ch:
         stub = expert_pb2_grpc.ExpertWorkerStub(ch)

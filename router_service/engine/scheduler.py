@@ -134,8 +134,8 @@ class Scheduler:
         out: list[Scheduled] = []
         budget = self.cfg.max_num_tokens
         for seq in list(self.running):              # decodes (and unfinished chunked prefills) first
-            if seq not in self.running or budget == 0 or seq.paused:
-                continue
+            if seq not in self.running or budget == 0 or seq.paused or len(out) >= self.cfg.max_batch_size:
+                continue                            # (a resumed reader waits for a slot like the others)
             num_new = min(seq.num_tokens - seq.num_cached, budget)
             while True:
                 try:
@@ -151,7 +151,9 @@ class Scheduler:
                 budget -= num_new
         batch = set().union(*(s.experts for s in self.running)) if self.cfg.routing_aware_batching else set()
         youngest = 0                                   # the youngest request admitted in this round
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
+        # a paused sequence (its reader is behind) keeps its KV blocks but no batch slot: others take its place
+        active = sum(not s.paused for s in self.running)
+        while self.waiting and budget > 0 and active < self.cfg.max_batch_size:
             pick = self._next_waiting(batch)
             for i in dict.fromkeys((pick, 0)):                 # the preferred one; if it does not fit, the oldest
                 seq = self.waiting[i]
@@ -168,6 +170,7 @@ class Scheduler:
             batch |= seq.experts
             seq.status = Status.RUNNING
             self.running.append(seq)
+            active += 1
             out.append(Scheduled(seq, num_new))
             budget -= num_new
         for older in self.waiting:                     # passed over in this round: a younger one went ahead
