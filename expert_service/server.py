@@ -128,11 +128,11 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         with torch.inference_mode(), device_scope(self.staging.device):     # this handler thread's GPU
             hidden_d, ids_d, weights_d = self.staging.to_device(hidden, ids, weights)
             sums = self.shard.forward(request.layer, hidden_d, ids_d, weights_d)                       # [n, H] f64
-            if not bool(torch.isfinite(sums).all()):        # the inputs' doing, or damaged weights?
-                damaged = non_finite_experts(self.shard, request.layer, ids_d)
+            out, = self.staging.to_host(sums if request.exact_sum else sums.to(hidden.dtype))
+            if not bool(torch.isfinite(out).all()):         # on the host copy: no extra GPU sync per layer
+                damaged = non_finite_experts(self.shard, request.layer, ids_d)    # the inputs' doing, or weights?
                 if damaged is not None:
                     raise NonFinite(damaged)
-            out, = self.staging.to_host(sums if request.exact_sum else sums.to(hidden.dtype))
         seconds = time.perf_counter() - t0
         self.metrics.count("ok", hidden.shape[0], seconds)
         return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=seconds * 1e3)
