@@ -1,4 +1,4 @@
-"""The `colibri` command: serve, router, expert, openai, validate, generate, bench, health, tune.
+"""The `colibri` command: serve, router, expert, openai, workers, validate, generate, bench, health, tune.
 
 Every command's flags come from its options dataclass (`ServeOptions`, `RouterOptions`, `ExpertOptions`,
 `OpenAIOptions`, `ValidateOptions`, `GenerateOptions`, `BenchOptions`, `HealthOptions`): each flag, default and help is
@@ -23,6 +23,7 @@ from colibri.loadgen import BenchOptions
 from colibri.openai_api.options import OpenAIOptions
 from colibri.tune import TuneOptions
 from colibri.validate import ValidateOptions
+from colibri.workers import WorkersOptions
 from colibri_common.errors import ColibriError
 from colibri_common.heap import skip_exit_collection
 from colibri_common.options import Parser, add_options, from_args
@@ -76,6 +77,12 @@ def _bench(opts: BenchOptions) -> int:
     return run_bench(opts)
 
 
+def _workers(opts: WorkersOptions) -> int:
+    from colibri.workers import run_workers
+
+    return run_workers(opts)
+
+
 def _tune(opts: TuneOptions) -> int:
     from colibri.tune import run_tune
 
@@ -109,6 +116,12 @@ COMMANDS: dict[str, Command] = {
                       "Serve /v1/completions, /v1/chat/completions and /v1/models (streamed as server-sent events "
                       "or not), /health and /metrics over HTTP, turning each request into gRPC calls to the "
                       "router at --target. Holds no model: run as many as the traffic needs."),
+    "workers": Command(WorkersOptions, _workers, "show or change a router's expert workers while it serves",
+                       "Show the expert workers a router serves with (state, experts, load, balance), or change "
+                       "them live: `set` / `add` / `remove` plan a new placement, load it on the new owners while "
+                       "the old ones serve, switch between two steps and release the old owners (rolled back if a "
+                       "worker cannot load); `rebalance` re-plans from the measured load. Uses the router's Admin "
+                       "service with the fleet token ($COLIBRI_FLEET_TOKEN)."),
     "validate": Command(ValidateOptions, _validate, "check a checkpoint and size its shards"),
     "generate": Command(GenerateOptions, _generate, "generate from a running router, streaming the text",
                         exclude=GenerateOptions.EXCLUDED),

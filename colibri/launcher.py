@@ -141,7 +141,8 @@ class ServeOptions:
                              local_socket="" if sockets is None else str(sockets / f"worker-{shard}.sock"))
 
     def router_options(self, workers: tuple[str, ...], threads: int) -> RouterOptions:
-        return replace(self.router, workers=workers, threads=threads, device=self.device(None))
+        return replace(self.router, workers=workers, threads=threads, device=self.device(None),
+                       expert_replicas=self.replicas)     # a resize keeps the replicas serve was asked for
 
     def front(self, router: str) -> OpenAIOptions:
         """The HTTP front's options: on the router's host, a client of the router (its CA when TLS)."""

@@ -173,6 +173,10 @@ def add_options(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str, 
         else:
             kw.update(type=meta["type"] or _parser_of(flag.type), choices=meta["choices"],
                       metavar=None if meta["choices"] else meta["metavar"] or flag.field.name.upper())
+        if not flag.name.startswith("-"):       # a positional word (`colibri workers ... show`): its dest is its name
+            del kw["dest"]
+            parser.add_argument(flag.dest, nargs="?" if not meta["required"] else None, help=help_text, **kw)
+            continue
         if meta["required"]:
             kw["required"] = True
         elif flag.default not in (None, "", ()) and flag.type is not bool:

@@ -16,22 +16,35 @@ OPEN = ("/grpc.health.v1.Health/",)       # probes and the router's readiness ch
 
 
 def _refuse(request: Any, context: grpc.ServicerContext) -> None:
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, "this expert worker takes calls from its fleet's routers only: "
-                  f"the call carries no valid fleet token (${ENV})")
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "this service takes calls from its own fleet only: the call "
+                  f"carries no valid fleet token (${ENV})")
+
+
+def _closed(request: Any, context: grpc.ServicerContext) -> None:
+    context.abort(grpc.StatusCode.PERMISSION_DENIED, "this router's admin service is off: it has no fleet token. "
+                  f"Start it with ${ENV} set (`colibri serve` passes its own) and call with the same token")
 
 
 class TokenGate(grpc.ServerInterceptor):
     """Calls without `Bearer <token>` end UNAUTHENTICATED at once. The refusal is a stream-stream handler that
-    never iterates its requests, so not one message of the caller is read, whatever the method."""
+    never iterates its requests, so not one message of the caller is read, whatever the method.
 
-    def __init__(self, token: str) -> None:
-        self._want = f"Bearer {token}".encode()
-        self._deny = grpc.stream_stream_rpc_method_handler(_refuse)
+    `guarded`: only methods under these prefixes are checked (a router's Admin service beside its open client
+    API); with no token those are refused outright (PERMISSION_DENIED)."""
+
+    def __init__(self, token: str | None, guarded: tuple[str, ...] | None = None) -> None:
+        self._want = None if token is None else f"Bearer {token}".encode()
+        self._guarded = guarded
+        self._deny = grpc.stream_stream_rpc_method_handler(_refuse if token is not None else _closed)
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
                           details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         if details.method.startswith(OPEN):
             return continuation(details)
+        if self._guarded is not None and not details.method.startswith(self._guarded):
+            return continuation(details)
+        if self._want is None:
+            return self._deny
         given = next((v for k, v in details.invocation_metadata if k == KEY), "")
         given = given.encode() if isinstance(given, str) else given
         if hmac.compare_digest(given, self._want):

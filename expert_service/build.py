@@ -58,10 +58,32 @@ class BuiltShard:
         self.experts.close()
 
 
-def build_shard(opts: ExpertOptions, device: torch.device | None = None) -> BuiltShard:
-    """Shard `opts.shard` of the checkpoint's experts as `opts` says, on `device` (default: `opts.device`)."""
+def static_plan(cfg: ModelConfig, opts: ExpertOptions) -> dict[int, list[int]]:
+    """The experts a worker holds before any plan of the router's: its `--shard I/N` (with `--replicas`) in every
+    MoE layer, or none without `--shard` (the router assigns them)."""
+    if not opts.shard:
+        return {layer: [] for layer in cfg.moe_layers}
+    mine = replica_experts(cfg.num_experts, opts.shard_index, opts.num_shards, opts.replicas)
+    return {layer: mine for layer in cfg.moe_layers}
+
+
+def describe_held(held: dict[int, list[int]]) -> str:
+    """'experts 0..31 in every layer', '12 (layer, expert) pairs over 4 layers' or 'no experts' for the logs."""
+    sets = {tuple(es) for es in held.values()}
+    if len(sets) == 1 and (only := next(iter(sets))):
+        return f"experts {only[0]}..{only[-1]} ({len(only)}) in every MoE layer"
+    n = sum(map(len, held.values()))
+    return f"{n} (layer, expert) pairs over {sum(1 for es in held.values() if es)} layers" if n else "no experts"
+
+
+def build_shard(opts: ExpertOptions, device: torch.device | None = None,
+                held: dict[int, list[int]] | None = None, tune: bool = True) -> BuiltShard:
+    """The experts `held` (layer -> global ids; default: the static plan of `opts.shard`) as `opts` says, on
+    `device` (default: `opts.device`). `tune`: check and time the CPU forms for its shapes first (a worker's
+    start); a router's later plans keep what the start found (a forked probe is unsafe once the process has
+    run parallel kernels)."""
     t0 = time.perf_counter()
-    shard, num_shards = opts.shard_index, opts.num_shards
+    shard, num_shards = (opts.shard_index, opts.num_shards) if opts.shard else (0, 0)
     set_batch_invariant(opts.batch_invariant)
     dtype = getattr(torch, opts.dtype)
     device = open_device(opts.device) if device is None else device
@@ -71,13 +93,14 @@ def build_shard(opts: ExpertOptions, device: torch.device | None = None) -> Buil
     kept = kept_format(cfg, ckpt, device, c.quantized_experts, opts.quantize)
     if kept is not None:
         log.info("experts held in %s as published, computed by the Triton kernels", kept.dtype_name)
-    cache = cache_setting(cfg, len(replica_experts(cfg.num_experts, shard, num_shards, opts.replicas)), dtype,
-                          opts.quantize, c.expert_cache_capacity, c.expert_cache_policy, c.expert_cache_half_life,
-                          c.expert_cache_host_capacity, kept)
+    held = static_plan(cfg, opts) if held is None else held
+    most = max(map(len, held.values()), default=0)
+    cache = cache_setting(cfg, max(1, most), dtype, opts.quantize, c.expert_cache_capacity, c.expert_cache_policy,
+                          c.expert_cache_half_life, c.expert_cache_host_capacity, kept) if most else None
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
                           quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache, kept=kept,
-                          in_place=c.experts_in_place == "auto")
-    if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
+                          in_place=c.experts_in_place == "auto", held=held)
+    if device.type == "cpu" and tune:           # checked (and timed, with a file) before any form runs
         if native.refused_override():
             raise ConfigError(native.refused_override())
         log.info(native.describe())
@@ -92,7 +115,8 @@ def build_shard(opts: ExpertOptions, device: torch.device | None = None) -> Buil
         if experts.cache is not None:
             experts.cache.watch = experts.watch
     experts.warm_up()                           # the kernels run here (compiled on a GPU), before ready
-    heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas)
+    # a static shard keeps its heat between runs; a router's plan changes with the load (the router measures it)
+    heat = heat_path(c.expert_cache_heat, opts.model, opts.shard, opts.replicas) if opts.shard else None
     if experts.cache is not None:
         warm = experts.cache.preload(load_heat(heat, opts.model))
         if warm:
@@ -102,8 +126,9 @@ def build_shard(opts: ExpertOptions, device: torch.device | None = None) -> Buil
     tier = "in place (mapped)" if experts.in_place else packed if experts.cache is None else (
         f"expert cache of {experts.cache.hot.w13.shape[0]} slots ({c.expert_cache_capacity}, "
         f"{c.expert_cache_policy}); the rest mapped")
-    log.info("shard %d/%d: experts %d..%d of %d, %d MoE layers, %.1f MiB %s (%s) on %s, %s kernels, ready in %.2fs",
-             shard, num_shards, experts.experts[0], experts.experts[-1], cfg.num_experts, len(cfg.moe_layers),
-             experts.shard_bytes / 2**20, experts.weight_dtype, tier, device, describe_backend(device),
+    plan = f"shard {shard}/{num_shards}" if opts.shard else "the router's plan"
+    log.info("%s: %s of %d, %d MoE layers, %.1f MiB %s (%s) on %s, %s kernels, ready in %.2fs", plan,
+             describe_held(held), cfg.num_experts, len(cfg.moe_layers), experts.shard_bytes / 2**20,
+             experts.weight_dtype, tier if experts.experts else "nothing held yet", device, describe_backend(device),
              time.perf_counter() - t0)
     return BuiltShard(opts, experts, device, heat, tier)

@@ -56,9 +56,13 @@ class ExpertCacheOptions:
 @dataclass(frozen=True)
 class ExpertOptions(ServiceOptions):
     port: int = option(50061, "port; 0 picks a free one")
-    shard: str = option("", "I/N: this worker holds shard I of N (0-based)", required=True, metavar="I/N")
-    replicas: int = option(1, "every expert lives on this many distinct workers; this worker holds the "
-                              "experts of shards I, I-1, … I-R+1 (mod N)")
+    shard: str = option("", "I/N: this worker holds shard I of N (0-based), a static plan; without it the worker "
+                            "holds no experts until a router assigns them (elastic placement: `colibri workers`)",
+                        metavar="I/N")
+    replicas: int = option(1, "with --shard: every expert lives on this many distinct workers; this worker holds "
+                              "the experts of shards I, I-1, … I-R+1 (mod N)")
+    max_experts: int = option(0, "the most experts of one MoE layer a router may assign this worker (its memory "
+                                 "budget for a plan: redundant replicas of hot experts stop there); 0 = no limit")
     metrics_port: int | None = option(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
                                             "0 = any free port)")
     max_streams: int = option(16, "concurrent ForwardStream (and Forward) calls at most; beyond it "
@@ -76,12 +80,19 @@ class ExpertOptions(ServiceOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 1 <= self.replicas <= self.num_shards:
-            raise ValueError(f"--replicas {self.replicas}: need 1 <= R <= N (the {self.num_shards} workers)")
         for name in ("max_streams", "max_streams_per_peer", "max_step_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_experts < 0:
+            raise ValueError(f"--max-experts must be >= 0 (0 = no limit), got {self.max_experts}")
+        if not self.shard:
+            if self.replicas != 1:
+                raise ValueError("--replicas goes with --shard: without it the router plans the replicas "
+                                 "(colibri router --replicas / --redundant-experts)")
+            return
         parse_shard(self.shard)      # raises ValueError with a message that says what to fix
+        if not 1 <= self.replicas <= self.num_shards:
+            raise ValueError(f"--replicas {self.replicas}: need 1 <= R <= N (the {self.num_shards} workers)")
 
     @property
     def shard_index(self) -> int:

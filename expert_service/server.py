@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -24,7 +25,8 @@ from colibri_common.serving import Service, setup_logging
 from colibri_common.tensors import expert_tensors
 from colibri_common.tls import TlsFiles
 from colibri_common.token_gate import TokenGate
-from expert_service.build import build_shard
+from expert_service.build import BuiltShard, build_shard, describe_held
+from expert_service.holding import Holding, WrongEpoch
 from expert_service.local_socket import LocalServer
 from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
@@ -49,7 +51,7 @@ def non_finite_experts(shard: ExpertShard, layer: int, ids: torch.Tensor) -> str
     probe = (torch.randn(1, shard.cfg.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.1).to(
         shard.device, shard.dtype)                                                          # [1, H]
     one = torch.ones(1, 1, device=shard.device)                                             # [1, 1]
-    bad = [e for e in ids.unique().tolist() if e >= 0 and int(shard.expert_map[e]) >= 0 and not bool(
+    bad = [e for e in ids.unique().tolist() if e >= 0 and int(shard.expert_maps[layer][e]) >= 0 and not bool(
         torch.isfinite(shard.forward(layer, probe, torch.tensor([[e]], device=shard.device), one)).all())]
     if not bad:
         return None
@@ -80,12 +82,21 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
     def __init__(self, max_per_peer: int = 8) -> None:
         self.peers: collections.Counter[str] = collections.Counter()   # open streams per caller host
         self.max_per_peer = max_per_peer
-        self.shard: ExpertShard | None = None   # set once the weights are packed
+        self.holding = Holding()                # the experts served now and their placement epochs
         self.staging: HostStaging | None = None
         self.metrics = WorkerMetrics()
         self.local_socket = ""                  # the same-host socket's path, once it listens
         self.max_step_tokens = 0                # what one Forward may carry, told to routers in Describe
+        self.max_experts = 0                    # --max-experts: the most experts a layer a plan may give
+        self.static_shard = False               # started with --shard
+        self.build: Callable[[dict[int, list[int]]], BuiltShard] | None = None   # a router's plan -> its experts
         self.on_damage: Callable[[str], None] | None = None   # its experts' bytes cannot be trusted: stop serving
+        self.on_install: Callable[[BuiltShard], None] | None = None           # a new plan's experts are served
+        self._assigning = threading.Lock()      # one plan at a time
+
+    @property
+    def shard(self) -> ExpertShard | None:
+        return self.holding.shard
 
     def _loaded(self, context) -> ExpertShard:
         if self.shard is None:
@@ -94,6 +105,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
 
     def Describe(self, request, context):
         s = self._loaded(context)
+        now = self.holding.now
         cfg = s.cfg
         return expert_pb2.DescribeResponse(
             model_type=cfg.architecture, shard_index=s.shard, num_shards=s.num_shards,
@@ -101,14 +113,76 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
             dtype=s.weight_dtype, packed_bytes=s.packed_bytes,
             expert_cache_slots=0 if s.cache is None else s.cache.hot.w13.shape[0], batch_invariant=batch_invariant(),
-            max_step_tokens=self.max_step_tokens,
-            local_socket=self.local_socket)
+            max_step_tokens=self.max_step_tokens, local_socket=self.local_socket,
+            epoch=now.epoch if now is not None else 0, max_experts=self.max_experts, static_shard=self.static_shard,
+            layers=[expert_pb2.LayerExperts(layer=layer, experts=es) for layer, es in s.held.items()])
+
+    def _plan(self, request: expert_pb2.AssignRequest, cfg: ModelConfig) -> dict[int, list[int]]:
+        """The request's experts per MoE layer, checked: known layers, ids in range, no layer twice, within
+        --max-experts."""
+        held: dict[int, list[int]] = {layer: [] for layer in cfg.moe_layers}
+        seen: set[int] = set()
+        for le in request.layers:
+            if le.layer not in held:
+                raise ValueError(f"layer {le.layer} has no routed experts; MoE layers are {list(cfg.moe_layers)}")
+            if le.layer in seen:
+                raise ValueError(f"layer {le.layer} is named twice in the plan")
+            seen.add(le.layer)
+            es = sorted(set(le.experts))
+            if es and not (0 <= es[0] and es[-1] < cfg.num_experts):
+                raise ValueError(f"layer {le.layer}: expert ids must be in [0, {cfg.num_experts}), got "
+                                 f"{es[0]}..{es[-1]}")
+            if self.max_experts and len(es) > self.max_experts:
+                raise ValueError(f"layer {le.layer}: {len(es)} experts assigned, but this worker holds at most "
+                                 f"{self.max_experts} a layer (--max-experts)")
+            held[le.layer] = es
+        return held
+
+    def Assign(self, request, context):
+        s = self._loaded(context)
+        with self._assigning:
+            now = self.holding.now
+            assert now is not None                            # loaded: a shard is installed
+            if request.epoch < now.epoch:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"placement epoch {request.epoch} is older than "
+                              f"this worker's {now.epoch}: another router planned since; describe again")
+            try:
+                held = self._plan(request, s.cfg)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            also = frozenset(request.also_serves) - {request.epoch}
+            t0 = time.perf_counter()
+            if held == s.held:                                # nothing moves here
+                self.holding.set_epochs(request.epoch, also)
+            else:
+                assert self.build is not None
+                try:
+                    built = self.build(held)
+                except Exception as exc:  # noqa: BLE001 (the plan fails, the worker keeps serving the old one)
+                    log.exception("could not load the experts of placement epoch %d", request.epoch)
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"could not load the experts of epoch "
+                                  f"{request.epoch}: {type(exc).__name__}: {exc}")
+                self.holding.install(built, request.epoch, also)
+                if self.on_install is not None:
+                    self.on_install(built)
+            s = self.holding.shard
+            seconds = time.perf_counter() - t0
+            log.info("placement epoch %d%s: %s, %.1f MiB packed, loaded in %.3fs", request.epoch,
+                     f" (and {', '.join(map(str, sorted(also)))} while the router switches)" if also else "",
+                     describe_held(s.held),
+                     s.packed_bytes / 2**20, seconds)
+            return expert_pb2.AssignResponse(epoch=request.epoch, experts=sum(map(len, s.held.values())),
+                                             packed_bytes=s.packed_bytes, load_ms=seconds * 1e3)
 
     def _compute(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
+        with self.holding.use(request.epoch) as shard:
+            return self._compute_on(shard, request)
+
+    def _compute_on(self, shard: ExpertShard, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
         hidden = wire.decode(request.hidden)                                 # [n, H]
         ids = wire.decode(request.topk_ids)                                  # [n, K]
         weights = wire.decode(request.topk_weights)                          # [n, K]
-        H, E = self.shard.cfg.hidden_size, self.shard.cfg.num_experts
+        H, E = shard.cfg.hidden_size, shard.cfg.num_experts
         if hidden.dim() != 2 or hidden.shape[1] != H or not hidden.is_floating_point():
             raise ValueError(f"hidden must be a float [n, {H}] tensor, got {request.hidden.dtype} "
                              f"{list(hidden.shape)}")
@@ -121,18 +195,20 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         if ids.numel() and (int(ids.max()) >= E or int(ids.min()) < -1):
             raise ValueError(f"expert ids must be in [-1, {E}) (-1 = none; the model has {E} experts), got "
                              f"{int(ids.min())}..{int(ids.max())}")
-        if request.layer not in self.shard.cfg.moe_layers:
+        if request.layer not in shard.cfg.moe_layers:
             raise ValueError(f"layer {request.layer} has no routed experts; MoE layers are "
-                             f"{list(self.shard.cfg.moe_layers)}")
+                             f"{list(shard.cfg.moe_layers)}")
         t0 = time.perf_counter()
         with torch.inference_mode(), device_scope(self.staging.device):     # this handler thread's GPU
             hidden_d, ids_d, weights_d = self.staging.to_device(hidden, ids, weights)
-            sums = self.shard.forward(request.layer, hidden_d, ids_d, weights_d)                       # [n, H] f64
+            sums = shard.forward(request.layer, hidden_d, ids_d, weights_d)                            # [n, H] f64
             out, = self.staging.to_host(sums if request.exact_sum else sums.to(hidden.dtype))
             if not bool(torch.isfinite(out).all()):         # on the host copy: no extra GPU sync per layer
-                damaged = non_finite_experts(self.shard, request.layer, ids_d)    # the inputs' doing, or weights?
+                damaged = non_finite_experts(shard, request.layer, ids_d)         # the inputs' doing, or weights?
                 if damaged is not None:
                     raise NonFinite(damaged)
+            if request.HasField("prefetch"):                  # packed on the cache's own thread, after this
+                shard.hint(request.prefetch.layer, list(request.prefetch.experts))
         seconds = time.perf_counter() - t0
         self.metrics.count("ok", hidden.shape[0], seconds)
         return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=seconds * 1e3)
@@ -141,16 +217,13 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         """The status message of a worker that stopped trusting its experts' bytes (it goes NOT_SERVING)."""
         self.metrics.count("unavailable")
         s = self.shard
-        who = "expert worker" if s is None else f"expert worker {s.shard}/{s.num_shards}"
+        who = "expert worker" if s is None or not s.num_shards else f"expert worker {s.shard}/{s.num_shards}"
         if self.on_damage is not None:
             self.on_damage(str(exc))
         return f"{who}: {exc}"
 
     def _respond(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
-        reply = self._compute(request)
-        if request.HasField("prefetch"):                      # packed on the cache's own thread, after this
-            self.shard.hint(request.prefetch.layer, list(request.prefetch.experts))
-        return reply
+        return self._compute(request)
 
     def answer_frame(self, payload: bytes) -> tuple[int, bytes]:
         """A Forward over the same-host socket (expert_service/local_socket.py): (status, reply bytes or the
@@ -166,6 +239,9 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             return 0, self._respond(request).SerializeToString()
         except (MappingChanged, NonFinite) as exc:
             return grpc.StatusCode.UNAVAILABLE.value[0], self._refusal(exc).encode()
+        except (WrongEpoch, LookupError) as exc:
+            self.metrics.count("unavailable")
+            return grpc.StatusCode.UNAVAILABLE.value[0], str(exc).encode()
         except ValueError as exc:
             self.metrics.count("invalid_argument")
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], str(exc).encode()
@@ -180,6 +256,9 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             return self._respond(request)
         except (MappingChanged, NonFinite) as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal(exc))
+        except (WrongEpoch, LookupError) as exc:
+            self.metrics.count("unavailable")
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:
             self.metrics.count("invalid_argument")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -226,7 +305,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
 
 def serve_expert(opts: ExpertOptions) -> int:
     """Serve until a signal (exit code 0) or until the experts' bytes cannot be trusted (75: restart me)."""
-    setup_logging(f"expert[{opts.shard}]", opts.log_level)
+    setup_logging(f"expert[{opts.shard or opts.port}]", opts.log_level)
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
     device = open_device(opts.device)
@@ -253,15 +332,9 @@ def serve_expert(opts: ExpertOptions) -> int:
     # Listen (liveness answers) while the weights load; readiness turns SERVING only after.
     bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(True))
     built = build_shard(opts, device)
-    experts = built.experts
     servicer.staging = HostStaging(device)
-    servicer.metrics.resident_bytes = experts.packed_bytes
-    servicer.metrics.in_place_bytes = experts.shard_bytes if experts.in_place else 0
-    servicer.metrics.cache, servicer.metrics.mapped_bytes = experts.cache, experts.shard_bytes
-    if opts.metrics_port is not None:
-        mport = servicer.metrics.serve(opts.host, opts.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", opts.host, mport)
-    servicer.shard = experts
+    servicer.max_experts, servicer.static_shard = opts.max_experts, bool(opts.shard)
+    servicer.build = lambda held: build_shard(opts, device, held, tune=False)
     damaged: list[str] = []
 
     def stop_serving(reason: str) -> None:        # once: NOT_SERVING, drain, stop; a restart maps afresh
@@ -271,9 +344,21 @@ def serve_expert(opts: ExpertOptions) -> int:
         service.set_serving(False)
         service.stop_soon(f"{reason}; the experts' bytes are not read any more (a restart maps the files afresh)")
 
+    def serving(b: BuiltShard) -> None:         # the metrics and the file watch follow the experts served
+        experts = b.experts
+        servicer.metrics.resident_bytes = experts.packed_bytes
+        servicer.metrics.in_place_bytes = experts.shard_bytes if experts.in_place else 0
+        servicer.metrics.cache, servicer.metrics.mapped_bytes = experts.cache, experts.shard_bytes
+        if experts.watch is not None:
+            experts.watch.watch(stop_serving)
+
     servicer.on_damage = stop_serving
-    if experts.watch is not None:
-        experts.watch.watch(stop_serving)
+    servicer.on_install = serving
+    serving(built)
+    servicer.holding.install(built, 0)
+    if opts.metrics_port is not None:
+        mport = servicer.metrics.serve(opts.host, opts.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     local = None
     if opts.local_socket:                       # same-host routers: Forward without HTTP/2 (gRPC stays for the rest)
         local = LocalServer(opts.local_socket, servicer.answer_frame, limit, opts.max_streams)
@@ -283,7 +368,8 @@ def serve_expert(opts: ExpertOptions) -> int:
     service.run_until_signal()
     if local is not None:
         local.close()
-    built.keep_heat()
+    if servicer.holding.now is not None:
+        servicer.holding.now.built.keep_heat()
     if damaged:
         log.error("stopped: %s", damaged[0])
         return EXIT_RESTART

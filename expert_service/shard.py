@@ -62,10 +62,11 @@ def expert_linear_shapes(cfg: ModelConfig, kind_: str) -> list[tuple[int, int, s
 
 
 def expert_moe_shape(cfg: ModelConfig, num_shards: int, kind_: str, replicas: int = 1,
-                     slots: int | None = None) -> MoeShape:
-    """The fused-MoE shape of one shard of `num_shards` (its form, loop or grouped, is measured for it);
-    with an expert cache the kernel runs over its `slots`."""
-    local = len(replica_experts(cfg.num_experts, 0, num_shards, replicas))
+                     slots: int | None = None, local: int | None = None) -> MoeShape:
+    """The fused-MoE shape of one shard of `num_shards` (its form, loop or grouped, is measured for it), or of
+    `local` experts a layer (a plan of the router's); with an expert cache the kernel runs over its `slots`."""
+    if local is None:
+        local = len(replica_experts(cfg.num_experts, 0, num_shards, replicas))
     pairs = max(1, min(local, round(cfg.top_k * local / cfg.num_experts)))
     return MoeShape(slots or local, cfg.moe_intermediate_size, cfg.hidden_size, min(pairs, slots or local), kind_)
 
@@ -117,7 +118,7 @@ class ExpertShard:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, shard: int, num_shards: int, dtype: torch.dtype,
                  progress: bool = False, quantize: str | None = None, device: torch.device | None = None,
                  replicas: int = 1, cache: CacheSetting | None = None, kept: Kept | None = None,
-                 in_place: bool = False) -> None:
+                 in_place: bool = False, held: dict[int, list[int]] | None = None) -> None:
         if quantize not in (None, *QUANTIZE_MODES):
             raise ValueError(f"quantize '{quantize}' is unknown; use {', '.join(QUANTIZE_MODES)} or none")
         self.device = device or torch.device("cpu")
@@ -129,11 +130,20 @@ class ExpertShard:
         self.cfg = cfg
         self.shard, self.num_shards = shard, num_shards
         self.dtype, self.quantize = dtype, quantize
-        self.experts = replica_experts(cfg.num_experts, shard, num_shards, replicas)
+        if held is None:                                  # a static plan: the same experts in every MoE layer
+            mine = replica_experts(cfg.num_experts, shard, num_shards, replicas)
+            held = {layer: mine for layer in cfg.moe_layers}
+        self.held = {layer: sorted(set(held.get(layer, ()))) for layer in cfg.moe_layers}   # the router's epochs
+        self.experts = sorted(set().union(*self.held.values())) if self.held else []      # in any layer
         self.replicas = replicas
-        expert_map = torch.full((cfg.num_experts,), -1, dtype=torch.long)       # [E] global -> local
-        expert_map[self.experts] = torch.arange(len(self.experts))
-        self.expert_map = expert_map.to(self.device)
+        # a cache indexes every layer by the union (its slots are shared); else each layer by its own experts
+        self.rows = {layer: self.experts if cache is not None and cache.capacity.bounded else es
+                     for layer, es in self.held.items()}
+        self.expert_maps: dict[int, torch.Tensor] = {}                          # layer -> [E] global -> local
+        for layer, es in self.rows.items():
+            m = torch.full((cfg.num_experts,), -1, dtype=torch.long)
+            m[self.held[layer]] = torch.tensor([es.index(e) for e in self.held[layer]], dtype=torch.long)
+            self.expert_maps[layer] = m.to(self.device)
         self.w13: dict[int, Weight | ExpertRows] = {}
         self.w2: dict[int, Weight | ExpertRows] = {}
         self.cache: ExpertCache | None = None
@@ -143,7 +153,7 @@ class ExpertShard:
         self.act = GatedAct(cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_up_offset)   # the experts' activation
         self.biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> b13 [E_local, 2I], b2 [E_local, H]
         for layer in cfg.moe_layers:                     # small (2I + H per expert): held for every layer
-            b = expert_biases(cfg, ckpt, layer, self.experts, dtype, self.device)
+            b = expert_biases(cfg, ckpt, layer, self.rows[layer], dtype, self.device) if self.rows[layer] else None
             if b is not None:
                 self.biases[layer] = b
         self.in_place_refusal: str | None = "the experts go through an expert cache (--expert-cache-capacity)"
@@ -156,7 +166,8 @@ class ExpertShard:
         self.in_place_refusal = self._refusal(ckpt) if in_place else "not asked for (--experts-in-place off)"
         if self.in_place_refusal is None:
             for layer in cfg.moe_layers:
-                self.w13[layer], self.w2[layer] = self._views(ckpt, layer)
+                if self.held[layer]:
+                    self.w13[layer], self.w2[layer] = self._views(ckpt, layer)
             return
         self._pack_all(progress)
 
@@ -178,7 +189,7 @@ class ExpertShard:
             return f"the native expert FFN computes bf16 or float32 weights, not {self.dtype}"
         want = {torch.bfloat16: "BF16", torch.float32: "F32"}[self.dtype]
         for layer in self.cfg.moe_layers:
-            for e in self.experts:
+            for e in self.held[layer]:
                 layout, t = stored_expert_tensors(self.cfg, layer, e, ckpt)
                 if layout not in ("per_expert", "stacked"):
                     return f"the checkpoint's experts are stored {layout} (gate and up interleaved or transposed)"
@@ -191,7 +202,7 @@ class ExpertShard:
     def _views(self, ckpt: Checkpoint, layer: int) -> tuple[ExpertRows, ExpertRows]:
         """The layer's experts as views over the mapping: gate/up [2I, H] as one or two row blocks, down [H, I]."""
         b13, b2 = [], []
-        for e in self.experts:
+        for e in self.held[layer]:
             layout, t = stored_expert_tensors(self.cfg, layer, e, ckpt)
             if layout == "per_expert":
                 b13.append((ckpt.view(*t["gate"]), ckpt.view(*t["up"])))
@@ -202,15 +213,16 @@ class ExpertShard:
         return ExpertRows(tuple(b13)), ExpertRows(tuple(b2))
 
     def _pack_all(self, progress: bool) -> None:
-        for layer in tqdm(self.cfg.moe_layers, desc=f"experts {self.shard}/{self.num_shards}", unit="layer",
-                          disable=not progress):
-            self.w13[layer], self.w2[layer] = self._pack(self.ckpt, layer)
+        for layer in tqdm(self.cfg.moe_layers, desc=f"experts {self.shard}/{self.num_shards}" if self.num_shards
+                          else "experts", unit="layer", disable=not progress or not self.experts):
+            if self.held[layer]:
+                self.w13[layer], self.w2[layer] = self._pack(self.ckpt, layer)
 
     def _check_tensors(self, ckpt: Checkpoint) -> None:
         """Every expert tensor this shard will read exists with its shape (headers only): a cache packs them
         later, so a bad checkpoint must fail here, at start, not at some call's first miss."""
         for layer in self.cfg.moe_layers:
-            for e in self.experts:
+            for e in self.held[layer]:
                 check_expert(self.cfg, ckpt, layer, e)
 
     def _empty(self, *shape: int) -> Weight | Fp8Weight | Mxfp4Weight:
@@ -228,10 +240,10 @@ class ExpertShard:
 
     def _pack(self, ckpt: Checkpoint, layer: int) -> tuple[Weight, Weight]:
         cfg = self.cfg
-        E, H, I = len(self.experts), cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, I = len(self.held[layer]), cfg.hidden_size, cfg.moe_intermediate_size
         w13 = self._empty(E, 2 * I, H)                                       # [E_local, 2I, H]
         w2 = self._empty(E, H, I)                                            # [E_local, H, I]
-        for j, e in enumerate(self.experts):                                 # one expert at a time: no float
+        for j, e in enumerate(self.held[layer]):                                 # one expert at a time: no float
             pack_expert(cfg, ckpt, layer, e, w13[j], w2[j])                  # copy of the shard when quantising
         return w13, w2
 
@@ -239,9 +251,9 @@ class ExpertShard:
         """One token through the fused-MoE kernels the calls will run (Triton compiles its variants on a GPU), on
         the first expert of the first MoE layer: a device or weight format the kernels cannot run fails here, at
         start, not at the first request. The result is discarded (a cache's slots may hold nothing yet)."""
-        if not self.cfg.moe_layers:
+        layer = next((layer for layer in self.cfg.moe_layers if self.held[layer]), None)
+        if layer is None:                           # nothing held yet (a worker waiting for the router's plan)
             return
-        layer = self.cfg.moe_layers[0]
         held = self.cache.hot if self.cache is not None else None
         w13, w2 = (held.w13, held.w2) if held is not None else (self.w13[layer], self.w2[layer])
         b13, b2 = self.biases.get(layer, (None, None))
@@ -258,7 +270,7 @@ class ExpertShard:
         """Start-up is over (the kernels checked): experts in place stay mapped, unless the native expert FFN was
         found wrong for this shape, and then they are packed; packed experts need the mappings no more."""
         if self.in_place:
-            if not self.cfg.moe_layers or native_serves(len(self.experts), self.cfg.moe_intermediate_size,
+            if not self.experts or native_serves(self.most_per_layer, self.cfg.moe_intermediate_size,
                                                         self.cfg.hidden_size, weight_kind(None, self.dtype)):
                 return
             self.in_place_refusal = "the native expert FFN was found wrong for this shape on this CPU"
@@ -281,8 +293,10 @@ class ExpertShard:
 
     def moe_shape(self) -> MoeShape:
         slots = None if self.cache is None else self.cache.hot.w13.shape[0]
+        # a worker still waiting for the router's plan measures for half the experts (two workers' share)
+        local = self.most_per_layer or max(1, self.cfg.num_experts // 2)
         return expert_moe_shape(self.cfg, self.num_shards, weight_kind(self.quantize, self.dtype),
-                                self.replicas, slots)
+                                self.replicas, slots, local)
 
     @property
     def weight_dtype(self) -> str:
@@ -302,8 +316,12 @@ class ExpertShard:
     @property
     def shard_bytes(self) -> int:
         """Bytes the whole shard takes packed."""
-        return packed_expert_bytes(self.cfg, self.dtype, self.quantize, self.kept) * len(self.experts) * \
-            len(self.cfg.moe_layers)
+        return packed_expert_bytes(self.cfg, self.dtype, self.quantize, self.kept) * sum(map(len, self.held.values()))
+
+    @property
+    def most_per_layer(self) -> int:
+        """The most experts this worker holds in one MoE layer."""
+        return max(map(len, self.held.values()), default=0)
 
     def hint(self, layer: int, experts: list[int]) -> None:
         """The router's prediction of the experts `layer` needs next; packed ahead with a cache."""
@@ -323,8 +341,11 @@ class ExpertShard:
         x = hidden.to(self.device, self.dtype)                                             # [n, H]
         ids, weights = ids.to(self.device), weights.to(self.device)                       # [n, K]
         b13, b2 = self.biases.get(layer, (None, None))
-        if self.cache is not None:
+        if self.cache is not None:             # the cache holds the union: this layer's other experts are not ours
+            ids = torch.where(self.expert_maps[layer][ids.long().clamp(min=0)] >= 0, ids, -1)        # [n, K]
             return self.cache.forward(layer, x, ids, weights, self.act, b13, b2)           # [n, H] float64
         acc = torch.zeros(x.shape, dtype=torch.float64, device=self.device)               # [n, H]
-        return fused_moe(x, self.w13[layer], self.w2[layer], ids, weights, self.expert_map, act=self.act,
+        if not self.held[layer]:                   # none of this layer's experts is here (the router's plan)
+            return acc
+        return fused_moe(x, self.w13[layer], self.w2[layer], ids, weights, self.expert_maps[layer], act=self.act,
                          b13=b13, b2=b2, acc=acc)                                          # [n, H] on device

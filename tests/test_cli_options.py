@@ -45,11 +45,13 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
                       grace_period=3.5, max_prompt_bytes=1000, max_request_bytes=9000, max_stop_token_ids=7,
                       max_stop_strings=5, stream_stall_timeout=4.5, expert_metrics=True, tls_client_auth=True,
                       tls_cert="/c.pem", tls_key="/k.pem", tls_ca="/ca.pem",
-                      quantize_dense=True, cpu_forms="/tmp/forms.json", expert_prefetch=True,
+                      quantize_dense=True, cpu_forms="/tmp/forms.json", expert_prefetch=True, expert_replicas=2,
+                      redundant_experts=3, placement_window=64, rebalance_interval=30.0, worker_load_timeout=60.0,
+                      follow_interval=2.0,
                       sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99,
                                             routing_aware_batching=True, max_passed_over=3))
     gpu = dataclasses.replace(r, device="cuda:1", quantize=None, quantize_dense=False,   # int8 is CPU-only
-                              batch_invariant=False)
+                              batch_invariant=False, workers=(), follow_workers="experts.llm.svc:50061")
     changed = {f.name for o in (r, gpu) for f in dataclasses.fields(o)
                if getattr(o, f.name) != getattr(RouterOptions(), f.name)}
     assert changed == {f.name for f in dataclasses.fields(RouterOptions)}        # the test sets every field

@@ -32,7 +32,7 @@ from tests.test_replicas import port_of, workers_of
 
 METRICS_PORT = free_port()
 MAX_LEN = 96
-EXPERT_METHODS = {"Describe", "Forward", "ForwardStream"}
+EXPERT_METHODS = {"Describe", "Forward", "ForwardStream", "Assign"}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "  Say hi.  "}]
 FLEET_TOKEN = new_token()              # the worker plane's credential, so a test may call a worker itself
 
@@ -391,6 +391,7 @@ def test_reflection_lists_both_services_and_their_methods(serving):
     *_, addr, proc = serving
     workers = [port_of(w) for w in workers_of(proc)]          # ModelInfo names no worker
     for target, service, methods in ((addr, "colibri.v1.Generation", {"Generate", "Abort", "ModelInfo"}),
+                                     (addr, "colibri.v1.Admin", {"ShowWorkers", "SetWorkers", "Rebalance"}),
                                      (workers[0], "colibri.v1.ExpertWorker", EXPERT_METHODS)):
         with grpc.insecure_channel(target) as channel:
             db = ProtoReflectionDescriptorDatabase(with_token(channel, FLEET_TOKEN))

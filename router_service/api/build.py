@@ -78,7 +78,8 @@ def compute_dtype(requested: torch.dtype, device: torch.device | None = None) ->
     return requested
 
 
-def remote_experts(opts: RouterOptions) -> ExpertsFactory:
+def remote_experts(opts: RouterOptions, workers: tuple[str, ...] = ()) -> ExpertsFactory:
+    """The workers' experts client: `workers` (default `opts.workers`) as the first set."""
     wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype)
     tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
 
@@ -89,9 +90,10 @@ def remote_experts(opts: RouterOptions) -> ExpertsFactory:
                               f"{cfg.hidden_size} x 8 bytes, float64) would exceed the {MAX_MESSAGE_BYTES >> 20} MiB "
                               f"message limit between router and workers; lower it to at most "
                               f"{MAX_MESSAGE_BYTES // (cfg.hidden_size * 8)}")
-        return RemoteExperts(cfg, opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
+        return RemoteExperts(cfg, workers or opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
                              expect_quantize=opts.quantize, device=device, track_routing=opts.expert_metrics, tls=tls,
-                             batch_invariant=opts.batch_invariant, token=fleet_token(), step_tokens=rows)
+                             batch_invariant=opts.batch_invariant, token=fleet_token(), step_tokens=rows,
+                             replicas=opts.expert_replicas, window_steps=opts.placement_window)
 
     return connect
 

@@ -13,8 +13,12 @@ TRANSPORTS = ("auto", "stream", "unary")
 @dataclass(frozen=True)
 class RouterOptions(ServiceOptions):
     port: int = option(50051, "port; 0 picks a free one")
-    workers: tuple[str, ...] = option((), "comma-separated expert worker addresses", required=True,
+    workers: tuple[str, ...] = option((), "comma-separated expert worker addresses (or --follow-workers)",
                                       metavar="HOST:PORT[,HOST:PORT...]")
+    follow_workers: str = option("", "the workers are what NAME resolves to, polled every --follow-interval "
+                                     "seconds (a Kubernetes headless Service: `kubectl scale` resizes the expert "
+                                     "fleet); a change re-plans like `colibri workers set`", metavar="NAME:PORT")
+    follow_interval: float = option(5.0, "seconds between two resolutions of --follow-workers")
     kv_cache_mb: int = option(512, "KV cache budget in MiB")
     kv_cache_blocks: int = option(0, "KV cache size in blocks; overrides --kv-cache-mb when > 0")
     block_size: int = option(16, "tokens per KV cache block")
@@ -47,6 +51,16 @@ class RouterOptions(ServiceOptions):
     expert_prefetch: bool = option(False, "predict each next MoE layer's experts (its gate on this layer's "
                                           "hidden states) and send the prediction with this layer's dispatch, so "
                                           "workers with a bounded --expert-cache-capacity pack them ahead")
+    expert_replicas: int = option(1, "in the router's own placement plans (workers started without --shard, and "
+                                     "every resize or rebalance): each expert on this many distinct workers")
+    redundant_experts: int = option(0, "per MoE layer, give this many of the hottest experts (by the measured "
+                                       "load) one more replica each, on the least-loaded workers (EPLB)")
+    placement_window: int = option(256, "steps over which each expert's routed tokens and each worker's pairs "
+                                        "are counted, for placement from load and the balance metric")
+    rebalance_interval: float = option(0.0, "seconds between re-plans from the measured load, switched like a "
+                                            "resize (0 = only when asked: `colibri workers rebalance`)")
+    worker_load_timeout: float = option(600.0, "seconds a worker may take to load the experts a new plan gives "
+                                               "it before the change is rolled back")
     sched: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:
@@ -59,7 +73,18 @@ class RouterOptions(ServiceOptions):
         if self.quantize_dense and self.device != "cpu":
             raise ValueError("--quantize-dense is the CPU path (int8 CPU kernels); on a GPU keep the dense "
                              "layers in the compute dtype")
-        for name in ("worker_timeout", "grace_period", "stream_stall_timeout"):
+        if self.workers and self.follow_workers:
+            raise ValueError("give the expert workers as --workers HOST:PORT[,...] or --follow-workers NAME:PORT, "
+                             "not both")
+        if not self.follow_interval > 0:
+            raise ValueError(f"--follow-interval must be positive, got {self.follow_interval}")
+        if self.expert_replicas < 1 or self.placement_window < 1:
+            raise ValueError(f"--expert-replicas and --placement-window must be positive, got "
+                             f"{self.expert_replicas} and {self.placement_window}")
+        if self.redundant_experts < 0 or self.rebalance_interval < 0:
+            raise ValueError(f"--redundant-experts and --rebalance-interval must be >= 0, got "
+                             f"{self.redundant_experts} and {self.rebalance_interval}")
+        for name in ("worker_timeout", "grace_period", "stream_stall_timeout", "worker_load_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("max_prompt_bytes", "max_request_bytes", "max_stop_token_ids", "max_stop_strings"):

@@ -13,11 +13,14 @@ import grpc
 import torch
 
 from colibri_common.errors import ColibriError
+from colibri_common.fleet_token import fleet_token
 from colibri_common.handlers import add_servicer
+from colibri_common.pb import admin_pb2, generation_pb2_grpc
 from colibri_common.pb import generation_pb2 as pb
-from colibri_common.pb import generation_pb2_grpc
 from colibri_common.serving import Service, setup_logging
 from colibri_common.tls import TlsFiles
+from colibri_common.token_gate import TokenGate
+from router_service.api import admin
 from router_service.api.build import BuiltEngine, build_engine, remote_experts
 from router_service.api.choices import ChoiceFailed, Choices, Piece
 from router_service.api.options import RouterOptions
@@ -25,6 +28,9 @@ from router_service.api.stalls import StallWatch
 from router_service.engine.engine import Draining, DuplicateId
 from router_service.engine.scheduler import QueueFull
 from router_service.engine.sequence import Sampled, Sampling, Sequence
+from router_service.moe.experts import RemoteExperts
+from router_service.moe.follow import wait_for_workers
+from router_service.moe.resize import Placement, PlacementOptions
 
 log = logging.getLogger("colibri.router")
 SERVICE = "colibri.v1.Generation"
@@ -204,24 +210,41 @@ def serve_router(opts: RouterOptions) -> None:
     setup_logging("router", opts.log_level)
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
-    if not opts.workers:
-        raise ColibriError("--workers must list at least one expert worker address HOST:PORT")
+    if not opts.workers and not opts.follow_workers:
+        raise ColibriError("--workers must list at least one expert worker address HOST:PORT (or give "
+                           "--follow-workers NAME:PORT)")
+
     t0 = time.perf_counter()
     sched = opts.sched
     # Generate calls are capped at what the engine can hold (running + waiting, + a few finishing their
     # last sends); the pool has threads to spare beyond that, so health checks, Abort and ModelInfo always
     # answer.
     cap = sched.max_batch_size + sched.max_waiting + 4
-    service = Service(SERVICE, max_workers=cap + 8, max_receive_bytes=opts.max_request_bytes)
+    # the Admin service (workers, placement) takes the fleet token; Generation stays the clients'
+    service = Service(SERVICE, max_workers=cap + 8, max_receive_bytes=opts.max_request_bytes,
+                      interceptors=(TokenGate(fleet_token(), guarded=admin.GUARDED),))
     servicer = GenerationServicer(opts)
     add_servicer(service.server, servicer, pb.DESCRIPTOR.services_by_name["Generation"], {"Generate": cap})
+    admin_servicer = admin.AdminServicer()
+    add_servicer(service.server, admin_servicer, admin_pb2.DESCRIPTOR.services_by_name["Admin"], {"SetWorkers": 1,
+                                                                                            "Rebalance": 1})
     tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
     if opts.tls_client_auth and tls is None:
         raise ColibriError("--tls-client-auth needs --tls-cert, --tls-key and --tls-ca")
-    bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(opts.tls_client_auth))
-    built = build_engine(opts, remote_experts(opts))
+    bound = service.start(opts.host, opts.port, [SERVICE, admin.SERVICE],
+                          None if tls is None else tls.server(opts.tls_client_auth))
+    # the workers the name stands for now (the first pods may be starting)
+    workers = opts.workers or wait_for_workers(opts.follow_workers, 600.0)
+    built = build_engine(opts, remote_experts(opts, workers))
     built.engine.start()
     servicer.ready(built)
+    assert isinstance(built.experts, RemoteExperts)             # remote_experts built them
+    placement = Placement(built.experts, PlacementOptions(
+        opts.expert_replicas, opts.redundant_experts, opts.rebalance_interval, opts.worker_load_timeout,
+        min(opts.worker_timeout, 10.0)))
+    admin_servicer.placement = placement
+    if opts.follow_workers:
+        placement.follow(opts.follow_workers, opts.follow_interval)
     if opts.metrics_port is not None:
         mport = built.engine.metrics.serve(opts.host, opts.metrics_port)
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
@@ -229,7 +252,11 @@ def serve_router(opts: RouterOptions) -> None:
     # readiness follows the workers: NOT_SERVING while an expert has no live worker
     built.experts.watch(lambda ok: service.set_serving(ok and not built.engine.draining))
     service.ready(opts.host, bound)
-    service.run_until_signal(drain=lambda: _drain(built, opts.grace_period), on_stop=built.close)
+    def stop() -> None:
+        placement.close()
+        built.close()
+
+    service.run_until_signal(drain=lambda: _drain(built, opts.grace_period), on_stop=stop)
 
 
 def _drain(built: BuiltEngine, grace: float) -> None:

@@ -215,7 +215,8 @@ class Engine:
                 tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
             inputs.append(StepInputs.build(slices, tokens, self.kv.block_size, self.window))
         t1 = time.perf_counter()
-        logits = self.model.forward(inputs, self.kv, self.experts)           # [B, V]
+        with self.experts.stepping():                                         # placement switches between steps
+            logits = self.model.forward(inputs, self.kv, self.experts)       # [B, V]
         self.phase["prepare"] += t1 - t0
         self.phase["forward"] += time.perf_counter() - t1
         return logits

@@ -29,12 +29,25 @@ class Liveness:
         self.bans = [0] * len(addresses)
         self.readmissions = [0] * len(addresses)
         self._was_live = [True] * len(addresses)
+        self.synced = [True] * len(addresses)         # holds the router's current plan (elastic placement)
         self._lock = threading.Lock()
+
+    def add(self, address: str) -> None:
+        """One more worker (a resize), healthy and synced until found otherwise."""
+        with self._lock:
+            self.addresses = (*self.addresses, address)
+            for name, value in (("healthy", True), ("banned_until", 0.0), ("ban_s", 0.0), ("last_failure", 0.0),
+                                ("bans", 0), ("readmissions", 0), ("_was_live", True), ("synced", True)):
+                getattr(self, name).append(value)
+
+    def set_synced(self, w: int, ok: bool) -> None:
+        with self._lock:
+            self.synced[w] = ok
 
     def live(self) -> list[bool]:
         now = time.monotonic()
         with self._lock:
-            out = [h and now >= b for h, b in zip(self.healthy, self.banned_until, strict=True)]
+            out = [h and now >= b and s for h, b, s in zip(self.healthy, self.banned_until, self.synced, strict=True)]
             for w, (was, is_) in enumerate(zip(self._was_live, out, strict=True)):
                 if is_ and not was:
                     self.readmissions[w] += 1
@@ -56,6 +69,8 @@ class Liveness:
         log.warning("expert worker %s failed (%s): banned for %.1fs, its tokens go to replicas",
                     self.addresses[w], why, self.ban_s[w])
 
-    def set_healthy(self, up: list[bool]) -> None:
+    def set_healthy(self, up: dict[int, bool]) -> None:
+        """Health by worker index (the workers the watch checks; others keep theirs)."""
         with self._lock:
-            self.healthy = list(up)
+            for w, ok in up.items():
+                self.healthy[w] = ok

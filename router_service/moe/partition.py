@@ -53,8 +53,10 @@ class WorkerPairs:
 
 def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
            pairs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each pair's worker: one live holder of its expert, least-loaded first (experts with the most pairs
-    are placed first, each on the live holder with the fewest pairs so far).
+    """Each pair's worker: one live holder of its expert, least-loaded first (experts with one live holder are
+    placed first, then those with the most pairs, each on the live holder with the fewest pairs so far). A hot expert (more pairs than half
+    a worker's fair share) with several live holders has its pairs split over them, filling the least-loaded
+    first (water-filling), so a redundant replica takes load within one step.
 
     holders [E, W] bool, topk_ids [T, K]; `pairs` [T, K] bool limits the pairs placed (default all).
     Returns (worker [T, K] int64, -1 where not placed or no live holder; unplaced [T] bool: rows with a pair
@@ -67,16 +69,52 @@ def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
     alive = holders & torch.tensor(live, dtype=torch.bool)[None, :]            # [E, W]
     load = [0] * W
     choice = [-1] * E
-    for e in sorted((e for e in range(E) if counts[e]), key=lambda e: -counts[e]):
+    hot = max(2, sum(counts) // (2 * max(1, sum(live))))                        # half a worker's fair share
+    splits: list[tuple[int, list[tuple[int, int]]]] = []                       # (expert, [(worker, pairs)])
+    choices = alive.sum(dim=1).tolist()                                        # [E] live holders
+    # experts with one holder first (they have no choice), then the most pairs first
+    for e in sorted((e for e in range(E) if counts[e]), key=lambda e: (choices[e] > 1, -counts[e])):
         options = alive[e].nonzero().flatten().tolist()
-        if options:
+        if len(options) > 1 and counts[e] >= hot:
+            shares = water_fill(counts[e], [load[w] for w in options])
+            splits.append((e, [(w, n) for w, n in zip(options, shares, strict=True) if n]))
+            for w, n in zip(options, shares, strict=True):
+                load[w] += n
+        elif options:
             w = min(options, key=lambda w: (load[w], w))
             choice[e] = w
             load[w] += counts[e]
     chosen = torch.tensor(choice, dtype=torch.long)[ids.clamp(min=0)]          # [T, K]
     worker = torch.where(todo, chosen, torch.full_like(ids, -1))
+    for e, parts in splits:                                                    # consecutive runs of e's pairs
+        at = (todo & (ids == e)).flatten().nonzero().flatten()                 # [counts[e]] in (t, k) order
+        flat = worker.view(-1)
+        start = 0
+        for w, n in parts:
+            flat[at[start:start + n]] = w
+            start += n
     unplaced = (todo & (worker < 0)).any(dim=1)                                # [T]
     return worker, unplaced
+
+
+def water_fill(n: int, loads: list[int]) -> list[int]:
+    """n pairs over holders with these loads, each next pair to the least loaded: the counts each gets."""
+    order = sorted(range(len(loads)), key=lambda i: (loads[i], i))
+    out = [0] * len(loads)
+    level, left = loads[order[0]], n
+    k = 1
+    while left:
+        nxt = loads[order[k]] if k < len(order) else None                      # raise the k lowest to the next
+        room = (nxt - level) * k if nxt is not None else left
+        if room >= left or nxt is None:
+            each, extra = divmod(left, k)
+            for j, i in enumerate(order[:k]):
+                out[i] += level - loads[i] + each + (1 if j < extra else 0)
+            return out
+        left -= room
+        level = nxt
+        k += 1
+    return out
 
 
 def split_pairs(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerPairs]:

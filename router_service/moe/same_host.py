@@ -145,9 +145,24 @@ class Links:
                  ) -> None:
         if transport not in LINKS:
             raise ValueError(f"transport '{transport}' is unknown; use one of {', '.join(LINKS)}")
+        self.transport, self.timeout_s, self.access = transport, timeout_s, access
         self.links = [LINKS[transport](a, timeout_s, access) for a in addresses]
         self._closed = threading.Event()
         threading.Thread(target=self._watchdog, name="moe-watchdog", daemon=True).start()
+
+    def connect(self, address: str) -> WorkerLink:
+        """A link to one more worker (a resize); it takes the next index."""
+        link = LINKS[self.transport](address, self.timeout_s, self.access)
+        self.links = [*self.links, link]
+        return link
+
+    def reconnect(self, index: int) -> WorkerLink:
+        """A fresh link in place of a closed one (a worker added back)."""
+        link = LINKS[self.transport](self.links[index].address, self.timeout_s, self.access)
+        links = list(self.links)
+        links[index] = link
+        self.links = links
+        return link
 
     def _watchdog(self) -> None:
         while not self._closed.wait(1.0):

@@ -127,6 +127,7 @@ class WorkerLink:
             grpc.secure_channel(address, access.credentials, options=options)     # mutual TLS to the worker
         self.channel = with_token(self._raw, access.token)                       # every call carries the token
         self.stub = expert_pb2_grpc.ExpertWorkerStub(self.channel)
+        self.closed = False
 
     def describe(self, deadline: float) -> expert_pb2.DescribeResponse:
         """Ask until it answers (a worker may still be loading) or `deadline` (time.monotonic) passes; the pause
@@ -142,6 +143,14 @@ class WorkerLink:
                 time.sleep(pause)
                 pause = min(0.5, 2 * pause)
 
+    def assign(self, request: expert_pb2.AssignRequest, timeout_s: float) -> expert_pb2.AssignResponse:
+        """The router's plan for this worker (it loads what it lacks before it answers)."""
+        try:
+            return self.stub.Assign(request, timeout=timeout_s, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise WorkerError.from_rpc(f"expert worker {self.address} did not take placement epoch {request.epoch}: "
+                                       f"{_detail(exc)}", exc) from exc
+
     def send(self, request: expert_pb2.ForwardRequest) -> Reply:
         raise NotImplementedError
 
@@ -154,6 +163,7 @@ class WorkerLink:
         """Called about once a second by the watchdog."""
 
     def close(self) -> None:
+        self.closed = True
         self._raw.close()
 
 

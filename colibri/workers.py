@@ -1,0 +1,99 @@
+"""`colibri workers`: the expert workers a router serves with, and their placement (elastic expert parallelism).
+
+    colibri workers --target ROUTER show [--json]      the workers, their state, experts and load
+    colibri workers --target ROUTER set A:P,B:P,...    serve with exactly these workers (a live resize)
+    colibri workers --target ROUTER add A:P            one more worker
+    colibri workers --target ROUTER remove A:P         move a worker's experts away, then release it
+    colibri workers --target ROUTER rebalance          re-plan from the measured load
+
+Calls the router's Admin service with the fleet token ($COLIBRI_FLEET_TOKEN, the one the router was started
+with). A change returns once the router has switched to the new placement (or rolled it back: exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+from colibri_common.options import comma_list, option
+
+ACTIONS = ("show", "set", "add", "remove", "rebalance")
+
+
+@dataclass(frozen=True)
+class WorkersOptions:
+    action: str = option("show", "show | set ADDRS | add ADDR | remove ADDR | rebalance", flag="action",
+                         choices=ACTIONS)
+    addresses: tuple[str, ...] = option((), "HOST:PORT[,HOST:PORT...] for set, add and remove", flag="addresses",
+                                        metavar="ADDRS", type=lambda t: tuple(comma_list(t)))
+    target: str = option("", "the router's address HOST:PORT", required=True)
+    json: bool = option(False, "show: one JSON document instead of a table")
+    timeout: float = option(900.0, "seconds to wait for a change (loading the new experts included)")
+    tls_ca: str | None = option(None, "PEM CA of a TLS router (TLS when given)", metavar="PATH")
+    tls_cert: str | None = option(None, "PEM client certificate, for a router that requires one", metavar="PATH")
+    tls_key: str | None = option(None, "PEM key of --tls-cert", metavar="PATH")
+    tls_server_name: str | None = option(None, "the name the router's certificate carries, when it differs from "
+                                               "the target's host")
+
+    def __post_init__(self) -> None:
+        if self.action in ("set", "add", "remove") and not self.addresses:
+            raise ValueError(f"`colibri workers {self.action}` needs worker addresses: HOST:PORT[,HOST:PORT...]")
+        if self.action in ("show", "rebalance") and self.addresses:
+            raise ValueError(f"`colibri workers {self.action}` takes no addresses")
+        if any(":" not in a for a in self.addresses):
+            raise ValueError(f"worker addresses are HOST:PORT, got {','.join(self.addresses)}")
+        if not self.timeout > 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout}")
+
+
+def _table(resp) -> str:
+    rows = [("WORKER", "STATE", "EXPERTS", "TOKENS", "PAIRS (WINDOW)", "LOAD")]
+    for w in resp.workers:
+        rows.append((w.address, w.state, str(w.experts), str(w.token_rows), str(w.pairs_window),
+                     f"{100 * w.load_share:.1f}%"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(n) for c, n in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.append(f"placement epoch {resp.epoch}; balance {resp.balance:.3f} (mean/max pairs over the last "
+                 f"{resp.placement_window} steps); {resp.replicas} replica(s), {resp.redundant_experts} redundant "
+                 f"expert(s) a layer; {resp.rebalances} change(s) since start")
+    if resp.last_change:
+        lines.append(f"last change: {resp.last_change}")
+    return "\n".join(lines)
+
+
+def run_workers(opts: WorkersOptions) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from colibri_common.fleet_token import fleet_token
+    from colibri_common.pb import admin_pb2, admin_pb2_grpc
+    from colibri_common.tls import client_channel
+    from colibri_common.token_gate import with_token
+
+    options = [("grpc.ssl_target_name_override", opts.tls_server_name)] if opts.tls_server_name else []
+    with client_channel(opts.target, options, opts.tls_ca, opts.tls_cert, opts.tls_key) as raw:
+        stub = admin_pb2_grpc.AdminStub(with_token(raw, fleet_token()))
+        try:
+            if opts.action == "show":
+                resp = stub.ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=30)
+                print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True), indent=2) if opts.json
+                      else _table(resp))
+                return 0
+            if opts.action == "rebalance":
+                change = stub.Rebalance(admin_pb2.RebalanceRequest(), timeout=opts.timeout)
+            else:
+                now = [w.address for w in stub.ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=30).workers]
+                want = list(opts.addresses) if opts.action == "set" else \
+                    now + [a for a in opts.addresses if a not in now] if opts.action == "add" else \
+                    [a for a in now if a not in opts.addresses]
+                if opts.action == "remove" and len(want) == len(now):
+                    print(f"{', '.join(opts.addresses)}: not among the router's workers ({', '.join(now)})",
+                          file=sys.stderr)
+                    return 1
+                change = stub.SetWorkers(admin_pb2.SetWorkersRequest(workers=want), timeout=opts.timeout)
+        except grpc.RpcError as exc:
+            print(f"{opts.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(change.message if change.changed else f"no change: {change.message}")
+    return 0

@@ -1,0 +1,102 @@
+"""The experts a worker serves now, and the placement epochs they answer for: swapped whole when the router
+assigns a new plan (`Assign`).
+
+A call takes the shard it starts with (`use`) and keeps it to its end, so a swap never changes the experts
+under a running call; a replaced shard is closed (its packed memory freed, its mappings unmapped) when its
+last call ends. A call planned under an epoch the worker does not serve is refused: the router's pairs were
+placed for a different set of experts, and computing them here would change the sum.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from colibri_common.heap import return_free_heap
+from expert_service.build import BuiltShard
+from expert_service.shard import ExpertShard
+
+log = logging.getLogger("colibri.expert")
+
+
+class WrongEpoch(Exception):
+    """A Forward planned under a placement epoch this worker does not serve (UNAVAILABLE: the router re-plans)."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """One shard and the epochs its experts answer for."""
+
+    built: BuiltShard
+    epoch: int                     # 0 = the worker's own static plan (--shard), before any Assign
+    also: frozenset[int]           # earlier epochs the set still covers (the union during a switch)
+
+    def serves(self, epoch: int) -> bool:
+        return epoch == self.epoch or epoch in self.also
+
+
+class Holding:
+    def __init__(self) -> None:
+        self.now: Served | None = None
+        self._users: dict[int, int] = {}          # id(BuiltShard) -> calls using it
+        self._retired: dict[int, BuiltShard] = {}  # replaced, closed when their last call ends
+        self._lock = threading.Lock()
+
+    @property
+    def shard(self) -> ExpertShard | None:
+        now = self.now
+        return None if now is None else now.built.experts
+
+    def install(self, built: BuiltShard, epoch: int, also: frozenset[int] = frozenset()) -> BuiltShard | None:
+        """Serve `built` from now on for `epoch` (and `also`); the shard it replaces is returned (closed here
+        once no call uses it)."""
+        close_now = False
+        with self._lock:
+            old = self.now
+            self.now = Served(built, epoch, also)
+            if old is None or old.built is built:
+                return None
+            if self._users.get(id(old.built), 0):
+                self._retired[id(old.built)] = old.built
+            else:
+                close_now = True
+        if close_now:
+            self._close(old.built)
+        return old.built
+
+    def set_epochs(self, epoch: int, also: frozenset[int]) -> None:
+        """The same experts answer for other epochs (a plan that changes nothing here)."""
+        with self._lock:
+            if self.now is not None:
+                self.now = Served(self.now.built, epoch, also)
+
+    @contextmanager
+    def use(self, epoch: int) -> Iterator[ExpertShard]:
+        with self._lock:
+            now = self.now
+            if now is None:
+                raise LookupError("expert worker is still loading its weights; retry")
+            if not now.serves(epoch):
+                raise WrongEpoch(f"this call was planned under placement epoch {epoch}, but this worker holds the "
+                                 f"experts of epoch {now.epoch}; the router re-plans")
+            key = id(now.built)
+            self._users[key] = self._users.get(key, 0) + 1
+        try:
+            yield now.built.experts
+        finally:
+            with self._lock:
+                self._users[key] -= 1
+                done = self._retired.pop(key, None) if not self._users[key] else None
+                if not self._users[key]:
+                    del self._users[key]
+            if done is not None:
+                self._close(done)
+
+    @staticmethod
+    def _close(built: BuiltShard) -> None:
+        built.close()
+        return_free_heap()                  # the dropped experts' packed memory back to the OS
+        log.info("released the experts of the previous plan")

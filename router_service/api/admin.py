@@ -1,0 +1,88 @@
+"""The router's Admin service (protos/admin.proto): show the expert workers and their placement, change the set
+(resize), re-balance from load. Behind the fleet token (colibri_common/token_gate.py); a router whose experts
+are in-process has no workers to show and refuses with FAILED_PRECONDITION."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from colibri_common.pb import admin_pb2, admin_pb2_grpc
+from router_service.moe.experts import RemoteExperts
+from router_service.moe.resize import Outcome, Placement, ResizeFailed
+
+log = logging.getLogger("colibri.router")
+SERVICE = "colibri.v1.Admin"
+GUARDED = (f"/{SERVICE}/",)
+
+
+def worker_states(remote: RemoteExperts) -> list[admin_pb2.WorkerState]:
+    """Every worker of the current plan: its state, experts and load."""
+    table = remote.table
+    plan = table.plan
+    pairs = remote.window.worker_pairs(plan.workers)
+    total = sum(pairs.values())
+    live = remote.liveness.live()
+    out = []
+    for address in plan.workers:
+        w = remote.index[address]
+        lv = remote.liveness
+        state = ("serving" if live[w] else "syncing" if not lv.synced[w] else "down" if not lv.healthy[w]
+                 else "banned")
+        held = plan.of(address)
+        out.append(admin_pb2.WorkerState(
+            address=address, state=state, experts=sum(map(len, held.values())),
+            layers=[admin_pb2.HeldExperts(layer=layer, experts=es) for layer, es in sorted(held.items())],
+            token_rows=remote.worker_rows[w], pairs_window=pairs[address],
+            load_share=pairs[address] / total if total else 0.0))
+    return out
+
+
+def _change(out: Outcome) -> admin_pb2.ChangeResponse:
+    return admin_pb2.ChangeResponse(changed=out.changed, epoch=out.epoch, seconds=out.seconds,
+                                    balance_before=out.balance_before, balance_after=out.balance_after,
+                                    message=out.message)
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self) -> None:
+        self.placement: Placement | None = None          # set once the router is loaded
+
+    def _placement(self, context) -> Placement:
+        if self.placement is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the router is still loading; retry")
+        return self.placement
+
+    def ShowWorkers(self, request, context):
+        p = self._placement(context)
+        remote = p.remote
+        return admin_pb2.ShowWorkersResponse(
+            epoch=remote.table.epoch, workers=worker_states(remote),
+            balance=remote.window.balance(remote.table.plan.workers), placement_window=remote.window.steps,
+            replicas=p.opts.replicas, redundant_experts=p.opts.redundant_experts, rebalances=remote.rebalances,
+            last_change="" if p.last is None else p.last.message)
+
+    def SetWorkers(self, request, context):
+        p = self._placement(context)
+        addresses = tuple(a.strip() for a in request.workers)
+        if not addresses:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a router serves with at least one worker: give "
+                          "HOST:PORT addresses")
+        bad = [a for a in addresses if not a or ":" not in a]
+        if bad:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"workers must be HOST:PORT addresses, got "
+                          f"{list(request.workers)}")
+        log.info("admin: set workers to %s", ", ".join(addresses))
+        try:
+            return _change(p.set_workers(addresses))
+        except ResizeFailed as exc:
+            log.warning("admin: %s", exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    def Rebalance(self, request, context):
+        p = self._placement(context)
+        try:
+            return _change(p.rebalance())
+        except ResizeFailed as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

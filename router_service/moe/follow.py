@@ -1,0 +1,98 @@
+"""`--follow-workers NAME:PORT`: the workers are whatever NAME resolves to (a Kubernetes headless Service: one
+address per expert pod), polled every few seconds; a change of the set re-plans through the same switch as
+`colibri workers set`, so `kubectl scale` or an HPA resizes the expert fleet.
+
+An address is named by its reverse (PTR) record where that is a name under NAME's own domain (a StatefulSet
+pod's stable `<pod>.<service>.<ns>.svc...`, which its TLS certificate carries), else by its IP. An address an
+operator removed (`colibri workers remove`, a pod's preStop hook) is left out until it leaves the Service, so
+a draining pod is not taken back while it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from colibri_common.errors import ConfigError
+
+log = logging.getLogger("colibri.router")
+
+
+def split_target(target: str) -> tuple[str, int]:
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--follow-workers must be NAME:PORT (a headless Service and the workers' port), got "
+                          f"'{target}'")
+    return host, int(port)
+
+
+def resolve(target: str) -> tuple[str, ...]:
+    """The workers NAME:PORT stands for now, sorted; () when it does not resolve (no pod yet)."""
+    host, port = split_target(target)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return ()
+    domain = host.partition(".")[0]
+    out = set()
+    for *_, addr in infos:
+        ip = addr[0]
+        name = ip if ":" not in ip else f"[{ip}]"
+        try:
+            ptr = socket.gethostbyaddr(ip)[0]
+            if f".{domain}." in f".{ptr}.":                  # <pod>.<service>.<ns>.svc...: the stable name
+                name = ptr
+        except OSError:
+            pass
+        out.add(f"{name}:{port}")
+    return tuple(sorted(out))
+
+
+def wait_for_workers(target: str, timeout_s: float) -> tuple[str, ...]:
+    """The workers `target` resolves to once it resolves to any (a fleet's first pods may still be starting)."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := resolve(target)):
+        if time.monotonic() > deadline:
+            raise ConfigError(f"--follow-workers {target} resolved to no address within {timeout_s:.0f}s")
+        time.sleep(1.0)
+    log.info("%s resolves to %s", target, ", ".join(found))
+    return found
+
+
+class Follower:
+    """Polls `target` every `interval_s`; calls `change(workers)` when the set (less `cordoned()`) differs from
+    `current()`."""
+
+    def __init__(self, target: str, current: Callable[[], tuple[str, ...]], change: Callable[[tuple[str, ...]], None],
+                 cordoned: Callable[[], set[str]], uncordon: Callable[[set[str]], None], interval_s: float = 5.0
+                 ) -> None:
+        split_target(target)
+        self.target, self.current, self.change = target, current, change
+        self.cordoned, self.uncordon, self.interval_s = cordoned, uncordon, interval_s
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="follow-workers", daemon=True).start()
+
+    def poll(self) -> None:
+        seen = resolve(self.target)
+        if not seen:
+            return                                           # a DNS hiccup or every pod gone: keep what serves
+        gone = self.cordoned() - set(seen)
+        if gone:
+            self.uncordon(gone)                              # it left the Service: it may come back later
+        want = tuple(a for a in seen if a not in self.cordoned())
+        if want and set(want) != set(self.current()):
+            log.info("%s now resolves to %s: re-planning", self.target, ", ".join(want))
+            self.change(want)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 (logged; the next poll tries again)
+                log.exception("following %s failed", self.target)
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,293 @@
+"""The router's placement owner: resize the worker set and re-balance experts while serving.
+
+A change (`set_workers`, `rebalance`) runs on the caller's thread, one at a time:
+
+1. **plan**: the new workers are connected and described; the experts are placed evenly, or by measured
+   load with redundant replicas of the hottest (`plan.py`), under a new epoch;
+2. **load**: every worker of the new plan is assigned its old experts *and* its new ones (so it answers both
+   epochs) and maps or packs what it lacks, while the old plan keeps serving;
+3. **switch**: between two steps (`RemoteExperts.switch`), the dispatch moves to the new plan;
+4. **release**: every worker is assigned exactly its new experts; removed ones are assigned none (their
+   memory is returned) and their connections closed. The step in flight at the switch ended before it, so a
+   removed worker is drained when it is released.
+
+A worker that cannot load (unreachable, killed, out of memory, a refusal) rolls the change back: the workers
+that loaded go back to their old experts, the old plan never stopped serving, and the caller gets the
+reason. No request fails and no token changes: the sum is the same whatever worker computes a pair.
+
+A worker that failed a call (restarted, or serving another epoch) is re-synced on a thread of its own: it is
+described until it answers and assigned its experts again before it is sent tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from colibri_common.errors import ConfigError
+from router_service.moe.experts import RemoteExperts, WorkerInfo
+from router_service.moe.follow import Follower
+from router_service.moe.plan import Held, Plan, balance, even_plan, load_plan, union
+from router_service.moe.table import Table
+from router_service.moe.transport import WorkerError
+
+log = logging.getLogger("colibri.router")
+
+
+class ResizeFailed(Exception):
+    """A placement change did not happen (rolled back, or refused); the message says why and what to fix."""
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    replicas: int = 1                 # each expert on this many workers (a plan of the router's)
+    redundant_experts: int = 0        # per layer, this many hottest experts get one more replica
+    rebalance_interval: float = 0.0   # seconds between re-plans from load; 0 = only when asked
+    load_timeout: float = 600.0       # seconds a worker may take to load its new experts
+    connect_timeout: float = 10.0     # seconds a new worker may take to answer Describe
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
+        if self.redundant_experts < 0:
+            raise ValueError(f"--redundant-experts must be >= 0, got {self.redundant_experts}")
+        if self.rebalance_interval < 0:
+            raise ValueError(f"--rebalance-interval must be >= 0 (0 = off), got {self.rebalance_interval}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a change did."""
+
+    changed: bool
+    epoch: int
+    seconds: float                    # from the start to the switch
+    balance_before: float             # expected balance (mean ÷ max load) of the old and new plan, by the window
+    balance_after: float
+    message: str
+
+
+class Placement:
+    def __init__(self, remote: RemoteExperts, opts: PlacementOptions | None = None) -> None:
+        self.remote, self.opts = remote, opts or PlacementOptions()
+        self.cfg = remote.cfg
+        self.next_epoch = remote.table.epoch + 1
+        self._change = threading.Lock()                 # one change at a time
+        self._resyncing: set[int] = set()
+        self._resync_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.last: Outcome | None = None
+        self.cordoned: set[str] = set()                 # removed by an operator: --follow-workers leaves them out
+        self.follower: Follower | None = None
+        remote.on_failure = self.resync
+        if self.opts.rebalance_interval > 0:
+            threading.Thread(target=self._rebalancing, name="rebalance", daemon=True).start()
+
+    # -- plans -------------------------------------------------------------------------------------
+    def _load(self) -> dict[int, list[float]]:
+        totals = self.remote.window.totals()                                   # [L, E]
+        return {layer: [float(c) for c in totals[layer].tolist()] for layer in self.cfg.moe_layers}
+
+    def _measured(self) -> bool:
+        return bool(self.remote.window.totals().sum() > 0)
+
+    def _held(self, workers: tuple[str, ...], budgets: dict[str, int]) -> Held:
+        E, layers, r = self.cfg.num_experts, self.cfg.moe_layers, self.opts.replicas
+        if len(workers) > E:
+            raise ResizeFailed(f"{len(workers)} workers for {E} experts a layer: every worker needs at least one; "
+                               f"list at most {E}")
+        if self._measured() or any(budgets.values()):
+            try:
+                return load_plan(self._load(), workers, r, self.opts.redundant_experts, budgets)
+            except ValueError as exc:
+                raise ResizeFailed(str(exc)) from exc
+        return even_plan(E, layers, workers, r)
+
+    # -- changes -----------------------------------------------------------------------------------
+    def set_workers(self, addresses: tuple[str, ...], by_operator: bool = True) -> Outcome:
+        """Serve with exactly these workers from a switch between two steps on; raises ResizeFailed (nothing
+        changed) with the reason. Workers an operator removes are not taken back by `--follow-workers` while
+        they are still listed there (draining)."""
+        if not addresses:
+            raise ResizeFailed("give at least one worker address (HOST:PORT)")
+        if len(set(addresses)) != len(addresses):
+            raise ResizeFailed(f"a worker is listed twice: {', '.join(addresses)}")
+        with self._change:
+            old = self.remote.table.plan.workers
+            out = self._change_to(tuple(addresses), "resize")
+            if by_operator:
+                self.cordoned = (self.cordoned | {a for a in old if a not in addresses}) - set(addresses)
+            return out
+
+    def follow(self, target: str, interval_s: float = 5.0) -> None:
+        """Serve with the workers `target` (NAME:PORT) resolves to, re-planning when they change."""
+        def change(workers: tuple[str, ...]) -> None:
+            try:
+                self.set_workers(workers, by_operator=False)
+            except ResizeFailed as exc:
+                log.warning("following %s: %s", target, exc)
+
+        def uncordon(gone: set[str]) -> None:
+            self.cordoned = self.cordoned - gone
+
+        self.follower = Follower(target, lambda: self.remote.table.plan.workers, change, lambda: set(self.cordoned),
+                                 uncordon, interval_s)
+
+    def rebalance(self) -> Outcome:
+        """Re-plan the same workers from the measured load (EPLB); no change when it would not help."""
+        with self._change:
+            return self._change_to(self.remote.table.plan.workers, "rebalance")
+
+    def _connect(self, addresses: tuple[str, ...]) -> dict[str, WorkerInfo]:
+        remote, old = self.remote, self.remote.table.plan
+        infos: dict[str, WorkerInfo] = {}
+        deadline = time.monotonic() + self.opts.connect_timeout
+
+        def one(a: str) -> WorkerInfo:
+            remote.add_worker(a)
+            return remote.describe(a, deadline)
+
+        fresh = [a for a in addresses if a not in old.workers]
+        with ThreadPoolExecutor(max(1, len(fresh))) as pool:
+            futures = {a: pool.submit(one, a) for a in fresh}
+        for a, f in futures.items():
+            try:
+                infos[a] = f.result()
+            except (WorkerError, ConfigError, ValueError) as exc:
+                for b in fresh:
+                    self._drop_link(b)
+                raise ResizeFailed(f"worker {a} cannot join: {exc}") from exc
+        for a in addresses:
+            if a not in infos:
+                infos[a] = WorkerInfo(a, old.epoch, old.of(a), 0, False, "")
+        return infos
+
+    def _drop_link(self, address: str) -> None:
+        w = self.remote.index.get(address)
+        if w is not None and not self.remote.table.in_plan(w):
+            self.remote.links.links[w].close()
+
+    def _change_to(self, addresses: tuple[str, ...], what: str) -> Outcome:
+        t0 = time.perf_counter()
+        remote = self.remote
+        old = remote.table.plan
+        infos = self._connect(addresses)
+        budgets = {a: i.max_experts for a, i in infos.items()}
+        held = self._held(addresses, budgets)
+        load = self._load()
+        before, after = balance(old.held, load), balance(held, load)
+        if addresses == old.workers and held == old.held:
+            return Outcome(False, old.epoch, 0.0, before, after, f"the {what} changes nothing: the plan is the same")
+        if what == "rebalance" and after < before + 0.02:
+            return Outcome(False, old.epoch, 0.0, before, after, f"no rebalance: the expected balance would go from "
+                           f"{before:.3f} to {after:.3f}")
+        epoch = max(self.next_epoch, old.epoch + 1, *(i.epoch + 1 for i in infos.values()))
+        self.next_epoch = epoch + 1
+        plan = Plan(epoch, addresses, held)
+        log.info("%s to placement epoch %d: workers %s (expected balance %.3f -> %.3f)", what, epoch,
+                 ", ".join(addresses), before, after)
+        # 2. load: every new owner holds old ∪ new and answers both epochs
+        loaded: list[str] = []
+        errors: list[str] = []
+        with ThreadPoolExecutor(len(addresses)) as pool:
+            futures = {a: pool.submit(remote.assign, a, union(old.of(a), plan.of(a)), epoch, self.opts.load_timeout,
+                                      (old.epoch,)) for a in addresses}
+            for a, f in futures.items():
+                try:
+                    f.result()
+                    loaded.append(a)
+                except WorkerError as exc:
+                    errors.append(str(exc))
+        if errors:
+            self._roll_back(old, loaded, epoch)
+            raise ResizeFailed(f"{what} rolled back, the old placement (epoch {old.epoch}) serves on: "
+                               + "; ".join(errors))
+        # 3. switch between two steps
+        remote.switch(Table.of(plan, remote.index, self.cfg.num_layers, self.cfg.num_experts))
+        seconds = time.perf_counter() - t0
+        remote.rebalances += 1
+        remote.rebalance_seconds += seconds
+        # 4. release: exactly the new experts; removed workers none
+        for a in (*addresses, *(a for a in old.workers if a not in addresses)):
+            try:
+                remote.assign(a, plan.of(a), epoch, self.opts.load_timeout)
+            except WorkerError as exc:     # it holds more than it needs (harmless) or it is gone
+                log.warning("placement epoch %d: %s kept its previous experts: %s", epoch, a, exc)
+        for a in old.workers:
+            if a not in addresses:
+                self._drop_link(a)
+                log.info("worker %s released (drained, no experts held)", a)
+        message = (f"placement epoch {epoch}: {len(addresses)} workers, switched {seconds:.2f}s after the {what} "
+                   f"began; expected balance {before:.3f} -> {after:.3f}")
+        log.info(message)
+        self.last = Outcome(True, epoch, seconds, before, after, message)
+        return self.last
+
+    def _roll_back(self, old: Plan, loaded: list[str], epoch: int) -> None:
+        for a in loaded:
+            try:
+                if a in old.workers:
+                    self.remote.assign(a, old.of(a), epoch, self.opts.load_timeout, (old.epoch,))
+                else:
+                    self.remote.assign(a, {}, epoch, self.opts.load_timeout)
+            except WorkerError as exc:
+                log.warning("rolling back placement epoch %d: %s: %s", epoch, a, exc)
+        for a in loaded:
+            if a not in old.workers:
+                self._drop_link(a)
+        log.warning("placement epoch %d rolled back; epoch %d serves on", epoch, old.epoch)
+
+    # -- a worker that failed a call ------------------------------------------------------------------
+    def resync(self, w: int) -> None:
+        """Worker w failed a call: before it is sent tokens again it must hold the current plan's experts."""
+        with self._resync_lock:                # never the change lock: this runs on the engine's thread
+            if w in self._resyncing or not self.remote.table.in_plan(w):
+                return
+            self._resyncing.add(w)
+        self.remote.liveness.set_synced(w, False)
+        threading.Thread(target=self._resync, args=(w,), name="resync", daemon=True).start()
+
+    def _resync(self, w: int) -> None:
+        remote, address = self.remote, self.remote.addresses[w]
+        pause = 0.1
+        try:
+            while not self._stop.is_set():
+                with self._change:
+                    table = remote.table
+                    if not table.in_plan(w):
+                        return
+                    want = table.plan.of(address)
+                    try:
+                        info = remote.describe(address, time.monotonic() + 2.0)
+                        if info.epoch != table.epoch or info.held != want:
+                            remote.assign(address, want, table.epoch, self.opts.load_timeout)
+                            log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address,
+                                     table.epoch, info.epoch)
+                        remote.liveness.set_synced(w, True)
+                        return
+                    except WorkerError as exc:
+                        log.debug("re-sync of %s: %s", address, exc)
+                time.sleep(pause)
+                pause = min(2.0, pause * 2)
+        finally:
+            with self._resync_lock:
+                self._resyncing.discard(w)
+
+    def _rebalancing(self) -> None:
+        while not self._stop.wait(self.opts.rebalance_interval):
+            try:
+                out = self.rebalance()
+                if not out.changed:
+                    log.debug(out.message)
+            except ResizeFailed as exc:
+                log.warning("periodic rebalance: %s", exc)
+            except Exception:  # noqa: BLE001 (the thread goes on; the next interval tries again)
+                log.exception("periodic rebalance failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.follower is not None:
+            self.follower.close()

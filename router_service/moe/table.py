@@ -1,0 +1,46 @@
+"""A placement plan as the dispatch reads it: for each layer, which worker (by index) holds each expert.
+
+The router indexes workers in the order it first met them; a removed worker keeps its index and holds nothing,
+so tensors and metrics indexed by worker never shift under a step in flight.
+
+Shapes: L layers of the model (only MoE ones hold experts), E experts per layer, W workers ever known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from router_service.moe.plan import Plan
+
+
+@dataclass(frozen=True)
+class Table:
+    plan: Plan
+    holders: torch.Tensor              # [L, E, W] bool: expert e of layer l is on worker w
+    owner: torch.Tensor                # [L, E] one holder of each expert (-1: none), for the single-holder path
+    explicit: bool                     # send each worker its pairs (-1 for others'): replicas, or a router's plan
+                                       # (a worker may hold more than the plan while a switch is under way)
+
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch
+
+    @staticmethod
+    def of(plan: Plan, index: dict[str, int], num_layers: int, num_experts: int) -> Table:
+        """The table of `plan` for workers numbered by `index` (address -> worker index)."""
+        W = max(index.values(), default=-1) + 1
+        holders = torch.zeros(num_layers, num_experts, W, dtype=torch.bool)      # [L, E, W]
+        for layer, per in plan.held.items():
+            for address, experts in per.items():
+                if experts:
+                    holders[layer, experts, index[address]] = True
+        counts = holders.sum(dim=2)                                               # [L, E]
+        owner = torch.where(counts > 0, holders.to(torch.int8).argmax(dim=2), -1)  # [L, E]
+        replicated = bool((counts > 1).any())
+        return Table(plan, holders, owner, explicit=replicated or plan.epoch > 0)
+
+    def in_plan(self, w: int) -> bool:
+        """Whether worker w holds anything in this plan."""
+        return w < self.holders.shape[2] and bool(self.holders[:, :, w].any())

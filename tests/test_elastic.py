@@ -1,0 +1,314 @@
+"""Elastic expert parallelism with real processes: workers started without --shard get their experts from the
+router; `colibri workers set` resizes the fleet while 8 greedy streams run, and every stream still gets
+transformers' tokens; a resize whose new worker cannot load rolls back; the Admin service takes only the fleet
+token."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from colibri.client import Client
+from colibri_common.pb import admin_pb2, admin_pb2_grpc, expert_pb2, expert_pb2_grpc
+from colibri_common.token_gate import with_token
+from tests.conftest import colibri_popen, colibri_run, free_port
+
+TOKEN = "elastic-test-token"
+ENV = dict(os.environ, COLIBRI_FLEET_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
+PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(4 + i % 3)] for i in range(8)]
+
+
+def serving(address: str, service: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                        timeout=1).status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def wait_serving(address: str, service: str, proc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not serving(address, service):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{address} exited {proc.returncode} before it served")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{address} did not serve {service} within {timeout}s")
+        time.sleep(0.1)
+
+
+def stop(proc) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def worker(model, *extra: str, port: int = 0):
+    """`colibri expert` without --shard (it holds nothing until a router assigns its experts); yields its address
+    and process."""
+    port = port or free_port()
+    p = colibri_popen(["expert", "--model", str(model), "--port", str(port), "--threads", "1", "--log-level",
+                       "WARNING", *extra], env=ENV)
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_serving(address, "colibri.v1.ExpertWorker", p)
+        yield address, p
+    finally:
+        stop(p)
+
+
+@contextmanager
+def router(model, workers: list[str], *extra: str):
+    port = free_port()
+    p = colibri_popen(["router", "--model", str(model), "--workers", ",".join(workers), "--port", str(port),
+                       "--threads", "1", "--log-level", "WARNING", "--max-model-len", "400", *extra], env=ENV)
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_serving(address, "colibri.v1.Generation", p)
+        yield address, p
+    finally:
+        stop(p)
+
+
+def admin(address: str, token: str | None = TOKEN) -> admin_pb2_grpc.AdminStub:
+    return admin_pb2_grpc.AdminStub(with_token(grpc.insecure_channel(address), token))
+
+
+def held(address: str) -> int:
+    """(layer, expert) pairs a worker holds, from its own Describe."""
+    with grpc.insecure_channel(address) as ch:
+        d = expert_pb2_grpc.ExpertWorkerStub(with_token(ch, TOKEN)).Describe(expert_pb2.DescribeRequest(), timeout=10)
+    return sum(len(le.experts) for le in d.layers)
+
+
+def workers_cli(router_address: str, *args: str) -> subprocess.CompletedProcess:
+    return colibri_run(["workers", "--target", router_address, *args], env=ENV, timeout=300)
+
+
+def streams(address: str, n: int, during, mid: bool = True) -> tuple[list, object]:
+    """8 greedy streams of n tokens; `during()` runs once they are all under way (`mid`: and ends before them)."""
+    client = Client(address)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futs = [pool.submit(client.generate, p, n, ignore_eos=True, timeout=600) for p in PROMPTS]
+        time.sleep(1.5)
+        assert not any(f.done() for f in futs), "the streams ended before the change began"
+        result = during()
+        assert not mid or not all(f.done() for f in futs), "the streams ended before the change: not mid-stream"
+        return [f.result() for f in futs], result
+
+
+@pytest.fixture(scope="module")
+def model(oracles):
+    return oracles["qwen3_moe"]          # 60 experts, top-4: the most to move
+
+
+def test_resize_mid_stream_3_to_4_to_2_changes_no_token(model):
+    want = model.greedy_many(PROMPTS, 300)
+    with ExitStack() as stack:
+        ws = [stack.enter_context(worker(model.path)) for _ in range(4)]
+        addrs = [a for a, _ in ws]
+        assert all(held(a) == 0 for a in addrs)               # nothing until a router assigns it
+        r, _ = stack.enter_context(router(model.path, addrs[:3]))
+        assert [held(a) for a in addrs] == [2 * 20] * 3 + [0]  # the router's even plan: 60 / 3 per layer, 2 layers
+
+        def resize():
+            out = [workers_cli(r, "set", ",".join(addrs))]    # 3 -> 4
+            out.append(workers_cli(r, "set", ",".join(addrs[1:3])))   # 4 -> 2
+            return out
+
+        got, (grow, shrink) = streams(r, 300, resize)
+        assert grow.returncode == 0, grow.stderr
+        assert shrink.returncode == 0, shrink.stderr
+        assert "placement epoch" in grow.stdout and "switched" in grow.stdout
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w
+        shown = json.loads(workers_cli(r, "show", "--json").stdout)
+        assert [w["address"] for w in shown["workers"]] == addrs[1:3]
+        assert all(w["state"] == "serving" and w["experts"] == 2 * 30 for w in shown["workers"])
+        assert int(shown["epoch"]) == 3 and int(shown["rebalances"]) == 2
+        assert held(addrs[0]) == 0 and held(addrs[3]) == 0   # the removed workers hold no experts
+        table = workers_cli(r, "show").stdout
+        assert addrs[1] in table and addrs[0] not in table and "balance" in table
+
+
+def test_a_resize_whose_worker_cannot_load_rolls_back_and_streams_go_on(model):
+    want = model.greedy_many(PROMPTS, 300)
+    with ExitStack() as stack:
+        ws = [stack.enter_context(worker(model.path)) for _ in range(3)]
+        addrs = [a for a, _ in ws]
+        r, _ = stack.enter_context(router(model.path, addrs[:2], "--worker-timeout", "3"))
+        dead = f"127.0.0.1:{free_port()}"                   # nobody listens there
+
+        def bad_resizes():
+            out = [workers_cli(r, "set", ",".join([*addrs[:2], dead]))]
+            victim = ws[2][1]
+
+            def kill_soon():
+                time.sleep(0.05)
+                victim.send_signal(signal.SIGKILL)           # the new worker dies while it joins or loads
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(kill_soon)
+                out.append(workers_cli(r, "set", ",".join(addrs)))
+            return out
+
+        got, (unreachable, killed) = streams(r, 300, bad_resizes, mid=False)
+        for res in (unreachable, killed):
+            assert res.returncode == 1
+            assert "FAILED_PRECONDITION" in res.stderr
+        assert dead in unreachable.stderr
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w
+        shown = admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10)
+        assert [w.address for w in shown.workers] == addrs[:2] and shown.epoch == 1
+        assert [held(a) for a in addrs[:2]] == [2 * 30, 2 * 30]
+
+
+def test_admin_takes_only_the_fleet_token_and_checks_addresses(model):
+    with worker(model.path) as (a, _), router(model.path, [a]) as (r, _):
+        with pytest.raises(grpc.RpcError) as err:
+            admin(r, None).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            admin(r, "wrong").SetWorkers(admin_pb2.SetWorkersRequest(workers=[a]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            admin(r).SetWorkers(admin_pb2.SetWorkersRequest(workers=["no-port"]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        out = admin(r).SetWorkers(admin_pb2.SetWorkersRequest(workers=[a]), timeout=10)
+        assert not out.changed and "changes nothing" in out.message
+        res = workers_cli(r, "remove", a)                    # the last worker cannot go
+        assert res.returncode == 1 and "at least one worker" in res.stderr
+        assert Client(r).generate([1, 2, 3], 4, ignore_eos=True, timeout=60).token_ids == model.greedy([1, 2, 3], 4)
+
+
+def test_a_restarted_worker_is_assigned_its_experts_again_and_replicas_keep_the_tokens(model):
+    want = model.greedy_many(PROMPTS, 300)
+    with ExitStack() as stack:
+        (a, _), (b, pb) = stack.enter_context(worker(model.path)), stack.enter_context(worker(model.path))
+        r, _ = stack.enter_context(router(model.path, [a, b], "--expert-replicas", "2"))
+        assert held(a) == held(b) == 2 * 60                  # every expert on both
+
+        def kill_and_restart():
+            pb.send_signal(signal.SIGKILL)                   # b's tokens go to a within the step
+            pb.wait()
+            again = stack.enter_context(worker(model.path, port=int(b.rsplit(":", 1)[1])))
+            deadline = time.monotonic() + 60
+            while True:                                      # it starts empty; the router re-syncs it
+                states = {w.address: w.state for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(),
+                                                                            timeout=10).workers}
+                if states[b] == "serving" and held(b) == 2 * 60:
+                    return again
+                assert time.monotonic() < deadline, (states, held(b))
+                time.sleep(0.2)
+
+        got, _ = streams(r, 300, kill_and_restart)
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w
+
+
+HOT = 6          # experts 0..5 take most tokens: under contiguous placement they sit on the first two workers
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory):
+    """A Qwen3-MoE checkpoint (16 experts, top-4) whose every gate favours experts 0..5: one direction d in every
+    token's embedding, and those experts' gate rows along d (benchmarks/skewed_model.py's idea, one topic)."""
+    import torch
+
+    from tests.models import Oracle, build_model, save_checkpoint, small_config
+
+    model = build_model(small_config("qwen3_moe", num_experts=16), seed=11)
+    with torch.no_grad():
+        H = model.config.hidden_size
+        d = torch.randn(H, generator=torch.Generator().manual_seed(3))
+        d /= d.norm()
+        model.model.embed_tokens.weight += 4 * d
+        for layer in model.model.layers:
+            layer.mlp.gate.weight[:HOT] += 3 * d
+    return Oracle(model, save_checkpoint(model, tmp_path_factory.mktemp("skewed") / "m"))
+
+
+def test_placement_from_load_balances_a_skewed_model(skewed):
+    prompts = [[(11 * i + j) % 250 + 1 for j in range(5)] for i in range(8)]
+    want = skewed.greedy_many(prompts, 64)
+    with ExitStack() as stack:
+        addrs = [stack.enter_context(worker(skewed.path))[0] for _ in range(4)]
+        r, _ = stack.enter_context(router(skewed.path, addrs, "--redundant-experts", "2", "--placement-window",
+                                          "512"))
+        client = Client(r)
+
+        def run() -> float:
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(lambda p: client.generate(p, 64, ignore_eos=True, timeout=300).token_ids,
+                                    prompts))
+            assert got == want
+            return admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).balance
+
+        even = run()
+        assert even < 0.7, f"the skew should unbalance contiguous placement (balance {even:.3f})"
+        res = workers_cli(r, "rebalance")
+        assert res.returncode == 0, res.stderr
+        assert "placement epoch 2" in res.stdout
+        balanced = run()
+        assert balanced >= 0.85, (even, balanced, res.stdout, workers_cli(r, "show", "--json").stdout)
+        shown = admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10)
+        assert shown.redundant_experts == 2 and shown.epoch == 2
+        # every expert once, and up to 2 redundant replicas a layer (only those that lower the busiest's load)
+        assert 2 * 16 < sum(w.experts for w in shown.workers) <= 2 * (16 + 2)
+
+
+def test_follow_workers_serves_with_what_the_name_resolves_to(model):
+    with worker(model.path) as (a, _):
+        port = free_port()
+        p = colibri_popen(["router", "--model", str(model.path), "--follow-workers", a, "--follow-interval", "0.5",
+                           "--port", str(port), "--threads", "1", "--log-level", "WARNING"], env=ENV)
+        try:
+            r = f"127.0.0.1:{port}"
+            wait_serving(r, "colibri.v1.Generation", p)
+            shown = admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10)
+            assert [w.address for w in shown.workers] == [a] and shown.workers[0].experts == 2 * 60
+            assert Client(r).generate([5, 6, 7], 8, ignore_eos=True, timeout=60).token_ids == model.greedy([5, 6, 7],
+                                                                                                           8)
+        finally:
+            stop(p)
+
+
+def test_a_follower_leaves_out_what_an_operator_removed_until_it_leaves_the_name(monkeypatch):
+    from router_service.moe import follow
+
+    seen = [("a:1", "b:1", "c:1")]
+    now = ["a:1", "b:1", "c:1"]
+    cordoned: set[str] = {"c:1"}                               # an operator removed c (its preStop hook)
+    changes = []
+    monkeypatch.setattr(follow, "resolve", lambda target: seen[0])
+    f = follow.Follower("experts:1", lambda: tuple(now), lambda ws: changes.append(ws), lambda: set(cordoned),
+                        lambda gone: cordoned.difference_update(gone), interval_s=3600)
+    try:
+        f.poll()
+        assert changes == [("a:1", "b:1")]                   # c is draining: not taken back
+        now[:] = ["a:1", "b:1"]
+        seen[0] = ("a:1", "b:1")                             # c's pod is gone from the Service
+        f.poll()
+        assert cordoned == set() and len(changes) == 1
+        seen[0] = ("a:1", "b:1", "c:1", "d:1")               # scaled up: c's ordinal is back, and d
+        f.poll()
+        assert changes[-1] == ("a:1", "b:1", "c:1", "d:1")
+        seen[0] = ()                                         # a DNS hiccup: keep serving with what serves
+        f.poll()
+        assert len(changes) == 2
+    finally:
+        f.close()

@@ -1,0 +1,87 @@
+"""The router's placement plans (router_service/moe/plan.py) and the split of a hot expert's pairs over its
+replicas (partition.assign): pure functions, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from router_service.moe.partition import assign, split_pairs, water_fill
+from router_service.moe.plan import Plan, balance, even_plan, load_plan, union
+
+WORKERS = ("a:1", "b:1", "c:1", "d:1")
+
+
+@pytest.mark.parametrize("E, W, R", [(16, 4, 1), (60, 3, 2), (9, 4, 3), (5, 5, 1)])
+def test_the_even_plan_puts_every_expert_on_r_workers_in_every_layer(E, W, R):
+    held = even_plan(E, [1, 3], WORKERS[:W] if W <= 4 else tuple(f"w{i}:1" for i in range(W)), R)
+    for per in held.values():
+        for e in range(E):
+            assert sum(e in es for es in per.values()) == R
+        sizes = [len(es) for es in per.values()]
+        assert max(sizes) - min(sizes) <= R
+    with pytest.raises(ValueError, match="every worker needs at least one"):
+        even_plan(3, [0], WORKERS)
+
+
+def test_load_plan_spreads_the_hot_experts_and_redundant_replicas_lower_the_peak():
+    load = {0: [60.0] * 6 + [1.0] * 10, 2: [1.0] * 16}           # layer 0 skewed, layer 2 even
+    contiguous = even_plan(16, [0, 2], WORKERS)
+    assert balance(contiguous, load) < 0.5                       # experts 0..5 sit on two workers
+    plain = load_plan(load, WORKERS)
+    with_two = load_plan(load, WORKERS, redundant=2)
+    assert balance(contiguous, load) < balance(plain, load) < balance(with_two, load)
+    assert balance(with_two, load) > 0.95
+    for held in (plain, with_two):
+        for per in held.values():                                # every expert somewhere, each worker ~E/W
+            assert set().union(*map(set, per.values())) == set(range(16))
+    assert sum(map(len, with_two[0].values())) == 16 + 2         # the two replicas went where the load is
+    assert sum(map(len, with_two[2].values())) == 16             # an even layer: no replica would lower the peak
+
+
+def test_load_plan_keeps_each_worker_within_its_budget_and_says_when_it_cannot():
+    load = {0: [10.0] * 5 + [1.0] * 11}                          # 5 hot experts on 4 workers: one gets two
+    budgets = {"a:1": 4, "b:1": 4, "c:1": 4, "d:1": 6}
+    held = load_plan(load, WORKERS, redundant=4, budgets=budgets)
+    assert all(len(held[0][w]) <= budgets[w] for w in WORKERS)
+    assert len(held[0]["d:1"]) > 4                               # the replicas went where there was room
+    with pytest.raises(ValueError, match="cannot hold 16 experts x 1 replicas"):
+        load_plan(load, WORKERS, budgets={w: 3 for w in WORKERS})
+
+
+def test_a_plan_answers_per_worker_and_union_holds_both():
+    plan = Plan(3, WORKERS[:2], {0: {"a:1": [0, 1], "b:1": [2]}, 1: {"a:1": [2], "b:1": [0, 1]}})
+    assert plan.of("a:1") == {0: [0, 1], 1: [2]} and plan.of("z:1") == {0: [], 1: []}
+    assert plan.count("b:1") == 3 and plan.covers(3) == []
+    assert plan.covers(4) == [(0, 3), (1, 3)]
+    assert union({0: [0, 1]}, {0: [1, 2], 1: [5]}) == {0: [0, 1, 2], 1: [5]}
+
+
+@pytest.mark.parametrize("n, loads", [(10, [0, 0]), (10, [5, 0]), (3, [5, 0]), (7, [0, 2, 4]), (0, [1, 2]),
+                                      (13, [3, 3, 9])])
+def test_water_fill_gives_each_next_pair_to_the_least_loaded(n, loads):
+    got = water_fill(n, loads)
+    want = list(loads)
+    for _ in range(n):
+        i = min(range(len(want)), key=lambda i: (want[i], i))
+        want[i] += 1
+    assert sum(got) == n
+    assert sorted(a + b for a, b in zip(loads, got, strict=True)) == sorted(want)
+
+
+def test_a_hot_expert_with_replicas_has_its_pairs_split_and_each_pair_computed_once():
+    E, W = 8, 3
+    holders = torch.zeros(E, W, dtype=torch.bool)
+    holders[0, :] = True                                         # expert 0 (hot) on every worker
+    holders[1:4, 0] = holders[4:6, 1] = holders[6:, 2] = True
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(7, generator=g)[:1]])
+                       for _ in range(30)])                      # [30, 2]: every token uses expert 0
+    worker, unplaced = assign(holders, ids, [True] * W)
+    assert not unplaced.any() and bool(holders[ids, worker].all())
+    zero = worker[ids == 0]
+    assert set(zero.tolist()) == {0, 1, 2}                       # its 30 pairs went to all three holders
+    loads = torch.bincount(worker.flatten(), minlength=W)
+    assert int(loads.max() - loads.min()) <= 1                   # and evened out the workers' loads
+    parts = split_pairs(worker, ids, W)
+    assert sum(int((p.ids >= 0).sum()) for p in parts) == ids.numel()
