@@ -54,9 +54,9 @@ class WorkerPairs:
 def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
            pairs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each pair's worker: one live holder of its expert, least-loaded first (experts with one live holder are
-    placed first, then those with the most pairs, each on the live holder with the fewest pairs so far). A hot expert (more pairs than half
-    a worker's fair share) with several live holders has its pairs split over them, filling the least-loaded
-    first (water-filling), so a redundant replica takes load within one step.
+    placed first, then those with the most pairs, each on the live holder with the fewest pairs so far). A hot
+    expert (more pairs than half a worker's fair share) with several live holders has its pairs split over them,
+    filling the least-loaded first (water-filling), so a redundant replica takes load within one step.
 
     holders [E, W] bool, topk_ids [T, K]; `pairs` [T, K] bool limits the pairs placed (default all).
     Returns (worker [T, K] int64, -1 where not placed or no live holder; unplaced [T] bool: rows with a pair
