@@ -24,7 +24,7 @@ COPY router_service ./router_service
 COPY expert_service ./expert_service
 COPY kernels ./kernels
 RUN /opt/colibri/bin/python -m grpc_tools.protoc -Icolibri_common/pb=protos --python_out=. --grpc_python_out=. \
-        colibri_common/pb/expert.proto colibri_common/pb/generation.proto \
+        colibri_common/pb/admin.proto colibri_common/pb/expert.proto colibri_common/pb/generation.proto \
  && /opt/colibri/bin/pip install --no-deps . \
  && /opt/colibri/bin/pip uninstall -y grpcio-tools
 

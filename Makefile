@@ -7,7 +7,7 @@ PB := colibri_common/pb
 PROTOS := $(wildcard protos/*.proto)
 PB_STAMP := $(PB)/.generated
 
-.PHONY: setup native demo test lint bench bench-kernels bench-cache bench-openai bench-gpu chart-check clean
+.PHONY: setup native demo test lint bench bench-kernels bench-cache bench-elastic bench-openai bench-gpu chart-check clean
 
 setup: $(STAMP) $(PB_STAMP) native
 
@@ -62,6 +62,11 @@ bench-kernels: setup
 # The expert tiers on a skewed checkpoint (built once in .cache/): writes benchmarks/results/expert_cache.md.
 bench-cache: setup
 	$(PY) -m benchmarks.expert_cache
+
+# Placement from load and live resizes on a skewed checkpoint (built once in .cache/): writes
+# benchmarks/results/elastic.md.
+bench-elastic: setup
+	$(PY) -m benchmarks.elastic
 
 # The OpenAI HTTP front against the gRPC API at 1 and 32 streams: writes benchmarks/results/openai_front.md.
 bench-openai: setup

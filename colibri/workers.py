@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass
 
 from colibri_common.options import comma_list, option
@@ -62,6 +63,25 @@ def _table(resp) -> str:
     return "\n".join(lines)
 
 
+def _patiently(call, request, timeout: float):
+    """The call, tried again while the router is still loading or has too many changes queued, until `timeout`
+    (a pod's preStop hook must not give up on a busy router)."""
+    import grpc
+
+    deadline = time.monotonic() + timeout
+    pause = 0.5
+    while True:
+        try:
+            return call(request, timeout=max(1.0, deadline - time.monotonic()))
+        except grpc.RpcError as exc:
+            busy = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            if not busy or time.monotonic() + pause > deadline:
+                raise
+            print(f"the router is busy ({exc.code().name}: {exc.details()}); trying again", file=sys.stderr)
+            time.sleep(pause)
+            pause = min(5.0, 2 * pause)
+
+
 def run_workers(opts: WorkersOptions) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -81,17 +101,15 @@ def run_workers(opts: WorkersOptions) -> int:
                       else _table(resp))
                 return 0
             if opts.action == "rebalance":
-                change = stub.Rebalance(admin_pb2.RebalanceRequest(), timeout=opts.timeout)
+                request = admin_pb2.RebalanceRequest()
+                call = stub.Rebalance
             else:
-                now = [w.address for w in stub.ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=30).workers]
-                want = list(opts.addresses) if opts.action == "set" else \
-                    now + [a for a in opts.addresses if a not in now] if opts.action == "add" else \
-                    [a for a in now if a not in opts.addresses]
-                if opts.action == "remove" and len(want) == len(now):
-                    print(f"{', '.join(opts.addresses)}: not among the router's workers ({', '.join(now)})",
-                          file=sys.stderr)
-                    return 1
-                change = stub.SetWorkers(admin_pb2.SetWorkersRequest(workers=want), timeout=opts.timeout)
+                names = list(opts.addresses)
+                request = admin_pb2.SetWorkersRequest(workers=names if opts.action == "set" else [],
+                                                      add=names if opts.action == "add" else [],
+                                                      remove=names if opts.action == "remove" else [])
+                call = stub.SetWorkers
+            change = _patiently(call, request, opts.timeout)
         except grpc.RpcError as exc:
             print(f"{opts.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

@@ -115,6 +115,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             expert_cache_slots=0 if s.cache is None else s.cache.hot.w13.shape[0], batch_invariant=batch_invariant(),
             max_step_tokens=self.max_step_tokens, local_socket=self.local_socket,
             epoch=now.epoch if now is not None else 0, max_experts=self.max_experts, static_shard=self.static_shard,
+            also_serves=sorted(now.also) if now is not None else [],
             layers=[expert_pb2.LayerExperts(layer=layer, experts=es) for layer, es in s.held.items()])
 
     def _plan(self, request: expert_pb2.AssignRequest, cfg: ModelConfig) -> dict[int, list[int]]:

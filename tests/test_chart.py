@@ -54,6 +54,15 @@ VALUE_SETS = {
     "openai-tls": {"openai": {"enabled": True, "service": {"type": "LoadBalancer"}},
                    "tls": {"enabled": True, "existingSecret": "colibri-tls", "clientAuth": True},
                    "networkPolicy": {"enabled": True}},
+    # elastic expert parallelism: the workers start empty, the router places the experts and follows the pods
+    "elastic": {"experts": {"placement": "router", "autoscaling": {"enabled": True}, "redundantExperts": 2}},
+    "elastic-tls": {"experts": {"placement": "router", "shards": 3, "replicas": 2, "maxExperts": 48,
+                                "rebalanceInterval": 300, "placementWindow": 512, "terminationGracePeriodSeconds": 90},
+                    "tls": {"enabled": True, "clientAuth": True}, "networkPolicy": {"enabled": True},
+                    "openai": {"enabled": True}},
+    "elastic-plain": {"experts": {"placement": "router"}, "tls": {"enabled": False},
+                      "fleetToken": {"existingSecret": "corp-fleet", "secretKey": "fleet"}},
+    "keda": {"router": {"keda": {"enabled": True}}, "serviceMonitor": {"enabled": True}},
 }
 
 
@@ -70,6 +79,19 @@ def render(values: dict) -> list[dict]:
 
 def by_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
+
+
+def api_key_secrets(docs: list[dict]) -> list[dict]:
+    """The OpenAI front's API key Secret(s) the chart makes (the fleet token's is Opaque too)."""
+    return [s for s in by_kind(docs, "Secret") if s["type"] == "Opaque" and s["metadata"]["name"].endswith("-api-key")]
+
+
+def fleet_secrets(docs: list[dict]) -> list[dict]:
+    return [s for s in by_kind(docs, "Secret") if s["metadata"]["name"].endswith("-fleet-token")]
+
+
+def elastic(values: dict) -> bool:
+    return values.get("experts", {}).get("placement") == "router"
 
 
 def of(docs: list[dict], kind: str, component: str) -> list[dict]:
@@ -96,6 +118,10 @@ def test_every_manifest_validates_against_kubernetes(name):
         if doc["apiVersion"] == "cert-manager.io/v1":                 # CRDs kubernetes-validate does not know
             assert doc["kind"] in ("Issuer", "Certificate") and doc["spec"]
             continue
+        if doc["apiVersion"] == "keda.sh/v1alpha1":
+            assert doc["kind"] == "ScaledObject" and doc["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+            assert doc["spec"]["triggers"][0]["type"] == "prometheus"
+            continue
         kubernetes_validate.validate(doc, K8S, strict=True)
 
 
@@ -109,23 +135,33 @@ def test_wiring(name):
     services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
     headless = services[sts["spec"]["serviceName"]]
     assert headless["spec"]["clusterIP"] == "None"
-    assert sts["spec"]["replicas"] == shards
-
-    # the router's worker list is exactly the StatefulSet's pods' stable DNS names
     router = dep["spec"]["template"]["spec"]["containers"][0]
-    workers = next(a for a in router["args"] if a.startswith("--workers=")).split("=", 1)[1].split(",")
     expert = sts["spec"]["template"]["spec"]["containers"][0]
     eport = next(p["containerPort"] for p in expert["ports"] if p["name"] == "grpc")
     name = sts["metadata"]["name"]
-    assert workers == [f"{name}-{i}.{headless['metadata']['name']}.llm.svc.cluster.local:{eport}"
-                       for i in range(shards)]
-
-    # every expert pod learns its shard from its ordinal, and the shard count matches the replicas
-    shard_arg = next(a for a in expert["args"] if a.startswith("--shard="))
-    assert shard_arg == f"--shard=$(SHARD_INDEX)/{shards}"
     env = {e["name"]: e for e in expert["env"]}
-    assert env["SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['apps.kubernetes.io/pod-index']"
+    if elastic(values):
+        # the router follows the headless Service (one address per pod); the pods start with no shard
+        assert sts["spec"].get("replicas") == (None if values["experts"].get("autoscaling", {}).get("enabled")
+                                               else shards)
+        assert f"--follow-workers={headless['metadata']['name']}.llm.svc.cluster.local:{eport}" in router["args"]
+        assert not [a for a in router["args"] if a.startswith("--workers=")]
+        assert not [a for a in expert["args"] if a.startswith(("--shard", "--replicas"))] and "SHARD_INDEX" not in env
+    else:
+        assert sts["spec"]["replicas"] == shards
+        # the router's worker list is exactly the StatefulSet's pods' stable DNS names
+        workers = next(a for a in router["args"] if a.startswith("--workers=")).split("=", 1)[1].split(",")
+        assert workers == [f"{name}-{i}.{headless['metadata']['name']}.llm.svc.cluster.local:{eport}"
+                           for i in range(shards)]
+
+        # every expert pod learns its shard from its ordinal, and the shard count matches the replicas
+        shard_arg = next(a for a in expert["args"] if a.startswith("--shard="))
+        assert shard_arg == f"--shard=$(SHARD_INDEX)/{shards}"
+        assert env["SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "metadata.labels['apps.kubernetes.io/pod-index']"
+    # router and workers share the fleet token
+    for container in (router, expert):
+        assert "secretKeyRef" in {e["name"]: e for e in container["env"]}["COLIBRI_FLEET_TOKEN"]["valueFrom"]
 
     # selectors match pod labels; services select the right pods
     for workload in (dep, sts):
@@ -480,7 +516,7 @@ def test_the_generated_certificates_serve_mutual_tls(tmp_path):
 def test_without_tls_nothing_of_it_renders():
     for values in ({"tls": {"enabled": False}}, VALUE_SETS["plain"]):
         docs = render({**values, "openai": {"enabled": True}})
-        assert not by_kind(docs, "Secret") or [s["type"] for s in by_kind(docs, "Secret")] == ["Opaque"]
+        assert {s["type"] for s in by_kind(docs, "Secret")} == {"Opaque"}       # the API key and the fleet token
         text = str([d for d in docs if d["kind"] != "NetworkPolicy"])
         assert "--tls" not in text and "/etc/colibri/tls" not in text and "checksum/tls" not in text
         for w in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet"):
@@ -558,7 +594,7 @@ def render_upgrade(tmp_path: Path, values: dict, cluster: dict[str, dict]) -> li
         shutil.copytree(CHART, chart)
     text = (CHART / "templates" / "_helpers.tpl").read_text()
     (chart / "cluster").mkdir(exist_ok=True)
-    for name in ("tlsSecretName", "apiKeySecretName"):
+    for name in ("tlsSecretName", "apiKeySecretName", "fleetTokenSecretName"):
         call = f'lookup "v1" "Secret" .Release.Namespace (include "colibri.{name}" .)'
         assert text.count(call) == 1
         text = text.replace(call, f'(.Files.Get "cluster/{name}.json" | fromJson)')
@@ -572,18 +608,20 @@ def test_upgrades_keep_the_generated_secrets(tmp_path):
     values = {"openai": {"enabled": True}}
     first = render(values)
     tls = tls_secret(first)
-    (key,) = [s for s in by_kind(first, "Secret") if s["type"] == "Opaque"]
+    (key,) = api_key_secrets(first)
+    (fleet,) = fleet_secrets(first)
     annotations = lambda docs: [w["spec"]["template"]["metadata"]["annotations"]    # noqa: E731
                                 for w in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet")]
 
-    again = render_upgrade(tmp_path, values, {"tlsSecretName": tls, "apiKeySecretName": key})
+    cluster = {"tlsSecretName": tls, "apiKeySecretName": key, "fleetTokenSecretName": fleet}
+    again = render_upgrade(tmp_path, values, cluster)
     assert tls_secret(again)["data"] == tls["data"]
-    assert [s for s in by_kind(again, "Secret") if s["type"] == "Opaque"][0]["data"] == key["data"]
+    assert api_key_secrets(again)[0]["data"] == key["data"]
+    assert fleet_secrets(again)[0]["data"] == fleet["data"]
     assert annotations(again) == annotations(first)                     # no pod restarts
 
     # names changed (another cluster domain): a certificate for the new names, and every pod restarts
-    moved = render_upgrade(tmp_path, {**values, "clusterDomain": "corp.internal"},
-                           {"tlsSecretName": tls, "apiKeySecretName": key})
+    moved = render_upgrade(tmp_path, {**values, "clusterDomain": "corp.internal"}, cluster)
     assert pems(tls_secret(moved))["tls.crt"] != pems(tls)["tls.crt"]
     assert all(a["checksum/tls"] != b["checksum/tls"]
                for a, b in zip(annotations(moved), annotations(first), strict=True))
@@ -597,7 +635,7 @@ def test_upgrades_keep_the_generated_secrets(tmp_path):
 
 def test_the_front_gets_an_api_key_from_a_secret():
     docs, dep, c = front({"openai": {"enabled": True}})
-    (secret,) = [s for s in by_kind(docs, "Secret") if s["type"] == "Opaque"]
+    (secret,) = api_key_secrets(docs)
     kubernetes_validate.validate(secret, K8S, strict=True)
     assert secret["metadata"]["name"] == "prod-colibri-openai-api-key"
     key = base64.b64decode(secret["data"]["api-key"]).decode()
@@ -612,14 +650,14 @@ def test_the_front_gets_an_api_key_from_a_secret():
     assert key not in str([d for d in docs if d["kind"] != "Secret"])
 
     docs, dep, c = front(VALUE_SETS["network-peers"])                   # openai.apiKey.existingSecret=front-key
-    assert not [s for s in by_kind(docs, "Secret") if s["type"] == "Opaque"]
+    assert not api_key_secrets(docs)
     assert {e["name"]: e for e in c["env"]}["COLIBRI_API_KEY"]["valueFrom"]["secretKeyRef"] == {
         "name": "front-key", "key": "key"}
     assert "checksum/api-key" not in str(dep)
 
     docs, dep, c = front({"openai": {"enabled": True, "apiKey": {"enabled": False}}})
-    assert "COLIBRI_API_KEY" not in str(c) and not [s for s in by_kind(docs, "Secret") if s["type"] == "Opaque"]
-    assert not [s for s in by_kind(render({}), "Secret") if s["type"] == "Opaque"]     # no front, no key
+    assert "COLIBRI_API_KEY" not in str(c) and not api_key_secrets(docs)
+    assert not api_key_secrets(render({}))                                              # no front, no key
 
 
 # The OpenAI-compatible HTTP front (`colibri openai`), off unless openai.enabled.
@@ -831,3 +869,273 @@ def test_notes_say_how_to_reach_the_front():
     assert "port-forward svc/prod-colibri-openai 8000" in text and "localhost:8000/v1/chat/completions" in text
     assert '"model": "qwen3-moe"' in text
     assert "EXTERNAL-IP" in notes({"openai": {"enabled": True, "service": {"type": "LoadBalancer"}}})
+
+
+# Elastic expert parallelism (experts.placement=router): the workers start empty, the router places the experts,
+# follows the headless Service and re-plans live; a stopping pod's preStop hook moves its experts away first.
+
+def pods(docs: list[dict]) -> tuple[dict, dict, dict, dict]:
+    """The router Deployment, the experts StatefulSet and their containers."""
+    (dep,) = of(docs, "Deployment", "router")
+    (sts,) = by_kind(docs, "StatefulSet")
+    return dep, sts, dep["spec"]["template"]["spec"]["containers"][0], sts["spec"]["template"]["spec"]["containers"][0]
+
+
+def parse(argv: list[str]):
+    ap = build_parser()
+    return command_options(ap, ap.parse_args(argv))
+
+
+def test_router_placement_starts_empty_workers_and_the_router_follows_the_headless_service():
+    docs = render(VALUE_SETS["elastic-tls"])
+    dep, sts, router, expert = pods(docs)
+    assert not [a for a in expert["args"] if a.startswith(("--shard", "--replicas"))]
+    assert "SHARD_INDEX" not in str(expert["env"])
+    worker = parse(expert["args"])
+    assert not worker.shard and worker.max_experts == 48                 # no shard: the router assigns them
+    assert sts["spec"]["replicas"] == 3                                      # experts.shards: the starting size
+
+    opts = parse(router["args"])                                             # the real CLI accepts the chart's flags
+    (headless,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == sts["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert opts.follow_workers == "prod-colibri-experts.llm.svc.cluster.local:50061"
+    assert opts.follow_workers.split(".")[0] == headless["metadata"]["name"] and opts.workers == ()
+    assert (opts.expert_replicas, opts.redundant_experts, opts.rebalance_interval, opts.placement_window) == \
+        (2, 0, 300.0, 512)
+    # one placement owner: one router, replaced (not rolled) on upgrades
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 90
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 35
+    assert not by_kind(docs, "HorizontalPodAutoscaler")
+
+    opts = parse(pods(render(VALUE_SETS["elastic"]))[2]["args"])
+    assert (opts.expert_replicas, opts.redundant_experts, opts.rebalance_interval, opts.placement_window) == \
+        (1, 2, 0.0, 256)
+
+    # static placement (the default) keeps today's wiring
+    dep, sts, router, expert = pods(render({}))
+    assert "--follow-workers" not in str(router["args"]) and "--expert-replicas" not in str(router["args"])
+    assert "--max-experts" not in str(expert["args"]) and "lifecycle" not in expert and "strategy" not in dep["spec"]
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 35
+
+
+def test_the_experts_autoscale_only_with_router_placement():
+    docs = render(VALUE_SETS["elastic"])
+    dep, sts, router, expert = pods(docs)
+    assert "replicas" not in sts["spec"]                                     # the HPA owns it
+    (hpa,) = of(docs, "HorizontalPodAutoscaler", "experts")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                             "name": sts["metadata"]["name"]}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
+    assert hpa["spec"]["metrics"][0]["resource"]["target"]["averageUtilization"] == 80
+    # scale-down one pod per grace period: the router takes one change at a time (a second `colibri workers
+    # remove` while one runs is refused), and each pod's preStop hook needs its grace period to move its experts
+    assert hpa["spec"]["behavior"]["scaleDown"]["policies"] == [
+        {"type": "Pods", "value": 1, "periodSeconds": sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]}]
+    assert dep["spec"]["replicas"] == 1 and not of(docs, "HorizontalPodAutoscaler", "router")
+
+
+def prestop_argv(expert: dict, tmp_path: Path, pod: str) -> list[str]:
+    """Run the expert container's preStop hook in a real shell, with `colibri` a stand-in that prints its argv."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "colibri"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+    fake.chmod(0o755)
+    cmd = expert["lifecycle"]["preStop"]["exec"]["command"]
+    env_names = {e["name"] for e in expert["env"]}
+    assert "POD_NAME" in env_names and "COLIBRI_FLEET_TOKEN" in env_names       # the hook sees the container's env
+    out = subprocess.run(cmd, env={"PATH": f"{tmp_path}:/usr/bin:/bin", "POD_NAME": pod}, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("name", ["elastic", "elastic-tls", "elastic-plain"])
+def test_the_prestop_hook_asks_the_router_to_move_the_pods_experts_away(name, tmp_path):
+    values = VALUE_SETS[name]
+    docs = render(values)
+    dep, sts, router, expert = pods(docs)
+    env = {e["name"]: e for e in expert["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    argv = prestop_argv(expert, tmp_path, "prod-colibri-experts-1")
+    assert argv[0] == "workers"
+    opts = parse(argv)                                                       # a `colibri workers` command line
+    assert opts.action == "remove"
+    # the name the router knows the pod by: its stable DNS name under the headless Service it follows
+    follow = parse(router["args"]).follow_workers
+    assert opts.addresses == (f"prod-colibri-experts-1.{follow}",)
+    (svc,) = of(docs, "Service", "router")
+    assert opts.target == f"{svc['metadata']['name']}.llm.svc.cluster.local:{svc['spec']['ports'][0]['port']}"
+    grace = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert opts.timeout == grace - 10 and grace == values["experts"].get("terminationGracePeriodSeconds", 120)
+    if values.get("tls", {}).get("enabled", True):
+        mounted = {m["mountPath"] for m in expert["volumeMounts"]}
+        assert "/etc/colibri/tls" in mounted
+        assert (opts.tls_ca, opts.tls_cert, opts.tls_key) == ("/etc/colibri/tls/ca.crt", "/etc/colibri/tls/tls.crt",
+                                                              "/etc/colibri/tls/tls.key")
+        assert opts.tls_server_name is None                                  # the target is a name the cert carries
+    else:
+        assert (opts.tls_ca, opts.tls_cert, opts.tls_key) == (None, None, None)
+
+
+def test_the_prestop_hook_names_hosts_the_generated_certificate_carries(tmp_path):
+    from cryptography import x509
+
+    docs = render(VALUE_SETS["elastic-tls"])
+    cert = x509.load_pem_x509_certificate(pems(tls_secret(docs))["tls.crt"])
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    opts = parse(prestop_argv(pods(docs)[3], tmp_path, "prod-colibri-experts-2"))
+    assert named_by(opts.target.rsplit(":", 1)[0], sans)                    # the hook checks the router's name
+    assert named_by(opts.addresses[0].rsplit(":", 1)[0], sans)              # the router dials the pod by this name
+
+
+def test_the_fleet_token_secret_reaches_the_router_and_the_workers(monkeypatch):
+    from colibri_common.fleet_token import ENV, fleet_token
+
+    assert ENV == "COLIBRI_FLEET_TOKEN"
+    for values in ({}, VALUE_SETS["elastic"], {"openai": {"enabled": True}}):
+        docs = render(values)
+        (secret,) = fleet_secrets(docs)
+        kubernetes_validate.validate(secret, K8S, strict=True)
+        assert secret["metadata"]["name"] == "prod-colibri-fleet-token" and secret["type"] == "Opaque"
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        monkeypatch.setenv(ENV, token)
+        assert fleet_token() == token and len(token) >= 32                # what every Colibri process accepts
+        checksum = hashlib.sha256(json.dumps(secret["data"], separators=(",", ":")).encode()).hexdigest()
+        dep, sts, router, expert = pods(docs)
+        for workload, c in ((dep, router), (sts, expert)):
+            assert {e["name"]: e for e in c["env"]}[ENV]["valueFrom"] == {"secretKeyRef": {
+                "name": "prod-colibri-fleet-token", "key": "token"}}
+            # a new token restarts router and workers together: both sides must hold the same one
+            assert workload["spec"]["template"]["metadata"]["annotations"]["checksum/fleet-token"] == checksum
+        assert token not in str([d for d in docs if d["kind"] != "Secret"])
+        for front_dep in of(docs, "Deployment", "openai"):                 # the front calls Generation: no token
+            assert ENV not in str(front_dep) and "checksum/fleet-token" not in str(front_dep)
+    assert fleet_secrets(render({}))[0]["data"] != fleet_secrets(render({}))[0]["data"]      # random per install
+
+    docs = render(VALUE_SETS["elastic-plain"])                              # fleetToken.existingSecret
+    assert not fleet_secrets(docs) and not [s for s in by_kind(docs, "Secret") if "corp-fleet" in str(s)]
+    for c in pods(docs)[2:]:
+        assert {e["name"]: e for e in c["env"]}["COLIBRI_FLEET_TOKEN"]["valueFrom"] == {"secretKeyRef": {
+            "name": "corp-fleet", "key": "fleet"}}
+    assert "checksum/fleet-token" not in str(docs)
+
+
+def test_upgrades_keep_the_fleet_token(tmp_path):
+    values = VALUE_SETS["elastic"]
+    first = render(values)
+    (fleet,) = fleet_secrets(first)
+    again = render_upgrade(tmp_path, values, {"fleetTokenSecretName": fleet})
+    assert fleet_secrets(again)[0]["data"] == fleet["data"]
+    annotations = [w["spec"]["template"]["metadata"]["annotations"]["checksum/fleet-token"] for w in pods(again)[:2]]
+    assert annotations == [w["spec"]["template"]["metadata"]["annotations"]["checksum/fleet-token"]
+                           for w in pods(first)[:2]]                       # no restarts
+    # a Secret without the entry (another fleetToken.secretKey) gets a new token
+    renamed = render_upgrade(tmp_path, {**values, "fleetToken": {"secretKey": "fleet"}},
+                             {"fleetTokenSecretName": fleet})
+    assert set(fleet_secrets(renamed)[0]["data"]) == {"fleet"}
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"experts": {"placement": "router"}, "router": {"replicas": 2}}, "placement has one owner"),
+    ({"experts": {"placement": "router"}, "router": {"autoscaling": {"enabled": True}}}, "placement has one owner"),
+    ({"experts": {"placement": "router"}, "router": {"keda": {"enabled": True}}}, "placement has one owner"),
+    ({"experts": {"autoscaling": {"enabled": True}}}, "experts.autoscaling needs experts.placement=router"),
+    ({"experts": {"placement": "static", "autoscaling": {"enabled": True}}}, "needs experts.placement=router"),
+    ({"router": {"keda": {"enabled": True}, "autoscaling": {"enabled": True}}},
+     "router.keda and router.autoscaling both scale the router"),
+    ({"experts": {"placement": "router", "replicas": 3}}, "experts.replicas must be at most experts.shards"),
+    ({"experts": {"placement": "router", "replicas": 3, "shards": 4, "autoscaling": {"enabled": True}}},
+     "experts.replicas must be at most experts.autoscaling.minReplicas"),
+])
+def test_placement_and_scaling_conflicts_fail_with_a_reason(values, message):
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        render(values)
+
+
+def test_keda_scales_the_router_on_the_requests_waiting():
+    from router_service.engine.metrics import GAUGE_HELP
+
+    docs = render(VALUE_SETS["keda"])
+    (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    (dep,) = of(docs, "Deployment", "router")
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                "name": dep["metadata"]["name"]}
+    assert "replicas" not in dep["spec"]                                     # KEDA owns it
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (1, 4)
+    assert (scaled["spec"]["pollingInterval"], scaled["spec"]["cooldownPeriod"]) == (15, 300)
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    meta = trigger["metadata"]
+    assert meta == {"serverAddress": "http://prometheus-operated.monitoring.svc:9090",
+                    "query": 'sum(colibri:num_requests_waiting{namespace="llm"})', "threshold": "4"}
+    assert "num_requests_waiting" in GAUGE_HELP                              # a gauge the router exports
+    assert not by_kind(docs, "HorizontalPodAutoscaler")
+    assert any(m["metadata"]["name"] == dep["metadata"]["name"] for m in by_kind(docs, "ServiceMonitor"))
+
+    docs = render({"router": {"keda": {"enabled": True, "threshold": 10, "serverAddress": "http://prom:9090",
+                                       "minReplicaCount": 2, "maxReplicaCount": 6}}})
+    (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert scaled["spec"]["triggers"][0]["metadata"]["threshold"] == "10"  # KEDA wants a string
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (2, 6)
+    for values in ({}, VALUE_SETS["elastic"], VALUE_SETS["hpa"]):
+        assert not [d for d in render(values) if d["kind"] == "ScaledObject"]
+
+
+def test_with_router_placement_the_router_admits_the_workers_preStop_calls():
+    docs = render(VALUE_SETS["elastic-tls"])
+    dep, sts, router, expert = pods(docs)
+    worker_pods = sts["spec"]["template"]["metadata"]["labels"]
+    (pol,) = of(docs, "NetworkPolicy", "router")
+    grpc_rule = pol["spec"]["ingress"][0]
+    assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    components = [p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
+                  for p in grpc_rule["from"]]
+    assert components == [None, "openai", "test", "experts"]
+    assert grpc_rule["from"][-1]["podSelector"]["matchLabels"].items() <= worker_pods.items()
+    (workers,) = of(docs, "NetworkPolicy", "experts")                       # the workers still admit the router only
+    assert workers["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "router"
+    (static,) = of(render({"networkPolicy": {"enabled": True}}), "NetworkPolicy", "router")
+    assert "experts" not in str(static["spec"]["ingress"][0])
+
+
+@pytest.mark.parametrize("bad", [
+    {"experts": {"placement": "dynamic"}},
+    {"experts": {"maxExperts": -1}},
+    {"experts": {"redundantExperts": -1}},
+    {"experts": {"rebalanceInterval": -5}},
+    {"experts": {"placementWindow": 0}},
+    {"experts": {"terminationGracePeriodSeconds": 10}},                    # no time left for the preStop hook
+    {"experts": {"autoscaling": {"minReplicas": 0}}},
+    {"experts": {"autoscaling": {"enable": True}}},
+    {"router": {"keda": {"minReplicaCount": 0}}},                          # no router, no waiting requests to wake it
+    {"router": {"keda": {"serverAddress": ""}}},
+    {"router": {"keda": {"threshold": "many"}}},
+    {"router": {"keda": {"query": "up"}}},
+    {"fleetToken": {"secretKey": ""}},
+    {"fleetToken": {"token": "abc"}},
+])
+def test_schema_rejects_wrong_elastic_values(bad):
+    with pytest.raises(helm.HelmError, match="schema"):
+        helm.Chart.load(CHART).render(bad, name="prod", namespace="llm", is_install=True)
+
+
+def test_notes_say_how_to_reach_the_admin_service_and_resize():
+    def notes(values):
+        out = helm.Chart.load(CHART).render(values, name="prod", namespace="llm", is_install=True)
+        return next(v for k, v in out.items() if k.endswith("NOTES.txt"))
+
+    text = notes(VALUE_SETS["elastic-tls"])
+    assert "kubectl -n llm exec deploy/prod-colibri-router -- colibri workers --target 127.0.0.1:50051" in text
+    assert "--tls-server-name prod-colibri-router.llm.svc.cluster.local show" in text
+    assert "get secret prod-colibri-fleet-token -o jsonpath='{.data.token}'" in text
+    assert "kubectl -n llm scale statefulset/prod-colibri-experts --replicas=N" in text
+    assert "placed by the router" in text and "the workers (their preStop hook)" in text
+    assert "2-8 (autoscaled)" in notes(VALUE_SETS["elastic"])
+    static = notes(VALUE_SETS["plain"])
+    assert "colibri workers --target 127.0.0.1:50051 show" in static and "statefulset" not in static
+    assert "jsonpath='{.data.fleet}'" in notes(VALUE_SETS["elastic-plain"]) and "corp-fleet" in notes(
+        VALUE_SETS["elastic-plain"])

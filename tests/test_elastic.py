@@ -192,6 +192,8 @@ def test_admin_takes_only_the_fleet_token_and_checks_addresses(model):
         assert not out.changed and "changes nothing" in out.message
         res = workers_cli(r, "remove", a)                    # the last worker cannot go
         assert res.returncode == 1 and "at least one worker" in res.stderr
+        res = workers_cli(r, "remove", "127.0.0.1:1")
+        assert res.returncode == 1 and "not among the router's workers" in res.stderr
         assert Client(r).generate([1, 2, 3], 4, ignore_eos=True, timeout=60).token_ids == model.greedy([1, 2, 3], 4)
 
 
@@ -290,7 +292,10 @@ def test_follow_workers_serves_with_what_the_name_resolves_to(model):
 def test_a_follower_leaves_out_what_an_operator_removed_until_it_leaves_the_name(monkeypatch):
     from router_service.moe import follow
 
-    seen = [("a:1", "b:1", "c:1")]
+    def named(*names: str, ip: str = "10.0.0.") -> dict[str, str]:
+        return {n: ip + n[0] for n in names}
+
+    seen = [named("a:1", "b:1", "c:1")]
     now = ["a:1", "b:1", "c:1"]
     cordoned: set[str] = {"c:1"}                               # an operator removed c (its preStop hook)
     changes = []
@@ -301,14 +306,22 @@ def test_a_follower_leaves_out_what_an_operator_removed_until_it_leaves_the_name
         f.poll()
         assert changes == [("a:1", "b:1")]                   # c is draining: not taken back
         now[:] = ["a:1", "b:1"]
-        seen[0] = ("a:1", "b:1")                             # c's pod is gone from the Service
+        seen[0] = named("a:1", "b:1")                        # c's pod is gone from the Service
         f.poll()
         assert cordoned == set() and len(changes) == 1
-        seen[0] = ("a:1", "b:1", "c:1", "d:1")               # scaled up: c's ordinal is back, and d
+        seen[0] = named("a:1", "b:1", "c:1", "d:1")          # scaled up: c's ordinal is back, and d
         f.poll()
         assert changes[-1] == ("a:1", "b:1", "c:1", "d:1")
-        seen[0] = ()                                         # a DNS hiccup: keep serving with what serves
+        now[:] = ["a:1", "b:1", "c:1", "d:1"]
+        cordoned.add("d:1")                                  # d drains; its pod restarts under its name
         f.poll()
-        assert len(changes) == 2
+        assert changes[-1] == ("a:1", "b:1", "c:1")
+        now[:] = ["a:1", "b:1", "c:1"]
+        seen[0] = {**named("a:1", "b:1", "c:1"), "d:1": "10.0.9.9"}   # the new pod: another IP
+        f.poll()
+        assert cordoned == set() and changes[-1] == ("a:1", "b:1", "c:1", "d:1")
+        seen[0] = {}                                         # a DNS hiccup: keep serving with what serves
+        f.poll()
+        assert len(changes) == 4
     finally:
         f.close()

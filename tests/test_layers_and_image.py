@@ -70,3 +70,9 @@ def test_the_dockerfile_copies_every_installed_package():
         assert pkg in copied, f"the Dockerfile does not COPY {pkg}/, which pyproject.toml installs"
     for needed in ("pyproject.toml", "protos"):
         assert needed in dockerfile
+
+
+def test_the_dockerfile_compiles_every_proto():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    for proto in sorted((REPO / "protos").glob("*.proto")):
+        assert f"colibri_common/pb/{proto.name}" in dockerfile, f"the image's protoc step misses {proto.name}"

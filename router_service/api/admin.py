@@ -65,17 +65,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     def SetWorkers(self, request, context):
         p = self._placement(context)
-        addresses = tuple(a.strip() for a in request.workers)
-        if not addresses:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a router serves with at least one worker: give "
-                          "HOST:PORT addresses")
-        bad = [a for a in addresses if not a or ":" not in a]
+        lists = [tuple(a.strip() for a in names) for names in (request.workers, request.add, request.remove)]
+        bad = [a for names in lists for a in names if not a or ":" not in a]
         if bad:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"workers must be HOST:PORT addresses, got "
-                          f"{list(request.workers)}")
-        log.info("admin: set workers to %s", ", ".join(addresses))
+                          f"{', '.join(repr(a) for a in bad)}")
+        workers, add, remove = lists
+        if not (workers or add or remove):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a router serves with at least one worker: give "
+                          "HOST:PORT addresses (workers, or add / remove)")
+        log.info("admin: %s", f"set workers to {', '.join(workers)}" if workers else
+                 "; ".join(f"{what} {', '.join(names)}" for what, names in (("add", add), ("remove", remove)) if names))
         try:
-            return _change(p.set_workers(addresses))
+            return _change(p.set_workers(workers, add=add, remove=remove))
         except ResizeFailed as exc:
             log.warning("admin: %s", exc)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -226,8 +226,9 @@ def serve_router(opts: RouterOptions) -> None:
     servicer = GenerationServicer(opts)
     add_servicer(service.server, servicer, pb.DESCRIPTOR.services_by_name["Generation"], {"Generate": cap})
     admin_servicer = admin.AdminServicer()
-    add_servicer(service.server, admin_servicer, admin_pb2.DESCRIPTOR.services_by_name["Admin"], {"SetWorkers": 1,
-                                                                                            "Rebalance": 1})
+    # changes queue behind one another (one runs at a time); a few may wait, beyond them RESOURCE_EXHAUSTED
+    add_servicer(service.server, admin_servicer, admin_pb2.DESCRIPTOR.services_by_name["Admin"], {"SetWorkers": 4,
+                                                                                            "Rebalance": 2})
     tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
     if opts.tls_client_auth and tls is None:
         raise ColibriError("--tls-client-auth needs --tls-cert, --tls-key and --tls-ca")

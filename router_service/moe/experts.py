@@ -224,6 +224,7 @@ class WorkerInfo:
     address: str
     epoch: int
     held: dict[int, list[int]]       # layer -> experts
+    also: tuple[int, ...]            # earlier epochs those experts still answer for
     max_experts: int                 # 0 = no limit
     static_shard: bool
     summary: str                     # for the logs
@@ -329,7 +330,14 @@ class RemoteExperts:
         how = f"shard {d.shard_index}/{d.num_shards}" if d.static_shard or d.num_shards else f"epoch {d.epoch}"
         summary = f"{how}, {sum(map(len, held.values()))} (layer, expert) pairs, {d.dtype} {cached}, layers over " \
                   f"{'its local socket ' + d.local_socket if link.local else 'gRPC'}"
-        return WorkerInfo(address, d.epoch, held, d.max_experts, d.static_shard or bool(d.num_shards), summary)
+        return WorkerInfo(address, d.epoch, held, tuple(d.also_serves), d.max_experts,
+                          d.static_shard or bool(d.num_shards), summary)
+
+    def serves(self, info: WorkerInfo, table: Table) -> bool:
+        """Whether a worker (as described) computes every pair `table` would send it."""
+        want = table.plan.of(info.address)
+        return (info.epoch == table.epoch or table.epoch in info.also) and all(
+            set(es) <= set(info.held.get(layer, ())) for layer, es in want.items())
 
     def _first_table(self, infos: list[WorkerInfo]) -> Table:
         """The workers' own plans where they brought one (static shards), else a plan of the router's, assigned

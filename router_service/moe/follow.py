@@ -4,8 +4,8 @@ address per expert pod), polled every few seconds; a change of the set re-plans 
 
 An address is named by its reverse (PTR) record where that is a name under NAME's own domain (a StatefulSet
 pod's stable `<pod>.<service>.<ns>.svc...`, which its TLS certificate carries), else by its IP. An address an
-operator removed (`colibri workers remove`, a pod's preStop hook) is left out until it leaves the Service, so
-a draining pod is not taken back while it stops.
+operator removed (`colibri workers remove`, a pod's preStop hook) is left out until it leaves the Service or
+a new pod takes its name (another IP), so a draining pod is not taken back while it stops.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ def split_target(target: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def resolve(target: str) -> tuple[str, ...]:
-    """The workers NAME:PORT stands for now, sorted; () when it does not resolve (no pod yet)."""
+def resolve(target: str) -> dict[str, str]:
+    """The workers NAME:PORT stands for now, sorted, each with its IP; empty when it does not resolve (no pod
+    yet)."""
     host, port = split_target(target)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror:
-        return ()
+        return {}
     domain = host.partition(".")[0]
-    out = set()
+    out = {}
     for *_, addr in infos:
         ip = addr[0]
         name = ip if ":" not in ip else f"[{ip}]"
@@ -47,14 +48,14 @@ def resolve(target: str) -> tuple[str, ...]:
                 name = ptr
         except OSError:
             pass
-        out.add(f"{name}:{port}")
-    return tuple(sorted(out))
+        out[f"{name}:{port}"] = ip
+    return dict(sorted(out.items()))
 
 
 def wait_for_workers(target: str, timeout_s: float) -> tuple[str, ...]:
     """The workers `target` resolves to once it resolves to any (a fleet's first pods may still be starting)."""
     deadline = time.monotonic() + timeout_s
-    while not (found := resolve(target)):
+    while not (found := tuple(resolve(target))):
         if time.monotonic() > deadline:
             raise ConfigError(f"--follow-workers {target} resolved to no address within {timeout_s:.0f}s")
         time.sleep(1.0)
@@ -72,6 +73,7 @@ class Follower:
         split_target(target)
         self.target, self.current, self.change = target, current, change
         self.cordoned, self.uncordon, self.interval_s = cordoned, uncordon, interval_s
+        self._cordon_ip: dict[str, str] = {}              # a cordoned name's IP when first seen cordoned
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="follow-workers", daemon=True).start()
 
@@ -79,9 +81,15 @@ class Follower:
         seen = resolve(self.target)
         if not seen:
             return                                           # a DNS hiccup or every pod gone: keep what serves
-        gone = self.cordoned() - set(seen)
-        if gone:
-            self.uncordon(gone)                              # it left the Service: it may come back later
+        cordoned = self.cordoned()
+        for name in cordoned & set(seen):
+            self._cordon_ip.setdefault(name, seen[name])
+        # it left the Service, or a new pod took its name (a StatefulSet's restart: a new IP): it may serve again
+        back = {a for a in cordoned if a not in seen or self._cordon_ip.get(a, seen[a]) != seen[a]}
+        if back:
+            self.uncordon(back)
+            for a in back:
+                self._cordon_ip.pop(a, None)
         want = tuple(a for a in seen if a not in self.cordoned())
         if want and set(want) != set(self.current()):
             log.info("%s now resolves to %s: re-planning", self.target, ", ".join(want))

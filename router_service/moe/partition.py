@@ -66,15 +66,17 @@ def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
     ids = topk_ids.long()
     todo = (ids >= 0) if pairs is None else pairs & (ids >= 0)                  # [T, K]
     counts = torch.bincount(ids[todo], minlength=E).tolist()                   # [E]
-    alive = holders & torch.tensor(live, dtype=torch.bool)[None, :]            # [E, W]
+    up = [w for w in range(W) if live[w]]
+    used = [e for e in range(E) if counts[e]]
+    rows = holders[used][:, up].tolist() if used and up else [[] for _ in used]   # [n, W_live], one copy
+    holders_of = {e: [w for w, h in zip(up, row, strict=True) if h] for e, row in zip(used, rows, strict=True)}
     load = [0] * W
     choice = [-1] * E
-    hot = max(2, sum(counts) // (2 * max(1, sum(live))))                        # half a worker's fair share
+    hot = max(2, sum(counts) // (2 * max(1, len(up))))                          # half a worker's fair share
     splits: list[tuple[int, list[tuple[int, int]]]] = []                       # (expert, [(worker, pairs)])
-    choices = alive.sum(dim=1).tolist()                                        # [E] live holders
     # experts with one holder first (they have no choice), then the most pairs first
-    for e in sorted((e for e in range(E) if counts[e]), key=lambda e: (choices[e] > 1, -counts[e])):
-        options = alive[e].nonzero().flatten().tolist()
+    for e in sorted(used, key=lambda e: (len(holders_of[e]) > 1, -counts[e])):
+        options = holders_of[e]
         if len(options) > 1 and counts[e] >= hot:
             shares = water_fill(counts[e], [load[w] for w in options])
             splits.append((e, [(w, n) for w, n in zip(options, shares, strict=True) if n]))
@@ -120,11 +122,13 @@ def water_fill(n: int, loads: list[int]) -> list[int]:
 def split_pairs(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerPairs]:
     """One WorkerPairs per worker with at least one pair (worker [T, K] from `assign`)."""
     out = []
+    present = torch.bincount(worker[worker >= 0], minlength=num_workers).tolist()     # [W] pairs each
+    ids32 = topk_ids.to(torch.int32)
     for w in range(num_workers):
+        if not present[w]:
+            continue
         mine = worker == w                                                     # [T, K]
         rows = mine.any(dim=1).nonzero().flatten()                             # [n]
-        if rows.numel():
-            ids = torch.where(mine[rows], topk_ids[rows].to(torch.int32), torch.full_like(topk_ids[rows], -1,
-                                                                                          dtype=torch.int32))
-            out.append(WorkerPairs(w, rows, ids))
+        ids = torch.where(mine[rows], ids32[rows], -1)                         # [n, K]
+        out.append(WorkerPairs(w, rows, ids))
     return out

@@ -107,16 +107,26 @@ class Placement:
         return even_plan(E, layers, workers, r)
 
     # -- changes -----------------------------------------------------------------------------------
-    def set_workers(self, addresses: tuple[str, ...], by_operator: bool = True) -> Outcome:
-        """Serve with exactly these workers from a switch between two steps on; raises ResizeFailed (nothing
-        changed) with the reason. Workers an operator removes are not taken back by `--follow-workers` while
-        they are still listed there (draining)."""
-        if not addresses:
-            raise ResizeFailed("give at least one worker address (HOST:PORT)")
-        if len(set(addresses)) != len(addresses):
-            raise ResizeFailed(f"a worker is listed twice: {', '.join(addresses)}")
+    def set_workers(self, addresses: tuple[str, ...] = (), by_operator: bool = True, add: tuple[str, ...] = (),
+                    remove: tuple[str, ...] = ()) -> Outcome:
+        """Serve with exactly `addresses` (or the current set with `add` joined and `remove` taken out, as it is
+        when this change's turn comes) from a switch between two steps on; raises ResizeFailed (nothing changed)
+        with the reason. Workers an operator removes are not taken back by `--follow-workers` while they are
+        still listed there (draining)."""
+        if addresses and (add or remove):
+            raise ResizeFailed("give the whole set of workers, or workers to add and remove, not both")
         with self._change:
             old = self.remote.table.plan.workers
+            if not addresses:
+                unknown = [a for a in remove if a not in old]
+                if unknown:
+                    raise ResizeFailed(f"{', '.join(unknown)}: not among the router's workers ({', '.join(old)})")
+                addresses = tuple(a for a in (*old, *add) if a not in remove)
+                addresses = tuple(dict.fromkeys(addresses))
+            if not addresses:
+                raise ResizeFailed("a router serves with at least one worker: give HOST:PORT addresses")
+            if len(set(addresses)) != len(addresses):
+                raise ResizeFailed(f"a worker is listed twice: {', '.join(addresses)}")
             out = self._change_to(tuple(addresses), "resize")
             if by_operator:
                 self.cordoned = (self.cordoned | {a for a in old if a not in addresses}) - set(addresses)
@@ -162,7 +172,7 @@ class Placement:
                 raise ResizeFailed(f"worker {a} cannot join: {exc}") from exc
         for a in addresses:
             if a not in infos:
-                infos[a] = WorkerInfo(a, old.epoch, old.of(a), 0, False, "")
+                infos[a] = WorkerInfo(a, old.epoch, old.of(a), (), 0, False, "")
         return infos
 
     def _drop_link(self, address: str) -> None:
@@ -262,8 +272,11 @@ class Placement:
                     want = table.plan.of(address)
                     try:
                         info = remote.describe(address, time.monotonic() + 2.0)
-                        if info.epoch != table.epoch or info.held != want:
-                            remote.assign(address, want, table.epoch, self.opts.load_timeout)
+                        if not remote.serves(info, table):
+                            # never lower a worker's epoch (after a rollback it is ahead): it answers for ours too
+                            epoch = max(table.epoch, info.epoch)
+                            remote.assign(address, want, epoch, self.opts.load_timeout,
+                                          (table.epoch,) if epoch != table.epoch else ())
                             log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address,
                                      table.epoch, info.epoch)
                         remote.liveness.set_synced(w, True)

@@ -39,6 +39,12 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* The experts' headless Service (experts.placement router: the router's --follow-workers; it resolves to one
+     address per expert pod, named <pod>.<experts>.<ns>.svc.<domain> by its reverse record). */}}
+{{- define "colibri.expertsServiceAddress" -}}
+{{ include "colibri.expertsName" . }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.experts.port }}
+{{- end -}}
+
 {{/* The router's --workers list: the StatefulSet pods' stable DNS names, one per shard. */}}
 {{- define "colibri.workerAddresses" -}}
 {{- $sts := include "colibri.expertsName" . -}}
@@ -216,14 +222,42 @@ initContainers:
 {{- toJson .Values._colibriApiKey -}}
 {{- end -}}
 
+{{/* The fleet token Secret (env COLIBRI_FLEET_TOKEN of the router and the workers), and its generated data (kept
+     across upgrades like the TLS Secret). */}}
+{{- define "colibri.fleetTokenSecretName" -}}
+{{- .Values.fleetToken.existingSecret | default (printf "%s-fleet-token" (include "colibri.fullname" .)) -}}
+{{- end -}}
+
+{{- define "colibri.fleetTokenGenerated" -}}
+{{- if not (hasKey .Values "_colibriFleetToken") -}}
+{{- $key := .Values.fleetToken.secretKey -}}
+{{- $old := lookup "v1" "Secret" .Release.Namespace (include "colibri.fleetTokenSecretName" .) | default dict -}}
+{{- $oldData := get $old "data" | default dict -}}
+{{- $_ := set .Values "_colibriFleetToken" (dict $key (get $oldData $key | default (randAlphaNum 48 | b64enc))) -}}
+{{- end -}}
+{{- toJson .Values._colibriFleetToken -}}
+{{- end -}}
+
+{{- define "colibri.fleetTokenEnv" -}}
+- name: COLIBRI_FLEET_TOKEN      # shared by router and workers: a worker refuses calls without it
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "colibri.fleetTokenSecretName" . }}
+      key: {{ .Values.fleetToken.secretKey }}
+{{- end -}}
+
 {{/* Pod annotations: podAnnotations, and checksums of the Secrets the chart makes, so new material restarts every
-     pod that reads it (router and workers must trust the same CA; processes read certificates at start).
+     pod that reads it (router and workers must trust the same CA and hold the same fleet token; processes read
+     both at start).
      dict: root, component. */}}
 {{- define "colibri.podAnnotations" -}}
 {{- $root := .root -}}
 {{- $ann := deepCopy ($root.Values.podAnnotations | default dict) -}}
 {{- if and $root.Values.tls.enabled (eq (include "colibri.tlsSource" $root) "generated") -}}
 {{- $_ := set $ann "checksum/tls" (include "colibri.tlsGenerated" $root | sha256sum) -}}
+{{- end -}}
+{{- if and (has .component (list "router" "experts")) (not $root.Values.fleetToken.existingSecret) -}}
+{{- $_ := set $ann "checksum/fleet-token" (include "colibri.fleetTokenGenerated" $root | sha256sum) -}}
 {{- end -}}
 {{- $apiKey := $root.Values.openai.apiKey -}}
 {{- if and (eq .component "openai") $apiKey.enabled (not $apiKey.existingSecret) -}}
