@@ -325,3 +325,20 @@ def test_a_follower_leaves_out_what_an_operator_removed_until_it_leaves_the_name
         assert len(changes) == 4
     finally:
         f.close()
+
+
+def test_a_worker_down_for_good_is_planned_out_and_the_others_serve_its_experts(model):
+    want = model.greedy([9, 8, 7], 16)
+    with ExitStack() as stack:
+        ws = [stack.enter_context(worker(model.path)) for _ in range(3)]
+        addrs = [a for a, _ in ws]
+        r, _ = stack.enter_context(router(model.path, addrs, "--replan-dead-after", "1"))
+        ws[2][1].send_signal(signal.SIGKILL)                 # lost for good (no restart)
+        ws[2][1].wait()
+        deadline = time.monotonic() + 30
+        while [w.address for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).workers] != \
+                addrs[:2]:
+            assert time.monotonic() < deadline, "the dead worker was not planned out"
+            time.sleep(0.2)
+        assert held(addrs[0]) + held(addrs[1]) == 2 * 60
+        assert Client(r).generate([9, 8, 7], 16, ignore_eos=True, timeout=60).token_ids == want

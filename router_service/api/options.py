@@ -59,6 +59,10 @@ class RouterOptions(ServiceOptions):
                                         "are counted, for placement from load and the balance metric")
     rebalance_interval: float = option(0.0, "seconds between re-plans from the measured load, switched like a "
                                             "resize (0 = only when asked: `colibri workers rebalance`)")
+    replan_dead_after: float = option(0.0, "plan out a worker whose health checks have failed this many seconds: "
+                                           "its experts move to the others, so a lost worker stops failing "
+                                           "requests (with --follow-workers it is planned in again once it serves); "
+                                           "0 = never (requests that need it fail until it is back)")
     worker_load_timeout: float = option(600.0, "seconds a worker may take to load the experts a new plan gives "
                                                "it before the change is rolled back")
     sched: SchedulerConfig = SchedulerConfig()
@@ -84,6 +88,8 @@ class RouterOptions(ServiceOptions):
         if self.redundant_experts < 0 or self.rebalance_interval < 0:
             raise ValueError(f"--redundant-experts and --rebalance-interval must be >= 0, got "
                              f"{self.redundant_experts} and {self.rebalance_interval}")
+        if self.replan_dead_after < 0:
+            raise ValueError(f"--replan-dead-after must be >= 0 (0 = never), got {self.replan_dead_after}")
         for name in ("worker_timeout", "grace_period", "stream_stall_timeout", "worker_load_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

@@ -242,7 +242,7 @@ def serve_router(opts: RouterOptions) -> None:
     assert isinstance(built.experts, RemoteExperts)             # remote_experts built them
     placement = Placement(built.experts, PlacementOptions(
         opts.expert_replicas, opts.redundant_experts, opts.rebalance_interval, opts.worker_load_timeout,
-        min(opts.worker_timeout, 10.0)))
+        min(opts.worker_timeout, 10.0), opts.replan_dead_after))
     admin_servicer.placement = placement
     if opts.follow_workers:
         placement.follow(opts.follow_workers, opts.follow_interval)

@@ -48,6 +48,7 @@ class PlacementOptions:
     rebalance_interval: float = 0.0   # seconds between re-plans from load; 0 = only when asked
     load_timeout: float = 600.0       # seconds a worker may take to load its new experts
     connect_timeout: float = 10.0     # seconds a new worker may take to answer Describe
+    replan_dead_after: float = 0.0    # a worker down this long is planned out (its experts moved); 0 = never
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -56,6 +57,8 @@ class PlacementOptions:
             raise ValueError(f"--redundant-experts must be >= 0, got {self.redundant_experts}")
         if self.rebalance_interval < 0:
             raise ValueError(f"--rebalance-interval must be >= 0 (0 = off), got {self.rebalance_interval}")
+        if self.replan_dead_after < 0:
+            raise ValueError(f"--replan-dead-after must be >= 0 (0 = off), got {self.replan_dead_after}")
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ class Placement:
         remote.on_failure = self.resync
         if self.opts.rebalance_interval > 0:
             threading.Thread(target=self._rebalancing, name="rebalance", daemon=True).start()
+        if self.opts.replan_dead_after > 0:
+            threading.Thread(target=self._planning_out_the_dead, name="replan-dead", daemon=True).start()
 
     # -- plans -------------------------------------------------------------------------------------
     def _load(self) -> dict[int, list[float]]:
@@ -299,6 +304,35 @@ class Placement:
                 log.warning("periodic rebalance: %s", exc)
             except Exception:  # noqa: BLE001 (the thread goes on; the next interval tries again)
                 log.exception("periodic rebalance failed")
+
+    def _planning_out_the_dead(self) -> None:
+        """A worker whose health checks have failed for --replan-dead-after seconds is planned out: its experts
+        move to the living (a rank lost for good stops failing requests; with --follow-workers it is planned in
+        again when it serves again)."""
+        down_since: dict[str, float] = {}
+        while not self._stop.wait(0.5):
+            remote = self.remote
+            plan = remote.table.plan
+            now = time.monotonic()
+            for address in plan.workers:
+                w = remote.index[address]
+                if remote.liveness.healthy[w]:
+                    down_since.pop(address, None)
+                else:
+                    down_since.setdefault(address, now)
+            dead = tuple(a for a in plan.workers if now - down_since.get(a, now) >= self.opts.replan_dead_after)
+            alive = tuple(a for a in plan.workers if a not in dead)
+            if not dead or not alive:
+                continue
+            log.warning("worker%s %s down for %.0fs or more: moving %s experts to %s", "s" * (len(dead) > 1),
+                        ", ".join(dead), self.opts.replan_dead_after, "their" if len(dead) > 1 else "its",
+                        ", ".join(alive))
+            try:
+                self.set_workers(alive, by_operator=False)
+                for a in dead:
+                    down_since.pop(a, None)
+            except ResizeFailed as exc:
+                log.warning("planning out %s: %s", ", ".join(dead), exc)
 
     def close(self) -> None:
         self._stop.set()
