@@ -28,14 +28,16 @@ class WrongEpoch(Exception):
 
 @dataclass(frozen=True)
 class Served:
-    """One shard and the epochs its experts answer for."""
+    """One shard, the epochs its experts answer for, and whose plan it is."""
 
     built: BuiltShard
     epoch: int                     # 0 = the worker's own static plan (--shard), before any Assign
     also: frozenset[int]           # earlier epochs the set still covers (the union during a switch)
+    owner: str = ""                # the router whose plan this is ("" = the worker's own, or none)
+    assigned: bool = True          # False: a worker without --shard that no router has given experts yet
 
     def serves(self, epoch: int) -> bool:
-        return epoch == self.epoch or epoch in self.also
+        return self.assigned and (epoch == self.epoch or epoch in self.also)
 
 
 class Holding:
@@ -50,13 +52,14 @@ class Holding:
         now = self.now
         return None if now is None else now.built.experts
 
-    def install(self, built: BuiltShard, epoch: int, also: frozenset[int] = frozenset()) -> BuiltShard | None:
+    def install(self, built: BuiltShard, epoch: int, also: frozenset[int] = frozenset(), owner: str = "",
+                assigned: bool = True) -> BuiltShard | None:
         """Serve `built` from now on for `epoch` (and `also`); the shard it replaces is returned (closed here
         once no call uses it)."""
         close_now = False
         with self._lock:
             old = self.now
-            self.now = Served(built, epoch, also)
+            self.now = Served(built, epoch, also, owner, assigned)
             if old is None or old.built is built:
                 return None
             if self._users.get(id(old.built), 0):
@@ -67,11 +70,11 @@ class Holding:
             self._close(old.built)
         return old.built
 
-    def set_epochs(self, epoch: int, also: frozenset[int]) -> None:
+    def set_epochs(self, epoch: int, also: frozenset[int], owner: str) -> None:
         """The same experts answer for other epochs (a plan that changes nothing here)."""
         with self._lock:
             if self.now is not None:
-                self.now = Served(self.now.built, epoch, also)
+                self.now = Served(self.now.built, epoch, also, owner)
 
     @contextmanager
     def use(self, epoch: int) -> Iterator[ExpertShard]:
@@ -79,6 +82,9 @@ class Holding:
             now = self.now
             if now is None:
                 raise LookupError("expert worker is still loading its weights; retry")
+            if not now.assigned:
+                raise WrongEpoch("this worker holds no experts yet: a router assigns them (it was started without "
+                                 "--shard)")
             if not now.serves(epoch):
                 raise WrongEpoch(f"this call was planned under placement epoch {epoch}, but this worker holds the "
                                  f"experts of epoch {now.epoch}; the router re-plans")

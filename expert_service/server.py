@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from kernels import batch_invariant
 log = logging.getLogger("colibri.expert")
 SERVICE = "colibri.v1.ExpertWorker"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MAX_EPOCH = 1 << 62        # placement epochs stay far from uint64's end (a router adds one to the highest it sees)
 EXIT_RESTART = 75          # EX_TEMPFAIL: stopped because its experts' bytes changed; a restart maps them afresh
 
 
@@ -93,6 +95,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.on_damage: Callable[[str], None] | None = None   # its experts' bytes cannot be trusted: stop serving
         self.on_install: Callable[[BuiltShard], None] | None = None           # a new plan's experts are served
         self._assigning = threading.Lock()      # one plan at a time
+        self.instance = secrets.token_hex(8)    # this process: one worker under two addresses is one worker
 
     @property
     def shard(self) -> ExpertShard | None:
@@ -115,12 +118,14 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             expert_cache_slots=0 if s.cache is None else s.cache.hot.w13.shape[0], batch_invariant=batch_invariant(),
             max_step_tokens=self.max_step_tokens, local_socket=self.local_socket,
             epoch=now.epoch if now is not None else 0, max_experts=self.max_experts, static_shard=self.static_shard,
-            also_serves=sorted(now.also) if now is not None else [],
+            also_serves=sorted(now.also) if now is not None else [], instance=self.instance,
+            owner=now.owner if now is not None else "", assigned=now is not None and now.assigned,
             layers=[expert_pb2.LayerExperts(layer=layer, experts=es) for layer, es in s.held.items()])
 
-    def _plan(self, request: expert_pb2.AssignRequest, cfg: ModelConfig) -> dict[int, list[int]]:
+    def _plan(self, request: expert_pb2.AssignRequest, cfg: ModelConfig, budget: bool = True
+              ) -> dict[int, list[int]]:
         """The request's experts per MoE layer, checked: known layers, ids in range, no layer twice, within
-        --max-experts."""
+        --max-experts (`budget`; a switch holds the old and new experts together for a while)."""
         held: dict[int, list[int]] = {layer: [] for layer in cfg.moe_layers}
         seen: set[int] = set()
         for le in request.layers:
@@ -133,28 +138,35 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             if es and not (0 <= es[0] and es[-1] < cfg.num_experts):
                 raise ValueError(f"layer {le.layer}: expert ids must be in [0, {cfg.num_experts}), got "
                                  f"{es[0]}..{es[-1]}")
-            if self.max_experts and len(es) > self.max_experts:
+            if budget and self.max_experts and len(es) > self.max_experts:
                 raise ValueError(f"layer {le.layer}: {len(es)} experts assigned, but this worker holds at most "
                                  f"{self.max_experts} a layer (--max-experts)")
             held[le.layer] = es
         return held
 
     def Assign(self, request, context):
-        s = self._loaded(context)
+        self._loaded(context)
+        if request.epoch >= MAX_EPOCH or any(e >= MAX_EPOCH for e in request.also_serves):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"placement epochs must be below {MAX_EPOCH}")
         with self._assigning:
             now = self.holding.now
             assert now is not None                            # loaded: a shard is installed
+            s = now.built.experts                             # read under the lock: the plan in force now
             if request.epoch < now.epoch:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"placement epoch {request.epoch} is older than "
                               f"this worker's {now.epoch}: another router planned since; describe again")
+            if now.owner and request.owner != now.owner and request.epoch <= now.epoch:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker holds placement epoch {now.epoch} "
+                              f"of router {now.owner}; another router takes it over only with a higher epoch (one "
+                              f"router owns a fleet's placement)")
             try:
-                held = self._plan(request, s.cfg)
+                held = self._plan(request, s.cfg, budget=not request.switching)
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             also = frozenset(request.also_serves) - {request.epoch}
             t0 = time.perf_counter()
-            if held == s.held:                                # nothing moves here
-                self.holding.set_epochs(request.epoch, also)
+            if held == s.held and now.assigned:               # nothing moves here
+                self.holding.set_epochs(request.epoch, also, request.owner)
             else:
                 assert self.build is not None
                 try:
@@ -163,7 +175,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
                     log.exception("could not load the experts of placement epoch %d", request.epoch)
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"could not load the experts of epoch "
                                   f"{request.epoch}: {type(exc).__name__}: {exc}")
-                self.holding.install(built, request.epoch, also)
+                self.holding.install(built, request.epoch, also, request.owner)
                 if self.on_install is not None:
                     self.on_install(built)
             s = self.holding.shard
@@ -356,7 +368,7 @@ def serve_expert(opts: ExpertOptions) -> int:
     servicer.on_damage = stop_serving
     servicer.on_install = serving
     serving(built)
-    servicer.holding.install(built, 0)
+    servicer.holding.install(built, 0, assigned=bool(opts.shard))     # without --shard: nothing until assigned
     if opts.metrics_port is not None:
         mport = servicer.metrics.serve(opts.host, opts.metrics_port)
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)

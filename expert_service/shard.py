@@ -282,8 +282,13 @@ class ExpertShard:
             self.ckpt.close()
 
     def close(self) -> None:
+        """Release every expert held: the cache's slots, the packed stacks (and the kernels' views of them), the
+        views over the mapping, then the mapping."""
+        stacks: list[object] = [*self.w13.values(), *self.w2.values()]
         if self.cache is not None:
+            stacks += [self.cache.hot.w13, self.cache.hot.w2]
             self.cache.close()
+        native.forget(stacks)
         self.w13.clear()                     # views over the mapping go before it
         self.w2.clear()
         self.ckpt.close()

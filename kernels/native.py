@@ -124,6 +124,15 @@ _NO_MAP = torch.empty(0, dtype=torch.long)
 _SPLIT: dict[tuple, tuple[tuple[torch.Tensor, ...], ...]] = {}     # a packed stack's per-expert views, made once
 
 
+def forget(weights: list[object]) -> None:
+    """Drop the per-expert views made for these packed stacks (a worker releasing a plan's experts): the cache
+    would keep their memory alive."""
+    ptrs = {t.data_ptr() for w in weights for t in ((w.q,) if isinstance(w, Int8Weight) else (w,))
+            if isinstance(t, torch.Tensor)}
+    for key in [k for k in _SPLIT if k[0] in ptrs]:
+        del _SPLIT[key]
+
+
 def _per_expert(w: torch.Tensor | Int8Weight | ExpertRows) -> tuple[tuple[torch.Tensor, ...], int, tuple[torch.Tensor,
                                                                                                       ...]]:
     """(row blocks of every expert in order, blocks per expert, int8 scales per expert or ()) for the kernel."""

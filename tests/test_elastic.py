@@ -342,3 +342,76 @@ def test_a_worker_down_for_good_is_planned_out_and_the_others_serve_its_experts(
             time.sleep(0.2)
         assert held(addrs[0]) + held(addrs[1]) == 2 * 60
         assert Client(r).generate([9, 8, 7], 16, ignore_eos=True, timeout=60).token_ids == want
+
+
+def test_adding_a_worker_to_a_static_fleet_mid_stream_changes_no_token(model):
+    want = model.greedy_many(PROMPTS, 300)
+    with ExitStack() as stack:
+        a, _ = stack.enter_context(worker(model.path, "--shard", "0/2"))
+        b, _ = stack.enter_context(worker(model.path, "--shard", "1/2"))
+        c, _ = stack.enter_context(worker(model.path))
+        r, _ = stack.enter_context(router(model.path, [a, b]))
+        got, res = streams(r, 300, lambda: workers_cli(r, "add", c))
+        assert res.returncode == 0, res.stderr
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w
+        assert held(c) > 0
+
+
+def test_a_worker_nobody_assigned_refuses_forward_and_one_worker_is_not_taken_twice(model):
+    import torch
+
+    from colibri_common import wire
+
+    with ExitStack() as stack:
+        a, _ = stack.enter_context(worker(model.path))
+        with grpc.insecure_channel(a) as ch:                 # epoch 0, as a static router would send
+            stub = expert_pb2_grpc.ExpertWorkerStub(with_token(ch, TOKEN))
+            req = expert_pb2.ForwardRequest(layer=0, hidden=wire.encode(torch.zeros(1, 96)),
+                                            topk_ids=wire.encode(torch.zeros(1, 4, dtype=torch.int32)),
+                                            topk_weights=wire.encode(torch.ones(1, 4)))
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Forward(req, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no experts yet" in err.value.details()
+        b, _ = stack.enter_context(worker(model.path))
+        r, _ = stack.enter_context(router(model.path, [a, b]))
+        twin = "localhost:" + a.rsplit(":", 1)[1]
+        res = workers_cli(r, "add", twin)
+        assert res.returncode == 1 and "same expert worker" in res.stderr
+        assert Client(r).generate([1, 2, 3], 8, ignore_eos=True, timeout=60).token_ids == model.greedy([1, 2, 3], 8)
+
+
+def test_a_removed_dead_worker_started_again_and_added_back_serves(model):
+    with ExitStack() as stack:
+        (a, _), (b, pb) = stack.enter_context(worker(model.path)), stack.enter_context(worker(model.path))
+        r, _ = stack.enter_context(router(model.path, [a, b], "--worker-load-timeout", "5"))
+        pb.send_signal(signal.SIGKILL)
+        pb.wait()
+        t0 = time.monotonic()
+        res = workers_cli(r, "remove", b)                    # released without waiting for the dead worker
+        assert res.returncode == 0, res.stderr
+        assert time.monotonic() - t0 < 30
+        stack.enter_context(worker(model.path, port=int(b.rsplit(":", 1)[1])))
+        res = workers_cli(r, "add", b)
+        assert res.returncode == 0, res.stderr
+        deadline = time.monotonic() + 30
+        while {w.address: w.state for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(),
+                                                                   timeout=10).workers}.get(b) != "serving":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert Client(r).generate([4, 5, 6], 8, ignore_eos=True, timeout=60).token_ids == model.greedy([4, 5, 6], 8)
+
+
+def test_a_budget_holds_the_plan_not_the_switch(model):
+    with ExitStack() as stack:
+        addrs = [stack.enter_context(worker(model.path, "--max-experts", "32"))[0] for _ in range(2)]
+        r, _ = stack.enter_context(router(model.path, addrs, "--redundant-experts", "4"))
+        client = Client(r)
+        for p in PROMPTS:
+            assert client.generate(p, 16, ignore_eos=True, timeout=60).token_ids == model.greedy(p, 16)
+        res = workers_cli(r, "rebalance")
+        assert res.returncode == 0, res.stderr
+        shown = admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10)
+        assert all(0 < len(le.experts) <= 32 for w in shown.workers for le in w.layers)
+        for p in PROMPTS:
+            assert client.generate(p, 16, ignore_eos=True, timeout=60).token_ids == model.greedy(p, 16)

@@ -85,3 +85,16 @@ def test_a_hot_expert_with_replicas_has_its_pairs_split_and_each_pair_computed_o
     assert int(loads.max() - loads.min()) <= 1                   # and evened out the workers' loads
     parts = split_pairs(worker, ids, W)
     assert sum(int((p.ids >= 0).sum()) for p in parts) == ids.numel()
+
+
+def test_load_plan_places_every_replica_where_the_even_share_runs_out():
+    import random
+
+    held = load_plan({0: [0, 0, 0, 0, 1, 1]}, ("w0:1", "w1:1", "w2:1"), 2)
+    for e in range(6):
+        assert sum(e in es for es in held[0].values()) == 2
+    rnd = random.Random(0)
+    for _ in range(100):
+        load = {0: [rnd.random() ** 3 for _ in range(60)]}
+        held = load_plan(load, ("a:1", "b:1", "c:1"), 2, redundant=2)
+        assert all(sum(e in es for es in held[0].values()) >= 2 for e in range(60))

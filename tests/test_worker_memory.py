@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from colibri.client import Client
+from colibri_common.pb import admin_pb2
 from tests.conftest import colibri_popen, fleet, free_port, metrics
 from tests.forkserver import Forked
 from tests.models import small_config
@@ -171,3 +172,25 @@ def test_a_quarter_capacity_cache_holds_under_half_the_memory_of_a_full_one(big)
           f"shard {shard / 2**20:.0f} MiB"
     assert rss < 0.5 * full, msg
     assert peak < 0.5 * full, msg           # no moment held the shard, packed or mapped
+
+
+@pytest.mark.parametrize("in_place", ["off", "auto"])
+def test_a_worker_a_resize_releases_gives_its_experts_memory_back(big, in_place):
+    """Packed (anonymous memory) or in place (mapped pages): after `colibri workers remove` the worker's resident
+    memory drops by most of what its experts took."""
+    from tests.test_elastic import ENV, admin, router, workers_cli
+    from tests.test_elastic import worker as elastic_worker
+
+    path, size = big
+    extra = ("--experts-in-place", in_place, "--dtype", "float32")
+    with elastic_worker(path, *extra) as (a, pa), elastic_worker(path, *extra) as (b, _), \
+            router(path, [a, b], "--dtype", "float32") as (r, _):
+        assert ENV["COLIBRI_FLEET_TOKEN"]
+        assert len(Client(r).generate(list(range(1, 33)), 4, ignore_eos=True, timeout=120).token_ids) == 4
+        held = psutil.Process(pa.pid).memory_info().rss
+        res = workers_cli(r, "remove", a)
+        assert res.returncode == 0, res.stderr
+        assert [w.address for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).workers] == [b]
+        after = psutil.Process(pa.pid).memory_info().rss
+        touched = size / 2 if in_place == "off" else 0.1 * size      # in place: the pages 32 tokens touched
+        assert held - after > 0.7 * touched, f"RSS {held / 2**20:.0f} -> {after / 2**20:.0f} MiB ({rss_parts(pa.pid)})"

@@ -17,6 +17,15 @@ SERVICE = "colibri.v1.Admin"
 GUARDED = (f"/{SERVICE}/",)
 
 
+MAX_ADDRESSES = 1024
+
+
+def is_address(text: str) -> bool:
+    """HOST:PORT with a host and a port in 1..65535 ([v6]:PORT too)."""
+    host, _, port = text.rpartition(":")
+    return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
+
+
 def worker_states(remote: RemoteExperts) -> list[admin_pb2.WorkerState]:
     """Every worker of the current plan: its state, experts and load."""
     table = remote.table
@@ -66,7 +75,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def SetWorkers(self, request, context):
         p = self._placement(context)
         lists = [tuple(a.strip() for a in names) for names in (request.workers, request.add, request.remove)]
-        bad = [a for names in lists for a in names if not a or ":" not in a]
+        if sum(map(len, lists)) > MAX_ADDRESSES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_ADDRESSES} worker addresses in one call")
+        bad = [a for names in lists for a in names if not is_address(a)]
         if bad:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"workers must be HOST:PORT addresses, got "
                           f"{', '.join(repr(a) for a in bad)}")

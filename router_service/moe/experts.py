@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -228,6 +229,9 @@ class WorkerInfo:
     max_experts: int                 # 0 = no limit
     static_shard: bool
     summary: str                     # for the logs
+    instance: str = ""               # the worker process (one worker under two addresses is one worker)
+    owner: str = ""                  # the router whose plan it holds ("" = its own, or none)
+    assigned: bool = True            # it holds a plan (False: started without --shard, nothing assigned yet)
 
 
 class RemoteExperts:
@@ -271,6 +275,11 @@ class RemoteExperts:
         self.timers = {"wait": 0.0, "expert_compute": 0.0, "dispatch": 0.0}
         self.rebalances = 0
         self.rebalance_seconds = 0.0
+        self.owner_id = secrets.token_hex(6)                 # this router, in the plans it assigns
+        self.instances: dict[str, str] = {}                  # address -> the worker process it reached
+        self.budgets: dict[str, int] = {}                    # address -> its --max-experts (0 = none)
+        self.on_back: Callable[[int], None] | None = None    # a worker's health checks pass again (resize.py)
+        self.table = Table.of(Plan(0, (), {}), {}, cfg.num_layers, cfg.num_experts)   # none until learnt
         try:
             infos = [self.describe(a, time.monotonic() + connect_timeout_s) for a in addresses]
             self.table = self._first_table(infos)
@@ -330,13 +339,24 @@ class RemoteExperts:
         how = f"shard {d.shard_index}/{d.num_shards}" if d.static_shard or d.num_shards else f"epoch {d.epoch}"
         summary = f"{how}, {sum(map(len, held.values()))} (layer, expert) pairs, {d.dtype} {cached}, layers over " \
                   f"{'its local socket ' + d.local_socket if link.local else 'gRPC'}"
+        twin = next((a for a, i in self.instances.items() if i == d.instance and a != address), None) \
+            if d.instance else None
+        if twin is not None and twin in self.table_workers():
+            raise WorkerError(f"{address} is the same expert worker as {twin} (one process under two addresses); "
+                              f"list it once", retryable=False)
+        if d.instance:
+            self.instances[address] = d.instance
+        self.budgets[address] = d.max_experts
         return WorkerInfo(address, d.epoch, held, tuple(d.also_serves), d.max_experts,
-                          d.static_shard or bool(d.num_shards), summary)
+                          d.static_shard or bool(d.num_shards), summary, d.instance, d.owner, d.assigned)
+
+    def table_workers(self) -> tuple[str, ...]:
+        return self.table.plan.workers
 
     def serves(self, info: WorkerInfo, table: Table) -> bool:
         """Whether a worker (as described) computes every pair `table` would send it."""
         want = table.plan.of(info.address)
-        return (info.epoch == table.epoch or table.epoch in info.also) and all(
+        return info.assigned and (info.epoch == table.epoch or table.epoch in info.also) and all(
             set(es) <= set(info.held.get(layer, ())) for layer, es in want.items())
 
     def _first_table(self, infos: list[WorkerInfo]) -> Table:
@@ -344,10 +364,16 @@ class RemoteExperts:
         now (workers started without --shard hold nothing until then)."""
         for i in infos:
             log.info("worker %s: %s", i.address, i.summary)
+        seen: dict[str, str] = {}
+        for i in infos:
+            if i.instance and i.instance in seen:
+                raise WorkerError(f"{i.address} is the same expert worker as {seen[i.instance]} (one process under "
+                                  f"two addresses); list it once", retryable=False)
+            seen[i.instance] = i.address
         held = {layer: {i.address: i.held[layer] for i in infos} for layer in self.cfg.moe_layers}
         learnt = Plan(max((i.epoch for i in infos), default=0), tuple(i.address for i in infos), held)
         missing = learnt.covers(self.cfg.num_experts)
-        if not missing and len({i.epoch for i in infos}) == 1:
+        if not missing and len({i.epoch for i in infos}) == 1 and all(i.assigned for i in infos):
             return Table.of(learnt, self.index, self.cfg.num_layers, self.cfg.num_experts)
         if any(i.static_shard for i in infos) and all(i.static_shard for i in infos):
             layers = sorted({layer for layer, _ in missing})
@@ -363,11 +389,13 @@ class RemoteExperts:
         return Table.of(plan, self.index, self.cfg.num_layers, self.cfg.num_experts)
 
     def assign(self, address: str, held: dict[int, list[int]], epoch: int, timeout_s: float,
-               also: tuple[int, ...] = ()) -> expert_pb2.AssignResponse:
-        """Have one worker hold `held` for `epoch` (and still answer for the epochs `also`)."""
-        request = expert_pb2.AssignRequest(epoch=epoch, also_serves=also, layers=[
-            expert_pb2.LayerExperts(layer=layer, experts=es) for layer, es in sorted(held.items())])
-        return self.link(address).assign(request, timeout_s)
+               also: tuple[int, ...] = (), switching: bool = False, wait: bool = True) -> expert_pb2.AssignResponse:
+        """Have one worker hold `held` for `epoch` (and still answer for the epochs `also`; `switching`: old and new
+        experts together, over its budget for a while)."""
+        request = expert_pb2.AssignRequest(epoch=epoch, also_serves=also, owner=self.owner_id, switching=switching,
+                                           layers=[expert_pb2.LayerExperts(layer=layer, experts=es)
+                                                   for layer, es in sorted(held.items())])
+        return self.link(address).assign(request, timeout_s, wait)
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
@@ -400,6 +428,10 @@ class RemoteExperts:
         self.window.reset_pairs()
         if self.watcher is not None:
             self.watch(self.on_change)               # the health checks follow the new set of workers
+
+    def cancel_switch(self) -> None:
+        """A switch that did not happen (its change rolled back) is not taken later."""
+        self._pending = None
 
     def failed(self, w: int, why: str) -> None:
         self.liveness.failed(w, why)
@@ -528,7 +560,12 @@ class RemoteExperts:
         checked = [w for w in range(len(self.addresses)) if table.in_plan(w)]
 
         def changed(up: list[bool]) -> None:              # every round: a ban can end between health changes
+            was = self.liveness.healthy
+            back = [w for w, ok in zip(checked, up, strict=True) if ok and not was[w]]
             self.liveness.set_healthy(dict(zip(checked, up, strict=True)))
+            for w in back:                                # it may have restarted: described before it is sent tokens
+                if self.on_back is not None:
+                    self.on_back(w)
             on_change(self.covered())
 
         old, self.watcher = self.watcher, WorkerWatch(

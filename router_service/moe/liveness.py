@@ -40,6 +40,11 @@ class Liveness:
                                 ("bans", 0), ("readmissions", 0), ("_was_live", True), ("synced", True)):
                 getattr(self, name).append(value)
 
+    def forgive(self, w: int) -> None:
+        """Forget w's bans (it left the plan: if it is added again it starts clean)."""
+        with self._lock:
+            self.banned_until[w], self.ban_s[w] = 0.0, 0.0
+
     def set_synced(self, w: int, ok: bool) -> None:
         with self._lock:
             self.synced[w] = ok

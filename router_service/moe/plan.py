@@ -86,7 +86,11 @@ def load_plan(load: Mapping[int, Sequence[float]], workers: Sequence[str], repli
         share = [float(c) / r for c in counts]                  # each replica takes an even share of its load
         for e in sorted(range(E), key=lambda e: (-share[e], e)):   # heaviest first (LPT)
             for _ in range(r):
-                options = [w for w in workers if e not in held[w] and len(held[w]) < min(cap[w], even)]
+                options = [w for w in workers if e not in held[w] and len(held[w]) < min(cap[w], even)] or \
+                    [w for w in workers if e not in held[w] and len(held[w]) < cap[w]]   # the even share is full
+                if not options:
+                    raise ValueError(f"layer {layer}: no worker can take another replica of expert {e} within its "
+                                     f"--max-experts; raise it or add workers")
                 w = min(options, key=lambda w: (busy[w], len(held[w]), workers.index(w)))
                 held[w].append(e)
                 busy[w] += share[e]

@@ -21,6 +21,7 @@ described until it answers and assigned its experts again before it is sent toke
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from router_service.moe.table import Table
 from router_service.moe.transport import WorkerError
 
 log = logging.getLogger("colibri.router")
+RELEASE_TIMEOUT_S = 30.0      # dropping experts takes no loading; a worker being released may be gone already
 
 
 class ResizeFailed(Exception):
@@ -86,6 +88,7 @@ class Placement:
         self.cordoned: set[str] = set()                 # removed by an operator: --follow-workers leaves them out
         self.follower: Follower | None = None
         remote.on_failure = self.resync
+        remote.on_back = self.resync
         if self.opts.rebalance_interval > 0:
             threading.Thread(target=self._rebalancing, name="rebalance", daemon=True).start()
         if self.opts.replan_dead_after > 0:
@@ -120,6 +123,11 @@ class Placement:
         still listed there (draining)."""
         if addresses and (add or remove):
             raise ResizeFailed("give the whole set of workers, or workers to add and remove, not both")
+        if set(add) & set(remove):
+            raise ResizeFailed(f"{', '.join(sorted(set(add) & set(remove)))}: both added and removed")
+        if max(len(addresses), len(add)) > self.cfg.num_experts:
+            raise ResizeFailed(f"more workers than the {self.cfg.num_experts} experts a layer: every worker needs "
+                               f"at least one")
         with self._change:
             old = self.remote.table.plan.workers
             if not addresses:
@@ -166,7 +174,7 @@ class Placement:
             return remote.describe(a, deadline)
 
         fresh = [a for a in addresses if a not in old.workers]
-        with ThreadPoolExecutor(max(1, len(fresh))) as pool:
+        with ThreadPoolExecutor(max(1, min(32, len(fresh)))) as pool:
             futures = {a: pool.submit(one, a) for a in fresh}
         for a, f in futures.items():
             try:
@@ -175,20 +183,30 @@ class Placement:
                 for b in fresh:
                     self._drop_link(b)
                 raise ResizeFailed(f"worker {a} cannot join: {exc}") from exc
+        instances = [infos[a].instance for a in fresh if infos[a].instance]
+        if len(set(instances)) != len(instances):
+            for b in fresh:
+                self._drop_link(b)
+            raise ResizeFailed("two of the new addresses reach the same expert worker; list each worker once")
         for a in addresses:
             if a not in infos:
-                infos[a] = WorkerInfo(a, old.epoch, old.of(a), (), 0, False, "")
+                infos[a] = WorkerInfo(a, old.epoch, old.of(a), (), remote.budgets.get(a, 0), False, "")
         return infos
 
     def _drop_link(self, address: str) -> None:
         w = self.remote.index.get(address)
         if w is not None and not self.remote.table.in_plan(w):
             self.remote.links.links[w].close()
+            self.remote.liveness.set_synced(w, True)     # a clean slate if it is ever added again
+            self.remote.liveness.forgive(w)
 
     def _change_to(self, addresses: tuple[str, ...], what: str) -> Outcome:
         t0 = time.perf_counter()
         remote = self.remote
         old = remote.table.plan
+        if len(addresses) > self.cfg.num_experts:
+            raise ResizeFailed(f"{len(addresses)} workers for {self.cfg.num_experts} experts a layer: every worker "
+                               f"needs at least one; list at most {self.cfg.num_experts}")
         infos = self._connect(addresses)
         budgets = {a: i.max_experts for a, i in infos.items()}
         held = self._held(addresses, budgets)
@@ -196,20 +214,28 @@ class Placement:
         before, after = balance(old.held, load), balance(held, load)
         if addresses == old.workers and held == old.held:
             return Outcome(False, old.epoch, 0.0, before, after, f"the {what} changes nothing: the plan is the same")
-        if what == "rebalance" and after < before + 0.02:
-            return Outcome(False, old.epoch, 0.0, before, after, f"no rebalance: the expected balance would go from "
-                           f"{before:.3f} to {after:.3f}")
+        if set(addresses) == set(old.workers) and after < before + 0.02:
+            return Outcome(False, old.epoch, 0.0, before, after, f"no {what}: the same workers, and the expected "
+                           f"balance would go from {before:.3f} to {after:.3f}")
         epoch = max(self.next_epoch, old.epoch + 1, *(i.epoch + 1 for i in infos.values()))
         self.next_epoch = epoch + 1
         plan = Plan(epoch, addresses, held)
         log.info("%s to placement epoch %d: workers %s (expected balance %.3f -> %.3f)", what, epoch,
                  ", ".join(addresses), before, after)
+        if not remote.table.explicit:
+            # a static plan sends each token's whole top-k to its owners, who compute whatever they hold: while
+            # they hold old and new experts together, each must be told its own pairs
+            try:
+                remote.switch(dataclasses.replace(remote.table, explicit=True))
+            except WorkerError as exc:
+                remote.cancel_switch()
+                raise ResizeFailed(f"{what} not begun: {exc}") from exc
         # 2. load: every new owner holds old ∪ new and answers both epochs
         loaded: list[str] = []
         errors: list[str] = []
         with ThreadPoolExecutor(len(addresses)) as pool:
             futures = {a: pool.submit(remote.assign, a, union(old.of(a), plan.of(a)), epoch, self.opts.load_timeout,
-                                      (old.epoch,)) for a in addresses}
+                                      (old.epoch,), True) for a in addresses}
             for a, f in futures.items():
                 try:
                     f.result()
@@ -221,16 +247,26 @@ class Placement:
             raise ResizeFailed(f"{what} rolled back, the old placement (epoch {old.epoch}) serves on: "
                                + "; ".join(errors))
         # 3. switch between two steps
-        remote.switch(Table.of(plan, remote.index, self.cfg.num_layers, self.cfg.num_experts))
+        try:
+            remote.switch(Table.of(plan, remote.index, self.cfg.num_layers, self.cfg.num_experts))
+        except WorkerError as exc:                # the engine never reached the end of a step
+            self._roll_back(old, loaded, epoch)
+            raise ResizeFailed(f"{what} rolled back: {exc}") from exc
         seconds = time.perf_counter() - t0
         remote.rebalances += 1
         remote.rebalance_seconds += seconds
-        # 4. release: exactly the new experts; removed workers none
-        for a in (*addresses, *(a for a in old.workers if a not in addresses)):
-            try:
-                remote.assign(a, plan.of(a), epoch, self.opts.load_timeout)
-            except WorkerError as exc:     # it holds more than it needs (harmless) or it is gone
-                log.warning("placement epoch %d: %s kept its previous experts: %s", epoch, a, exc)
+        for a in addresses:                       # they hold this plan: no re-sync pending, no ban from before
+            remote.liveness.set_synced(remote.index[a], True)
+        # 4. release: exactly the new experts; removed workers none (they may be gone: no waiting for them)
+        release = (*addresses, *(a for a in old.workers if a not in addresses))
+        with ThreadPoolExecutor(len(release)) as pool:
+            futures = {a: pool.submit(remote.assign, a, plan.of(a), epoch, RELEASE_TIMEOUT_S, (), False, False)
+                       for a in release}
+            for a, f in futures.items():
+                try:
+                    f.result()
+                except WorkerError as exc:     # it holds more than it needs (harmless) or it is gone
+                    log.warning("placement epoch %d: %s kept its previous experts: %s", epoch, a, exc)
         for a in old.workers:
             if a not in addresses:
                 self._drop_link(a)
@@ -242,12 +278,14 @@ class Placement:
         return self.last
 
     def _roll_back(self, old: Plan, loaded: list[str], epoch: int) -> None:
+        remote = self.remote
+        remote.cancel_switch()
         for a in loaded:
             try:
                 if a in old.workers:
-                    self.remote.assign(a, old.of(a), epoch, self.opts.load_timeout, (old.epoch,))
+                    remote.assign(a, old.of(a), epoch, RELEASE_TIMEOUT_S, (old.epoch,), False, False)
                 else:
-                    self.remote.assign(a, {}, epoch, self.opts.load_timeout)
+                    remote.assign(a, {}, epoch, RELEASE_TIMEOUT_S, (), False, False)
             except WorkerError as exc:
                 log.warning("rolling back placement epoch %d: %s: %s", epoch, a, exc)
         for a in loaded:
@@ -257,7 +295,8 @@ class Placement:
 
     # -- a worker that failed a call ------------------------------------------------------------------
     def resync(self, w: int) -> None:
-        """Worker w failed a call: before it is sent tokens again it must hold the current plan's experts."""
+        """Worker w failed a call, or its health checks pass again: before it is sent tokens it must hold the
+        current plan's experts."""
         with self._resync_lock:                # never the change lock: this runs on the engine's thread
             if w in self._resyncing or not self.remote.table.in_plan(w):
                 return
@@ -268,31 +307,49 @@ class Placement:
     def _resync(self, w: int) -> None:
         remote, address = self.remote, self.remote.addresses[w]
         pause = 0.1
+        warned = False
         try:
             while not self._stop.is_set():
-                with self._change:
-                    table = remote.table
-                    if not table.in_plan(w):
-                        return
-                    want = table.plan.of(address)
-                    try:
-                        info = remote.describe(address, time.monotonic() + 2.0)
-                        if not remote.serves(info, table):
-                            # never lower a worker's epoch (after a rollback it is ahead): it answers for ours too
+                try:
+                    info = remote.describe(address, time.monotonic() + 2.0)      # outside the change lock
+                except WorkerError as exc:
+                    log.debug("re-sync of %s: %s", address, exc)
+                    info = None
+                if info is not None:
+                    with self._change:
+                        table = remote.table
+                        if not table.in_plan(w):
+                            return
+                        if remote.serves(info, table):
+                            remote.liveness.set_synced(w, True)
+                            return
+                        mine = info.owner in ("", remote.owner_id)
+                        if info.epoch > table.epoch and not mine:
+                            if not warned:
+                                log.error("worker %s holds placement epoch %d of another router (%s): this router "
+                                          "(epoch %d) cannot serve with it; one router owns a fleet's placement",
+                                          address, info.epoch, info.owner, table.epoch)
+                                warned = True
+                        else:
+                            # never lower a worker's epoch (after this router's rollback it is ahead): it answers
+                            # for ours too
                             epoch = max(table.epoch, info.epoch)
-                            remote.assign(address, want, epoch, self.opts.load_timeout,
-                                          (table.epoch,) if epoch != table.epoch else ())
-                            log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address,
-                                     table.epoch, info.epoch)
-                        remote.liveness.set_synced(w, True)
-                        return
-                    except WorkerError as exc:
-                        log.debug("re-sync of %s: %s", address, exc)
+                            try:
+                                remote.assign(address, table.plan.of(address), epoch, self.opts.load_timeout,
+                                              (table.epoch,) if epoch != table.epoch else ())
+                                log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address,
+                                         table.epoch, info.epoch)
+                                remote.liveness.set_synced(w, True)
+                                return
+                            except WorkerError as exc:
+                                log.debug("re-sync of %s: %s", address, exc)
                 time.sleep(pause)
                 pause = min(2.0, pause * 2)
         finally:
             with self._resync_lock:
                 self._resyncing.discard(w)
+            if not remote.table.in_plan(w):
+                remote.liveness.set_synced(w, True)     # it left the plan: a clean slate if it comes back
 
     def _rebalancing(self) -> None:
         while not self._stop.wait(self.opts.rebalance_interval):

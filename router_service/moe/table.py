@@ -37,7 +37,8 @@ class Table:
                 if experts:
                     holders[layer, experts, index[address]] = True
         counts = holders.sum(dim=2)                                               # [L, E]
-        owner = torch.where(counts > 0, holders.to(torch.int8).argmax(dim=2), -1)  # [L, E]
+        first = holders.to(torch.int8).argmax(dim=2) if W else torch.zeros_like(counts)
+        owner = torch.where(counts > 0, first, -1)                                # [L, E]
         replicated = bool((counts > 1).any())
         return Table(plan, holders, owner, explicit=replicated or plan.epoch > 0)
 

@@ -135,18 +135,27 @@ class WorkerLink:
         pause = 0.05
         while True:
             try:
-                return self.stub.Describe(expert_pb2.DescribeRequest(), timeout=10, wait_for_ready=True)
+                return self.stub.Describe(expert_pb2.DescribeRequest(), wait_for_ready=True,
+                                          timeout=min(10.0, max(0.1, deadline - time.monotonic())))
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    raise WorkerError(f"{self.address} is not an expert worker (it has no colibri.v1.ExpertWorker "
+                                      f"service: a router's or another server's address?)", retryable=False) from exc
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise WorkerError(f"expert worker {self.address} refused this router: {exc.details()}",
+                                      retryable=False) from exc
                 if time.monotonic() > deadline:
                     raise WorkerError(f"expert worker {self.address} did not answer Describe: "
                                       f"{exc.details()}") from exc
                 time.sleep(pause)
                 pause = min(0.5, 2 * pause)
 
-    def assign(self, request: expert_pb2.AssignRequest, timeout_s: float) -> expert_pb2.AssignResponse:
-        """The router's plan for this worker (it loads what it lacks before it answers)."""
+    def assign(self, request: expert_pb2.AssignRequest, timeout_s: float, wait: bool = True
+               ) -> expert_pb2.AssignResponse:
+        """The router's plan for this worker (it loads what it lacks before it answers); `wait`: for a worker that
+        is still starting (not for one being released, which may be gone)."""
         try:
-            return self.stub.Assign(request, timeout=timeout_s, wait_for_ready=True)
+            return self.stub.Assign(request, timeout=timeout_s, wait_for_ready=wait)
         except grpc.RpcError as exc:
             raise WorkerError.from_rpc(f"expert worker {self.address} did not take placement epoch {request.epoch}: "
                                        f"{_detail(exc)}", exc) from exc
