@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable
 
@@ -26,7 +25,8 @@ from colibri_common.serving import Service, setup_logging
 from colibri_common.tensors import expert_tensors
 from colibri_common.tls import TlsFiles
 from colibri_common.token_gate import TokenGate
-from expert_service.build import BuiltShard, build_shard, describe_held
+from expert_service.assignments import Assignments, Refused
+from expert_service.build import BuiltShard, build_shard
 from expert_service.holding import Holding, WrongEpoch
 from expert_service.local_socket import LocalServer
 from expert_service.metrics import WorkerMetrics
@@ -37,7 +37,6 @@ from kernels import batch_invariant
 log = logging.getLogger("colibri.expert")
 SERVICE = "colibri.v1.ExpertWorker"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-MAX_EPOCH = 1 << 62        # placement epochs stay far from uint64's end (a router adds one to the highest it sees)
 EXIT_RESTART = 75          # EX_TEMPFAIL: stopped because its experts' bytes changed; a restart maps them afresh
 
 
@@ -89,12 +88,9 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.metrics = WorkerMetrics()
         self.local_socket = ""                  # the same-host socket's path, once it listens
         self.max_step_tokens = 0                # what one Forward may carry, told to routers in Describe
-        self.max_experts = 0                    # --max-experts: the most experts a layer a plan may give
         self.static_shard = False               # started with --shard
-        self.build: Callable[[dict[int, list[int]]], BuiltShard] | None = None   # a router's plan -> its experts
+        self.assignments = Assignments(self.holding)   # a router's plans (Assign)
         self.on_damage: Callable[[str], None] | None = None   # its experts' bytes cannot be trusted: stop serving
-        self.on_install: Callable[[BuiltShard], None] | None = None           # a new plan's experts are served
-        self._assigning = threading.Lock()      # one plan at a time
         self.instance = secrets.token_hex(8)    # this process: one worker under two addresses is one worker
 
     @property
@@ -117,75 +113,18 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             dtype=s.weight_dtype, packed_bytes=s.packed_bytes,
             expert_cache_slots=0 if s.cache is None else s.cache.hot.w13.shape[0], batch_invariant=batch_invariant(),
             max_step_tokens=self.max_step_tokens, local_socket=self.local_socket,
-            epoch=now.epoch if now is not None else 0, max_experts=self.max_experts, static_shard=self.static_shard,
+            epoch=now.epoch if now is not None else 0, max_experts=self.assignments.max_experts,
+            static_shard=self.static_shard,
             also_serves=sorted(now.also) if now is not None else [], instance=self.instance,
             owner=now.owner if now is not None else "", assigned=now is not None and now.assigned,
             layers=[expert_pb2.LayerExperts(layer=layer, experts=es) for layer, es in s.held.items()])
 
-    def _plan(self, request: expert_pb2.AssignRequest, cfg: ModelConfig, budget: bool = True
-              ) -> dict[int, list[int]]:
-        """The request's experts per MoE layer, checked: known layers, ids in range, no layer twice, within
-        --max-experts (`budget`; a switch holds the old and new experts together for a while)."""
-        held: dict[int, list[int]] = {layer: [] for layer in cfg.moe_layers}
-        seen: set[int] = set()
-        for le in request.layers:
-            if le.layer not in held:
-                raise ValueError(f"layer {le.layer} has no routed experts; MoE layers are {list(cfg.moe_layers)}")
-            if le.layer in seen:
-                raise ValueError(f"layer {le.layer} is named twice in the plan")
-            seen.add(le.layer)
-            es = sorted(set(le.experts))
-            if es and not (0 <= es[0] and es[-1] < cfg.num_experts):
-                raise ValueError(f"layer {le.layer}: expert ids must be in [0, {cfg.num_experts}), got "
-                                 f"{es[0]}..{es[-1]}")
-            if budget and self.max_experts and len(es) > self.max_experts:
-                raise ValueError(f"layer {le.layer}: {len(es)} experts assigned, but this worker holds at most "
-                                 f"{self.max_experts} a layer (--max-experts)")
-            held[le.layer] = es
-        return held
-
     def Assign(self, request, context):
         self._loaded(context)
-        if request.epoch >= MAX_EPOCH or any(e >= MAX_EPOCH for e in request.also_serves):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"placement epochs must be below {MAX_EPOCH}")
-        with self._assigning:
-            now = self.holding.now
-            assert now is not None                            # loaded: a shard is installed
-            s = now.built.experts                             # read under the lock: the plan in force now
-            if request.epoch < now.epoch:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"placement epoch {request.epoch} is older than "
-                              f"this worker's {now.epoch}: another router planned since; describe again")
-            if now.owner and request.owner != now.owner and request.epoch <= now.epoch:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker holds placement epoch {now.epoch} "
-                              f"of router {now.owner}; another router takes it over only with a higher epoch (one "
-                              f"router owns a fleet's placement)")
-            try:
-                held = self._plan(request, s.cfg, budget=not request.switching)
-            except ValueError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            also = frozenset(request.also_serves) - {request.epoch}
-            t0 = time.perf_counter()
-            if held == s.held and now.assigned:               # nothing moves here
-                self.holding.set_epochs(request.epoch, also, request.owner)
-            else:
-                assert self.build is not None
-                try:
-                    built = self.build(held)
-                except Exception as exc:  # noqa: BLE001 (the plan fails, the worker keeps serving the old one)
-                    log.exception("could not load the experts of placement epoch %d", request.epoch)
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"could not load the experts of epoch "
-                                  f"{request.epoch}: {type(exc).__name__}: {exc}")
-                self.holding.install(built, request.epoch, also, request.owner)
-                if self.on_install is not None:
-                    self.on_install(built)
-            s = self.holding.shard
-            seconds = time.perf_counter() - t0
-            log.info("placement epoch %d%s: %s, %.1f MiB packed, loaded in %.3fs", request.epoch,
-                     f" (and {', '.join(map(str, sorted(also)))} while the router switches)" if also else "",
-                     describe_held(s.held),
-                     s.packed_bytes / 2**20, seconds)
-            return expert_pb2.AssignResponse(epoch=request.epoch, experts=sum(map(len, s.held.values())),
-                                             packed_bytes=s.packed_bytes, load_ms=seconds * 1e3)
+        try:
+            return self.assignments.assign(request)
+        except Refused as exc:
+            context.abort(exc.code, str(exc))
 
     def _compute(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
         with self.holding.use(request.epoch) as shard:
@@ -346,8 +285,9 @@ def serve_expert(opts: ExpertOptions) -> int:
     bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(True))
     built = build_shard(opts, device)
     servicer.staging = HostStaging(device)
-    servicer.max_experts, servicer.static_shard = opts.max_experts, bool(opts.shard)
-    servicer.build = lambda held: build_shard(opts, device, held, tune=False)
+    servicer.static_shard = bool(opts.shard)
+    servicer.assignments.max_experts = opts.max_experts
+    servicer.assignments.build = lambda held: build_shard(opts, device, held, tune=False)
     damaged: list[str] = []
 
     def stop_serving(reason: str) -> None:        # once: NOT_SERVING, drain, stop; a restart maps afresh
@@ -366,7 +306,7 @@ def serve_expert(opts: ExpertOptions) -> int:
             experts.watch.watch(stop_serving)
 
     servicer.on_damage = stop_serving
-    servicer.on_install = serving
+    servicer.assignments.on_install = serving
     serving(built)
     servicer.holding.install(built, 0, assigned=bool(opts.shard))     # without --shard: nothing until assigned
     if opts.metrics_port is not None:

@@ -9,7 +9,7 @@ import logging
 import grpc
 
 from colibri_common.pb import admin_pb2, admin_pb2_grpc
-from router_service.moe.experts import RemoteExperts
+from router_service.moe.remote import RemoteExperts
 from router_service.moe.resize import Outcome, Placement, ResizeFailed
 
 log = logging.getLogger("colibri.router")

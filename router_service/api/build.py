@@ -33,7 +33,8 @@ from router_service.model.kv_cache import KVCache
 from router_service.model.model import RouterModel
 from router_service.model.native_check import check_decoder_ops
 from router_service.model.weights import RouterWeights
-from router_service.moe.experts import Experts, RemoteExperts
+from router_service.moe.experts import Experts
+from router_service.moe.remote import RemoteExperts
 
 log = logging.getLogger("colibri.router")
 

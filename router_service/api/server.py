@@ -28,8 +28,8 @@ from router_service.api.stalls import StallWatch
 from router_service.engine.engine import Draining, DuplicateId
 from router_service.engine.scheduler import QueueFull
 from router_service.engine.sequence import Sampled, Sampling, Sequence
-from router_service.moe.experts import RemoteExperts
 from router_service.moe.follow import wait_for_workers
+from router_service.moe.remote import RemoteExperts
 from router_service.moe.resize import Placement, PlacementOptions
 
 log = logging.getLogger("colibri.router")

@@ -22,6 +22,10 @@ from colibri_common.placement import replica_experts
 Held = dict[int, dict[str, list[int]]]          # layer -> worker address -> its experts (sorted)
 
 
+class ResizeFailed(Exception):
+    """A placement change did not happen (rolled back, or refused); the message says why and what to fix."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """One placement: its epoch, its workers (in order) and each layer's experts per worker."""

@@ -15,8 +15,8 @@ A worker that cannot load (unreachable, killed, out of memory, a refusal) rolls 
 that loaded go back to their old experts, the old plan never stopped serving, and the caller gets the
 reason. No request fails and no token changes: the sum is the same whatever worker computes a pair.
 
-A worker that failed a call (restarted, or serving another epoch) is re-synced on a thread of its own: it is
-described until it answers and assigned its experts again before it is sent tokens.
+A worker that failed a call or came back is re-synced by upkeep.py, which also runs the periodic rebalance and
+plans out workers lost for good.
 """
 
 from __future__ import annotations
@@ -29,18 +29,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from colibri_common.errors import ConfigError
-from router_service.moe.experts import RemoteExperts, WorkerInfo
 from router_service.moe.follow import Follower
-from router_service.moe.plan import Held, Plan, balance, even_plan, load_plan, union
+from router_service.moe.plan import Held, Plan, ResizeFailed, balance, even_plan, load_plan, union
+from router_service.moe.remote import RemoteExperts, WorkerInfo
 from router_service.moe.table import Table
 from router_service.moe.transport import WorkerError
+from router_service.moe.upkeep import Upkeep
 
 log = logging.getLogger("colibri.router")
 RELEASE_TIMEOUT_S = 30.0      # dropping experts takes no loading; a worker being released may be gone already
-
-
-class ResizeFailed(Exception):
-    """A placement change did not happen (rolled back, or refused); the message says why and what to fix."""
 
 
 @dataclass(frozen=True)
@@ -80,19 +77,11 @@ class Placement:
         self.remote, self.opts = remote, opts or PlacementOptions()
         self.cfg = remote.cfg
         self.next_epoch = remote.table.epoch + 1
-        self._change = threading.Lock()                 # one change at a time
-        self._resyncing: set[int] = set()
-        self._resync_lock = threading.Lock()
-        self._stop = threading.Event()
+        self.change_lock = threading.Lock()             # one change at a time
         self.last: Outcome | None = None
         self.cordoned: set[str] = set()                 # removed by an operator: --follow-workers leaves them out
         self.follower: Follower | None = None
-        remote.on_failure = self.resync
-        remote.on_back = self.resync
-        if self.opts.rebalance_interval > 0:
-            threading.Thread(target=self._rebalancing, name="rebalance", daemon=True).start()
-        if self.opts.replan_dead_after > 0:
-            threading.Thread(target=self._planning_out_the_dead, name="replan-dead", daemon=True).start()
+        self.upkeep = Upkeep(self)                      # re-syncs, periodic rebalances, dead workers planned out
 
     # -- plans -------------------------------------------------------------------------------------
     def _load(self) -> dict[int, list[float]]:
@@ -128,7 +117,7 @@ class Placement:
         if max(len(addresses), len(add)) > self.cfg.num_experts:
             raise ResizeFailed(f"more workers than the {self.cfg.num_experts} experts a layer: every worker needs "
                                f"at least one")
-        with self._change:
+        with self.change_lock:
             old = self.remote.table.plan.workers
             if not addresses:
                 unknown = [a for a in remove if a not in old]
@@ -161,7 +150,7 @@ class Placement:
 
     def rebalance(self) -> Outcome:
         """Re-plan the same workers from the measured load (EPLB); no change when it would not help."""
-        with self._change:
+        with self.change_lock:
             return self._change_to(self.remote.table.plan.workers, "rebalance")
 
     def _connect(self, addresses: tuple[str, ...]) -> dict[str, WorkerInfo]:
@@ -293,105 +282,7 @@ class Placement:
                 self._drop_link(a)
         log.warning("placement epoch %d rolled back; epoch %d serves on", epoch, old.epoch)
 
-    # -- a worker that failed a call ------------------------------------------------------------------
-    def resync(self, w: int) -> None:
-        """Worker w failed a call, or its health checks pass again: before it is sent tokens it must hold the
-        current plan's experts."""
-        with self._resync_lock:                # never the change lock: this runs on the engine's thread
-            if w in self._resyncing or not self.remote.table.in_plan(w):
-                return
-            self._resyncing.add(w)
-        self.remote.liveness.set_synced(w, False)
-        threading.Thread(target=self._resync, args=(w,), name="resync", daemon=True).start()
-
-    def _resync(self, w: int) -> None:
-        remote, address = self.remote, self.remote.addresses[w]
-        pause = 0.1
-        warned = False
-        try:
-            while not self._stop.is_set():
-                try:
-                    info = remote.describe(address, time.monotonic() + 2.0)      # outside the change lock
-                except WorkerError as exc:
-                    log.debug("re-sync of %s: %s", address, exc)
-                    info = None
-                if info is not None:
-                    with self._change:
-                        table = remote.table
-                        if not table.in_plan(w):
-                            return
-                        if remote.serves(info, table):
-                            remote.liveness.set_synced(w, True)
-                            return
-                        mine = info.owner in ("", remote.owner_id)
-                        if info.epoch > table.epoch and not mine:
-                            if not warned:
-                                log.error("worker %s holds placement epoch %d of another router (%s): this router "
-                                          "(epoch %d) cannot serve with it; one router owns a fleet's placement",
-                                          address, info.epoch, info.owner, table.epoch)
-                                warned = True
-                        else:
-                            # never lower a worker's epoch (after this router's rollback it is ahead): it answers
-                            # for ours too
-                            epoch = max(table.epoch, info.epoch)
-                            try:
-                                remote.assign(address, table.plan.of(address), epoch, self.opts.load_timeout,
-                                              (table.epoch,) if epoch != table.epoch else ())
-                                log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address,
-                                         table.epoch, info.epoch)
-                                remote.liveness.set_synced(w, True)
-                                return
-                            except WorkerError as exc:
-                                log.debug("re-sync of %s: %s", address, exc)
-                time.sleep(pause)
-                pause = min(2.0, pause * 2)
-        finally:
-            with self._resync_lock:
-                self._resyncing.discard(w)
-            if not remote.table.in_plan(w):
-                remote.liveness.set_synced(w, True)     # it left the plan: a clean slate if it comes back
-
-    def _rebalancing(self) -> None:
-        while not self._stop.wait(self.opts.rebalance_interval):
-            try:
-                out = self.rebalance()
-                if not out.changed:
-                    log.debug(out.message)
-            except ResizeFailed as exc:
-                log.warning("periodic rebalance: %s", exc)
-            except Exception:  # noqa: BLE001 (the thread goes on; the next interval tries again)
-                log.exception("periodic rebalance failed")
-
-    def _planning_out_the_dead(self) -> None:
-        """A worker whose health checks have failed for --replan-dead-after seconds is planned out: its experts
-        move to the living (a rank lost for good stops failing requests; with --follow-workers it is planned in
-        again when it serves again)."""
-        down_since: dict[str, float] = {}
-        while not self._stop.wait(0.5):
-            remote = self.remote
-            plan = remote.table.plan
-            now = time.monotonic()
-            for address in plan.workers:
-                w = remote.index[address]
-                if remote.liveness.healthy[w]:
-                    down_since.pop(address, None)
-                else:
-                    down_since.setdefault(address, now)
-            dead = tuple(a for a in plan.workers if now - down_since.get(a, now) >= self.opts.replan_dead_after)
-            alive = tuple(a for a in plan.workers if a not in dead)
-            if not dead or not alive:
-                continue
-            log.warning("worker%s %s down for %.0fs or more: moving %s experts to %s", "s" * (len(dead) > 1),
-                        ", ".join(dead), self.opts.replan_dead_after, "their" if len(dead) > 1 else "its",
-                        ", ".join(alive))
-            try:
-                self.set_workers(alive, by_operator=False)
-                for a in dead:
-                    down_since.pop(a, None)
-            except ResizeFailed as exc:
-                log.warning("planning out %s: %s", ", ".join(dead), exc)
-
     def close(self) -> None:
-        self._stop.set()
+        self.upkeep.close()
         if self.follower is not None:
             self.follower.close()

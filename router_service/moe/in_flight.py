@@ -1,0 +1,115 @@
+"""One MoE layer of one micro-batch on its way to the workers: the replies, the failover of a worker that fails
+within the step, and the combine of the partial sums (moe/remote.py sends; this waits and adds).
+
+Shapes: T tokens in the step, H hidden size, K experts per token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from prometheus_client import Histogram
+
+from colibri_common import wire
+from router_service.moe.combine import combine
+from router_service.moe.experts import ExpertsUnavailable
+from router_service.moe.liveness import Liveness
+from router_service.moe.partition import assign, split_pairs
+from router_service.moe.table import Table
+from router_service.moe.transport import Reply, WorkerError
+
+
+class Sender(Protocol):
+    """What a layer in flight needs of the experts client that sent it (remote.RemoteExperts)."""
+
+    addresses: list[str]
+    liveness: Liveness
+    dispatch_seconds: Histogram
+
+    def failed(self, w: int, why: str) -> None: ...
+
+    def send(self, table: Table, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+             ) -> Reply: ...
+
+    def count(self, **seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Part:
+    """One message of a layer on its way: its worker, its token rows (None = all), the reply, and the
+    token-expert pairs it carries ([T, K] bool; None = the worker's experts among its rows)."""
+
+    worker: int
+    rows: torch.Tensor | None
+    reply: Reply
+    pairs: torch.Tensor | None
+
+
+class InFlight:
+    """One MoE layer of one micro-batch: the replies on their way from the workers, combined on `result`.
+    A worker whose reply fails is banned and its pairs are sent again to live replicas (failover within the
+    step: the sum, and so every token, is the same). It keeps the placement table it was sent under: a switch
+    waits for the step to end, so its holders hold their experts until it is combined."""
+
+    def __init__(self, owner: Sender, table: Table, layer: int, hidden: torch.Tensor, wire_x: torch.Tensor,
+                 ids32: torch.Tensor, w32: torch.Tensor, parts: list[Part]) -> None:
+        self.owner, self.table, self.layer, self.parts = owner, table, layer, parts
+        self.x, self.ids32, self.w32 = wire_x, ids32, w32            # host copies: [T, H], [T, K], [T, K]
+        self.sent = time.perf_counter()
+        self.num_tokens, self.hidden_size = hidden.shape
+        self.dtype, self.device = hidden.dtype, hidden.device
+
+    def done(self) -> bool:
+        return all(p.reply.done() for p in self.parts)
+
+    def _pairs_of(self, part: Part) -> torch.Tensor:
+        """[T, K] the pairs that very message carried (each message knows its own: after a failover a worker
+        may hold two messages of one layer, whose rows overlap)."""
+        if part.pairs is not None:
+            return part.pairs
+        held = self.table.holders[self.layer, :, part.worker][self.ids32.long().clamp(min=0)] & (self.ids32 >= 0)
+        if part.rows is None:                                                              # [T, K]
+            return held
+        mask = torch.zeros_like(held)
+        mask[part.rows] = held[part.rows]
+        return mask
+
+    def _failover(self, part: Part, exc: WorkerError) -> list[Part]:
+        self.owner.failed(part.worker, str(exc))
+        pairs = self._pairs_of(part)
+        W = self.table.holders.shape[2]
+        assigned, unplaced = assign(self.table.holders[self.layer], self.ids32, self.owner.liveness.live()[:W], pairs)
+        if unplaced.any():
+            raise ExpertsUnavailable(f"{exc}; no live replica holds the experts some tokens need",
+                                     unplaced.nonzero().flatten()) from exc
+        return [Part(wp.worker, wp.rows, self.owner.send(self.table, wp.worker, self.layer, self.x[wp.rows], wp.ids,
+                                                         self.w32[wp.rows]), assigned == wp.worker)
+                for wp in split_pairs(assigned, self.ids32, W)]
+
+    def result(self) -> torch.Tensor:
+        t_start, waited, computed = time.perf_counter(), 0.0, 0.0
+        decoded = []
+        todo = list(self.parts)
+        while todo:
+            part = todo.pop(0)
+            worker, rows = part.worker, part.rows
+            t0 = time.perf_counter()
+            try:
+                resp = part.reply.get()
+            except WorkerError as exc:
+                waited += time.perf_counter() - t0
+                if not exc.retryable:
+                    raise
+                todo += self._failover(part, exc)
+                continue
+            waited += time.perf_counter() - t0
+            self.owner.dispatch_seconds.labels(self.owner.addresses[worker]).observe(time.perf_counter() - self.sent)
+            computed += resp.compute_ms / 1e3
+            decoded.append((rows, wire.decode(resp.output)))                  # [n, H]
+        out = combine(self.num_tokens, self.hidden_size, self.dtype, decoded).to(self.device)  # [T, H]
+        self.owner.count(wait=waited, expert_compute=computed,
+                         dispatch=time.perf_counter() - t_start - waited)
+        return out

@@ -1,0 +1,365 @@
+"""The experts on the expert workers: who they are (Describe), the placement the dispatch reads (a `Table`,
+switched only between two steps), and the dispatch of each MoE layer (`submit`: partition → transport; the
+combine waits in `InFlight`). Placement changes are planned in resize.py.
+
+Shapes: T tokens in the step, H hidden size, K experts per token (top-k), E experts per layer, W workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import Histogram
+from prometheus_client.core import Metric
+
+from colibri_common import wire
+from colibri_common.config import ModelConfig
+from colibri_common.device import HostStaging
+from colibri_common.errors import ConfigError
+from colibri_common.metrics_http import TOKEN_BUCKETS
+from colibri_common.options import QUANTIZE as QUANTIZE_NAMES
+from colibri_common.pb import expert_pb2
+from colibri_common.tls import TlsFiles
+from router_service.moe.experts import ExpertsUnavailable, Prefetch
+from router_service.moe.in_flight import InFlight, Part
+from router_service.moe.liveness import Liveness
+from router_service.moe.load_window import LoadWindow
+from router_service.moe.partition import assign, partition, split_pairs
+from router_service.moe.plan import Plan, even_plan
+from router_service.moe.remote_metrics import fleet_families
+from router_service.moe.same_host import Links
+from router_service.moe.table import Table
+from router_service.moe.transport import Access, Reply, WorkerError, WorkerLink
+from router_service.moe.worker_watch import WorkerWatch
+
+log = logging.getLogger("colibri.router")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker said of itself in Describe, as placement needs it."""
+
+    address: str
+    epoch: int
+    held: dict[int, list[int]]       # layer -> experts
+    also: tuple[int, ...]            # earlier epochs those experts still answer for
+    max_experts: int                 # 0 = no limit
+    static_shard: bool
+    summary: str                     # for the logs
+    instance: str = ""               # the worker process (one worker under two addresses is one worker)
+    owner: str = ""                  # the router whose plan it holds ("" = its own, or none)
+    assigned: bool = True            # it holds a plan (False: started without --shard, nothing assigned yet)
+
+
+class RemoteExperts:
+    """The experts on the workers at `addresses`. Placement is learnt from each worker's Describe (their static
+    `--shard` plans) or, where they hold none, planned here and assigned (`router_service/moe/resize.py` changes it
+    while serving)."""
+
+    def __init__(self, cfg: ModelConfig, addresses: tuple[str, ...], wire_dtype: torch.dtype,
+                 transport: str = "auto", timeout_s: float = 60.0, connect_timeout_s: float = 300.0,
+                 expect_quantize: str | None = None, device: torch.device | None = None,
+                 track_routing: bool = False, tls: TlsFiles | None = None, batch_invariant: bool = False,
+                 token: str | None = None, step_tokens: int = 0, replicas: int = 1, window_steps: int = 256) -> None:
+        if len(set(addresses)) != len(addresses):
+            raise ConfigError(f"--workers names a worker twice: {', '.join(addresses)}")
+        self.cfg, self.wire_dtype = cfg, wire_dtype
+        self.addresses: list[str] = list(addresses)          # every worker ever known, by index
+        self.index = {a: w for w, a in enumerate(addresses)}
+        self.liveness = Liveness(addresses)
+        self.staging = HostStaging(device or torch.device("cpu"))   # the wire's pinned buffers on a GPU
+        self.expect_quantize = expect_quantize                # --quantize: None, "int8" or "w8a8"
+        self.batch_invariant = batch_invariant
+        self.step_tokens = step_tokens                       # the most token rows one step sends a worker
+        self.replicas = replicas                             # a plan of the router's: each expert on this many
+        self.links = Links(addresses, transport, timeout_s, Access(None if tls is None else tls.channel(), token))
+        self.watcher: WorkerWatch | None = None
+        self.on_change: Callable[[bool], None] | None = None
+        self.on_failure: Callable[[int], None] | None = None   # a worker failed a call (resize.py re-syncs it)
+        self.step = 0
+        self.window = LoadWindow(cfg.num_layers, cfg.num_experts, window_steps)
+        # a placement switches only between two steps: the engine holds this lock around each one
+        self._step_lock = threading.Lock()
+        self._pending: Table | None = None
+        self._switched = threading.Event()
+        # metrics: a layer's send → answer per worker; token rows sent per worker; optionally the tokens
+        # routed to each (layer, expert), for finding hot experts
+        self.dispatch_seconds = Histogram("colibri:worker_dispatch_seconds", "One MoE layer's send to answer, "
+                                          "per worker.", ["worker"], buckets=TOKEN_BUCKETS, registry=None)
+        self.worker_rows = [0] * len(addresses)
+        self.routed = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.long) if track_routing else None
+        # seconds, for metrics: dispatch = building requests + decoding and combining the partial sums
+        self.timers = {"wait": 0.0, "expert_compute": 0.0, "dispatch": 0.0}
+        self.rebalances = 0
+        self.rebalance_seconds = 0.0
+        self.owner_id = secrets.token_hex(6)                 # this router, in the plans it assigns
+        self.instances: dict[str, str] = {}                  # address -> the worker process it reached
+        self.budgets: dict[str, int] = {}                    # address -> its --max-experts (0 = none)
+        self.on_back: Callable[[int], None] | None = None    # a worker's health checks pass again (resize.py)
+        self.table = Table.of(Plan(0, (), {}), {}, cfg.num_layers, cfg.num_experts)   # none until learnt
+        try:
+            infos = [self.describe(a, time.monotonic() + connect_timeout_s) for a in addresses]
+            self.table = self._first_table(infos)
+        except WorkerError:
+            self.links.close()
+            raise
+
+    # -- workers and plans ---------------------------------------------------------------------------
+    def link(self, address: str) -> WorkerLink:
+        return self.links.links[self.index[address]]
+
+    def add_worker(self, address: str) -> None:
+        """Know one more worker (a resize): a link and a liveness slot; a worker known before gets a fresh link."""
+        if address in self.index:
+            w = self.index[address]
+            if self.links.links[w].closed:
+                self.links.reconnect(w)
+                self.liveness.set_healthy({w: True})
+            return
+        self.links.connect(address)
+        self.index[address] = len(self.addresses)
+        self.addresses.append(address)
+        self.liveness.add(address)
+        self.worker_rows.append(0)
+
+    def describe(self, address: str, deadline: float) -> WorkerInfo:
+        """Ask a worker what it serves and check it serves this model as this router expects."""
+        cfg, link = self.cfg, self.link(address)
+        d = link.describe(deadline)
+        if (d.num_experts, d.hidden_size, d.intermediate_size) != (
+                cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size) or \
+                tuple(d.moe_layers) != cfg.moe_layers:
+            raise WorkerError(f"expert worker {address} serves a different model ({d.model_type}, "
+                              f"{d.num_experts} experts, hidden {d.hidden_size}, width {d.intermediate_size}, "
+                              f"MoE layers {list(d.moe_layers)})", retryable=False)
+        served = d.dtype if d.dtype in QUANTIZE_NAMES else None
+        if served != self.expect_quantize:
+            raise WorkerError(f"expert worker {address} serves {d.dtype} experts but the router expects "
+                              f"{self.expect_quantize or 'float'} ones; start router and workers with the same "
+                              f"--quantize", retryable=False)
+        if d.batch_invariant != self.batch_invariant:
+            raise WorkerError(f"expert worker {address} runs {'with' if d.batch_invariant else 'without'} "
+                              f"--batch-invariant and the router {'with' if self.batch_invariant else 'without'}"
+                              f" it; start router and workers with the same flag", retryable=False)
+        if d.max_step_tokens and d.max_step_tokens < self.step_tokens:
+            raise WorkerError(f"expert worker {address} takes at most {d.max_step_tokens} tokens a step "
+                              f"(its --max-step-tokens) but this router sends up to {self.step_tokens} "
+                              f"(--max-num-tokens): start the worker with --max-step-tokens "
+                              f"{self.step_tokens} or more", retryable=False)
+        held = {layer: [] for layer in cfg.moe_layers}
+        if d.layers:
+            held.update({le.layer: sorted(le.experts) for le in d.layers})
+        elif d.experts:                                       # an older worker: the same experts in every layer
+            held = {layer: sorted(d.experts) for layer in cfg.moe_layers}
+        cached = (f"an expert cache of {d.expert_cache_slots} slots" if d.expert_cache_slots else
+                  f"{d.packed_bytes / 2**20:.1f} MiB packed" if d.packed_bytes else "in place (mapped)")
+        how = f"shard {d.shard_index}/{d.num_shards}" if d.static_shard or d.num_shards else f"epoch {d.epoch}"
+        summary = f"{how}, {sum(map(len, held.values()))} (layer, expert) pairs, {d.dtype} {cached}, layers over " \
+                  f"{'its local socket ' + d.local_socket if link.local else 'gRPC'}"
+        twin = next((a for a, i in self.instances.items() if i == d.instance and a != address), None) \
+            if d.instance else None
+        if twin is not None and twin in self.table_workers():
+            raise WorkerError(f"{address} is the same expert worker as {twin} (one process under two addresses); "
+                              f"list it once", retryable=False)
+        if d.instance:
+            self.instances[address] = d.instance
+        self.budgets[address] = d.max_experts
+        return WorkerInfo(address, d.epoch, held, tuple(d.also_serves), d.max_experts,
+                          d.static_shard or bool(d.num_shards), summary, d.instance, d.owner, d.assigned)
+
+    def table_workers(self) -> tuple[str, ...]:
+        return self.table.plan.workers
+
+    def serves(self, info: WorkerInfo, table: Table) -> bool:
+        """Whether a worker (as described) computes every pair `table` would send it."""
+        want = table.plan.of(info.address)
+        return info.assigned and (info.epoch == table.epoch or table.epoch in info.also) and all(
+            set(es) <= set(info.held.get(layer, ())) for layer, es in want.items())
+
+    def _first_table(self, infos: list[WorkerInfo]) -> Table:
+        """The workers' own plans where they brought one (static shards), else a plan of the router's, assigned
+        now (workers started without --shard hold nothing until then)."""
+        for i in infos:
+            log.info("worker %s: %s", i.address, i.summary)
+        seen: dict[str, str] = {}
+        for i in infos:
+            if i.instance and i.instance in seen:
+                raise WorkerError(f"{i.address} is the same expert worker as {seen[i.instance]} (one process under "
+                                  f"two addresses); list it once", retryable=False)
+            seen[i.instance] = i.address
+        held = {layer: {i.address: i.held[layer] for i in infos} for layer in self.cfg.moe_layers}
+        learnt = Plan(max((i.epoch for i in infos), default=0), tuple(i.address for i in infos), held)
+        missing = learnt.covers(self.cfg.num_experts)
+        if not missing and len({i.epoch for i in infos}) == 1 and all(i.assigned for i in infos):
+            return Table.of(learnt, self.index, self.cfg.num_layers, self.cfg.num_experts)
+        if any(i.static_shard for i in infos) and all(i.static_shard for i in infos):
+            layers = sorted({layer for layer, _ in missing})
+            experts = sorted({e for _, e in missing})
+            raise WorkerError(f"no worker holds experts {experts[:16]}{'…' if len(experts) > 16 else ''} of layers "
+                              f"{layers[:8]}; start every shard (--workers must list all N shards)", retryable=False)
+        plan = Plan(learnt.epoch + 1, learnt.workers,
+                    even_plan(self.cfg.num_experts, self.cfg.moe_layers, learnt.workers, self.replicas))
+        for address in plan.workers:
+            self.assign(address, plan.of(address), plan.epoch, timeout_s=600.0)
+        log.info("placement epoch %d: %d workers, every expert on %d (the router's plan)", plan.epoch,
+                 len(plan.workers), min(self.replicas, len(plan.workers)))
+        return Table.of(plan, self.index, self.cfg.num_layers, self.cfg.num_experts)
+
+    def assign(self, address: str, held: dict[int, list[int]], epoch: int, timeout_s: float,
+               also: tuple[int, ...] = (), switching: bool = False, wait: bool = True) -> expert_pb2.AssignResponse:
+        """Have one worker hold `held` for `epoch` (and still answer for the epochs `also`; `switching`: old and new
+        experts together, over its budget for a while)."""
+        request = expert_pb2.AssignRequest(epoch=epoch, also_serves=also, owner=self.owner_id, switching=switching,
+                                           layers=[expert_pb2.LayerExperts(layer=layer, experts=es)
+                                                   for layer, es in sorted(held.items())])
+        return self.link(address).assign(request, timeout_s, wait)
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Held by the engine around one step: a new placement is switched to here, between two steps."""
+        with self._step_lock:
+            if self._pending is not None:
+                self._apply()
+            yield
+        self.window.close_step()
+
+    def _apply(self) -> None:
+        assert self._pending is not None
+        self.table, self._pending = self._pending, None
+        self._switched.set()
+
+    def switch(self, table: Table, timeout_s: float = 600.0) -> None:
+        """Serve `table` from the next step on; returns once it is switched (an idle engine: at once)."""
+        self._switched.clear()
+        self._pending = table
+        deadline = time.monotonic() + timeout_s
+        while not self._switched.is_set():
+            if self._step_lock.acquire(timeout=0.05):         # no step running: switch here
+                try:
+                    if self._pending is not None:
+                        self._apply()
+                finally:
+                    self._step_lock.release()
+            if time.monotonic() > deadline:
+                raise WorkerError(f"the engine did not reach the end of a step within {timeout_s:.0f}s")
+        self.window.reset_pairs()
+        if self.watcher is not None:
+            self.watch(self.on_change)               # the health checks follow the new set of workers
+
+    def cancel_switch(self) -> None:
+        """A switch that did not happen (its change rolled back) is not taken later."""
+        self._pending = None
+
+    def failed(self, w: int, why: str) -> None:
+        self.liveness.failed(w, why)
+        if self.on_failure is not None:
+            self.on_failure(w)
+
+    # -- metrics ------------------------------------------------------------------------------------
+    def metric_families(self) -> Iterator[Metric]:
+        return fleet_families(self)
+
+    def count(self, **seconds: float) -> None:
+        for name, s in seconds.items():
+            self.timers[name] += s
+
+    # -- dispatch -----------------------------------------------------------------------------------
+    def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               prefetch: Prefetch | None = None) -> InFlight:
+        """hidden [T, H], ids [T, K], weights [T, K] float32 -> a handle for Σ_k w_k · FFN_{e_k}(x) [T, H]."""
+        t0 = time.perf_counter()
+        table = self.table
+        ahead = None if prefetch is None else expert_pb2.Prefetch(layer=prefetch[0], experts=prefetch[1])
+        self.step += 1
+        x, ids32, w32 = self.staging.to_host(hidden.to(self.wire_dtype),     # [T, H] on the wire
+                                             ids.to(torch.int32), weights.float())  # [T, K]
+        counts = torch.bincount(ids32.flatten().long(), minlength=self.cfg.num_experts)     # [E]
+        self.window.routed(layer, counts)
+        if self.routed is not None:
+            self.routed[layer] += counts
+        parts: list[Part] = []
+        W = table.holders.shape[2]
+        live = self.liveness.live()[:W]
+        if table.explicit or not all(live):
+            # each pair to one live holder of its expert, least-loaded first; tokens no live worker can
+            # serve fail here, without a call
+            assigned, unplaced = assign(table.holders[layer], ids32, live)
+            if unplaced.any():
+                down = [a for a, ok in zip(self.addresses, live, strict=False) if not ok]
+                raise ExpertsUnavailable(f"the experts some tokens need have no live worker (down: "
+                                         f"{', '.join(down) or 'none'})", unplaced.nonzero().flatten())
+            for wp in split_pairs(assigned, ids32, W):
+                parts.append(Part(wp.worker, wp.rows, self.send(table, wp.worker, layer, x[wp.rows], wp.ids,
+                                                                w32[wp.rows], ahead), assigned == wp.worker))
+        else:
+            whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
+            owner = table.owner[layer]                                         # [E]
+            per_worker = torch.bincount(owner[ids32.long()].flatten(), minlength=W).tolist()    # pairs, [W]
+            for wr in partition(owner, ids32, W):
+                if wr.rows is None:
+                    whole = whole or (wire.encode(x), wire.encode(ids32), wire.encode(w32))
+                    enc = whole
+                else:
+                    enc = (wire.encode(x[wr.rows]), wire.encode(ids32[wr.rows]), wire.encode(w32[wr.rows]))
+                req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
+                                                step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch)
+                parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
+                self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
+                self.window.computed(self.addresses[wr.worker], per_worker[wr.worker])
+        self.timers["dispatch"] += time.perf_counter() - t0
+        # a failover re-sends from the host copies: they must outlive the (GPU) staging buffers
+        keep = (lambda t: t.clone()) if self.staging.pinned else (lambda t: t)   # noqa: E731
+        return InFlight(self, table, layer, hidden, keep(x), keep(ids32), keep(w32), parts)
+
+    def send(self, table: Table, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             ahead: expert_pb2.Prefetch | None = None) -> Reply:
+        """Worker w's share of a layer, already cut to its rows ([n, H], [n, K] with -1 for pairs computed
+        elsewhere, [n, K]); `ahead` the next layer's predicted experts (a failover re-send carries none)."""
+        req = expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(x), topk_ids=wire.encode(ids),
+                                        topk_weights=wire.encode(weights), step=self.step, prefetch=ahead,
+                                        exact_sum=True, epoch=table.epoch)
+        self.worker_rows[w] += x.shape[0]
+        self.window.computed(self.addresses[w], int((ids >= 0).sum()))
+        return self.links.links[w].send(req)
+
+    def covered(self) -> bool:
+        """Whether every expert of every MoE layer has a live worker."""
+        table = self.table
+        W = table.holders.shape[2]
+        live = torch.tensor(self.liveness.live()[:W], dtype=torch.bool)
+        return bool((table.holders[list(self.cfg.moe_layers)] & live).any(dim=2).all())
+
+    def watch(self, on_change: Callable[[bool], None] | None) -> None:
+        """Call `on_change(every expert has a live worker)` whenever a worker's health changes (readiness); the
+        workers checked are the current plan's."""
+        if on_change is None:
+            return
+        self.on_change = on_change
+        table = self.table
+        checked = [w for w in range(len(self.addresses)) if table.in_plan(w)]
+
+        def changed(up: list[bool]) -> None:              # every round: a ban can end between health changes
+            was = self.liveness.healthy
+            back = [w for w, ok in zip(checked, up, strict=True) if ok and not was[w]]
+            self.liveness.set_healthy(dict(zip(checked, up, strict=True)))
+            for w in back:                                # it may have restarted: described before it is sent tokens
+                if self.on_back is not None:
+                    self.on_back(w)
+            on_change(self.covered())
+
+        old, self.watcher = self.watcher, WorkerWatch(
+            [(self.addresses[w], self.links.links[w].channel) for w in checked], changed)
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+        self.links.close()

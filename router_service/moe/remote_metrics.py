@@ -1,0 +1,72 @@
+"""The fleet's Prometheus families, from the router's view of its workers (remote.py): per worker the rows sent,
+the pairs over the placement window, health, bans and re-admissions; the balance, the placement epoch and its
+changes; per (layer, expert) the tokens routed only with --expert-metrics (bounded cardinality otherwise)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router_service.moe.liveness import Liveness
+from router_service.moe.load_window import LoadWindow
+from router_service.moe.table import Table
+
+
+class FleetView(Protocol):
+    """What the families are read from (remote.RemoteExperts)."""
+
+    dispatch_seconds: Histogram
+    table: Table
+    addresses: list[str]
+    worker_rows: list[int]
+    window: LoadWindow
+    rebalances: int
+    rebalance_seconds: float
+    liveness: Liveness
+    routed: torch.Tensor | None
+
+
+def fleet_families(remote: FleetView) -> Iterator[Metric]:
+    yield from remote.dispatch_seconds.collect()
+    table = remote.table
+    current = [w for w in range(len(remote.addresses)) if table.in_plan(w)]
+    rows = CounterMetricFamily("colibri:worker_tokens", "Token rows sent to each worker.", labels=["worker"])
+    for w in current:
+        rows.add_metric([remote.addresses[w]], remote.worker_rows[w])
+    yield rows
+    names = tuple(remote.addresses[w] for w in current)
+    pairs = remote.window.worker_pairs(names)
+    load = GaugeMetricFamily("colibri:worker_pairs_window", "Token-expert pairs each worker computed over the "
+                             "last --placement-window steps.", labels=["worker"])
+    for name, n in pairs.items():
+        load.add_metric([name], n)
+    yield load
+    yield GaugeMetricFamily("colibri:expert_balance", "Mean ÷ max token-expert pairs per worker over the last "
+                            "--placement-window steps (1 = even).", value=remote.window.balance(names))
+    yield GaugeMetricFamily("colibri:placement_epoch", "The placement epoch served now.", value=table.epoch)
+    yield CounterMetricFamily("colibri:rebalances", "Placement changes switched to (resizes and rebalances).",
+                              value=remote.rebalances)
+    yield CounterMetricFamily("colibri:rebalance_seconds", "Seconds from a placement change's start to its "
+                              "switch, summed.", value=remote.rebalance_seconds)
+    up = GaugeMetricFamily("colibri:worker_up", "1 while the worker is sent tokens (healthy, not banned).",
+                           labels=["worker"])
+    bans = CounterMetricFamily("colibri:worker_bans", "Failed calls that banned the worker.", labels=["worker"])
+    back = CounterMetricFamily("colibri:worker_readmissions", "Times a banned or unhealthy worker was "
+                               "re-admitted.", labels=["worker"])
+    live = remote.liveness.live()
+    for w in current:
+        address = remote.addresses[w]
+        up.add_metric([address], float(live[w]))
+        bans.add_metric([address], remote.liveness.bans[w])
+        back.add_metric([address], remote.liveness.readmissions[w])
+    yield from (up, bans, back)
+    if remote.routed is not None:
+        routed = CounterMetricFamily("colibri:moe_tokens_routed", "Tokens routed to each expert of each "
+                                     "layer (--expert-metrics).", labels=["layer", "expert"])
+        for layer, e in remote.routed.nonzero().tolist():
+            routed.add_metric([str(layer), str(e)], int(remote.routed[layer, e]))
+        yield routed
