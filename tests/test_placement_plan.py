@@ -98,3 +98,25 @@ def test_load_plan_places_every_replica_where_the_even_share_runs_out():
         load = {0: [rnd.random() ** 3 for _ in range(60)]}
         held = load_plan(load, ("a:1", "b:1", "c:1"), 2, redundant=2)
         assert all(sum(e in es for es in held[0].values()) >= 2 for e in range(60))
+
+
+@pytest.mark.parametrize("E, before, after, R", [(60, 3, 4, 1), (60, 4, 2, 1), (64, 2, 3, 2), (16, 4, 5, 1),
+                                                 (9, 3, 2, 2)])
+def test_a_resize_without_load_moves_few_experts_and_stays_balanced(E, before, after, R):
+    from router_service.moe.plan import sticky_plan
+
+    names = tuple(f"w{i}:1" for i in range(max(before, after)))
+    old = even_plan(E, [0, 1], names[:before], R)
+    new = sticky_plan(old, E, [0, 1], names[:after], R)
+    for layer in (0, 1):
+        per = new[layer]
+        for e in range(E):
+            assert sum(e in es for es in per.values()) == R
+        sizes = [len(es) for es in per.values()]
+        assert max(sizes) - min(sizes) <= 1
+        moved = sum(len(set(per[w]) - set(old[layer].get(w, ()))) for w in per)   # (expert, worker) pairs added
+        # at most what the new workers need plus what the removed ones held
+        gone = sum(len(old[layer][w]) for w in names[after:before])
+        need = sum(len(per[w]) for w in names[before:after])
+        if R == 1:                                               # replicas may need a fresh even plan
+            assert moved <= need + gone + R, (moved, need, gone)

@@ -16,7 +16,7 @@ from colibri_common.fleet_token import new_token
 from expert_service.shard import ExpertShard
 from kernels import Int8Weight, cpu_has_fast_bf16, fused_moe, linear, native, quantize_int8, topk_route
 from kernels.reference import fused_moe_reference
-from router_service.moe.experts import RemoteExperts
+from router_service.moe.remote import RemoteExperts
 from router_service.moe.transport import WorkerError
 from tests.conftest import ARCHS, fleet
 from tests.inprocess import InProcess

@@ -3,7 +3,9 @@
 Pure Python, no torch, no gRPC: worker addresses and load counts in, `{layer: {worker: experts}}` out.
 
 - `even_plan`: contiguous, balanced ranges (the static `--shard I/N` plan of N workers), each expert on R
-  distinct workers; the same in every layer. Used while the router has measured no load.
+  distinct workers; the same in every layer. The router's first plan.
+- `sticky_plan`: as balanced, but from the current plan, moving as few experts as possible: a resize while no
+  load has been measured.
 - `load_plan` (EPLB-style): per layer, the experts placed heaviest first on the least-loaded worker (each
   worker holding about E/W), then `redundant` times the busiest worker's hottest expert (by load per replica)
   given one more replica on the least-loaded worker that lacks it, within each worker's budget
@@ -64,6 +66,45 @@ def even_plan(num_experts: int, layers: Sequence[int], workers: Sequence[str], r
     r = min(replicas, len(workers))
     per = {w: replica_experts(num_experts, i, len(workers), r) for i, w in enumerate(workers)}
     return {layer: dict(per) for layer in layers}
+
+
+def sticky_plan(old: Held, num_experts: int, layers: Sequence[int], workers: Sequence[str], replicas: int = 1
+                ) -> Held:
+    """Balanced as `even_plan` (counts differ by at most one, every expert on `replicas` distinct workers) but
+    moving as few experts as possible from `old`: each keeps the holders it had among `workers` while they have
+    room, and only the rest move (3 -> 4 workers moves about a quarter of the experts, not most)."""
+    if not workers:
+        raise ValueError("a plan needs at least one worker")
+    W, E = len(workers), num_experts
+    if W > E:
+        raise ValueError(f"{W} workers for {E} experts a layer: every worker needs at least one")
+    r = min(replicas, W)
+    base, extra = divmod(E * r, W)
+    out: Held = {}
+    for layer in layers:
+        prev = old.get(layer, {})
+        had = {w: sorted(prev.get(w, ())) for w in workers}
+        order = sorted(workers, key=lambda w: (-len(had[w]), workers.index(w)))    # the +1s where most already are
+        target = {w: base + (1 if i < extra else 0) for i, w in enumerate(order)}
+        held: dict[str, list[int]] = {w: [] for w in workers}
+        holders = [0] * E
+        for w in workers:                                      # keep what fits
+            for e in had[w]:
+                if e < E and len(held[w]) < target[w] and holders[e] < r:
+                    held[w].append(e)
+                    holders[e] += 1
+        for e in range(E):                                     # place the rest where there is room
+            while holders[e] < r:
+                options = [w for w in workers if e not in held[w] and len(held[w]) < target[w]] or \
+                    [w for w in workers if e not in held[w]]
+                w = max(options, key=lambda w: (target[w] - len(held[w]), -workers.index(w)))
+                held[w].append(e)
+                holders[e] += 1
+        sizes = [len(es) for es in held.values()]
+        if max(sizes) - min(sizes) > 1:                        # replicas painted it into a corner: start afresh
+            return even_plan(E, layers, workers, r)
+        out[layer] = {w: sorted(es) for w, es in held.items()}
+    return out
 
 
 def load_plan(load: Mapping[int, Sequence[float]], workers: Sequence[str], replicas: int = 1, redundant: int = 0,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from colibri_common.errors import ConfigError
 from router_service.moe.follow import Follower
-from router_service.moe.plan import Held, Plan, ResizeFailed, balance, even_plan, load_plan, union
+from router_service.moe.plan import Held, Plan, ResizeFailed, balance, load_plan, sticky_plan, union
 from router_service.moe.remote import RemoteExperts, WorkerInfo
 from router_service.moe.table import Table
 from router_service.moe.transport import WorkerError
@@ -101,7 +101,7 @@ class Placement:
                 return load_plan(self._load(), workers, r, self.opts.redundant_experts, budgets)
             except ValueError as exc:
                 raise ResizeFailed(str(exc)) from exc
-        return even_plan(E, layers, workers, r)
+        return sticky_plan(self.remote.table.plan.held, E, layers, workers, r)
 
     # -- changes -----------------------------------------------------------------------------------
     def set_workers(self, addresses: tuple[str, ...] = (), by_operator: bool = True, add: tuple[str, ...] = (),
