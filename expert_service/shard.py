@@ -270,9 +270,9 @@ class ExpertShard:
         """Start-up is over (the kernels checked): experts in place stay mapped, unless the native expert FFN was
         found wrong for this shape, and then they are packed; packed experts need the mappings no more."""
         if self.in_place:
-            if not self.experts or native_serves(self.most_per_layer, self.cfg.moe_intermediate_size,
-                                                        self.cfg.hidden_size, weight_kind(None, self.dtype)):
-                return
+            I, H, kind = self.cfg.moe_intermediate_size, self.cfg.hidden_size, weight_kind(None, self.dtype)
+            if all(native_serves(n, I, H, kind) for n in {len(es) for es in self.held.values() if es}):
+                return                                # every layer's count of experts (a router's plan varies)
             self.in_place_refusal = "the native expert FFN was found wrong for this shape on this CPU"
             log.warning("experts packed: %s", self.in_place_refusal)
             self.w13.clear()

@@ -53,12 +53,10 @@ def moe_candidates(weight_kind: str) -> tuple[str, ...]:
 
 
 def native_serves(E: int, I: int, H: int, weight_kind: str) -> bool:
-    """Whether the native expert FFN computes E experts of this width, hidden size and kind here. A shape found
-    wrong refuses its whole family (any E of the same I, H and kind): the kernel's work per expert does not
-    depend on E, and a router's plans give a worker expert counts that were never checked one by one."""
-    family = moe_shape_id(0, I, H, weight_kind).partition("x")[2]
-    return native.available() and weight_kind in native.KINDS and not any(
-        r.partition("x")[2] == family for r in _NATIVE_REJECTED)
+    """Whether the native expert FFN computes E experts of this width, hidden size and kind here (not found
+    wrong for this very shape)."""
+    return native.available() and weight_kind in native.KINDS and moe_shape_id(E, I, H, weight_kind) not in \
+        _NATIVE_REJECTED
 
 
 def install_moe(table: dict[str, str], native_rejected: set[str] | frozenset[str] = frozenset()) -> None:
