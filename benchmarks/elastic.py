@@ -38,6 +38,7 @@ import torch
 
 from benchmarks.common import finish, machine, publish, table
 from benchmarks.serving import COLIBRI
+from colibri.health import is_serving
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / ".cache" / "bench-elastic-model-1024"
 HOT = 8
@@ -71,20 +72,9 @@ def start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
 
-def serving(address: str, service: str) -> bool:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(address) as ch:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                        timeout=1).status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
 def wait(address: str, service: str, p: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
-    while not serving(address, service):
+    while not is_serving(address, service):
         if p.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{address} did not serve {service}")
         time.sleep(0.2)

@@ -20,6 +20,20 @@ class HealthOptions:
                                                "the target's host (a pod probing itself on 127.0.0.1)")
 
 
+def is_serving(address: str, service: str, timeout: float = 1.0) -> bool:
+    """Whether a plaintext service answers SERVING for `service` ('' = liveness) within `timeout` seconds."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                          timeout=timeout).status
+            return status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
 def run_health(opts: HealthOptions) -> int:
     """Exit code 0 when SERVING, 1 otherwise (NOT_SERVING, unknown service, unreachable)."""
     import grpc

@@ -346,8 +346,9 @@ class ExpertShard:
         x = hidden.to(self.device, self.dtype)                                             # [n, H]
         ids, weights = ids.to(self.device), weights.to(self.device)                       # [n, K]
         b13, b2 = self.biases.get(layer, (None, None))
-        if self.cache is not None:             # the cache holds the union: this layer's other experts are not ours
-            ids = torch.where(self.expert_maps[layer][ids.long().clamp(min=0)] >= 0, ids, -1)        # [n, K]
+        if self.cache is not None:
+            if len(self.held[layer]) != len(self.experts):   # the cache holds the union: others' experts are not ours
+                ids = torch.where(self.expert_maps[layer][ids.long().clamp(min=0)] >= 0, ids, -1)    # [n, K]
             return self.cache.forward(layer, x, ids, weights, self.act, b13, b2)           # [n, H] float64
         acc = torch.zeros(x.shape, dtype=torch.float64, device=self.device)               # [n, H]
         if not self.held[layer]:                   # none of this layer's experts is here (the router's plan)

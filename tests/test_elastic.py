@@ -15,9 +15,9 @@ from contextlib import ExitStack, contextmanager
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from colibri.client import Client
+from colibri.health import is_serving
 from colibri_common.pb import admin_pb2, admin_pb2_grpc, expert_pb2, expert_pb2_grpc
 from colibri_common.token_gate import with_token
 from tests.conftest import colibri_popen, colibri_run, free_port
@@ -27,18 +27,9 @@ ENV = dict(os.environ, COLIBRI_FLEET_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
 PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(4 + i % 3)] for i in range(8)]
 
 
-def serving(address: str, service: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as ch:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                        timeout=1).status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
 def wait_serving(address: str, service: str, proc, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    while not serving(address, service):
+    while not is_serving(address, service):
         if proc.poll() is not None:
             raise RuntimeError(f"{address} exited {proc.returncode} before it served")
         if time.monotonic() > deadline:
@@ -143,6 +134,25 @@ def test_resize_mid_stream_3_to_4_to_2_changes_no_token(model):
         assert held(addrs[0]) == 0 and held(addrs[3]) == 0   # the removed workers hold no experts
         table = workers_cli(r, "show").stdout
         assert addrs[1] in table and addrs[0] not in table and "balance" in table
+
+
+def test_in_bfloat16_a_resize_mid_stream_changes_no_token(model):
+    """bf16 weights and wire: the same fleet's streams with and without a resize 2 -> 3 -> 2 (with replicas, so
+    a hot expert's pairs are split over workers) give the same tokens: the sum is rounded once either way."""
+    with ExitStack() as stack:
+        addrs = [stack.enter_context(worker(model.path, "--dtype", "bfloat16"))[0] for _ in range(3)]
+        r, _ = stack.enter_context(router(model.path, addrs[:2], "--dtype", "bfloat16", "--expert-replicas", "2"))
+        client = Client(r)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            quiet = [f.token_ids for f in pool.map(lambda p: client.generate(p, 200, ignore_eos=True, timeout=600),
+                                                    PROMPTS)]
+
+        def resize():
+            return [workers_cli(r, "set", ",".join(addrs)), workers_cli(r, "set", ",".join(addrs[1:]))]
+
+        got, outs = streams(r, 200, resize)
+        assert all(o.returncode == 0 for o in outs), [o.stderr for o in outs]
+        assert [g.token_ids for g in got] == quiet
 
 
 def test_a_resize_whose_worker_cannot_load_rolls_back_and_streams_go_on(model):

@@ -301,7 +301,7 @@ class RemoteExperts:
         else:
             whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
             owner = table.owner[layer]                                         # [E]
-            per_worker = torch.bincount(owner[ids32.long()].flatten(), minlength=W).tolist()    # pairs, [W]
+            per_worker = torch.bincount(owner.clamp(min=0), weights=counts, minlength=W).tolist()   # pairs, [W]
             for wr in partition(owner, ids32, W):
                 if wr.rows is None:
                     whole = whole or (wire.encode(x), wire.encode(ids32), wire.encode(w32))
@@ -312,7 +312,7 @@ class RemoteExperts:
                                                 step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch)
                 parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
-                self.window.computed(self.addresses[wr.worker], per_worker[wr.worker])
+                self.window.computed(self.addresses[wr.worker], int(per_worker[wr.worker]))
         self.timers["dispatch"] += time.perf_counter() - t0
         # a failover re-sends from the host copies: they must outlive the (GPU) staging buffers
         keep = (lambda t: t.clone()) if self.staging.pinned else (lambda t: t)   # noqa: E731
