@@ -253,8 +253,21 @@ void project(const at::Tensor& in, const std::vector<int64_t>& counts, const std
     });
 }
 
+// Whether every thread should run whole experts (whole_experts below): few rows per expert, so an expert costs
+// its weights' bytes whatever its rows, and at least two experts per thread, so the shares are even.
+bool by_expert(const std::vector<int64_t>& counts, int kind) {
+    if (kind == 3 || int64_t(counts.size()) < 2 * int64_t(at::get_num_threads())) return false;
+    for (int64_t c : counts)
+        if (c > 4) return false;                   // past one 4-row tile an expert's time grows with its rows
+    return true;
+}
+
 // The expert FFN of the active experts (counts[a] sorted pairs each; `bias_row[a]` its row of b13/b2): gate/up,
-// the gated activation, down, in float32, biases included, not yet weighted -> [P, H].
+// the gated activation, down, in float32, biases included, not yet weighted -> [P, H]. Two ways, to the same bits
+// (each output is one kernel tile whichever thread or task computes it): each projection's row blocks of every
+// expert shared by the threads (three parallel regions: gate/up, activation, down), or, with few rows per expert
+// (by_expert), each thread running whole experts of its share in one region, no thread waiting on the others
+// between an expert's projections and each expert's weights requested while the one before it computes.
 at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const std::vector<int64_t>& bias_row,
                const std::vector<std::vector<Src>>& s13, const std::vector<std::vector<Src>>& s2, int kind,
                int64_t esize, int64_t I, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
@@ -262,8 +275,8 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
     const int64_t P = xs.size(0), H = xs.size(1), I2 = 2 * I;
     at::Tensor x = xs.to(at::kFloat).contiguous();
     at::Tensor gu = at::empty({P, I2}, x.options());                        // [P, 2I]
-    project(x, counts, s13, kind, H, esize, gu);
     at::Tensor h = at::empty({P, I}, x.options());                          // [P, I]
+    at::Tensor ys = at::empty({P, H}, x.options());                         // [P, H]
     at::Tensor bias13 = b13.has_value() ? b13->to(at::kFloat).contiguous() : at::Tensor();
     const float* g = gu.data_ptr<float>();
     float* hp = h.data_ptr<float>();
@@ -273,7 +286,7 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
     const float al = float(alpha), off = float(up_offset);
     const bool clamp = limit.has_value();
     const float lim = clamp ? float(*limit) : 0.f;
-    at::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), [&](int64_t p0, int64_t p1) {
+    auto activate = [&](int64_t p0, int64_t p1) {                          // h[p] = act(gate, up) for p0 <= p < p1
         for (int64_t p = p0; p < p1; ++p) {
             const float* b = bias13.defined() ? bias13.data_ptr<float>() + expert_of[p] * I2 : nullptr;
             for (int64_t i = 0; i < I; ++i) {
@@ -285,9 +298,39 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
                 hp[p * I + i] = gate / (1.f + std::exp(-al * gate)) * (up + off);
             }
         }
-    });
-    at::Tensor ys = at::empty({P, H}, x.options());                         // [P, H]
-    project(h, counts, s2, kind, I, esize, ys);
+    };
+    if (by_expert(counts, kind)) {
+        const int64_t A = int64_t(counts.size());
+        std::vector<int64_t> first(A + 1, 0);                               // each expert's first pair row
+        for (int64_t a = 0; a < A; ++a) first[a + 1] = first[a] + counts[a];
+        const float* xp = x.data_ptr<float>();
+        float* gp = gu.data_ptr<float>();
+        float* yp = ys.data_ptr<float>();
+        linear_fn fn = level().linear;
+        at::parallel_for(0, A, 1, [&](int64_t a0, int64_t a1) {
+            for (int64_t a = a0; a < a1; ++a) {
+                const int64_t row = first[a], n = counts[a];
+                const Src& down = s2[a][0];
+                int64_t col = 0;
+                for (size_t j = 0; j < s13[a].size(); ++j) {                 // gate/up: one call per row block
+                    const Src& s = s13[a][j];
+                    const bool last = j + 1 == s13[a].size();
+                    const Src& next = last ? down : s13[a][j + 1];
+                    fn(xp + row * H, int(n), int(H), s.w, kind, s.scale, 0, int(s.rows), gp + row * I2 + col,
+                       int(I2), next.w, next.rows * (last ? I : H) * esize);
+                    col += s.rows;
+                }
+                activate(row, row + n);
+                const Src* after = a + 1 < a1 ? &s13[a + 1][0] : nullptr;   // the next expert's first block
+                fn(hp + row * I, int(n), int(I), down.w, kind, down.scale, 0, int(H), yp + row * H, int(H),
+                   after ? after->w : nullptr, after ? after->rows * H * esize : 0);
+            }
+        });
+    } else {
+        project(x, counts, s13, kind, H, esize, gu);
+        at::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), activate);
+        project(h, counts, s2, kind, I, esize, ys);
+    }
     if (b2.has_value()) {
         at::Tensor bias2 = b2->to(at::kFloat);
         at::Tensor ids = at::from_blob(expert_of.data(), {P}, at::kLong);
