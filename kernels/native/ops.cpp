@@ -4,14 +4,9 @@
 //
 //   linear(x [M, K], w [Dout, K], scale [Dout]?) -> [M, Dout] bf16 for bf16 x (one rounding), else float32
 //                                                                            (w float32 | bf16 | int8)
-//   moe_(acc [T, H] float64, x [T, H], ids [T, K], weights [T, K], local [E_global], w13 [blocks], parts13,
-//        w2 [blocks], s13 [scales], s2 [scales], b13?, b2?, alpha, limit, up_offset): the whole expert side of a
-//        layer in one call: the pairs sorted by expert, x's rows gathered, each expert's FFN (gate/up, the gated
-//        activation, down, in float32, biases included; every weight byte read once per call), the routed
-//        weights and the float64 sum. Expert e's weights are row blocks (a packed stack's expert, or a mapped
-//        checkpoint's gate, up and down tensors where they lie)
-//   moe_sum_(acc [T, H] float64, ys [P, H] float32, rows [P], weights [P]): acc[rows[p]] += ys[p] * weights[p]
 //   isa() -> str; use_isa(str) -> str (the level now in force)
+//
+// The expert side of a layer (moe_, moe_sum_) is moe_op.cpp's, over the kernels of the level picked here.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,12 +22,8 @@
 #include <vector>
 
 extern "C" {
-typedef void (*linear_fn)(const float*, int, int, const void*, int, const float*, int, int, float*, int,
-                          const void*, int64_t);
 void colibri_linear_generic(const float*, int, int, const void*, int, const float*, int, int, float*, int,
                             const void*, int64_t);
-typedef void (*linear_i8_fn)(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int, float*,
-                             int, const void*, int64_t);
 #define CK_DECLARE_ATT(name) void name(const float*, int, int, int, const void*, const void*, int, int64_t, int64_t, \
                                        const int64_t*, int, const float*, float, float*, float*);
 CK_DECLARE_ATT(colibri_decode_attention_generic)
@@ -57,7 +48,10 @@ void colibri_linear_avx512bf16(const float*, int, int, const void*, int, const f
 
 namespace {
 
-constexpr int64_t BLOCK = 32;          // output rows a task computes (gemm.h streams its weight bytes once)
+using colibri_ops::BLOCK;
+using colibri_ops::grain;
+using colibri_ops::Quantized;
+using colibri_ops::quantize_rows;
 
 struct Level {
     const char* name;
@@ -126,21 +120,15 @@ int wdtype(const at::Tensor& w, const c10::optional<at::Tensor>& scale) {
     return 2;
 }
 
-int64_t grain(int64_t rows, int64_t k) {         // blocks a task takes: at least ~256K multiply-adds
+constexpr int64_t KPAD = 32;            // W8A8 activation rows are zero-padded to a multiple of this
+
+}  // namespace
+
+int64_t colibri_ops::grain(int64_t rows, int64_t k) {
     return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, rows * k * BLOCK));
 }
 
-constexpr int64_t KPAD = 32;            // W8A8 activation rows are zero-padded to a multiple of this
-
-// W8A8 activations: float32 rows [n, K] -> int8 [n, Kp] (zero-padded) and a float32 scale per row, as
-// kernels/formats/int8.py quantize_rows: scale = max(max|x| / 127, FLT_MIN), q = round-half-even(x / scale) in [-127, 127].
-struct Quantized {
-    std::vector<int8_t> q;
-    std::vector<float> scale;
-    int64_t Kp = 0;
-};
-
-Quantized quantize_rows(const float* x, int64_t n, int64_t K) {
+colibri_ops::Quantized colibri_ops::quantize_rows(const float* x, int64_t n, int64_t K) {
     Quantized out;
     out.Kp = (K + KPAD - 1) / KPAD * KPAD;
     out.q.assign(n * out.Kp, 0);
@@ -159,6 +147,8 @@ Quantized quantize_rows(const float* x, int64_t n, int64_t K) {
     });
     return out;
 }
+
+namespace {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, bool w8a8) {
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "colibri::linear: need x [M, K] and w "
@@ -196,280 +186,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     return out;
 }
 
-// A block of rows of one expert's matrix, in place: a packed stack's expert, or a tensor of a mapped checkpoint
-// (gate and up may be two blocks). `scale` is the int8 rows' scales, null for float weights.
-struct Src {
-    const char* w;
-    const float* scale;
-    int64_t rows;
-};
-
-struct Task {
-    const char* w;                             // the block's first row
-    const float* scale;
-    int64_t row, n, o0, o1, col;               // the expert's first pair row and count, block rows, output column
-};
-
-// One projection of every expert with work: out[pairs of a] = in[pairs of a] @ (a's blocks stacked).T (float32);
-// counts[a] pairs of active expert a, its blocks srcs[a]. kind 3 (W8A8): in's rows are quantised first.
-void project(const at::Tensor& in, const std::vector<int64_t>& counts, const std::vector<std::vector<Src>>& srcs,
-             int kind, int64_t K, int64_t esize, at::Tensor& out) {
-    const int64_t Dout = out.size(1);
-    const float* xp = in.data_ptr<float>();
-    float* yp = out.data_ptr<float>();
-    Quantized xq = kind == 3 ? quantize_rows(xp, in.size(0), K) : Quantized{};
-    std::vector<Task> todo;
-    int64_t row = 0;
-    for (size_t a = 0; a < counts.size(); ++a) {
-        int64_t col = 0;
-        for (const Src& s : srcs[a]) {
-            for (int64_t o = 0; o < s.rows; o += BLOCK)
-                todo.push_back({s.w, s.scale, row, counts[a], o, std::min(s.rows, o + BLOCK), col});
-            col += s.rows;
-        }
-        row += counts[a];
-    }
-    linear_fn fn = level().linear;
-    linear_i8_fn fn8 = level().linear_i8;
-    int64_t mean_rows = 1 + in.size(0) / std::max<int64_t>(1, int64_t(counts.size()));
-    at::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-            const Task& j = todo[t];
-            const char* next = nullptr;                   // the next task's weight rows, requested during this one
-            int64_t next_bytes = 0;
-            if (t + 1 < t1) {
-                const Task& n = todo[t + 1];
-                next = n.w + n.o0 * K * esize;
-                next_bytes = (n.o1 - n.o0) * K * esize;
-            }
-            if (kind == 3)
-                fn8(xq.q.data() + j.row * xq.Kp, xq.scale.data() + j.row, int(j.n), int(xq.Kp), int(K),
-                    reinterpret_cast<const int8_t*>(j.w), j.scale, int(j.o0), int(j.o1), yp + j.row * Dout + j.col,
-                    int(Dout), next, next_bytes);
-            else
-                fn(xp + j.row * K, int(j.n), int(K), j.w, kind, j.scale, int(j.o0), int(j.o1), yp + j.row * Dout + j.col,
-                   int(Dout), next, next_bytes);
-        }
-    });
-}
-
-// Whether every thread should run whole experts (whole_experts below): few rows per expert, so an expert costs
-// its weights' bytes whatever its rows, and at least two experts per thread, so the shares are even.
-bool by_expert(const std::vector<int64_t>& counts, int kind) {
-    if (kind == 3 || int64_t(counts.size()) < 2 * int64_t(at::get_num_threads())) return false;
-    for (int64_t c : counts)
-        if (c > 4) return false;                   // past one 4-row tile an expert's time grows with its rows
-    return true;
-}
-
-// The expert FFN of the active experts (counts[a] sorted pairs each; `bias_row[a]` its row of b13/b2): gate/up,
-// the gated activation, down, in float32, biases included, not yet weighted -> [P, H]. Two ways, to the same bits
-// (each output is one kernel tile whichever thread or task computes it): each projection's row blocks of every
-// expert shared by the threads (three parallel regions: gate/up, activation, down), or, with few rows per expert
-// (by_expert), each thread running whole experts of its share in one region, no thread waiting on the others
-// between an expert's projections and each expert's weights requested while the one before it computes.
-at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const std::vector<int64_t>& bias_row,
-               const std::vector<std::vector<Src>>& s13, const std::vector<std::vector<Src>>& s2, int kind,
-               int64_t esize, int64_t I, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
-               double alpha, c10::optional<double> limit, double up_offset) {
-    const int64_t P = xs.size(0), H = xs.size(1), I2 = 2 * I;
-    at::Tensor x = xs.to(at::kFloat).contiguous();
-    at::Tensor gu = at::empty({P, I2}, x.options());                        // [P, 2I]
-    at::Tensor h = at::empty({P, I}, x.options());                          // [P, I]
-    at::Tensor ys = at::empty({P, H}, x.options());                         // [P, H]
-    at::Tensor bias13 = b13.has_value() ? b13->to(at::kFloat).contiguous() : at::Tensor();
-    const float* g = gu.data_ptr<float>();
-    float* hp = h.data_ptr<float>();
-    std::vector<int64_t> expert_of(P);                                      // each pair's bias row
-    for (size_t a = 0, row = 0; a < counts.size(); row += counts[a], ++a)
-        for (int64_t r = row; r < int64_t(row) + counts[a]; ++r) expert_of[r] = bias_row[a];
-    const float al = float(alpha), off = float(up_offset);
-    const bool clamp = limit.has_value();
-    const float lim = clamp ? float(*limit) : 0.f;
-    auto activate = [&](int64_t p0, int64_t p1) {                          // h[p] = act(gate, up) for p0 <= p < p1
-        for (int64_t p = p0; p < p1; ++p) {
-            const float* b = bias13.defined() ? bias13.data_ptr<float>() + expert_of[p] * I2 : nullptr;
-            for (int64_t i = 0; i < I; ++i) {
-                float gate = g[p * I2 + i] + (b ? b[i] : 0.f), up = g[p * I2 + I + i] + (b ? b[I + i] : 0.f);
-                if (clamp) {
-                    gate = std::min(gate, lim);
-                    up = std::max(-lim, std::min(up, lim));
-                }
-                hp[p * I + i] = gate / (1.f + std::exp(-al * gate)) * (up + off);
-            }
-        }
-    };
-    if (by_expert(counts, kind)) {
-        const int64_t A = int64_t(counts.size());
-        std::vector<int64_t> first(A + 1, 0);                               // each expert's first pair row
-        for (int64_t a = 0; a < A; ++a) first[a + 1] = first[a] + counts[a];
-        const float* xp = x.data_ptr<float>();
-        float* gp = gu.data_ptr<float>();
-        float* yp = ys.data_ptr<float>();
-        linear_fn fn = level().linear;
-        at::parallel_for(0, A, 1, [&](int64_t a0, int64_t a1) {
-            for (int64_t a = a0; a < a1; ++a) {
-                const int64_t row = first[a], n = counts[a];
-                const Src& down = s2[a][0];
-                int64_t col = 0;
-                for (size_t j = 0; j < s13[a].size(); ++j) {                 // gate/up: one call per row block
-                    const Src& s = s13[a][j];
-                    const bool last = j + 1 == s13[a].size();
-                    const Src& next = last ? down : s13[a][j + 1];
-                    fn(xp + row * H, int(n), int(H), s.w, kind, s.scale, 0, int(s.rows), gp + row * I2 + col,
-                       int(I2), next.w, next.rows * (last ? I : H) * esize);
-                    col += s.rows;
-                }
-                activate(row, row + n);
-                const Src* after = a + 1 < a1 ? &s13[a + 1][0] : nullptr;   // the next expert's first block
-                fn(hp + row * I, int(n), int(I), down.w, kind, down.scale, 0, int(H), yp + row * H, int(H),
-                   after ? after->w : nullptr, after ? after->rows * H * esize : 0);
-            }
-        });
-    } else {
-        project(x, counts, s13, kind, H, esize, gu);
-        at::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), activate);
-        project(h, counts, s2, kind, I, esize, ys);
-    }
-    if (b2.has_value()) {
-        at::Tensor bias2 = b2->to(at::kFloat);
-        at::Tensor ids = at::from_blob(expert_of.data(), {P}, at::kLong);
-        ys.add_(bias2.index_select(0, ids));
-    }
-    return ys;
-}
-
-// ap[rows[p], :] += double(yp[p, :] * weights[p]) for p < P (rows of H): the columns split over the threads, so no
-// two write one element; the float64 sum of a token's few pairs is exact, so the order does not matter.
-void add_weighted(double* ap, const float* yp, int64_t P, int64_t H, const int64_t* rows, const float* weights) {
-    at::parallel_for(0, H, std::max<int64_t>(64, (int64_t(1) << 16) / std::max<int64_t>(1, P)), [&](int64_t h0,
-                                                                                                  int64_t h1) {
-        for (int64_t p = 0; p < P; ++p) {
-            const float* src = yp + p * H;
-            double* dst = ap + rows[p] * H;
-            const float wt = weights[p];
-            for (int64_t h = h0; h < h1; ++h) dst[h] += double(src[h] * wt);
-        }
-    });
-}
-
-// acc[rows[p], :] += double(ys[p, :] * weights[p]) for every pair p: the routed weight multiplied in float32 (as
-// torch's `ys *= w`), the sum in float64 (exact for a token's few pairs, so any order gives the same bits). The
-// columns are split over the threads: no two write one element.
-void moe_sum_(at::Tensor& acc, const at::Tensor& ys, const at::Tensor& rows, const at::Tensor& weights) {
-    TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kDouble && acc.is_contiguous(), "colibri::moe_sum_: acc "
-                "must be a contiguous float64 [T, H]");
-    TORCH_CHECK(ys.dim() == 2 && ys.scalar_type() == at::kFloat && ys.size(1) == acc.size(1), "colibri::moe_sum_: "
-                "ys must be float32 [P, H] with acc's H");
-    const int64_t P = ys.size(0), T = acc.size(0), H = acc.size(1);
-    TORCH_CHECK(rows.dim() == 1 && rows.size(0) == P && weights.dim() == 1 && weights.size(0) == P,
-                "colibri::moe_sum_: rows and weights must be [P]");
-    at::Tensor y = ys.contiguous(), r = rows.to(at::kLong).contiguous(), w = weights.to(at::kFloat).contiguous();
-    const int64_t* rp = r.data_ptr<int64_t>();
-    for (int64_t p = 0; p < P; ++p)
-        TORCH_CHECK(rp[p] >= 0 && rp[p] < T, "colibri::moe_sum_: row ", rp[p], " of pair ", p, " is outside [0, ", T,
-                    ")");
-    add_weighted(acc.data_ptr<double>(), y.data_ptr<float>(), P, H, rp, w.data_ptr<float>());
-}
-
-// The whole expert side of a layer in one call: acc [T, H] float64 += Σ_k weights[t, k] · FFN_{e}(x[t]) over the
-// pairs whose expert e = local[ids[t, k]] is held here (>= 0; `local` empty = ids are local rows already).
-// Expert e's gate/up is w13[e * parts13 .. + parts13) stacked (row blocks), its down w2[e]; int8 weights come with
-// their row scales s13[e], s2[e]. The pairs are sorted by expert (and by position within one, as a stable sort),
-// x's rows gathered (rounded to the weights' dtype first where they are float and x is not: as the packed path
-// does), the FFN run (`ffn`), and each pair's output times its weight (float32) summed into acc in float64.
-void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-          const at::Tensor& local, at::TensorList w13, int64_t parts13, at::TensorList w2, at::TensorList s13,
-          at::TensorList s2, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,
-          c10::optional<double> limit, double up_offset, bool w8a8) {
-    const char* op = "colibri::moe_";
-    TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0), op,
-                ": need x [T, H], ids and weights [T, K]");
-    TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kDouble && acc.is_contiguous() && acc.sizes() == x.sizes(),
-                op, ": acc must be a contiguous float64 [T, H]");
-    const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), E = int64_t(w2.size());
-    TORCH_CHECK(parts13 >= 1 && int64_t(w13.size()) == E * parts13, op, ": w13 must hold parts13 blocks per expert");
-    TORCH_CHECK(E > 0, op, ": no experts");
-    const at::ScalarType dt = w2[0].scalar_type();
-    const int kind = dt == at::kFloat ? 0 : dt == at::kBFloat16 ? 1 : 2;
-    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kChar, op, ": weights must be float32, bfloat16 "
-                "or int8, got ", dt);
-    TORCH_CHECK(kind != 2 || (int64_t(s13.size()) == E && int64_t(s2.size()) == E && parts13 == 1), op,
-                ": int8 experts need one scale vector per expert for w13 and for w2 (and one gate/up block)");
-    const int64_t I = w2[0].dim() == 2 ? w2[0].size(1) : -1;
-    const int64_t esize = w2[0].element_size();
-    at::Tensor id = ids.to(at::kLong).contiguous();
-    at::Tensor lmap = local.defined() && local.numel() ? local.to(at::kLong).contiguous() : at::Tensor();
-    const int64_t* ip = id.data_ptr<int64_t>();
-    const int64_t* lp = lmap.defined() ? lmap.data_ptr<int64_t>() : nullptr;
-    const int64_t G = lmap.defined() ? lmap.numel() : E;
-    // counting sort of the pairs by local expert: stable, so within an expert pairs keep their flat order
-    std::vector<int64_t> le(T * K), counts_all(E, 0);
-    for (int64_t f = 0; f < T * K; ++f) {
-        int64_t g = ip[f];
-        int64_t e = g < 0 || g >= G ? -1 : lp ? lp[g] : g;
-        TORCH_CHECK(e < E, op, ": expert map sends id ", g, " to row ", e, " of ", E);
-        le[f] = e;
-        if (e >= 0) ++counts_all[e];
-    }
-    std::vector<int64_t> start(E + 1, 0);
-    for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts_all[e];
-    const int64_t P = start[E];
-    if (P == 0) return;
-    std::vector<int64_t> order(P), fill(start.begin(), start.end() - 1);
-    for (int64_t f = 0; f < T * K; ++f)
-        if (le[f] >= 0) order[fill[le[f]]++] = f;
-    // x's rows for the pairs, float32 (rounded to the weights' float dtype first, as the packed path's cast)
-    at::Tensor xw = (kind != 2 && x.scalar_type() != dt) ? x.to(dt) : x;
-    at::Tensor xf = xw.to(at::kFloat).contiguous();
-    at::Tensor xs = at::empty({P, H}, xf.options());                             // [P, H]
-    const float* xp = xf.data_ptr<float>();
-    float* xsp = xs.data_ptr<float>();
-    at::parallel_for(0, P, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H)), [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p) std::memcpy(xsp + p * H, xp + (order[p] / K) * H, H * sizeof(float));
-    });
-    std::vector<int64_t> counts, rows;
-    std::vector<std::vector<Src>> src13, src2;
-    auto block = [&](const at::Tensor& t, int64_t cols, const float* scale) {
-        TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.is_contiguous() && t.scalar_type() == dt && t.is_cpu(), op,
-                    ": every weight block must be a contiguous CPU ", dt, " [rows, ", cols, "], got ", t.sizes(), " ",
-                    t.scalar_type());
-        return Src{static_cast<const char*>(t.data_ptr()), scale, t.size(0)};
-    };
-    auto scales = [&](const at::Tensor& s, int64_t n) -> const float* {
-        TORCH_CHECK(s.dim() == 1 && s.size(0) == n && s.scalar_type() == at::kFloat && s.is_contiguous(), op,
-                    ": int8 scales must be contiguous float32 [", n, "]");
-        return s.data_ptr<float>();
-    };
-    for (int64_t e = 0; e < E; ++e) {
-        if (!counts_all[e]) continue;
-        counts.push_back(counts_all[e]);
-        rows.push_back(e);
-        std::vector<Src> parts;
-        int64_t total = 0;
-        for (int64_t j = 0; j < parts13; ++j) {
-            parts.push_back(block(w13[e * parts13 + j], H, kind == 2 ? scales(s13[e], w13[e].size(0)) : nullptr));
-            total += parts.back().rows;
-        }
-        TORCH_CHECK(total == 2 * I, op, ": expert ", e, "'s gate/up has ", total, " rows, not 2I = ", 2 * I);
-        src13.push_back(parts);
-        src2.push_back({block(w2[e], I, kind == 2 ? scales(s2[e], H) : nullptr)});
-        TORCH_CHECK(src2.back()[0].rows == H, op, ": expert ", e, "'s down must be [H=", H, ", I]");
-    }
-    TORCH_CHECK(!w8a8 || kind == 2, op, ": W8A8 takes int8 weights");
-    at::Tensor ys = ffn(xs, counts, rows, src13, src2, w8a8 ? 3 : kind, esize, I, b13, b2, alpha, limit,
-                        up_offset);                                                                     // [P, H]
-    at::Tensor wf = weights.to(at::kFloat).contiguous();
-    const float* wp = wf.data_ptr<float>();
-    std::vector<int64_t> token(P);                                              // each pair's row of acc
-    std::vector<float> pair_weight(P);
-    for (int64_t p = 0; p < P; ++p) {
-        token[p] = order[p] / K;
-        pair_weight[p] = wp[order[p]];
-    }
-    add_weighted(acc.data_ptr<double>(), ys.data_ptr<float>(), P, H, token.data(), pair_weight.data());
-}
-
 std::string isa() { return level().name; }
 
 std::string use_isa(const std::string& name) {
@@ -480,6 +196,8 @@ std::string use_isa(const std::string& name) {
 }  // namespace
 
 attention_fn colibri_ops::attention_kernel() { return level().attention; }
+linear_fn colibri_ops::linear_kernel() { return level().linear; }
+linear_i8_fn colibri_ops::linear_i8_kernel() { return level().linear_i8; }
 
 at::Tensor colibri_ops::linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                                bool w8a8) {
@@ -488,16 +206,10 @@ at::Tensor colibri_ops::linear(const at::Tensor& x, const at::Tensor& w, const c
 
 TORCH_LIBRARY(colibri, m) {
     m.def("linear(Tensor x, Tensor w, Tensor? scale=None, bool w8a8=False) -> Tensor");
-    m.def("moe_(Tensor(a!) acc, Tensor x, Tensor ids, Tensor weights, Tensor local, Tensor[] w13, int parts13, "
-          "Tensor[] w2, Tensor[] s13, Tensor[] s2, Tensor? b13, Tensor? b2, float alpha, float? limit, "
-          "float up_offset, bool w8a8=False) -> ()");
-    m.def("moe_sum_(Tensor(a!) acc, Tensor ys, Tensor rows, Tensor weights) -> ()");
     m.def("isa() -> str", &isa);
     m.def("use_isa(str name) -> str", &use_isa);
 }
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {
     m.impl("linear", &linear);
-    m.impl("moe_sum_", &moe_sum_);
-    m.impl("moe_", &moe_);
 }

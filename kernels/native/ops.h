@@ -1,11 +1,18 @@
-// What the torch-side translation units share: the entry points of the ISA level in force (ops.cpp picks it).
+// What the torch-side translation units share: the entry points of the ISA level in force (ops.cpp picks it)
+// and the pieces of the linear that the expert side (moe_op.cpp) reuses.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 extern "C" {
+// colibri_linear_<ISA> and colibri_linear_i8_<ISA> (gemm.h)
+typedef void (*linear_fn)(const float*, int, int, const void*, int, const float*, int, int, float*, int,
+                          const void*, int64_t);
+typedef void (*linear_i8_fn)(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int, float*,
+                             int, const void*, int64_t);
 // colibri_decode_attention_<ISA> (attention.h)
 typedef void (*attention_fn)(const float*, int, int, int, const void*, const void*, int, int64_t, int64_t,
                              const int64_t*, int, const float*, float, float*, float*);
@@ -13,6 +20,21 @@ typedef void (*attention_fn)(const float*, int, int, int, const void*, const voi
 
 namespace colibri_ops {
 attention_fn attention_kernel();   // the level in force's decode attention
+linear_fn linear_kernel();         // its small-M linear (float32, bf16, int8 weights)
+linear_i8_fn linear_i8_kernel();   // its W8A8 linear
+
+constexpr int64_t BLOCK = 32;      // output rows a task computes (gemm.h streams its weight bytes once)
+int64_t grain(int64_t rows, int64_t k);   // blocks a task takes: at least ~256K multiply-adds
+
+// W8A8 activations: float32 rows [n, K] -> int8 [n, Kp] (zero-padded to a multiple of 32) and a float32 scale per
+// row, as kernels/formats/int8.py quantize_rows: scale = max(max|x| / 127, FLT_MIN), q = round-half-even(x / scale)
+// in [-127, 127].
+struct Quantized {
+    std::vector<int8_t> q;
+    std::vector<float> scale;
+    int64_t Kp = 0;
+};
+Quantized quantize_rows(const float* x, int64_t n, int64_t K);
 
 // The ops' implementations, for ops built of them (attention_block_op.cpp): the same functions the registered
 // ops run, called without the dispatcher.

@@ -213,7 +213,7 @@ def test_moe_layer_on_views_of_a_larger_buffer(level):
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
 def test_whole_experts_per_thread_give_the_bits_of_shared_row_blocks(level, kind):
-    """With few rows per expert each thread runs whole experts (ops.cpp `by_expert`: one parallel region); with
+    """With few rows per expert each thread runs whole experts (moe_op.cpp `by_expert`: one parallel region); with
     many, the threads share each projection's row blocks. A token alone (4 and 8 experts, one row each) and the
     same token among 40 (over a dozen rows per expert) get the same bits, at one thread and at two, packed and in
     place (gate and up as two blocks), and both match float64."""
