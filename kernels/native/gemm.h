@@ -125,11 +125,14 @@ static inline void tile(const float* x, int K, const WT* w, const float* scale, 
 }
 
 // MT rows of x against W rows [0, n) of `w`: OT rows at a time (as many accumulators as the registers
-// hold beside the loads), the rest one by one.
+// hold beside the loads: MT x OT + OT + 1 of AVX2's 16), the rest one by one. Each accumulator takes one
+// multiply-add per step, so more of them keep more in flight: 2 and 3 rows with 4 and 3 weight rows a tile
+// (against 3 and 2) multiplied 13% and 38% faster from the caches, and a layer's experts at 8 tokens (1-3 rows
+// each) took 5.6-6.0 ms against 6.5-7.0 from memory (bf16, 2 threads, an AVX2 EPYC).
 template <int MT, typename WT>
 static inline void rows(const float* x, int K, const WT* w, const float* scale, int n, float* y, int ldy,
                         Ahead& ahead) {
-    constexpr int OT = MT == 1 ? 4 : MT == 2 ? 3 : MT == 3 ? 2 : 3;
+    constexpr int OT = MT == 1 ? 4 : MT == 2 ? 4 : 3;
     int o = 0;
     for (; o + OT <= n; o += OT)
         tile<MT, OT>(x, K, w + (int64_t)o * K, scale ? scale + o : nullptr, y + o, ldy, ahead);
