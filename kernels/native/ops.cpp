@@ -120,8 +120,6 @@ int wdtype(const at::Tensor& w, const c10::optional<at::Tensor>& scale) {
     return 2;
 }
 
-constexpr int64_t KPAD = 32;            // W8A8 activation rows are zero-padded to a multiple of this
-
 }  // namespace
 
 int64_t colibri_ops::grain(int64_t rows, int64_t k) {
@@ -130,7 +128,7 @@ int64_t colibri_ops::grain(int64_t rows, int64_t k) {
 
 colibri_ops::Quantized colibri_ops::quantize_rows(const float* x, int64_t n, int64_t K) {
     Quantized out;
-    out.Kp = (K + KPAD - 1) / KPAD * KPAD;
+    out.Kp = (K + KPAD - 1) / KPAD * KPAD;                 // KPAD: ops.h
     out.q.assign(n * out.Kp, 0);
     out.scale.resize(n);
     at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {

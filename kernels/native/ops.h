@@ -26,7 +26,9 @@ linear_i8_fn linear_i8_kernel();   // its W8A8 linear
 constexpr int64_t BLOCK = 32;      // output rows a task computes (gemm.h streams its weight bytes once)
 int64_t grain(int64_t rows, int64_t k);   // blocks a task takes: at least ~256K multiply-adds
 
-// W8A8 activations: float32 rows [n, K] -> int8 [n, Kp] (zero-padded to a multiple of 32) and a float32 scale per
+constexpr int64_t KPAD = 32;       // W8A8 activation rows are zero-padded to a multiple of this
+
+// W8A8 activations: float32 rows [n, K] -> int8 [n, Kp] (zero-padded to a multiple of KPAD) and a float32 scale per
 // row, as kernels/formats/int8.py quantize_rows: scale = max(max|x| / 127, FLT_MIN), q = round-half-even(x / scale)
 // in [-127, 127].
 struct Quantized {
