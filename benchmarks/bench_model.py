@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from colibri_common import page_cache
+
 CACHE = Path(__file__).resolve().parent.parent / ".cache"
 BENCH_DIR = CACHE / "bench-model"
 SIZES = {
@@ -47,6 +49,7 @@ def ensure_bench_model(path: Path | None = None, size: str = "bench") -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(bench_config(size), dtype=torch.bfloat16)
     model.save_pretrained(path)
+    page_cache.drop_checkpoint(path)        # the next reader fills the page cache in 2 MiB pages
     return path
 
 

@@ -10,6 +10,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
+from colibri_common import page_cache
+
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 DAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
 CHARS = sorted(set(ALPHABET + "0123456789 :,.\n"))
@@ -75,5 +77,6 @@ def build_demo_model(out: Path, steps: int = TRAIN_STEPS) -> Path:
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    page_cache.drop_checkpoint(out)        # the next reader fills the page cache in 2 MiB pages
     tok.save(str(out / "tokenizer.json"))
     return out

@@ -39,6 +39,7 @@ import torch
 from benchmarks.common import finish, machine, publish, table
 from benchmarks.serving import COLIBRI
 from colibri.health import is_serving
+from colibri_common import page_cache
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / ".cache" / "bench-elastic-model-1024"
 HOT = 8
@@ -65,6 +66,7 @@ def ensure_model(path: Path = MODEL_DIR) -> Path:
             w = layer.mlp.gate.weight                                       # [E, H]
             w[:HOT].copy_((w[:HOT].float() + 2 * d).to(w.dtype))
     model.save_pretrained(path)
+    page_cache.drop_checkpoint(path)        # the next reader fills the page cache in 2 MiB pages
     return path
 
 

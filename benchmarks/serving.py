@@ -28,7 +28,7 @@ import psutil
 from tqdm import tqdm
 
 from benchmarks.bench_model import SIZES, ensure_bench_model
-from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table
+from benchmarks.common import finish, machine, page_state, publish, read_bandwidth_gbs, table
 from benchmarks.llamacpp import add_peer_args, find_peer
 from benchmarks.llamacpp import measure as measure_llamacpp
 from colibri.loadgen import run_load
@@ -183,6 +183,7 @@ def main() -> int:
     model = ensure_bench_model(size=args.size)
     cfg = ModelConfig.from_dir(model)
     bw = read_bandwidth_gbs()
+    pages = page_state(model)
     common = ["--model", str(model), "--dtype", args.dtype, "--streams", args.streams,
               "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
     jobs = [
@@ -246,7 +247,7 @@ def main() -> int:
     text = "\n".join([
         f"# Serving benchmark: {args.size} bench model ({cfg.architecture}, {cfg.num_layers} layers, "
         f"{cfg.num_experts} experts top-{cfg.top_k}, hidden {cfg.hidden_size}), {args.dtype}",
-        "", f"Machine: {machine()}; measured read bandwidth {bw:.1f} GB/s (streaming sum over 1 GiB).",
+        "", f"Machine: {machine()}; measured read bandwidth {bw:.1f} GB/s (streaming sum over 1 GiB); {pages}.",
         f"Command: `python -m benchmarks.serving --dtype {args.dtype}"
         f"{' --size ' + args.size if args.size != 'bench' else ''}"
         f"{' --engines ' + repr(args.engines) if args.engines else ''}` ({args.prompt_len}-token prompts, "

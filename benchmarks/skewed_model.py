@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from colibri_common import page_cache
+
 SKEWED_DIR = Path(__file__).resolve().parent.parent / ".cache" / "bench-skewed-model"
 TOPICS = 4
 
@@ -69,6 +71,7 @@ def ensure_skewed_model(path: Path = SKEWED_DIR, **shape) -> Path:
     model = AutoModelForCausalLM.from_config(skewed_config(**shape), dtype=torch.bfloat16)
     skew(model)
     model.save_pretrained(path)
+    page_cache.drop_checkpoint(path)        # the next reader fills the page cache in 2 MiB pages
     return path
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from colibri_common import page_cache
 from colibri_common.errors import CheckpointError
 from colibri_common.fp8 import Fp8Format
 from kernels import fp8, mxfp4
@@ -164,6 +165,7 @@ class Checkpoint:
             try:
                 # ACCESS_COPY: private, writable pages (no torch warning), shared until written; we never write.
                 self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                page_cache.advise_huge(self._maps[path])    # 2 MiB pages where the page cache has them
             finally:
                 os.close(fd)
         return self._maps[path]

@@ -1,0 +1,77 @@
+"""The page cache under a mapped checkpoint, and the size of its pages.
+
+Experts computed in place stream the checkpoint's bytes straight from the page cache. On Linux, where the
+filesystem keeps a file's page cache in large folios (ext4 and xfs on recent kernels), those bytes can sit in
+2 MiB pages, each mapped by one page-table entry (`FilePmdMapped` in /proc/PID/smaps): one TLB entry then
+covers 512 times the bytes of a layer's expert streams. Measured on a 2-core AVX2
+EPYC (Linux 6.18, ext4), the bench model in process at 8 streams, three alternating runs: 88.8 / 90.1 / 93.9
+tok/s on 2 MiB pages against 80.9 / 85.4 / 79.2 on 4 KiB pages (`madvise(MADV_NOHUGEPAGE)` on the mapping).
+
+Two things decide the page size, and this module handles both:
+
+- how a fault fills the cache: `advise_huge` asks for 2 MiB pages on a mapping (MADV_HUGEPAGE), so a fault on
+  bytes not yet cached reads a whole 2 MiB folio where the kernel can;
+- how the file got into the cache: a file just written sits there in 4 KiB pages, and stays so until evicted
+  (a kernel without file THP collapse cannot merge them: `MADV_COLLAPSE` answers EINVAL). `drop` writes a
+  file's dirty pages out and evicts its cached ones (fdatasync, POSIX_FADV_DONTNEED), so the next reader fills
+  the cache from the disk, in large folios. Whoever writes a checkpoint calls it after writing.
+
+`huge_share` says how much of a file's resident mapping is on 2 MiB pages, from /proc/self/smaps.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+
+def advise_huge(m: mmap.mmap) -> bool:
+    """Ask for 2 MiB pages on a file mapping (MADV_HUGEPAGE); False where the platform or kernel refuses."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:                      # a kernel without transparent huge pages: 4 KiB pages, as before
+        return False
+    return True
+
+
+def drop(path: str | Path) -> None:
+    """Write a file's dirty pages out and evict its cached pages (pages mapped elsewhere stay), so the next
+    reader fills the page cache from the disk: in 2 MiB folios where the filesystem makes them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def drop_checkpoint(model_dir: str | Path) -> None:
+    """`drop` for every safetensors file of a checkpoint directory just written."""
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        drop(path)
+
+
+def huge_share(path: str | Path, smaps: str = "/proc/self/smaps") -> tuple[int, int] | None:
+    """(resident bytes, bytes on 2 MiB pages) of this process's mappings of `path`; None where there is no
+    /proc (not Linux) or no mapping of it."""
+    target = str(Path(path).resolve())
+    try:
+        lines = Path(smaps).read_text().splitlines()
+    except OSError:
+        return None
+    rss = pmd = 0
+    found = mine = False
+    for line in lines:
+        head = line.split(maxsplit=5)
+        if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:     # a mapping's first line
+            mine = len(head) == 6 and head[5].strip() == target
+            found = found or mine
+        elif mine and line.startswith("Rss:"):
+            rss += int(line.split()[1]) * 1024
+        elif mine and line.startswith("FilePmdMapped:"):
+            pmd += int(line.split()[1]) * 1024
+    return (rss, pmd) if found else None

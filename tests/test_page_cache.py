@@ -1,0 +1,123 @@
+"""The page cache under a mapped checkpoint (colibri_common/page_cache.py): the checkpoint's mappings ask for
+2 MiB pages, a written file is evicted by `drop` (so its next reader fills the cache from the disk, in large
+folios where the filesystem makes them), and `huge_share` reads a mapping's resident and 2 MiB-page bytes from
+/proc/self/smaps. Real files, real mappings, the kernel's own accounts (mincore, smaps)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from colibri_common import page_cache
+from colibri_common.checkpoint import Checkpoint
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                           reason="Linux's /proc and madvise(MADV_HUGEPAGE)")
+
+
+def vm_flags(path: Path) -> list[str]:
+    """The VmFlags of this process's mappings of `path`, from /proc/self/smaps."""
+    target, mine, out = str(path.resolve()), False, []
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=5)
+        if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:
+            mine = len(head) == 6 and head[5].strip() == target
+        elif mine and line.startswith("VmFlags:"):
+            out += line.split()[1:]
+    return out
+
+
+def resident_pages(m: mmap.mmap) -> int:
+    """How many of a mapping's pages are in the page cache (mincore)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    n = -(-len(m) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * n)()
+    anchor = ctypes.c_char.from_buffer(m)
+    try:
+        if libc.mincore(ctypes.addressof(anchor), len(m), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+    finally:
+        del anchor
+    return sum(v & 1 for v in vec)
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding `path` (the longest mount point above it)."""
+    best, kind = "", ""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, point, fstype = line.split()[:3]
+        if str(path.resolve()).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+            best, kind = point, fstype
+    return kind
+
+
+@linux
+def test_checkpoint_mappings_ask_for_huge_pages(tmp_path):
+    want = torch.randn(64, 64)
+    save_file({"w": want}, str(tmp_path / "model.safetensors"))
+    ck = Checkpoint(tmp_path)
+    assert torch.equal(ck.view("w"), want)                                 # mapped and read
+    assert "hg" in vm_flags(tmp_path / "model.safetensors"), "the mapping lacks MADV_HUGEPAGE"
+
+
+@linux
+def test_drop_evicts_a_file_just_written(tmp_path):
+    if filesystem(tmp_path) in ("tmpfs", "ramfs", "overlay"):
+        pytest.skip(f"{filesystem(tmp_path)} keeps its pages: nothing to evict")
+    path = tmp_path / "model.safetensors"
+    want = torch.randn(1024, 1024)                                         # 4 MiB
+    save_file({"w": want}, str(path))
+    with path.open("rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        assert resident_pages(m) > 0, "a file just written is in the page cache"
+    finally:
+        m.close()
+    page_cache.drop(path)
+    with path.open("rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        assert resident_pages(m) == 0, "drop left the file's pages in the cache"
+    finally:
+        m.close()
+    assert torch.equal(Checkpoint(tmp_path).view("w"), want)               # read back from the disk, intact
+
+
+@linux
+def test_huge_share_counts_the_mapping_of_that_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.randn(512, 512)}, str(path))                    # 1 MiB
+    assert page_cache.huge_share(path) is None                             # not mapped yet
+    ck = Checkpoint(tmp_path)
+    ck.view("w").sum()                                                     # every page touched
+    rss, pmd = page_cache.huge_share(path)
+    assert rss >= path.stat().st_size - mmap.PAGESIZE and 0 <= pmd <= rss
+    smaps = tmp_path / "smaps"                                             # the parser on a known text
+    smaps.write_text(
+        f"7f0000000000-7f0000400000 r--p 00000000 fd:00 12 {path.resolve()}\nRss:                4096 kB\n"
+        "FilePmdMapped:      2048 kB\nVmFlags: rd mr mw me hg\n"
+        "7f0000400000-7f0000600000 r--p 00000000 fd:00 13 /elsewhere/other.safetensors\nRss: 2048 kB\n"
+        "FilePmdMapped: 2048 kB\n"
+        f"7f0000600000-7f0000800000 r--p 00400000 fd:00 12 {path.resolve()}\nRss:                1024 kB\n"
+        "FilePmdMapped:         0 kB\n")
+    assert page_cache.huge_share(path, smaps=str(smaps)) == (5 * 2**20, 2 * 2**20)
+    assert page_cache.huge_share(tmp_path / "absent", smaps=str(smaps)) is None
+    assert page_cache.huge_share(path, smaps=str(tmp_path / "no-such-file")) is None
+
+
+@linux
+def test_the_bench_header_reports_the_page_state(tmp_path):
+    from benchmarks.common import page_state
+    save_file({"w": torch.randn(1024, 1024)}, str(tmp_path / "model.safetensors"))         # 4 MiB
+    line = page_state(tmp_path)
+    assert re.fullmatch(r"checkpoint page cache: \d+% of 0\.00 GiB on 2 MiB pages", line), line
+    assert page_cache.huge_share(tmp_path / "model.safetensors") is None                   # unmapped after
