@@ -42,7 +42,7 @@ def drop(path: str | Path) -> None:
     reader fills the page cache from the disk: in 2 MiB folios where the filesystem makes them."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fdatasync(fd)
+        (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)        # macOS has fsync only
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
