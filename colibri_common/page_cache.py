@@ -16,7 +16,8 @@ Two things decide the page size, and this module handles both:
   file's dirty pages out and evicts its cached ones (fdatasync, POSIX_FADV_DONTNEED), so the next reader fills
   the cache from the disk, in large folios. Whoever writes a checkpoint calls it after writing.
 
-`huge_share` says how much of a file's resident mapping is on 2 MiB pages, from /proc/self/smaps.
+`huge_share` / `mapped_pages` say how much of a file's resident mapping is on 2 MiB pages, from /proc/self/smaps
+(an expert worker exports it as `colibri:checkpoint_resident_bytes{page}`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,13 @@ def drop_checkpoint(model_dir: str | Path) -> None:
 def huge_share(path: str | Path, smaps: str = "/proc/self/smaps") -> tuple[int, int] | None:
     """(resident bytes, bytes on 2 MiB pages) of this process's mappings of `path`; None where there is no
     /proc (not Linux) or no mapping of it."""
-    target = str(Path(path).resolve())
+    return mapped_pages([path], smaps)
+
+
+def mapped_pages(paths: list[str | Path], smaps: str = "/proc/self/smaps") -> tuple[int, int] | None:
+    """(resident bytes, bytes on 2 MiB pages) of this process's mappings of any of `paths` (smaps read once);
+    None where there is no /proc (not Linux) or no mapping of them."""
+    targets = {str(Path(p).resolve()) for p in paths}
     try:
         lines = Path(smaps).read_text().splitlines()
     except OSError:
@@ -68,7 +75,7 @@ def huge_share(path: str | Path, smaps: str = "/proc/self/smaps") -> tuple[int, 
     for line in lines:
         head = line.split(maxsplit=5)
         if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:     # a mapping's first line
-            mine = len(head) == 6 and head[5].strip() == target
+            mine = len(head) == 6 and head[5].strip() in targets
             found = found or mine
         elif mine and line.startswith("Rss:"):
             rss += int(line.split()[1]) * 1024

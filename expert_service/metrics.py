@@ -4,6 +4,9 @@
 - colibri:expert_tokens_total: token rows computed; colibri:expert_forward_total{code}: calls by outcome.
 - colibri:expert_resident_bytes: bytes of packed expert weights held; colibri:expert_in_place_bytes: bytes of
   experts computed where they lie in the mapped checkpoint (page cache, shared); colibri:expert_streams_open.
+- colibri:checkpoint_resident_bytes{page="2MiB"|"4KiB"}: the worker's mapping of the checkpoint, resident, by page
+  size (/proc/self/smaps, read at each scrape): in-place experts stream faster from 2 MiB pages
+  (`docs/operations.md`, Memory).
 - With a bounded expert cache: colibri:expert_cache_{hits,misses,evictions}_total,
   colibri:expert_cache_prefetch_{packed,used,wasted}_total (experts packed ahead on the router's prediction,
   then hit or evicted unused), colibri:expert_cache_resident_bytes{tier="hot"|"warm"|"mapped"},
@@ -14,10 +17,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from colibri_common import page_cache
 from colibri_common.metrics_http import TOKEN_BUCKETS, render, serve_metrics
 
 
@@ -31,6 +36,7 @@ class WorkerMetrics:
         self.mapped_bytes = 0      # the shard's experts in the checkpoint files (the cold tier)
         self.in_place_bytes = 0    # the shard's experts computed in place on the mapping (0 when packed)
         self.streams_open = 0
+        self.mapped_files: list[Path] = []   # the checkpoint files served through the mapping (none when packed)
         self.registry = CollectorRegistry(auto_describe=False)
         self.compute = Histogram("colibri:expert_compute_seconds", "One Forward's fused-MoE compute.",
                                  buckets=TOKEN_BUCKETS, registry=self.registry)
@@ -57,6 +63,14 @@ class WorkerMetrics:
                                     value=self.streams_open)
         if self.cache is not None:
             yield from self._cache_families()
+        pages = page_cache.mapped_pages(self.mapped_files) if self.mapped_files else None
+        if pages is not None:
+            by_page = GaugeMetricFamily("colibri:checkpoint_resident_bytes", "Bytes of this worker's mapping of the "
+                                        "checkpoint in memory, by page size (in-place experts stream faster from "
+                                        "2 MiB pages).", labels=["page"])
+            by_page.add_metric(["2MiB"], pages[1])
+            by_page.add_metric(["4KiB"], pages[0] - pages[1])
+            yield by_page
 
     def _cache_families(self) -> Iterator[Metric]:
         c = self.cache

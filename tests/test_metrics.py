@@ -55,4 +55,10 @@ def test_router_and_worker_metrics_move_with_the_traffic(oracles):
             held = value(wm["colibri:expert_resident_bytes"], "colibri:expert_resident_bytes")      # packed
             in_place = value(wm["colibri:expert_in_place_bytes"], "colibri:expert_in_place_bytes")  # or mapped
             assert (held > 0) != (in_place > 0)
+            pages = {s.labels["page"]: s.value for s in wm["colibri:checkpoint_resident_bytes"].samples} \
+                if "colibri:checkpoint_resident_bytes" in wm else {}
+            if in_place > 0:                   # the mapping computed on, resident, by page size (smaps)
+                assert set(pages) == {"2MiB", "4KiB"} and sum(pages.values()) > 0 and min(pages.values()) >= 0
+            else:
+                assert not pages
             assert value(wm["colibri:expert_forward"], "colibri:expert_forward_total", code="ok") > 0
