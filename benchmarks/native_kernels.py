@@ -6,17 +6,23 @@ memory read rate, at 1 and 2 threads, beside torch's own kernels on the same wei
 - The small-M linear on the router's dense shapes (qkv [1536, 1024], o [1024, 1024], lm_head [32000, 1024]).
 
 Weights in bf16, int8 (per-row scales, weight-only; bf16 activations) and W8A8 (int8 weights, the activations'
-rows quantised to int8, exact int32 sums). Every call reads weights that are not
-in the caches: the expert weights span several layers (fresh routing each call) and each linear cycles through
-copies of its weight totalling over 4x the L3. GB/s = weight bytes the call reads / time; "% read" divides by a
-streaming sum over 1 GiB at the same thread count (the rate a decode step can reach).
+rows quantised to int8, exact int32 sums). The expert rows run twice: on 4 KiB pages (torch's own
+allocations) and on 2 MiB pages (copies on anonymous memory advised MADV_HUGEPAGE), as in-place experts read a
+checkpoint that the page cache holds in 2 MiB folios (`colibri_common/page_cache.py`). Every call reads weights
+that are not in the caches: the expert weights span several layers (fresh routing each call) and each linear
+cycles through copies of its weight totalling over 4x the L3. GB/s = weight bytes the call reads / time; "% read"
+divides by a streaming sum over 1 GiB at the same thread count (the rate a decode step can reach).
 
-    python -m benchmarks.native_kernels [--tokens 1,8,32] [--threads 1,2]
+    python -m benchmarks.native_kernels [--tokens 1,8,32] [--threads 1,2] [--pages 4k,2m]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
+import mmap
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +56,46 @@ class Cycle:
         return self.items[self.i]
 
 
-def expert_rows(kind: str, tokens: list[int], g: torch.Generator, torch_too: bool) -> list[list[str]]:
+HUGE = 2 * 2**20
+
+
+def anon_huge_bytes() -> int:
+    """This process's anonymous memory on 2 MiB pages (AnonHugePages, /proc/self/smaps_rollup); 0 without it."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    return sum(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("AnonHugePages:"))
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t in anonymous memory aligned to 2 MiB and advised MADV_HUGEPAGE (the tensor keeps the map)."""
+    n = t.numel() * t.element_size()
+    m = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)    # private: shared is shmem's
+    anchor = ctypes.c_char.from_buffer(m)
+    off = -ctypes.addressof(anchor) % HUGE
+    del anchor
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE, off, n - n % mmap.PAGESIZE or mmap.PAGESIZE)
+    out = torch.frombuffer(m, dtype=t.dtype, offset=off, count=t.numel()).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def huge_copy(w: torch.Tensor | Int8Weight) -> torch.Tensor | Int8Weight:
+    return dataclasses.replace(w, q=on_huge_pages(w.q)) if isinstance(w, Int8Weight) else on_huge_pages(w)
+
+
+def expert_rows(kind: str, tokens: list[int], g: torch.Generator, torch_too: bool, huge: bool = False
+                ) -> list[list[str]]:
     layers = 3                                                           # 600 MB in bf16: no layer stays cached
     weights = [(make(kind, E, 2 * I, H, g=g), make(kind, E, H, I, g=g)) for _ in range(layers)]
+    if huge:
+        before = anon_huge_bytes()
+        weights = [(huge_copy(a), huge_copy(b)) for a, b in weights]
+        held = sum(weight_bytes(w) for pair in weights for w in pair)
+        tqdm.write(f"experts {kind} on 2 MiB pages: {(anon_huge_bytes() - before) / 2**20:.0f} of "
+                   f"{held / 2**20:.0f} MiB (AnonHugePages)")
     per_expert = weight_bytes(weights[0][0]) // E + weight_bytes(weights[0][1]) // E
     rows = []
     for T in tokens:
@@ -70,8 +113,8 @@ def expert_rows(kind: str, tokens: list[int], g: torch.Generator, torch_too: boo
             ref_s = time_fn(lambda cyc=cyc: fused_moe_cpu(*cyc.next(), form="loop"), min_runs=5,
                             min_seconds=0.5)
             ref = f"{touched / ref_s / 1e9:.1f}"
-        rows.append([f"experts {kind}", str(T), f"{touched / 2**20:.0f}", f"{s * 1e3:.2f}",
-                     f"{touched / s / 1e9:.1f}", ref])
+        name = f"experts {kind}{', 2 MiB pages' if huge else ''}"
+        rows.append([name, str(T), f"{touched / 2**20:.0f}", f"{s * 1e3:.2f}", f"{touched / s / 1e9:.1f}", ref])
     return rows
 
 
@@ -103,6 +146,8 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,8,32", help="row counts T (default: %(default)s)")
     ap.add_argument("--threads", default="1,2", help="thread counts (default: %(default)s)")
     ap.add_argument("--kinds", default="bfloat16,int8,w8a8", help="weight kinds (default: %(default)s)")
+    ap.add_argument("--pages", default="4k,2m", help="the expert weights' page sizes: 4k (torch's allocations), "
+                    "2m (2 MiB pages, as in-place experts on a page cache of 2 MiB folios) (default: %(default)s)")
     args = ap.parse_args()
     if not native.available():
         print(f"the native kernels are not available here ({native.UNAVAILABLE}): nothing to measure")
@@ -115,8 +160,12 @@ def main() -> int:
         torch.set_num_threads(threads)
         bw = read_bandwidth_gbs()
         rows = []
+        pages = args.pages.split(",")
         for kind in kinds:
-            rows += expert_rows(kind, tokens, g, torch_too=True)
+            if "4k" in pages:
+                rows += expert_rows(kind, tokens, g, torch_too=True)
+            if "2m" in pages:
+                rows += expert_rows(kind, tokens, g, torch_too=False, huge=True)
             rows += linear_rows(kind, tokens, g)
         for r in rows:
             r.insert(5, f"{100 * float(r[4]) / bw:.0f}%")

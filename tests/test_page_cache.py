@@ -121,3 +121,14 @@ def test_the_bench_header_reports_the_page_state(tmp_path):
     line = page_state(tmp_path)
     assert re.fullmatch(r"checkpoint page cache: \d+% of 0\.00 GiB on 2 MiB pages", line), line
     assert page_cache.huge_share(tmp_path / "model.safetensors") is None                   # unmapped after
+
+
+def test_the_kernels_bench_copies_weights_onto_2mib_aligned_memory():
+    from benchmarks.native_kernels import huge_copy, on_huge_pages
+    from kernels import quantize_int8
+    t = torch.randn(1024, 1024).bfloat16()                                               # 2 MiB
+    c = on_huge_pages(t)
+    assert torch.equal(c, t) and c.data_ptr() % (2 * 2**20) == 0 and c.data_ptr() != t.data_ptr()
+    w = quantize_int8(torch.randn(64, 96))
+    h = huge_copy(w)
+    assert torch.equal(h.q, w.q) and h.q.data_ptr() % (2 * 2**20) == 0 and h.scale is w.scale
