@@ -165,7 +165,7 @@ class Checkpoint:
             try:
                 # ACCESS_COPY: private, writable pages (no torch warning), shared until written; we never write.
                 self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-                page_cache.advise_huge(self._maps[path])    # 2 MiB pages where the page cache has them
+                page_cache.advise_huge(self._maps[path])    # a fault on bytes not cached reads a 2 MiB folio
             finally:
                 os.close(fd)
         return self._maps[path]

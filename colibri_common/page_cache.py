@@ -12,9 +12,10 @@ Two things decide the page size, and this module handles both:
 - how a fault fills the cache: `advise_huge` asks for 2 MiB pages on a mapping (MADV_HUGEPAGE), so a fault on
   bytes not yet cached reads a whole 2 MiB folio where the kernel can;
 - how the file got into the cache: a file just written sits there in 4 KiB pages, and stays so until evicted
-  (a kernel without file THP collapse cannot merge them: `MADV_COLLAPSE` answers EINVAL). `drop` writes a
-  file's dirty pages out and evicts its cached ones (fdatasync, POSIX_FADV_DONTNEED), so the next reader fills
-  the cache from the disk, in large folios. Whoever writes a checkpoint calls it after writing.
+  (merging them in place, `MADV_COLLAPSE` on a file, needs CONFIG_READ_ONLY_THP_FOR_FS: EINVAL on the 6.18
+  measured). `drop` writes a file's dirty pages out and evicts its cached ones (fdatasync, POSIX_FADV_DONTNEED),
+  so the next reader fills the cache from the disk, in large folios. Whoever writes a checkpoint calls it after
+  writing.
 
 `huge_share` / `mapped_pages` say how much of a file's resident mapping is on 2 MiB pages, from /proc/self/smaps
 (an expert worker exports it as `colibri:checkpoint_resident_bytes{page}`).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -38,16 +40,22 @@ def advise_huge(m: mmap.mmap) -> bool:
     return True
 
 
-def drop(path: str | Path) -> None:
+def drop(path: str | Path) -> bool:
     """Write a file's dirty pages out and evict its cached pages (pages mapped elsewhere stay), so the next
-    reader fills the page cache from the disk: in 2 MiB folios where the filesystem makes them."""
-    fd = os.open(path, os.O_RDONLY)
+    reader fills the page cache from the disk: in 2 MiB folios where the filesystem makes them. Best effort:
+    False where the platform has no POSIX_FADV_DONTNEED (macOS) or the filesystem refuses (some FUSE mounts)."""
+    if not hasattr(os, "posix_fadvise") or not hasattr(os, "fdatasync"):
+        return False
     try:
-        (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)        # macOS has fsync only
-        if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)                       # dirty pages cannot be evicted
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    return True
 
 
 def drop_checkpoint(model_dir: str | Path) -> None:
@@ -56,15 +64,19 @@ def drop_checkpoint(model_dir: str | Path) -> None:
         drop(path)
 
 
+_HEX = frozenset("0123456789abcdef")        # smaps' field lines start with a capital letter
+
+
 def huge_share(path: str | Path, smaps: str = "/proc/self/smaps") -> tuple[int, int] | None:
     """(resident bytes, bytes on 2 MiB pages) of this process's mappings of `path`; None where there is no
     /proc (not Linux) or no mapping of it."""
     return mapped_pages([path], smaps)
 
 
-def mapped_pages(paths: list[str | Path], smaps: str = "/proc/self/smaps") -> tuple[int, int] | None:
+def mapped_pages(paths: Iterable[str | Path], smaps: str = "/proc/self/smaps") -> tuple[int, int] | None:
     """(resident bytes, bytes on 2 MiB pages) of this process's mappings of any of `paths` (smaps read once);
-    None where there is no /proc (not Linux) or no mapping of them."""
+    None where there is no /proc (not Linux) or no mapping of them. "2 MiB" is the PMD size of x86-64 (smaps'
+    FilePmdMapped; other page-table geometries have other sizes)."""
     targets = {str(Path(p).resolve()) for p in paths}
     try:
         lines = Path(smaps).read_text().splitlines()
@@ -73,8 +85,8 @@ def mapped_pages(paths: list[str | Path], smaps: str = "/proc/self/smaps") -> tu
     rss = pmd = 0
     found = mine = False
     for line in lines:
-        head = line.split(maxsplit=5)
-        if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:     # a mapping's first line
+        if line[:1] in _HEX:                                             # a mapping's first line: "lo-hi perms ..."
+            head = line.split(maxsplit=5)
             mine = len(head) == 6 and head[5].strip() in targets
             found = found or mine
         elif mine and line.startswith("Rss:"):

@@ -5,7 +5,7 @@
 - colibri:expert_resident_bytes: bytes of packed expert weights held; colibri:expert_in_place_bytes: bytes of
   experts computed where they lie in the mapped checkpoint (page cache, shared); colibri:expert_streams_open.
 - colibri:checkpoint_resident_bytes{page="2MiB"|"4KiB"}: the worker's mapping of the checkpoint, resident, by page
-  size (/proc/self/smaps, read at each scrape): in-place experts stream faster from 2 MiB pages
+  size (/proc/self/smaps, read at most every 30 s): in-place experts stream faster from 2 MiB pages
   (`docs/operations.md`, Memory).
 - With a bounded expert cache: colibri:expert_cache_{hits,misses,evictions}_total,
   colibri:expert_cache_prefetch_{packed,used,wasted}_total (experts packed ahead on the router's prediction,
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from colibri_common import page_cache
 from colibri_common.metrics_http import TOKEN_BUCKETS, render, serve_metrics
+
+PAGES_EVERY = 30.0        # seconds between two reads of /proc/self/smaps for colibri:checkpoint_resident_bytes
 
 
 class WorkerMetrics:
@@ -36,7 +39,9 @@ class WorkerMetrics:
         self.mapped_bytes = 0      # the shard's experts in the checkpoint files (the cold tier)
         self.in_place_bytes = 0    # the shard's experts computed in place on the mapping (0 when packed)
         self.streams_open = 0
-        self.mapped_files: list[Path] = []   # the checkpoint files served through the mapping (none when packed)
+        self.mapped_files: list[Path] = []   # the checkpoint files read through the mapping (in place, or the
+        #                                      expert cache's mapped tier; none when all packed)
+        self._pages: tuple[float, tuple[int, int] | None] = (float("-inf"), None)   # (when, mapped_pages)
         self.registry = CollectorRegistry(auto_describe=False)
         self.compute = Histogram("colibri:expert_compute_seconds", "One Forward's fused-MoE compute.",
                                  buckets=TOKEN_BUCKETS, registry=self.registry)
@@ -63,14 +68,25 @@ class WorkerMetrics:
                                     value=self.streams_open)
         if self.cache is not None:
             yield from self._cache_families()
-        pages = page_cache.mapped_pages(self.mapped_files) if self.mapped_files else None
+        pages = self.checkpoint_pages()
         if pages is not None:
             by_page = GaugeMetricFamily("colibri:checkpoint_resident_bytes", "Bytes of this worker's mapping of the "
-                                        "checkpoint in memory, by page size (in-place experts stream faster from "
-                                        "2 MiB pages).", labels=["page"])
+                                        "checkpoint in memory, by page size (2MiB: PMD-mapped on x86-64; in-place "
+                                        "experts stream faster from them).", labels=["page"])
             by_page.add_metric(["2MiB"], pages[1])
             by_page.add_metric(["4KiB"], pages[0] - pages[1])
             yield by_page
+
+    def checkpoint_pages(self) -> tuple[int, int] | None:
+        """The mapping's (resident, 2 MiB-page) bytes, read from smaps at most every PAGES_EVERY seconds: the kernel
+        walks every resident mapping's page tables to write smaps, under the lock the allocator's mmap takes."""
+        at, pages = self._pages
+        if not self.mapped_files:
+            return None
+        if time.monotonic() - at >= PAGES_EVERY:
+            pages = page_cache.mapped_pages(self.mapped_files)
+            self._pages = (time.monotonic(), pages)
+        return pages
 
     def _cache_families(self) -> Iterator[Metric]:
         c = self.cache

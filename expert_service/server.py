@@ -302,7 +302,7 @@ def serve_expert(opts: ExpertOptions) -> int:
         servicer.metrics.resident_bytes = experts.packed_bytes
         servicer.metrics.in_place_bytes = experts.shard_bytes if experts.in_place else 0
         servicer.metrics.cache, servicer.metrics.mapped_bytes = experts.cache, experts.shard_bytes
-        servicer.metrics.mapped_files = sorted(experts.watch.stamps) if experts.watch is not None else []
+        servicer.metrics.mapped_files = sorted(p.resolve() for p in experts.watch.stamps) if experts.watch else []
         if experts.watch is not None:
             experts.watch.watch(stop_serving)
 

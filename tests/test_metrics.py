@@ -4,6 +4,7 @@ names vLLM users know (under colibri:), histograms that move, MoE series per wor
 from __future__ import annotations
 
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -57,8 +58,8 @@ def test_router_and_worker_metrics_move_with_the_traffic(oracles):
             assert (held > 0) != (in_place > 0)
             pages = {s.labels["page"]: s.value for s in wm["colibri:checkpoint_resident_bytes"].samples} \
                 if "colibri:checkpoint_resident_bytes" in wm else {}
-            if in_place > 0:                   # the mapping computed on, resident, by page size (smaps)
+            if in_place > 0 and Path("/proc/self/smaps").is_file():   # the mapping computed on, by page size
                 assert set(pages) == {"2MiB", "4KiB"} and sum(pages.values()) > 0 and min(pages.values()) >= 0
-            else:
+            elif held > 0:                     # all packed (no expert cache here): no mapping served from
                 assert not pages
             assert value(wm["colibri:expert_forward"], "colibri:expert_forward_total", code="ok") > 0

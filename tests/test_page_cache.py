@@ -19,8 +19,10 @@ from safetensors.torch import save_file
 from colibri_common import page_cache
 from colibri_common.checkpoint import Checkpoint
 
-linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
-                           reason="Linux's /proc and madvise(MADV_HUGEPAGE)")
+linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE")
+                           or not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
+                           reason="Linux's /proc and transparent huge pages (madvise(MADV_HUGEPAGE))")
+EVICTABLE = ("ext4", "xfs", "btrfs")          # filesystems whose clean pages POSIX_FADV_DONTNEED evicts
 
 
 def vm_flags(path: Path) -> list[str]:
@@ -55,7 +57,8 @@ def filesystem(path: Path) -> str:
     best, kind = "", ""
     for line in Path("/proc/self/mounts").read_text().splitlines():
         _, point, fstype = line.split()[:3]
-        if str(path.resolve()).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+        point = point.replace("\\040", " ")                                # /proc/self/mounts escapes spaces
+        if str(path.resolve()).startswith(point.rstrip("/") + "/") and len(point) >= len(best):   # the last wins
             best, kind = point, fstype
     return kind
 
@@ -71,8 +74,8 @@ def test_checkpoint_mappings_ask_for_huge_pages(tmp_path):
 
 @linux
 def test_drop_evicts_a_file_just_written(tmp_path):
-    if filesystem(tmp_path) in ("tmpfs", "ramfs", "overlay"):
-        pytest.skip(f"{filesystem(tmp_path)} keeps its pages: nothing to evict")
+    if filesystem(tmp_path) not in EVICTABLE:
+        pytest.skip(f"{filesystem(tmp_path)}: not a filesystem known to evict on POSIX_FADV_DONTNEED")
     path = tmp_path / "model.safetensors"
     want = torch.randn(1024, 1024)                                         # 4 MiB
     save_file({"w": want}, str(path))
@@ -82,7 +85,7 @@ def test_drop_evicts_a_file_just_written(tmp_path):
         assert resident_pages(m) > 0, "a file just written is in the page cache"
     finally:
         m.close()
-    page_cache.drop(path)
+    assert page_cache.drop(path)
     with path.open("rb") as f:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     try:
@@ -108,8 +111,13 @@ def test_huge_share_counts_the_mapping_of_that_file(tmp_path):
         "7f0000400000-7f0000600000 r--p 00000000 fd:00 13 /elsewhere/other.safetensors\nRss: 2048 kB\n"
         "FilePmdMapped: 2048 kB\n"
         f"7f0000600000-7f0000800000 r--p 00400000 fd:00 12 {path.resolve()}\nRss:                1024 kB\n"
-        "FilePmdMapped:         0 kB\n")
+        "FilePmdMapped:         0 kB\n"
+        "7f0000800000-7f0000a00000 rw-p 00000000 00:00 0 \nRss:                2048 kB\n"     # anonymous, after
+        "FilePmdMapped:         0 kB\nAnonHugePages:   2048 kB\n"
+        f"7f0000a00000-7f0000c00000 r--p 00000000 fd:00 14 {tmp_path.resolve()}/a b.safetensors\n"
+        "Rss:                 512 kB\nFilePmdMapped:         0 kB\n")
     assert page_cache.huge_share(path, smaps=str(smaps)) == (5 * 2**20, 2 * 2**20)
+    assert page_cache.huge_share(tmp_path / "a b.safetensors", smaps=str(smaps)) == (512 * 1024, 0)
     assert page_cache.huge_share(tmp_path / "absent", smaps=str(smaps)) is None
     assert page_cache.huge_share(path, smaps=str(tmp_path / "no-such-file")) is None
 
