@@ -80,27 +80,41 @@ static inline float lanes_sum(fvec v) {            // the same pairwise tree for
     return a[0];
 }
 
-// Software prefetch of the weight bytes the call reads next (the next block of rows), a few cache lines per
-// step of the inner loop: DRAM is read while the current rows are multiplied. Without it a row's stream stalls
-// on every new line (a one-row bf16 pass read 7 GB/s where a streaming sum reads 12 on one thread of an AVX2
-// EPYC), and the many-row path reads its block only after computing the last one.
+// Software prefetch of the weight bytes the call reads next (the next block of rows), paced to what the tile
+// consumes: each step of an inner loop earns the bytes it reads from the block (shared among the passes of x's
+// 4-row tiles over it), and a cache line is requested per 64 bytes earned. DRAM is then read while the current rows
+// are multiplied, at the rate they are multiplied. Without prefetch a row's stream stalls on every new line (a
+// one-row bf16 pass read 7 GB/s where a streaming sum reads 12 on one thread of an AVX2 EPYC); a fixed line per step,
+// twice what an int8 tile reads, had the next block requested in a burst and DRAM idle for the rest: a layer's int8
+// experts at one token read 16-18.5 GB/s that way against 22-27 paced (2 threads, in a loop from a C++ program).
 struct Ahead {
     const char* p;
     const char* end;
-    int lines;                                     // cache lines to request per inner step
-    inline void step() {                           // into L2 (locality 2): a block ahead is more than L1 holds
-        for (int i = 0; i < lines && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 2);
+    int passes = 1;                                // tiles of x rows that pass over the block (the share of a step)
+    int credit = 0;                                // bytes earned and not yet requested
+    inline void step(int bytes) {                  // into L2 (locality 2): a block ahead is more than L1 holds
+        credit += bytes;
+        for (; credit >= 64; credit -= 64) {
+            if (p >= end) {
+                credit = 0;
+                return;
+            }
+            __builtin_prefetch(p, 0, 2);
+            p += 64;
+        }
     }
 };
 
 // One tile: MT rows of x against OT consecutive rows of W (from `w`, row o of the call), the whole of K;
 // y and scale point at column o.
 template <int MT, int OT, typename WT>
-static inline void tile(const float* x, int K, const WT* w, const float* scale, float* y, int ldy, Ahead& ahead) {
+static inline void tile(const float* x, int K, const WT* w, const float* scale, float* y, int ldy, Ahead& ahead_) {
+    Ahead ahead = ahead_;                          // in registers for the loop
+    const int earn = int(OT * CK_WIDTH * sizeof(WT)) / ahead.passes;
     fvec acc[MT][OT] = {};
     int k = 0;
     for (; k + CK_WIDTH <= K; k += CK_WIDTH) {
-        ahead.step();
+        ahead.step(earn);
         fvec wv[OT];
 #pragma GCC unroll 8
         for (int j = 0; j < OT; ++j) wv[j] = widen(w + (int64_t)j * K + k);
@@ -119,6 +133,7 @@ static inline void tile(const float* x, int K, const WT* w, const float* scale, 
             for (int j = 0; j < OT; ++j) acc[i][j] += xv * wv[j];
         }
     }
+    ahead_ = ahead;
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < OT; ++j)
             y[(int64_t)i * ldy + j] = scale ? lanes_sum(acc[i][j]) * scale[j] : lanes_sum(acc[i][j]);
@@ -158,14 +173,14 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
                          int ldy, Ahead after) {
     constexpr int OB = 32;
     // while block ob is computed, the bytes of the next block are requested (after the last block, `after`:
-    // the bytes the caller computes next, such as the next expert's rows); one line per inner step, which a
-    // one-row bf16 tile consumes
+    // the bytes the caller computes next, such as the next expert's rows), paced over every pass of x's tiles
+    const int passes = (M + 3) / 4;
     auto ahead_of = [&](int ob) {
-        if (ob + OB >= o1) return Ahead{after.p, after.end, 1};
+        if (ob + OB >= o1) return Ahead{after.p, after.end, passes};
         const char* base = reinterpret_cast<const char*>(w);
         int end = ob + 2 * OB < o1 ? ob + 2 * OB : o1;
         return Ahead{base + (int64_t)(ob + OB) * K * (int64_t)sizeof(WT), base + (int64_t)end * K * (int64_t)sizeof(WT),
-                     1};
+                     passes};
     };
     for (int ob = o0; ob < o1; ob += OB) {
         int n = (ob + OB < o1 ? ob + OB : o1) - ob;
@@ -183,16 +198,18 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
 // int16) and widens with madd; without AVX2 a plain int32 loop.
 template <int MT, int OT>
 static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, const float* xs, const float* ws,
-                           float* y, int ldy, Ahead& ahead) {
+                           float* y, int ldy, Ahead& ahead_) {
+    Ahead ahead = ahead_;                          // in registers for the loop
     int32_t sums[MT][OT];
 #if defined(__AVX2__)
+    const int earn = OT * 32 / ahead.passes;
     __m256i acc[MT][OT];
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < OT; ++j) acc[i][j] = _mm256_setzero_si256();
     const __m256i ones = _mm256_set1_epi16(1);
     alignas(32) int8_t tail[OT][32];
     for (int k = 0; k < K; k += 32) {
-        ahead.step();
+        ahead.step(earn);
         __m256i wv[OT];
         if (k + 32 <= K) {
             for (int j = 0; j < OT; ++j) wv[j] = _mm256_loadu_si256((const __m256i*)(w + (int64_t)j * K + k));
@@ -225,11 +242,12 @@ static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < OT; ++j) sums[i][j] = 0;
     for (int k = 0; k < K; ++k) {
-        if ((k & 63) == 0) ahead.step();
+        if ((k & 63) == 0) ahead.step(OT * 64 / ahead.passes);
         for (int i = 0; i < MT; ++i)
             for (int j = 0; j < OT; ++j) sums[i][j] += int32_t(x[(int64_t)i * Kp + k]) * int32_t(w[(int64_t)j * K + k]);
     }
 #endif
+    ahead_ = ahead;
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < OT; ++j) y[(int64_t)i * ldy + j] = (float(sums[i][j]) * xs[i]) * ws[j];
 }
@@ -247,12 +265,14 @@ static inline void rows_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
 static void linear_block_i8(const int8_t* x, const float* xs, int M, int Kp, int K, const int8_t* w,
                             const float* ws, int o0, int o1, float* y, int ldy, Ahead after) {
     constexpr int OB = 32;
+    const int passes = (M + 3) / 4;                // as linear_block: the next block requested at the pace of this one
     for (int ob = o0; ob < o1; ob += OB) {
         int n = (ob + OB < o1 ? ob + OB : o1) - ob;
-        Ahead ahead = ob + OB >= o1 ? Ahead{after.p, after.end, 1}
+        Ahead ahead = ob + OB >= o1 ? Ahead{after.p, after.end, passes}
                                     : Ahead{reinterpret_cast<const char*>(w + (int64_t)(ob + OB) * K),
                                             reinterpret_cast<const char*>(w + (int64_t)(ob + 2 * OB < o1 ? ob + 2 * OB
-                                                                                                      : o1) * K), 1};
+                                                                                                      : o1) * K),
+                                            passes};
         for (int m = 0; m < M; m += 4) {
             const int mt = M - m < 4 ? M - m : 4;
             const int8_t* xm = x + (int64_t)m * Kp;
@@ -280,7 +300,7 @@ extern "C" void CK_CAT(colibri_linear_, CK_NAME)(const float* x, int M, int K, c
                                                   const void* next, int64_t next_bytes) {
     using namespace colibri_native;
     const char* n = static_cast<const char*>(next);
-    Ahead after{n, n ? n + next_bytes : n, 1};
+    Ahead after{n, n ? n + next_bytes : n};
     if (wdtype == 0) linear_block(x, M, K, static_cast<const float*>(w), nullptr, o0, o1, y, ldy, after);
     else if (wdtype == 1) linear_block(x, M, K, static_cast<const uint16_t*>(w), nullptr, o0, o1, y, ldy, after);
     else linear_block(x, M, K, static_cast<const int8_t*>(w), scale, o0, o1, y, ldy, after);
@@ -292,5 +312,5 @@ extern "C" void CK_CAT(colibri_linear_i8_, CK_NAME)(const int8_t* xq, const floa
                                                      int ldy, const void* next, int64_t next_bytes) {
     using namespace colibri_native;
     const char* n = static_cast<const char*>(next);
-    linear_block_i8(xq, xs, M, Kp, K, w, ws, o0, o1, y, ldy, Ahead{n, n ? n + next_bytes : n, 1});
+    linear_block_i8(xq, xs, M, Kp, K, w, ws, o0, o1, y, ldy, Ahead{n, n ? n + next_bytes : n});
 }

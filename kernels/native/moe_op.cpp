@@ -85,8 +85,8 @@ void project(const at::Tensor& in, const std::vector<int64_t>& counts, const std
 
 // Whether every thread should run whole experts (ffn below): few rows per expert, so an expert costs
 // its weights' bytes whatever its rows, and at least two experts per thread, so the shares are even.
-bool by_expert(const std::vector<int64_t>& counts, int kind) {
-    if (kind == 3 || int64_t(counts.size()) < 2 * int64_t(at::get_num_threads())) return false;
+bool by_expert(const std::vector<int64_t>& counts) {
+    if (int64_t(counts.size()) < 2 * int64_t(at::get_num_threads())) return false;
     for (int64_t c : counts)
         if (c > 4) return false;                   // past one 4-row tile an expert's time grows with its rows
     return true;
@@ -129,7 +129,7 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
             }
         }
     };
-    if (by_expert(counts, kind)) {
+    if (by_expert(counts)) {
         const int64_t A = int64_t(counts.size());
         std::vector<int64_t> first(A + 1, 0);                               // each expert's first pair row
         for (int64_t a = 0; a < A; ++a) first[a + 1] = first[a] + counts[a];
@@ -137,6 +137,21 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
         float* gp = gu.data_ptr<float>();
         float* yp = ys.data_ptr<float>();
         linear_fn fn = colibri_ops::linear_kernel();
+        linear_i8_fn fn8 = colibri_ops::linear_i8_kernel();
+        // W8A8: x's rows quantised here, each expert's activation rows by its thread (row by row, so the same
+        // bits as the shared-blocks way's quantize_rows)
+        Quantized xq = kind == 3 ? quantize_rows(xp, P, H) : Quantized{};
+        Quantized hq = kind == 3 ? colibri_ops::quantized(P, I) : Quantized{};
+        // y[n rows] = in[n rows] @ src.T, the bytes [next, next + next_bytes) requested during its last block
+        auto project_rows = [&](const float* in, const Quantized& q, int64_t row, int64_t n, int64_t K,
+                                const Src& src, float* y, int64_t ldy, const char* next, int64_t next_bytes) {
+            if (kind == 3)
+                fn8(q.q.data() + row * q.Kp, q.scale.data() + row, int(n), int(q.Kp), int(K),
+                    reinterpret_cast<const int8_t*>(src.w), src.scale, 0, int(src.rows), y, int(ldy), next, next_bytes);
+            else
+                fn(in + row * K, int(n), int(K), src.w, kind, src.scale, 0, int(src.rows), y, int(ldy), next,
+                   next_bytes);
+        };
         at::parallel_for(0, A, 1, [&](int64_t a0, int64_t a1) {
             for (int64_t a = a0; a < a1; ++a) {
                 const int64_t row = first[a], n = counts[a];
@@ -146,14 +161,17 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
                     const Src& s = s13[a][j];
                     const bool last = j + 1 == s13[a].size();
                     const Src& next = last ? down : s13[a][j + 1];
-                    fn(xp + row * H, int(n), int(H), s.w, kind, s.scale, 0, int(s.rows), gp + row * I2 + col,
-                       int(I2), next.w, next.rows * (last ? I : H) * esize);
+                    project_rows(xp, xq, row, n, H, s, gp + row * I2 + col, I2, next.w,
+                                 next.rows * (last ? I : H) * esize);
                     col += s.rows;
                 }
                 activate(row, row + n);
+                if (kind == 3)
+                    for (int64_t r = row; r < row + n; ++r)
+                        colibri_ops::quantize_row(hp + r * I, I, hq.q.data() + r * hq.Kp, hq.scale.data() + r);
                 const Src* after = a + 1 < a1 ? &s13[a + 1][0] : nullptr;   // the next expert's first block
-                fn(hp + row * I, int(n), int(I), down.w, kind, down.scale, 0, int(H), yp + row * H, int(H),
-                   after ? after->w : nullptr, after ? after->rows * H * esize : 0);
+                project_rows(hp, hq, row, n, I, down, yp + row * H, H, after ? after->w : nullptr,
+                             after ? after->rows * H * esize : 0);
             }
         });
     } else {

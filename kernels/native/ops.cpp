@@ -126,23 +126,27 @@ int64_t colibri_ops::grain(int64_t rows, int64_t k) {
     return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, rows * k * BLOCK));
 }
 
+void colibri_ops::quantize_row(const float* row, int64_t K, int8_t* q, float* scale) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    const float s = std::max(amax / 127.0f, std::numeric_limits<float>::min());
+    for (int64_t k = 0; k < K; ++k) q[k] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(row[k] / s))));
+    *scale = s;
+}
+
 colibri_ops::Quantized colibri_ops::quantize_rows(const float* x, int64_t n, int64_t K) {
+    Quantized out = quantized(n, K);
+    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, out.q.data() + r * out.Kp, out.scale.data() + r);
+    });
+    return out;
+}
+
+colibri_ops::Quantized colibri_ops::quantized(int64_t n, int64_t K) {
     Quantized out;
     out.Kp = (K + KPAD - 1) / KPAD * KPAD;                 // KPAD: ops.h
     out.q.assign(n * out.Kp, 0);
     out.scale.resize(n);
-    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-            const float* row = x + r * K;
-            float amax = 0.f;
-            for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-            const float scale = std::max(amax / 127.0f, std::numeric_limits<float>::min());
-            int8_t* q = out.q.data() + r * out.Kp;
-            for (int64_t k = 0; k < K; ++k)
-                q[k] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(row[k] / scale))));
-            out.scale[r] = scale;
-        }
-    });
     return out;
 }
 

@@ -37,6 +37,8 @@ struct Quantized {
     int64_t Kp = 0;
 };
 Quantized quantize_rows(const float* x, int64_t n, int64_t K);
+Quantized quantized(int64_t n, int64_t K);                            // n zero rows of K, to be quantised into
+void quantize_row(const float* row, int64_t K, int8_t* q, float* scale);   // one row (the pad left as it is)
 
 // The ops' implementations, for ops built of them (attention_block_op.cpp): the same functions the registered
 // ops run, called without the dispatcher.

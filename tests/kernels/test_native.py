@@ -211,19 +211,20 @@ def test_moe_layer_on_views_of_a_larger_buffer(level):
     assert float((got - want).abs().max() / want.abs().max()) <= 2e-5
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "w8a8"])
 @pytest.mark.parametrize("act,biases", [(SILU, False), (GPT_OSS, True)])
 def test_whole_experts_per_thread_give_the_bits_of_shared_row_blocks(level, kind, act, biases):
     """With few rows per expert each thread runs whole experts (moe_op.cpp `by_expert`: one parallel region); with
     many, the threads share each projection's row blocks. A token alone (4 and 8 experts, one row each) and the
     same token among 40 (over a dozen rows per expert) get the same bits, at one thread and at two, packed and in
-    place (gate and up as two blocks), SiLU and GPT-OSS's clamped form with biases, and both match float64."""
+    place (gate and up as two blocks), SiLU and GPT-OSS's clamped form with biases, and both match float64 (W8A8:
+    with each projection's rows quantised, as the kernel does)."""
     g = torch.Generator().manual_seed(17)
     E, I, H = 12, 40, 72
     w13, w2, w13d, w2d = expert_weights(E, I, H, kind, g)
     b13 = torch.randn(E, 2 * I, generator=g) if biases else None
     b2 = torch.randn(E, H, generator=g) if biases else None
-    layouts = [(w13, w2)] + ([in_place(w13, w2, True)] if kind != "int8" else [])
+    layouts = [(w13, w2)] + ([in_place(w13, w2, True)] if kind not in ("int8", "w8a8") else [])
     threads = torch.get_num_threads()
     try:
         for n_threads in (1, 2):
@@ -231,12 +232,12 @@ def test_whole_experts_per_thread_give_the_bits_of_shared_row_blocks(level, kind
             for K in (4, 8):
                 ids, weights = routing(40, K, E, g)
                 x = (3 * torch.randn(40, H, generator=g)).to(torch.bfloat16)            # [T, H] past the clamps
-                xr = x if kind == "int8" or w13.dtype == x.dtype else x.to(w13.dtype)
-                want = layer_reference(xr, ids, weights, torch.arange(E), w13d, w2d, act, b13, b2)
+                xr = x if kind in ("int8", "w8a8") or w13.dtype == x.dtype else x.to(w13.dtype)
+                want = layer_reference(xr, ids, weights, torch.arange(E), w13d, w2d, act, b13, b2, kind == "w8a8")
                 for a13, a2 in layouts:
                     many = native.moe_(torch.zeros(40, H, dtype=torch.float64), x, ids, weights, None, a13, a2, act,
                                        b13, b2)
-                    assert float((many - want).abs().max() / want.abs().max()) <= 2e-5
+                    assert float((many - want).abs().max() / want.abs().max()) <= BOUND.get(kind, 2e-5)
                     for t in (0, 7, 39):
                         alone = native.moe_(torch.zeros(1, H, dtype=torch.float64), x[t:t + 1], ids[t:t + 1],
                                             weights[t:t + 1], None, a13, a2, act, b13, b2)
