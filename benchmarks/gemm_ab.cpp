@@ -1,0 +1,202 @@
+// Two builds of kernels/native/gemm.h side by side (benchmarks/gemm_ab.py compiles them as colibri_linear_A and
+// colibri_linear_B, with the flags of one ISA level, and links this driver): each A/B round times both on the same
+// weights in memory, alternating which goes first, and reports the best and mean time of each, with whether the
+// two builds wrote the same bits.
+//
+//   gemm_ab layer KIND ROWS THREADS ROUNDS   a MoE layer of the bench shapes: 8 of 64 experts (H 1024, I 512),
+//                                            fresh ones every call over 3 layers, whole experts per thread as
+//                                            moe_op.cpp's by_expert does, each projection told the next one's bytes
+//   gemm_ab linear KIND ROWS THREADS ROUNDS  lm_head [32000, 1024], its rows split over the threads
+//
+// KIND: bf16 | int8 (weight-only, float32 rows) | w8a8 (int8 rows). The weights lie on 2 MiB pages (anonymous
+// memory advised MADV_HUGEPAGE), as in-place experts over a page cache of 2 MiB folios; every call reads them
+// from memory (a layer's experts are 192 MiB in bf16 across the 3 layers; lm_head 62.5 MiB, past the L3).
+
+#include <omp.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+typedef void (*linear_fn)(const float*, int, int, const void*, int, const float*, int, int, float*, int, const void*,
+                          int64_t);
+typedef void (*linear_i8_fn)(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int, float*,
+                             int, const void*, int64_t);
+extern "C" void colibri_linear_A(const float*, int, int, const void*, int, const float*, int, int, float*, int,
+                                 const void*, int64_t);
+extern "C" void colibri_linear_B(const float*, int, int, const void*, int, const float*, int, int, float*, int,
+                                 const void*, int64_t);
+extern "C" void colibri_linear_i8_A(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int,
+                                    float*, int, const void*, int64_t);
+extern "C" void colibri_linear_i8_B(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int,
+                                    float*, int, const void*, int64_t);
+
+namespace {
+
+constexpr int H = 1024, I = 512, E = 64, LAYERS = 3, TOPK = 8, VOCAB = 32000;
+constexpr size_t HUGE_PAGE = size_t(2) << 20;
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// `bytes` of random weights on 2 MiB pages: small finite bf16 values, or int8 in [-127, 127]
+char* weights(size_t bytes, bool bf16) {
+    void* raw = mmap(nullptr, bytes + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) {
+        std::perror("mmap");
+        std::exit(2);
+    }
+    char* w = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1));
+    madvise(w, bytes, MADV_HUGEPAGE);
+    std::mt19937 rng(7);
+    for (size_t i = 0; i + 4 <= bytes; i += 4) {           // 4 bytes a draw
+        const uint32_t r = rng();
+        if (bf16) {                                          // two values of magnitude 0.5-2, either sign
+            const uint16_t v[2] = {uint16_t(0x3f00 + (r & 0x7f) + ((r >> 8) & 0x80) + ((r & 0x100) << 7)),
+                                   uint16_t(0x3f00 + ((r >> 16) & 0x7f) + ((r >> 24) & 0x80) + ((r >> 9) & 0x8000))};
+            std::memcpy(w + i, v, 4);
+        } else {
+            for (int j = 0; j < 4; ++j) w[i + j] = char(int((r >> (8 * j)) & 0xff) % 255 - 127);
+        }
+    }
+    return w;
+}
+
+struct Bench {
+    std::string mode;
+    int kind = 1;                       // the entry point's wdtype: 1 bf16, 2 int8; 3 = W8A8 (linear_i8)
+    int rows = 1;
+    size_t esize = 2;
+    char* w = nullptr;
+    std::vector<float> x, h, scale, xs, y;
+    std::vector<int8_t> xq, hq;
+    std::vector<int> picks;             // the experts of each call, TOPK a call
+    int calls = 0;
+
+    size_t expert_bytes() const { return size_t(3) * I * H * esize; }          // gate/up [2I, H] + down [H, I]
+    size_t read_per_call() const { return mode == "layer" ? TOPK * expert_bytes() : size_t(VOCAB) * H * esize; }
+
+    // one projection: y [rows, ldy] = in [rows, K] @ W [o1, K].T, the bytes [next, next + next_bytes) told
+    void project(bool b, const float* in, const int8_t* inq, int K, const char* W, int o1, float* out, int ldy,
+                 const char* next, int64_t next_bytes) const {
+        if (kind == 3) {
+            linear_i8_fn f = b ? colibri_linear_i8_B : colibri_linear_i8_A;
+            f(inq, xs.data(), rows, K, K, reinterpret_cast<const int8_t*>(W), scale.data(), 0, o1, out, ldy, next,
+              next_bytes);
+        } else {
+            linear_fn f = b ? colibri_linear_B : colibri_linear_A;
+            f(in, rows, K, W, kind, kind == 2 ? scale.data() : nullptr, 0, o1, out, ldy, next, next_bytes);
+        }
+    }
+
+    void call(bool b, int c) {
+        if (mode == "linear") {
+#pragma omp parallel
+            {
+                int nt = omp_get_num_threads(), id = omp_get_thread_num();
+                int o0 = int(int64_t(VOCAB) * id / nt), o1 = int(int64_t(VOCAB) * (id + 1) / nt);
+                if (kind == 3) {
+                    linear_i8_fn f = b ? colibri_linear_i8_B : colibri_linear_i8_A;
+                    f(xq.data(), xs.data(), rows, H, H, reinterpret_cast<const int8_t*>(w), scale.data(), o0, o1,
+                      y.data(), VOCAB, nullptr, 0);
+                } else {
+                    linear_fn f = b ? colibri_linear_B : colibri_linear_A;
+                    f(x.data(), rows, H, w, kind, kind == 2 ? scale.data() : nullptr, o0, o1, y.data(), VOCAB,
+                      nullptr, 0);
+                }
+            }
+            return;
+        }
+        const char* layer = w + size_t(c % LAYERS) * E * expert_bytes();
+        const int* ex = &picks[size_t(c % calls) * TOPK];
+        const size_t b13 = size_t(2) * I * H * esize, b2 = size_t(H) * I * esize;
+#pragma omp parallel
+        {
+            int nt = omp_get_num_threads(), id = omp_get_thread_num();
+            int a0 = TOPK * id / nt, a1 = TOPK * (id + 1) / nt;
+            for (int a = a0; a < a1; ++a) {
+                const char* w13 = layer + b13 * ex[a];
+                const char* w2 = layer + b13 * E + b2 * ex[a];
+                float* gu = y.data() + size_t(a) * rows * (2 * I + H);                  // [rows, 2I] then [rows, H]
+                project(b, x.data(), xq.data(), H, w13, 2 * I, gu, 2 * I, w2, int64_t(b2));
+                const char* nx = a + 1 < a1 ? layer + b13 * ex[a + 1] : nullptr;
+                project(b, h.data(), hq.data(), I, w2, H, gu + size_t(rows) * 2 * I, H, nx, nx ? int64_t(b13) : 0);
+            }
+        }
+    }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc != 6) {
+        std::fprintf(stderr, "usage: gemm_ab layer|linear bf16|int8|w8a8 ROWS THREADS ROUNDS\n");
+        return 2;
+    }
+    Bench bench;
+    bench.mode = argv[1];
+    const std::string kind = argv[2];
+    bench.rows = std::atoi(argv[3]);
+    const int threads = std::atoi(argv[4]), rounds = std::atoi(argv[5]);
+    if ((bench.mode != "layer" && bench.mode != "linear") || (kind != "bf16" && kind != "int8" && kind != "w8a8") ||
+        bench.rows < 1 || bench.rows > 64 || threads < 1 || rounds < 1) {
+        std::fprintf(stderr, "gemm_ab: bad arguments (layer|linear, bf16|int8|w8a8, rows 1-64, threads, rounds)\n");
+        return 2;
+    }
+    bench.kind = kind == "bf16" ? 1 : kind == "int8" ? 2 : 3;
+    bench.esize = kind == "bf16" ? 2 : 1;
+    omp_set_num_threads(threads);
+    const size_t total = bench.mode == "layer" ? size_t(LAYERS) * E * bench.expert_bytes()
+                                               : size_t(VOCAB) * H * bench.esize;
+    bench.w = weights(total, kind == "bf16");
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<float> uni(-1.f, 1.f);
+    const int R = bench.rows;
+    bench.x.resize(size_t(R) * H);
+    bench.h.resize(size_t(R) * I);
+    for (float& v : bench.x) v = uni(rng);
+    for (float& v : bench.h) v = uni(rng);
+    bench.xq.resize(size_t(R) * H);
+    bench.hq.resize(size_t(R) * I);
+    for (int8_t& v : bench.xq) v = int8_t(int(rng() % 255) - 127);
+    for (int8_t& v : bench.hq) v = int8_t(int(rng() % 255) - 127);
+    bench.xs.assign(R, 0.01f);
+    bench.scale.assign(std::max(VOCAB, 2 * I), 0.02f);
+    bench.y.assign(bench.mode == "layer" ? size_t(TOPK) * R * (2 * I + H) : size_t(R) * VOCAB, 0.f);
+    bench.calls = bench.mode == "layer" ? 64 : 1;
+    for (int c = 0; c < bench.calls; ++c) {                  // TOPK distinct experts a call
+        std::vector<int> all(E);
+        for (int e = 0; e < E; ++e) all[e] = e;
+        for (int k = 0; k < TOPK; ++k) std::swap(all[k], all[k + int(rng() % (E - k))]);
+        bench.picks.insert(bench.picks.end(), all.begin(), all.begin() + TOPK);
+    }
+    // the same bits? one call of each on the same inputs
+    bench.call(false, 0);
+    std::vector<float> ya = bench.y;
+    bench.call(true, 0);
+    const bool same = std::memcmp(ya.data(), bench.y.data(), ya.size() * sizeof(float)) == 0;
+
+    const int per_round = bench.mode == "layer" ? 3 * bench.calls : 8;   // every layer's weights read afresh
+    double best[2] = {1e30, 1e30}, sum[2] = {0, 0};
+    for (int r = 0; r < rounds; ++r)
+        for (int i = 0; i < 2; ++i) {
+            const int v = (r + i) % 2;                       // A first in even rounds, B first in odd ones
+            for (int c = 0; c < 4; ++c) bench.call(v == 1, c);   // warm the path, not the weights
+            double t = now();
+            for (int c = 0; c < per_round; ++c) bench.call(v == 1, c);
+            double dt = (now() - t) / per_round;
+            best[v] = std::min(best[v], dt);
+            sum[v] += dt;
+        }
+    const double gb = double(bench.read_per_call()) / 1e9;
+    for (int v = 0; v < 2; ++v)
+        std::printf("%c %.4f %.4f %.2f\n", "AB"[v], best[v] * 1e3, sum[v] / rounds * 1e3, gb / best[v]);
+    std::printf("same_bits %d\n", same ? 1 : 0);
+    return 0;
+}

@@ -1,0 +1,119 @@
+"""Two builds of the native linear (`kernels/native/gemm.h`) side by side: the one at a git revision (A) against
+the working tree's (B), compiled with the flags of one ISA level into a small C++ driver
+(`benchmarks/gemm_ab.cpp`) that times both on the same weights in memory, alternating, several rounds, and says
+whether the two wrote the same bits. On this VM a build's speed moves more between runs minutes apart than most
+kernel changes do, so a change is judged by such alternating rounds, never by two separate runs.
+
+    python -m benchmarks.gemm_ab [--base HEAD] [--modes layer,linear] [--kinds bf16,int8,w8a8] [--rows 1,8]
+                                 [--threads 2] [--rounds 5] [--level avx2]
+
+- layer: a MoE layer of the bench shapes (8 of 64 experts, H 1024, I 512; fresh experts every call over 3
+  layers), whole experts per thread as `moe_` runs them at few rows per expert, every expert `ROWS` rows;
+- linear: lm_head [32000, 1024], its rows split over the threads.
+
+Weights on 2 MiB pages (as in-place experts over a page cache of 2 MiB folios), read from memory at every call.
+Needs g++ (or $CXX) and git; prints a table and writes benchmarks/results/gemm_ab.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import finish, machine, publish, table
+from kernels.native_build import compiler, levels
+
+ROOT = Path(__file__).resolve().parent.parent
+GEMM = "kernels/native/gemm.h"
+DRIVER = Path(__file__).resolve().parent / "gemm_ab.cpp"
+MODES = ("layer", "linear")
+KINDS = ("bf16", "int8", "w8a8")
+
+
+def source_at(base: str) -> str:
+    """gemm.h as it is at git revision `base`."""
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "show", f"{base}:{GEMM}"], capture_output=True, text=True,
+                              check=True).stdout
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"gemm_ab: cannot read {GEMM} at {base!r}: {exc.stderr.strip()}") from None
+
+
+def build(a: str, b: str, level: str, cxx: str, work: Path) -> Path:
+    """The driver linked against two texts of gemm.h (A and B), both compiled with `level`'s flags."""
+    flags = ["-std=gnu++20", "-O3", "-fno-math-errno", *levels()[level]]
+    objects, jobs = [], []
+    for name, text in (("a", a), ("b", b)):                 # the two compiled at once
+        (work / name).mkdir(parents=True)
+        (work / name / "gemm.h").write_text(text)
+        unit = work / name / "unit.cpp"
+        unit.write_text(f'#define CK_WIDTH {16 if level.startswith("avx512") else 8}\n'
+                        f'#define CK_NAME {name.upper()}\n#include "gemm.h"\n')
+        obj = work / f"{name}.o"
+        jobs.append(subprocess.Popen([cxx, *flags, "-c", str(unit), "-o", str(obj)]))
+        objects.append(str(obj))
+    if [job.wait() for job in jobs] != [0, 0]:
+        raise SystemExit("gemm_ab: a build of gemm.h did not compile (the compiler's message is above)")
+    exe = work / "gemm_ab"
+    subprocess.run([cxx, "-std=gnu++20", "-O2", "-fopenmp", str(DRIVER), *objects, "-o", str(exe)], check=True)
+    return exe
+
+
+def run(exe: Path, mode: str, kind: str, rows: int, threads: int, rounds: int) -> dict[str, object]:
+    out = subprocess.run([str(exe), mode, kind, str(rows), str(threads), str(rounds)], capture_output=True,
+                         text=True, check=True).stdout.split("\n")
+    got: dict[str, object] = {}
+    for line in out:
+        parts = line.split()
+        if parts and parts[0] in ("A", "B"):
+            got[parts[0]] = tuple(float(p) for p in parts[1:])           # best ms, mean ms, GB/s at best
+        elif parts and parts[0] == "same_bits":
+            got["same"] = parts[1] == "1"
+    return got
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="HEAD", help="the git revision of build A (default: %(default)s)")
+    ap.add_argument("--modes", default=",".join(MODES), help="layer, linear (default: %(default)s)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="bf16, int8, w8a8 (default: %(default)s)")
+    ap.add_argument("--rows", default="1,8", help="rows of x (each expert's, in a layer) (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=2, help="OpenMP threads (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default: %(default)s)")
+    ap.add_argument("--level", default="avx2" if "avx2" in levels() else "generic",
+                    help="the ISA level whose flags both builds take (default: %(default)s)")
+    args = ap.parse_args()
+    modes, kinds = args.modes.split(","), args.kinds.split(",")
+    bad = [m for m in modes if m not in MODES] + [k for k in kinds if k not in KINDS]
+    if bad or args.level not in levels():
+        raise SystemExit(f"gemm_ab: unknown {', '.join(bad) or 'level ' + args.level}: modes {', '.join(MODES)}; "
+                         f"kinds {', '.join(KINDS)}; levels {', '.join(levels())}")
+    cxx = compiler()
+    if cxx is None:
+        raise SystemExit("gemm_ab: no C++ compiler (g++, c++ or $CXX) found")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = build(source_at(args.base), (ROOT / GEMM).read_text(), args.level, cxx, Path(tmp))
+        for mode in modes:
+            for kind in kinds:
+                for m in (int(r) for r in args.rows.split(",")):
+                    got = run(exe, mode, kind, m, args.threads, args.rounds)
+                    a, b = got["A"], got["B"]
+                    rows.append([mode, kind, str(m), f"{a[0]:.3f} / {a[1]:.3f}", f"{b[0]:.3f} / {b[1]:.3f}",
+                                 f"{a[0] / b[0]:.2f}x", f"{a[2]:.1f} / {b[2]:.1f}", "yes" if got["same"] else "NO"])
+                    print(" | ".join(rows[-1]), flush=True)
+    text = "\n".join([
+        "# Two builds of the native linear, alternating", "",
+        f"Machine: {machine()}; ISA level compiled: {args.level}; {args.threads} thread(s), {args.rounds} rounds.",
+        f"Command: `python -m benchmarks.gemm_ab --base {args.base} --modes {args.modes} --kinds {args.kinds} "
+        f"--rows {args.rows} --threads {args.threads} --rounds {args.rounds}`. A = `{GEMM}` at `{args.base}`, "
+        "B = the working tree's. ms: best / mean of the rounds; B faster by: A's best over B's; GB/s at the best.",
+        "", table(["mode", "weights", "rows", "A ms", "B ms", "B faster by", "GB/s A / B", "same bits"], rows), ""])
+    publish(text, "gemm_ab")
+    return 0
+
+
+if __name__ == "__main__":
+    finish(main())

@@ -1,0 +1,42 @@
+"""benchmarks/gemm_ab.py: the A/B driver compiles two texts of kernels/native/gemm.h, times both on the same weights
+and says whether they wrote the same bits (so an A/B that was meant to keep the numerics shows when it did not)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks import gemm_ab
+from kernels.native_build import compiler
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler here")
+# the driver's own ISA level where the CPU runs it (the generic level's W8A8 is a scalar loop, slow to time)
+LEVEL = "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "generic"
+
+
+def test_one_source_twice_gives_the_same_bits_and_a_changed_product_does_not(tmp_path):
+    text = (gemm_ab.ROOT / gemm_ab.GEMM).read_text()
+    changed = text.replace("acc[i][j] += xv * wv[j];", "acc[i][j] += xv * wv[j] * 1.0000002f;")
+    assert changed != text
+    same = gemm_ab.build(text, text, LEVEL, compiler(), tmp_path / "same")
+    other = gemm_ab.build(text, changed, LEVEL, compiler(), tmp_path / "other")
+    for exe, want in ((same, True), (other, False)):
+        got = gemm_ab.run(exe, "linear", "bf16", 3, 1, 1)
+        assert got["same"] is want
+        for v in ("A", "B"):
+            best, mean, gbs = got[v]
+            assert 0 < best <= mean and gbs > 0
+    got = gemm_ab.run(same, "layer", "w8a8", 2, 2, 1)        # the W8A8 entry point, whole experts on 2 threads
+    assert got["same"] is True
+
+
+def test_bad_choices_are_refused_with_what_exists():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gemm_ab", "--kinds", "fp4"], capture_output=True,
+                         text=True, cwd=gemm_ab.ROOT)
+    assert out.returncode != 0 and "unknown fp4" in out.stderr and "bf16, int8, w8a8" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gemm_ab", "--base", "no-such-rev"], capture_output=True,
+                         text=True, cwd=gemm_ab.ROOT)
+    assert out.returncode != 0 and "cannot read kernels/native/gemm.h at 'no-such-rev'" in out.stderr
