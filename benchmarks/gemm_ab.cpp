@@ -6,11 +6,13 @@
 //   gemm_ab layer KIND ROWS THREADS ROUNDS   a MoE layer of the bench shapes: 8 of 64 experts (H 1024, I 512),
 //                                            fresh ones every call over 3 layers, whole experts per thread as
 //                                            moe_op.cpp's by_expert does, each projection told the next one's bytes
-//   gemm_ab linear KIND ROWS THREADS ROUNDS  lm_head [32000, 1024], its rows split over the threads
+//   gemm_ab linear KIND ROWS THREADS ROUNDS  lm_head [32000, 1024], its rows split over the threads, the calls
+//                                            cycling through copies of it (over 4x a 32 MiB L3 in all)
 //
 // KIND: bf16 | int8 (weight-only, float32 rows) | w8a8 (int8 rows). The weights lie on 2 MiB pages (anonymous
-// memory advised MADV_HUGEPAGE), as in-place experts over a page cache of 2 MiB folios; every call reads them
-// from memory (a layer's experts are 192 MiB in bf16 across the 3 layers; lm_head 62.5 MiB, past the L3).
+// memory advised MADV_HUGEPAGE, the share the kernel granted printed as huge_kb), as in-place experts over a page
+// cache of 2 MiB folios; every call reads them from memory (576 MiB of bf16 experts across the 3 layers, 192 MiB a
+// layer; lm_head 62.5 MiB in bf16, 31 in int8, in copies of at least 128 MiB together). Output: "A|B best_ms mean_ms GB/s", "same_bits 0|1", "huge_kb N".
 
 #include <omp.h>
 #include <sys/mman.h>
@@ -21,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -42,6 +45,18 @@ namespace {
 
 constexpr int H = 1024, I = 512, E = 64, LAYERS = 3, TOPK = 8, VOCAB = 32000;
 constexpr size_t HUGE_PAGE = size_t(2) << 20;
+
+// this process's anonymous memory on 2 MiB pages (AnonHugePages of /proc/self/smaps_rollup), -1 if unknown
+long anon_huge_kb() {
+    FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+    if (!f) return -1;
+    char line[256];
+    long kb = -1;
+    while (std::fgets(line, sizeof line, f))
+        if (std::sscanf(line, "AnonHugePages: %ld kB", &kb) == 1) break;
+    std::fclose(f);
+    return kb;
+}
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -78,9 +93,11 @@ struct Bench {
     std::vector<int8_t> xq, hq;
     std::vector<int> picks;             // the experts of each call, TOPK a call
     int calls = 0;
+    int copies = 1;                     // linear: copies of the matrix the calls cycle through
 
     size_t expert_bytes() const { return size_t(3) * I * H * esize; }          // gate/up [2I, H] + down [H, I]
-    size_t read_per_call() const { return mode == "layer" ? TOPK * expert_bytes() : size_t(VOCAB) * H * esize; }
+    size_t matrix_bytes() const { return size_t(VOCAB) * H * esize; }
+    size_t read_per_call() const { return mode == "layer" ? TOPK * expert_bytes() : matrix_bytes(); }
 
     // one projection: y [rows, ldy] = in [rows, K] @ W [o1, K].T, the bytes [next, next + next_bytes) told
     void project(bool b, const float* in, const int8_t* inq, int K, const char* W, int o1, float* out, int ldy,
@@ -101,13 +118,14 @@ struct Bench {
             {
                 int nt = omp_get_num_threads(), id = omp_get_thread_num();
                 int o0 = int(int64_t(VOCAB) * id / nt), o1 = int(int64_t(VOCAB) * (id + 1) / nt);
+                const char* m = w + size_t(c % copies) * matrix_bytes();
                 if (kind == 3) {
                     linear_i8_fn f = b ? colibri_linear_i8_B : colibri_linear_i8_A;
-                    f(xq.data(), xs.data(), rows, H, H, reinterpret_cast<const int8_t*>(w), scale.data(), o0, o1,
+                    f(xq.data(), xs.data(), rows, H, H, reinterpret_cast<const int8_t*>(m), scale.data(), o0, o1,
                       y.data(), VOCAB, nullptr, 0);
                 } else {
                     linear_fn f = b ? colibri_linear_B : colibri_linear_A;
-                    f(x.data(), rows, H, w, kind, kind == 2 ? scale.data() : nullptr, o0, o1, y.data(), VOCAB,
+                    f(x.data(), rows, H, m, kind, kind == 2 ? scale.data() : nullptr, o0, o1, y.data(), VOCAB,
                       nullptr, 0);
                 }
             }
@@ -152,8 +170,10 @@ int main(int argc, char** argv) {
     bench.kind = kind == "bf16" ? 1 : kind == "int8" ? 2 : 3;
     bench.esize = kind == "bf16" ? 2 : 1;
     omp_set_num_threads(threads);
+    if (bench.mode == "linear")
+        bench.copies = int((size_t(128) << 20) / bench.matrix_bytes()) + 1;
     const size_t total = bench.mode == "layer" ? size_t(LAYERS) * E * bench.expert_bytes()
-                                               : size_t(VOCAB) * H * bench.esize;
+                                               : size_t(bench.copies) * bench.matrix_bytes();
     bench.w = weights(total, kind == "bf16");
     std::mt19937 rng(11);
     std::uniform_real_distribution<float> uni(-1.f, 1.f);
@@ -176,13 +196,16 @@ int main(int argc, char** argv) {
         for (int k = 0; k < TOPK; ++k) std::swap(all[k], all[k + int(rng() % (E - k))]);
         bench.picks.insert(bench.picks.end(), all.begin(), all.begin() + TOPK);
     }
-    // the same bits? one call of each on the same inputs
+    // the same bits? one call of each on the same inputs, each into an output filled with NaN first (so an output
+    // one build leaves unwritten differs)
+    std::fill(bench.y.begin(), bench.y.end(), std::numeric_limits<float>::quiet_NaN());
     bench.call(false, 0);
     std::vector<float> ya = bench.y;
+    std::fill(bench.y.begin(), bench.y.end(), std::numeric_limits<float>::quiet_NaN());
     bench.call(true, 0);
     const bool same = std::memcmp(ya.data(), bench.y.data(), ya.size() * sizeof(float)) == 0;
 
-    const int per_round = bench.mode == "layer" ? 3 * bench.calls : 8;   // every layer's weights read afresh
+    const int per_round = bench.mode == "layer" ? 3 * bench.calls : 4 * bench.copies;   // all weights read afresh
     double best[2] = {1e30, 1e30}, sum[2] = {0, 0};
     for (int r = 0; r < rounds; ++r)
         for (int i = 0; i < 2; ++i) {
@@ -198,5 +221,6 @@ int main(int argc, char** argv) {
     for (int v = 0; v < 2; ++v)
         std::printf("%c %.4f %.4f %.2f\n", "AB"[v], best[v] * 1e3, sum[v] / rounds * 1e3, gb / best[v]);
     std::printf("same_bits %d\n", same ? 1 : 0);
+    std::printf("huge_kb %ld\n", anon_huge_kb());
     return 0;
 }

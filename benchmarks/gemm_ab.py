@@ -9,7 +9,7 @@ kernel changes do, so a change is judged by such alternating rounds, never by tw
 
 - layer: a MoE layer of the bench shapes (8 of 64 experts, H 1024, I 512; fresh experts every call over 3
   layers), whole experts per thread as `moe_` runs them at few rows per expert, every expert `ROWS` rows;
-- linear: lm_head [32000, 1024], its rows split over the threads.
+- linear: lm_head [32000, 1024], its rows split over the threads, the calls cycling through copies of it.
 
 Weights on 2 MiB pages (as in-place experts over a page cache of 2 MiB folios), read from memory at every call.
 Needs g++ (or $CXX) and git; prints a table and writes benchmarks/results/gemm_ab.md.
@@ -32,13 +32,29 @@ MODES = ("layer", "linear")
 KINDS = ("bf16", "int8", "w8a8")
 
 
+def git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+    except FileNotFoundError:
+        raise SystemExit("gemm_ab: git is not installed (build A is read from a git revision)") from None
+
+
 def source_at(base: str) -> str:
     """gemm.h as it is at git revision `base`."""
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "show", f"{base}:{GEMM}"], capture_output=True, text=True,
-                              check=True).stdout
+        return git("show", f"{base}:{GEMM}")
     except subprocess.CalledProcessError as exc:
         raise SystemExit(f"gemm_ab: cannot read {GEMM} at {base!r}: {exc.stderr.strip()}") from None
+
+
+def working_tree() -> str:
+    """What build B is, for the results file: the commit, and whether gemm.h differs from it."""
+    try:
+        head = git("rev-parse", "--short", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--", GEMM).strip()
+    except subprocess.CalledProcessError:
+        return "the working tree (not a git checkout)"
+    return f"the working tree at {head}" + (f" with {GEMM} changed" if dirty else "")
 
 
 def build(a: str, b: str, level: str, cxx: str, work: Path) -> Path:
@@ -57,13 +73,19 @@ def build(a: str, b: str, level: str, cxx: str, work: Path) -> Path:
     if [job.wait() for job in jobs] != [0, 0]:
         raise SystemExit("gemm_ab: a build of gemm.h did not compile (the compiler's message is above)")
     exe = work / "gemm_ab"
-    subprocess.run([cxx, "-std=gnu++20", "-O2", "-fopenmp", str(DRIVER), *objects, "-o", str(exe)], check=True)
+    if subprocess.run([cxx, "-std=gnu++20", "-O2", "-fopenmp", str(DRIVER), *objects, "-o", str(exe)]).returncode:
+        raise SystemExit("gemm_ab: the driver did not link against the two builds (the compiler's message is above; "
+                         "a revision older than the W8A8 entry point, colibri_linear_i8_*, cannot be build A)")
     return exe
 
 
 def run(exe: Path, mode: str, kind: str, rows: int, threads: int, rounds: int) -> dict[str, object]:
-    out = subprocess.run([str(exe), mode, kind, str(rows), str(threads), str(rounds)], capture_output=True,
-                         text=True, check=True).stdout.split("\n")
+    done = subprocess.run([str(exe), mode, kind, str(rows), str(threads), str(rounds)], stdout=subprocess.PIPE,
+                          text=True)
+    if done.returncode:
+        raise SystemExit(f"gemm_ab: the driver failed on {mode} {kind} at {rows} rows (exit {done.returncode}; its "
+                         "message, if any, is above)")
+    out = done.stdout.split("\n")
     got: dict[str, object] = {}
     for line in out:
         parts = line.split()
@@ -71,6 +93,8 @@ def run(exe: Path, mode: str, kind: str, rows: int, threads: int, rounds: int) -
             got[parts[0]] = tuple(float(p) for p in parts[1:])           # best ms, mean ms, GB/s at best
         elif parts and parts[0] == "same_bits":
             got["same"] = parts[1] == "1"
+        elif parts and parts[0] == "huge_kb":
+            got["huge_mib"] = int(parts[1]) / 1024 if int(parts[1]) >= 0 else None
     return got
 
 
@@ -87,6 +111,13 @@ def main() -> int:
     args = ap.parse_args()
     modes, kinds = args.modes.split(","), args.kinds.split(",")
     bad = [m for m in modes if m not in MODES] + [k for k in kinds if k not in KINDS]
+    try:
+        row_counts = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        row_counts = []
+    if not row_counts or not all(1 <= m <= 64 for m in row_counts) or args.threads < 1 or args.rounds < 1:
+        raise SystemExit(f"gemm_ab: --rows takes row counts 1-64 separated by commas (got {args.rows!r}); "
+                         "--threads and --rounds at least 1")
     if bad or args.level not in levels():
         raise SystemExit(f"gemm_ab: unknown {', '.join(bad) or 'level ' + args.level}: modes {', '.join(MODES)}; "
                          f"kinds {', '.join(KINDS)}; levels {', '.join(levels())}")
@@ -98,19 +129,24 @@ def main() -> int:
         exe = build(source_at(args.base), (ROOT / GEMM).read_text(), args.level, cxx, Path(tmp))
         for mode in modes:
             for kind in kinds:
-                for m in (int(r) for r in args.rows.split(",")):
+                for m in row_counts:
                     got = run(exe, mode, kind, m, args.threads, args.rounds)
                     a, b = got["A"], got["B"]
+                    huge = "?" if got.get("huge_mib") is None else f"{got['huge_mib']:.0f}"
                     rows.append([mode, kind, str(m), f"{a[0]:.3f} / {a[1]:.3f}", f"{b[0]:.3f} / {b[1]:.3f}",
-                                 f"{a[0] / b[0]:.2f}x", f"{a[2]:.1f} / {b[2]:.1f}", "yes" if got["same"] else "NO"])
+                                 f"{a[0] / b[0]:.2f}x", f"{a[2]:.1f} / {b[2]:.1f}", "yes" if got["same"] else "NO",
+                                 huge])
                     print(" | ".join(rows[-1]), flush=True)
     text = "\n".join([
         "# Two builds of the native linear, alternating", "",
         f"Machine: {machine()}; ISA level compiled: {args.level}; {args.threads} thread(s), {args.rounds} rounds.",
         f"Command: `python -m benchmarks.gemm_ab --base {args.base} --modes {args.modes} --kinds {args.kinds} "
         f"--rows {args.rows} --threads {args.threads} --rounds {args.rounds}`. A = `{GEMM}` at `{args.base}`, "
-        "B = the working tree's. ms: best / mean of the rounds; B faster by: A's best over B's; GB/s at the best.",
-        "", table(["mode", "weights", "rows", "A ms", "B ms", "B faster by", "GB/s A / B", "same bits"], rows), ""])
+        f"B = {working_tree()}. ms: best / mean of the rounds; B faster by: A's best over B's; GB/s at the best; "
+        "2 MiB pages: the driver's anonymous memory on them (AnonHugePages), of the weights' "
+        "576 MiB (layer, bf16), 288 (layer, int8), 188 or 156 (linear: copies of lm_head over 4x a 32 MiB L3).",
+        "", table(["mode", "weights", "rows", "A ms", "B ms", "B faster by", "GB/s A / B", "same bits",
+                   "2 MiB pages (MiB)"], rows), ""])
     publish(text, "gemm_ab")
     return 0
 

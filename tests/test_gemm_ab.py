@@ -19,8 +19,10 @@ LEVEL = "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") 
 
 def test_one_source_twice_gives_the_same_bits_and_a_changed_product_does_not(tmp_path):
     text = (gemm_ab.ROOT / gemm_ab.GEMM).read_text()
-    changed = text.replace("acc[i][j] += xv * wv[j];", "acc[i][j] += xv * wv[j] * 1.0000002f;")
-    assert changed != text
+    changed = text.replace("acc[i][j] += xv * wv[j];", "acc[i][j] += xv * wv[j] * 1.0000002f;")   # float path
+    changed = changed.replace("= (float(sums[i][j]) * xs[i]) * ws[j];", "= (float(sums[i][j]) * xs[i]) * ws[j] * "
+                              "1.0000002f;")                                                      # W8A8 path
+    assert changed.count("1.0000002f") == 3
     same = gemm_ab.build(text, text, LEVEL, compiler(), tmp_path / "same")
     other = gemm_ab.build(text, changed, LEVEL, compiler(), tmp_path / "other")
     for exe, want in ((same, True), (other, False)):
@@ -29,8 +31,9 @@ def test_one_source_twice_gives_the_same_bits_and_a_changed_product_does_not(tmp
         for v in ("A", "B"):
             best, mean, gbs = got[v]
             assert 0 < best <= mean and gbs > 0
-    got = gemm_ab.run(same, "layer", "w8a8", 2, 2, 1)        # the W8A8 entry point, whole experts on 2 threads
-    assert got["same"] is True
+        assert got["huge_mib"] is None or got["huge_mib"] >= 0
+        got = gemm_ab.run(exe, "layer", "w8a8", 2, 2, 1)     # the W8A8 entry point, whole experts on 2 threads
+        assert got["same"] is want
 
 
 def test_bad_choices_are_refused_with_what_exists():
@@ -40,3 +43,6 @@ def test_bad_choices_are_refused_with_what_exists():
     out = subprocess.run([sys.executable, "-m", "benchmarks.gemm_ab", "--base", "no-such-rev"], capture_output=True,
                          text=True, cwd=gemm_ab.ROOT)
     assert out.returncode != 0 and "cannot read kernels/native/gemm.h at 'no-such-rev'" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gemm_ab", "--rows", "1,65"], capture_output=True,
+                         text=True, cwd=gemm_ab.ROOT)
+    assert out.returncode != 0 and "--rows takes row counts 1-64" in out.stderr

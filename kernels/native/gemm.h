@@ -81,20 +81,20 @@ static inline float lanes_sum(fvec v) {            // the same pairwise tree for
 }
 
 // Software prefetch of the weight bytes the call reads next (the next block of rows), paced to what the tile
-// consumes: each step of an inner loop earns the bytes it reads from the block (shared among the passes of x's
-// 4-row tiles over it), and a cache line is requested per 64 bytes earned. DRAM is then read while the current rows
-// are multiplied, at the rate they are multiplied. Without prefetch a row's stream stalls on every new line (a
+// consumes: each step of an inner loop earns the bytes it reads from the block, and a cache line is requested per
+// 64 bytes earned by every pass of x's 4-row tiles over the block (64 x passes). DRAM is then read while the current
+// rows are multiplied, at the rate they are multiplied. Without prefetch a row's stream stalls on every new line (a
 // one-row bf16 pass read 7 GB/s where a streaming sum reads 12 on one thread of an AVX2 EPYC); a fixed line per step,
 // twice what an int8 tile reads, had the next block requested in a burst and DRAM idle for the rest: a layer's int8
-// experts at one token read 16-18.5 GB/s that way against 22-27 paced (2 threads, in a loop from a C++ program).
+// experts at one row read 12.7 GB/s that way against 16.0 paced (2 threads, `python -m benchmarks.gemm_ab`).
 struct Ahead {
     const char* p;
     const char* end;
-    int passes = 1;                                // tiles of x rows that pass over the block (the share of a step)
+    int passes = 1;                                // tiles of x rows that pass over the block (all of them read it)
     int credit = 0;                                // bytes earned and not yet requested
     inline void step(int bytes) {                  // into L2 (locality 2): a block ahead is more than L1 holds
         credit += bytes;
-        for (; credit >= 64; credit -= 64) {
+        for (const int line = 64 * passes; credit >= line; credit -= line) {
             if (p >= end) {
                 credit = 0;
                 return;
@@ -110,7 +110,7 @@ struct Ahead {
 template <int MT, int OT, typename WT>
 static inline void tile(const float* x, int K, const WT* w, const float* scale, float* y, int ldy, Ahead& ahead_) {
     Ahead ahead = ahead_;                          // in registers for the loop
-    const int earn = int(OT * CK_WIDTH * sizeof(WT)) / ahead.passes;
+    constexpr int earn = int(OT * CK_WIDTH * sizeof(WT));   // the bytes of the block a step reads
     fvec acc[MT][OT] = {};
     int k = 0;
     for (; k + CK_WIDTH <= K; k += CK_WIDTH) {
@@ -174,7 +174,7 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
     constexpr int OB = 32;
     // while block ob is computed, the bytes of the next block are requested (after the last block, `after`:
     // the bytes the caller computes next, such as the next expert's rows), paced over every pass of x's tiles
-    const int passes = (M + 3) / 4;
+    const int passes = M < (1 << 20) ? (M + 3) / 4 : 1 << 18;
     auto ahead_of = [&](int ob) {
         if (ob + OB >= o1) return Ahead{after.p, after.end, passes};
         const char* base = reinterpret_cast<const char*>(w);
@@ -202,7 +202,7 @@ static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
     Ahead ahead = ahead_;                          // in registers for the loop
     int32_t sums[MT][OT];
 #if defined(__AVX2__)
-    const int earn = OT * 32 / ahead.passes;
+    constexpr int earn = OT * 32;                  // the bytes of the block a step reads
     __m256i acc[MT][OT];
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < OT; ++j) acc[i][j] = _mm256_setzero_si256();
@@ -242,7 +242,7 @@ static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < OT; ++j) sums[i][j] = 0;
     for (int k = 0; k < K; ++k) {
-        if ((k & 63) == 0) ahead.step(OT * 64 / ahead.passes);
+        if ((k & 63) == 0) ahead.step(OT * 64);
         for (int i = 0; i < MT; ++i)
             for (int j = 0; j < OT; ++j) sums[i][j] += int32_t(x[(int64_t)i * Kp + k]) * int32_t(w[(int64_t)j * K + k]);
     }
@@ -265,7 +265,7 @@ static inline void rows_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
 static void linear_block_i8(const int8_t* x, const float* xs, int M, int Kp, int K, const int8_t* w,
                             const float* ws, int o0, int o1, float* y, int ldy, Ahead after) {
     constexpr int OB = 32;
-    const int passes = (M + 3) / 4;                // as linear_block: the next block requested at the pace of this one
+    const int passes = M < (1 << 20) ? (M + 3) / 4 : 1 << 18;   // as linear_block: paced to this block's reads
     for (int ob = o0; ob < o1; ob += OB) {
         int n = (ob + OB < o1 ? ob + OB : o1) - ob;
         Ahead ahead = ob + OB >= o1 ? Ahead{after.p, after.end, passes}
