@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import finish, machine, publish, table
-from kernels.native_build import compiler, levels
+from kernels import native_build
 
 ROOT = Path(__file__).resolve().parent.parent
 GEMM = "kernels/native/gemm.h"
@@ -59,7 +59,7 @@ def working_tree() -> str:
 
 def build(a: str, b: str, level: str, cxx: str, work: Path) -> Path:
     """The driver linked against two texts of gemm.h (A and B), both compiled with `level`'s flags."""
-    flags = ["-std=gnu++20", "-O3", "-fno-math-errno", *levels()[level]]
+    flags = ["-std=gnu++20", "-O3", "-fno-math-errno", *native_build.levels()[level]]
     objects, jobs = [], []
     for name, text in (("a", a), ("b", b)):                 # the two compiled at once
         (work / name).mkdir(parents=True)
@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,8", help="rows of x (each expert's, in a layer) (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="OpenMP threads (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default: %(default)s)")
-    ap.add_argument("--level", default="avx2" if "avx2" in levels() else "generic",
+    ap.add_argument("--level", default="avx2" if "avx2" in native_build.levels() else "generic",
                     help="the ISA level whose flags both builds take (default: %(default)s)")
     args = ap.parse_args()
     modes, kinds = args.modes.split(","), args.kinds.split(",")
@@ -118,10 +118,10 @@ def main() -> int:
     if not row_counts or not all(1 <= m <= 64 for m in row_counts) or args.threads < 1 or args.rounds < 1:
         raise SystemExit(f"gemm_ab: --rows takes row counts 1-64 separated by commas (got {args.rows!r}); "
                          "--threads and --rounds at least 1")
-    if bad or args.level not in levels():
+    if bad or args.level not in native_build.levels():
         raise SystemExit(f"gemm_ab: unknown {', '.join(bad) or 'level ' + args.level}: modes {', '.join(MODES)}; "
-                         f"kinds {', '.join(KINDS)}; levels {', '.join(levels())}")
-    cxx = compiler()
+                         f"kinds {', '.join(KINDS)}; levels {', '.join(native_build.levels())}")
+    cxx = native_build.compiler()
     if cxx is None:
         raise SystemExit("gemm_ab: no C++ compiler (g++, c++ or $CXX) found")
     rows = []

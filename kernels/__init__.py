@@ -12,7 +12,8 @@ overrides the automatic choice (with TRITON_INTERPRET=1 the Triton kernels run o
 
 Also here: the small-M `linear` of the router and its CPU forms (`pick_rows`, `tune`, `install` through the
 forms file, `set_batch_invariant`), the weight formats (`int8`, `fp8`, `mxfp4` modules of kernels/formats/ and
-their weight classes), `native` (the C++ ops: `native.describe()`, `native.decoder_ops()`, ...).
+their weight classes), `native` (the C++ ops: `native.describe()`, `native.decoder_ops()`, ...) and
+`native_build` (their build: the ISA levels and their compiler flags, the compiler found).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 
 import torch
 
-from kernels import native
+from kernels import native, native_build
 from kernels.activation import SILU, GatedAct
 from kernels.cpu_forms import BUCKETS, FORMS, Weight, batch_invariant, pick_rows, set_batch_invariant, weight_kind
 from kernels.cpu_forms import describe as describe_forms
@@ -153,5 +154,5 @@ __all__ = [
     # weight formats
     "int8", "fp8", "mxfp4", "Int8Weight", "Fp8Weight", "Mxfp4Weight", "quantize_int8", "QUANTIZE_MODES",
     # the C++ ops
-    "native",
+    "native", "native_build",
 ]

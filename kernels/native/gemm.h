@@ -14,8 +14,11 @@
 // Shapes: x [M, K] float32 row-major; W [Dout, K] row-major (float32, bf16 as uint16, or int8 with a float32
 // scale per row); y [M, ldy] float32, columns o0..o1 written.
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -304,6 +307,39 @@ extern "C" void CK_CAT(colibri_linear_, CK_NAME)(const float* x, int M, int K, c
     if (wdtype == 0) linear_block(x, M, K, static_cast<const float*>(w), nullptr, o0, o1, y, ldy, after);
     else if (wdtype == 1) linear_block(x, M, K, static_cast<const uint16_t*>(w), nullptr, o0, o1, y, ldy, after);
     else linear_block(x, M, K, static_cast<const int8_t*>(w), scale, o0, o1, y, ldy, after);
+}
+
+// W8A8 activations, one row of K: scale = max(max|x| / 127, FLT_MIN), q = round-half-even(x / scale) clamped to
+// [-127, 127], as kernels/formats/int8.py quantize_rows; the division and the rounding are IEEE's and a maximum has
+// no order, so every level writes the bits of the scalar loop (which the torch-side build compiled for baseline
+// x86-64, calling libm's nearbyintf per element: 9% of a layer's W8A8 experts at 32 tokens).
+extern "C" void CK_CAT(colibri_quantize_row_, CK_NAME)(const float* row, int64_t K, int8_t* q, float* scale) {
+    float amax = 0.f;
+    int64_t k = 0;
+#if defined(__AVX2__)
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8)                   // max(m, |x|): a NaN lane keeps m, as std::max(amax, NaN) does
+        m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(row + k), magnitude), m);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (float v : lanes) amax = std::max(amax, v);
+#endif
+    for (; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    const float s = std::max(amax / 127.0f, std::numeric_limits<float>::min());
+    k = 0;
+#if defined(__AVX2__)
+    const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    for (; k + 8 <= K; k += 8) {                 // min(t, hi) is hi for a NaN t, as std::min(127.f, NaN)
+        __m256 t = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), vs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        alignas(32) int32_t v[8];
+        _mm256_store_si256((__m256i*)v, _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(t, hi), lo)));
+        for (int j = 0; j < 8; ++j) q[k + j] = int8_t(v[j]);
+    }
+#endif
+    for (; k < K; ++k) q[k] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(row[k] / s))));
+    *scale = s;
 }
 
 // W8A8 (see linear_block_i8): xq [M, Kp] quantised rows with scales xs [M]; w [Dout, K] int8 with scales ws.

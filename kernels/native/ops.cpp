@@ -30,7 +30,11 @@ CK_DECLARE_ATT(colibri_decode_attention_generic)
 #define CK_DECLARE_I8(name) void name(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int, \
                                       float*, int, const void*, int64_t);
 CK_DECLARE_I8(colibri_linear_i8_generic)
+void colibri_quantize_row_generic(const float*, int64_t, int8_t*, float*);
 #if defined(__x86_64__)
+void colibri_quantize_row_avx2(const float*, int64_t, int8_t*, float*);
+void colibri_quantize_row_avx512(const float*, int64_t, int8_t*, float*);
+void colibri_quantize_row_avx512bf16(const float*, int64_t, int8_t*, float*);
 CK_DECLARE_I8(colibri_linear_i8_avx2)
 CK_DECLARE_ATT(colibri_decode_attention_avx2)
 CK_DECLARE_ATT(colibri_decode_attention_avx512)
@@ -58,6 +62,7 @@ struct Level {
     linear_fn linear;
     linear_i8_fn linear_i8;                    // W8A8: int8 activations against int8 weights
     attention_fn attention;                    // decode attention over the paged KV cache
+    quantize_fn quantize_row;                  // W8A8: one activation row to int8 and its scale
     bool (*supported)();
 };
 
@@ -72,14 +77,14 @@ bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf1
 
 const Level LEVELS[] = {                      // best last
     {"generic", colibri_linear_generic, colibri_linear_i8_generic, colibri_decode_attention_generic,
-     always},
+     colibri_quantize_row_generic, always},
 #if defined(__x86_64__)
     {"avx2", colibri_linear_avx2, colibri_linear_i8_avx2, colibri_decode_attention_avx2,
-     has_avx2},
+     colibri_quantize_row_avx2, has_avx2},
     {"avx512", colibri_linear_avx512, colibri_linear_i8_avx512, colibri_decode_attention_avx512,
-     has_avx512},
+     colibri_quantize_row_avx512, has_avx512},
     {"avx512bf16", colibri_linear_avx512bf16, colibri_linear_i8_avx512bf16, colibri_decode_attention_avx512bf16,
-     has_avx512bf16},
+     colibri_quantize_row_avx512bf16, has_avx512bf16},
 #endif
 };
 
@@ -127,11 +132,7 @@ int64_t colibri_ops::grain(int64_t rows, int64_t k) {
 }
 
 void colibri_ops::quantize_row(const float* row, int64_t K, int8_t* q, float* scale) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-    const float s = std::max(amax / 127.0f, std::numeric_limits<float>::min());
-    for (int64_t k = 0; k < K; ++k) q[k] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(row[k] / s))));
-    *scale = s;
+    level().quantize_row(row, K, q, scale);
 }
 
 colibri_ops::Quantized colibri_ops::quantize_rows(const float* x, int64_t n, int64_t K) {

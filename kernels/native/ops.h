@@ -13,6 +13,8 @@ typedef void (*linear_fn)(const float*, int, int, const void*, int, const float*
                           const void*, int64_t);
 typedef void (*linear_i8_fn)(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int, float*,
                              int, const void*, int64_t);
+// colibri_quantize_row_<ISA> (gemm.h): a W8A8 activation row to int8 [K] and its scale
+typedef void (*quantize_fn)(const float*, int64_t, int8_t*, float*);
 // colibri_decode_attention_<ISA> (attention.h)
 typedef void (*attention_fn)(const float*, int, int, int, const void*, const void*, int, int64_t, int64_t,
                              const int64_t*, int, const float*, float, float*, float*);

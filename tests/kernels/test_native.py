@@ -197,6 +197,21 @@ def test_w8a8_linear_is_torchs_int_mm_to_the_bit(level, dout, din):
             assert torch.equal(native.linear(x[:m], w), FORMS["w8a8_intmm"].fn(x[:m], w)), f"{level} {m} rows"
 
 
+def test_w8a8_rows_round_half_to_even_as_torch_does(level):
+    """The activation rows' quantisation (per ISA level: AVX2 divides and rounds 8 lanes at a time, the rest one by
+    one) on the ties: with a row's max |x| = 127 the scale is 1, so x / scale lands on .5 exactly; 37 columns, so
+    both the vector steps and the tail see them. Read back through an identity weight, against torch's form."""
+    ties = torch.tensor([2.5, -3.5, 0.5, -0.5, 1.5, -2.5, 126.5, -126.5, 4.5, 5.5, -6.5, 7.49, 0.0, -0.0])
+    x = torch.zeros(3, 37)
+    x[0, :14], x[0, 14] = ties, 127.0                       # ties in the first vector steps
+    x[1, 23:37], x[1, 0] = ties, -127.0                     # ties across the last step and the tail
+    x[2] = torch.linspace(-300, 300, 37)                    # a wider row: scale > 1, nothing clamped past +-127
+    w = quantize_int8(torch.eye(37), w8a8=True)
+    got, want = native.linear(x, w), FORMS["w8a8_intmm"].fn(x, w)
+    assert torch.equal(got, want), f"{level}: {(got - want).abs().max()}"
+    assert torch.equal(got[0, :4].round(), torch.tensor([2.0, -4.0, 0.0, -0.0]))   # half to even, through the scales
+
+
 def test_moe_layer_on_views_of_a_larger_buffer(level):
     """A worker's experts are views (a slice of a packed buffer, or of a mapped file): strided over experts,
     row-major within each; acc is added to, not overwritten."""
