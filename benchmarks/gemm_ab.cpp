@@ -99,16 +99,17 @@ struct Bench {
     size_t matrix_bytes() const { return size_t(VOCAB) * H * esize; }
     size_t read_per_call() const { return mode == "layer" ? TOPK * expert_bytes() : matrix_bytes(); }
 
-    // one projection: y [rows, ldy] = in [rows, K] @ W [o1, K].T, the bytes [next, next + next_bytes) told
-    void project(bool b, const float* in, const int8_t* inq, int K, const char* W, int o1, float* out, int ldy,
-                 const char* next, int64_t next_bytes) const {
+    // one projection, build A or B: columns o0..o1 of out [rows, ldy] = in [rows, K] @ W.T (W's rows o0..o1), the
+    // bytes [next, next + next_bytes) told
+    void project(bool b, const float* in, const int8_t* inq, int K, const char* W, int o0, int o1, float* out,
+                 int ldy, const char* next, int64_t next_bytes) const {
         if (kind == 3) {
             linear_i8_fn f = b ? colibri_linear_i8_B : colibri_linear_i8_A;
-            f(inq, xs.data(), rows, K, K, reinterpret_cast<const int8_t*>(W), scale.data(), 0, o1, out, ldy, next,
+            f(inq, xs.data(), rows, K, K, reinterpret_cast<const int8_t*>(W), scale.data(), o0, o1, out, ldy, next,
               next_bytes);
         } else {
             linear_fn f = b ? colibri_linear_B : colibri_linear_A;
-            f(in, rows, K, W, kind, kind == 2 ? scale.data() : nullptr, 0, o1, out, ldy, next, next_bytes);
+            f(in, rows, K, W, kind, kind == 2 ? scale.data() : nullptr, o0, o1, out, ldy, next, next_bytes);
         }
     }
 
@@ -118,16 +119,8 @@ struct Bench {
             {
                 int nt = omp_get_num_threads(), id = omp_get_thread_num();
                 int o0 = int(int64_t(VOCAB) * id / nt), o1 = int(int64_t(VOCAB) * (id + 1) / nt);
-                const char* m = w + size_t(c % copies) * matrix_bytes();
-                if (kind == 3) {
-                    linear_i8_fn f = b ? colibri_linear_i8_B : colibri_linear_i8_A;
-                    f(xq.data(), xs.data(), rows, H, H, reinterpret_cast<const int8_t*>(m), scale.data(), o0, o1,
-                      y.data(), VOCAB, nullptr, 0);
-                } else {
-                    linear_fn f = b ? colibri_linear_B : colibri_linear_A;
-                    f(x.data(), rows, H, m, kind, kind == 2 ? scale.data() : nullptr, o0, o1, y.data(), VOCAB,
-                      nullptr, 0);
-                }
+                project(b, x.data(), xq.data(), H, w + size_t(c % copies) * matrix_bytes(), o0, o1, y.data(), VOCAB,
+                        nullptr, 0);
             }
             return;
         }
@@ -142,9 +135,9 @@ struct Bench {
                 const char* w13 = layer + b13 * ex[a];
                 const char* w2 = layer + b13 * E + b2 * ex[a];
                 float* gu = y.data() + size_t(a) * rows * (2 * I + H);                  // [rows, 2I] then [rows, H]
-                project(b, x.data(), xq.data(), H, w13, 2 * I, gu, 2 * I, w2, int64_t(b2));
+                project(b, x.data(), xq.data(), H, w13, 0, 2 * I, gu, 2 * I, w2, int64_t(b2));
                 const char* nx = a + 1 < a1 ? layer + b13 * ex[a + 1] : nullptr;
-                project(b, h.data(), hq.data(), I, w2, H, gu + size_t(rows) * 2 * I, H, nx, nx ? int64_t(b13) : 0);
+                project(b, h.data(), hq.data(), I, w2, 0, H, gu + size_t(rows) * 2 * I, H, nx, nx ? int64_t(b13) : 0);
             }
         }
     }

@@ -108,6 +108,17 @@ struct Ahead {
     }
 };
 
+// The prefetch while block [ob, ob + OB) of a weight of `row_bytes` rows (rows o0..o1 of the call) is multiplied by
+// M rows of x: the next block's bytes, or after the last block `after` (what the caller computes next, such as the
+// next expert's rows), paced over every 4-row pass of x over the block.
+static inline Ahead ahead_of(const void* w, int64_t row_bytes, int ob, int OB, int o1, int M, Ahead after) {
+    const int passes = std::min(M / 4 + (M % 4 != 0), 1 << 16);  // x's 4-row tiles (capped: 64 x passes is an int)
+    if (ob + OB >= o1) return Ahead{after.p, after.end, passes};
+    const char* base = static_cast<const char*>(w);
+    const int end = ob + 2 * OB < o1 ? ob + 2 * OB : o1;
+    return Ahead{base + (ob + OB) * row_bytes, base + end * row_bytes, passes};
+}
+
 // One tile: MT rows of x against OT consecutive rows of W (from `w`, row o of the call), the whole of K;
 // y and scale point at column o.
 template <int MT, int OT, typename WT>
@@ -175,19 +186,9 @@ template <typename WT>
 static void linear_block(const float* x, int M, int K, const WT* w, const float* scale, int o0, int o1, float* y,
                          int ldy, Ahead after) {
     constexpr int OB = 32;
-    // while block ob is computed, the bytes of the next block are requested (after the last block, `after`:
-    // the bytes the caller computes next, such as the next expert's rows), paced over every pass of x's tiles
-    const int passes = M < (1 << 20) ? (M + 3) / 4 : 1 << 18;
-    auto ahead_of = [&](int ob) {
-        if (ob + OB >= o1) return Ahead{after.p, after.end, passes};
-        const char* base = reinterpret_cast<const char*>(w);
-        int end = ob + 2 * OB < o1 ? ob + 2 * OB : o1;
-        return Ahead{base + (int64_t)(ob + OB) * K * (int64_t)sizeof(WT), base + (int64_t)end * K * (int64_t)sizeof(WT),
-                     passes};
-    };
     for (int ob = o0; ob < o1; ob += OB) {
         int n = (ob + OB < o1 ? ob + OB : o1) - ob;
-        Ahead ahead = ahead_of(ob);
+        Ahead ahead = ahead_of(w, int64_t(K) * int64_t(sizeof(WT)), ob, OB, o1, M, after);
         for (int m = 0; m < M; m += 4)
             rows_any(x + (int64_t)m * K, M - m < 4 ? M - m : 4, K, w + (int64_t)ob * K, scale ? scale + ob : nullptr, n,
                      y + (int64_t)m * ldy + ob, ldy, ahead);
@@ -268,14 +269,9 @@ static inline void rows_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
 static void linear_block_i8(const int8_t* x, const float* xs, int M, int Kp, int K, const int8_t* w,
                             const float* ws, int o0, int o1, float* y, int ldy, Ahead after) {
     constexpr int OB = 32;
-    const int passes = M < (1 << 20) ? (M + 3) / 4 : 1 << 18;   // as linear_block: paced to this block's reads
     for (int ob = o0; ob < o1; ob += OB) {
         int n = (ob + OB < o1 ? ob + OB : o1) - ob;
-        Ahead ahead = ob + OB >= o1 ? Ahead{after.p, after.end, passes}
-                                    : Ahead{reinterpret_cast<const char*>(w + (int64_t)(ob + OB) * K),
-                                            reinterpret_cast<const char*>(w + (int64_t)(ob + 2 * OB < o1 ? ob + 2 * OB
-                                                                                                      : o1) * K),
-                                            passes};
+        Ahead ahead = ahead_of(w, K, ob, OB, o1, M, after);
         for (int m = 0; m < M; m += 4) {
             const int mt = M - m < 4 ? M - m : 4;
             const int8_t* xm = x + (int64_t)m * Kp;

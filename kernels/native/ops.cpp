@@ -14,10 +14,8 @@
 
 #include "ops.h"
 
-#include <cmath>
 #include <cstring>
 #include <cstdlib>
-#include <limits>
 #include <string>
 #include <vector>
 
