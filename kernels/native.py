@@ -12,7 +12,7 @@ Python op per kernel, each checked against a float64 reference before it may be 
     attention_block(h, …): a decode step's whole attention block (norm, qkv, q/k norms, rope, cache write,
         attention, o) in one call, with the bits of those ops run one by one
 
-The ISA level is chosen when the library loads, by CPUID (generic, avx2, avx512, avx512bf16);
+The ISA level is chosen when the library loads, by CPUID (generic, avx2, avx512, avx512bf16, amx);
 COLIBRI_CPU_ISA=LEVEL overrides it, and `use_isa(LEVEL)` switches it in this process (the tests run every
 level the machine has). Every output element has one fixed order of float32 operations whatever the row count,
 the tile or the thread (kernels/native/gemm.h): batch-invariant by construction.

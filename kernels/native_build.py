@@ -31,6 +31,8 @@ X86_LEVELS = {                  # the levels of kernels/native/ops.cpp and the f
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-ffp-contract=fast"],
     "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma",
                    "-ffp-contract=fast"],
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma", "-mamx-tile",
+            "-mamx-bf16", "-mamx-int8", "-ffp-contract=fast"],
 }
 
 

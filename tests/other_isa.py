@@ -2,8 +2,8 @@
 
 - ATen's (ATEN_CPU_CAPABILITY): AVX2 on a machine whose own level is higher (AVX-512, AMX), and torch's
   portable `default` kernels on an AVX2-only one;
-- Colibri's native kernels' (COLIBRI_CPU_ISA): the level below the one CPUID picks (avx512bf16 -> avx512 ->
-  avx2 -> generic), so the override and a second native path run through the services too.
+- Colibri's native kernels' (COLIBRI_CPU_ISA): the level below the one CPUID picks (amx -> avx512bf16 ->
+  avx512 -> avx2 -> generic), so the override and a second native path run through the services too.
 
 So every machine checks two levels of each and an AVX-512 one checks the AVX2 paths too. Never a level above
 the machine's own: it would run instructions the CPU does not have.
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-NATIVE_BELOW = {"avx512bf16": "avx512", "avx512": "avx2", "avx2": "generic", "generic": "generic"}
+NATIVE_BELOW = {"amx": "avx512bf16", "avx512bf16": "avx512", "avx512": "avx2", "avx2": "generic",
+                "generic": "generic"}
 
 
 def other_level() -> str:

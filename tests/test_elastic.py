@@ -25,6 +25,7 @@ from tests.conftest import colibri_popen, colibri_run, free_port
 TOKEN = "elastic-test-token"
 ENV = dict(os.environ, COLIBRI_FLEET_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
 PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(4 + i % 3)] for i in range(8)]
+N_BF16 = 390    # tokens a bf16 stream (prompts of <= 6, a length of 400): under way 1.5 s in on AMX (200 were not)
 
 
 def wait_serving(address: str, service: str, proc, timeout: float = 120) -> None:
@@ -144,13 +145,13 @@ def test_in_bfloat16_a_resize_mid_stream_changes_no_token(model):
         r, _ = stack.enter_context(router(model.path, addrs[:2], "--dtype", "bfloat16", "--expert-replicas", "2"))
         client = Client(r)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            quiet = [f.token_ids for f in pool.map(lambda p: client.generate(p, 200, ignore_eos=True, timeout=600),
+            quiet = [f.token_ids for f in pool.map(lambda p: client.generate(p, N_BF16, ignore_eos=True, timeout=600),
                                                     PROMPTS)]
 
         def resize():
             return [workers_cli(r, "set", ",".join(addrs)), workers_cli(r, "set", ",".join(addrs[1:]))]
 
-        got, outs = streams(r, 200, resize)
+        got, outs = streams(r, N_BF16, resize)
         assert all(o.returncode == 0 for o in outs), [o.stderr for o in outs]
         assert [g.token_ids for g in got] == quiet
 

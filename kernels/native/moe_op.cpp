@@ -41,9 +41,10 @@ struct Task {
 };
 
 // One projection of every expert with work: out[pairs of a] = in[pairs of a] @ (a's blocks stacked).T (float32);
-// counts[a] pairs of active expert a, its blocks srcs[a]. kind 3 (W8A8): in's rows are quantised first.
-void project(const at::Tensor& in, const std::vector<int64_t>& counts, const std::vector<std::vector<Src>>& srcs,
-             int kind, int64_t K, int64_t esize, at::Tensor& out) {
+// counts[a] pairs of active expert a, its blocks srcs[a]. kind 3 (W8A8): in's rows are quantised first; `inb`, where
+// given, is in's rows as bf16 (their values are) for bf16 weights, multiplied by the level's bf16 dot products.
+void project(const at::Tensor& in, const uint16_t* inb, const std::vector<int64_t>& counts,
+             const std::vector<std::vector<Src>>& srcs, int kind, int64_t K, int64_t esize, at::Tensor& out) {
     const int64_t Dout = out.size(1);
     const float* xp = in.data_ptr<float>();
     float* yp = out.data_ptr<float>();
@@ -61,6 +62,7 @@ void project(const at::Tensor& in, const std::vector<int64_t>& counts, const std
     }
     linear_fn fn = colibri_ops::linear_kernel();
     linear_i8_fn fn8 = colibri_ops::linear_i8_kernel();
+    linear_bf16_fn fnb = colibri_ops::linear_bf16_kernel();
     int64_t mean_rows = 1 + in.size(0) / std::max<int64_t>(1, int64_t(counts.size()));
     at::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
@@ -72,7 +74,10 @@ void project(const at::Tensor& in, const std::vector<int64_t>& counts, const std
                 next = n.w + n.o0 * K * esize;
                 next_bytes = (n.o1 - n.o0) * K * esize;
             }
-            if (kind == 3)
+            if (inb)
+                fnb(inb + j.row * K, int(j.n), int(K), reinterpret_cast<const uint16_t*>(j.w), int(j.o0), int(j.o1),
+                    yp + j.row * Dout + j.col, int(Dout), next, next_bytes);
+            else if (kind == 3)
                 fn8(xq.q.data() + j.row * xq.Kp, xq.scale.data() + j.row, int(j.n), int(xq.Kp), int(K),
                     reinterpret_cast<const int8_t*>(j.w), j.scale, int(j.o0), int(j.o1), yp + j.row * Dout + j.col,
                     int(Dout), next, next_bytes);
@@ -104,6 +109,11 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
                double alpha, c10::optional<double> limit, double up_offset) {
     const int64_t P = xs.size(0), H = xs.size(1), I2 = 2 * I;
     at::Tensor x = xs.to(at::kFloat).contiguous();
+    // bf16 weights on a level with bf16 dot products: gate/up multiply x's rows as bf16 (their values are: rounded to
+    // the weights' dtype by the caller); down's input, the float32 activation, keeps the float path
+    linear_bf16_fn fnb = kind == 1 ? colibri_ops::linear_bf16_kernel() : nullptr;
+    at::Tensor xb = fnb ? xs.to(at::kBFloat16).contiguous() : at::Tensor();
+    const uint16_t* xbp = fnb ? reinterpret_cast<const uint16_t*>(xb.data_ptr()) : nullptr;
     at::Tensor gu = at::empty({P, I2}, x.options());                        // [P, 2I]
     at::Tensor h = at::empty({P, I}, x.options());                          // [P, I]
     at::Tensor ys = at::empty({P, H}, x.options());                         // [P, H]
@@ -143,9 +153,13 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
         Quantized xq = kind == 3 ? quantize_rows(xp, P, H) : Quantized{};
         Quantized hq = kind == 3 ? colibri_ops::quantized(P, I) : Quantized{};
         // y[n rows] = in[n rows] @ src.T, the bytes [next, next + next_bytes) requested during its last block
-        auto project_rows = [&](const float* in, const Quantized& q, int64_t row, int64_t n, int64_t K,
-                                const Src& src, float* y, int64_t ldy, const char* next, int64_t next_bytes) {
-            if (kind == 3)
+        auto project_rows = [&](const float* in, const uint16_t* inb, const Quantized& q, int64_t row, int64_t n,
+                                int64_t K, const Src& src, float* y, int64_t ldy, const char* next,
+                                int64_t next_bytes) {
+            if (inb)
+                fnb(inb + row * K, int(n), int(K), reinterpret_cast<const uint16_t*>(src.w), 0, int(src.rows), y,
+                    int(ldy), next, next_bytes);
+            else if (kind == 3)
                 fn8(q.q.data() + row * q.Kp, q.scale.data() + row, int(n), int(q.Kp), int(K),
                     reinterpret_cast<const int8_t*>(src.w), src.scale, 0, int(src.rows), y, int(ldy), next, next_bytes);
             else
@@ -161,7 +175,7 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
                     const Src& s = s13[a][j];
                     const bool last = j + 1 == s13[a].size();
                     const Src& next = last ? down : s13[a][j + 1];
-                    project_rows(xp, xq, row, n, H, s, gp + row * I2 + col, I2, next.w,
+                    project_rows(xp, xbp, xq, row, n, H, s, gp + row * I2 + col, I2, next.w,
                                  next.rows * (last ? I : H) * esize);
                     col += s.rows;
                 }
@@ -170,14 +184,14 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
                     for (int64_t r = row; r < row + n; ++r)
                         colibri_ops::quantize_row(hp + r * I, I, hq.q.data() + r * hq.Kp, hq.scale.data() + r);
                 const Src* after = a + 1 < a1 ? &s13[a + 1][0] : nullptr;   // the next expert's first block
-                project_rows(hp, hq, row, n, I, down, yp + row * H, H, after ? after->w : nullptr,
+                project_rows(hp, nullptr, hq, row, n, I, down, yp + row * H, H, after ? after->w : nullptr,
                              after ? after->rows * H * esize : 0);
             }
         });
     } else {
-        project(x, counts, s13, kind, H, esize, gu);
+        project(x, xbp, counts, s13, kind, H, esize, gu);
         at::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), activate);
-        project(h, counts, s2, kind, I, esize, ys);
+        project(h, nullptr, counts, s2, kind, I, esize, ys);
     }
     if (b2.has_value()) {
         at::Tensor bias2 = b2->to(at::kFloat);

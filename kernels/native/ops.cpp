@@ -1,9 +1,10 @@
 // Colibri's native CPU kernels as torch ops (torch.ops.colibri.*), one entry per ISA level chosen at load by
-// CPUID (COLIBRI_CPU_ISA=generic|avx2|avx512|avx512bf16 overrides, refusing a level this CPU lacks), run on
+// CPUID (COLIBRI_CPU_ISA=generic|avx2|avx512|avx512bf16|amx overrides, refusing a level this CPU lacks), run on
 // torch's own thread pool (at::parallel_for), so torch.set_num_threads governs them.
 //
 //   linear(x [M, K], w [Dout, K], scale [Dout]?) -> [M, Dout] bf16 for bf16 x (one rounding), else float32
 //                                                                            (w float32 | bf16 | int8)
+//     bf16 x against bf16 w takes the level's bf16 tiles where it has them (AMX)
 //   isa() -> str; use_isa(str) -> str (the level now in force)
 //
 // The expert side of a layer (moe_, moe_sum_) is moe_op.cpp's, over the kernels of the level picked here.
@@ -18,6 +19,11 @@
 #include <cstdlib>
 #include <string>
 #include <vector>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 extern "C" {
 void colibri_linear_generic(const float*, int, int, const void*, int, const float*, int, int, float*, int,
@@ -45,6 +51,12 @@ void colibri_linear_avx512(const float*, int, int, const void*, int, const float
                            const void*, int64_t);
 void colibri_linear_avx512bf16(const float*, int, int, const void*, int, const float*, int, int, float*, int,
                                const void*, int64_t);
+void colibri_quantize_row_amx(const float*, int64_t, int8_t*, float*);
+CK_DECLARE_ATT(colibri_decode_attention_amx)
+CK_DECLARE_I8(colibri_linear_i8_tiles_amx)
+void colibri_linear_amx(const float*, int, int, const void*, int, const float*, int, int, float*, int, const void*,
+                        int64_t);
+void colibri_linear_bf16_amx(const uint16_t*, int, int, const uint16_t*, int, int, float*, int, const void*, int64_t);
 #endif
 }
 
@@ -62,6 +74,7 @@ struct Level {
     attention_fn attention;                    // decode attention over the paged KV cache
     quantize_fn quantize_row;                  // W8A8: one activation row to int8 and its scale
     bool (*supported)();
+    linear_bf16_fn linear_bf16 = nullptr;      // bf16 x bf16 products on tiles, where the level has them
 };
 
 bool always() { return true; }
@@ -70,7 +83,23 @@ bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_support
 bool has_avx512() {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
-bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+bool has_avx512bf16() {                       // its unit compiles with -mavx512vnni too (the W8A8 tile's vpdpbusd)
+    return has_avx512() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+}
+// AMX: the CPU's tiles (CPUID leaf 7: AMX-BF16 EDX bit 22, AMX-TILE 24, AMX-INT8 25) and Linux's leave to use them
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once for the whole process; refused by kernels before
+// 5.16 and where a sandbox forbids it, and then this level is not there).
+bool has_amx() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!has_avx512bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const unsigned need = (1u << 22) | (1u << 24) | (1u << 25);
+        if ((d & need) != need) return false;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return ok;
+}
 #endif
 
 const Level LEVELS[] = {                      // best last
@@ -83,6 +112,8 @@ const Level LEVELS[] = {                      // best last
      colibri_quantize_row_avx512, has_avx512},
     {"avx512bf16", colibri_linear_avx512bf16, colibri_linear_i8_avx512bf16, colibri_decode_attention_avx512bf16,
      colibri_quantize_row_avx512bf16, has_avx512bf16},
+    {"amx", colibri_linear_amx, colibri_linear_i8_tiles_amx, colibri_decode_attention_amx, colibri_quantize_row_amx,
+     has_amx, colibri_linear_bf16_amx},
 #endif
 };
 
@@ -91,10 +122,10 @@ const Level* pick(const std::string& want) {
         for (const auto& l : LEVELS)
             if (want == l.name) {
                 TORCH_CHECK(l.supported(), "COLIBRI_CPU_ISA=", want, ": this CPU cannot run that level; use one of "
-                            "the levels it has (generic, avx2, avx512, avx512bf16 as CPUID allows)");
+                            "the levels it has (generic, avx2, avx512, avx512bf16, amx as CPUID allows)");
                 return &l;
             }
-        TORCH_CHECK(false, "COLIBRI_CPU_ISA=", want, " is unknown; use generic, avx2, avx512 or avx512bf16");
+        TORCH_CHECK(false, "COLIBRI_CPU_ISA=", want, " is unknown; use generic, avx2, avx512, avx512bf16 or amx");
     }
     const Level* best = &LEVELS[0];
     for (const auto& l : LEVELS)
@@ -155,7 +186,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "colibri::linear: need x [M, K] and w "
                 "[Dout, K], got ", x.sizes(), " and ", w.sizes());
     int kind = wdtype(w, scale);
-    at::Tensor xf = x.to(at::kFloat).contiguous();
+    linear_bf16_fn fnb = kind == 1 && x.scalar_type() == at::kBFloat16 ? level().linear_bf16 : nullptr;
+    at::Tensor xf = fnb ? x.contiguous() : x.to(at::kFloat).contiguous();   // bf16 dot products take x as it is
     at::Tensor wc = w.contiguous();
     at::Tensor sc = kind == 2 ? scale->to(at::kFloat).contiguous() : at::Tensor();
     TORCH_CHECK(kind != 2 || (sc.dim() == 1 && sc.size(0) == w.size(0)), "colibri::linear: scale must be [Dout]");
@@ -164,7 +196,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     at::Tensor y = at::empty({M, D}, x.options().dtype(at::kFloat));
     at::Tensor out = bf16_out ? at::empty({M, D}, x.options()) : y;
     if (M == 0 || D == 0) return out;
-    const float* xp = xf.data_ptr<float>();
+    const float* xp = fnb ? nullptr : xf.data_ptr<float>();
+    const uint16_t* xbp = fnb ? reinterpret_cast<const uint16_t*>(xf.data_ptr()) : nullptr;
     const void* wp = wc.data_ptr();
     const float* sp = kind == 2 ? sc.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
@@ -175,7 +208,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     Quantized xq = w8a8 ? quantize_rows(xp, M, K) : Quantized{};
     at::parallel_for(0, (D + BLOCK - 1) / BLOCK, grain(M, K), [&](int64_t b0, int64_t b1) {
         const int64_t o0 = b0 * BLOCK, o1 = std::min(D, b1 * BLOCK);
-        if (w8a8)
+        if (fnb)
+            fnb(xbp, int(M), int(K), static_cast<const uint16_t*>(wp), int(o0), int(o1), yp, int(D), nullptr, 0);
+        else if (w8a8)
             fn8(xq.q.data(), xq.scale.data(), int(M), int(xq.Kp), int(K), static_cast<const int8_t*>(wp), sp, int(o0),
                 int(o1), yp, int(D), nullptr, 0);
         else
@@ -199,6 +234,7 @@ std::string use_isa(const std::string& name) {
 attention_fn colibri_ops::attention_kernel() { return level().attention; }
 linear_fn colibri_ops::linear_kernel() { return level().linear; }
 linear_i8_fn colibri_ops::linear_i8_kernel() { return level().linear_i8; }
+linear_bf16_fn colibri_ops::linear_bf16_kernel() { return level().linear_bf16; }
 
 at::Tensor colibri_ops::linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                                bool w8a8) {

@@ -7,7 +7,7 @@ import pytest
 
 from kernels import native
 
-LEVELS = ("generic", "avx2", "avx512", "avx512bf16")
+LEVELS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
 
 
 def runnable_levels() -> list[str]:
