@@ -44,9 +44,9 @@ SHAPES = [(1, 1), (37, 19), (100, 72), (33, 257), (70, 1030)]     # tails of eve
 ROWS = [1, 2, 3, 4, 5, 7, 33, 67]                                   # the register path, the panel path, tails
 
 
-def bf16_dots(level: str, kind: str, x_dtype: torch.dtype) -> bool:
-    """Whether `level` multiplies x of `x_dtype` by weights of `kind` with bf16 dot products (AVX512-BF16's
-    vdpbf16ps: bf16 x against bf16 weights), not the float32 path."""
+def on_tiles(level: str, kind: str, x_dtype: torch.dtype) -> bool:
+    """Whether `level` multiplies x of `x_dtype` by weights of `kind` on AMX tiles (bf16 x against bf16 weights:
+    float32 sums of exact products in the tiles' own order), not the float32 path."""
     return level == "amx" and kind == "bfloat16" and x_dtype == torch.bfloat16
 
 
@@ -70,9 +70,9 @@ def test_linear_against_float64(level, kind, dout, din):
             assert err <= 4e-6 * (1 + din / 1024), f"{where}: {err:.2e}"
             rounded = native.linear(xm, w)                                              # x's dtype, rounded once
             assert rounded.dtype == x_dtype
-            if bf16_dots(level, kind, x_dtype):     # bf16 x bf16 dot products: their own order of sums
+            if on_tiles(level, kind, x_dtype):      # their own order of sums: against float64, less x's rounding
                 err = float((((rounded.double() - want).abs() - 2**-8 * want.abs()) / bound.clamp(min=1e-30)).max())
-                assert err <= 4e-6 * (1 + din / 1024), f"{where}, bf16 dot products: {err:.2e}"
+                assert err <= 4e-6 * (1 + din / 1024), f"{where}, on tiles: {err:.2e}"
             else:
                 assert torch.equal(rounded, got.to(x_dtype)), where
         assert torch.equal(x, before[0]), "linear wrote to x"
@@ -86,7 +86,7 @@ def test_linear_against_float64(level, kind, dout, din):
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_depends_neither_on_the_other_rows_nor_on_the_threads(level, kind, x_dtype):
     """Batch invariance by construction: each row of a 67-row call equals that row alone, to the bit, at one
-    thread and at two (bf16 x: the bf16 dot products where the level has them)."""
+    thread and at two, for float32 and bf16 x (which AMX tiles take, against bf16 weights)."""
     g = torch.Generator().manual_seed(3)
     w, _ = weight(300, 1030, kind, g)
     x = torch.randn(67, 1030, generator=g).to(x_dtype)                                # [67, Din]
@@ -199,9 +199,9 @@ def test_moe_layer_against_float64(level, kind, E, I, H, T, K, act, biases):
 
 @pytest.mark.parametrize("dout,din", SHAPES)
 def test_w8a8_linear_is_torchs_int_mm_to_the_bit(level, dout, din):
-    """The W8A8 kernel (int8 x int8 products, exact int32 sums: AVX512-VNNI's vpdpbusd on x + 128 less 128 * Σw,
-    AVX2's maddubs, or a plain loop) gives the bits of the torch form it stands beside (`torch._int_mm` on the same
-    quantised rows), at every row count."""
+    """The W8A8 kernel (int8 x int8 products, exact int32 sums: AMX's tdpbssd tiles, AVX512-VNNI's vpdpbusd on
+    x + 128 less 128 * Σw, AVX2's maddubs, or a plain loop) gives the bits of the torch form it stands beside
+    (`torch._int_mm` on the same quantised rows), at every row count."""
     g = torch.Generator().manual_seed(dout + din)
     w = quantize_int8(torch.randn(dout, din, generator=g), w8a8=True)
     for x_dtype in (torch.float32, torch.bfloat16):
