@@ -203,12 +203,11 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
 // the difference is exact whenever the true sum fits). AVX2 multiplies 32 pairs per
 // step with maddubs (|x| as unsigned bytes against w carrying x's sign; a pair of products is at most
 // 2 * 127 * 127, inside int16) and widens with madd; without AVX2 a plain int32 loop.
-template <int MT, int OT>
-static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, const float* xs, const float* ws,
-                           float* y, int ldy, Ahead& ahead_) {
-    Ahead ahead = ahead_;                          // in registers for the loop
-    int32_t sums[MT][OT];
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The int32 sums of MT x rows against OT W rows on AVX512-VNNI (see above).
+template <int MT, int OT>
+static inline void sums_vnni(const int8_t* x, int Kp, int K, const int8_t* w, int32_t (&sums)[MT][OT],
+                             Ahead& ahead) {
     constexpr int earn = OT * 64;                  // the bytes of the block a step reads
     __m512i acc[MT][OT], wsum[OT];
     for (int j = 0; j < OT; ++j) {
@@ -236,7 +235,21 @@ static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
         const uint32_t bias = uint32_t(_mm512_reduce_add_epi32(wsum[j])) * 128u;
         for (int i = 0; i < MT; ++i) sums[i][j] = int32_t(uint32_t(_mm512_reduce_add_epi32(acc[i][j])) - bias);
     }
-#elif defined(__AVX2__)
+}
+#endif
+
+template <int MT, int OT>
+static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, const float* xs, const float* ws,
+                           float* y, int ldy, Ahead& ahead_) {
+    Ahead ahead = ahead_;                          // in registers for the loop
+    int32_t sums[MT][OT];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if constexpr (MT > 1) {                        // one row: AVX2's form read the weights faster (gemm_ab)
+        sums_vnni<MT, OT>(x, Kp, K, w, sums, ahead);
+    } else
+#endif
+    {
+#if defined(__AVX2__)
     constexpr int earn = OT * 32;                  // the bytes of the block a step reads
     __m256i acc[MT][OT];
     for (int i = 0; i < MT; ++i)
@@ -282,6 +295,7 @@ static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
             for (int j = 0; j < OT; ++j) sums[i][j] += int32_t(x[(int64_t)i * Kp + k]) * int32_t(w[(int64_t)j * K + k]);
     }
 #endif
+    }
     ahead_ = ahead;
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < OT; ++j) y[(int64_t)i * ldy + j] = (float(sums[i][j]) * xs[i]) * ws[j];
