@@ -142,6 +142,7 @@ static void amx_linear(const T* x, int64_t ldx, int M, int K, const T* w, const 
             }
         }
     }
+    _tile_release();                                         // back to the init state: cheaper context switches
 }
 
 }  // namespace colibri_native
