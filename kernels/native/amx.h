@@ -37,8 +37,13 @@ static inline void configure_tiles(int N) {
         cfg.colsb[t] = uint16_t(t == 2 || t == 3 ? 64 : 4 * N);
         cfg.rows[t] = 16;
     }
-    _tile_loadconfig(&cfg);
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));        // all 64 bytes an input (GCC 12's intrinsic names 8 of them)
 }
+
+// tileloadd with a memory clobber: GCC's _tile_loadd passes only the address, so stores into a buffer it reads
+// (the zero-padded tails, the packed x) could be dropped or moved past it.
+#define CK_TILE_LOAD(tmm, p, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(p), "r"(int64_t(stride)) : "memory")
 
 template <typename T>   // uint16_t: bf16 against bf16; int8_t: int8 against int8
 struct AmxTraits {
@@ -116,13 +121,13 @@ static void amx_linear(const T* x, int64_t ldx, int M, int K, const T* w, const 
             _tile_zero(1);
             for (int kc = 0; kc < chunks; ++kc) {
                 ahead.step(2048);
-                _tile_loadd(4, xb + (int64_t)kc * 16 * N, 4 * N);
+                CK_TILE_LOAD(4, xb + (int64_t)kc * 16 * N, 4 * N);
                 int stride;
                 const T* a0 = w_tile(w, K, ob, rows < 16 ? rows : 16, kc * KE, pad, stride);
-                _tile_loadd(2, a0, stride);
+                CK_TILE_LOAD(2, a0, stride);
                 if (rows > 16) {
                     const T* a1 = w_tile(w, K, ob + 16, rows - 16, kc * KE, pad, stride);
-                    _tile_loadd(3, a1, stride);
+                    CK_TILE_LOAD(3, a1, stride);
                 } else {
                     _tile_zero(3);
                 }
@@ -143,6 +148,7 @@ static void amx_linear(const T* x, int64_t ldx, int M, int K, const T* w, const 
         }
     }
     _tile_release();                                         // back to the init state: cheaper context switches
+    if (packed.size() > (size_t(1) << 20)) std::vector<uint32_t>().swap(packed);   // a prefill's 4 MiB+ not kept
 }
 
 }  // namespace colibri_native

@@ -65,12 +65,16 @@ void project(const at::Tensor& in, const uint16_t* inb, const std::vector<int64_
     linear_bf16_fn fnb = colibri_ops::linear_bf16_kernel();
     int64_t mean_rows = 1 + in.size(0) / std::max<int64_t>(1, int64_t(counts.size()));
     at::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-            const Task& j = todo[t];
-            const char* next = nullptr;                   // the next task's weight rows, requested during this one
+        for (int64_t t = t0, u; t < t1; t = u) {
+            // this thread's consecutive blocks of one source for the same rows are one call (each output is still
+            // one tile; the rows are packed once for the AMX tiles, and the call prefetches its own next block)
+            Task j = todo[t];
+            for (u = t + 1; u < t1 && todo[u].w == j.w && todo[u].row == j.row && todo[u].o0 == j.o1; ++u)
+                j.o1 = todo[u].o1;
+            const char* next = nullptr;                   // the next call's weight rows, requested during this one
             int64_t next_bytes = 0;
-            if (t + 1 < t1) {
-                const Task& n = todo[t + 1];
+            if (u < t1) {
+                const Task& n = todo[u];
                 next = n.w + n.o0 * K * esize;
                 next_bytes = (n.o1 - n.o0) * K * esize;
             }
