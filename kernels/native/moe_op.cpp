@@ -42,7 +42,7 @@ struct Task {
 
 // One projection of every expert with work: out[pairs of a] = in[pairs of a] @ (a's blocks stacked).T (float32);
 // counts[a] pairs of active expert a, its blocks srcs[a]. kind 3 (W8A8): in's rows are quantised first; `inb`, where
-// given, is in's rows as bf16 (their values are) for bf16 weights, multiplied by the level's bf16 dot products.
+// given, is in's rows as bf16 (their values are) for bf16 weights, multiplied on the level's tiles (AMX).
 void project(const at::Tensor& in, const uint16_t* inb, const std::vector<int64_t>& counts,
              const std::vector<std::vector<Src>>& srcs, int kind, int64_t K, int64_t esize, at::Tensor& out) {
     const int64_t Dout = out.size(1);
@@ -113,8 +113,8 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
                double alpha, c10::optional<double> limit, double up_offset) {
     const int64_t P = xs.size(0), H = xs.size(1), I2 = 2 * I;
     at::Tensor x = xs.to(at::kFloat).contiguous();
-    // bf16 weights on a level with bf16 dot products: gate/up multiply x's rows as bf16 (their values are: rounded to
-    // the weights' dtype by the caller); down's input, the float32 activation, keeps the float path
+    // bf16 weights on a level with tiles (AMX): gate/up multiply x's rows as bf16 (their values are: rounded to the
+    // weights' dtype by the caller); down's input, the float32 activation, keeps the float path
     linear_bf16_fn fnb = kind == 1 ? colibri_ops::linear_bf16_kernel() : nullptr;
     at::Tensor xb = fnb ? xs.to(at::kBFloat16).contiguous() : at::Tensor();
     const uint16_t* xbp = fnb ? reinterpret_cast<const uint16_t*>(xb.data_ptr()) : nullptr;

@@ -187,7 +187,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
                 "[Dout, K], got ", x.sizes(), " and ", w.sizes());
     int kind = wdtype(w, scale);
     linear_bf16_fn fnb = kind == 1 && x.scalar_type() == at::kBFloat16 ? level().linear_bf16 : nullptr;
-    at::Tensor xf = fnb ? x.contiguous() : x.to(at::kFloat).contiguous();   // bf16 dot products take x as it is
+    at::Tensor xf = fnb ? x.contiguous() : x.to(at::kFloat).contiguous();   // the tiles take bf16 x as it is
     at::Tensor wc = w.contiguous();
     at::Tensor sc = kind == 2 ? scale->to(at::kFloat).contiguous() : at::Tensor();
     TORCH_CHECK(kind != 2 || (sc.dim() == 1 && sc.size(0) == w.size(0)), "colibri::linear: scale must be [Dout]");
