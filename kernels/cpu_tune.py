@@ -73,10 +73,14 @@ class MoeShape:
 
 
 MARGIN = 0.9   # another form must take at most this share of the default's time to replace it
+# ... and of the native form's: besides its own time it lets the router run a decode step's attention block as one
+# native call (model.py `_fusable`), which a race of the linear alone does not see. From memory at one row every
+# form reads at the same rate (qkv [1280, 768] bf16: 92-112 µs each), and 0.9 let noise flip that choice.
+NATIVE_MARGIN = 0.8
 
 
 def race(names: list[str] | tuple[str, ...], default: str, run: Callable[[str, int], object],
-         min_seconds: float) -> str:
+         min_seconds: float, margin: float = MARGIN) -> str:
     """The candidate with the lowest median time per call of `run(name, call_index)`, if it beats `default`
     by a clear margin (a noisy or shared machine must not flip a choice on a few percent). The candidates
     take turns call by call, so a slow patch hits them all alike; `run` may read a different copy of the
@@ -95,7 +99,7 @@ def race(names: list[str] | tuple[str, ...], default: str, run: Callable[[str, i
         i += 1
     median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     best = min(names, key=median.__getitem__)
-    return best if best == default or median[best] <= MARGIN * median[default] else default
+    return best if best == default or median[best] <= margin * median[default] else default
 
 
 def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, str],
@@ -142,7 +146,8 @@ def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, s
             default = cpu_forms.default_form(weight_kind, b, dout, din)
             table[key(dout, din, weight_kind, b)] = race(
                 here, default if default in here else here[0],
-                lambda name, call, x=xs[b], ws=weights: FORMS[name].fn(x, ws[call % len(ws)]), min_seconds)
+                lambda name, call, x=xs[b], ws=weights: FORMS[name].fn(x, ws[call % len(ws)]), min_seconds,
+                NATIVE_MARGIN if default in cpu_forms.NATIVE_OF.values() else MARGIN)
             measured.append(key(dout, din, weight_kind, b))
     return measured
 

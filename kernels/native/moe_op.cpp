@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "pool.h"
 
 #include <cmath>
 #include <cstring>
@@ -64,7 +65,7 @@ void project(const at::Tensor& in, const uint16_t* inb, const std::vector<int64_
     linear_i8_fn fn8 = colibri_ops::linear_i8_kernel();
     linear_bf16_fn fnb = colibri_ops::linear_bf16_kernel();
     int64_t mean_rows = 1 + in.size(0) / std::max<int64_t>(1, int64_t(counts.size()));
-    at::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
+    colibri_ops::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0, u; t < t1; t = u) {
             // this thread's consecutive blocks of one source for the same rows are one call (each output is still
             // one tile; the rows are packed once for the AMX tiles, and the call prefetches its own next block)
@@ -170,7 +171,7 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
                 fn(in + row * K, int(n), int(K), src.w, kind, src.scale, 0, int(src.rows), y, int(ldy), next,
                    next_bytes);
         };
-        at::parallel_for(0, A, 1, [&](int64_t a0, int64_t a1) {
+        colibri_ops::parallel_for(0, A, 1, [&](int64_t a0, int64_t a1) {
             for (int64_t a = a0; a < a1; ++a) {
                 const int64_t row = first[a], n = counts[a];
                 const Src& down = s2[a][0];
@@ -194,7 +195,7 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
         });
     } else {
         project(x, xbp, counts, s13, kind, H, esize, gu);
-        at::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), activate);
+        colibri_ops::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), activate);
         project(h, nullptr, counts, s2, kind, I, esize, ys);
     }
     if (b2.has_value()) {
@@ -208,7 +209,7 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
 // ap[rows[p], :] += double(yp[p, :] * weights[p]) for p < P (rows of H): the columns split over the threads, so no
 // two write one element; the float64 sum of a token's few pairs is exact, so the order does not matter.
 void add_weighted(double* ap, const float* yp, int64_t P, int64_t H, const int64_t* rows, const float* weights) {
-    at::parallel_for(0, H, std::max<int64_t>(64, (int64_t(1) << 16) / std::max<int64_t>(1, P)), [&](int64_t h0,
+    colibri_ops::parallel_for(0, H, std::max<int64_t>(64, (int64_t(1) << 16) / std::max<int64_t>(1, P)), [&](int64_t h0,
                                                                                                   int64_t h1) {
         for (int64_t p = 0; p < P; ++p) {
             const float* src = yp + p * H;
@@ -291,7 +292,7 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
     at::Tensor xs = at::empty({P, H}, xf.options());                             // [P, H]
     const float* xp = xf.data_ptr<float>();
     float* xsp = xs.data_ptr<float>();
-    at::parallel_for(0, P, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H)), [&](int64_t p0, int64_t p1) {
+    colibri_ops::parallel_for(0, P, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H)), [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; ++p) std::memcpy(xsp + p * H, xp + (order[p] / K) * H, H * sizeof(float));
     });
     std::vector<int64_t> counts, rows;

@@ -1,6 +1,7 @@
 // Colibri's native CPU kernels as torch ops (torch.ops.colibri.*), one entry per ISA level chosen at load by
 // CPUID (COLIBRI_CPU_ISA=generic|avx2|avx512|avx512bf16|amx overrides, refusing a level this CPU lacks), run on
-// torch's own thread pool (at::parallel_for), so torch.set_num_threads governs them.
+// their own thread pool (pool.h: at::parallel_for's chunks, workers that spin between a step's ops), as many
+// threads as torch.set_num_threads gives torch.
 //
 //   linear(x [M, K], w [Dout, K], scale [Dout]?) -> [M, Dout] bf16 for bf16 x (one rounding), else float32
 //                                                                            (w float32 | bf16 | int8)
@@ -14,6 +15,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "pool.h"
 
 #include <cstring>
 #include <cstdlib>
@@ -166,7 +168,7 @@ void colibri_ops::quantize_row(const float* row, int64_t K, int8_t* q, float* sc
 
 colibri_ops::Quantized colibri_ops::quantize_rows(const float* x, int64_t n, int64_t K) {
     Quantized out = quantized(n, K);
-    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
+    colibri_ops::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, out.q.data() + r * out.Kp, out.scale.data() + r);
     });
     return out;
@@ -206,7 +208,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     linear_i8_fn fn8 = level().linear_i8;
     TORCH_CHECK(!w8a8 || kind == 2, "colibri::linear: W8A8 takes int8 weights");
     Quantized xq = w8a8 ? quantize_rows(xp, M, K) : Quantized{};
-    at::parallel_for(0, (D + BLOCK - 1) / BLOCK, grain(M, K), [&](int64_t b0, int64_t b1) {
+    colibri_ops::parallel_for(0, (D + BLOCK - 1) / BLOCK, grain(M, K), [&](int64_t b0, int64_t b1) {
         const int64_t o0 = b0 * BLOCK, o1 = std::min(D, b1 * BLOCK);
         if (fnb)
             fnb(xbp, int(M), int(K), static_cast<const uint16_t*>(wp), int(o0), int(o1), yp, int(D), nullptr, 0);
