@@ -11,6 +11,8 @@ Python op per kernel, each checked against a float64 reference before it may be 
     rms_norm(x, weight, eps), rope(x, cos, sin): transformers' RMSNorm and rotary embedding in one call each
     attention_block(h, …): a decode step's whole attention block (norm, qkv, q/k norms, rope, cache write,
         attention, o) in one call, with the bits of those ops run one by one
+    rest(): the ops' pool threads (kernels/native/pool.h, `colibri-pool`), which spin a moment after each op,
+        sleep now: a caller about to block on other processes leaves them the cores
 
 The ISA level is chosen when the library loads, by CPUID (generic, avx2, avx512, avx512bf16, amx);
 COLIBRI_CPU_ISA=LEVEL overrides it, and `use_isa(LEVEL)` switches it in this process (the tests run every
@@ -33,7 +35,8 @@ from kernels.formats.int8 import Int8Weight
 
 LIBRARY = Path(__file__).resolve().parent / "native" / "_build" / "colibri_native.so"
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
-OPS = ("linear", "moe_", "moe_sum_", "decode_attention", "rms_norm", "rope", "attention_block", "isa", "use_isa")
+OPS = ("linear", "moe_", "moe_sum_", "decode_attention", "rms_norm", "rope", "attention_block", "isa", "use_isa",
+       "rest")
 
 
 def _load() -> str | None:
@@ -101,6 +104,13 @@ def isa() -> str:
 def use_isa(level: str = "") -> str:
     """Switch this process to `level` ('' = the CPUID choice); a level the CPU lacks is a RuntimeError."""
     return torch.ops.colibri.use_isa(level)
+
+
+def rest() -> None:
+    """The native ops' pool threads stop spinning and sleep until the next op (kernels/native/pool.h): for a
+    caller about to block on something else, so the cores go to whoever computes meanwhile."""
+    if available():
+        torch.ops.colibri.rest()
 
 
 def describe() -> str:

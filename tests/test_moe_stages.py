@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from colibri_common.placement import shard_experts
@@ -21,8 +22,9 @@ def owner_map(num_experts: int, workers: int) -> torch.Tensor:
     return owner
 
 
-def test_partition_sends_each_token_to_exactly_the_workers_of_its_experts():
-    E, W, T, K = 10, 3, 40, 3
+@pytest.mark.parametrize("T", [5, 40])       # partition's Python way for a few rows, its tensor way beyond
+def test_partition_sends_each_token_to_exactly_the_workers_of_its_experts(T):
+    E, W, K = 10, 3, 3
     owner = owner_map(E, W)                                   # experts 0-3 -> 0, 4-6 -> 1, 7-9 -> 2
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])   # [T, K]
@@ -58,6 +60,12 @@ def test_combine_adds_each_workers_partial_sums_into_its_rows():
     assert torch.equal(out, want)
     assert combine(T, H, torch.bfloat16, [(rows, b)]).dtype == torch.bfloat16
     assert torch.equal(combine(T, H, torch.float32, []), torch.zeros(T, H))
+    c = torch.randn(T, H, dtype=torch.float64)                          # every worker got every row
+    whole = combine(T, H, torch.bfloat16, [(None, a.double()), (None, c)])
+    assert torch.equal(whole, (a.double() + c).to(torch.bfloat16))
+    assert torch.equal(combine(T, H, torch.bfloat16, [(None, c), (None, a.double())]), whole)
+    alone = combine(T, H, torch.float64, [(None, c)])
+    assert torch.equal(alone, c) and alone.data_ptr() != c.data_ptr()  # a copy: the caller's buffer stays its own
 
 
 def test_partition_then_combine_equals_the_sum_over_all_experts():

@@ -10,6 +10,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/ParallelGuard.h>
+#include <torch/library.h>
 #include <omp.h>
 #include <pthread.h>
 
@@ -63,6 +64,7 @@ int spin_us_from_env() {
 }
 
 thread_local bool in_job = false;     // this thread runs a chunk: a nested call runs inline
+std::atomic<bool> resting{false};       // rest() was called: spinning workers sleep now (the next job clears it)
 
 struct Team {
     Team(int threads, int spin_us)
@@ -121,7 +123,7 @@ void work(std::shared_ptr<Team> t, int tid) {
         uint32_t s = t->seq.load(std::memory_order_acquire);
         if (s == seen) {
             const Clock::time_point until = Clock::now() + t->spin;
-            while (s == seen && Clock::now() < until) {
+            while (s == seen && Clock::now() < until && !resting.load(std::memory_order_relaxed)) {
                 for (int i = 0; i < 32 && (s = t->seq.load(std::memory_order_acquire)) == seen; ++i) relax();
                 if (s == seen) std::this_thread::yield();       // another thread wanting this core has it
             }
@@ -185,6 +187,7 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, chunk_fn fn, const 
         return;
     }
     Team& t = p.ready(threads);
+    resting.store(false, std::memory_order_relaxed);
     const int64_t tasks = std::min<int64_t>(threads, grain > 0 ? (n + grain - 1) / grain : n);
     const uint64_t j = t.job.load(std::memory_order_relaxed) + 1;
     t.fn = fn;
@@ -212,4 +215,8 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, chunk_fn fn, const 
     if (t.failed.load(std::memory_order_acquire)) std::rethrow_exception(t.error);
 }
 
+void rest() { resting.store(true, std::memory_order_relaxed); }
+
 }  // namespace colibri_ops
+
+TORCH_LIBRARY_FRAGMENT(colibri, m) { m.def("rest() -> ()", &colibri_ops::rest); }

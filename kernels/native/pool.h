@@ -9,7 +9,8 @@
 //
 // Workers: at::get_num_threads() - 1 (torch.set_num_threads governs them, as it governs torch's). After a job a
 // worker spins for COLIBRI_SPIN_US microseconds (default 300; 0 = sleep at once) so the next op of the same step
-// finds it awake, then waits on a futex. A call from inside a job, or while another thread's job runs, runs inline
+// finds it awake, then waits on a futex; rest() (torch.ops.colibri.rest) sends spinning workers to sleep at once,
+// for a caller about to wait on something else (a router on its expert workers): the cores go to whoever computes. A call from inside a job, or while another thread's job runs, runs inline
 // on the calling thread: the same chunks' results, since every kernel's output is one tile whoever computes it.
 #pragma once
 
@@ -22,6 +23,8 @@ using chunk_fn = void (*)(const void* ctx, int64_t begin, int64_t end);
 // fn(ctx, b, e) over [begin, end) in chunks of at::parallel_for's sizes (one per thread, at least `grain` each);
 // the first exception a chunk throws is rethrown here once every chunk is done.
 void parallel_run(int64_t begin, int64_t end, int64_t grain, chunk_fn fn, const void* ctx);
+
+void rest();   // spinning workers sleep now; the next job wakes them
 
 template <class F>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {

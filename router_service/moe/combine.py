@@ -16,6 +16,11 @@ def combine(num_tokens: int, hidden: int, dtype: torch.dtype,
     The workers' sums are float64 and exact (kernels/cpu_moe.py), so adding them in float64 gives the sum of
     every pair whatever the placement; it is rounded to `dtype` once, here.
     """
+    if parts and all(rows is None for rows, _ in parts):          # every worker sent every row: no scatter
+        out = parts[0][1].double()
+        for _, part in parts[1:]:
+            out = out + part.double()                                     # the same float64 sums, fewer ops
+        return out.to(dtype) if out is not parts[0][1] or dtype != out.dtype else out.clone()
     out = torch.zeros(num_tokens, hidden, dtype=torch.float64)               # [T, H]
     for rows, part in parts:
         if rows is None:

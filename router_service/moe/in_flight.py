@@ -14,6 +14,7 @@ import torch
 from prometheus_client import Histogram
 
 from colibri_common import wire
+from kernels import native
 from router_service.moe.combine import combine
 from router_service.moe.experts import ExpertsUnavailable
 from router_service.moe.liveness import Liveness
@@ -91,6 +92,8 @@ class InFlight:
 
     def result(self) -> torch.Tensor:
         t_start, waited, computed = time.perf_counter(), 0.0, 0.0
+        if not self.done():
+            native.rest()   # this process waits now: its kernel threads leave the cores to the workers
         decoded = []
         todo = list(self.parts)
         while todo:
