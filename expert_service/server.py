@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -255,9 +256,22 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         return peer
 
 
+def yield_to_router() -> None:
+    """A worker serving a router on its own host takes the CPU as a batch job (SCHED_BATCH, this thread and every
+    thread it starts): a request it is woken for no longer preempts the router that sent it, which goes on to send
+    the layer's other requests and block. On the bench fleet (2 cores, 1 stream) a send took 100-180 µs a layer
+    before, 67-74 after. The share of CPU time is unchanged (the same nice)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError) as exc:      # not Linux, or refused: the default policy serves as well
+        log.info("could not take SCHED_BATCH (%s); the default scheduling policy serves", exc)
+
+
 def serve_expert(opts: ExpertOptions) -> int:
     """Serve until a signal (exit code 0) or until the experts' bytes cannot be trusted (75: restart me)."""
     setup_logging(f"expert[{opts.shard or opts.port}]", opts.log_level)
+    if opts.local_socket:
+        yield_to_router()
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
     device = open_device(opts.device)

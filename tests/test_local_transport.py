@@ -5,6 +5,7 @@ are refused clearly and the worker serves on."""
 
 from __future__ import annotations
 
+import os
 import socket
 import stat
 import subprocess
@@ -44,6 +45,11 @@ def test_a_fleet_sends_its_layers_over_local_sockets_with_the_tokens_of_grpc_str
             assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
             conns = [c for c in w.net_connections(kind="unix") if c.laddr == str(path)]
             assert len(conns) >= 2, f"the router is not connected to {path}: {conns}"   # listening + accepted
+            if hasattr(os, "SCHED_BATCH"):     # a same-host worker yields to the router on wake-up, every thread
+                assert {os.sched_getscheduler(t.id) for t in w.threads()} == {os.SCHED_BATCH}
+        router = next(c for c in psutil.Process(proc.pid).children() if "router" in argv_of(c))
+        if hasattr(os, "SCHED_BATCH"):
+            assert os.sched_getscheduler(router.pid) == os.SCHED_OTHER
     assert local == over_grpc and all(len(t) == 12 for t in local)
     assert not paths[0].parent.exists(), "the fleet's socket directory outlived it"
 

@@ -27,6 +27,7 @@ from colibri_common.metrics_http import TOKEN_BUCKETS
 from colibri_common.options import QUANTIZE as QUANTIZE_NAMES
 from colibri_common.pb import expert_pb2
 from colibri_common.tls import TlsFiles
+from kernels import native
 from router_service.moe.experts import ExpertsUnavailable, Prefetch
 from router_service.moe.in_flight import InFlight, Part
 from router_service.moe.liveness import Liveness
@@ -278,6 +279,7 @@ class RemoteExperts:
         table = self.table
         ahead = None if prefetch is None else expert_pb2.Prefetch(layer=prefetch[0], experts=prefetch[1])
         self.step += 1
+        native.rest()       # the workers are about to compute: this process's kernel threads leave them the cores
         x, ids32, w32 = self.staging.to_host(hidden.to(self.wire_dtype),     # [T, H] on the wire
                                              ids.to(torch.int32), weights.float())  # [T, K]
         counts = torch.bincount(ids32.flatten().long(), minlength=self.cfg.num_experts)     # [E]
