@@ -169,9 +169,10 @@ def test_a_resize_whose_worker_cannot_load_rolls_back_and_streams_go_on(model):
             victim = ws[2][1]
 
             def kill_soon():
-                time.sleep(0.05)
+                time.sleep(0.5)
                 victim.send_signal(signal.SIGKILL)           # the new worker dies while it joins or loads
-            with ThreadPoolExecutor(1) as pool:
+            victim.send_signal(signal.SIGSTOP)               # stopped first, so the router is mid-join when it dies
+            with ThreadPoolExecutor(1) as pool:              # (a 50 ms timer alone lost to a resize done in 40)
                 pool.submit(kill_soon)
                 out.append(workers_cli(r, "set", ",".join(addrs)))
             return out
