@@ -11,8 +11,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/ParallelGuard.h>
 #include <torch/library.h>
-#include <omp.h>
 #include <pthread.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -117,7 +119,9 @@ void work(std::shared_ptr<Team> t, int tid) {
     pthread_setname_np(pthread_self(), "colibri-pool");   // what `top -H` and /proc/PID/task/*/comm show
 #endif
     at::internal::lazy_init_num_threads();
+#ifdef _OPENMP
     omp_set_num_threads(1);              // torch ops a chunk might call stay on this thread
+#endif
     uint32_t seen = 0;                   // a team's seq starts at 0: a job posted before this thread ran is seen
     for (;;) {
         uint32_t s = t->seq.load(std::memory_order_acquire);
