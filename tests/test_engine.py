@@ -10,6 +10,8 @@ import threading
 import pytest
 import torch
 
+from router_service.engine.engine import Draining
+from router_service.engine.events import Failed, FailureCode
 from router_service.engine.scheduler import SchedulerConfig
 from router_service.moe.experts import LocalExperts
 from router_service.moe.transport import WorkerError
@@ -134,6 +136,21 @@ def test_a_failed_step_fails_its_requests_with_a_status_and_the_engine_goes_on(o
         assert str(exc) in str(err.value)
         assert engine.generate(PROMPT, 4).token_ids == oracle.greedy(PROMPT, 4)
         assert engine.metrics()['colibri:request_success_total{finished_reason="error"}'] == 1
+
+
+def test_an_error_outside_a_step_fails_the_open_requests_instead_of_leaving_them_waiting(oracles):
+    """A bug in the engine thread between steps (here: the scheduler raising) ends that thread; every open request
+    gets an INTERNAL failure that names it, and new requests are refused, rather than waiting forever."""
+    with InProcess(oracles["qwen3_moe"].path) as engine:
+        def broken(*args, **kwargs):
+            raise RuntimeError("scheduler bug")
+
+        engine.engine.scheduler.schedule = broken                  # the instance's attribute hides the method
+        ev = engine.submit(PROMPT, 4).get(timeout=60)
+        assert isinstance(ev, Failed) and ev.code == FailureCode.INTERNAL, ev
+        assert "scheduler bug" in ev.message and "internal error" in ev.message
+        with pytest.raises(Draining, match="scheduler bug"):
+            engine.submit(PROMPT, 4)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])

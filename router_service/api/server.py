@@ -250,8 +250,9 @@ def serve_router(opts: RouterOptions) -> None:
         mport = built.engine.metrics.serve(opts.host, opts.metrics_port)
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     log.info("router loaded in %.2fs", time.perf_counter() - t0)
-    # readiness follows the workers: NOT_SERVING while an expert has no live worker
-    built.experts.watch(lambda ok: service.set_serving(ok and not built.engine.draining))
+    # readiness follows the workers: NOT_SERVING while an expert has no live worker (or the engine has stopped)
+    built.experts.watch(lambda ok: service.set_serving(ok and not built.engine.draining
+                                                       and built.engine.stopped is None))
     service.ready(opts.host, bound)
     def stop() -> None:
         placement.close()

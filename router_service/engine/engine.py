@@ -55,6 +55,7 @@ class Engine:
         self._cv = threading.Condition()
         self._aborts: list[tuple[int, FinishReason]] = []
         self._stop = False
+        self.stopped: str | None = None            # why the engine thread ended on an error, if it did
         self.draining = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -102,6 +103,8 @@ class Engine:
                 other.experts = seq.experts
         shared = (len(seq.prompt_ids) - 1) // self.kv.block_size   # full prompt blocks; >= 1 token left to run
         with self._cv:
+            if self.stopped is not None:
+                raise Draining(self.stopped)
             if self.draining or self._stop:
                 raise Draining("the router is shutting down (draining); retry on another replica")
             if seq.request_id in self.by_request_id:
@@ -163,8 +166,23 @@ class Engine:
 
     # -- engine thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        with device_scope(self.model.device):          # CUDA's current device is per thread
-            self._steps()
+        try:
+            with device_scope(self.model.device):      # CUDA's current device is per thread
+                self._steps()
+        except BaseException as exc:                   # a bug outside a step (scheduling, aborts): no client waits
+            log.exception("the engine thread stopped on an error outside a step; failing every open request")
+            why = f"the engine stopped on an internal error ({exc!r}); retry on another replica"
+            with self._cv:
+                self.stopped = why
+                self._stop = True
+                for seq in list(self.seqs.values()):
+                    try:
+                        self._fail(seq, FailureCode.INTERNAL, why)
+                    except Exception:                  # noqa: BLE001 (its bookkeeping is what broke: still tell it)
+                        self.seqs.pop(seq.uid, None)
+                        q = self.outputs.pop(seq.uid, None)
+                        if q is not None:
+                            q.put(Failed(FailureCode.INTERNAL, why, seq.index))
 
     def _steps(self) -> None:
         while (step := self._schedule()) is not None:
