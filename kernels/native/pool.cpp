@@ -1,10 +1,11 @@
 // colibri_ops::parallel_for's pool (pool.h): one team of workers per process, made on first use and again when
 // torch's thread count changes; the caller runs the first chunk itself.
 //
-// A job: the caller writes it into the team, bumps `seq` and wakes sleepers; worker i runs chunk i unless the
-// caller, done with chunk 0, took it first; `left` counts the chunks not yet done, and the caller waits for zero. Workers never leave the team
-// between jobs: after one they watch `seq` for COLIBRI_SPIN_US, then sleep on it (futex), counted in `sleepers`
-// so the caller makes the wake-up call only when someone sleeps. A forked child starts a team of its own.
+// A job: the caller writes it into the team, opens its chunks' claims, bumps `seq` and wakes sleepers; worker i
+// runs chunk i unless the caller, done with chunk 0, claimed it first; `left` counts the chunks not yet done, and
+// the caller waits for zero. Workers never leave the team between jobs: after one they watch `seq` for
+// COLIBRI_SPIN_US, then sleep on it (futex), counted in `sleepers` so the caller makes the wake-up call only when
+// someone sleeps. A forked child starts a team of its own.
 
 #include "pool.h"
 

@@ -10,8 +10,9 @@
 // Workers: at::get_num_threads() - 1 (torch.set_num_threads governs them, as it governs torch's). After a job a
 // worker spins for COLIBRI_SPIN_US microseconds (default 300; 0 = sleep at once) so the next op of the same step
 // finds it awake, then waits on a futex; rest() (torch.ops.colibri.rest) sends spinning workers to sleep at once,
-// for a caller about to wait on something else (a router on its expert workers): the cores go to whoever computes. A call from inside a job, or while another thread's job runs, runs inline
-// on the calling thread: the same chunks' results, since every kernel's output is one tile whoever computes it.
+// for a caller about to wait on something else (a router on its expert workers): the cores go to whoever
+// computes. A call from inside a job, or while another thread's job runs, runs inline on the calling thread: the
+// same chunks' results, since every kernel's output is one tile whoever computes it.
 #pragma once
 
 #include <cstdint>
