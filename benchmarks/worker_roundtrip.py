@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import glob
-import os
 import socket
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine, publish, table
+from benchmarks.common import finish, machine, publish, table
 from colibri import LLM
 from colibri_common import wire
 from colibri_common.config import ModelConfig
@@ -35,10 +35,11 @@ def main() -> None:
     ap.add_argument("--gap-us", type=float, default=500.0, help="idle between two calls, µs (default: %(default)s)")
     args = ap.parse_args()
     cfg = ModelConfig.from_dir(Path(args.model))
-    before = set(glob.glob("/tmp/colibri-fleet-*/worker-0.sock"))
+    pattern = str(Path(tempfile.gettempdir()) / "colibri-fleet-*" / "worker-0.sock")   # the launcher's mkdtemp
+    before = set(glob.glob(pattern))
     llm = LLM(args.model, 2, dtype="bfloat16")
     try:
-        path = (set(glob.glob("/tmp/colibri-fleet-*/worker-0.sock")) - before).pop()
+        path = (set(glob.glob(pattern)) - before).pop()
         g = torch.Generator().manual_seed(0)
         trip, compute = [], []
         with socket.socket(socket.AF_UNIX) as s:
@@ -71,8 +72,7 @@ def main() -> None:
         f"--gap-us {args.gap_us:g}` (1 token, top-{cfg.top_k} experts of worker 0, bf16, medians).", "",
         table(["round trip µs", "worker compute_ms µs", "outside the compute µs"],
               [[f"{rt:.0f}", f"{cm:.0f}", f"{rt - cm:.0f}"]])]), "worker_roundtrip")
-    os._exit(0)                                   # the fleet is closed; skip the interpreter's slow teardown
 
 
 if __name__ == "__main__":
-    main()
+    finish(main())

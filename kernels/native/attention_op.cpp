@@ -71,7 +71,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     int64_t keys = 0;                          // the work, so a short one stays on this thread (a wake costs more)
     for (int64_t b = 0; b < B; ++b) keys += lp[b];
     const int64_t per_task = std::max<int64_t>(1, keys / B * R * (D + Dv));
-    colibri_ops::parallel_for(0, B * Hkv, std::max<int64_t>(1, (int64_t(1) << 17) / per_task), [&](int64_t t0, int64_t t1) {
+    const int64_t tasks_per_chunk = std::max<int64_t>(1, (int64_t(1) << 17) / per_task);
+    colibri_ops::parallel_for(0, B * Hkv, tasks_per_chunk, [&](int64_t t0, int64_t t1) {
         std::vector<float> scratch;              // [R, n] scores, then weights; [8, D] a key group widened
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t b = t / Hkv, g = t % Hkv, n = lp[b];

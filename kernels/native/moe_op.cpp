@@ -209,8 +209,8 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
 // ap[rows[p], :] += double(yp[p, :] * weights[p]) for p < P (rows of H): the columns split over the threads, so no
 // two write one element; the float64 sum of a token's few pairs is exact, so the order does not matter.
 void add_weighted(double* ap, const float* yp, int64_t P, int64_t H, const int64_t* rows, const float* weights) {
-    colibri_ops::parallel_for(0, H, std::max<int64_t>(64, (int64_t(1) << 16) / std::max<int64_t>(1, P)), [&](int64_t h0,
-                                                                                                  int64_t h1) {
+    const int64_t cols_per_chunk = std::max<int64_t>(64, (int64_t(1) << 16) / std::max<int64_t>(1, P));
+    colibri_ops::parallel_for(0, H, cols_per_chunk, [&](int64_t h0, int64_t h1) {
         for (int64_t p = 0; p < P; ++p) {
             const float* src = yp + p * H;
             double* dst = ap + rows[p] * H;
@@ -292,7 +292,8 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
     at::Tensor xs = at::empty({P, H}, xf.options());                             // [P, H]
     const float* xp = xf.data_ptr<float>();
     float* xsp = xs.data_ptr<float>();
-    colibri_ops::parallel_for(0, P, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H)), [&](int64_t p0, int64_t p1) {
+    const int64_t pairs_per_chunk = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H));
+    colibri_ops::parallel_for(0, P, pairs_per_chunk, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; ++p) std::memcpy(xsp + p * H, xp + (order[p] / K) * H, H * sizeof(float));
     });
     std::vector<int64_t> counts, rows;

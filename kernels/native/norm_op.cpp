@@ -61,8 +61,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     const int64_t T = H ? xc.numel() / H : 0;
     if (T == 0) return out;
     const float e = float(eps);
-    colibri_ops::parallel_for(0, T, std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, H)), [&](int64_t r0,
-                                                                                                  int64_t r1) {
+    const int64_t rows_per_chunk = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, H));
+    colibri_ops::parallel_for(0, T, rows_per_chunk, [&](int64_t r0, int64_t r1) {
         if (xt == at::kFloat)
             rows(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), r0, r1, H, e);
         else if (wt == at::kFloat)

@@ -168,7 +168,8 @@ void colibri_ops::quantize_row(const float* row, int64_t K, int8_t* q, float* sc
 
 colibri_ops::Quantized colibri_ops::quantize_rows(const float* x, int64_t n, int64_t K) {
     Quantized out = quantized(n, K);
-    colibri_ops::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
+    const int64_t rows_per_chunk = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K));
+    colibri_ops::parallel_for(0, n, rows_per_chunk, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, out.q.data() + r * out.Kp, out.scale.data() + r);
     });
     return out;

@@ -56,7 +56,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
     at::Tensor c = cos.contiguous(), s = sin.contiguous();
     at::Tensor out = at::empty({T, heads, D}, x.options());
     if (out.numel() == 0) return out;
-    colibri_ops::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, heads * D)), [&](int64_t t0, int64_t t1) {
+    const int64_t rows_per_chunk = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, heads * D));
+    colibri_ops::parallel_for(0, T, rows_per_chunk, [&](int64_t t0, int64_t t1) {
         if (x.scalar_type() == at::kFloat)
             rotate(xs.data_ptr<float>(), xs.stride(0), xs.stride(1), c.data_ptr<float>(), s.data_ptr<float>(),
                    out.data_ptr<float>(), t0, t1, heads, D, R);

@@ -20,7 +20,8 @@ def combine(num_tokens: int, hidden: int, dtype: torch.dtype,
         out = parts[0][1].double()
         for _, part in parts[1:]:
             out = out + part.double()                                     # the same float64 sums, fewer ops
-        return out.to(dtype) if out is not parts[0][1] or dtype != out.dtype else out.clone()
+        out = out.to(dtype)
+        return out.clone() if out is parts[0][1] else out              # never the caller's own buffer
     out = torch.zeros(num_tokens, hidden, dtype=torch.float64)               # [T, H]
     for rows, part in parts:
         if rows is None:

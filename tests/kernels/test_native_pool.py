@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from tests.kernels.levels import needs_native
 pytestmark = needs_native
 
 
-def _workload(seed: int) -> tuple[list, callable]:
-    """A bf16 linear of 7 rows and a layer's experts for 5 tokens: inputs, and the call giving both outputs."""
+def _workload(seed: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """A bf16 linear of 7 rows and a layer's experts for 5 tokens: the call giving both outputs."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(7, 320, generator=g).to(torch.bfloat16)                      # [T, K]
     w = (torch.randn(1000, 320, generator=g) / 18).to(torch.bfloat16)           # [Dout, K]
@@ -34,7 +35,7 @@ def _workload(seed: int) -> tuple[list, callable]:
         acc = torch.zeros(T, H, dtype=torch.float64)
         return native.linear(x, w), native.moe_(acc, xs, ids, weights, None, w13, w2, SILU)
 
-    return [x, w], run
+    return run
 
 
 def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
@@ -59,7 +60,7 @@ def test_several_python_threads_calling_at_once_get_the_serial_bits():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        runs = [_workload(seed)[1] for seed in range(4)]
+        runs = [_workload(seed) for seed in range(4)]
         want = [run() for run in runs]
         bad: list[int] = []
 
@@ -82,7 +83,7 @@ def test_several_python_threads_calling_at_once_get_the_serial_bits():
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
 def test_the_pool_has_torchs_thread_count_less_the_caller():
     threads = torch.get_num_threads()
-    _, run = _workload(1)
+    run = _workload(1)
     want = run()
     try:
         for n in (3, 1, 2, 4, 2):
@@ -105,7 +106,7 @@ def test_a_forked_child_gets_a_pool_of_its_own():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        _, run = _workload(2)
+        run = _workload(2)
         want = run()                                       # the parent's pool exists now
         pid = os.fork()
         if pid == 0:                                       # the child: exit 0 only with the parent's bits
