@@ -68,6 +68,26 @@ def test_combine_adds_each_workers_partial_sums_into_its_rows():
     assert torch.equal(alone, c) and alone.data_ptr() != c.data_ptr()  # a copy: the caller's buffer stays its own
 
 
+def test_combine_of_row_subsets_has_index_add_s_bits():
+    """Parts over some rows each (a failover's two messages to one worker overlap across parts, never within one):
+    the float64 sums and the one rounding of index_add_ into zeros, part after part."""
+    g = torch.Generator().manual_seed(11)
+    T, H = 32, 48
+    parts = [(None, torch.randn(T, H, dtype=torch.float64, generator=g))]
+    for n in (5, 17, 17, 32):
+        rows = torch.randperm(T, generator=g)[:n].sort().values
+        parts.append((rows, torch.randn(n, H, dtype=torch.float64, generator=g) * 1e3))
+    for subset in (parts, parts[1:], parts[2:3]):
+        want = torch.zeros(T, H, dtype=torch.float64)
+        for rows, part in subset:
+            if rows is None:
+                want += part
+            else:
+                want.index_add_(0, rows, part)
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
+            assert torch.equal(combine(T, H, dtype, subset), want.to(dtype))
+
+
 def test_partition_then_combine_equals_the_sum_over_all_experts():
     """Each worker returns Σ over the experts it holds; combined, that is the full Σ_k over all experts."""
     E, W, T, K, H = 12, 5, 16, 4, 6

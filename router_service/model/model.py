@@ -93,7 +93,7 @@ class RouterModel:
             exc.micro_batch = j               # whose token rows these are
             raise
         self.last_routing = routes if self.track_routing else []
-        return torch.cat(results)  # type: ignore[arg-type]
+        return results[0] if len(results) == 1 else torch.cat(results)  # type: ignore[arg-type]
 
     @property
     def rows(self) -> RowMap:
@@ -145,7 +145,7 @@ class RouterModel:
         cfg, rows = self.cfg, self.rows
         step = step.to(self.device)                                          # built on the host
         assert not self.sliding or step.window == cfg.sliding_window, "sliding layers need the window's masks"
-        h = self.w.embed[step.token_ids]                                     # [T, H]
+        h = self.w.embed.index_select(0, step.token_ids)                     # [T, H] (no OpenMP region)
         cos, sin = rows(lambda p: self.rope.cos_sin(p, self.dtype), step.positions)   # [T, R] rotary dims
         guess: set[int] | None = None                                        # prefetch: this layer's prediction
         for i, lw in enumerate(self.w.layers):
@@ -171,7 +171,7 @@ class RouterModel:
             out = yield handle                                               # combine  [T, H]
             h = h + (out if shared is None else out + shared)
         return rows(lambda h: linear(rms_norm(h, self.w.norm, cfg.rms_norm_eps), self.w.lm_head),
-                    h[step.sample_rows]).float()                             # [B, V]
+                    h.index_select(0, step.sample_rows)).float()             # [B, V]
 
     def _dense_mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         return silu_mlp(rms_norm(h, lw.ln2, self.cfg.rms_norm_eps), lw.mlp_gate_up, lw.mlp_down)    # [T, H]

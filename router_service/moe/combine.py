@@ -26,6 +26,7 @@ def combine(num_tokens: int, hidden: int, dtype: torch.dtype,
     for rows, part in parts:
         if rows is None:
             out += part.double()
-        else:
-            out.index_add_(0, rows, part.double())
+        else:       # a part's rows are distinct: one add an element, as index_add_, whose scatter (radix sort
+            # and OpenMP region) took ~0.5 ms at 32 rows on an idle CPU, ~0.7 ms while the workers ran
+            out.index_put_((rows,), part.double(), accumulate=True)
     return out.to(dtype)

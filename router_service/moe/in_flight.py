@@ -86,8 +86,9 @@ class InFlight:
         if unplaced.any():
             raise ExpertsUnavailable(f"{exc}; no live replica holds the experts some tokens need",
                                      unplaced.nonzero().flatten()) from exc
-        return [Part(wp.worker, wp.rows, self.owner.send(self.table, wp.worker, self.layer, self.x[wp.rows], wp.ids,
-                                                         self.w32[wp.rows]), assigned == wp.worker)
+        return [Part(wp.worker, wp.rows, self.owner.send(self.table, wp.worker, self.layer,
+                                                         self.x.index_select(0, wp.rows), wp.ids,
+                                                         self.w32.index_select(0, wp.rows)), assigned == wp.worker)
                 for wp in split_pairs(assigned, self.ids32, W)]
 
     def result(self) -> torch.Tensor:
