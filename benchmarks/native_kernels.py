@@ -22,6 +22,7 @@ import argparse
 import ctypes
 import dataclasses
 import mmap
+import os
 from pathlib import Path
 
 import torch
@@ -172,13 +173,15 @@ def main() -> int:
         sections += [f"## {threads} thread{'s' if threads > 1 else ''}: read rate {bw:.1f} GB/s (streaming sum "
                      f"over 1 GiB)", "",
                      table(["op", "T", "MiB read", "ms", "GB/s", "% read", "torch GB/s"], rows), ""]
+    override = os.environ.get("COLIBRI_CPU_ISA")          # another level than CPUID's: a file of its own
     text = "\n".join([
         "# Native CPU kernels on the bench shapes", "",
-        f"Machine: {machine()}; native kernels: {native.isa()}.",
-        "Command: `python -m benchmarks.native_kernels` (part of `make bench-kernels`). torch GB/s: the expert "
+        f"Machine: {machine()}; native kernels: {native.isa()}{' (COLIBRI_CPU_ISA)' if override else ''}.",
+        f"Command: `{f'COLIBRI_CPU_ISA={override} ' if override else ''}python -m benchmarks.native_kernels` (part of "
+        "`make bench-kernels`). torch GB/s: the expert "
         "side with the torch forms (`loop`, Colibri without native kernels), the linears with `F.linear` (bf16), "
         "`torch._weight_int8pack_mm` (int8) or `torch._int_mm` (W8A8), on the same weights.", "", *sections])
-    publish(text, "native_kernels")
+    publish(text, f"native_kernels-{native.isa()}" if override else "native_kernels")
     return 0
 
 

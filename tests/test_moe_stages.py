@@ -36,6 +36,8 @@ def test_partition_sends_each_token_to_exactly_the_workers_of_its_experts(T):
     for p in parts:
         if p.rows is not None:
             assert p.rows.tolist() == sorted(p.rows.tolist())
+        assert p.pairs == sum(owner[e] == p.worker for e in ids.flatten().tolist())    # what the load window counts
+    assert sum(p.pairs for p in parts) == T * K
 
 
 def test_partition_leaves_out_idle_workers_and_marks_whole_batches():
@@ -45,7 +47,8 @@ def test_partition_leaves_out_idle_workers_and_marks_whole_batches():
     assert [p.worker for p in parts] == [0, 3]
     assert parts[0].rows is None
     assert parts[1].rows.tolist() == [2]
-    assert partition(owner_map(8, 1), ids, 1)[0].rows is None
+    assert [p.pairs for p in parts] == [5, 1]
+    assert partition(owner_map(8, 1), ids, 1)[0].rows is None and partition(owner_map(8, 1), ids, 1)[0].pairs == 6
     assert partition(owner, ids[:0], 4) == []
 
 
@@ -66,6 +69,28 @@ def test_combine_adds_each_workers_partial_sums_into_its_rows():
     assert torch.equal(combine(T, H, torch.bfloat16, [(None, c), (None, a.double())]), whole)
     alone = combine(T, H, torch.float64, [(None, c)])
     assert torch.equal(alone, c) and alone.data_ptr() != c.data_ptr()  # a copy: the caller's buffer stays its own
+
+
+def test_the_load_window_counts_each_step_s_routing_when_it_closes():
+    from router_service.moe.load_window import LoadWindow
+
+    L, E = 3, 5
+    w = LoadWindow(L, E, steps=2)
+    w.routed(0, torch.tensor([[0, 4], [4, 4]], dtype=torch.int32))
+    w.routed(2, torch.tensor([[1, 0]], dtype=torch.int32))
+    w.routed(0, torch.tensor([[3, 4]], dtype=torch.int32))          # a second micro-batch of the same step
+    w.computed("a", 5)
+    w.computed("b", 2)
+    w.close_step()
+    want = torch.zeros(L, E, dtype=torch.long)
+    want[0] = torch.tensor([1, 0, 0, 1, 4])
+    want[2] = torch.tensor([1, 1, 0, 0, 0])
+    assert torch.equal(w.totals(), want) and w.worker_pairs(("a", "b")) == {"a": 5, "b": 2}
+    w.close_step()                                                   # an idle step counts nothing
+    assert torch.equal(w.totals(), want)
+    w.routed(1, torch.tensor([[2, 2]], dtype=torch.int32))
+    w.close_step()                                                   # the window holds 2 steps: the first is out
+    assert torch.equal(w.totals(), torch.tensor([[0] * 5, [0, 0, 2, 0, 0], [0] * 5]))
 
 
 def test_combine_of_row_subsets_has_index_add_s_bits():

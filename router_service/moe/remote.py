@@ -282,10 +282,10 @@ class RemoteExperts:
         native.rest()       # the workers are about to compute: this process's kernel threads leave them the cores
         x, ids32, w32 = self.staging.to_host(hidden.to(self.wire_dtype),     # [T, H] on the wire
                                              ids.to(torch.int32), weights.float())  # [T, K]
-        counts = torch.bincount(ids32.flatten().long(), minlength=self.cfg.num_experts)     # [E]
-        self.window.routed(layer, counts)
+        # counted once per step, when the step closes (a copy where ids32 is a staging buffer the next layer reuses)
+        self.window.routed(layer, ids32.clone() if self.staging.pinned else ids32)
         if self.routed is not None:
-            self.routed[layer] += counts
+            self.routed[layer] += torch.bincount(ids32.flatten().long(), minlength=self.cfg.num_experts)   # [E]
         parts: list[Part] = []
         W = table.holders.shape[2]
         live = self.liveness.live()[:W]
@@ -303,9 +303,7 @@ class RemoteExperts:
                 parts.append(Part(wp.worker, wp.rows, reply, assigned == wp.worker))
         else:
             whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
-            owner = table.owner[layer]                                         # [E]
-            per_worker = torch.bincount(owner.clamp(min=0), weights=counts, minlength=W).tolist()   # pairs, [W]
-            for wr in partition(owner, ids32, W):
+            for wr in partition(table.owner[layer], ids32, W):
                 if wr.rows is None:
                     whole = whole or (wire.encode(x), wire.encode(ids32), wire.encode(w32))
                     enc = whole
@@ -317,7 +315,7 @@ class RemoteExperts:
                                                 step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch)
                 parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
-                self.window.computed(self.addresses[wr.worker], int(per_worker[wr.worker]))
+                self.window.computed(self.addresses[wr.worker], wr.pairs)
         self.timers["dispatch"] += time.perf_counter() - t0
         # a failover re-sends from the host copies: they must outlive the (GPU) staging buffers
         keep = (lambda t: t.clone()) if self.staging.pinned else (lambda t: t)   # noqa: E731
