@@ -89,8 +89,25 @@ def test_the_load_window_counts_each_step_s_routing_when_it_closes():
     w.close_step()                                                   # an idle step counts nothing
     assert torch.equal(w.totals(), want)
     w.routed(1, torch.tensor([[2, 2]], dtype=torch.int32))
+    w.routed(1, torch.tensor([[-1, 3]], dtype=torch.int32))         # -1: no expert, counted nowhere
     w.close_step()                                                   # the window holds 2 steps: the first is out
-    assert torch.equal(w.totals(), torch.tensor([[0] * 5, [0, 0, 2, 0, 0], [0] * 5]))
+    assert torch.equal(w.totals(), torch.tensor([[0] * 5, [0, 0, 2, 1, 0], [0] * 5]))
+
+
+def test_the_load_window_counts_what_failed_steps_leave_without_holding_it():
+    """A step that raises never closes; its layers' ids are counted into the next closed step, and a long run of
+    such steps is folded into counts as it goes instead of growing a list."""
+    from router_service.moe.load_window import LoadWindow
+
+    w = LoadWindow(2, 4, steps=3)
+    for _ in range(1500):                                            # failed steps: routed, never closed
+        w.routed(1, torch.tensor([[3]], dtype=torch.int32))
+    assert len(w.now) < 512
+    w.routed(0, torch.tensor([[0, 1]], dtype=torch.int32))
+    w.close_step()
+    assert torch.equal(w.totals(), torch.tensor([[1, 1, 0, 0], [0, 0, 0, 1500]]))
+    w.close_step()
+    assert torch.equal(w.totals(), torch.tensor([[1, 1, 0, 0], [0, 0, 0, 1500]]))    # nothing left over
 
 
 def test_combine_of_row_subsets_has_index_add_s_bits():

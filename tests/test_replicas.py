@@ -21,6 +21,7 @@ from tests.conftest import argv_of, fleet, free_port, metrics
 from tests.models import Oracle, save_checkpoint
 
 STREAMS = [[(5 * i + j) % 200 + 1 for j in range(5)] for i in range(16)]
+LONG = 400      # tokens a stream decodes while a worker is lost a second in (120 were done within the second)
 
 
 @pytest.mark.parametrize("E, N, R", [(8, 4, 2), (60, 3, 2), (60, 3, 3), (8, 2, 1), (9, 4, 3)])
@@ -59,6 +60,7 @@ def run_streams(addr: str, prompts: list[list[int]], n: int, during=None):
         futs = [pool.submit(client.generate, p, n, ignore_eos=True, timeout=120) for p in prompts]
         time.sleep(1.0)
         if during is not None:
+            assert not any(f.done() for f in futs), "the streams ended before the loss: it is not mid-stream"
             during()
         out = []
         for f in futs:
@@ -87,7 +89,7 @@ def bans_and_readmissions(port: int, worker: str) -> tuple[float, float]:
 
 def test_with_two_replicas_a_lost_worker_changes_no_token(oracles):
     """One fleet, two phases: a worker frozen by SIGSTOP (then SIGCONT), then another one SIGKILLed (serve
-    restarts it). In each: 16 streams x 120 tokens (the loss lands a second in, the 3 s timeout well before they
+    restarts it). In each: 16 streams x LONG tokens (the loss lands a second in, the 3 s timeout well before they
     end), all transformers' tokens; the lost worker is banned, and
     re-admitted within 5 s of being back."""
     oracle = oracles["qwen3_moe"]
@@ -104,8 +106,8 @@ def test_with_two_replicas_a_lost_worker_changes_no_token(oracles):
             def lose_one(victim=victim, how=how):
                 victim.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 
-            results = run_streams(addr, STREAMS, 120, lose_one)
-            for r, want in zip(results, oracle.greedy_many(STREAMS, 120), strict=True):
+            results = run_streams(addr, STREAMS, LONG, lose_one)
+            for r, want in zip(results, oracle.greedy_many(STREAMS, LONG), strict=True):
                 assert not isinstance(r, Exception), (how, r)
                 assert (r.finish_reason, r.token_ids) == ("length", want), how
             assert bans_and_readmissions(port, label)[0] >= bans0 + 1, f"{how}: the lost worker was not banned"
@@ -131,8 +133,8 @@ def test_with_three_replicas_two_workers_lost_in_one_step_change_no_token(oracle
     oracle = oracles["qwen3_moe"]
     with fleet(oracle.path, 4, ["--replicas", "3", "--worker-timeout", "3"]) as (addr, proc):
         victims = workers_of(proc)[1:3]
-        results = run_streams(addr, STREAMS[:8], 120, lambda: [v.send_signal(signal.SIGKILL) for v in victims])
-        for r, want in zip(results, oracle.greedy_many(STREAMS[:8], 120), strict=True):
+        results = run_streams(addr, STREAMS[:8], LONG, lambda: [v.send_signal(signal.SIGKILL) for v in victims])
+        for r, want in zip(results, oracle.greedy_many(STREAMS[:8], LONG), strict=True):
             assert not isinstance(r, Exception), r
             assert (r.finish_reason, r.token_ids) == ("length", want)
 

@@ -19,6 +19,7 @@ class LoadWindow:
         self.steps = steps
         self.ring = torch.zeros(steps, num_layers, num_experts, dtype=torch.long)     # [S, L, E]
         self.now: list[tuple[int, torch.Tensor]] = []                                # this step's (layer, ids)
+        self.folded = torch.zeros(num_layers, num_experts, dtype=torch.long)         # [L, E] counted early
         self.pairs: list[dict[str, int]] = [{} for _ in range(steps)]                # per step: worker -> pairs
         self.pairs_now: dict[str, int] = {}
         self.at = 0
@@ -26,26 +27,31 @@ class LoadWindow:
         self._lock = threading.Lock()
 
     def routed(self, layer: int, ids: torch.Tensor) -> None:
-        """ids [T, K] (each >= 0): one layer's dispatch, each token row's experts. Kept as they are and counted when
+        """ids [T, K]: one layer's dispatch, each token row's experts (-1 = none). Kept as they are and counted when
         the step closes, in one bincount for every layer (three torch ops a layer were ~60 µs of a one-token
-        layer's dispatch)."""
+        layer's dispatch). Steps that fail never close: what they leave is counted early past a few hundred."""
         self.now.append((layer, ids))
+        if len(self.now) >= 512:
+            self.folded += self._counts()
+            self.now = []
 
     def _counts(self) -> torch.Tensor:
-        """[L, E] this step's tokens routed to each (layer, expert)."""
+        """[L, E] the tokens routed to each (layer, expert) in `now`."""
         L, E = self.ring.shape[1:]
         if not self.now:
             return torch.zeros(L, E, dtype=torch.long)
         flat = torch.cat([ids.flatten() for _, ids in self.now]).long()                           # [P]
         base = torch.tensor([layer * E for layer, _ in self.now]).repeat_interleave(
             torch.tensor([ids.numel() for _, ids in self.now]))                                     # [P]
-        return torch.bincount(flat + base, minlength=L * E).view(L, E)
+        keep = flat >= 0
+        return torch.bincount((flat + base)[keep], minlength=L * E).view(L, E)
 
     def computed(self, worker: str, pairs: int) -> None:
         self.pairs_now[worker] = self.pairs_now.get(worker, 0) + pairs
 
     def close_step(self) -> None:
-        counts = self._counts()
+        counts = self._counts() + self.folded
+        self.folded.zero_()
         with self._lock:
             self.ring[self.at] = counts
             self.pairs[self.at] = self.pairs_now

@@ -282,8 +282,11 @@ class RemoteExperts:
         native.rest()       # the workers are about to compute: this process's kernel threads leave them the cores
         x, ids32, w32 = self.staging.to_host(hidden.to(self.wire_dtype),     # [T, H] on the wire
                                              ids.to(torch.int32), weights.float())  # [T, K]
-        # counted once per step, when the step closes (a copy where ids32 is a staging buffer the next layer reuses)
-        self.window.routed(layer, ids32.clone() if self.staging.pinned else ids32)
+        # a failover re-sends from the host copies, and the window counts ids when the step closes: they must outlive
+        # the (GPU) staging buffers, which the next layer reuses
+        keep = (lambda t: t.clone()) if self.staging.pinned else (lambda t: t)   # noqa: E731
+        ids_kept = keep(ids32)
+        self.window.routed(layer, ids_kept)
         if self.routed is not None:
             self.routed[layer] += torch.bincount(ids32.flatten().long(), minlength=self.cfg.num_experts)   # [E]
         parts: list[Part] = []
@@ -317,9 +320,7 @@ class RemoteExperts:
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
                 self.window.computed(self.addresses[wr.worker], wr.pairs)
         self.timers["dispatch"] += time.perf_counter() - t0
-        # a failover re-sends from the host copies: they must outlive the (GPU) staging buffers
-        keep = (lambda t: t.clone()) if self.staging.pinned else (lambda t: t)   # noqa: E731
-        return InFlight(self, table, layer, hidden, keep(x), keep(ids32), keep(w32), parts)
+        return InFlight(self, table, layer, hidden, keep(x), ids_kept, keep(w32), parts)
 
     def send(self, table: Table, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
              ahead: expert_pb2.Prefetch | None = None) -> Reply:
