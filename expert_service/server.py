@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import secrets
 import time
@@ -145,9 +146,10 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
             raise ValueError(f"topk_ids {list(ids.shape)} and topk_weights {list(weights.shape)} must be "
                              f"[n={hidden.shape[0]}, K]")
-        if ids.numel() and (int(ids.max()) >= E or int(ids.min()) < -1):
+        lo, hi = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, 0)      # one op for both ends
+        if hi >= E or lo < -1:
             raise ValueError(f"expert ids must be in [-1, {E}) (-1 = none; the model has {E} experts), got "
-                             f"{int(ids.min())}..{int(ids.max())}")
+                             f"{lo}..{hi}")
         if request.layer not in shard.cfg.moe_layers:
             raise ValueError(f"layer {request.layer} has no routed experts; MoE layers are "
                              f"{list(shard.cfg.moe_layers)}")
@@ -156,7 +158,9 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             hidden_d, ids_d, weights_d = self.staging.to_device(hidden, ids, weights)
             sums = shard.forward(request.layer, hidden_d, ids_d, weights_d)                            # [n, H] f64
             out, = self.staging.to_host(sums if request.exact_sum else sums.to(hidden.dtype))
-            if not bool(torch.isfinite(out).all()):         # on the host copy: no extra GPU sync per layer
+            # on the host copy (no extra GPU sync per layer); a finite sum means every element is, and a sum that
+            # overflows from finite elements is settled by the exact check
+            if not math.isfinite(float(out.sum())) and not bool(torch.isfinite(out).all()):
                 damaged = non_finite_experts(shard, request.layer, ids_d)         # the inputs' doing, or weights?
                 if damaged is not None:
                     raise NonFinite(damaged)

@@ -154,7 +154,12 @@ def test_a_worker_rejects_a_malformed_tensor_with_invalid_argument(served, oracl
         ch = grpc.insecure_channel(addr)
         stub = expert_pb2_grpc.ExpertWorkerStub(ch)
         t = expert_pb2.Tensor
+        H = ModelConfig.from_dir(path).hidden_size
+        x2, w2 = wire.encode(torch.zeros(2, H)), wire.encode(torch.ones(2, 2))
         for req, needle in [
+            (expert_pb2.ForwardRequest(layer=0, hidden=x2, topk_ids=wire.encode(torch.tensor([[0, 999], [-2, 1]])),
+                                       topk_weights=w2), "expert ids must be in [-1, 60) (-1 = none; the model has 60 "
+             "experts), got -2..999"),
             (expert_pb2.ForwardRequest(layer=0, hidden=t(dtype="float32", shape=[-1, -4], data=b"\0" * 16)),
              "not a shape"),
             (expert_pb2.ForwardRequest(layer=0, hidden=t(dtype="complex", shape=[1])), "unknown tensor dtype"),
