@@ -19,7 +19,7 @@ class LoadWindow:
         self.steps = steps
         self.ring = torch.zeros(steps, num_layers, num_experts, dtype=torch.long)     # [S, L, E]
         self.now: list[tuple[int, torch.Tensor]] = []                                # this step's (layer, ids)
-        self.folded = torch.zeros(num_layers, num_experts, dtype=torch.long)         # [L, E] counted early
+        self.folded: torch.Tensor | None = None                                      # [L, E] counted early
         self.pairs: list[dict[str, int]] = [{} for _ in range(steps)]                # per step: worker -> pairs
         self.pairs_now: dict[str, int] = {}
         self.at = 0
@@ -32,7 +32,7 @@ class LoadWindow:
         layer's dispatch). Steps that fail never close: what they leave is counted early past a few hundred."""
         self.now.append((layer, ids))
         if len(self.now) >= 512:
-            self.folded += self._counts()
+            self.folded = self._counts() if self.folded is None else self.folded + self._counts()
             self.now = []
 
     def _counts(self) -> torch.Tensor:
@@ -50,8 +50,8 @@ class LoadWindow:
         self.pairs_now[worker] = self.pairs_now.get(worker, 0) + pairs
 
     def close_step(self) -> None:
-        counts = self._counts() + self.folded
-        self.folded.zero_()
+        counts = self._counts() if self.folded is None else self._counts() + self.folded
+        self.folded = None
         with self._lock:
             self.ring[self.at] = counts
             self.pairs[self.at] = self.pairs_now
