@@ -30,7 +30,7 @@ from expert_service.heat_file import save as save_heat
 from expert_service.kept_format import kept_format
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard, cache_setting
-from kernels import describe_backend, native, set_batch_invariant
+from kernels import describe_expert_kernels, native, set_batch_invariant
 
 log = logging.getLogger("colibri.expert")
 
@@ -127,8 +127,9 @@ def build_shard(opts: ExpertOptions, device: torch.device | None = None,
         f"expert cache of {experts.cache.hot.w13.shape[0]} slots ({c.expert_cache_capacity}, "
         f"{c.expert_cache_policy}); the rest mapped")
     plan = f"shard {shard}/{num_shards}" if opts.shard else "the router's plan"
-    log.info("%s: %s of %d, %d MoE layers, %.1f MiB %s (%s) on %s, %s kernels, ready in %.2fs", plan,
+    log.info("%s: %s of %d, %d MoE layers, %.1f MiB %s (%s) on %s, %s, ready in %.2fs", plan,
              describe_held(held), cfg.num_experts, len(cfg.moe_layers), experts.shard_bytes / 2**20,
-             experts.weight_dtype, tier if experts.experts else "nothing held yet", device, describe_backend(device),
+             experts.weight_dtype, tier if experts.experts else "nothing held yet", device,
+             describe_expert_kernels(device, experts.kind),
              time.perf_counter() - t0)
     return BuiltShard(opts, experts, device, heat, tier)

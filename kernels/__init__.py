@@ -59,6 +59,19 @@ def describe_backend(device: torch.device | str) -> str:
     return f"{choice} (interpreter)" if interpreted else choice
 
 
+def describe_expert_kernels(device: torch.device | str, weight_kind: str) -> str:
+    """For a worker's start-up log: what computes experts of `weight_kind` (`cpu_forms.weight_kind`) on `device`,
+    e.g. 'native CPU kernels (amx)', 'torch forms (native kernels: none, ...)' or 'triton kernels'."""
+    choice = describe_backend(device)
+    if torch.device(device).type != "cpu" or choice != "torch":
+        return f"{choice} kernels"
+    if not native.available():
+        return f"torch forms (native CPU kernels: none, {native.UNAVAILABLE})"
+    if weight_kind not in native.KINDS:
+        return f"torch forms (the native CPU kernels take no {weight_kind} experts)"
+    return f"native CPU kernels ({native.isa()})"
+
+
 def _pick(x: torch.Tensor, backend: str | None) -> str:
     choice = backend or backend_for(x.device)
     if choice not in BACKENDS:
@@ -152,7 +165,8 @@ def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = No
 
 __all__ = [
     # fused MoE and routing
-    "fused_moe", "route", "topk_route", "backend_for", "describe_backend", "BACKENDS", "Routing", "GatedAct", "SILU",
+    "fused_moe", "route", "topk_route", "backend_for", "describe_backend", "describe_expert_kernels", "BACKENDS",
+    "Routing", "GatedAct", "SILU",
     "ExpertRows", "native_serves", "fused_moe_cpu",
     # the router's linear and the CPU forms
     "linear", "cpu_has_fast_bf16", "pick_rows", "Weight", "weight_kind", "form_kind", "describe_forms", "FORMS",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router_service.moe.partition import assign, split_pairs, water_fill
+from router_service.moe import partition as stage
+from router_service.moe.partition import assign, holding_of, split_pairs, water_fill
 from router_service.moe.plan import Plan, balance, even_plan, load_plan, union
 
 WORKERS = ("a:1", "b:1", "c:1", "d:1")
@@ -85,6 +86,44 @@ def test_a_hot_expert_with_replicas_has_its_pairs_split_and_each_pair_computed_o
     assert int(loads.max() - loads.min()) <= 1                   # and evened out the workers' loads
     parts = split_pairs(worker, ids, W)
     assert sum(int((p.ids >= 0).sum()) for p in parts) == ids.numel()
+
+
+def random_placement(g: torch.Generator, T: int) -> tuple[torch.Tensor, torch.Tensor, list[bool], torch.Tensor | None]:
+    """holders [E, W], ids [T, K] (some -1, hot experts), live, pairs [T, K] or None: one random case."""
+    E, W, K = int(torch.randint(2, 12, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g)), 3
+    holders = torch.rand(E, W, generator=g) < 0.5                                     # some experts on none
+    weights = torch.rand(E, generator=g) ** 4 + 1e-3                                  # a few hot experts
+    ids = torch.multinomial(weights.expand(T, E), min(K, E), generator=g)             # [T, K]
+    ids[torch.rand(ids.shape, generator=g) < 0.1] = -1
+    live = (torch.rand(W, generator=g) < 0.8).tolist()
+    pairs = torch.rand(ids.shape, generator=g) < 0.7 if bool(torch.rand(1, generator=g) < 0.5) else None
+    return holders, ids, live, pairs
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 30])
+def test_assign_and_split_place_every_pair_the_same_in_python_and_with_tensors(T):
+    """The two ways of `assign` and `split_pairs` (Python lists up to stage.SMALL rows, tensors beyond) give the
+    same worker to every pair and the same messages, on random placements (dead workers, experts nobody holds,
+    hot experts split over replicas, -1 ids, a failover's subset of pairs)."""
+    g = torch.Generator().manual_seed(T)
+    for _ in range(300):
+        holders, ids, live, pairs = random_placement(g, T)
+        holding = holding_of(holders)
+        listed = stage._assign_lists(holding, ids.tolist(), live, None if pairs is None else pairs.tolist())
+        worker, unplaced = stage._assign_tensors(holding, ids, live, pairs)
+        assert worker.tolist() == listed[0] and unplaced.tolist() == listed[1]
+        assert torch.equal(assign(holders, ids, live, pairs)[0], worker)              # the entry point, each T
+        todo = (ids >= 0) if pairs is None else (ids >= 0) & pairs
+        placed = todo & (worker >= 0)
+        assert bool(holders[ids.clamp(min=0), worker.clamp(min=0)][placed].all())     # a holder of its expert
+        assert all(live[w] for w in worker[placed].tolist())                          # and a live one
+        assert torch.equal(unplaced, (todo & (worker < 0)).any(dim=1))
+        W = holders.shape[1]
+        a, b = stage._split_lists(worker.tolist(), ids.tolist(), W), stage._split_tensors(worker, ids, W)
+        assert [(p.worker, p.rows.tolist(), p.ids.tolist(), p.pairs) for p in a] == \
+            [(p.worker, p.rows.tolist(), p.ids.tolist(), p.pairs) for p in b]
+        for p in a:
+            assert p.ids.dtype == torch.int32 and p.pairs == int((p.ids >= 0).sum()) == int((worker == p.worker).sum())
 
 
 def test_load_plan_places_every_replica_where_the_even_share_runs_out():

@@ -32,21 +32,22 @@ class Sender(Protocol):
 
     def failed(self, w: int, why: str) -> None: ...
 
-    def send(self, table: Table, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-             ) -> Reply: ...
+    def send(self, table: Table, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             pairs: int) -> Reply: ...
 
     def count(self, **seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
 class Part:
-    """One message of a layer on its way: its worker, its token rows (None = all), the reply, and the
-    token-expert pairs it carries ([T, K] bool; None = the worker's experts among its rows)."""
+    """One message of a layer on its way: its worker, its token rows (None = all), the reply, and which worker
+    each token-expert pair was sent to (`assigned` [T, K], from `assign`: the message carries the pairs of its
+    worker; None = the worker's experts among its rows)."""
 
     worker: int
     rows: torch.Tensor | None
     reply: Reply
-    pairs: torch.Tensor | None
+    assigned: torch.Tensor | None
 
 
 class InFlight:
@@ -69,8 +70,8 @@ class InFlight:
     def _pairs_of(self, part: Part) -> torch.Tensor:
         """[T, K] the pairs that very message carried (each message knows its own: after a failover a worker
         may hold two messages of one layer, whose rows overlap)."""
-        if part.pairs is not None:
-            return part.pairs
+        if part.assigned is not None:
+            return part.assigned == part.worker                                            # [T, K]
         held = self.table.holders[self.layer, :, part.worker][self.ids32.long().clamp(min=0)] & (self.ids32 >= 0)
         if part.rows is None:                                                              # [T, K]
             return held
@@ -82,13 +83,14 @@ class InFlight:
         self.owner.failed(part.worker, str(exc))
         pairs = self._pairs_of(part)
         W = self.table.holders.shape[2]
-        assigned, unplaced = assign(self.table.holders[self.layer], self.ids32, self.owner.liveness.live()[:W], pairs)
+        assigned, unplaced = assign(self.table.holders[self.layer], self.ids32, self.owner.liveness.live()[:W], pairs,
+                                    self.table.holding[self.layer])
         if unplaced.any():
             raise ExpertsUnavailable(f"{exc}; no live replica holds the experts some tokens need",
                                      unplaced.nonzero().flatten()) from exc
         return [Part(wp.worker, wp.rows, self.owner.send(self.table, wp.worker, self.layer,
                                                          self.x.index_select(0, wp.rows), wp.ids,
-                                                         self.w32.index_select(0, wp.rows)), assigned == wp.worker)
+                                                         self.w32.index_select(0, wp.rows), wp.pairs), assigned)
                 for wp in split_pairs(assigned, self.ids32, W)]
 
     def result(self) -> torch.Tensor:

@@ -6,6 +6,7 @@ Shapes: T tokens in the step, K experts per token (top-k), E experts per layer, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,27 +66,50 @@ class WorkerPairs:
     worker: int
     rows: torch.Tensor             # [n] token rows with at least one pair here, ascending
     ids: torch.Tensor              # [n, K] the rows' expert ids, -1 where another worker computes the pair
+    pairs: int                     # the pairs here (ids >= 0)
 
 
 def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
-           pairs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           pairs: torch.Tensor | None = None, holding: Sequence[Sequence[int]] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each pair's worker: one live holder of its expert, least-loaded first (experts with one live holder are
     placed first, then those with the most pairs, each on the live holder with the fewest pairs so far). A hot
     expert (more pairs than half a worker's fair share) with several live holders has its pairs split over them,
     filling the least-loaded first (water-filling), so a redundant replica takes load within one step.
 
-    holders [E, W] bool, topk_ids [T, K]; `pairs` [T, K] bool limits the pairs placed (default all).
+    holders [E, W] bool, topk_ids [T, K]; `pairs` [T, K] bool limits the pairs placed (default all); `holding`
+    the same holders as lists (E -> its workers, as `Table.holding` keeps them), so no tensor is read.
     Returns (worker [T, K] int64, -1 where not placed or no live holder; unplaced [T] bool: rows with a pair
-    that no live worker holds)."""
+    that no live worker holds).
+
+    Up to SMALL rows the pairs are placed in Python lists from one copy of the ids (a layer of a few streams
+    in a router-planned fleet: 82 -> 15 µs at one row on an idle CPU; the tensor way's masked selections and
+    gathers each start an OpenMP region, ~1 ms while the workers hold the cores); beyond, with tensor ops.
+    Both ways place every pair the same (tests/test_moe_stages.py compares them)."""
     T, K = topk_ids.shape
-    E, W = holders.shape
-    ids = topk_ids.long()
-    todo = (ids >= 0) if pairs is None else pairs & (ids >= 0)                  # [T, K]
-    counts = torch.bincount(ids[todo], minlength=E).tolist()                   # [E]
+    if holding is None:
+        holding = holding_of(holders)
+    if T <= SMALL:
+        worker_l, unplaced_l = _assign_lists(holding, topk_ids.tolist(), live,
+                                             None if pairs is None else pairs.tolist())
+        return (torch.tensor(worker_l, dtype=torch.long).reshape(T, K),
+                torch.tensor(unplaced_l, dtype=torch.bool).reshape(T))
+    return _assign_tensors(holding, topk_ids, live, pairs)
+
+
+def holding_of(holders: torch.Tensor) -> list[tuple[int, ...]]:
+    """holders [E, W] bool -> each expert's workers, ascending."""
+    return [tuple(w for w, h in enumerate(row) if h) for row in holders.tolist()]
+
+
+def _choose(holding: Sequence[Sequence[int]], counts: list[int], live: list[bool]
+            ) -> tuple[list[int], list[tuple[int, list[tuple[int, int]]]]]:
+    """Both ways' placement from each expert's pair count: (choice [E]: the worker of each expert's pairs, -1
+    for none or split; splits: (expert, [(worker, pairs)]) for hot experts spread over several holders)."""
+    E, W = len(holding), len(live)
     up = [w for w in range(W) if live[w]]
     used = [e for e in range(E) if counts[e]]
-    rows = holders[used][:, up].tolist() if used and up else [[] for _ in used]   # [n, W_live], one copy
-    holders_of = {e: [w for w, h in zip(up, row, strict=True) if h] for e, row in zip(used, rows, strict=True)}
+    holders_of = {e: [w for w in holding[e] if w < W and live[w]] for e in used}     # live holders, ascending
     load = [0] * W
     choice = [-1] * E
     hot = max(2, sum(counts) // (2 * max(1, len(up))))                          # half a worker's fair share
@@ -102,7 +126,43 @@ def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
             w = min(options, key=lambda w: (load[w], w))
             choice[e] = w
             load[w] += counts[e]
-    chosen = torch.tensor(choice, dtype=torch.long)[ids.clamp(min=0)]          # [T, K]
+    return choice, splits
+
+
+def _assign_lists(holding: Sequence[Sequence[int]], ids: list[list[int]], live: list[bool],
+                  pairs: list[list[bool]] | None) -> tuple[list[list[int]], list[bool]]:
+    """`assign` on Python lists: ids [T][K], pairs [T][K] -> (worker [T][K], unplaced [T])."""
+    E = len(holding)
+    todo = [[e >= 0 and (pairs is None or pairs[t][k]) for k, e in enumerate(row)] for t, row in enumerate(ids)]
+    counts = [0] * E
+    for row, do in zip(ids, todo, strict=True):
+        for e, d in zip(row, do, strict=True):
+            if d:
+                counts[e] += 1
+    choice, splits = _choose(holding, counts, live)
+    worker = [[choice[e] if d else -1 for e, d in zip(row, do, strict=True)] for row, do in zip(ids, todo, strict=True)]
+    for e, parts in splits:                                                    # consecutive runs of e's pairs
+        at = [(t, k) for t, (row, do) in enumerate(zip(ids, todo, strict=True))
+              for k, (f, d) in enumerate(zip(row, do, strict=True)) if d and f == e]    # in (t, k) order
+        start = 0
+        for w, n in parts:
+            for t, k in at[start:start + n]:
+                worker[t][k] = w
+            start += n
+    unplaced = [any(d and w < 0 for w, d in zip(wr, do, strict=True)) for wr, do in zip(worker, todo, strict=True)]
+    return worker, unplaced
+
+
+def _assign_tensors(holding: Sequence[Sequence[int]], topk_ids: torch.Tensor, live: list[bool],
+                    pairs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`assign` with tensor ops, for many rows."""
+    E = len(holding)
+    ids = topk_ids.long()
+    todo = (ids >= 0) if pairs is None else pairs & (ids >= 0)                  # [T, K]
+    # no masked selection nor gather by index tensor: each would start an OpenMP region (see `assign`)
+    counts = torch.bincount(torch.where(todo, ids, E).flatten(), minlength=E + 1)[:E].tolist()   # [E]
+    choice, splits = _choose(holding, counts, live)
+    chosen = torch.tensor(choice, dtype=torch.long).index_select(0, ids.clamp(min=0).flatten()).view_as(ids)  # [T, K]
     worker = torch.where(todo, chosen, torch.full_like(ids, -1))
     for e, parts in splits:                                                    # consecutive runs of e's pairs
         at = (todo & (ids == e)).flatten().nonzero().flatten()                 # [counts[e]] in (t, k) order
@@ -136,15 +196,34 @@ def water_fill(n: int, loads: list[int]) -> list[int]:
 
 
 def split_pairs(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerPairs]:
-    """One WorkerPairs per worker with at least one pair (worker [T, K] from `assign`)."""
+    """One WorkerPairs per worker with at least one pair (worker [T, K] from `assign`); up to SMALL rows in Python
+    lists, as `assign`."""
+    if worker.shape[0] <= SMALL:
+        return _split_lists(worker.tolist(), topk_ids.tolist(), num_workers)
+    return _split_tensors(worker, topk_ids, num_workers)
+
+
+def _split_lists(worker: list[list[int]], ids: list[list[int]], num_workers: int) -> list[WorkerPairs]:
     out = []
-    present = torch.bincount(worker[worker >= 0], minlength=num_workers).tolist()     # [W] pairs each
+    for w in range(num_workers):
+        rows = [t for t, row in enumerate(worker) if w in row]
+        if rows:
+            mine = [[e if o == w else -1 for e, o in zip(ids[t], worker[t], strict=True)] for t in rows]
+            out.append(WorkerPairs(w, torch.tensor(rows, dtype=torch.long),
+                                   torch.tensor(mine, dtype=torch.int32).reshape(len(rows), -1),
+                                   sum(row.count(w) for row in worker)))
+    return out
+
+
+def _split_tensors(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerPairs]:
+    out = []
+    present = torch.bincount(worker.flatten() + 1, minlength=num_workers + 1)[1:].tolist()   # [W] pairs each
     ids32 = topk_ids.to(torch.int32)
     for w in range(num_workers):
         if not present[w]:
             continue
         mine = worker == w                                                     # [T, K]
         rows = mine.any(dim=1).nonzero().flatten()                             # [n]
-        ids = torch.where(mine[rows], ids32[rows], -1)                         # [n, K]
-        out.append(WorkerPairs(w, rows, ids))
+        ids = torch.where(mine.index_select(0, rows), ids32.index_select(0, rows), -1)   # [n, K]
+        out.append(WorkerPairs(w, rows, ids, present[w]))
     return out

@@ -295,15 +295,22 @@ class RemoteExperts:
         if table.explicit or not all(live):
             # each pair to one live holder of its expert, least-loaded first; tokens no live worker can
             # serve fail here, without a call
-            assigned, unplaced = assign(table.holders[layer], ids32, live)
+            assigned, unplaced = assign(table.holders[layer], ids32, live, holding=table.holding[layer])
             if unplaced.any():
                 down = [a for a, ok in zip(self.addresses, live, strict=False) if not ok]
                 raise ExpertsUnavailable(f"the experts some tokens need have no live worker (down: "
                                          f"{', '.join(down) or 'none'})", unplaced.nonzero().flatten())
+            every: tuple[expert_pb2.Tensor, expert_pb2.Tensor] | None = None   # x, weights: once for all rows
             for wp in split_pairs(assigned, ids32, W):
-                reply = self.send(table, wp.worker, layer, x.index_select(0, wp.rows), wp.ids,
-                                  w32.index_select(0, wp.rows), ahead)
-                parts.append(Part(wp.worker, wp.rows, reply, assigned == wp.worker))
+                n = wp.rows.numel()
+                if n == x.shape[0]:
+                    every = every or (wire.encode(x), wire.encode(w32))
+                    hx, hw = every
+                else:
+                    hx, hw = wire.encode(x.index_select(0, wp.rows)), wire.encode(w32.index_select(0, wp.rows))
+                reply = self._send(wp.worker, self._request(table, layer, hx, wire.encode(wp.ids), hw, ahead), n,
+                                   wp.pairs)
+                parts.append(Part(wp.worker, wp.rows, reply, assigned))
         else:
             whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
             for wr in partition(table.owner[layer], ids32, W):
@@ -323,14 +330,22 @@ class RemoteExperts:
         return InFlight(self, table, layer, hidden, keep(x), ids_kept, keep(w32), parts)
 
     def send(self, table: Table, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-             ahead: expert_pb2.Prefetch | None = None) -> Reply:
+             pairs: int, ahead: expert_pb2.Prefetch | None = None) -> Reply:
         """Worker w's share of a layer, already cut to its rows ([n, H], [n, K] with -1 for pairs computed
-        elsewhere, [n, K]); `ahead` the next layer's predicted experts (a failover re-send carries none)."""
-        req = expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(x), topk_ids=wire.encode(ids),
-                                        topk_weights=wire.encode(weights), step=self.step, prefetch=ahead,
-                                        exact_sum=True, epoch=table.epoch)
-        self.worker_rows[w] += x.shape[0]
-        self.window.computed(self.addresses[w], int((ids >= 0).sum()))
+        elsewhere, [n, K]), `pairs` of them (ids >= 0); `ahead` the next layer's predicted experts (a failover
+        re-send carries none)."""
+        req = self._request(table, layer, wire.encode(x), wire.encode(ids), wire.encode(weights), ahead)
+        return self._send(w, req, x.shape[0], pairs)
+
+    def _request(self, table: Table, layer: int, hidden: expert_pb2.Tensor, ids: expert_pb2.Tensor,
+                 weights: expert_pb2.Tensor, ahead: expert_pb2.Prefetch | None) -> expert_pb2.ForwardRequest:
+        return expert_pb2.ForwardRequest(layer=layer, hidden=hidden, topk_ids=ids, topk_weights=weights,
+                                         step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch)
+
+    def _send(self, w: int, req: expert_pb2.ForwardRequest, rows: int, pairs: int) -> Reply:
+        """Send worker w its request of `rows` token rows and `pairs` token-expert pairs, counted as sent."""
+        self.worker_rows[w] += rows
+        self.window.computed(self.addresses[w], pairs)
         return self.links.links[w].send(req)
 
     def covered(self) -> bool:

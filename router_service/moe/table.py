@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from router_service.moe.partition import holding_of
 from router_service.moe.plan import Plan
 
 
@@ -22,6 +23,7 @@ class Table:
     owner: torch.Tensor                # [L, E] one holder of each expert (-1: none), for the single-holder path
     explicit: bool                     # send each worker its pairs (-1 for others'): replicas, or a router's plan
                                        # (a worker may hold more than the plan while a switch is under way)
+    holding: tuple[list[tuple[int, ...]], ...] = ()   # [L][E] holders' workers as lists, for `assign`
 
     @property
     def epoch(self) -> int:
@@ -40,7 +42,8 @@ class Table:
         first = holders.to(torch.int8).argmax(dim=2) if W else torch.zeros_like(counts)
         owner = torch.where(counts > 0, first, -1)                                # [L, E]
         replicated = bool((counts > 1).any())
-        return Table(plan, holders, owner, explicit=replicated or plan.epoch > 0)
+        return Table(plan, holders, owner, explicit=replicated or plan.epoch > 0,
+                     holding=tuple(holding_of(h) for h in holders))
 
     def in_plan(self, w: int) -> bool:
         """Whether worker w holds anything in this plan."""

@@ -30,6 +30,19 @@ def test_the_kernels_are_built_wherever_a_compiler_is():
     assert native.describe().startswith(f"native CPU kernels: {native.isa()}")
 
 
+def test_a_workers_log_names_what_computes_its_experts():
+    """The start-up line of a worker says native CPU kernels and their level only where they compute its kind."""
+    from kernels import describe_expert_kernels
+
+    if native.available():
+        assert describe_expert_kernels("cpu", "bfloat16") == f"native CPU kernels ({native.isa()})"
+        assert describe_expert_kernels("cpu", "int8-bfloat16") == f"native CPU kernels ({native.isa()})"
+        assert describe_expert_kernels("cpu", "float8_e4m3fn").startswith("torch forms (the native CPU kernels take")
+    else:
+        assert describe_expert_kernels("cpu", "bfloat16").startswith("torch forms (native CPU kernels: none")
+    assert describe_expert_kernels("cuda", "bfloat16") == "triton kernels"
+
+
 def weight(dout: int, din: int, kind: str, g: torch.Generator) -> tuple[torch.Tensor | Int8Weight, torch.Tensor]:
     """A weight of `kind` and its exact float64 value."""
     w = torch.randn(dout, din, generator=g) / din**0.5                                 # [Dout, Din]
