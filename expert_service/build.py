@@ -130,6 +130,6 @@ def build_shard(opts: ExpertOptions, device: torch.device | None = None,
     log.info("%s: %s of %d, %d MoE layers, %.1f MiB %s (%s) on %s, %s, ready in %.2fs", plan,
              describe_held(held), cfg.num_experts, len(cfg.moe_layers), experts.shard_bytes / 2**20,
              experts.weight_dtype, tier if experts.experts else "nothing held yet", device,
-             describe_expert_kernels(device, experts.kind),
+             describe_expert_kernels(device, experts.moe_shape() if device.type == "cpu" else None),
              time.perf_counter() - t0)
     return BuiltShard(opts, experts, device, heat, tier)

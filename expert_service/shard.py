@@ -304,11 +304,6 @@ class ExpertShard:
                                 self.replicas, slots, local)
 
     @property
-    def kind(self) -> str:
-        """The experts' weight kind as the kernels name it (`cpu_forms.weight_kind`; a kept format's dtype)."""
-        return self.kept.dtype_name if self.kept is not None else weight_kind(self.quantize, self.dtype)
-
-    @property
     def weight_dtype(self) -> str:
         if self.kept is not None:
             return self.kept.dtype_name

@@ -59,16 +59,19 @@ def describe_backend(device: torch.device | str) -> str:
     return f"{choice} (interpreter)" if interpreted else choice
 
 
-def describe_expert_kernels(device: torch.device | str, weight_kind: str) -> str:
-    """For a worker's start-up log: what computes experts of `weight_kind` (`cpu_forms.weight_kind`) on `device`,
-    e.g. 'native CPU kernels (amx)', 'torch forms (native kernels: none, ...)' or 'triton kernels'."""
+def describe_expert_kernels(device: torch.device | str, shape: MoeShape | None) -> str:
+    """For a worker's start-up log: what computes its experts (`shape`, as the forms were tuned for; None off the
+    CPU) on `device`, e.g. 'native CPU kernels (amx)', 'torch forms (native CPU kernels: none, ...)' or 'triton
+    kernels'."""
     choice = describe_backend(device)
-    if torch.device(device).type != "cpu" or choice != "torch":
+    if torch.device(device).type != "cpu" or choice != "torch" or shape is None:
         return f"{choice} kernels"
     if not native.available():
         return f"torch forms (native CPU kernels: none, {native.UNAVAILABLE})"
-    if weight_kind not in native.KINDS:
-        return f"torch forms (the native CPU kernels take no {weight_kind} experts)"
+    if shape.kind not in native.KINDS:
+        return f"torch forms (the native CPU kernels take no {shape.kind} experts)"
+    if not native_serves(shape.experts, shape.width, shape.hidden, shape.kind):
+        return "torch forms (the native expert FFN was found wrong for this shape here)"
     return f"native CPU kernels ({native.isa()})"
 
 

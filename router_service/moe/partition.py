@@ -77,16 +77,19 @@ def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
     expert (more pairs than half a worker's fair share) with several live holders has its pairs split over them,
     filling the least-loaded first (water-filling), so a redundant replica takes load within one step.
 
-    holders [E, W] bool, topk_ids [T, K]; `pairs` [T, K] bool limits the pairs placed (default all); `holding`
-    the same holders as lists (E -> its workers, as `Table.holding` keeps them), so no tensor is read.
+    holders [E, W] bool, topk_ids [T, K], live [W] (entries past W are not read); `pairs` [T, K] bool limits the
+    pairs placed (default all); `holding` must be `holding_of(holders)` (E -> its workers, ascending, as
+    `Table.holding` keeps them), given so that no tensor is read per layer.
     Returns (worker [T, K] int64, -1 where not placed or no live holder; unplaced [T] bool: rows with a pair
     that no live worker holds).
 
     Up to SMALL rows the pairs are placed in Python lists from one copy of the ids (a layer of a few streams
     in a router-planned fleet: 82 -> 15 µs at one row on an idle CPU; the tensor way's masked selections and
     gathers each start an OpenMP region, ~1 ms while the workers hold the cores); beyond, with tensor ops.
-    Both ways place every pair the same (tests/test_moe_stages.py compares them)."""
+    Both ways place every pair the same (tests/test_placement_plan.py compares them)."""
     T, K = topk_ids.shape
+    live = live[:holders.shape[1]]
+    assert len(live) == holders.shape[1], "a worker of the holders has no liveness"
     if holding is None:
         holding = holding_of(holders)
     if T <= SMALL:
@@ -104,8 +107,9 @@ def holding_of(holders: torch.Tensor) -> list[tuple[int, ...]]:
 
 def _choose(holding: Sequence[Sequence[int]], counts: list[int], live: list[bool]
             ) -> tuple[list[int], list[tuple[int, list[tuple[int, int]]]]]:
-    """Both ways' placement from each expert's pair count: (choice [E]: the worker of each expert's pairs, -1
-    for none or split; splits: (expert, [(worker, pairs)]) for hot experts spread over several holders)."""
+    """Both ways' placement from each expert's pair count (live [W], one entry per worker of the holders):
+    (choice [E]: the worker of each expert's pairs, -1 for none or split; splits: (expert, [(worker, pairs)]) for
+    hot experts spread over several holders)."""
     E, W = len(holding), len(live)
     up = [w for w in range(W) if live[w]]
     used = [e for e in range(E) if counts[e]]
@@ -159,7 +163,8 @@ def _assign_tensors(holding: Sequence[Sequence[int]], topk_ids: torch.Tensor, li
     E = len(holding)
     ids = topk_ids.long()
     todo = (ids >= 0) if pairs is None else pairs & (ids >= 0)                  # [T, K]
-    # no masked selection nor gather by index tensor: each would start an OpenMP region (see `assign`)
+    # the counts and the choices without a masked selection or a gather by index tensor, each of which would start
+    # an OpenMP region (see `assign`); a hot expert's split below still scatters by index
     counts = torch.bincount(torch.where(todo, ids, E).flatten(), minlength=E + 1)[:E].tolist()   # [E]
     choice, splits = _choose(holding, counts, live)
     chosen = torch.tensor(choice, dtype=torch.long).index_select(0, ids.clamp(min=0).flatten()).view_as(ids)  # [T, K]
@@ -204,6 +209,7 @@ def split_pairs(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) 
 
 
 def _split_lists(worker: list[list[int]], ids: list[list[int]], num_workers: int) -> list[WorkerPairs]:
+    """`split_pairs` on Python lists: worker [T][K], ids [T][K]."""
     out = []
     for w in range(num_workers):
         rows = [t for t, row in enumerate(worker) if w in row]
@@ -216,6 +222,7 @@ def _split_lists(worker: list[list[int]], ids: list[list[int]], num_workers: int
 
 
 def _split_tensors(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerPairs]:
+    """`split_pairs` with tensor ops (worker [T, K] >= -1, as `assign` gives), for many rows."""
     out = []
     present = torch.bincount(worker.flatten() + 1, minlength=num_workers + 1)[1:].tolist()   # [W] pairs each
     ids32 = topk_ids.to(torch.int32)

@@ -23,7 +23,7 @@ class Table:
     owner: torch.Tensor                # [L, E] one holder of each expert (-1: none), for the single-holder path
     explicit: bool                     # send each worker its pairs (-1 for others'): replicas, or a router's plan
                                        # (a worker may hold more than the plan while a switch is under way)
-    holding: tuple[list[tuple[int, ...]], ...] = ()   # [L][E] holders' workers as lists, for `assign`
+    holding: tuple[list[tuple[int, ...]], ...]   # [L][E] each expert's workers, ascending (`holding_of(holders)`)
 
     @property
     def epoch(self) -> int:

@@ -31,16 +31,25 @@ def test_the_kernels_are_built_wherever_a_compiler_is():
 
 
 def test_a_workers_log_names_what_computes_its_experts():
-    """The start-up line of a worker says native CPU kernels and their level only where they compute its kind."""
-    from kernels import describe_expert_kernels
+    """The start-up line of a worker says native CPU kernels and their level only where they compute its shape."""
+    from kernels import MoeShape, describe_expert_kernels
+    from kernels.cpu_moe import _NATIVE_REJECTED, moe_shape_id
 
+    bf16, int8 = MoeShape(16, 64, 96, 2, "bfloat16"), MoeShape(16, 64, 96, 2, "int8-bfloat16")
     if native.available():
-        assert describe_expert_kernels("cpu", "bfloat16") == f"native CPU kernels ({native.isa()})"
-        assert describe_expert_kernels("cpu", "int8-bfloat16") == f"native CPU kernels ({native.isa()})"
-        assert describe_expert_kernels("cpu", "float8_e4m3fn").startswith("torch forms (the native CPU kernels take")
+        assert describe_expert_kernels("cpu", bf16) == f"native CPU kernels ({native.isa()})"
+        assert describe_expert_kernels("cpu", int8) == f"native CPU kernels ({native.isa()})"
+        assert describe_expert_kernels("cpu", MoeShape(16, 64, 96, 2, "float16")).startswith(
+            "torch forms (the native CPU kernels take no float16")
+        odd = MoeShape(16, 64, 97, 2, "bfloat16")
+        _NATIVE_REJECTED.add(moe_shape_id(16, 64, 97, "bfloat16"))     # as a form check that found it wrong
+        try:
+            assert "found wrong for this shape" in describe_expert_kernels("cpu", odd)
+        finally:
+            _NATIVE_REJECTED.discard(moe_shape_id(16, 64, 97, "bfloat16"))
     else:
-        assert describe_expert_kernels("cpu", "bfloat16").startswith("torch forms (native CPU kernels: none")
-    assert describe_expert_kernels("cuda", "bfloat16") == "triton kernels"
+        assert describe_expert_kernels("cpu", bf16).startswith("torch forms (native CPU kernels: none")
+    assert describe_expert_kernels("cuda", None) == "triton kernels"
 
 
 def weight(dout: int, din: int, kind: str, g: torch.Generator) -> tuple[torch.Tensor | Int8Weight, torch.Tensor]:
