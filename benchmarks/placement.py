@@ -1,7 +1,7 @@
 """The router's per-layer placement of a MoE layer's pairs, on one thread, without workers: the single-holder
 path of a static `--shard` fleet (`partition`: which token rows each worker gets) against the explicit path of
-replicas and router-planned fleets (`assign` then `split_pairs`: each token-expert pair to one live holder,
-least-loaded first, hot experts split over their replicas). Both run on every MoE layer of every step, so their
+replicas and router-planned fleets (`place`: each token-expert pair to one live holder, least-loaded first, hot
+experts split over their replicas, then a message per worker). Both run on every MoE layer of every step, so their
 cost is part of the router's `dispatch` phase.
 
     python -m benchmarks.placement [--experts 32] [--workers 4] [--replicas 2] [--top-k 4]
@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.common import finish, machine, publish, table
 from colibri_common.placement import replica_experts, shard_experts
-from router_service.moe.partition import assign, holding_of, partition, split_pairs
+from router_service.moe.partition import holding_of, partition, place
 
 
 def timed(call, rounds: int = 5, n: int = 400) -> float:
@@ -35,9 +35,8 @@ def timed(call, rounds: int = 5, n: int = 400) -> float:
 
 def explicit(holders: torch.Tensor, holding: list[tuple[int, ...]], ids: torch.Tensor, live: list[bool]) -> None:
     """What a dispatch of replicated experts does before its sends."""
-    worker, unplaced = assign(holders, ids, live, holding=holding)
-    bool(unplaced.any())
-    split_pairs(worker, ids, holders.shape[1])
+    if place(holders, ids, live, holding=holding).unplaced:
+        raise AssertionError("every expert has a live holder here")
 
 
 def main() -> None:
@@ -70,7 +69,7 @@ def main() -> None:
         f"Machine: {machine()}.",
         f"Command: `python -m benchmarks.placement --experts {E} --workers {W} --replicas {R} --top-k {K}` "
         "(one thread, medians of 5 rounds of 400 calls).", "",
-        table(["tokens", "single holder (partition) µs", f"explicit, {R} replicas (assign + split_pairs) µs"],
+        table(["tokens", "single holder (partition) µs", f"explicit, {R} replicas (place) µs"],
               rows)]), "placement")
 
 

@@ -120,10 +120,22 @@ def test_assign_and_split_place_every_pair_the_same_in_python_and_with_tensors(T
         assert torch.equal(unplaced, (todo & (worker < 0)).any(dim=1))
         W = holders.shape[1]
         a, b = stage._split_lists(worker.tolist(), ids.tolist(), W), stage._split_tensors(worker, ids, W)
-        assert [(p.worker, p.rows.tolist(), p.ids.tolist(), p.pairs) for p in a] == \
-            [(p.worker, p.rows.tolist(), p.ids.tolist(), p.pairs) for p in b]
+        assert messages(a, T) == messages(b, T) == messages(split_pairs(worker, ids, W), T)
         for p in a:
             assert p.ids.dtype == torch.int32 and p.pairs == int((p.ids >= 0).sum()) == int((worker == p.worker).sum())
+            rows = list(range(T)) if p.rows is None else p.rows.tolist()
+            want = [[e if w == p.worker else -1 for e, w in zip(ids[t].tolist(), worker[t].tolist(), strict=True)]
+                    for t in rows]
+            assert p.ids.tolist() == want
+        placed = stage.place(holders, ids, live, pairs, holding)                      # what a dispatch calls
+        assert messages(placed.parts, T) == messages(a, T)
+        assert placed.unplaced == unplaced.nonzero().flatten().tolist()
+        assert torch.equal(torch.as_tensor(placed.assigned), worker)
+
+
+def messages(parts: list[stage.WorkerPairs], T: int) -> list[tuple[int, list[int], list[list[int]], int]]:
+    """(worker, rows, ids, pairs) of each message, None rows as every row."""
+    return [(p.worker, list(range(T)) if p.rows is None else p.rows.tolist(), p.ids.tolist(), p.pairs) for p in parts]
 
 
 def test_load_plan_places_every_replica_where_the_even_share_runs_out():

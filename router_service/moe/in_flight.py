@@ -18,7 +18,7 @@ from kernels import native
 from router_service.moe.combine import combine
 from router_service.moe.experts import ExpertsUnavailable
 from router_service.moe.liveness import Liveness
-from router_service.moe.partition import assign, split_pairs
+from router_service.moe.partition import place
 from router_service.moe.table import Table
 from router_service.moe.transport import Reply, WorkerError
 
@@ -47,7 +47,7 @@ class Part:
     worker: int
     rows: torch.Tensor | None
     reply: Reply
-    assigned: torch.Tensor | None
+    assigned: torch.Tensor | list[list[int]] | None
 
 
 class InFlight:
@@ -71,7 +71,7 @@ class InFlight:
         """[T, K] the pairs that very message carried (each message knows its own: after a failover a worker
         may hold two messages of one layer, whose rows overlap)."""
         if part.assigned is not None:
-            return part.assigned == part.worker                                            # [T, K]
+            return torch.as_tensor(part.assigned) == part.worker                           # [T, K]
         held = self.table.holders[self.layer, :, part.worker][self.ids32.long().clamp(min=0)] & (self.ids32 >= 0)
         if part.rows is None:                                                              # [T, K]
             return held
@@ -83,15 +83,19 @@ class InFlight:
         self.owner.failed(part.worker, str(exc))
         pairs = self._pairs_of(part)
         W = self.table.holders.shape[2]
-        assigned, unplaced = assign(self.table.holders[self.layer], self.ids32, self.owner.liveness.live()[:W], pairs,
-                                    self.table.holding[self.layer])
-        if unplaced.any():
+        placed = place(self.table.holders[self.layer], self.ids32, self.owner.liveness.live()[:W], pairs,
+                       self.table.holding[self.layer])
+        if placed.unplaced:
             raise ExpertsUnavailable(f"{exc}; no live replica holds the experts some tokens need",
-                                     unplaced.nonzero().flatten()) from exc
-        return [Part(wp.worker, wp.rows, self.owner.send(self.table, wp.worker, self.layer,
-                                                         self.x.index_select(0, wp.rows), wp.ids,
-                                                         self.w32.index_select(0, wp.rows), wp.pairs), assigned)
-                for wp in split_pairs(assigned, self.ids32, W)]
+                                     torch.tensor(placed.unplaced)) from exc
+        return [Part(wp.worker, wp.rows,
+                     self.owner.send(self.table, wp.worker, self.layer, self._rows(self.x, wp.rows), wp.ids,
+                                     self._rows(self.w32, wp.rows), wp.pairs), placed.assigned)
+                for wp in placed.parts]
+
+    @staticmethod
+    def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        return t if rows is None else t.index_select(0, rows)
 
     def result(self) -> torch.Tensor:
         t_start, waited, computed = time.perf_counter(), 0.0, 0.0

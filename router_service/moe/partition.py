@@ -64,9 +64,18 @@ class WorkerPairs:
     """The token-expert pairs one worker computes for one MoE layer (replicated placement)."""
 
     worker: int
-    rows: torch.Tensor             # [n] token rows with at least one pair here, ascending
+    rows: torch.Tensor | None      # [n] token rows with at least one pair here, ascending; None = every row (n == T)
     ids: torch.Tensor              # [n, K] the rows' expert ids, -1 where another worker computes the pair
     pairs: int                     # the pairs here (ids >= 0)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A layer's pairs on live holders (`place`): one message per worker with pairs, and what fails."""
+
+    parts: list[WorkerPairs]
+    unplaced: list[int]                        # token rows with a pair that no live worker holds
+    assigned: torch.Tensor | list[list[int]]   # [T, K] each pair's worker (-1: not placed), as `assign` gives
 
 
 def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
@@ -98,6 +107,26 @@ def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
         return (torch.tensor(worker_l, dtype=torch.long).reshape(T, K),
                 torch.tensor(unplaced_l, dtype=torch.bool).reshape(T))
     return _assign_tensors(holding, topk_ids, live, pairs)
+
+
+def place(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool], pairs: torch.Tensor | None = None,
+          holding: Sequence[Sequence[int]] | None = None) -> Placement:
+    """`assign` then `split_pairs` (the same arguments as `assign`), without the tensors a dispatch does not read:
+    up to SMALL rows the worker of each pair stays a list (a failover makes a tensor of it), and the rows no live
+    worker holds are listed."""
+    T, K = topk_ids.shape
+    W = holders.shape[1]
+    live = live[:W]
+    assert len(live) == W, "a worker of the holders has no liveness"
+    if holding is None:
+        holding = holding_of(holders)
+    if T <= SMALL:
+        ids = topk_ids.tolist()
+        worker, unplaced = _assign_lists(holding, ids, live, None if pairs is None else pairs.tolist())
+        return Placement(_split_lists(worker, ids, W), [t for t, u in enumerate(unplaced) if u], worker)
+    worker_t, unplaced_t = _assign_tensors(holding, topk_ids, live, pairs)
+    missing = unplaced_t.nonzero().flatten().tolist() if bool(unplaced_t.any()) else []
+    return Placement(_split_tensors(worker_t, topk_ids, W), missing, worker_t)
 
 
 def holding_of(holders: torch.Tensor) -> list[tuple[int, ...]]:
@@ -215,7 +244,7 @@ def _split_lists(worker: list[list[int]], ids: list[list[int]], num_workers: int
         rows = [t for t, row in enumerate(worker) if w in row]
         if rows:
             mine = [[e if o == w else -1 for e, o in zip(ids[t], worker[t], strict=True)] for t in rows]
-            out.append(WorkerPairs(w, torch.tensor(rows, dtype=torch.long),
+            out.append(WorkerPairs(w, None if len(rows) == len(worker) else torch.tensor(rows, dtype=torch.long),
                                    torch.tensor(mine, dtype=torch.int32).reshape(len(rows), -1),
                                    sum(row.count(w) for row in worker)))
     return out
@@ -231,6 +260,9 @@ def _split_tensors(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: in
             continue
         mine = worker == w                                                     # [T, K]
         rows = mine.any(dim=1).nonzero().flatten()                             # [n]
+        if rows.numel() == worker.shape[0]:
+            out.append(WorkerPairs(w, None, torch.where(mine, ids32, -1), present[w]))         # every row
+            continue
         ids = torch.where(mine.index_select(0, rows), ids32.index_select(0, rows), -1)   # [n, K]
         out.append(WorkerPairs(w, rows, ids, present[w]))
     return out

@@ -32,7 +32,7 @@ from router_service.moe.experts import ExpertsUnavailable, Prefetch
 from router_service.moe.in_flight import InFlight, Part
 from router_service.moe.liveness import Liveness
 from router_service.moe.load_window import LoadWindow
-from router_service.moe.partition import assign, partition, split_pairs
+from router_service.moe.partition import partition, place
 from router_service.moe.plan import Plan, even_plan
 from router_service.moe.remote_metrics import fleet_families
 from router_service.moe.same_host import Links
@@ -295,22 +295,21 @@ class RemoteExperts:
         if table.explicit or not all(live):
             # each pair to one live holder of its expert, least-loaded first; tokens no live worker can
             # serve fail here, without a call
-            assigned, unplaced = assign(table.holders[layer], ids32, live, holding=table.holding[layer])
-            if unplaced.any():
+            placed = place(table.holders[layer], ids32, live, holding=table.holding[layer])
+            if placed.unplaced:
                 down = [a for a, ok in zip(self.addresses, live, strict=False) if not ok]
                 raise ExpertsUnavailable(f"the experts some tokens need have no live worker (down: "
-                                         f"{', '.join(down) or 'none'})", unplaced.nonzero().flatten())
+                                         f"{', '.join(down) or 'none'})", torch.tensor(placed.unplaced))
             every: tuple[expert_pb2.Tensor, expert_pb2.Tensor] | None = None   # x, weights: once for all rows
-            for wp in split_pairs(assigned, ids32, W):
-                n = wp.rows.numel()
-                if n == x.shape[0]:
+            for wp in placed.parts:
+                if wp.rows is None:
                     every = every or (wire.encode(x), wire.encode(w32))
                     hx, hw = every
                 else:
                     hx, hw = wire.encode(x.index_select(0, wp.rows)), wire.encode(w32.index_select(0, wp.rows))
-                reply = self._send(wp.worker, self._request(table, layer, hx, wire.encode(wp.ids), hw, ahead), n,
-                                   wp.pairs)
-                parts.append(Part(wp.worker, wp.rows, reply, assigned))
+                req = self._request(table, layer, hx, wire.encode(wp.ids), hw, ahead)
+                reply = self._send(wp.worker, req, wp.ids.shape[0], wp.pairs)
+                parts.append(Part(wp.worker, wp.rows, reply, placed.assigned))
         else:
             whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
             for wr in partition(table.owner[layer], ids32, W):
