@@ -265,16 +265,24 @@ def main() -> int:
         table(["fleet", "streams", "orchestration (schedule, prepare, postprocess, dispatch/combine)",
                "blocked on workers",
                "worker compute (sum over workers)"], split),
-        "", "## Replicas and failover (the killed worker: SIGKILL 1.5 s into each run; serve restarts it)", "",
-        table(["fleet", "streams", "tok/s", "requests failed", "expert balance (mean ÷ max rows per worker)"],
-              [[n, str(c), f"{results[n]['rows'][c]['output_tokens_per_s']:.1f}",
-                str(results[n]['rows'][c]['requests_failed']), f"{results[n]['rows'][c]['balance']:.2f}"]
-               for n in results if n.startswith("colibri 2 workers replicas") for c in streams]),
+        *replicas_section(results, streams),
         ""])
     publish(text, "serving" + ("" if args.size == "bench" else f"-{args.size}") + (
         "" if args.dtype == "bfloat16" else f"-{args.dtype}") + (
         "" if not args.engines else "-" + "".join(ch if ch.isalnum() else "-" for ch in args.engines).strip("-")))
     return 0
+
+
+def replicas_section(results: dict, streams: list[int]) -> list[str]:
+    """The replicas runs' table, where the engines had any."""
+    rows = [[n, str(c), f"{results[n]['rows'][c]['output_tokens_per_s']:.1f}",
+             str(results[n]['rows'][c]['requests_failed']), f"{results[n]['rows'][c]['balance']:.2f}"]
+            for n in results if n.startswith("colibri 2 workers replicas") for c in streams]
+    if not rows:
+        return []
+    return ["", "## Replicas and failover (the killed worker: SIGKILL 1.5 s into each run; serve restarts it)", "",
+            table(["fleet", "streams", "tok/s", "requests failed", "expert balance (mean ÷ max rows per worker)"],
+                  rows)]
 
 
 if __name__ == "__main__":
