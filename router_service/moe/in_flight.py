@@ -41,8 +41,8 @@ class Sender(Protocol):
 @dataclass(frozen=True)
 class Part:
     """One message of a layer on its way: its worker, its token rows (None = all), the reply, and which worker
-    each token-expert pair was sent to (`assigned` [T, K], from `assign`: the message carries the pairs of its
-    worker; None = the worker's experts among its rows)."""
+    each token-expert pair was sent to (`assigned` [T, K], a tensor or lists, from `place`: the message carries
+    the pairs of its worker; None = the worker's experts among its rows)."""
 
     worker: int
     rows: torch.Tensor | None
