@@ -27,7 +27,7 @@ import grpc
 from colibri_common.frames import FrameError, recv_frame, send_frame
 
 log = logging.getLogger("colibri.expert")
-Answer = Callable[[bytes], tuple[int, bytes]]        # request payload -> (status, reply payload or message)
+Answer = Callable[[bytes | bytearray], tuple[int, bytes]]   # request payload -> (status, reply payload or message)
 
 
 class LocalServer:
@@ -70,7 +70,7 @@ class LocalServer:
         """Answer the connection's frames in order, while a reader thread takes the next ones in: a router with
         two micro-batches in flight writes a layer's request while this thread writes the other's reply, and
         neither side may wait for the other to read (megabytes each way fill both sockets' buffers)."""
-        frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()     # at most a router's micro-batches
+        frames: queue.SimpleQueue[bytes | bytearray | None] = queue.SimpleQueue()     # at most a router's micro-batches
         threading.Thread(target=self._read, args=(conn, frames), name="local-read", daemon=True).start()
         try:
             while (payload := frames.get()) is not None:
@@ -87,7 +87,7 @@ class LocalServer:
             with self._lock:
                 self._open -= 1
 
-    def _read(self, conn: socket.socket, frames: queue.SimpleQueue[bytes | None]) -> None:
+    def _read(self, conn: socket.socket, frames: queue.SimpleQueue[bytes | bytearray | None]) -> None:
         try:
             while True:
                 frames.put(recv_frame(conn, self.limit)[1])

@@ -182,7 +182,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
     def _respond(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
         return self._compute(request)
 
-    def answer_frame(self, payload: bytes) -> tuple[int, bytes]:
+    def answer_frame(self, payload: bytes | bytearray) -> tuple[int, bytes]:
         """A Forward over the same-host socket (expert_service/local_socket.py): (status, reply bytes or the
         error's message), the statuses the gRPC path would give."""
         if self.shard is None:

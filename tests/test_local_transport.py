@@ -67,7 +67,20 @@ def request(hidden: torch.Tensor, ids: torch.Tensor, layer: int = 0) -> expert_p
                                      topk_weights=wire.encode(torch.full(ids.shape, 0.5)), exact_sum=True)
 
 
-def ask(path: Path, payload: bytes) -> tuple[int, bytes]:
+def test_a_frame_is_parsed_into_a_message_of_its_own():
+    """recv_frame hands out the buffer it read into, not a copy; the messages parsed from it must own their bytes
+    (protobuf's parser copies them), or a later frame's buffer could change a reply already decoded."""
+    a, b = socket.socketpair()
+    with a, b:
+        out = torch.arange(6, dtype=torch.float64)[None]                               # [1, 6]
+        send_frame(a, 0, expert_pb2.ForwardResponse(output=wire.encode(out)).SerializeToString())
+        status, payload = recv_frame(b, 1 << 20)
+        msg = expert_pb2.ForwardResponse.FromString(payload)
+        payload[:] = bytes(len(payload))                                               # the buffer overwritten
+        assert status == 0 and torch.equal(wire.decode(msg.output), out)
+
+
+def ask(path: Path, payload: bytes) -> tuple[int, bytes | bytearray]:
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(path))
         send_frame(s, 0, payload)
