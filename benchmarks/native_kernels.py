@@ -3,7 +3,9 @@ memory read rate, at 1 and 2 threads, beside torch's own kernels on the same wei
 
 - The expert side of one MoE layer (`kernels.fused_moe`: sort, the expert FFN of every expert with work, the
   routed weights, the sum), E=64 experts of H=1024 x I=512, top-8, at T = 1, 8, 32 tokens.
-- The small-M linear on the router's dense shapes (qkv [1536, 1024], o [1024, 1024], lm_head [32000, 1024]).
+- The small-M linear on the router's dense shapes (qkv [1536, 1024], o [1024, 1024], lm_head [32000, 1024]); int8
+  twice where the level has AMX tiles: the float path (form `native_int8`) and the weight widened to bf16 on the
+  tiles (`native_int8_tiles`).
 
 Weights in bf16, int8 (per-row scales, weight-only; bf16 activations) and W8A8 (int8 weights, the activations'
 rows quantised to int8, exact int32 sums). The expert rows run twice: on 4 KiB pages (torch's own
@@ -25,9 +27,14 @@ import mmap
 import os
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from tqdm import tqdm
+# torch's OpenMP threads wait passively, as in the services (kernels/__init__.py sets it before their first torch
+# import): spinning, they took the second core from the native ops' own threads after every torch op of a call (a
+# layer's bf16 experts at 8 tokens read 63% of the read rate that way, 117% waiting passively)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table, time_fn
 from kernels import FORMS, Int8Weight, fused_moe, fused_moe_cpu, native, quantize_int8, topk_route
@@ -125,10 +132,13 @@ def linear_rows(kind: str, tokens: list[int], g: torch.Generator) -> list[list[s
         one = make(kind, dout, din, g=g)
         copies = [one] + [make(kind, dout, din, g=g) for _ in range(max(1, POOL_BYTES // weight_bytes(one)) - 1)]
         nbytes = weight_bytes(one)
-        for T in tokens:
+        # weight-only int8 on AMX: the float path (native_int8) and the widened tiles (native_int8_tiles), each a row
+        ways = [False, True] if kind == "int8" and native.int8_tiles() else [False]
+        for T, tiles in [(T, tiles) for tiles in ways for T in tokens]:
             x = torch.randn(T, din, generator=g).to(torch.bfloat16)                      # [T, Din]
             cyc = Cycle(copies)
-            s = time_fn(lambda x=x, cyc=cyc: native.linear(x, cyc.next()), min_runs=10, min_seconds=0.3)
+            s = time_fn(lambda x=x, cyc=cyc, tiles=tiles: native.linear(x, cyc.next(), tiles=tiles), min_runs=10,
+                        min_seconds=0.3)
             if kind == "w8a8":                          # the torch form: torch._int_mm on the quantised rows
                 t = time_fn(lambda x=x, cyc=cyc: FORMS["w8a8_intmm"].fn(x, cyc.next()), min_runs=5, min_seconds=0.3)
             elif kind == "int8":                        # torch's kernel takes the scales in x's dtype
@@ -137,7 +147,8 @@ def linear_rows(kind: str, tokens: list[int], g: torch.Generator) -> list[list[s
                             min_seconds=0.3)
             else:
                 t = time_fn(lambda x=x, cyc=cyc: F.linear(x, cyc.next()), min_runs=5, min_seconds=0.3)
-            rows.append([f"{name} {kind} [{dout}, {din}]", str(T), f"{nbytes / 2**20:.1f}", f"{s * 1e3:.3f}",
+            label = f"{name} {kind}{' on tiles' if tiles else ''} [{dout}, {din}]"
+            rows.append([label, str(T), f"{nbytes / 2**20:.1f}", f"{s * 1e3:.3f}",
                          f"{nbytes / s / 1e9:.1f}", f"{nbytes / t / 1e9:.1f}"])
     return rows
 

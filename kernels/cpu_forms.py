@@ -120,6 +120,9 @@ if native.available():                       # Colibri's own kernels (kernels/na
     FORMS["native"] = FormSpec(native.linear, "float", isolate=True, kinds=("float32", "bfloat16"), invariant=True)
     FORMS["native_int8"] = FormSpec(native.linear, "int8", isolate=True, kinds=("int8-float32", "int8-bfloat16"),
                                     invariant=True)
+if native.int8_tiles():                      # AMX: int8 widened to bf16 per block, on tiles (bf16 x only)
+    FORMS["native_int8_tiles"] = FormSpec(native.linear_int8_tiles, "int8", isolate=True, kinds=("int8-bfloat16",),
+                                          invariant=True)
 LAST_RESORT = "float64"     # never raced: used only where no candidate of a shape and row count is right
 NATIVE_OF = {"float": "native", "int8": "native_int8"}     # the native form of a family: the default where built
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -176,13 +179,24 @@ def usable(name: str, dout: int, din: int, weight_kind_: str) -> bool:
         (not f.kinds or weight_kind_ in f.kinds) and (dout, din, weight_kind_, name) not in _REJECTED
 
 
+TILES = "native_int8_tiles"
+
+
+def usable_or_candidate(name: str, weight_kind_: str, rows: int, dout: int, din: int) -> bool:
+    """Whether form `name` may serve this weight (a shape given) or this kind and row count (dout 0)."""
+    return usable(name, dout, din, weight_kind_) if dout else name in candidates(weight_kind_, rows)
+
+
 def default_form(weight_kind_: str, rows: int, dout: int = 0, din: int = 0) -> str:
-    """What to use before (or without) a measurement: the native kernel where it takes the kind, else the torch
-    forms measured on the AVX2 dev machine, where this shape may take them and this machine did not reject
-    them; else the plain torch GEMM of the family."""
+    """What to use before (or without) a measurement: the native kernel where it takes the kind (weight-only int8
+    against bf16 x from 3 rows: on tiles where the level has them), else the torch forms measured on the AVX2 dev
+    machine, where this shape may take them and this machine did not reject them; else the plain torch GEMM of
+    the family."""
     fam = family(weight_kind_)
     mine = NATIVE_OF.get(fam)
-    if mine is not None and (usable(mine, dout, din, weight_kind_) if dout else mine in candidates(weight_kind_, rows)):
+    if rows > 2 and usable_or_candidate(TILES, weight_kind_, rows, dout, din):
+        return TILES            # from 3 rows on the tiles outran the float path on every dense shape measured
+    if mine is not None and usable_or_candidate(mine, weight_kind_, rows, dout, din):
         return mine
     if fam == "int8":
         want = "int8_pack" if rows <= 4 else "int8_dequant"

@@ -147,7 +147,7 @@ def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, s
             table[key(dout, din, weight_kind, b)] = race(
                 here, default if default in here else here[0],
                 lambda name, call, x=xs[b], ws=weights: FORMS[name].fn(x, ws[call % len(ws)]), min_seconds,
-                NATIVE_MARGIN if default in cpu_forms.NATIVE_OF.values() else MARGIN)
+                NATIVE_MARGIN if default in (*cpu_forms.NATIVE_OF.values(), cpu_forms.TILES) else MARGIN)
             measured.append(key(dout, din, weight_kind, b))
     return measured
 

@@ -1,7 +1,8 @@
 """Colibri's native CPU kernels (kernels/native/, built by `make setup`): loaded here when the build exists, one
 Python op per kernel, each checked against a float64 reference before it may be used (kernels/cpu_check.py).
 
-    linear(x, w) -> x @ w.T in x's dtype                   w float32 | bfloat16 | Int8Weight (weight-only or W8A8)
+    linear(x, w, tiles) -> x @ w.T in x's dtype            w float32 | bfloat16 | Int8Weight (weight-only or W8A8);
+        `tiles`: weight-only int8 against bf16 x on AMX tiles (widened per block), where the level has them
     moe_(acc, x, ids, weights, expert_map, w13, w2, act, b13, b2): the whole expert side of a layer in one call
         (sort, gather, expert FFN, routed weights, the float64 sum into acc [T, H]); W8A8 experts quantise the
         pairs' rows and the activations' rows (int8 x int8 products, exact int32 sums; AVX2: maddubs)
@@ -122,12 +123,27 @@ def describe() -> str:
     return f"native CPU kernels: {isa()} (by {chosen}){off}"
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight, tiles: bool = False) -> torch.Tensor:
     """x [n, K] @ w.T -> [n, Dout] in x's dtype (float32 accumulation, one rounding); a W8A8 weight quantises x's
-    rows as formats.int8.quantize_rows and sums the int8 products exactly (the bits of cpu_forms' w8a8_intmm)."""
-    y = torch.ops.colibri.linear(x, w.q, w.scale, w.w8a8) if isinstance(w, Int8Weight) else \
+    rows as formats.int8.quantize_rows and sums the int8 products exactly (the bits of cpu_forms' w8a8_intmm).
+    `tiles`: a weight-only int8 weight against bf16 x is widened to bf16 and multiplied on AMX tiles where the level
+    has them (`int8_tiles()`; exact products, float32 sums in the tiles' order: bits of their own), else ignored."""
+    y = torch.ops.colibri.linear(x, w.q, w.scale, w.w8a8, tiles) if isinstance(w, Int8Weight) else \
         torch.ops.colibri.linear(x, w)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+TILE_LEVELS = ("amx",)      # the levels whose linear takes `tiles` for weight-only int8 against bf16 x
+
+
+def int8_tiles() -> bool:
+    """Whether the level in force multiplies weight-only int8 against bf16 x on tiles (`linear(..., tiles=True)`)."""
+    return available() and isa() in TILE_LEVELS
+
+
+def linear_int8_tiles(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """`linear` with `tiles`: the form cpu_forms races for weight-only int8 against bf16 x where int8_tiles()."""
+    return linear(x, w, tiles=True)
 
 
 _NO_MAP = torch.empty(0, dtype=torch.long)

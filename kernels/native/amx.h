@@ -1,5 +1,6 @@
 // y = x @ W.T on AMX tiles (Sapphire Rapids and later), for the amx level (isa_amx.cpp, after gemm.h): bf16 x
-// against bf16 W (TDPBF16PS) and W8A8's int8 rows against int8 W (TDPBSSD). Included by that unit only.
+// against bf16 W (TDPBF16PS), W8A8's int8 rows against int8 W (TDPBSSD), and bf16 x against weight-only int8 W
+// widened to bf16 per block (TDPBF16PS; amx_linear_i8w). Included by that unit only.
 //
 // W is the A operand, straight from memory: a tile is 16 of its rows by 64 bytes (32 bf16 or 64 int8 of K), loaded
 // with the row stride of W itself, so weights are read where they lie (a mapped checkpoint included), unpacked.
@@ -89,6 +90,45 @@ static inline void dot_tiles() {          // C0 += A0 B, C1 += A1 B
     }
 }
 
+// A stored C tile [16 W rows][16 x rows] (float, or W8A8's int32 sums) into y: y[n, r] for x rows n < nn and W rows
+// r < nr (y's row n at y + n * ldy), times ws[r] where given, after xs[n] for W8A8 (the scalar order: (float(C) *
+// xs[n]) * ws[r]). A 16 x 16 transpose in registers (unpack, then shuffles within and across 128-bit lanes), so each
+// x row is one masked store; an element-by-element copy cost more than the tiles' products at 32 rows.
+template <bool I32>
+static inline void put_transposed(const void* cp, int nn, int nr, const float* xs, const float* ws, float* y,
+                                  int64_t ldy) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i)
+        r[i] = I32 ? _mm512_cvtepi32_ps(_mm512_load_si512(static_cast<const int32_t*>(cp) + 16 * i))
+                   : _mm512_load_ps(static_cast<const float*>(cp) + 16 * i);
+    for (int i = 0; i < 8; ++i) {             // lane L: rows 2i, 2i+1 at columns 4L, 4L+1 (lo) and 4L+2, 4L+3 (hi)
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {             // r[4i + j], lane L: column 4L + j of rows 4i..4i+3
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j) {             // t[c]: column c of all 16 rows
+        const __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), v0 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        const __m512 u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD), v1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+        t[j] = _mm512_shuffle_f32x4(u0, v0, 0x88);
+        t[8 + j] = _mm512_shuffle_f32x4(u0, v0, 0xDD);
+        t[4 + j] = _mm512_shuffle_f32x4(u1, v1, 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(u1, v1, 0xDD);
+    }
+    const __mmask16 m = nr >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nr) - 1);
+    const __m512 s = ws ? _mm512_maskz_loadu_ps(m, ws) : _mm512_setzero_ps();
+    for (int n = 0; n < nn; ++n) {
+        __m512 v = t[n];
+        if (xs) v = _mm512_mul_ps(v, _mm512_set1_ps(xs[n]));
+        if (ws) v = _mm512_mul_ps(v, s);
+        _mm512_mask_storeu_ps(y + n * ldy, m, v);
+    }
+}
+
 // y[n, o] for x rows [0, M) and W rows [o0, o1): float C as it is (bf16), or int32 C times xs[n] then ws[o]
 // (W8A8, as gemm.h's tile_i8). 32 W rows a block (two A tiles) streamed from memory once: every 16-row group of x
 // passes over the block while it is in L1/L2; the next block's bytes, or `after` past the last, requested as the
@@ -135,20 +175,120 @@ static void amx_linear(const T* x, int64_t ldx, int M, int K, const T* w, const 
             }
             _tile_stored(0, c[0], 64);
             _tile_stored(1, c[16], 64);
-            for (int n = 16 * g; n < M && n < 16 * g + 16; ++n) {
-                float* yn = y + (int64_t)n * ldy + ob;
-                for (int r = 0; r < rows; ++r) {
-                    if constexpr (sizeof(T) == 2) {
-                        std::memcpy(yn + r, &c[r][n - 16 * g], 4);
-                    } else {
-                        yn[r] = (float(c[r][n - 16 * g]) * xs[n]) * ws[ob + r];
-                    }
-                }
-            }
+            const int nn = M - 16 * g < 16 ? M - 16 * g : 16;
+            float* yg = y + (int64_t)16 * g * ldy + ob;
+            constexpr bool I32 = sizeof(T) == 1;
+            const float* xg = I32 ? xs + 16 * g : nullptr;
+            put_transposed<I32>(c[0], nn, rows < 16 ? rows : 16, xg, I32 ? ws + ob : nullptr, yg, ldy);
+            if (rows > 16) put_transposed<I32>(c[16], nn, rows - 16, xg, I32 ? ws + ob + 16 : nullptr, yg + 16, ldy);
         }
     }
     _tile_release();                                         // back to the init state: cheaper context switches
     if (packed.size() > (size_t(1) << 20)) std::vector<uint32_t>().swap(packed);   // a prefill's 4 MiB+ not kept
+}
+
+// Chunk kc of int8 W rows [o, o + rows) widened to bf16 into `a`: the two A tiles [32 rows][32 of K] of a 32-row
+// block, rows past `rows` and K past its end zero. Exact: an int8 has at most 8 significant bits, so its float32 is
+// a bf16 with 16 zero bits below (the conversion drops only zeros).
+static inline void widen_chunk(const int8_t* w, int K, int o, int rows, int kc, uint16_t* a, Ahead& ahead) {
+    const int k = kc * 32;
+    if (k + 32 <= K) {
+        for (int r = 0; r < rows; ++r) {
+            ahead.step(32);
+            const int8_t* src = w + (int64_t)(o + r) * K + k;
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)src)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16))));
+            _mm512_store_si512(a + r * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    } else {
+        const __mmask32 m = (__mmask32(1) << (K - k)) - 1;  // the last chunk: masked-off bytes load as 0
+        for (int r = 0; r < rows; ++r) {
+            const __m256i b = _mm256_maskz_loadu_epi8(m, w + (int64_t)(o + r) * K + k);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+            _mm512_store_si512(a + r * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+    for (int r = rows; r < 32; ++r) _mm512_store_si512(a + r * 32, _mm512_setzero_si512());
+}
+
+// Tiles 0-3: C [16 W rows, N x rows] (A0 and A1 against B0, then against B1), 4-5: A [16 W rows, 64 bytes],
+// 6-7: B [16 groups, N x rows]: two 16-row groups of x per pass over a block (the 8 tiles there are).
+static inline void configure_tiles_2x2(int N) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = uint16_t(t == 4 || t == 5 ? 64 : 4 * N);
+        cfg.rows[t] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+// Weight-only int8 against bf16 x on tiles: each chunk of 32 W rows by 32 of K widened to bf16 (widen_chunk, into a
+// block buffer in L1/L2) just before its products, two 16-row groups of x a pass (TDPBF16PS, 2 x 2 tiles); passes
+// past the first (over 32 rows of x) reuse the widened block. y[n, o] = C[o, n] * ws[o]. The products are exact
+// (int8 times bf16 fits float32's significand), summed in float32 in the tiles' order, denormals flushed: an
+// output depends on its W row and x row alone (batch-invariant), with bits of its own (not the float path's).
+// The next block is requested while this one is widened and multiplied, paced over both.
+static void amx_linear_i8w(const uint16_t* x, int M, int K, const int8_t* w, const float* ws, int o0, int o1,
+                           float* y, int ldy, Ahead after) {
+    if (M <= 0) return;
+    const int chunks = (K + 31) / 32;
+    const int N = M < 16 ? M : 16, groups = (M + 15) / 16, pairs = (groups + 1) / 2;
+    const int64_t group_words = int64_t(chunks) * 16 * N;
+    thread_local std::vector<uint32_t> packed;               // this thread's B tiles (one zero group past the last)
+    thread_local std::vector<uint16_t> wide;                 // this thread's widened block (+ alignment slack)
+    if (packed.size() < size_t(group_words * (groups + 1))) packed.resize(group_words * (groups + 1));
+    if (wide.size() < size_t(chunks) * 1024 + 32) wide.resize(size_t(chunks) * 1024 + 32);
+    uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wide.data()) + 63) & ~uintptr_t(63));
+    std::memset(packed.data(), 0, group_words * (groups + 1) * 4);
+    for (int g = 0; g < groups; ++g)
+        pack_x(x + int64_t(g) * 16 * K, K, M - 16 * g < N ? M - 16 * g : N, K, N, packed.data() + g * group_words);
+    configure_tiles_2x2(N);
+    alignas(64) float c[4][16][16];
+    for (int ob = o0; ob < o1; ob += 32) {
+        const int rows = o1 - ob < 32 ? o1 - ob : 32;
+        Ahead ahead = ahead_of(w, K, ob, 32, o1, 4, after);
+        ahead.passes = pairs;               // the first pass's widening and every later pass earn the block's bytes
+        for (int p = 0; p < pairs; ++p) {
+            const uint32_t* xb0 = packed.data() + 2 * p * group_words;
+            const uint32_t* xb1 = xb0 + group_words;         // a zero group where there is no second one
+            const bool two = 2 * p + 1 < groups;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int kc = 0; kc < chunks; ++kc) {
+                uint16_t* a = pairs == 1 ? buf : buf + kc * 1024;   // one pass: a chunk's 2 KiB stay in L1
+                if (p == 0) widen_chunk(w, K, ob, rows, kc, a, ahead);
+                else ahead.step(1024);
+                CK_TILE_LOAD(4, a, 64);
+                CK_TILE_LOAD(5, a + 512, 64);
+                CK_TILE_LOAD(6, xb0 + (int64_t)kc * 16 * N, 4 * N);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 5, 6);
+                if (two) {
+                    CK_TILE_LOAD(7, xb1 + (int64_t)kc * 16 * N, 4 * N);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            if (two) {
+                _tile_stored(2, c[2], 64);
+                _tile_stored(3, c[3], 64);
+            }
+            for (int h = 0; h < (two ? 2 : 1); ++h) {          // x rows 32p + 16h.., W rows ob.. and ob + 16..
+                const int nn = M - 32 * p - 16 * h < 16 ? M - 32 * p - 16 * h : 16;
+                float* yh = y + (int64_t)(32 * p + 16 * h) * ldy + ob;
+                put_transposed<false>(c[2 * h], nn, rows < 16 ? rows : 16, nullptr, ws + ob, yh, ldy);
+                if (rows > 16) put_transposed<false>(c[2 * h + 1], nn, rows - 16, nullptr, ws + ob + 16, yh + 16, ldy);
+            }
+        }
+    }
+    _tile_release();
+    if (packed.size() > (size_t(1) << 20)) std::vector<uint32_t>().swap(packed);
+    if (wide.size() > (size_t(1) << 20)) std::vector<uint16_t>().swap(wide);
 }
 
 }  // namespace colibri_native
@@ -169,4 +309,12 @@ extern "C" void colibri_linear_i8_tiles_amx(const int8_t* xq, const float* xs, i
     using namespace colibri_native;
     const char* n = static_cast<const char*>(next);
     amx_linear<int8_t>(xq, Kp, M, K, w, xs, ws, o0, o1, y, ldy, Ahead{n, n ? n + next_bytes : n});
+}
+
+// Weight-only int8 w [Dout, K] (row scales ws) against bf16 x [M, K] on tiles (amx_linear_i8w), rows o0..o1 of y.
+extern "C" void colibri_linear_i8w_bf16_amx(const uint16_t* x, int M, int K, const int8_t* w, const float* ws, int o0,
+                                            int o1, float* y, int ldy, const void* next, int64_t next_bytes) {
+    using namespace colibri_native;
+    const char* n = static_cast<const char*>(next);
+    amx_linear_i8w(x, M, K, w, ws, o0, o1, y, ldy, Ahead{n, n ? n + next_bytes : n});
 }

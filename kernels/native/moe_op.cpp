@@ -111,14 +111,13 @@ bool by_expert(const std::vector<int64_t>& counts) {
 at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const std::vector<int64_t>& bias_row,
                const std::vector<std::vector<Src>>& s13, const std::vector<std::vector<Src>>& s2, int kind,
                int64_t esize, int64_t I, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
-               double alpha, c10::optional<double> limit, double up_offset) {
+               double alpha, c10::optional<double> limit, double up_offset, const at::Tensor& xb) {
     const int64_t P = xs.size(0), H = xs.size(1), I2 = 2 * I;
     at::Tensor x = xs.to(at::kFloat).contiguous();
-    // bf16 weights on a level with tiles (AMX): gate/up multiply x's rows as bf16 (their values are: rounded to the
-    // weights' dtype by the caller); down's input, the float32 activation, keeps the float path
-    linear_bf16_fn fnb = kind == 1 ? colibri_ops::linear_bf16_kernel() : nullptr;
-    at::Tensor xb = fnb ? xs.to(at::kBFloat16).contiguous() : at::Tensor();
-    const uint16_t* xbp = fnb ? reinterpret_cast<const uint16_t*>(xb.data_ptr()) : nullptr;
+    // xb, where the caller gathered it (bf16 weights on a level with tiles): xs's rows as bf16, which gate/up multiply
+    // on the tiles (AMX); down's input, the float32 activation, keeps the float path
+    linear_bf16_fn fnb = colibri_ops::linear_bf16_kernel();
+    const uint16_t* xbp = xb.defined() ? reinterpret_cast<const uint16_t*>(xb.data_ptr()) : nullptr;
     at::Tensor gu = at::empty({P, I2}, x.options());                        // [P, 2I]
     at::Tensor h = at::empty({P, I}, x.options());                          // [P, I]
     at::Tensor ys = at::empty({P, H}, x.options());                         // [P, H]
@@ -286,15 +285,28 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
     std::vector<int64_t> order(P), fill(start.begin(), start.end() - 1);
     for (int64_t f = 0; f < T * K; ++f)
         if (le[f] >= 0) order[fill[le[f]]++] = f;
-    // x's rows for the pairs, float32 (rounded to the weights' float dtype first, as the packed path's cast)
+    // x's rows for the pairs, float32 (rounded to the weights' float dtype first, as the packed path's cast), and
+    // as bf16 too where gate/up run on tiles (bf16 weights on a level with bf16 tiles), gathered in the same pass
+    // (a torch cast of the gathered rows was one more op, and woke torch's OpenMP team). Weight-only int8 experts
+    // keep the float path at every row count: widened to bf16 on tiles (as the dense layers' native_int8_tiles form)
+    // they were faster from 32 tokens but slower at 1 and 8 (docs/performance.md), and a pair's result must not
+    // depend on how many pairs share its expert
     at::Tensor xw = (kind != 2 && x.scalar_type() != dt) ? x.to(dt) : x;
+    const bool on_tiles = kind == 1 && colibri_ops::linear_bf16_kernel() != nullptr;
     at::Tensor xf = xw.to(at::kFloat).contiguous();
+    at::Tensor xwc = on_tiles ? xw.contiguous() : at::Tensor();                 // bf16 [T, H]
     at::Tensor xs = at::empty({P, H}, xf.options());                             // [P, H]
+    at::Tensor xb = on_tiles ? at::empty({P, H}, xwc.options()) : at::Tensor();  // [P, H] bf16
     const float* xp = xf.data_ptr<float>();
     float* xsp = xs.data_ptr<float>();
+    const char* xwp = on_tiles ? static_cast<const char*>(xwc.data_ptr()) : nullptr;
+    char* xbp = on_tiles ? static_cast<char*>(xb.data_ptr()) : nullptr;
     const int64_t pairs_per_chunk = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H));
     colibri_ops::parallel_for(0, P, pairs_per_chunk, [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p) std::memcpy(xsp + p * H, xp + (order[p] / K) * H, H * sizeof(float));
+        for (int64_t p = p0; p < p1; ++p) {
+            std::memcpy(xsp + p * H, xp + (order[p] / K) * H, H * sizeof(float));
+            if (xbp) std::memcpy(xbp + p * H * 2, xwp + (order[p] / K) * H * 2, H * 2);
+        }
     });
     std::vector<int64_t> counts, rows;
     std::vector<std::vector<Src>> src13, src2;
@@ -326,7 +338,7 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
     }
     TORCH_CHECK(!w8a8 || kind == 2, op, ": W8A8 takes int8 weights");
     at::Tensor ys = ffn(xs, counts, rows, src13, src2, w8a8 ? 3 : kind, esize, I, b13, b2, alpha, limit,
-                        up_offset);                                                                     // [P, H]
+                        up_offset, xb);                                                                     // [P, H]
     at::Tensor wf = weights.to(at::kFloat).contiguous();
     const float* wp = wf.data_ptr<float>();
     std::vector<int64_t> token(P);                                              // each pair's row of acc

@@ -5,7 +5,8 @@
 //
 //   linear(x [M, K], w [Dout, K], scale [Dout]?) -> [M, Dout] bf16 for bf16 x (one rounding), else float32
 //                                                                            (w float32 | bf16 | int8)
-//     bf16 x against bf16 w takes the level's bf16 tiles where it has them (AMX)
+//     bf16 x against bf16 w takes the level's bf16 tiles where it has them (AMX); with `tiles`, bf16 x against
+//     weight-only int8 w too (widened to bf16 per block; the tiles' order of sums, so a form of its own)
 //   isa() -> str; use_isa(str) -> str (the level now in force)
 //
 // The expert side of a layer (moe_, moe_sum_) is moe_op.cpp's, over the kernels of the level picked here.
@@ -59,6 +60,8 @@ CK_DECLARE_I8(colibri_linear_i8_tiles_amx)
 void colibri_linear_amx(const float*, int, int, const void*, int, const float*, int, int, float*, int, const void*,
                         int64_t);
 void colibri_linear_bf16_amx(const uint16_t*, int, int, const uint16_t*, int, int, float*, int, const void*, int64_t);
+void colibri_linear_i8w_bf16_amx(const uint16_t*, int, int, const int8_t*, const float*, int, int, float*, int,
+                                 const void*, int64_t);
 #endif
 }
 
@@ -77,6 +80,7 @@ struct Level {
     quantize_fn quantize_row;                  // W8A8: one activation row to int8 and its scale
     bool (*supported)();
     linear_bf16_fn linear_bf16 = nullptr;      // bf16 x bf16 products on tiles, where the level has them
+    linear_i8w_bf16_fn linear_i8w_bf16 = nullptr;   // bf16 x against int8 weights widened to bf16, on tiles
 };
 
 bool always() { return true; }
@@ -115,7 +119,7 @@ const Level LEVELS[] = {                      // best last
     {"avx512bf16", colibri_linear_avx512bf16, colibri_linear_i8_avx512bf16, colibri_decode_attention_avx512bf16,
      colibri_quantize_row_avx512bf16, has_avx512bf16},
     {"amx", colibri_linear_amx, colibri_linear_i8_tiles_amx, colibri_decode_attention_amx, colibri_quantize_row_amx,
-     has_amx, colibri_linear_bf16_amx},
+     has_amx, colibri_linear_bf16_amx, colibri_linear_i8w_bf16_amx},
 #endif
 };
 
@@ -185,12 +189,17 @@ colibri_ops::Quantized colibri_ops::quantized(int64_t n, int64_t K) {
 
 namespace {
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, bool w8a8) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, bool w8a8,
+                  bool tiles) {
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "colibri::linear: need x [M, K] and w "
                 "[Dout, K], got ", x.sizes(), " and ", w.sizes());
     int kind = wdtype(w, scale);
-    linear_bf16_fn fnb = kind == 1 && x.scalar_type() == at::kBFloat16 ? level().linear_bf16 : nullptr;
-    at::Tensor xf = fnb ? x.contiguous() : x.to(at::kFloat).contiguous();   // the tiles take bf16 x as it is
+    const bool xb16 = x.scalar_type() == at::kBFloat16;
+    linear_bf16_fn fnb = kind == 1 && xb16 ? level().linear_bf16 : nullptr;
+    // weight-only int8 against bf16 x on tiles only when asked (a form of its own: its sums' order is the tiles')
+    linear_i8w_bf16_fn fni = kind == 2 && xb16 && tiles && !w8a8 ? level().linear_i8w_bf16 : nullptr;
+    const bool bf16_in = fnb || fni;
+    at::Tensor xf = bf16_in ? x.contiguous() : x.to(at::kFloat).contiguous();   // the tiles take bf16 x as it is
     at::Tensor wc = w.contiguous();
     at::Tensor sc = kind == 2 ? scale->to(at::kFloat).contiguous() : at::Tensor();
     TORCH_CHECK(kind != 2 || (sc.dim() == 1 && sc.size(0) == w.size(0)), "colibri::linear: scale must be [Dout]");
@@ -199,8 +208,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     at::Tensor y = at::empty({M, D}, x.options().dtype(at::kFloat));
     at::Tensor out = bf16_out ? at::empty({M, D}, x.options()) : y;
     if (M == 0 || D == 0) return out;
-    const float* xp = fnb ? nullptr : xf.data_ptr<float>();
-    const uint16_t* xbp = fnb ? reinterpret_cast<const uint16_t*>(xf.data_ptr()) : nullptr;
+    const float* xp = bf16_in ? nullptr : xf.data_ptr<float>();
+    const uint16_t* xbp = bf16_in ? reinterpret_cast<const uint16_t*>(xf.data_ptr()) : nullptr;
     const void* wp = wc.data_ptr();
     const float* sp = kind == 2 ? sc.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
@@ -213,6 +222,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
         const int64_t o0 = b0 * BLOCK, o1 = std::min(D, b1 * BLOCK);
         if (fnb)
             fnb(xbp, int(M), int(K), static_cast<const uint16_t*>(wp), int(o0), int(o1), yp, int(D), nullptr, 0);
+        else if (fni)
+            fni(xbp, int(M), int(K), static_cast<const int8_t*>(wp), sp, int(o0), int(o1), yp, int(D), nullptr, 0);
         else if (w8a8)
             fn8(xq.q.data(), xq.scale.data(), int(M), int(xq.Kp), int(K), static_cast<const int8_t*>(wp), sp, int(o0),
                 int(o1), yp, int(D), nullptr, 0);
@@ -238,14 +249,15 @@ attention_fn colibri_ops::attention_kernel() { return level().attention; }
 linear_fn colibri_ops::linear_kernel() { return level().linear; }
 linear_i8_fn colibri_ops::linear_i8_kernel() { return level().linear_i8; }
 linear_bf16_fn colibri_ops::linear_bf16_kernel() { return level().linear_bf16; }
+linear_i8w_bf16_fn colibri_ops::linear_i8w_bf16_kernel() { return level().linear_i8w_bf16; }
 
 at::Tensor colibri_ops::linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
-                               bool w8a8) {
-    return ::linear(x, w, scale, w8a8);
+                               bool w8a8, bool tiles) {
+    return ::linear(x, w, scale, w8a8, tiles);
 }
 
 TORCH_LIBRARY(colibri, m) {
-    m.def("linear(Tensor x, Tensor w, Tensor? scale=None, bool w8a8=False) -> Tensor");
+    m.def("linear(Tensor x, Tensor w, Tensor? scale=None, bool w8a8=False, bool tiles=False) -> Tensor");
     m.def("isa() -> str", &isa);
     m.def("use_isa(str name) -> str", &use_isa);
 }

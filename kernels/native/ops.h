@@ -15,6 +15,10 @@ typedef void (*linear_i8_fn)(const int8_t*, const float*, int, int, int, const i
                              int, const void*, int64_t);
 // colibri_linear_bf16_amx (amx.h, the amx level only): bf16 x [M, K] against bf16 w on tiles, rows o0..o1
 typedef void (*linear_bf16_fn)(const uint16_t*, int, int, const uint16_t*, int, int, float*, int, const void*, int64_t);
+// colibri_linear_i8w_bf16_amx (amx.h, the amx level only): bf16 x [M, K] against weight-only int8 w (row scales)
+// widened to bf16 on tiles, rows o0..o1
+typedef void (*linear_i8w_bf16_fn)(const uint16_t*, int, int, const int8_t*, const float*, int, int, float*, int,
+                                   const void*, int64_t);
 // colibri_quantize_row_<ISA> (gemm.h): a W8A8 activation row to int8 [K] and its scale
 typedef void (*quantize_fn)(const float*, int64_t, int8_t*, float*);
 // colibri_decode_attention_<ISA> (attention.h)
@@ -27,6 +31,7 @@ attention_fn attention_kernel();   // the level in force's decode attention
 linear_fn linear_kernel();         // its small-M linear (float32, bf16, int8 weights)
 linear_i8_fn linear_i8_kernel();   // its W8A8 linear
 linear_bf16_fn linear_bf16_kernel();   // its bf16 x bf16 linear on tiles, or null where it has no tiles
+linear_i8w_bf16_fn linear_i8w_bf16_kernel();   // its bf16 x int8 (widened) linear on tiles, or null
 
 constexpr int64_t BLOCK = 32;      // output rows a task computes (gemm.h streams its weight bytes once)
 int64_t grain(int64_t rows, int64_t k);   // blocks a task takes: at least ~256K multiply-adds
@@ -47,7 +52,8 @@ void quantize_row(const float* row, int64_t K, int8_t* q, float* scale);   // on
 
 // The ops' implementations, for ops built of them (attention_block_op.cpp): the same functions the registered
 // ops run, called without the dispatcher.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, bool w8a8);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, bool w8a8,
+                  bool tiles = false);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,

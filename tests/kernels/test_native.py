@@ -125,6 +125,52 @@ def test_a_rows_result_depends_neither_on_the_other_rows_nor_on_the_threads(leve
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dout,din", SHAPES)
+def test_int8_weights_on_tiles_against_float64(level, dout, din):
+    """Weight-only int8 against bf16 x with `tiles` (native_int8_tiles: each block widened to bf16 and multiplied on
+    AMX tiles; exact products, float32 sums in the tiles' order): within float32 sums of float64 less x's rounding
+    at every row count and odd shape; at a level without those tiles, the float path's bits."""
+    g = torch.Generator().manual_seed(dout + din)
+    w, wd = weight(dout, din, "int8", g)
+    x = torch.randn(max(ROWS), din, generator=g).to(torch.bfloat16)                  # [M, Din]
+    for m in ROWS:
+        xm = x[:m]
+        got = native.linear(xm, w, tiles=True)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, dout)
+        if native.int8_tiles():
+            want = xm.double() @ wd.T                                                  # [m, Dout]
+            bound = xm.double().abs() @ wd.abs().T
+            err = float((((got.double() - want).abs() - 2**-8 * want.abs()) / bound.clamp(min=1e-30)).max())
+            assert err <= 4e-6 * (1 + din / 1024), f"{level} [{m}, {din}] @ [{dout}, {din}].T on tiles: {err:.2e}"
+        else:
+            assert torch.equal(got, native.linear(xm, w)), f"{level}: tiles asked where the level has none"
+
+
+def test_int8_rows_on_tiles_depend_neither_on_the_other_rows_nor_on_the_threads(level):
+    """native_int8_tiles is batch-invariant as the float path is: each row of a 67-row call (three 32-row passes
+    over every widened block, the last one partial) equals that row alone, at one thread and at two; and it is
+    not the float path: the tiles flush a denormal input to zero (their rule), the float path multiplies it."""
+    g = torch.Generator().manual_seed(5)
+    w, _ = weight(300, 1030, "int8", g)
+    x = torch.randn(67, 1030, generator=g).to(torch.bfloat16)                        # [67, Din]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = native.linear(x, w, tiles=True)
+        torch.set_num_threads(1)
+        assert torch.equal(native.linear(x, w, tiles=True), full)
+        for m in (0, 1, 15, 16, 31, 32, 33, 66):
+            assert torch.equal(native.linear(x[m:m + 1], w, tiles=True), full[m:m + 1]), f"row {m}"
+        assert torch.equal(native.linear(x[3:40], w, tiles=True), full[3:40])
+    finally:
+        torch.set_num_threads(threads)
+    tiny = torch.zeros(1, 1030, dtype=torch.bfloat16)
+    tiny[0, 7] = 2.0**-130                                                             # a bf16 denormal
+    float_path = native.linear(tiny, w)                                                # [1, 300]
+    assert bool((float_path != 0).any())
+    assert bool((native.linear(tiny, w, tiles=True) == 0).all()) == native.int8_tiles()
+
+
 def as_w8a8(v: torch.Tensor) -> torch.Tensor:
     """A row of activations as a W8A8 kernel multiplies it: quantised (formats.int8.quantize_rows), in float64."""
     q, scale = quantize_rows(v.float()[None])
