@@ -25,7 +25,7 @@ from colibri.tune import TuneOptions
 from colibri.validate import ValidateOptions
 from colibri.workers import WorkersOptions
 from colibri_common.errors import ColibriError
-from colibri_common.heap import skip_exit_collection
+from colibri_common.heap import importing, skip_exit_collection
 from colibri_common.options import Parser, add_options, from_args
 from expert_service.options import ExpertOptions
 from router_service.api.options import RouterOptions
@@ -38,20 +38,23 @@ def _serve(opts: ServeOptions) -> int:
 
 
 def _router(opts: RouterOptions) -> int:
-    from router_service.api.server import serve_router
+    with importing():
+        from router_service.api.server import serve_router
 
     serve_router(opts)
     return 0
 
 
 def _expert(opts: ExpertOptions) -> int:
-    from expert_service.server import serve_expert
+    with importing():
+        from expert_service.server import serve_expert
 
     return serve_expert(opts)
 
 
 def _openai(opts: OpenAIOptions) -> int:
-    from colibri.openai_api.server import run_front
+    with importing():
+        from colibri.openai_api.server import run_front
 
     return run_front(opts)
 

@@ -4,15 +4,17 @@ Quantising or converting weights at start-up allocates and frees a float copy pe
 those freed pages in its arenas, so the worker's RSS stays tens of MiB above what it really holds, and an
 SRE reading `kubectl top` sees memory that is not in use. `malloc_trim(0)` returns them.
 
-`skip_exit_collection` is for the other end of a process's life.
+`importing` is for the start of a service's life, `skip_exit_collection` for its end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import logging
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -38,3 +40,20 @@ def skip_exit_collection() -> None:
     they are left alone. Exit handlers still run."""
     gc.disable()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def importing() -> Iterator[None]:
+    """Around a service's imports (torch, gRPC, ours): the cyclic collector stays off while they run, then what they
+    built is frozen (never scanned again). Importing torch makes about a million objects, and each full collection
+    it triggers walks all of them: the services' imports took 0.13 s against 0.16-0.17 without, torch's own 0.65-0.70
+    against 0.72-0.74 (the 2-core Xeon). Frozen, they also stay out of every later collection, and a forked child
+    does not write to their pages (copy-on-write stays shared)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was:
+            gc.enable()
