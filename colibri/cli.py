@@ -41,8 +41,7 @@ def _router(opts: RouterOptions) -> int:
     with importing():
         from router_service.api.server import serve_router
 
-    serve_router(opts)
-    return 0
+    return serve_router(opts)
 
 
 def _expert(opts: ExpertOptions) -> int:

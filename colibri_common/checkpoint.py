@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -279,12 +280,16 @@ class Checkpoint:
         t = self.tensor(name, shape)
         return t.to(dtype=dtype or t.dtype, copy=True)
 
-    def close(self) -> None:
-        """Unmap every file; views handed out earlier must be gone (copied) by now."""
+    def close(self, keep: Iterable[Path] = ()) -> None:
+        """Unmap every file but `keep` (those whose views are used in place); other views handed out earlier must
+        be gone (copied) by now."""
         import gc
 
         collected = False
+        kept = {Path(p) for p in keep}
         for path, m in list(self._maps.items()):
+            if path in kept:
+                continue
             try:
                 m.close()
             except BufferError:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 log = logging.getLogger("colibri")
 
+EXIT_RESTART = 75          # EX_TEMPFAIL: a service stopped because bytes it maps changed; a restart maps them afresh
+
 
 @dataclass(frozen=True)
 class Stamp:

@@ -18,7 +18,7 @@ from colibri_common import wire
 from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging, device_scope, open_device
 from colibri_common.errors import ConfigError
-from colibri_common.file_watch import MappingChanged
+from colibri_common.file_watch import EXIT_RESTART, MappingChanged
 from colibri_common.fleet_token import ENV as FLEET_ENV
 from colibri_common.fleet_token import fleet_token
 from colibri_common.handlers import add_servicer
@@ -39,7 +39,6 @@ from kernels import batch_invariant
 log = logging.getLogger("colibri.expert")
 SERVICE = "colibri.v1.ExpertWorker"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-EXIT_RESTART = 75          # EX_TEMPFAIL: stopped because its experts' bytes changed; a restart maps them afresh
 
 
 class NonFinite(Exception):

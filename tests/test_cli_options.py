@@ -47,7 +47,7 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
                       tls_cert="/c.pem", tls_key="/k.pem", tls_ca="/ca.pem",
                       quantize_dense=True, cpu_forms="/tmp/forms.json", expert_prefetch=True, expert_replicas=2,
                       redundant_experts=3, placement_window=64, rebalance_interval=30.0, worker_load_timeout=60.0,
-                      follow_interval=2.0, replan_dead_after=20.0,
+                      follow_interval=2.0, replan_dead_after=20.0, weights_in_place="off",
                       sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99,
                                             routing_aware_batching=True, max_passed_over=3))
     gpu = dataclasses.replace(r, device="cuda:1", quantize=None, quantize_dense=False,   # int8 is CPU-only

@@ -1,7 +1,8 @@
 """A worker whose checkpoint changes under its mapping never faults on it: the change is seen (the file named),
 the mapping is not read any more, the worker goes NOT_SERVING and stops with exit code 75 for a restart to map
 the files afresh; experts whose weights give non-finite outputs for finite inputs are named (layer, expert,
-file) and stop the worker the same way."""
+file) and stop the worker the same way. A router that uses its embedding and lm_head in place does the same:
+its open requests end UNAVAILABLE (retryable) with the file named, and it exits 75."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from colibri.client import Client, GenerationError
 from colibri_common import wire
 from colibri_common.config import ModelConfig
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
@@ -118,3 +120,65 @@ def test_a_checkpoint_overwritten_in_place_is_named_and_the_worker_stops_for_a_r
             out.write(b"\xff" * (size - size // 2))
     code, err = finish(p)
     assert code == RESTART and f"{f} was written to while mapped" in err, err[-2000:]
+
+
+def start_router(model, worker: str, *extra: str):
+    p = colibri_popen(["router", "--model", str(model), "--workers", worker, "--port", "0", "--cpu-forms", "off",
+                       *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = p.stdout.readline()
+    if not line.startswith("ready "):
+        _, err = p.communicate(timeout=30)
+        raise RuntimeError(f"the router did not start: {err[-2000:]}")
+    return p, line.split()[1]
+
+
+@pytest.mark.parametrize("change", ["truncated", "overwritten"])
+def test_a_checkpoint_changed_under_the_routers_mapped_weights_is_named_and_the_router_stops_for_a_restart(
+        model, change):
+    worker, waddr = start_worker(model, "--experts-in-place", "off")     # its experts packed: only the router maps
+    try:
+        router, addr = start_router(model, waddr)
+        (f,) = model.glob("*.safetensors")
+        with Client(addr) as client:
+            before = client.generate([1, 2, 3], max_tokens=4).token_ids
+            assert len(before) == 4
+            size = f.stat().st_size
+            with open(f, "r+b") as out:
+                if change == "truncated":
+                    out.truncate(size // 2)                                      # half of it gone under the map
+                else:
+                    out.seek(size // 2)
+                    out.write(b"\xff" * (size - size // 2))
+            with pytest.raises(GenerationError) as exc:
+                for _ in range(100):                     # the next step sees it (or the watch, between steps)
+                    client.generate([1, 2, 3], max_tokens=4)
+                    time.sleep(0.05)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value.details()
+        assert exc.value.retryable or "not serving" in exc.value.details().lower()
+        code, err = finish(router)
+        why = "changed size while mapped" if change == "truncated" else "was written to while mapped"
+        assert code == RESTART and f"{f} {why}" in err, f"exit {code} (a SIGBUS is -7): {err[-2000:]}"
+        assert "embed and lm_head in place (mapped" in err
+    finally:
+        worker.kill()
+        worker.communicate()
+
+
+def test_with_weights_in_place_off_the_router_copies_them_and_a_changed_file_does_not_stop_it(model):
+    worker, waddr = start_worker(model, "--experts-in-place", "off")
+    try:
+        router, addr = start_router(model, waddr, "--weights-in-place", "off")
+        (f,) = model.glob("*.safetensors")
+        with Client(addr) as client:
+            before = client.generate([1, 2, 3], max_tokens=4).token_ids
+            with open(f, "r+b") as out:                  # the router's own bytes are copies: it does not care
+                out.seek(f.stat().st_size - 8)
+                out.write(b"\x00" * 8)
+            time.sleep(0.5)                              # past the watch's interval, had there been one
+            assert client.generate([1, 2, 3], max_tokens=4).token_ids == before
+        router.terminate()
+        code, err = finish(router)
+        assert code == 0 and "in place (mapped" not in err, err[-2000:]
+    finally:
+        worker.kill()
+        worker.communicate()

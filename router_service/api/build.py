@@ -18,6 +18,7 @@ from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.device import open_device
 from colibri_common.errors import ConfigError
+from colibri_common.file_watch import FileWatch
 from colibri_common.fleet_token import fleet_token
 from colibri_common.forms_file import tune_forms
 from colibri_common.heap import return_free_heap
@@ -53,6 +54,7 @@ class BuiltEngine:
     engine: Engine
     chat_template: str | None = None           # the checkpoint's, handed to the OpenAI front in ModelInfo
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+    mapped: FileWatch | None = None            # the checkpoint files of the weights used in place (engine.mapped)
 
     @property
     def max_model_len(self) -> int:
@@ -64,6 +66,8 @@ class BuiltEngine:
         self.engine.stop()
         set_batch_invariant(False)
         self.experts.close()
+        if self.mapped is not None:
+            self.mapped.close()
 
 
 def compute_dtype(requested: torch.dtype, device: torch.device | None = None) -> torch.dtype:
@@ -108,11 +112,13 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
         raise ConfigError(f"{opts.model}/tokenizer.json has {tokenizer.vocab_size} tokens but config.json "
                           f"vocab_size is {cfg.vocab_size}; they must agree")
     ckpt = Checkpoint(opts.model)
-    weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO), device=device)
-    ckpt.close()
+    weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO), device=device,
+                                 in_place=opts.weights_in_place == "auto")
     if opts.quantize_dense:
         asked = getattr(torch, opts.dtype)
         weights.quantize_int8(w8a8=opts.quantize == "w8a8", act_dtype=asked if asked != dtype else None)
+    ckpt.close(keep=weights.mapped.values())     # the files of weights used in place stay mapped, and watched
+    mapped = FileWatch(sorted(set(weights.mapped.values()))) if weights.mapped else None
     set_batch_invariant(opts.batch_invariant)   # the process's linears (and its in-process experts)
     return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
     if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
@@ -138,6 +144,7 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     model.batch_invariant = opts.batch_invariant
     model.track_routing = sched.routing_aware_batching
     engine = Engine(model, kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
+    engine.mapped = mapped
     if device.type == "cpu":
         if native.refused_override():
             raise ConfigError(native.refused_override())
@@ -145,5 +152,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB), %s on %s, %s routing",
              cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size,
              num_blocks * per_block / 2**20, str(dtype).removeprefix("torch."), device, describe_backend(device))
+    if weights.mapped:
+        log.info("%s in place (mapped, %.1f MiB): read from the page cache, not copied",
+                 " and ".join(sorted(weights.mapped)), weights.mapped_bytes / 2**20)
     template, special = load_chat_template(opts.model)
-    return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special)
+    return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special, mapped)

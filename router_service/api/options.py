@@ -43,6 +43,12 @@ class RouterOptions(ServiceOptions):
     quantize_dense: bool = option(False, "int8 for the router's own attention, dense MLPs, shared experts and "
                                          "lm_head too (gates and embeddings stay): less memory, less accuracy; "
                                          "weight-only, or W8A8 with --quantize w8a8")
+    weights_in_place: str = option("auto", "use the embedding and lm_head where they lie in the mapped checkpoint "
+                                           "(auto: on a CPU, where the checkpoint stores them in the compute "
+                                           "dtype): no copy, the page cache shared with the workers and every "
+                                           "restart on the host, a change of the file under it stops the router "
+                                           "for a restart; off: copy them into the router's own memory",
+                                   choices=("auto", "off"))
     metrics_port: int | None = option(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
                                             "0 = any free port)")
     tls_client_auth: bool = option(False, "with --tls-cert: clients must show a certificate --tls-ca signed")

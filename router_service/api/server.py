@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from colibri_common.errors import ColibriError
+from colibri_common.file_watch import EXIT_RESTART
 from colibri_common.fleet_token import fleet_token
 from colibri_common.handlers import add_servicer
 from colibri_common.pb import admin_pb2, generation_pb2_grpc
@@ -206,7 +207,9 @@ def _logprob(choices: Choices, index: int, s: Sampled) -> pb.TokenLogprob:
                            top=[pb.TopLogprob(token_id=t, logprob=v, token=text(index, t)) for t, v in s.top])
 
 
-def serve_router(opts: RouterOptions) -> None:
+def serve_router(opts: RouterOptions) -> int:
+    """Serve until a signal (exit code 0), or until the checkpoint bytes it reads in place change under it
+    (EXIT_RESTART: a restart maps the files afresh)."""
     setup_logging("router", opts.log_level)
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
@@ -237,6 +240,18 @@ def serve_router(opts: RouterOptions) -> None:
     # the workers the name stands for now (the first pods may be starting)
     workers = opts.workers or wait_for_workers(opts.follow_workers, 600.0)
     built = build_engine(opts, remote_experts(opts, workers))
+    damaged: list[str] = []
+
+    def stop_serving(reason: str) -> None:        # once: NOT_SERVING, drain, stop
+        if damaged:
+            return
+        damaged.append(reason)
+        service.set_serving(False)
+        service.stop_soon(f"{reason}; the router's weights are not read any more (a restart maps the files afresh)")
+
+    built.engine.on_damage = stop_serving
+    if built.mapped is not None:
+        built.mapped.watch(stop_serving)
     built.engine.start()
     servicer.ready(built)
     assert isinstance(built.experts, RemoteExperts)             # remote_experts built them
@@ -259,6 +274,10 @@ def serve_router(opts: RouterOptions) -> None:
         built.close()
 
     service.run_until_signal(drain=lambda: _drain(built, opts.grace_period), on_stop=stop)
+    if damaged:
+        log.error("stopped: %s", damaged[0])
+        return EXIT_RESTART
+    return 0
 
 
 def _drain(built: BuiltEngine, grace: float) -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from colibri_common.device import device_scope
+from colibri_common.file_watch import FileWatch, MappingChanged
 from router_service.engine.batch import Step
 from router_service.engine.events import Event, Failed, FailureCode, Finished, Outputs, Tokens
 from router_service.engine.metrics import Metrics
@@ -43,6 +45,8 @@ class Engine:
         self.micro_batches = micro_batches
         self.window = model.cfg.sliding_window if model.cfg.sliding_layers else 0   # sliding layers' masks
         self.metrics = Metrics(sources=[experts])
+        self.mapped: FileWatch | None = None       # the files of weights the model reads in place (build.py)
+        self.on_damage: Callable[[str], None] | None = None   # told once when those files change (server.py)
         self.phase = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "postprocess": 0.0}  # seconds
         self.metrics.gauges.update(self._occupancy())
         self.eos = frozenset(eos_token_ids)
@@ -195,6 +199,9 @@ class Engine:
                 with self._cv:
                     self._postprocess(step, logits)
                     self._update_metrics(step, time.perf_counter() - t0)
+            except MappingChanged as exc:       # weights read in place changed: no step may run again
+                self._damaged(str(exc))
+                return
             except ExpertsUnavailable as exc:   # no live worker for some tokens' experts: fail those requests
                 self._fail_unserved(step, exc)
             except WorkerError as exc:   # a worker failed: fail this step's requests, keep serving
@@ -204,6 +211,19 @@ class Engine:
             except Exception as exc:     # a bug: log it whole, fail the step's requests (not retryable), go on
                 log.exception("step %d failed", self.metrics.steps)
                 self._fail_step(step, FailureCode.INTERNAL, f"internal error in the engine step: {exc!r}")
+
+    def _damaged(self, why: str) -> None:
+        """The checkpoint bytes the model reads in place changed under it (a read could fault): every open request
+        ends UNAVAILABLE (retryable), the engine stops, and `on_damage` stops the service (a restart maps afresh)."""
+        message = f"{why}; the router stops to map it afresh: retry"
+        log.error("%s: the engine stops", why)
+        with self._cv:
+            self.stopped = message
+            self._stop = True
+            for seq in list(self.seqs.values()):
+                self._fail(seq, FailureCode.UNAVAILABLE, message)
+        if self.on_damage is not None:
+            self.on_damage(why)
 
     def _schedule(self) -> Step | None:
         """Wait for work, apply aborts, pick this step's batch; None when the engine stops."""
@@ -232,6 +252,8 @@ class Engine:
                 slices.append(SeqSlice(seq.num_cached, s.num_new, seq.block_table, s.samples))
                 tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
             inputs.append(StepInputs.build(slices, tokens, self.kv.block_size, self.window))
+        if self.mapped is not None and (why := self.mapped.stale(self.mapped.stamps)) is not None:
+            raise MappingChanged(why)                                       # checked before any read of them
         t1 = time.perf_counter()
         with self.experts.stepping():                                         # placement switches between steps
             logits = self.model.forward(inputs, self.kv, self.experts)       # [B, V]

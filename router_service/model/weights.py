@@ -7,7 +7,8 @@ I a dense MLP's or the shared expert's width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -65,12 +66,23 @@ class LayerWeights:
     gate_bias: torch.Tensor | None = None    # [E] the router linear's bias, added to the logits (GPT-OSS)
 
 
+IN_PLACE = ("embed", "lm_head")          # the router's largest weights, used where they lie when they may be
+
+
 @dataclass
 class RouterWeights:
     embed: torch.Tensor                   # [V, H]
     norm: torch.Tensor                    # [H]
     lm_head: Weight                       # [V, H]
     layers: list[LayerWeights]
+    mapped: dict[str, Path] = field(default_factory=dict)   # role -> file, of the weights used in place (mapped)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the weights used in place (a tied lm_head is the embedding: counted once)."""
+        held = {id(t): t for role, t in (("embed", self.embed), ("lm_head", self.lm_head))
+                if role in self.mapped and isinstance(t, torch.Tensor)}
+        return sum(t.numel() * t.element_size() for t in held.values())
 
     def linear_shapes(self, act_dtype: torch.dtype) -> list[tuple[int, int, str]]:
         """(Dout, Din, kind) of every weight the router multiplies by (the CPU forms are measured for these)."""
@@ -87,6 +99,7 @@ class RouterWeights:
             return quantize_int8(w, w8a8=w8a8, act_dtype=act_dtype)
 
         self.lm_head = q8(self.lm_head)                  # a copy even when tied: the embedding stays as it is
+        self.mapped.pop("lm_head", None)
         for lw in self.layers:                     # latent attention: its projections (W_UK, W_UV stay)
             lw.qkv = None if lw.qkv is None else q8(lw.qkv)
             lw.o = q8(lw.o)
@@ -99,9 +112,23 @@ class RouterWeights:
 
     @staticmethod
     def load(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, progress: bool = False,
-             device: torch.device | None = None) -> RouterWeights:
+             device: torch.device | None = None, in_place: bool = False) -> RouterWeights:
+        """The router's weights, copied out of the checkpoint; with `in_place`, the embedding and lm_head are
+        the mapped checkpoint's own bytes where they may be (on a CPU, stored in the compute dtype: no copy, the
+        page cache shared with every process and restart on the host; `mapped` names their files, which the
+        caller keeps mapped and watches)."""
+        mapped: dict[str, Path] = {}
+
+        def one(role: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if in_place and role in IN_PLACE and (device is None or device.type == "cpu"):
+                view = ckpt.tensor(name, shape)
+                if view.dtype == dtype and view.is_contiguous():
+                    mapped[role] = ckpt.entry(name).file
+                    return view
+            return ckpt.load(name, shape, dtype).to(device or "cpu")
+
         def load_all(specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-            return {role: ckpt.load(name, shape, dtype).to(device or "cpu") for role, (name, shape) in specs.items()}
+            return {role: one(role, name, shape) for role, (name, shape) in specs.items()}
 
         def load_f32(spec: tuple[str, tuple[int, ...]] | None) -> torch.Tensor | None:
             return None if spec is None else ckpt.load(*spec, torch.float32).to(device or "cpu")
@@ -140,4 +167,4 @@ class RouterWeights:
                 mla=MlaWeights.of(t, cfg) if cfg.mla is not None else None,
             ))
         return RouterWeights(embed=top["embed"], norm=top["norm"], lm_head=top.get("lm_head", top["embed"]),
-                             layers=layers)
+                             layers=layers, mapped=mapped)
