@@ -135,7 +135,10 @@ class LLM:
             raise ValueError("LLM: wrap_experts wraps in-process experts; it needs workers=0")
         self.model = str(model)
         self.workers = workers
-        router = RouterOptions(model=self.model, **{k: v for k, v in options.items() if k in _ROUTER})
+        # in this process the weights are copied unless asked otherwise: nothing here restarts an engine whose
+        # checkpoint changed under its mapping (a fleet's router does: --weights-in-place)
+        router = RouterOptions(model=self.model, **{"weights_in_place": "auto" if workers else "off",
+                                                    **{k: v for k, v in options.items() if k in _ROUTER}})
         cache = ExpertCacheOptions(**{k: v for k, v in options.items() if k in _CACHE})
         self._ids = itertools.count()
         self._built: list[BuiltEngine] = []          # lists, so the finaliser holds them and never self

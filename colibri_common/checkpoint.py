@@ -19,6 +19,7 @@ import torch
 
 from colibri_common import page_cache
 from colibri_common.errors import CheckpointError
+from colibri_common.file_watch import Stamp
 from colibri_common.fp8 import Fp8Format
 from kernels import fp8, mxfp4
 
@@ -127,6 +128,7 @@ class Checkpoint:
         self.fp8 = Fp8Format.from_dir(self.dir)      # block-scaled FP8 weights, dequantised as they are read
         self.entries: dict[str, TensorEntry] = {}
         self._maps: dict[Path, mmap.mmap] = {}
+        self.stamps: dict[Path, Stamp] = {}           # each mapped file's identity when it was mapped
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -166,6 +168,8 @@ class Checkpoint:
             try:
                 # ACCESS_COPY: private, writable pages (no torch warning), shared until written; we never write.
                 self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                st = os.fstat(fd)                           # the identity of what is mapped (FileWatch)
+                self.stamps[path] = Stamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
                 page_cache.advise_huge(self._maps[path])    # a fault on bytes not cached reads a 2 MiB folio
             finally:
                 os.close(fd)

@@ -32,8 +32,11 @@ class Stamp:
 
 
 class FileWatch:
-    def __init__(self, paths: Iterable[Path | str]) -> None:
-        self.stamps = {Path(p): Stamp.of(Path(p)) for p in dict.fromkeys(paths)}
+    def __init__(self, paths: Iterable[Path | str], stamps: dict[Path, Stamp] | None = None) -> None:
+        """`stamps`: each file's identity when it was mapped, where known (a change between the mapping and
+        this watch is then seen too); the others are taken now."""
+        known = stamps or {}
+        self.stamps = {Path(p): known.get(Path(p)) or Stamp.of(Path(p)) for p in dict.fromkeys(paths)}
         self.reason: str | None = None        # the first change seen, kept
         self._stop = threading.Event()
         # descriptors of the mapped inodes: fstat on them costs a fraction of a microsecond, so a reader can
@@ -45,7 +48,10 @@ class FileWatch:
         if self.reason is not None:
             return self.reason
         for path in paths:
-            st = os.fstat(self._fds[path])
+            fd = self._fds.get(path)
+            if fd is None:                    # closed: its owner is stopping and reads nothing more
+                return None
+            st = os.fstat(fd)
             was = self.stamps[path]
             if st.st_size != was.size:
                 self.reason = f"{path} changed size while mapped ({was.size} -> {st.st_size} bytes)"

@@ -132,12 +132,15 @@ def start_router(model, worker: str, *extra: str):
     return p, line.split()[1]
 
 
-@pytest.mark.parametrize("change", ["truncated", "overwritten"])
+@pytest.mark.parametrize("change, flags", [("truncated", ()), ("overwritten", ()),
+                                           ("truncated", ("--routing-aware-batching",))],
+                         ids=["truncated", "overwritten", "truncated-routing-aware"])
 def test_a_checkpoint_changed_under_the_routers_mapped_weights_is_named_and_the_router_stops_for_a_restart(
-        model, change):
+        model, change, flags):
+    """Routing-aware batching reads the embedding on the caller's thread at admission (its hint): guarded too."""
     worker, waddr = start_worker(model, "--experts-in-place", "off")     # its experts packed: only the router maps
     try:
-        router, addr = start_router(model, waddr)
+        router, addr = start_router(model, waddr, *flags)
         (f,) = model.glob("*.safetensors")
         with Client(addr) as client:
             before = client.generate([1, 2, 3], max_tokens=4).token_ids
@@ -182,3 +185,14 @@ def test_with_weights_in_place_off_the_router_copies_them_and_a_changed_file_doe
     finally:
         worker.kill()
         worker.communicate()
+
+
+def test_the_in_process_engine_copies_its_weights_unless_asked(model):
+    """Nothing restarts an in-process engine whose checkpoint changed under its mapping: it copies the embedding
+    and lm_head by default, and maps them only when asked."""
+    from colibri.llm import LLM
+
+    with LLM(model, workers=0, cpu_forms="off") as llm:
+        assert llm._built[0].mapped is None
+    with LLM(model, workers=0, cpu_forms="off", weights_in_place="auto") as llm:
+        assert llm._built[0].mapped is not None

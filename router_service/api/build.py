@@ -118,7 +118,7 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
         asked = getattr(torch, opts.dtype)
         weights.quantize_int8(w8a8=opts.quantize == "w8a8", act_dtype=asked if asked != dtype else None)
     ckpt.close(keep=weights.mapped.values())     # the files of weights used in place stay mapped, and watched
-    mapped = FileWatch(sorted(set(weights.mapped.values()))) if weights.mapped else None
+    mapped = FileWatch(sorted(set(weights.mapped.values())), ckpt.stamps) if weights.mapped else None
     set_batch_invariant(opts.batch_invariant)   # the process's linears (and its in-process experts)
     return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
     if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
@@ -143,8 +143,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     model.prefetch = opts.expert_prefetch
     model.batch_invariant = opts.batch_invariant
     model.track_routing = sched.routing_aware_batching
+    model.mapped = mapped
     engine = Engine(model, kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
-    engine.mapped = mapped
     if device.type == "cpu":
         if native.refused_override():
             raise ConfigError(native.refused_override())

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from colibri_common.device import device_scope
-from colibri_common.file_watch import FileWatch, MappingChanged
+from colibri_common.file_watch import MappingChanged
 from router_service.engine.batch import Step
 from router_service.engine.events import Event, Failed, FailureCode, Finished, Outputs, Tokens
 from router_service.engine.metrics import Metrics
@@ -45,8 +45,7 @@ class Engine:
         self.micro_batches = micro_batches
         self.window = model.cfg.sliding_window if model.cfg.sliding_layers else 0   # sliding layers' masks
         self.metrics = Metrics(sources=[experts])
-        self.mapped: FileWatch | None = None       # the files of weights the model reads in place (build.py)
-        self.on_damage: Callable[[str], None] | None = None   # told once when those files change (server.py)
+        self.on_damage: Callable[[str], None] | None = None   # told once when the model's mapped weights change
         self.phase = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "postprocess": 0.0}  # seconds
         self.metrics.gauges.update(self._occupancy())
         self.eos = frozenset(eos_token_ids)
@@ -101,8 +100,8 @@ class Engine:
         whole KV cache cannot hold."""
         group = choices if isinstance(choices, list) else [choices]
         seq = group[0]
-        if self.model.track_routing and not seq.experts and not self.draining:   # routing-aware batching
-            seq.experts = self._likely_experts(seq)
+        if self.model.track_routing and not seq.experts and not self.draining and self.stopped is None:
+            seq.experts = self._likely_experts(seq)                       # routing-aware batching
             for other in group[1:]:
                 other.experts = seq.experts
         shared = (len(seq.prompt_ids) - 1) // self.kv.block_size   # full prompt blocks; >= 1 token left to run
@@ -148,6 +147,8 @@ class Engine:
         try:
             with device_scope(self.model.device):
                 return self.model.predict_experts(seq.prompt_ids)
+        except MappingChanged:           # the embedding's file changed: no hint (the next step fails the request)
+            return frozenset()
         except Exception:  # noqa: BLE001 (admission goes on without the hint)
             log.exception("request %s: predicting its experts failed; admitted without them", seq.request_id)
             return frozenset()
@@ -252,8 +253,6 @@ class Engine:
                 slices.append(SeqSlice(seq.num_cached, s.num_new, seq.block_table, s.samples))
                 tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
             inputs.append(StepInputs.build(slices, tokens, self.kv.block_size, self.window))
-        if self.mapped is not None and (why := self.mapped.stale(self.mapped.stamps)) is not None:
-            raise MappingChanged(why)                                       # checked before any read of them
         t1 = time.perf_counter()
         with self.experts.stepping():                                         # placement switches between steps
             logits = self.model.forward(inputs, self.kv, self.experts)       # [B, V]

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from colibri_common.config import ModelConfig
+from colibri_common.file_watch import FileWatch, MappingChanged
 from kernels import Routing, linear, native, pick_rows, route
 from router_service.model.attention import attention
 from router_service.model.kv_cache import KVCache
@@ -66,6 +67,7 @@ class RouterModel:
         self.track_routing = False
         self.batch_invariant = False   # every row alone (`by_row`), attention per query: see `rows`
         self.fused_attention = True    # decode steps' attention blocks in one native call where they may (_fusable)
+        self.mapped: FileWatch | None = None   # the files of the weights used in place (build.py), checked by guard
         self.last_routing: list[list[torch.Tensor]] = []      # per micro-batch: ids [T, K] per MoE layer
         self.predicted = self.predicted_right = 0            # prefetch: experts predicted, and then routed to
         moe = [i for i, lw in enumerate(weights.layers) if lw.gate is not None]
@@ -121,6 +123,7 @@ class RouterModel:
         """A prompt's likely experts before it runs: every MoE layer's gate on the token embeddings (the part
         of the residual stream the layers add to), the top-k by summed weight per layer, as layer·E + e."""
         cfg = self.cfg
+        self.guard()
         h = self.w.embed[torch.tensor(token_ids[-16:], device=self.device)]          # [n, H]
         out: set[int] = set()
         for i, lw in enumerate(self.w.layers):
@@ -145,6 +148,7 @@ class RouterModel:
         cfg, rows = self.cfg, self.rows
         step = step.to(self.device)                                          # built on the host
         assert not self.sliding or step.window == cfg.sliding_window, "sliding layers need the window's masks"
+        self.guard()
         h = self.w.embed.index_select(0, step.token_ids)                     # [T, H] (no OpenMP region)
         cos, sin = rows(lambda p: self.rope.cos_sin(p, self.dtype), step.positions)   # [T, R] rotary dims
         guess: set[int] | None = None                                        # prefetch: this layer's prediction
@@ -170,8 +174,16 @@ class RouterModel:
                 shared = rows(partial(self._shared, lw), r)                                       # [T, H]
             out = yield handle                                               # combine  [T, H]
             h = h + (out if shared is None else out + shared)
+        self.guard()
         return rows(lambda h: linear(rms_norm(h, self.w.norm, cfg.rms_norm_eps), self.w.lm_head),
                     h.index_select(0, step.sample_rows)).float()             # [B, V]
+
+    def guard(self) -> None:
+        """Just before a read of the weights used in place: MappingChanged where their file changed since it was
+        mapped (a truncated file would fault the read, SIGBUS; an overwritten one would feed other bytes). An
+        fstat a file: under a microsecond."""
+        if self.mapped is not None and (why := self.mapped.stale(self.mapped.stamps)) is not None:
+            raise MappingChanged(why)
 
     def _dense_mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         return silu_mlp(rms_norm(h, lw.ln2, self.cfg.rms_norm_eps), lw.mlp_gate_up, lw.mlp_down)    # [T, H]

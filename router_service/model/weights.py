@@ -121,7 +121,7 @@ class RouterWeights:
 
         def one(role: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
             if in_place and role in IN_PLACE and (device is None or device.type == "cpu"):
-                view = ckpt.tensor(name, shape)
+                view = ckpt.view(name, shape)                 # the stored bytes (an FP8 tensor stays FP8 here)
                 if view.dtype == dtype and view.is_contiguous():
                     mapped[role] = ckpt.entry(name).file
                     return view
