@@ -29,18 +29,6 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {};
 };
 
-// Tiles 0-1: C [16 W rows, N x rows], 2-3: A [16 W rows, 64 bytes], 4: B [16 groups, N x rows]: N * 4 bytes a row
-// of B and C, so a B tile holds only the rows there are. Loaded for every pass: the thread may have run another AMX
-// user (oneDNN) since.
-static inline void configure_tiles(int N) {
-    TileConfig cfg;
-    for (int t = 0; t < 5; ++t) {
-        cfg.colsb[t] = uint16_t(t == 2 || t == 3 ? 64 : 4 * N);
-        cfg.rows[t] = 16;
-    }
-    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));        // all 64 bytes an input (GCC 12's intrinsic names 8 of them)
-}
-
 // tileloadd with a memory clobber: GCC's _tile_loadd passes only the address, so stores into a buffer it reads
 // (the zero-padded tails, the packed x) could be dropped or moved past it.
 #define CK_TILE_LOAD(tmm, p, stride) \
@@ -79,14 +67,35 @@ static inline const T* w_tile(const T* w, int K, int o, int rows, int k, T* pad,
     return pad;
 }
 
-template <typename T>
-static inline void dot_tiles() {          // C0 += A0 B, C1 += A1 B
+// Tiles 0-3: C [16 W rows, N x rows] (A0 and A1 against B0, then against B1), 4-5: A [16 W rows, 64 bytes],
+// 6-7: B [16 groups, N x rows]: two 16-row groups of x per pass over a block (the 8 tiles there are), so each A tile
+// is loaded once for both. Loaded for every call: the thread may have run another AMX user (oneDNN) since.
+static inline void configure_tiles_2x2(int N, bool two = true) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+        if (!two && (t == 2 || t == 3 || t == 7)) continue;   // one group: those tiles unconfigured (unused)
+        cfg.colsb[t] = uint16_t(t == 4 || t == 5 ? 64 : 4 * N);
+        cfg.rows[t] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));        // all 64 bytes an input (GCC 12's intrinsic names 8 of them)
+}
+
+template <typename T, bool two>
+static inline void dot_2x2() {               // C0 += A0 B0, C1 += A1 B0; with `two` C2 += A0 B1, C3 += A1 B1
     if constexpr (sizeof(T) == 2) {
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(1, 3, 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if constexpr (two) {
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     } else {
-        _tile_dpbssd(0, 2, 4);
-        _tile_dpbssd(1, 3, 4);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 5, 6);
+        if constexpr (two) {
+            _tile_dpbssd(2, 4, 7);
+            _tile_dpbssd(3, 5, 7);
+        }
     }
 }
 
@@ -129,10 +138,51 @@ static inline void put_transposed(const void* cp, int nn, int nr, const float* x
     }
 }
 
+// C tiles 2h, 2h + 1 of a pass (x rows 16 g.., g = 2p + h; W rows ob.. and ob + 16..) into y, as put_transposed.
+template <bool I32>
+static inline void put_pass(const void* c0, const void* c1, int M, int g, int rows, const float* xs,
+                            const float* ws, int ob, float* y, int64_t ldy) {
+    const int nn = M - 16 * g < 16 ? M - 16 * g : 16;
+    float* yg = y + (int64_t)16 * g * ldy + ob;
+    const float* xg = I32 ? xs + 16 * g : nullptr;
+    const float* w0 = ws ? ws + ob : nullptr;
+    put_transposed<I32>(c0, nn, rows < 16 ? rows : 16, xg, w0, yg, ldy);
+    if (rows > 16) put_transposed<I32>(c1, nn, rows - 16, xg, w0 ? w0 + 16 : nullptr, yg + 16, ldy);
+}
+
+// One pass of one (or, `two`, two) 16-row groups of x over W rows [ob, ob + rows) into C0-C1 (C2-C3): A tiles
+// straight from W (w_tile), B from the packed groups at xb0 (and xb0 + group_words).
+template <typename T, bool two>
+static inline void amx_pass(const uint32_t* xb0, int64_t group_words, int N, int chunks, int K, const T* w, int ob,
+                            int rows, T (&pad)[2][1024 / sizeof(T)], Ahead& ahead) {
+    constexpr int KE = AmxTraits<T>::KE;
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int kc = 0; kc < chunks; ++kc) {
+        ahead.step(two ? 4096 : 2048);
+        CK_TILE_LOAD(6, xb0 + (int64_t)kc * 16 * N, 4 * N);
+        if constexpr (two) CK_TILE_LOAD(7, xb0 + group_words + (int64_t)kc * 16 * N, 4 * N);
+        int stride;
+        const T* a0 = w_tile(w, K, ob, rows < 16 ? rows : 16, kc * KE, pad[0], stride);
+        CK_TILE_LOAD(4, a0, stride);
+        if (rows > 16) {
+            const T* a1 = w_tile(w, K, ob + 16, rows - 16, kc * KE, pad[1], stride);
+            CK_TILE_LOAD(5, a1, stride);
+        } else {
+            _tile_zero(5);
+        }
+        dot_2x2<T, two>();
+    }
+}
+
 // y[n, o] for x rows [0, M) and W rows [o0, o1): float C as it is (bf16), or int32 C times xs[n] then ws[o]
-// (W8A8, as gemm.h's tile_i8). 32 W rows a block (two A tiles) streamed from memory once: every 16-row group of x
-// passes over the block while it is in L1/L2; the next block's bytes, or `after` past the last, requested as the
-// block's chunks are multiplied (gemm.h's Ahead).
+// (W8A8, as gemm.h's tile_i8). 32 W rows a block (two A tiles) streamed from memory once: two 16-row groups of x a
+// pass (2 x 2 tiles), further passes over the block from L1/L2; the next block's bytes, or `after` past the last,
+// requested as the block's chunks are multiplied (gemm.h's Ahead).
 template <typename T>
 static void amx_linear(const T* x, int64_t ldx, int M, int K, const T* w, const float* xs, const float* ws, int o0,
                        int o1, float* y, int ldy, Ahead after) {
@@ -148,39 +198,27 @@ static void amx_linear(const T* x, int64_t ldx, int M, int K, const T* w, const 
         pack_x(x + int64_t(g) * 16 * ldx, ldx, M - 16 * g < N ? M - 16 * g : N, K, N,
                packed.data() + g * group_words);
     }
-    configure_tiles(N);
-    alignas(64) T pad[1024 / sizeof(T)];
-    alignas(64) int32_t c[32][16];                           // C0 and C1 as stored (float bits for bf16)
+    configure_tiles_2x2(N, groups > 1);
+    constexpr bool I32 = sizeof(T) == 1;
+    alignas(64) T pad[2][1024 / sizeof(T)];
+    alignas(64) int32_t c[4][16][16];                        // C0-C3 as stored (float bits for bf16)
     for (int ob = o0; ob < o1; ob += 32) {
         const int rows = o1 - ob < 32 ? o1 - ob : 32;
         // every group passes over the block (ahead_of counts 4-row passes)
         Ahead ahead = ahead_of(w, int64_t(K) * int64_t(sizeof(T)), ob, 32, o1, 4 * groups, after);
-        for (int g = 0; g < groups; ++g) {
-            const uint32_t* xb = packed.data() + g * group_words;
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int kc = 0; kc < chunks; ++kc) {
-                ahead.step(2048);
-                CK_TILE_LOAD(4, xb + (int64_t)kc * 16 * N, 4 * N);
-                int stride;
-                const T* a0 = w_tile(w, K, ob, rows < 16 ? rows : 16, kc * KE, pad, stride);
-                CK_TILE_LOAD(2, a0, stride);
-                if (rows > 16) {
-                    const T* a1 = w_tile(w, K, ob + 16, rows - 16, kc * KE, pad, stride);
-                    CK_TILE_LOAD(3, a1, stride);
-                } else {
-                    _tile_zero(3);
-                }
-                dot_tiles<T>();
-            }
+        for (int g = 0; g < groups; g += 2) {
+            if (g + 1 < groups)
+                amx_pass<T, true>(packed.data() + g * group_words, group_words, N, chunks, K, w, ob, rows, pad, ahead);
+            else
+                amx_pass<T, false>(packed.data() + g * group_words, group_words, N, chunks, K, w, ob, rows, pad, ahead);
             _tile_stored(0, c[0], 64);
-            _tile_stored(1, c[16], 64);
-            const int nn = M - 16 * g < 16 ? M - 16 * g : 16;
-            float* yg = y + (int64_t)16 * g * ldy + ob;
-            constexpr bool I32 = sizeof(T) == 1;
-            const float* xg = I32 ? xs + 16 * g : nullptr;
-            put_transposed<I32>(c[0], nn, rows < 16 ? rows : 16, xg, I32 ? ws + ob : nullptr, yg, ldy);
-            if (rows > 16) put_transposed<I32>(c[16], nn, rows - 16, xg, I32 ? ws + ob + 16 : nullptr, yg + 16, ldy);
+            _tile_stored(1, c[1], 64);
+            put_pass<I32>(c[0], c[1], M, g, rows, xs, I32 ? ws : nullptr, ob, y, ldy);
+            if (g + 1 < groups) {
+                _tile_stored(2, c[2], 64);
+                _tile_stored(3, c[3], 64);
+                put_pass<I32>(c[2], c[3], M, g + 1, rows, xs, I32 ? ws : nullptr, ob, y, ldy);
+            }
         }
     }
     _tile_release();                                         // back to the init state: cheaper context switches
@@ -210,17 +248,6 @@ static inline void widen_chunk(const int8_t* w, int K, int o, int rows, int kc, 
         }
     }
     for (int r = rows; r < 32; ++r) _mm512_store_si512(a + r * 32, _mm512_setzero_si512());
-}
-
-// Tiles 0-3: C [16 W rows, N x rows] (A0 and A1 against B0, then against B1), 4-5: A [16 W rows, 64 bytes],
-// 6-7: B [16 groups, N x rows]: two 16-row groups of x per pass over a block (the 8 tiles there are).
-static inline void configure_tiles_2x2(int N) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = uint16_t(t == 4 || t == 5 ? 64 : 4 * N);
-        cfg.rows[t] = 16;
-    }
-    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
 // Weight-only int8 against bf16 x on tiles: each chunk of 32 W rows by 32 of K widened to bf16 (widen_chunk, into a
@@ -274,15 +301,11 @@ static void amx_linear_i8w(const uint16_t* x, int M, int K, const int8_t* w, con
             }
             _tile_stored(0, c[0], 64);
             _tile_stored(1, c[1], 64);
+            put_pass<false>(c[0], c[1], M, 2 * p, rows, nullptr, ws, ob, y, ldy);
             if (two) {
                 _tile_stored(2, c[2], 64);
                 _tile_stored(3, c[3], 64);
-            }
-            for (int h = 0; h < (two ? 2 : 1); ++h) {          // x rows 32p + 16h.., W rows ob.. and ob + 16..
-                const int nn = M - 32 * p - 16 * h < 16 ? M - 32 * p - 16 * h : 16;
-                float* yh = y + (int64_t)(32 * p + 16 * h) * ldy + ob;
-                put_transposed<false>(c[2 * h], nn, rows < 16 ? rows : 16, nullptr, ws + ob, yh, ldy);
-                if (rows > 16) put_transposed<false>(c[2 * h + 1], nn, rows - 16, nullptr, ws + ob + 16, yh + 16, ldy);
+                put_pass<false>(c[2], c[3], M, 2 * p + 1, rows, nullptr, ws, ob, y, ldy);
             }
         }
     }
