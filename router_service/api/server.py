@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -241,11 +242,13 @@ def serve_router(opts: RouterOptions) -> int:
     workers = opts.workers or wait_for_workers(opts.follow_workers, 600.0)
     built = build_engine(opts, remote_experts(opts, workers))
     damaged: list[str] = []
+    once = threading.Lock()                       # the watch's thread and the engine's may both see the change
 
     def stop_serving(reason: str) -> None:        # once: NOT_SERVING, drain, stop
-        if damaged:
-            return
-        damaged.append(reason)
+        with once:
+            if damaged:
+                return
+            damaged.append(reason)
         service.set_serving(False)
         service.stop_soon(f"{reason}; the router's weights are not read any more (a restart maps the files afresh)")
 
