@@ -1,8 +1,9 @@
 """What a same-host worker's messages cost in bytes work, the part a shared-memory path would remove: for one
-MoE layer sent to one worker, the router building and serializing the ForwardRequest, the worker's copy of the
-frame, its parse and decode, the worker building and serializing the ForwardResponse (float64 partial sums), and
-the router's copy, parse and decode of it. In a warm loop on one thread, without the sockets (their kernel copies
-are not counted) nor the wake-ups (which a shared-memory path keeps: it needs a doorbell too).
+MoE layer sent to one worker, the router building and serializing the ForwardRequest, the worker's parse (of the
+buffer `recv_frame` read the frame into, not a copy) and decode, the worker building and serializing the
+ForwardResponse (float64 partial sums), and the router's parse and decode of it. In a warm loop on one thread,
+without the sockets (their kernel copies are not counted) nor the wake-ups (which a shared-memory path keeps: it
+needs a doorbell too).
 
     python -m benchmarks.wire_cost
 """
@@ -41,10 +42,10 @@ def pair_seconds(T: int, H: int, K: int) -> tuple[float, int, int]:
         payload = request()
         if len(payload) < 65536:                                                     # send_frame's one buffer
             HEADER.pack(len(payload), 0) + payload
-        got = expert_pb2.ForwardRequest.FromString(bytes(sent_req))                  # the worker's side
+        got = expert_pb2.ForwardRequest.FromString(sent_req)                         # the worker's side
         wire.decode(got.hidden), wire.decode(got.topk_ids), wire.decode(got.topk_weights)
         reply()
-        wire.decode(expert_pb2.ForwardResponse.FromString(bytes(sent_rep)).output)   # the router's side
+        wire.decode(expert_pb2.ForwardResponse.FromString(sent_rep).output)          # the router's side
 
     return time_fn(round_trip, min_runs=200, min_seconds=1.0), len(sent_req), len(sent_rep)
 

@@ -262,15 +262,15 @@ static void amx_linear_i8w(const uint16_t* x, int M, int K, const int8_t* w, con
     const int chunks = (K + 31) / 32;
     const int N = M < 16 ? M : 16, groups = (M + 15) / 16, pairs = (groups + 1) / 2;
     const int64_t group_words = int64_t(chunks) * 16 * N;
-    thread_local std::vector<uint32_t> packed;               // this thread's B tiles (one zero group past the last)
+    thread_local std::vector<uint32_t> packed;               // this thread's B tiles
     thread_local std::vector<uint16_t> wide;                 // this thread's widened block (+ alignment slack)
-    if (packed.size() < size_t(group_words * (groups + 1))) packed.resize(group_words * (groups + 1));
+    if (packed.size() < size_t(group_words * groups)) packed.resize(group_words * groups);
     if (wide.size() < size_t(chunks) * 1024 + 32) wide.resize(size_t(chunks) * 1024 + 32);
     uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wide.data()) + 63) & ~uintptr_t(63));
-    std::memset(packed.data(), 0, group_words * (groups + 1) * 4);
+    std::memset(packed.data(), 0, group_words * groups * 4);
     for (int g = 0; g < groups; ++g)
         pack_x(x + int64_t(g) * 16 * K, K, M - 16 * g < N ? M - 16 * g : N, K, N, packed.data() + g * group_words);
-    configure_tiles_2x2(N);
+    configure_tiles_2x2(N, groups > 1);
     alignas(64) float c[4][16][16];
     for (int ob = o0; ob < o1; ob += 32) {
         const int rows = o1 - ob < 32 ? o1 - ob : 32;
@@ -278,12 +278,13 @@ static void amx_linear_i8w(const uint16_t* x, int M, int K, const int8_t* w, con
         ahead.passes = pairs;               // the first pass's widening and every later pass earn the block's bytes
         for (int p = 0; p < pairs; ++p) {
             const uint32_t* xb0 = packed.data() + 2 * p * group_words;
-            const uint32_t* xb1 = xb0 + group_words;         // a zero group where there is no second one
             const bool two = 2 * p + 1 < groups;
             _tile_zero(0);
             _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            if (two) {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
             for (int kc = 0; kc < chunks; ++kc) {
                 uint16_t* a = pairs == 1 ? buf : buf + kc * 1024;   // one pass: a chunk's 2 KiB stay in L1
                 if (p == 0) widen_chunk(w, K, ob, rows, kc, a, ahead);
@@ -291,12 +292,11 @@ static void amx_linear_i8w(const uint16_t* x, int M, int K, const int8_t* w, con
                 CK_TILE_LOAD(4, a, 64);
                 CK_TILE_LOAD(5, a + 512, 64);
                 CK_TILE_LOAD(6, xb0 + (int64_t)kc * 16 * N, 4 * N);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 5, 6);
                 if (two) {
-                    CK_TILE_LOAD(7, xb1 + (int64_t)kc * 16 * N, 4 * N);
-                    _tile_dpbf16ps(2, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
+                    CK_TILE_LOAD(7, xb0 + group_words + (int64_t)kc * 16 * N, 4 * N);
+                    dot_2x2<uint16_t, true>();
+                } else {
+                    dot_2x2<uint16_t, false>();
                 }
             }
             _tile_stored(0, c[0], 64);

@@ -42,14 +42,14 @@ struct Task {
 };
 
 // One projection of every expert with work: out[pairs of a] = in[pairs of a] @ (a's blocks stacked).T (float32);
-// counts[a] pairs of active expert a, its blocks srcs[a]. kind 3 (W8A8): in's rows are quantised first; `inb`, where
-// given, is in's rows as bf16 (their values are) for bf16 weights, multiplied on the level's tiles (AMX).
-void project(const at::Tensor& in, const uint16_t* inb, const std::vector<int64_t>& counts,
+// counts[a] pairs of active expert a, its blocks srcs[a]; `in` [n, K] float32. kind 3 (W8A8): in's rows are quantised
+// first. `inb`, where given, is the rows as bf16 instead (bf16 weights on the level's tiles, AMX; `in` is null then).
+void project(const float* in, const uint16_t* inb, int64_t n, const std::vector<int64_t>& counts,
              const std::vector<std::vector<Src>>& srcs, int kind, int64_t K, int64_t esize, at::Tensor& out) {
     const int64_t Dout = out.size(1);
-    const float* xp = in.data_ptr<float>();
+    const float* xp = in;
     float* yp = out.data_ptr<float>();
-    Quantized xq = kind == 3 ? quantize_rows(xp, in.size(0), K) : Quantized{};
+    Quantized xq = kind == 3 ? quantize_rows(xp, n, K) : Quantized{};
     std::vector<Task> todo;
     int64_t row = 0;
     for (size_t a = 0; a < counts.size(); ++a) {
@@ -64,7 +64,7 @@ void project(const at::Tensor& in, const uint16_t* inb, const std::vector<int64_
     linear_fn fn = colibri_ops::linear_kernel();
     linear_i8_fn fn8 = colibri_ops::linear_i8_kernel();
     linear_bf16_fn fnb = colibri_ops::linear_bf16_kernel();
-    int64_t mean_rows = 1 + in.size(0) / std::max<int64_t>(1, int64_t(counts.size()));
+    int64_t mean_rows = 1 + n / std::max<int64_t>(1, int64_t(counts.size()));
     colibri_ops::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0, u; t < t1; t = u) {
             // this thread's consecutive blocks of one source for the same rows are one call (each output is still
@@ -112,15 +112,17 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
                const std::vector<std::vector<Src>>& s13, const std::vector<std::vector<Src>>& s2, int kind,
                int64_t esize, int64_t I, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                double alpha, c10::optional<double> limit, double up_offset, const at::Tensor& xb) {
-    const int64_t P = xs.size(0), H = xs.size(1), I2 = 2 * I;
-    at::Tensor x = xs.to(at::kFloat).contiguous();
-    // xb, where the caller gathered it (bf16 weights on a level with tiles): xs's rows as bf16, which gate/up multiply
-    // on the tiles (AMX); down's input, the float32 activation, keeps the float path
+    // the pairs' rows: float32 `xs`, or (bf16 weights on a level with tiles) bf16 `xb` instead, which gate/up
+    // multiply on the tiles (AMX); down's input, the float32 activation, keeps the float path
+    const at::Tensor& rows_in = xb.defined() ? xb : xs;
+    const int64_t P = rows_in.size(0), H = rows_in.size(1), I2 = 2 * I;
+    const float* xp = xb.defined() ? nullptr : xs.data_ptr<float>();
     linear_bf16_fn fnb = colibri_ops::linear_bf16_kernel();
     const uint16_t* xbp = xb.defined() ? reinterpret_cast<const uint16_t*>(xb.data_ptr()) : nullptr;
-    at::Tensor gu = at::empty({P, I2}, x.options());                        // [P, 2I]
-    at::Tensor h = at::empty({P, I}, x.options());                          // [P, I]
-    at::Tensor ys = at::empty({P, H}, x.options());                         // [P, H]
+    const auto f32 = rows_in.options().dtype(at::kFloat);
+    at::Tensor gu = at::empty({P, I2}, f32);                                // [P, 2I]
+    at::Tensor h = at::empty({P, I}, f32);                                  // [P, I]
+    at::Tensor ys = at::empty({P, H}, f32);                                 // [P, H]
     at::Tensor bias13 = b13.has_value() ? b13->to(at::kFloat).contiguous() : at::Tensor();
     const float* g = gu.data_ptr<float>();
     float* hp = h.data_ptr<float>();
@@ -147,7 +149,6 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
         const int64_t A = int64_t(counts.size());
         std::vector<int64_t> first(A + 1, 0);                               // each expert's first pair row
         for (int64_t a = 0; a < A; ++a) first[a + 1] = first[a] + counts[a];
-        const float* xp = x.data_ptr<float>();
         float* gp = gu.data_ptr<float>();
         float* yp = ys.data_ptr<float>();
         linear_fn fn = colibri_ops::linear_kernel();
@@ -193,9 +194,9 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
             }
         });
     } else {
-        project(x, xbp, counts, s13, kind, H, esize, gu);
+        project(xp, xbp, P, counts, s13, kind, H, esize, gu);
         colibri_ops::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), activate);
-        project(h, nullptr, counts, s2, kind, I, esize, ys);
+        project(hp, nullptr, P, counts, s2, kind, I, esize, ys);
     }
     if (b2.has_value()) {
         at::Tensor bias2 = b2->to(at::kFloat);
@@ -285,28 +286,21 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
     std::vector<int64_t> order(P), fill(start.begin(), start.end() - 1);
     for (int64_t f = 0; f < T * K; ++f)
         if (le[f] >= 0) order[fill[le[f]]++] = f;
-    // x's rows for the pairs, float32 (rounded to the weights' float dtype first, as the packed path's cast), and
-    // as bf16 too where gate/up run on tiles (bf16 weights on a level with bf16 tiles), gathered in the same pass
-    // (a torch cast of the gathered rows was one more op, and woke torch's OpenMP team). Weight-only int8 experts
-    // keep the float path at every row count: widened to bf16 on tiles (as the dense layers' native_int8_tiles form)
-    // they were faster from 32 tokens but slower at 1 and 8 (docs/performance.md), and a pair's result must not
-    // depend on how many pairs share its expert
+    // x's rows for the pairs (rounded to the weights' float dtype first, as the packed path's cast), gathered once,
+    // in the dtype they are multiplied in: bf16 where gate/up run on tiles (bf16 weights on a level with bf16
+    // tiles), else float32. Weight-only int8 experts keep the float path at every row count: widened to bf16 on
+    // tiles (as the dense layers' native_int8_tiles form) they were faster from 32 tokens but slower at 1 and 8
+    // (docs/performance.md), and a pair's result must not depend on how many pairs share its expert
     at::Tensor xw = (kind != 2 && x.scalar_type() != dt) ? x.to(dt) : x;
     const bool on_tiles = kind == 1 && colibri_ops::linear_bf16_kernel() != nullptr;
-    at::Tensor xf = xw.to(at::kFloat).contiguous();
-    at::Tensor xwc = on_tiles ? xw.contiguous() : at::Tensor();                 // bf16 [T, H]
-    at::Tensor xs = at::empty({P, H}, xf.options());                             // [P, H]
-    at::Tensor xb = on_tiles ? at::empty({P, H}, xwc.options()) : at::Tensor();  // [P, H] bf16
-    const float* xp = xf.data_ptr<float>();
-    float* xsp = xs.data_ptr<float>();
-    const char* xwp = on_tiles ? static_cast<const char*>(xwc.data_ptr()) : nullptr;
-    char* xbp = on_tiles ? static_cast<char*>(xb.data_ptr()) : nullptr;
+    at::Tensor src = on_tiles ? xw.contiguous() : xw.to(at::kFloat).contiguous();   // [T, H]
+    at::Tensor xs = at::empty({P, H}, src.options());                                // [P, H]
+    const char* sp = static_cast<const char*>(src.data_ptr());
+    char* xsp = static_cast<char*>(xs.data_ptr());
+    const int64_t row_bytes = H * src.element_size();
     const int64_t pairs_per_chunk = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H));
     colibri_ops::parallel_for(0, P, pairs_per_chunk, [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p) {
-            std::memcpy(xsp + p * H, xp + (order[p] / K) * H, H * sizeof(float));
-            if (xbp) std::memcpy(xbp + p * H * 2, xwp + (order[p] / K) * H * 2, H * 2);
-        }
+        for (int64_t p = p0; p < p1; ++p) std::memcpy(xsp + p * row_bytes, sp + (order[p] / K) * row_bytes, row_bytes);
     });
     std::vector<int64_t> counts, rows;
     std::vector<std::vector<Src>> src13, src2;
@@ -337,8 +331,8 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
         TORCH_CHECK(src2.back()[0].rows == H, op, ": expert ", e, "'s down must be [H=", H, ", I]");
     }
     TORCH_CHECK(!w8a8 || kind == 2, op, ": W8A8 takes int8 weights");
-    at::Tensor ys = ffn(xs, counts, rows, src13, src2, w8a8 ? 3 : kind, esize, I, b13, b2, alpha, limit,
-                        up_offset, xb);                                                                     // [P, H]
+    at::Tensor ys = ffn(on_tiles ? at::Tensor() : xs, counts, rows, src13, src2, w8a8 ? 3 : kind, esize, I, b13, b2,
+                        alpha, limit, up_offset, on_tiles ? xs : at::Tensor());                                                                     // [P, H]
     at::Tensor wf = weights.to(at::kFloat).contiguous();
     const float* wp = wf.data_ptr<float>();
     std::vector<int64_t> token(P);                                              // each pair's row of acc

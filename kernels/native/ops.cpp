@@ -249,7 +249,6 @@ attention_fn colibri_ops::attention_kernel() { return level().attention; }
 linear_fn colibri_ops::linear_kernel() { return level().linear; }
 linear_i8_fn colibri_ops::linear_i8_kernel() { return level().linear_i8; }
 linear_bf16_fn colibri_ops::linear_bf16_kernel() { return level().linear_bf16; }
-linear_i8w_bf16_fn colibri_ops::linear_i8w_bf16_kernel() { return level().linear_i8w_bf16; }
 
 at::Tensor colibri_ops::linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                                bool w8a8, bool tiles) {

@@ -31,7 +31,6 @@ attention_fn attention_kernel();   // the level in force's decode attention
 linear_fn linear_kernel();         // its small-M linear (float32, bf16, int8 weights)
 linear_i8_fn linear_i8_kernel();   // its W8A8 linear
 linear_bf16_fn linear_bf16_kernel();   // its bf16 x bf16 linear on tiles, or null where it has no tiles
-linear_i8w_bf16_fn linear_i8w_bf16_kernel();   // its bf16 x int8 (widened) linear on tiles, or null
 
 constexpr int64_t BLOCK = 32;      // output rows a task computes (gemm.h streams its weight bytes once)
 int64_t grain(int64_t rows, int64_t k);   // blocks a task takes: at least ~256K multiply-adds

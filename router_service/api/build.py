@@ -54,7 +54,11 @@ class BuiltEngine:
     engine: Engine
     chat_template: str | None = None           # the checkpoint's, handed to the OpenAI front in ModelInfo
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
-    mapped: FileWatch | None = None            # the checkpoint files of the weights used in place (engine.mapped)
+
+    @property
+    def mapped(self) -> FileWatch | None:
+        """The checkpoint files of the weights the model uses in place (its reads are guarded by them)."""
+        return self.engine.model.mapped
 
     @property
     def max_model_len(self) -> int:
@@ -156,4 +160,4 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
         log.info("%s in place (mapped, %.1f MiB): read from the page cache, not copied",
                  " and ".join(sorted(weights.mapped)), weights.mapped_bytes / 2**20)
     template, special = load_chat_template(opts.model)
-    return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special, mapped)
+    return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special)
