@@ -294,8 +294,10 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         fleet.wake()
 
     def on_signal(signum, _frame):
+        # No wake (a put on the calls' queue): the handler runs on the main thread between two of its bytecodes,
+        # perhaps inside that queue's lock. serve_calls polls the flag every 0.5 s, whichever thread took the signal.
         log.info("received %s: stopping the fleet", signal.Signals(signum).name)
-        stop_now()
+        stop_signal.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import select
 import signal
 import sys
 import threading
@@ -21,6 +23,7 @@ CHANNEL_OPTIONS = [
 SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_ping_strikes", 0)]
 STOP_GRACE_S = 5.0      # for open calls to receive their final status after on_stop, then they are cancelled
+WAKE_POLL_S = 1.0       # the main thread's longest sleep between looks at the stop flags (a wake byte ends it sooner)
 
 log = logging.getLogger("colibri")
 
@@ -48,6 +51,9 @@ class Service:
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._stopped = threading.Event()
+        self._wake = os.pipe()     # (read, write): a byte wakes run_until_signal's main thread (a signal, stop_soon)
+        for fd in self._wake:
+            os.set_blocking(fd, False)
 
     def start(self, host: str, port: int, full_names: list[str],
               credentials: grpc.ServerCredentials | None = None) -> int:
@@ -78,6 +84,13 @@ class Service:
         """Stop as a signal would (readiness NOT_SERVING, the drain, stop), for a reason of the service's own."""
         log.error("%s: not serving any more, stopping", why)
         self._stopped.set()
+        self._poke()
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._wake[1], b"\0")
+        except OSError:              # the pipe full (the main thread already has bytes to wake it) or closed
+            pass
 
     def ready(self, host: str, port: int) -> None:
         self._loaded = True
@@ -86,30 +99,50 @@ class Service:
         print(f"ready {host}:{port}", flush=True)
 
     def run_until_signal(self, drain=None, on_stop=None) -> None:
-        """Block until SIGINT/SIGTERM; then readiness NOT_SERVING, `drain()` (the router lets its open requests
-        finish, refusing new ones), `on_stop()` (what is still open ends UNAVAILABLE), STOP_GRACE_S for the
-        calls to send their status, stop. A second signal during the drain stops at once."""
-        hurry = threading.Event()
+        """Block until SIGINT/SIGTERM (or stop_soon); then readiness NOT_SERVING, `drain()` (the router lets its open
+        requests finish, refusing new ones), `on_stop()` (what is still open ends UNAVAILABLE), STOP_GRACE_S for the
+        calls to send their status, stop. A second signal during the drain stops at once.
+
+        The main thread sleeps in `select` on a pipe that the signal's C-level handler writes to
+        (`signal.set_wakeup_fd`), never in an untimed wait: the kernel hands a process's SIGTERM to any thread that
+        does not block it (a gRPC thread, often), where the C handler only flags it, and Python runs the Python
+        handler on the main thread once that thread runs bytecode again. An untimed `Event.wait` slept through such
+        a signal for good (a worker ignored SIGTERM about once in a thousand stops). The Python handler only sets
+        plain attributes: it runs between two bytecodes of the main thread, which may hold any lock then."""
+        self._signal = 0
+        self._hurry = False
 
         def handler(signum, _frame):
-            if self._stopped.is_set():
+            if self._signal or self._stopped.is_set():
                 log.info("received %s again: stopping now", signal.Signals(signum).name)
-                hurry.set()
+                self._hurry = True
                 return
             log.info("received %s: not serving any more, stopping", signal.Signals(signum).name)
-            self._stopped.set()
+            self._signal = signum
 
+        previous = signal.set_wakeup_fd(self._wake[1], warn_on_full_buffer=False)
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
-        self._stopped.wait()
+        while not (self._signal or self._stopped.is_set()):
+            select.select([self._wake[0]], [], [], WAKE_POLL_S)
+            self._drain_wake()
+        self._stopped.set()
         self._publish()                           # NOT_SERVING for the service; liveness ("") stays SERVING
         if drain is not None:
             t = threading.Thread(target=drain, name="drain", daemon=True)
             t.start()
-            while t.is_alive() and not hurry.is_set():
+            while t.is_alive() and not self._hurry:
                 t.join(timeout=0.2)
         self.health.enter_graceful_shutdown()
         if on_stop is not None:
             on_stop()
-        self.server.stop(0 if hurry.is_set() else STOP_GRACE_S).wait()
+        self.server.stop(0 if self._hurry else STOP_GRACE_S).wait()
+        signal.set_wakeup_fd(previous)
         log.info("stopped")
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake[0], 512):
+                pass
+        except BlockingIOError:
+            pass

@@ -3,6 +3,7 @@ no thread pool a client can exhaust. Real fleets, real gRPC, real signals."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import signal
 import subprocess
@@ -190,6 +191,43 @@ def test_a_worker_rejects_a_malformed_tensor_with_invalid_argument(served, oracl
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=30)
+
+
+def sigterm_to_a_side_thread(pid: int) -> str:
+    """SIGTERM sent to one of `pid`'s threads other than its main one (a gRPC thread where one is named so), as the
+    kernel may deliver a process's SIGTERM; returns the thread's name."""
+    threads = [t for t in psutil.Process(pid).threads() if t.id != pid]
+    names = {t.id: open(f"/proc/{pid}/task/{t.id}/comm").read().strip() for t in threads}
+    tid = next((t for t, n in names.items() if "event_engine" in n or "grpc" in n), threads[0].id)
+    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, tid, signal.SIGTERM) == 0
+    return names[tid]
+
+
+def test_a_sigterm_taken_by_a_grpc_thread_still_stops_the_worker_and_the_router(oracles):
+    """Python runs signal handlers on the main thread only; when the kernel hands the SIGTERM to a gRPC thread, the
+    main thread must still wake (an untimed wait slept through it: a worker left running, in CI once)."""
+    path = oracles["qwen3_moe"].path
+    worker = colibri_popen(["expert", "--model", str(path), "--shard", "0/1", "--port", "0", "--log-level", "WARNING",
+                            "--cpu-forms", "off"], stdout=subprocess.PIPE)
+    router = None
+    try:
+        addr = worker.stdout.readline().split()[1]
+        router = colibri_popen(["router", "--model", str(path), "--workers", addr, "--port", "0", "--log-level",
+                                "WARNING"], stdout=subprocess.PIPE)
+        raddr = router.stdout.readline().split()[1]
+        assert Client(raddr).generate([1, 2, 3], 3, timeout=30).token_ids == oracles["qwen3_moe"].greedy([1, 2, 3], 3)
+        for p, role in ((router, "router"), (worker, "worker")):
+            name = sigterm_to_a_side_thread(p.pid)
+            try:
+                rc = p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                rc = None
+            assert rc == 0, f"the {role} after a SIGTERM taken by its thread {name!r}: exit {rc}"
+    finally:
+        for p in (router, worker):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
 
 
 def test_clients_that_never_read_cannot_starve_health_or_others(oracles):

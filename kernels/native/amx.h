@@ -39,15 +39,53 @@ struct AmxTraits {
     static constexpr int KE = 64 / int(sizeof(T));   // K elements a tile row holds
 };
 
+// A 16 x 16 transpose of 32-bit elements in registers (unpack, then shuffles within and across 128-bit lanes):
+// t[c] lane i = r[i] lane c. Bits moved as they are (float shuffles do no arithmetic).
+static inline void transpose16(__m512 (&r)[16], __m512 (&t)[16]) {
+    for (int i = 0; i < 8; ++i) {             // lane L: rows 2i, 2i+1 at columns 4L, 4L+1 (lo) and 4L+2, 4L+3 (hi)
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {             // r[4i + j], lane L: column 4L + j of rows 4i..4i+3
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j) {             // t[c]: column c of all 16 rows
+        const __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), v0 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        const __m512 u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD), v1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+        t[j] = _mm512_shuffle_f32x4(u0, v0, 0x88);
+        t[8 + j] = _mm512_shuffle_f32x4(u0, v0, 0xDD);
+        t[4 + j] = _mm512_shuffle_f32x4(u1, v1, 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(u1, v1, 0xDD);
+    }
+}
+
 // B: rows [0, n) of x [., ldx] (n <= N <= 16) as 4-byte groups of K (bf16 pairs, int8 quads) with each group's N
-// rows side by side, [K / 4 rounded up][N], into `out` zeroed by the caller: a transpose of 4-byte words.
+// rows side by side, [chunks * 16 groups][N] for the tiles' chunks of 64 bytes of K: a transpose of 4-byte words,
+// 16 groups at a time in registers (the element-by-element copy took a fifth of a 32-row bf16 call). Every word is
+// written: rows past n and K past its end as zeros.
 template <typename T>
 static void pack_x(const T* x, int64_t ldx, int n, int K, int N, uint32_t* out) {
-    const int bytes = K * int(sizeof(T)), full = bytes / 4;
-    for (int i = 0; i < n; ++i) {
-        const char* row = reinterpret_cast<const char*>(x + i * ldx);
-        for (int g = 0; g < full; ++g) std::memcpy(out + (int64_t)g * N + i, row + 4 * g, 4);
-        if (bytes > 4 * full) std::memcpy(out + (int64_t)full * N + i, row + 4 * full, bytes - 4 * full);
+    const int bytes = K * int(sizeof(T)), chunks = (bytes + 63) / 64;
+    if (N == 1) {                             // one row: the groups are its bytes in order
+        std::memcpy(out, x, bytes);
+        std::memset(reinterpret_cast<char*>(out) + bytes, 0, 64 * size_t(chunks) - bytes);
+        return;
+    }
+    const __mmask16 keep = __mmask16((1u << N) - 1);
+    for (int c = 0; c < chunks; ++c) {
+        const int left = bytes - 64 * c;
+        const __mmask64 m = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i) {
+            const char* row = reinterpret_cast<const char*>(x + i * ldx) + 64 * c;
+            r[i] = i < n ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi8(m, row)) : _mm512_setzero_ps();
+        }
+        transpose16(r, t);
+        float* dst = reinterpret_cast<float*>(out + int64_t(c) * 16 * N);
+        for (int g = 0; g < 16; ++g) _mm512_mask_storeu_ps(dst + g * N, keep, t[g]);
     }
 }
 
@@ -101,8 +139,8 @@ static inline void dot_2x2() {               // C0 += A0 B0, C1 += A1 B0; with `
 
 // A stored C tile [16 W rows][16 x rows] (float, or W8A8's int32 sums) into y: y[n, r] for x rows n < nn and W rows
 // r < nr (y's row n at y + n * ldy), times ws[r] where given, after xs[n] for W8A8 (the scalar order: (float(C) *
-// xs[n]) * ws[r]). A 16 x 16 transpose in registers (unpack, then shuffles within and across 128-bit lanes), so each
-// x row is one masked store; an element-by-element copy cost more than the tiles' products at 32 rows.
+// xs[n]) * ws[r]). A 16 x 16 transpose in registers (transpose16), so each x row is one masked store; an
+// element-by-element copy cost more than the tiles' products at 32 rows.
 template <bool I32>
 static inline void put_transposed(const void* cp, int nn, int nr, const float* xs, const float* ws, float* y,
                                   int64_t ldy) {
@@ -110,24 +148,7 @@ static inline void put_transposed(const void* cp, int nn, int nr, const float* x
     for (int i = 0; i < 16; ++i)
         r[i] = I32 ? _mm512_cvtepi32_ps(_mm512_load_si512(static_cast<const int32_t*>(cp) + 16 * i))
                    : _mm512_load_ps(static_cast<const float*>(cp) + 16 * i);
-    for (int i = 0; i < 8; ++i) {             // lane L: rows 2i, 2i+1 at columns 4L, 4L+1 (lo) and 4L+2, 4L+3 (hi)
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {             // r[4i + j], lane L: column 4L + j of rows 4i..4i+3
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int j = 0; j < 4; ++j) {             // t[c]: column c of all 16 rows
-        const __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), v0 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
-        const __m512 u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD), v1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
-        t[j] = _mm512_shuffle_f32x4(u0, v0, 0x88);
-        t[8 + j] = _mm512_shuffle_f32x4(u0, v0, 0xDD);
-        t[4 + j] = _mm512_shuffle_f32x4(u1, v1, 0x88);
-        t[12 + j] = _mm512_shuffle_f32x4(u1, v1, 0xDD);
-    }
+    transpose16(r, t);
     const __mmask16 m = nr >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nr) - 1);
     const __m512 s = ws ? _mm512_maskz_loadu_ps(m, ws) : _mm512_setzero_ps();
     for (int n = 0; n < nn; ++n) {
@@ -193,11 +214,9 @@ static void amx_linear(const T* x, int64_t ldx, int M, int K, const T* w, const 
     const int64_t group_words = int64_t(chunks) * 16 * N;
     thread_local std::vector<uint32_t> packed;               // this thread's B tiles, kept between calls
     if (packed.size() < size_t(group_words * groups)) packed.resize(group_words * groups);
-    for (int g = 0; g < groups; ++g) {
-        std::memset(packed.data() + g * group_words, 0, group_words * 4);
+    for (int g = 0; g < groups; ++g)
         pack_x(x + int64_t(g) * 16 * ldx, ldx, M - 16 * g < N ? M - 16 * g : N, K, N,
                packed.data() + g * group_words);
-    }
     configure_tiles_2x2(N, groups > 1);
     constexpr bool I32 = sizeof(T) == 1;
     alignas(64) T pad[2][1024 / sizeof(T)];
@@ -228,11 +247,10 @@ static void amx_linear(const T* x, int64_t ldx, int M, int K, const T* w, const 
 // Chunk kc of int8 W rows [o, o + rows) widened to bf16 into `a`: the two A tiles [32 rows][32 of K] of a 32-row
 // block, rows past `rows` and K past its end zero. Exact: an int8 has at most 8 significant bits, so its float32 is
 // a bf16 with 16 zero bits below (the conversion drops only zeros).
-static inline void widen_chunk(const int8_t* w, int K, int o, int rows, int kc, uint16_t* a, Ahead& ahead) {
+static inline void widen_chunk(const int8_t* w, int K, int o, int rows, int kc, uint16_t* a) {
     const int k = kc * 32;
     if (k + 32 <= K) {
         for (int r = 0; r < rows; ++r) {
-            ahead.step(32);
             const int8_t* src = w + (int64_t)(o + r) * K + k;
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)src)));
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16))));
@@ -250,12 +268,40 @@ static inline void widen_chunk(const int8_t* w, int K, int o, int rows, int kc, 
     for (int r = rows; r < 32; ++r) _mm512_store_si512(a + r * 32, _mm512_setzero_si512());
 }
 
-// Weight-only int8 against bf16 x on tiles: each chunk of 32 W rows by 32 of K widened to bf16 (widen_chunk, into a
-// block buffer in L1/L2) just before its products, two 16-row groups of x a pass (TDPBF16PS, 2 x 2 tiles); passes
-// past the first (over 32 rows of x) reuse the widened block. y[n, o] = C[o, n] * ws[o]. The products are exact
-// (int8 times bf16 fits float32's significand), summed in float32 in the tiles' order, denormals flushed: an
-// output depends on its W row and x row alone (batch-invariant), with bits of its own (not the float path's).
-// The next block is requested while this one is widened and multiplied, paced over both.
+// The C tiles of a pass, stored and not yet written into y: written while the next pass multiplies (vector loads
+// of a tile store's bytes right after it wait for the pass's last products and for the store to reach L1).
+struct PendingPut {
+    alignas(64) float c[4][16][16];
+    int g = -1, ob = 0, rows = 0;           // g < 0: nothing pending
+    bool two = false;
+    inline void store(int g_, int ob_, int rows_, bool two_) {
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        if (two_) {
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+        }
+        g = g_, ob = ob_, rows = rows_, two = two_;
+    }
+    inline void put(int M, const float* ws, float* y, int ldy) {
+        if (g < 0) return;
+        put_pass<false>(c[0], c[1], M, g, rows, nullptr, ws, ob, y, ldy);
+        if (two) put_pass<false>(c[2], c[3], M, g + 1, rows, nullptr, ws, ob, y, ldy);
+        g = -1;
+    }
+};
+
+// Weight-only int8 against bf16 x on tiles: each chunk of 32 W rows by 32 of K widened to bf16 (widen_chunk, into
+// slots in L1/L2), two 16-row groups of x a pass (TDPBF16PS, 2 x 2 tiles); passes past the first (over 32 rows of x)
+// reuse the widened block. y[n, o] = C[o, n] * ws[o]. The products are exact (int8 times bf16 fits float32's
+// significand), summed in float32 in the tiles' order, denormals flushed: an output depends on its W row and x row
+// alone (batch-invariant), with bits of its own (not the float path's).
+//
+// The vector units and the tiles work side by side: chunk kc + 1 (after a block's last chunk, the next block's
+// first) is widened between chunk kc's tile loads and its products, and a pass's C tiles are written into y during
+// the next pass's first chunk. Run one after the other (the widening just before its loads, C written right after
+// its store) they took 1.8x as long at 32 rows with W in L2. The next block is requested as the chunks go, paced
+// over the block's passes.
 static void amx_linear_i8w(const uint16_t* x, int M, int K, const int8_t* w, const float* ws, int o0, int o1,
                            float* y, int ldy, Ahead after) {
     if (M <= 0) return;
@@ -263,17 +309,21 @@ static void amx_linear_i8w(const uint16_t* x, int M, int K, const int8_t* w, con
     const int N = M < 16 ? M : 16, groups = (M + 15) / 16, pairs = (groups + 1) / 2;
     const int64_t group_words = int64_t(chunks) * 16 * N;
     thread_local std::vector<uint32_t> packed;               // this thread's B tiles
-    thread_local std::vector<uint16_t> wide;                 // this thread's widened block (+ alignment slack)
+    thread_local std::vector<uint16_t> wide;                 // this thread's widened chunks (+ alignment slack)
     if (packed.size() < size_t(group_words * groups)) packed.resize(group_words * groups);
-    if (wide.size() < size_t(chunks) * 1024 + 32) wide.resize(size_t(chunks) * 1024 + 32);
+    if (wide.size() < size_t(chunks + 1) * 1024 + 32) wide.resize(size_t(chunks + 1) * 1024 + 32);
     uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wide.data()) + 63) & ~uintptr_t(63));
-    std::memset(packed.data(), 0, group_words * groups * 4);
     for (int g = 0; g < groups; ++g)
         pack_x(x + int64_t(g) * 16 * K, K, M - 16 * g < N ? M - 16 * g : N, K, N, packed.data() + g * group_words);
     configure_tiles_2x2(N, groups > 1);
-    alignas(64) float c[4][16][16];
+    // chunk kc's slot: one pass alternates two (4 KiB in L1), more keep the block's chunks for the later passes. A
+    // slot is written only after the tile loads that read it last (program order), so no chunk is overwritten early.
+    const auto slot = [&](int kc) { return pairs == 1 ? buf + (kc & 1) * 1024 : buf + int64_t(kc) * 1024; };
+    PendingPut pending;
+    widen_chunk(w, K, o0, o1 - o0 < 32 ? o1 - o0 : 32, 0, slot(0));
     for (int ob = o0; ob < o1; ob += 32) {
         const int rows = o1 - ob < 32 ? o1 - ob : 32;
+        const int next_rows = o1 - ob - 32 < 32 ? o1 - ob - 32 : 32;   // <= 0 past the last block
         Ahead ahead = ahead_of(w, K, ob, 32, o1, 4, after);
         ahead.passes = pairs;               // the first pass's widening and every later pass earn the block's bytes
         for (int p = 0; p < pairs; ++p) {
@@ -286,29 +336,23 @@ static void amx_linear_i8w(const uint16_t* x, int M, int K, const int8_t* w, con
                 _tile_zero(3);
             }
             for (int kc = 0; kc < chunks; ++kc) {
-                uint16_t* a = pairs == 1 ? buf : buf + kc * 1024;   // one pass: a chunk's 2 KiB stay in L1
-                if (p == 0) widen_chunk(w, K, ob, rows, kc, a, ahead);
-                else ahead.step(1024);
+                const uint16_t* a = slot(kc);
                 CK_TILE_LOAD(4, a, 64);
                 CK_TILE_LOAD(5, a + 512, 64);
                 CK_TILE_LOAD(6, xb0 + (int64_t)kc * 16 * N, 4 * N);
-                if (two) {
-                    CK_TILE_LOAD(7, xb0 + group_words + (int64_t)kc * 16 * N, 4 * N);
-                    dot_2x2<uint16_t, true>();
-                } else {
-                    dot_2x2<uint16_t, false>();
-                }
+                if (two) CK_TILE_LOAD(7, xb0 + group_words + (int64_t)kc * 16 * N, 4 * N);
+                if (p == 0 && kc + 1 < chunks) widen_chunk(w, K, ob, rows, kc + 1, slot(kc + 1));
+                else if (p + 1 == pairs && kc + 1 == chunks && next_rows > 0)
+                    widen_chunk(w, K, ob + 32, next_rows, 0, slot(0));
+                ahead.step(1024);
+                if (kc == 0) pending.put(M, ws, y, ldy);
+                if (two) dot_2x2<uint16_t, true>();
+                else dot_2x2<uint16_t, false>();
             }
-            _tile_stored(0, c[0], 64);
-            _tile_stored(1, c[1], 64);
-            put_pass<false>(c[0], c[1], M, 2 * p, rows, nullptr, ws, ob, y, ldy);
-            if (two) {
-                _tile_stored(2, c[2], 64);
-                _tile_stored(3, c[3], 64);
-                put_pass<false>(c[2], c[3], M, 2 * p + 1, rows, nullptr, ws, ob, y, ldy);
-            }
+            pending.store(2 * p, ob, rows, two);
         }
     }
+    pending.put(M, ws, y, ldy);
     _tile_release();
     if (packed.size() > (size_t(1) << 20)) std::vector<uint32_t>().swap(packed);
     if (wide.size() > (size_t(1) << 20)) std::vector<uint16_t>().swap(wide);

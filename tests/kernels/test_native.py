@@ -104,6 +104,25 @@ def test_linear_against_float64(level, kind, dout, din):
             assert torch.equal(w, before[1]), "linear wrote to w"
 
 
+def test_bf16_outputs_round_as_torch_does(level):
+    """A bf16 call's float32 sums are rounded to bf16 as torch's .to rounds them, special values included: ties
+    to even either way, the largest finite values (to inf or not), inf and denormals; a NaN stays a NaN. A
+    one-hot x picks a column of a float32 weight, so each output's float32 sum is that weight element itself."""
+    tie = 1 + 2**-8                                            # halfway between two bf16 values, even below
+    values = torch.tensor([tie, 1 + 3 * 2**-8, -tie, 3.4e38, 3.3895e38, -3.4e38, float("inf"), -float("inf"),
+                           float("nan"), 1e-40, -1e-40, 2**-126 * (1 - 2**-9), 1.0, 65504.0, 1e-30, -7.5],
+                          dtype=torch.float32)
+    n = values.numel()
+    w = torch.zeros(n, 3)                                      # [n, 3]: column 1 holds the values
+    w[:, 1] = values
+    x = torch.tensor([[0.0, 1.0, 0.0]] * 5, dtype=torch.bfloat16)                   # [5, 3]
+    got = native.linear(x, w)                                                        # [5, n] bf16
+    want = values.to(torch.bfloat16).expand(5, n)
+    nan = values.isnan().expand(5, n)
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]), (got[0], want[0])
+
+
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_depends_neither_on_the_other_rows_nor_on_the_threads(level, kind, x_dtype):
