@@ -54,6 +54,8 @@ class Service:
         self._wake = os.pipe()     # (read, write): a byte wakes run_until_signal's main thread (a signal, stop_soon)
         for fd in self._wake:
             os.set_blocking(fd, False)
+        self._signalled = False    # SIGTERM/SIGINT received (set by the handler: a plain attribute, no lock)
+        self._hurry = False        # a second one: stop without the drain's grace
 
     def start(self, host: str, port: int, full_names: list[str],
               credentials: grpc.ServerCredentials | None = None) -> int:
@@ -84,12 +86,9 @@ class Service:
         """Stop as a signal would (readiness NOT_SERVING, the drain, stop), for a reason of the service's own."""
         log.error("%s: not serving any more, stopping", why)
         self._stopped.set()
-        self._poke()
-
-    def _poke(self) -> None:
         try:
             os.write(self._wake[1], b"\0")
-        except OSError:              # the pipe full (the main thread already has bytes to wake it) or closed
+        except OSError:              # the pipe full: the main thread has bytes to wake it already
             pass
 
     def ready(self, host: str, port: int) -> None:
@@ -109,21 +108,18 @@ class Service:
         handler on the main thread once that thread runs bytecode again. An untimed `Event.wait` slept through such
         a signal for good (a worker ignored SIGTERM about once in a thousand stops). The Python handler only sets
         plain attributes: it runs between two bytecodes of the main thread, which may hold any lock then."""
-        self._signal = 0
-        self._hurry = False
-
         def handler(signum, _frame):
-            if self._signal or self._stopped.is_set():
+            if self._signalled or self._stopped.is_set():
                 log.info("received %s again: stopping now", signal.Signals(signum).name)
                 self._hurry = True
                 return
             log.info("received %s: not serving any more, stopping", signal.Signals(signum).name)
-            self._signal = signum
+            self._signalled = True
 
         previous = signal.set_wakeup_fd(self._wake[1], warn_on_full_buffer=False)
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
-        while not (self._signal or self._stopped.is_set()):
+        while not (self._signalled or self._stopped.is_set()):
             select.select([self._wake[0]], [], [], WAKE_POLL_S)
             self._drain_wake()
         self._stopped.set()

@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import psutil
@@ -197,7 +198,7 @@ def sigterm_to_a_side_thread(pid: int) -> str:
     """SIGTERM sent to one of `pid`'s threads other than its main one (a gRPC thread where one is named so), as the
     kernel may deliver a process's SIGTERM; returns the thread's name."""
     threads = [t for t in psutil.Process(pid).threads() if t.id != pid]
-    names = {t.id: open(f"/proc/{pid}/task/{t.id}/comm").read().strip() for t in threads}
+    names = {t.id: Path(f"/proc/{pid}/task/{t.id}/comm").read_text().strip() for t in threads}
     tid = next((t for t, n in names.items() if "event_engine" in n or "grpc" in n), threads[0].id)
     assert ctypes.CDLL(None, use_errno=True).tgkill(pid, tid, signal.SIGTERM) == 0
     return names[tid]
