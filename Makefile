@@ -7,7 +7,7 @@ PB := colibri_common/pb
 PROTOS := $(wildcard protos/*.proto)
 PB_STAMP := $(PB)/.generated
 
-.PHONY: setup native demo test lint bench bench-kernels bench-cache bench-elastic bench-openai bench-gpu chart-check clean
+.PHONY: setup native demo test test-gpu lint bench bench-kernels bench-cache bench-elastic bench-openai bench-gpu chart-check clean
 
 setup: $(STAMP) $(PB_STAMP) native
 
@@ -46,6 +46,12 @@ test: setup
 	levels="$$($(PY) -m tests.other_isa)" && echo "$$levels:" && \
 		env $$levels $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ISA_TESTS)
 
+# The GPU tests (tests/gpu: the Triton kernels against float64 on the GPU, the engine and `serve --gpus 0` against
+# transformers); `make test` skips them where no CUDA GPU is visible. benchmarks/gpu_check.sh runs them with
+# bench-gpu on a machine that cannot build this virtualenv.
+test-gpu: setup
+	$(PY) -m pytest -q -n 4 tests/gpu
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
@@ -73,6 +79,7 @@ bench-openai: setup
 	$(PY) -m benchmarks.openai_front
 
 # Needs a CUDA GPU (and a CUDA build of torch 2.13.0 with triton 3.7.1); writes benchmarks/results/gpu.md.
+# benchmarks/gpu_check.sh runs it with the GPU tests where this virtualenv cannot be built.
 bench-gpu: setup
 	$(PY) -m benchmarks.gpu
 

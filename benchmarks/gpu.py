@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `python -m benchmarks.gpu {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
         f"## Fused MoE ({str(dtype).removeprefix('torch.')}, Triton) against the read roofline", "",
         table(["shape", "T", "experts touched", "µs", "roofline µs", "GB/s", "% roofline"], moe_rows), ""]
+    print("\n".join(lines), flush=True)                 # the kernel part stands if the serving part is cut short
+    shown = len(lines)
     if not args.skip_serving:
         if args.model:
             model = Path(args.model)
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"transformers experts implementation: {impl})", "",
                   table(["engine", "streams", "tok/s", "vs transformers", "TTFT p50 ms", "ITL p50 ms"], rows), ""]
     text = "\n".join(lines)
-    print(text)
+    print("\n".join(lines[shown:]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     return 0

@@ -1,5 +1,5 @@
-"""`make bench-gpu` cannot run here (no GPU), so its script runs at toy sizes on the CPU under the Triton
-interpreter: the same fused-MoE timing, roofline and serving code, so it works the day a GPU is lent."""
+"""`make bench-gpu` and the GPU profile cannot run here (no GPU), so their scripts run at toy sizes on the CPU under
+the Triton interpreter: the same timing, roofline, profiling and serving code, so they work when a GPU is lent."""
 
 from __future__ import annotations
 
@@ -27,6 +27,24 @@ def test_the_gpu_benchmark_runs_end_to_end_at_toy_sizes(oracles, tmp_path):
         rows = [line for line in text.splitlines() if line.startswith(f"| {engine} ")]
         assert [r.split("|")[2].strip() for r in rows] == ["1", "2"], text
         assert all(float(r.split("|")[3]) > 0 for r in rows)
+
+
+def test_the_gpu_profile_runs_end_to_end_at_toy_sizes(oracles):
+    """benchmarks.gpu_profile, as the GPU runs it, on the CPU: the profiler's tables for the fused MoE and for
+    decode steps taken on the engine's own thread (a profiler started elsewhere records none of them)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_profile", "--device", "cpu", "--shape", "toy",
+                          "--tokens", "1,3", "--calls", "2", "--model", str(oracles["qwen3_moe"].path),
+                          "--streams", "1,2", "--steps", "3"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert "### fused MoE toy, T=1:" in out and "### fused MoE toy, T=3:" in out
+    for c in (1, 2):
+        head = f"### engine float32 on cpu, {c} streams: 3 decode steps in "
+        assert head in out, out[-3000:]
+        table = out.split(head)[1].split("###")[0]
+        assert "Self CPU time total" in table and "aten::" in table          # the engine thread's ops were seen
+    assert "forward" in out and "schedule" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from colibri_common.rope_scaling import RopeScaling
 from kernels import linear, native
@@ -41,10 +42,15 @@ _NORM_TYPES = {(torch.float32, torch.float32), (torch.bfloat16, torch.float32), 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in float32, scale in the input dtype (as transformers' RMSNorm does); a float32 weight on lower
-    precision activations scales in float32, then casts (GPT-OSS's norms, kept in float32). On a CPU with the
-    native kernels, one call (kernels.native.rms_norm: the same maths, its mean from a float64 sum); else torch's
-    ops below."""
-    if not x.is_cuda and native.decoder_ops() and (x.dtype, weight.dtype) in _NORM_TYPES:
+    precision activations scales in float32, then casts (GPT-OSS's norms, kept in float32). On a GPU, torch's fused
+    norm; on a CPU with the native kernels, one call (kernels.native.rms_norm: the same maths, its mean from a
+    float64 sum); else torch's ops below."""
+    if x.is_cuda:      # the norm in one fused kernel of torch's (a GPU step is bound by its launches)
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+        if weight.dtype == torch.float32 and x.dtype != torch.float32:
+            return (weight * xf).to(x.dtype)
+        return weight * xf.to(x.dtype)
+    if native.decoder_ops() and (x.dtype, weight.dtype) in _NORM_TYPES:
         return native.rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
 

@@ -343,6 +343,24 @@ def test_fp8_experts_on_the_cpu_path_are_a_clear_error():
         fused_moe(x, to_fp8(w13, (16, 16)), w2, ids, w, backend="triton")
 
 
+@pytest.mark.parametrize("T,K,E,block_m", [(1, 8, 64, 16), (37, 3, 7, 16), (300, 8, 128, 64), (5, 2, 9, 1)])
+def test_the_alignment_puts_every_pair_once_in_blocks_of_its_expert(T, K, E, block_m):
+    from kernels.moe_align import moe_align_block_size
+
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])       # [T, K]
+    ids[0, 0] = ids[-1, -1] = -1                                                    # pairs not held here
+    a = moe_align_block_size(ids, E, block_m)
+    rows = a.sorted_pair_ids.view(-1, block_m)                                      # [blocks, BLOCK_M]
+    assert a.num_pairs == T * K and rows.shape[0] == a.block_expert.numel()
+    real = a.sorted_pair_ids[a.sorted_pair_ids < T * K].long()
+    assert sorted(real.tolist()) == [p for p in range(T * K) if ids.view(-1)[p] >= 0]      # each held pair once
+    for block, expert in zip(rows, a.block_expert.tolist(), strict=True):
+        pairs = block[block < T * K].long()
+        assert (ids.view(-1)[pairs] == expert).all() and len(pairs) > 0
+        assert torch.equal(pairs, pairs.sort().values)                            # stable: token order kept
+
+
 def test_no_pair_held_here_gives_zeros():
     x, w13, w2, ids, w, _ = make_case(5, 8, 2, torch.float32, "random")
     emap = torch.full((8,), -1, dtype=torch.long)
