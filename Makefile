@@ -50,7 +50,7 @@ test: setup
 # transformers); `make test` skips them where no CUDA GPU is visible. benchmarks/gpu_check.sh runs them with
 # bench-gpu on a machine that cannot build this virtualenv.
 test-gpu: setup
-	$(PY) -m pytest -q -n 4 tests/gpu
+	COLIBRI_REQUIRE_GPU=1 $(PY) -m pytest -q -n 4 tests/gpu
 
 lint: setup
 	$(VENV)/bin/ruff check .

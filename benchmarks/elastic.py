@@ -141,13 +141,13 @@ def main() -> int:
     n = args.workers
     ports = free_ports(n + 1)
     workers = [f"127.0.0.1:{p}" for p in ports[:n]]
-    procs = [start([COLIBRI, "expert", "--model", str(model), "--port", str(p), "--dtype", "bfloat16", "--threads",
+    procs = [start([*COLIBRI, "expert", "--model", str(model), "--port", str(p), "--dtype", "bfloat16", "--threads",
                     "1", "--log-level", "WARNING"], env) for p in ports[:n]]
     router = f"127.0.0.1:{ports[n]}"
     try:
         for a, p in zip(workers, procs, strict=True):
             wait(a, "colibri.v1.ExpertWorker", p)
-        procs.append(start([COLIBRI, "router", "--model", str(model), "--workers", ",".join(workers), "--port",
+        procs.append(start([*COLIBRI, "router", "--model", str(model), "--workers", ",".join(workers), "--port",
                             str(ports[n]), "--dtype", "bfloat16", "--threads", "1", "--log-level", "WARNING",
                             "--redundant-experts", str(args.redundant_experts), "--placement-window", "1024"], env))
         wait(router, "colibri.v1.Generation", procs[-1])

@@ -92,7 +92,7 @@ def run_config(model: Path, capacity: str, policy: str, aware: bool, prefetch: b
     from colibri.launcher import free_ports
 
     mport = free_ports(1)[0]
-    cmd = [COLIBRI, "serve", "--model", str(model), "--workers", "2", "--port", "0", "--dtype", "bfloat16",
+    cmd = [*COLIBRI, "serve", "--model", str(model), "--workers", "2", "--port", "0", "--dtype", "bfloat16",
            "--metrics-port", str(mport), "--log-level", "WARNING", "--max-batch-size", str(args.max_batch_size),
            "--expert-cache-capacity", capacity, "--expert-cache-policy", policy,
            "--routing-aware-batching" if aware else "--no-routing-aware-batching",

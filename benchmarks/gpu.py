@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `python -m benchmarks.gpu {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
         f"## Fused MoE ({str(dtype).removeprefix('torch.')}, Triton) against the read roofline", "",
         table(["shape", "T", "experts touched", "µs", "roofline µs", "GB/s", "% roofline"], moe_rows), ""]
-    print("\n".join(lines), flush=True)                 # the kernel part stands if the serving part is cut short
+    print("\n".join(lines), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines))          # the kernel part stands if the serving part is cut short
     shown = len(lines)
     if not args.skip_serving:
         if args.model:
@@ -163,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
                   table(["engine", "streams", "tok/s", "vs transformers", "TTFT p50 ms", "ITL p50 ms"], rows), ""]
     text = "\n".join(lines)
     print("\n".join(lines[shown:]))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     return 0
 

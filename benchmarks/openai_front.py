@@ -74,7 +74,7 @@ def main() -> int:
     streams = [int(s) for s in args.streams.split(",")]
     peer_args = ["--model", str(MODEL), "--dtype", "float32", "--streams", args.streams, "--prompt-len",
                  str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
-    p = subprocess.Popen([COLIBRI, "serve", "--model", str(MODEL), "--workers", "2", "--port", "0",
+    p = subprocess.Popen([*COLIBRI, "serve", "--model", str(MODEL), "--workers", "2", "--port", "0",
                           "--openai-port", "0", "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
     rows: list[list[str]] = []
     try:

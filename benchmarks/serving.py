@@ -31,12 +31,13 @@ from benchmarks.bench_model import SIZES, ensure_bench_model
 from benchmarks.common import finish, machine, page_state, publish, read_bandwidth_gbs, table
 from benchmarks.llamacpp import add_peer_args, find_peer
 from benchmarks.llamacpp import measure as measure_llamacpp
+from colibri.launcher import colibri_command
 from colibri.loadgen import run_load
 from colibri_common.config import ModelConfig
 from router_service.engine.metrics import parse
 
 PY = sys.executable
-COLIBRI = str(Path(PY).parent / "colibri")
+COLIBRI = colibri_command()          # the console script, or `python -m colibri.cli` where none is installed
 
 
 def peak_rss(pid: int) -> int:
@@ -73,7 +74,7 @@ def run_fleet(model: Path, workers: int, dtype: str, streams: list[int], prompt_
         sock.bind(("127.0.0.1", 0))
         mport = sock.getsockname()[1]
     t0 = time.perf_counter()
-    p = subprocess.Popen([COLIBRI, "serve", "--model", str(model), "--workers", str(workers), "--port", "0",
+    p = subprocess.Popen([*COLIBRI, "serve", "--model", str(model), "--workers", str(workers), "--port", "0",
                           "--dtype", dtype, "--metrics-port", str(mport), "--log-level", "WARNING", *extra],
                          stdout=subprocess.PIPE, text=True)
     try:

@@ -40,16 +40,10 @@ def check_device(name: str) -> torch.device:
 
 
 def open_device(name: str) -> torch.device:
-    """The device, checked against this machine, made the current CUDA device where it is a GPU.
-
-    On a GPU, scaled_dot_product_attention's cuDNN backend is switched off for the process: it builds a cuDNN
-    graph for every new sequence length, and a decode step's lengths are new every step (measured on an H200,
-    torch 2.11: 6.2 ms of host time per call, 55% of a bench-model decode step; docs/performance.md#gpu).
-    FlashAttention, the memory-efficient kernel or the math path take those calls, as torch ranks them."""
+    """The device, checked against this machine, made the current CUDA device where it is a GPU."""
     device = check_device(name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.backends.cuda.enable_cudnn_sdp(False)
     return device
 
 

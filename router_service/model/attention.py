@@ -16,11 +16,11 @@ decode, the window's keys for a sliding layer), n new tokens of one prefill.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import native
 from router_service.model.kv_cache import KVCache
 from router_service.model.query_context import query_contexts
+from router_service.model.sdpa import sdpa
 from router_service.model.step_inputs import StepInputs
 
 
@@ -67,10 +67,10 @@ def in_place(q: torch.Tensor, kv: KVCache) -> bool:
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             sinks: torch.Tensor | None, causal: bool = True) -> torch.Tensor:
     """q [B, Hq, n, D], k/v [B, Hkv, C, D], mask bool [B | 1, 1, n | 1, C] or [n, C] or None (causal, or every key
-    with causal=False) -> [B, Hq, n, D]. 4-D throughout: SDPA's fused CPU kernels."""
+    with causal=False) -> [B, Hq, n, D]. 4-D throughout: SDPA's fused CPU kernels (router_service/model/sdpa.py on a
+    GPU)."""
     if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                              enable_gqa=True)
+        return sdpa(q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=True)
     B, Hq, n, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
     scale = D**-0.5
@@ -86,5 +86,5 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         mask = mask.tril(C - n) if causal else mask
     sink_ok = torch.ones(*mask.shape[:-1], 1, dtype=torch.bool, device=mask.device)
     mask = torch.cat([mask, sink_ok], dim=-1)                                # every query sees the sink
-    out = F.scaled_dot_product_attention(qa, ka, va, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = sdpa(qa, ka, va, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[..., :D]                                                      # [B, Hq, n, D]

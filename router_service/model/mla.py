@@ -19,13 +19,13 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from colibri_common.config import ModelConfig
 from kernels import linear
 from router_service.model.kv_cache import KVCache
 from router_service.model.layers import RowMap, rms_norm, whole
 from router_service.model.query_context import query_contexts
+from router_service.model.sdpa import sdpa
 from router_service.model.step_inputs import StepInputs
 from router_service.model.weights import MlaWeights
 
@@ -78,21 +78,20 @@ def mla_attention(cfg: ModelConfig, w: MlaWeights, layer: int, x: torch.Tensor, 
         for row, slots in query_contexts(step, False):
             lat, rot = kv.gather(layer, slots)                               # [C, 1, Lkv], [C, 1, Dr]
             keys = torch.cat([lat, rot], dim=-1).transpose(0, 1)[None]       # [1, 1, C, Lkv + Dr]
-            o = F.scaled_dot_product_attention(query[row][None, None], keys, keys, scale=scale)  # [1, 1, Hq, .]
+            o = sdpa(query[row][None, None], keys, keys, scale=scale)  # [1, 1, Hq, .]
             out[row] = o[0, 0, :, :L]
         return rows(lambda o: torch.einsum("thl,hvl->thv", o, w.w_uv), out).reshape(T, -1)
     nd = step.num_decode
     if nd:
         lat, rot = kv.gather(layer, step.decode_slots)                       # [Bd, C, 1, Lkv], [Bd, C, 1, Dr]
         keys = torch.cat([lat, rot], dim=-1).transpose(1, 2)                 # [Bd, 1, C, Lkv + Dr]
-        o = F.scaled_dot_product_attention(query[:nd, None], keys, keys, attn_mask=step.decode_mask,
-                                           scale=scale)                      # [Bd, 1, Hq, Lkv + Dr]
+        o = sdpa(query[:nd, None], keys, keys, attn_mask=step.decode_mask, scale=scale)   # [Bd, 1, Hq, Lkv + Dr]
         out[:nd] = o[:, 0, :, :L]                                            # [Bd, Hq, Lkv]
     for row, n, ctx_slots, mask in step.prefills:
         lat, rot = kv.gather(layer, ctx_slots)                               # [ctx, 1, Lkv], [ctx, 1, Dr]
         keys = torch.cat([lat, rot], dim=-1).transpose(0, 1)[None]           # [1, 1, ctx, Lkv + Dr]
-        o = F.scaled_dot_product_attention(query[row:row + n].transpose(0, 1)[None], keys, keys, attn_mask=mask,
-                                           is_causal=mask is None, scale=scale, enable_gqa=True)
+        o = sdpa(query[row:row + n].transpose(0, 1)[None], keys, keys, attn_mask=mask, is_causal=mask is None,
+                 scale=scale, enable_gqa=True)
         out[row:row + n] = o[0, :, :, :L].transpose(0, 1)                    # [n, Hq, Lkv]
     values = torch.einsum("thl,hvl->thv", out, w.w_uv)                      # [T, Hq, Dv]
     return values.reshape(T, -1)

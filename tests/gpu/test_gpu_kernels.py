@@ -117,3 +117,20 @@ def test_every_routing_matches_the_float64_reference(case):
     assert w.device.type == ids.device.type == DEVICE.type
     assert torch.equal(ids.cpu(), rids)
     assert torch.allclose(w.cpu().double(), rw, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU branch of rms_norm")
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+def test_rms_norm_on_the_gpu_is_transformers_rmsnorm(x_dtype, w_dtype):
+    """torch's fused norm on the GPU against the same maths in plain ops on the CPU (one rounding of the dtype)."""
+    from router_service.model.layers import rms_norm, rms_norm_torch
+
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(37, 1000, generator=g)).to(x_dtype)                     # [T, H]
+    w = (1 + 0.1 * torch.randn(1000, generator=g)).to(w_dtype)                   # [H]
+    got = rms_norm(on(x), on(w), 1e-6)
+    want = rms_norm_torch(x, w, 1e-6)
+    assert got.dtype == want.dtype
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[x_dtype]
+    assert float(((got.cpu().float() - want.float()).abs() / want.float().abs().clamp(min=1e-3)).max()) <= ulp

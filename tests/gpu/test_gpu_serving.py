@@ -52,13 +52,26 @@ def test_fleet_on_the_gpu_matches_transformers(oracles, arch, workers):
 PROMPT = [3, 17, 42, 99, 5, 8, 120, 64]
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="a GPU's setting")
-def test_a_service_on_the_gpu_switches_cudnn_attention_off():
-    """cuDNN's SDPA builds a graph for every new sequence length (6 ms of host time a call on an H200)."""
-    from colibri_common.device import open_device
+@pytest.mark.skipif(not HAS_GPU, reason="torch's GPU backends")
+@pytest.mark.parametrize("mask", [False, True])
+def test_the_routers_attention_call_on_the_gpu_is_sdpa_and_leaves_the_backends_as_it_found_them(mask):
+    """cuDNN's SDPA is excluded for the call only (its graph per sequence length); a masked grouped call repeats
+    the key-value heads itself. The result is the math backend's, within bf16 rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    open_device("cuda")
-    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    from router_service.model.sdpa import sdpa
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 8, 1, 64, generator=g).to(DEVICE, torch.bfloat16)         # [B, Hq, 1, D]
+    k = torch.randn(4, 2, 37, 64, generator=g).to(DEVICE, torch.bfloat16)        # [B, Hkv, C, D]
+    v = torch.randn(4, 2, 37, 64, generator=g).to(DEVICE, torch.bfloat16)
+    m = (torch.rand(4, 1, 1, 37, generator=g) > 0.2).to(DEVICE) if mask else None  # [B, 1, 1, C]
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    got = sdpa(q, k, v, attn_mask=m, enable_gqa=True)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="bf16 needs the GPU (the interpreter's bf16 is wrong)")
