@@ -70,9 +70,7 @@ def _align_on_host(ids: torch.Tensor, num_experts: int, block_m: int, device: to
     copies out. The sync and the data-dependent grid keep this eager: CUDA graphs will need the alignment as a
     kernel on the device over a worst-case grid, as vLLM's."""
     a = moe_align_block_size(ids.cpu(), num_experts, block_m)                     # [P_pad], [P_pad / BLOCK_M]
-    if device.type == "cpu":
-        return a
-    return Alignment(a.sorted_pair_ids.to(device), a.block_expert.to(device), a.num_pairs)
+    return Alignment(a.sorted_pair_ids.to(device), a.block_expert.to(device), a.num_pairs)   # no copy on a CPU
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight | Mxfp4Weight,

@@ -157,3 +157,16 @@ class Oracle:
         if key not in self._logits:
             self._logits[key] = self.model(torch.tensor([prompt])).logits[0, -1].float()
         return self._logits[key]
+
+
+def bf16_errors(token: int, logits: torch.Tensor, want: torch.Tensor, hf: torch.Tensor) -> tuple[float, float]:
+    """(err, hf_err): how far an engine's first-step `logits` and transformers' bf16 `hf` are from the exact `want`
+    (the same bf16 weights computed in float32), each relative to want's largest logit. Checks the engine's first
+    `token` is the exact model's wherever its top-2 margin is wider than twice err."""
+    scale = float(want.abs().max())
+    hf_err = float((hf - want).abs().max()) / scale
+    err = float((logits - want).abs().max()) / scale
+    top2 = want.topk(2).values
+    if float(top2[0] - top2[1]) > 2 * err * scale:
+        assert token == int(want.argmax()), (token, int(want.argmax()), err)
+    return err, hf_err

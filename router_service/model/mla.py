@@ -78,7 +78,7 @@ def mla_attention(cfg: ModelConfig, w: MlaWeights, layer: int, x: torch.Tensor, 
         for row, slots in query_contexts(step, False):
             lat, rot = kv.gather(layer, slots)                               # [C, 1, Lkv], [C, 1, Dr]
             keys = torch.cat([lat, rot], dim=-1).transpose(0, 1)[None]       # [1, 1, C, Lkv + Dr]
-            o = sdpa(query[row][None, None], keys, keys, scale=scale)  # [1, 1, Hq, .]
+            o = sdpa(query[row][None, None], keys, keys, scale=scale)        # [1, 1, Hq, Lkv + Dr]
             out[row] = o[0, 0, :, :L]
         return rows(lambda o: torch.einsum("thl,hvl->thv", o, w.w_uv), out).reshape(T, -1)
     nd = step.num_decode

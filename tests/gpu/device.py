@@ -2,7 +2,7 @@
 Triton interpreter (float32 and float16 only: the interpreter's bf16 is wrong), so the tests' own code can be
 checked where no GPU is lent. Without either they are skipped (CI has no GPU), unless COLIBRI_REQUIRE_GPU=1 (`make
 test-gpu`, benchmarks/gpu_check.sh): then they fail, so a CPU build of torch or a driver mismatch cannot pass as
-111 skipped tests."""
+skipped tests."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from colibri.client import Client
 from tests.conftest import ARCHS, fleet
 from tests.gpu.device import DEVICE, HAS_GPU
 from tests.inprocess import InProcess
-from tests.models import build_model, save_checkpoint, small_config
+from tests.models import bf16_errors, build_model, save_checkpoint, small_config
 from tests.test_e2e_oracle import NEW_TOKENS, PROMPTS, check_against_oracle
 
 PLACE = ["--gpus", "0"] if HAS_GPU else ["--device", "cpu"]
@@ -79,9 +79,10 @@ def test_the_routers_attention_call_on_the_gpu_is_sdpa_and_leaves_the_backends_a
 @pytest.mark.parametrize("how", ["in-process", "fleet"])
 def test_bfloat16_on_the_gpu_against_transformers_in_bfloat16_on_the_gpu(tmp_path, arch, how):
     """bf16 weights: no farther from the exact result (the same bf16 weights computed in float32 on the CPU) than
-    transformers in bf16 on the same GPU is, by more than half again (two bf16 engines round differently at every
-    layer, so comparing one with the other would test luck; tests/test_engine.py says why); the first token is
-    the exact model's wherever its top-2 margin is wider than twice that error."""
+    transformers in bf16 on the same GPU is, by more than half again, or 2% of the largest logit where that is more
+    (two bf16 engines round differently at every layer, so comparing one with the other would test luck;
+    tests/test_engine.py says why); the first token is the exact model's wherever its top-2 margin is wider than
+    twice that error."""
     model = build_model(small_config(arch), seed=11, dtype=torch.bfloat16)
     path = save_checkpoint(model, tmp_path / "bf16")
     with torch.no_grad():
@@ -97,10 +98,5 @@ def test_bfloat16_on_the_gpu_against_transformers_in_bfloat16_on_the_gpu(tmp_pat
             got = client.generate(PROMPT, 1, return_logits=True)
             token, logits = got.token_ids[0], torch.from_numpy(got.logits[0].copy())
             client.close()
-    scale = float(want.abs().max())
-    hf_err = float((hf - want).abs().max()) / scale
-    err = float((logits - want).abs().max()) / scale
+    err, hf_err = bf16_errors(token, logits, want, hf)
     assert err <= max(1.5 * hf_err, 2e-2), (err, hf_err)
-    top2 = want.topk(2).values
-    if float(top2[0] - top2[1]) > 2 * err * scale:
-        assert token == int(want.argmax())
