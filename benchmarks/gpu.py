@@ -5,7 +5,8 @@
    roofline is the bytes the call must read (the experts the T tokens touch, plus activations) divided by
    the read rate measured on this GPU (a streaming sum over 1 GiB); the copy rate is reported beside it.
 2. Serving tok/s at 1 / 8 / 32 / 128 streams on the bench model: `colibri serve --gpus 0` (router and two
-   workers on the GPU) and the in-process engine, against transformers `generate` on the same GPU.
+   workers on the GPU) and the in-process engine (CUDA graphs, and --enforce-eager without them), against
+   transformers `generate` on the same GPU.
 
 `--device cpu` with TRITON_INTERPRET=1 runs the same code on a CPU at toy sizes (the test suite does, so
 the script cannot rot while no GPU is at hand). Writes benchmarks/results/gpu.md (or --out).
@@ -99,6 +100,8 @@ def serving_section(model: Path, device: str, streams: str, prompt_len: int, max
     counts = [int(s) for s in streams.split(",")]
     jobs = [("transformers", lambda: run_json("benchmarks.peer_hf", common)),
             ("colibri in-process", lambda: run_json("benchmarks.inprocess", common)),
+            ("colibri in-process --enforce-eager",
+             lambda: run_json("benchmarks.inprocess", [*common, "--enforce-eager"])),
             ("colibri serve, 2 workers", lambda: run_fleet(model, 2, dtype, counts, prompt_len, max_tokens, place))]
     results = {name: job() for name, job in tqdm(jobs, desc="serving", unit="engine")}
     hf = results["transformers"]

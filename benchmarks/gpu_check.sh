@@ -15,8 +15,8 @@
 #   profile  benchmarks.gpu_profile (where the fused MoE's and a step's time goes)  -> profile.txt
 #   bench    make bench-gpu's script (fused MoE against the HBM roofline, tok/s)     -> gpu.md, bench-gpu.log
 # STEPS="compile tests bench" by default, run in that order (profile before bench when asked for); PYTEST_ARGS
-# narrows the tests (e.g. "-k bfloat16"), PROFILE_ARGS the profile (e.g. "--tokens 1 --streams 1"), PROFILE_S
-# bounds it (150 s). Exit status 1 when a step failed or ran out of time (each step's in $OUT/status).
+# narrows the tests (e.g. "-k bfloat16"), BENCH_ARGS the benchmark (e.g. "--shapes bench --tokens 1,32"),
+# PROFILE_ARGS the profile (e.g. "--tokens 1 --streams 1"), PROFILE_S bounds it (150 s). Exit status 1 when a step failed or ran out of time (each step's in $OUT/status).
 # Usage: OUT=dir bash benchmarks/gpu_check.sh [TEST_SECONDS] [BENCH_SECONDS]
 set -u
 cd "$(dirname "$0")/.." || exit 3
@@ -68,7 +68,8 @@ if [[ $STEPS == *" profile "* ]]; then
     grep -E "^###|Self CPU time total|Self CUDA time total" "$OUT/profile.txt"
 fi
 if [[ $STEPS == *" bench "* ]]; then
-    step bench "$BENCH_S" bench-gpu.log python3 -m benchmarks.gpu --out "$OUT/gpu.md"
+    # shellcheck disable=SC2086
+    step bench "$BENCH_S" bench-gpu.log python3 -m benchmarks.gpu --out "$OUT/gpu.md" ${BENCH_ARGS:-}
     tail -n 50 "$OUT/bench-gpu.log"
 fi
 exit "$failed"

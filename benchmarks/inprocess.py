@@ -16,8 +16,10 @@ from router_service.engine.sequence import Sampling, Sequence  # noqa: E402
 
 
 def main() -> None:
-    args = engine_args([("--micro-batches", {"type": int, "default": 1})])
-    llm = LLM(args.model, 0, dtype=args.dtype, micro_batches=args.micro_batches, device=args.device)
+    args = engine_args([("--micro-batches", {"type": int, "default": 1}),
+                        ("--enforce-eager", {"action": "store_true", "help": "no CUDA graphs (GPU)"})])
+    llm = LLM(args.model, 0, dtype=args.dtype, micro_batches=args.micro_batches, device=args.device,
+              enforce_eager=args.enforce_eager)
     engine = llm.engine
     cold = time.perf_counter() - T_START
 

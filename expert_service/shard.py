@@ -175,6 +175,13 @@ class ExpertShard:
     def in_place(self) -> bool:
         return self.cache is None and self.in_place_refusal is None
 
+    @property
+    def capturable(self) -> bool:
+        """Whether `forward` may be recorded in a CUDA graph: on a GPU through the Triton kernels, every expert
+        packed on the device (no cache: its slots and residency are decided on the host), no file watched."""
+        return (self.device.type == "cuda" and self.cache is None and self.watch is None
+                and backend_for(self.device) == "triton")
+
     def _refusal(self, ckpt: Checkpoint) -> str | None:
         """Why this shard's experts cannot be computed where they lie (None: they can)."""
         if self.device.type != "cpu":

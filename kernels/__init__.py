@@ -10,6 +10,9 @@ Fused MoE and routing, Triton on CUDA tensors and the CPU forms (native or torch
 `backend=None` picks Triton for CUDA tensors and the torch path otherwise; COLIBRI_MOE_BACKEND=triton|torch
 overrides the automatic choice (with TRITON_INTERPRET=1 the Triton kernels run on CPU tensors).
 
+`paged_decode_attention` is the Triton decode attention over the paged KV cache (where `backend_for` is triton);
+`graph_safe()` switches this thread's kernels to their CUDA-graph forms (kernels/graph_safe.py).
+
 Also here: the small-M `linear` of the router and its CPU forms (`pick_rows`, `tune`, `install` through the
 forms file, `set_batch_invariant`), the weight formats (`int8`, `fp8`, `mxfp4` modules of kernels/formats/ and
 their weight classes), `native` (the C++ ops: `native.describe()`, `native.decoder_ops()`, ...) and
@@ -41,6 +44,7 @@ from kernels.formats import fp8, int8, mxfp4
 from kernels.formats.fp8 import Fp8Weight
 from kernels.formats.int8 import QUANTIZE_MODES, Int8Weight, quantize_int8
 from kernels.formats.mxfp4 import Mxfp4Weight
+from kernels.graph_safe import graph_safe
 from kernels.routing import Routing, topk_route_torch
 
 BACKENDS = ("triton", "torch")
@@ -166,10 +170,22 @@ def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = No
     return topk_route_torch(logits, routing, bias)
 
 
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                           lens: torch.Tensor, block_size: int, sinks: torch.Tensor | None = None,
+                           window: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence against its keys where the paged cache holds them (the Triton kernel: CUDA
+    tensors, or CPU ones under TRITON_INTERPRET=1; `backend_for` says where the router uses it).
+    q [B, Hq, D], k_cache / v_cache [S, Hkv, D(v)], table [B, NB], lens [B] -> [B, Hq, Dv]
+    (kernels/triton_decode_attention.py has the rest)."""
+    from kernels.triton_decode_attention import paged_decode_attention as launch
+
+    return launch(q, k_cache, v_cache, table, lens, block_size, sinks, window, out=out)
+
+
 __all__ = [
     # fused MoE and routing
     "fused_moe", "route", "topk_route", "backend_for", "describe_backend", "describe_expert_kernels", "BACKENDS",
-    "Routing", "GatedAct", "SILU",
+    "Routing", "GatedAct", "SILU", "paged_decode_attention", "graph_safe",
     "ExpertRows", "native_serves", "fused_moe_cpu",
     # the router's linear and the CPU forms
     "linear", "cpu_has_fast_bf16", "pick_rows", "Weight", "weight_kind", "form_kind", "describe_forms", "FORMS",

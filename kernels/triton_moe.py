@@ -15,8 +15,9 @@ from kernels.cpu_moe import local_ids
 from kernels.formats.fp8 import Fp8Weight
 from kernels.formats.mxfp4 import BLOCK as MXFP4_BLOCK
 from kernels.formats.mxfp4 import Mxfp4Weight
+from kernels.graph_safe import graph_safe_active
 from kernels.launch_config import LaunchConfig, get_config
-from kernels.moe_align import Alignment, moe_align_block_size
+from kernels.moe_align import Alignment, moe_align_block_size, moe_align_on_device
 from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,8 +68,8 @@ def _align_on_host(ids: torch.Tensor, num_experts: int, block_m: int, device: to
     """The pairs sorted by expert and padded, computed on the host and copied to the device: on a GPU the dozen
     small ops of the alignment cost 42 launches and 6 syncs a call (measured on an H200: 1.3 ms of host time a
     call, against 11 µs of the two kernels), where the host needs one copy of the ids back (one sync) and two
-    copies out. The sync and the data-dependent grid keep this eager: CUDA graphs will need the alignment as a
-    kernel on the device over a worst-case grid, as vLLM's."""
+    copies out. The sync and the data-dependent grid keep this out of CUDA graphs, which take
+    moe_align_on_device (kernels/graph_safe.py)."""
     a = moe_align_block_size(ids.cpu(), num_experts, block_m)                     # [P_pad], [P_pad / BLOCK_M]
     return Alignment(a.sorted_pair_ids.to(device), a.block_expert.to(device), a.num_pairs)   # no copy on a CPU
 
@@ -90,10 +91,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor | Fp8Weight | Mxfp4Weigh
     I = two_i // 2
     top_k = topk_ids.shape[1]
     cfg = config or get_config(E, I, H, str(x.dtype).removeprefix("torch."), _device_name(x), T)
-    align = _align_on_host(local_ids(topk_ids, expert_map), E, cfg.block_m, x.device)
+    ids = local_ids(topk_ids, expert_map)                                      # [T, K] local, -1 not here
+    if graph_safe_active():                  # a CUDA graph: on the device over the worst-case grid, no sync
+        align = moe_align_on_device(ids, E, cfg.block_m)
+    else:
+        align = _align_on_host(ids, E, cfg.block_m, x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     num_blocks = align.block_expert.numel()
-    if num_blocks == 0:
+    if num_blocks == 0:                      # (never in graph-safe mode: its grid is the worst case)
         if acc is not None:
             return acc
         return torch.zeros(T, H, dtype=x.dtype, device=x.device) if out is None else out.zero_()

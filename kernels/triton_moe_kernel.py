@@ -59,6 +59,8 @@ def gate_up_act_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:                                                        # past the data (a graph's fixed grid)
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_ids_ptr + rows)                                  # [BM]
     row_ok = pairs < num_pairs
@@ -106,6 +108,8 @@ def down_weighted_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:                                                        # past the data (a graph's fixed grid)
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_ids_ptr + rows)
     row_ok = pairs < num_pairs

@@ -51,7 +51,8 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
                       sched=SchedulerConfig(max_batch_size=5, max_num_tokens=6, max_waiting=7, max_model_len=99,
                                             routing_aware_batching=True, max_passed_over=3))
     gpu = dataclasses.replace(r, device="cuda:1", quantize=None, quantize_dense=False,   # int8 is CPU-only
-                              batch_invariant=False, workers=(), follow_workers="experts.llm.svc:50061")
+                              batch_invariant=False, workers=(), follow_workers="experts.llm.svc:50061",
+                              enforce_eager=True)
     changed = {f.name for o in (r, gpu) for f in dataclasses.fields(o)
                if getattr(o, f.name) != getattr(RouterOptions(), f.name)}
     assert changed == {f.name for f in dataclasses.fields(RouterOptions)}        # the test sets every field

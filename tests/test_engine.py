@@ -106,6 +106,8 @@ def test_preemption_recomputes_with_identical_tokens(oracles):
 class FailOnce(LocalExperts):
     """Experts that raise once on the given layer, then compute normally."""
 
+    capturable = False                             # the fault is raised on the host: never a CUDA graph
+
     def __init__(self, inner: LocalExperts, exc: Exception) -> None:
         super().__init__(inner.shard)
         self.inner, self.exc, self.armed = inner, exc, threading.Event()

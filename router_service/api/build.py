@@ -30,6 +30,7 @@ from router_service.api.options import RouterOptions
 from router_service.engine.block_allocator import BlockAllocator
 from router_service.engine.engine import Engine
 from router_service.engine.scheduler import Scheduler
+from router_service.model.decode_graphs import DecodeGraphs, why_not
 from router_service.model.kv_cache import KVCache
 from router_service.model.model import RouterModel
 from router_service.model.native_check import check_decoder_ops
@@ -134,7 +135,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     kv_heads, k_dim, v_dim = cfg.kv_layout          # latent attention: the compressed latent, its real size
     per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, kv_heads, k_dim, dtype, v_dim)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)
-    kv = KVCache(cfg.num_layers, num_blocks, opts.block_size, kv_heads, k_dim, dtype, device, v_dim)
+    spare = 1 if device.type == "cuda" else 0       # CUDA graphs' padding rows write there (decode_graphs.py)
+    kv = KVCache(cfg.num_layers, num_blocks + spare, opts.block_size, kv_heads, k_dim, dtype, device, v_dim)
     sched = dataclasses.replace(opts.sched, max_model_len=min(opts.sched.max_model_len, cfg.max_position_embeddings))
     if -(-sched.max_model_len // opts.block_size) > num_blocks:
         raise ConfigError(f"--max-model-len {sched.max_model_len} needs {-(-sched.max_model_len // opts.block_size)} "
@@ -149,6 +151,14 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     model.track_routing = sched.routing_aware_batching
     model.mapped = mapped
     engine = Engine(model, kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
+    no_graphs = why_not(model, remote, opts.micro_batches, opts.enforce_eager)
+    if no_graphs is None:
+        engine.graphs = DecodeGraphs(model, kv, remote, sched.max_batch_size,
+                                     -(-sched.max_model_len // opts.block_size), num_blocks, engine.window)
+        with torch.cuda.device(device):
+            engine.graphs.capture_all()
+    elif device.type == "cuda":
+        log.info("CUDA graphs: off (%s); every step runs op by op", no_graphs)
     if device.type == "cpu":
         if native.refused_override():
             raise ConfigError(native.refused_override())

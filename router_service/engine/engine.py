@@ -21,6 +21,7 @@ from router_service.engine.metrics import Metrics
 from router_service.engine.sampler import SampleError, Sampler
 from router_service.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from router_service.engine.sequence import FinishReason, Sequence
+from router_service.model.decode_graphs import DecodeGraphs
 from router_service.model.kv_cache import KVCache
 from router_service.model.model import RouterModel
 from router_service.model.step_inputs import SeqSlice, StepInputs
@@ -45,6 +46,7 @@ class Engine:
         self.micro_batches = micro_batches
         self.window = model.cfg.sliding_window if model.cfg.sliding_layers else 0   # sliding layers' masks
         self.metrics = Metrics(sources=[experts])
+        self.graphs: DecodeGraphs | None = None     # CUDA graphs of decode steps, where they can be (build.py)
         self.on_damage: Callable[[str], None] | None = None   # told once when the model's mapped weights change
         self.phase = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "postprocess": 0.0}  # seconds
         self.metrics.gauges.update(self._occupancy())
@@ -245,17 +247,24 @@ class Engine:
     def _execute(self, step: Step) -> torch.Tensor:
         """The model over every micro-batch (ping-pong when there are several): logits [B, V] float32."""
         t0 = time.perf_counter()
-        inputs = []
+        batches = []
         for mb in step.micro_batches:
             slices, tokens = [], []
             for s in mb:
                 seq = s.seq
                 slices.append(SeqSlice(seq.num_cached, s.num_new, seq.block_table, s.samples))
                 tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
-            inputs.append(StepInputs.build(slices, tokens, self.kv.block_size, self.window))
-        t1 = time.perf_counter()
-        with self.experts.stepping():                                         # placement switches between steps
-            logits = self.model.forward(inputs, self.kv, self.experts)       # [B, V]
+            batches.append((slices, tokens))
+        graphs = self.graphs
+        if graphs is not None and len(batches) == 1 and graphs.fits(batches[0][0]):
+            t1 = time.perf_counter()
+            with self.experts.stepping():
+                logits = graphs.run(*batches[0])                              # [B, V] a CUDA graph replayed
+        else:
+            inputs = [StepInputs.build(slices, tokens, self.kv.block_size, self.window) for slices, tokens in batches]
+            t1 = time.perf_counter()
+            with self.experts.stepping():                                     # placement switches between steps
+                logits = self.model.forward(inputs, self.kv, self.experts)   # [B, V]
         self.phase["prepare"] += t1 - t0
         self.phase["forward"] += time.perf_counter() - t1
         return logits

@@ -1,6 +1,7 @@
 """Grouped-query attention over the paged KV cache, for every non-latent architecture: one call per decode batch
-(on a CPU the native kernel, which reads each query's keys where the cache holds them; else gathered keys and
-SDPA) and one SDPA call per prefill. A sliding layer reads only its window's keys (the step's window slots and masks).
+(on a GPU the Triton kernel and on a CPU the native one, each reading a query's keys where the cache holds
+them; else gathered keys and SDPA) and one SDPA call per prefill. A sliding layer reads only its window's keys
+(the step's window slots and masks, or the window's length for the Triton kernel).
 
 Attention sinks (GPT-OSS): transformers appends each head's learned logit s_h as one more column of the scores,
 softmaxes, and drops it, so the weights are exp(x_j) / (Σ exp(x_i) + exp(s_h)). Here that column is one extra
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
+from kernels import backend_for, native, paged_decode_attention
 from router_service.model.kv_cache import KVCache
 from router_service.model.query_context import query_contexts
 from router_service.model.sdpa import sdpa
@@ -37,7 +38,10 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
                                None, sinks, causal=False)[0, :, 0, :]        # [Hq, D]
         return out
     nd = step.num_decode
-    if nd and in_place(q, kv):                                               # where the cache holds the keys
+    if nd and paged(q, step):                                                # the Triton kernel, through the tables
+        paged_decode_attention(q[:nd], kv.k[layer], kv.v[layer], step.decode_table, step.decode_lens,
+                               kv.block_size, sinks, step.window if sliding else 0, out=out[:nd])   # [Bd, Hq, D]
+    elif nd and in_place(q, kv):                                               # where the cache holds the keys
         slots, lens = (step.decode_window_slots, step.decode_window_lens) if sliding else \
             (step.decode_slots, step.decode_lens)                            # [Bd, C], [Bd]
         out[:nd] = native.decode_attention(q[:nd], kv.k[layer], kv.v[layer], slots, lens, sinks,
@@ -56,6 +60,12 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
                     mask, sinks)                                             # [1, Hq, n, D]
         out[row:row + n] = o[0].transpose(0, 1)
     return out
+
+
+def paged(q: torch.Tensor, step: StepInputs) -> bool:
+    """Decode rows attend through their block tables in the Triton kernel (kernels.paged_decode_attention): where
+    the MoE backend is Triton (a GPU; CPU tensors under the interpreter, as the GPU tests' dry run)."""
+    return step.decode_table is not None and backend_for(q.device) == "triton"
 
 
 def in_place(q: torch.Tensor, kv: KVCache) -> bool:

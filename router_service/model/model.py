@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from colibri_common.config import ModelConfig
 from colibri_common.file_watch import FileWatch, MappingChanged
-from kernels import Routing, linear, native, pick_rows, route
+from kernels import Routing, backend_for, linear, native, pick_rows, route
 from router_service.model.attention import attention
 from router_service.model.kv_cache import KVCache
 from router_service.model.layers import (
@@ -224,11 +224,13 @@ class RouterModel:
 
     def _fusable(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs, kv: KVCache) -> bool:
         """Whether this layer's attention block may run as one native call (kernels.native.attention_block, the
-        bits of the op-by-op path below): a CPU step of decode rows only, no batch-invariant mode, plain float
+        bits of the op-by-op path below): a CPU step of decode rows only, not the GPU's path (the Triton backend,
+        which the interpreter runs on a CPU in tests), no batch-invariant mode, plain float
         weights whose linear form here is the native one, and no clipped qkv."""
         T, dtype = h.shape[0], h.dtype
         if not (self.fused_attention and not self.batch_invariant and step.num_decode == T and T > 0
-                and not step.prefills and h.device.type == "cpu" and native.decoder_ops()
+                and not step.prefills and h.device.type == "cpu" and backend_for(h.device) != "triton"
+                and native.decoder_ops()
                 and self.cfg.clip_qkv is None and cos.dtype == dtype and kv.k.dtype == dtype
                 and kv.v.shape[-1] == self.cfg.head_dim and dtype in (torch.float32, torch.bfloat16)):
             return False

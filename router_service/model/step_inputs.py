@@ -38,6 +38,9 @@ class StepInputs:
                                                                                     # mask [n, ctx - lo]
     decode_lens: torch.Tensor | None = None          # [Bd] valid slots of each decode_slots row (a prefix)
     decode_window_lens: torch.Tensor | None = None   # [Bd] the same for decode_window_slots
+    decode_table: torch.Tensor | None = None         # [Bd, NB] each decode sequence's blocks (0-padded), as the
+                                                     # paged kernel reads them with decode_lens (a sliding layer:
+                                                     # the last `window` of them)
 
     def to(self, device: torch.device) -> StepInputs:
         """These inputs on `device` (asynchronous copies on a GPU; the same object on the CPU)."""
@@ -54,7 +57,7 @@ class StepInputs:
             sample_rows=move(self.sample_rows), window=self.window,
             decode_window_slots=move(self.decode_window_slots), decode_window_mask=move(self.decode_window_mask),
             prefill_windows=[(lo, move(m)) for lo, m in self.prefill_windows], decode_lens=move(self.decode_lens),
-            decode_window_lens=move(self.decode_window_lens))
+            decode_window_lens=move(self.decode_window_lens), decode_table=move(self.decode_table))
 
     @staticmethod
     def build(seqs: list[SeqSlice], token_ids: list[int], block_size: int, window: int = 0) -> StepInputs:
@@ -85,6 +88,7 @@ class StepInputs:
                 wslots = dslots.gather(1, pos.clamp(max=cmax - 1))                             # [Bd, Cw]
                 wlens = lens.clamp(max=cw)                                                     # [Bd]
         else:
+            table = torch.zeros(0, 0, dtype=torch.long)
             dslots = torch.zeros(0, 0, dtype=torch.long)
             dmask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
             lens = torch.zeros(0, dtype=torch.long)
@@ -120,5 +124,5 @@ class StepInputs:
             prefills=prefills, sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             window=window, decode_window_slots=wslots if window else None,
             decode_window_mask=wmask if window else None, prefill_windows=windows,
-            decode_lens=lens, decode_window_lens=wlens if window else None,
+            decode_lens=lens, decode_window_lens=wlens if window else None, decode_table=table,
         )

@@ -37,6 +37,12 @@ class Experts(Protocol):
 
     timers: dict[str, float]       # seconds by phase (wait, expert_compute, dispatch); empty where none are kept
 
+    @property
+    def capturable(self) -> bool:
+        """Whether `submit` may be recorded in a CUDA graph (router_service/model/decode_graphs.py): computed in
+        this process on the GPU, every expert resident, nothing read on the host."""
+        ...
+
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                prefetch: Prefetch | None = None) -> Handle: ...
 
@@ -63,6 +69,9 @@ class Shard(Protocol):
 
     def hint(self, layer: int, experts: list[int]) -> None: ...
 
+    @property
+    def capturable(self) -> bool: ...
+
 
 class Ready:
     """A handle whose result is already computed (in-process experts)."""
@@ -84,6 +93,10 @@ class LocalExperts:
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
         self.timers: dict[str, float] = {}
+
+    @property
+    def capturable(self) -> bool:
+        return self.shard.capturable
 
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                prefetch: Prefetch | None = None) -> Ready:

@@ -222,6 +222,10 @@ class RemoteExperts:
                                                    for layer, es in sorted(held.items())])
         return self.link(address).assign(request, timeout_s, wait)
 
+    @property
+    def capturable(self) -> bool:
+        return False                               # gRPC calls: the host is in every layer
+
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
         """Held by the engine around one step: a new placement is switched to here, between two steps."""

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from colibri.client import Client
+from router_service.engine.scheduler import SchedulerConfig
 from tests.conftest import ARCHS, fleet
 from tests.gpu.device import DEVICE, HAS_GPU
 from tests.inprocess import InProcess
 from tests.models import bf16_errors, build_model, save_checkpoint, small_config
-from tests.test_e2e_oracle import NEW_TOKENS, PROMPTS, check_against_oracle
+from tests.test_e2e_oracle import NEW_TOKENS, PROMPTS, check_against_oracle, rel_err
 
 PLACE = ["--gpus", "0"] if HAS_GPU else ["--device", "cpu"]
 
@@ -100,3 +101,34 @@ def test_bfloat16_on_the_gpu_against_transformers_in_bfloat16_on_the_gpu(tmp_pat
             client.close()
     err, hf_err = bf16_errors(token, logits, want, hf)
     assert err <= max(1.5 * hf_err, 2e-2), (err, hf_err)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need the GPU (tests/kernels/test_decode_graphs.py runs their "
+                                        "step without one)")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_decode_steps_replayed_from_cuda_graphs_match_transformers(oracles, arch):
+    """Every bucket is captured at start; decode steps of 3, 2 and 1 sequences (bucket 4 with a padding row, 2, 1)
+    replay them and give the oracle's tokens, and logits within 1e-4 at their last step."""
+    oracle = oracles[arch]
+    prompts, new = [*PROMPTS[:2], PROMPTS[0][:3]], [9, 7, 5]
+    with InProcess(oracle.path, device=DEVICE.type, sched=SchedulerConfig(max_batch_size=8)) as llm:
+        graphs = llm.engine.graphs
+        assert graphs is not None and graphs.failed is None and sorted(graphs.graphs) == graphs.buckets == [1, 2, 4, 8]
+        handles = [llm.submit(p, n, return_logits=True) for p, n in zip(prompts, new, strict=True)]
+        results = [InProcess.collect(h) for h in handles]
+        assert graphs.replays >= max(new) - 1 and graphs.replays == graphs.runs
+    for p, n, res in zip(prompts, new, results, strict=True):
+        assert res.token_ids == oracle.greedy(p, n), f"prompt {p}"
+        assert rel_err(res.logits[-1], oracle.last_logits(p + res.token_ids[:-1])) < 1e-4
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need the GPU")
+@pytest.mark.parametrize("arch, eager, why", [("qwen3_moe", True, None), ("deepseek_v3", False, "latent attention")])
+def test_enforce_eager_and_latent_attention_run_op_by_op(oracles, arch, eager, why, caplog):
+    oracle = oracles[arch]
+    with caplog.at_level("INFO", logger="colibri.router"), \
+            InProcess(oracle.path, device=DEVICE.type, enforce_eager=eager) as llm:
+        assert llm.engine.graphs is None
+        res = llm.generate(PROMPTS[0], NEW_TOKENS, return_logits=True)
+        check_against_oracle(oracle, PROMPTS[0], res.token_ids, res.logits, res.finish_reason)
+    assert f"CUDA graphs: off ({'--enforce-eager' if eager else why}" in caplog.text

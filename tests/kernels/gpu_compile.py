@@ -1,6 +1,7 @@
-"""Compile the fused-MoE and routing Triton kernels for real GPU targets (sm_80, sm_90) to Triton IR, with no GPU: the
-interpreter runs plain Python, so code that only the compiler refuses (mismatched returns, types a target lacks)
-would pass every interpreter test. Run as a script in a process without TRITON_INTERPRET (tests/kernels sets it).
+"""Compile the fused-MoE, routing and decode-attention Triton kernels for real GPU targets (sm_80, sm_90) to Triton
+IR, with no GPU: the interpreter runs plain Python, so code that only the compiler refuses (mismatched returns, types
+a target lacks) would pass every interpreter test. Run as a script in a process without TRITON_INTERPRET
+(tests/kernels sets it).
 
     python -m tests.kernels.gpu_compile   -> one line per variant, exit 1 if any fails
 """
@@ -15,6 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 
+from kernels.triton_decode_attention_kernel import paged_decode_attention_kernel
 from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel
 from kernels.triton_topk_kernel import topk_route_kernel
 
@@ -73,6 +75,19 @@ def variants():
         yield (f"topk_route sm_90 scoring={scoring} groups={groups}", topk_route_kernel, dict(route_sig),
                dict(TOP_K=8, TOPK_POW2=8, BLOCK_E=256, SCORING=scoring, HAS_BIAS=scoring == 1, NUM_GROUPS=groups,
                     TOPK_GROUPS=min(4, groups), GROUP_TOP2=True, RENORMALIZE=True), 90)
+    attn_ints = [n for n in paged_decode_attention_kernel.arg_names if n.startswith("stride_")] + [
+        "window", "group", "block_size", "head_d", "head_dv"]
+    for capability, act, sinks, (d, dv) in itertools.product((80, 90), ("bf16", "fp16", "fp32"), (False, True),
+                                                             ((64, 64), (128, 128), (192, 128))):
+        sig = {n: f"*{act}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+        sig.update(table_ptr="*i32", lens_ptr="*i32", sinks_ptr="*fp32" if sinks else f"*{act}", scale="fp32",
+                   **{n: "i32" for n in attn_ints})
+        yield (f"decode_attention sm_{capability} {act} sinks={sinks} D={d}/{dv}", paged_decode_attention_kernel,
+               sig, dict(BLOCK_N=32, BLOCK_D=triton_pow2(d), BLOCK_DV=triton_pow2(dv), HAS_SINKS=sinks), capability)
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def main() -> int:

@@ -323,7 +323,8 @@ def test_triton_keeps_mxfp4_experts_and_decodes_their_tiles(T, E, K, pattern, dt
 
 def test_the_kernels_compile_for_real_gpus():
     """Every format, bias and activation variant through Triton's compiler for sm_80 and sm_90 (to Triton IR:
-    no GPU needed), in a process without the interpreter, which would accept what the compiler refuses."""
+    no GPU needed), in a process without the interpreter, which would accept what the compiler refuses; the
+    decode attention's dtypes, sinks and head dims too."""
     import os
     import subprocess
     import sys
@@ -332,7 +333,8 @@ def test_the_kernels_compile_for_real_gpus():
     run = subprocess.run([sys.executable, "-m", "tests.kernels.gpu_compile"], capture_output=True, text=True,
                          env=env, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert run.stdout.count("ok ") == 45
+    assert run.stdout.count("ok ") == 81
+    assert run.stdout.count("ok   decode_attention") == 36
 
 
 def test_fp8_experts_on_the_cpu_path_are_a_clear_error():
@@ -359,6 +361,39 @@ def test_the_alignment_puts_every_pair_once_in_blocks_of_its_expert(T, K, E, blo
         pairs = block[block < T * K].long()
         assert (ids.view(-1)[pairs] == expert).all() and len(pairs) > 0
         assert torch.equal(pairs, pairs.sort().values)                            # stable: token order kept
+
+
+@pytest.mark.parametrize("T,K,E,block_m", [(1, 8, 64, 16), (37, 3, 7, 16), (300, 8, 128, 64), (5, 2, 9, 1),
+                                         (4, 2, 3, 16)])
+def test_the_device_alignment_is_the_host_one_on_a_fixed_grid(T, K, E, block_m):
+    """moe_align_on_device (CUDA graphs) gives the host alignment's rows and block experts, then only padding
+    blocks (expert -1, every pair id num_pairs) up to the worst case, whatever the ids: its shapes are T, K, E's."""
+    from kernels.moe_align import max_blocks, moe_align_block_size, moe_align_on_device
+
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])       # [T, K]
+    ids[0, 0] = ids[-1, -1] = -1
+    for case in (ids, torch.zeros_like(ids), torch.full_like(ids, -1)):             # spread, one expert, none here
+        host, dev = moe_align_block_size(case, E, block_m), moe_align_on_device(case, E, block_m)
+        nb = host.block_expert.numel()
+        assert dev.block_expert.numel() == max_blocks(T * K, E, block_m) >= nb and dev.num_pairs == T * K
+        assert torch.equal(dev.block_expert[:nb], host.block_expert)
+        assert (dev.block_expert[nb:] == -1).all()
+        assert torch.equal(dev.sorted_pair_ids[:nb * block_m], host.sorted_pair_ids)
+        assert (dev.sorted_pair_ids[nb * block_m:] == T * K).all()
+
+
+@pytest.mark.parametrize("T,E,K,pattern", [(1, 8, 2, "random"), (17, 21, 3, "expert_map"), (64, 8, 4, "one_expert")])
+def test_graph_safe_mode_gives_the_same_bits(T, E, K, pattern):
+    """In graph-safe mode (a CUDA graph's capture) the kernels run the device alignment's worst-case grid and skip
+    its empty blocks: the same bits as the host alignment's exact grid."""
+    from kernels.graph_safe import graph_safe
+
+    x, w13, w2, ids, w, emap = make_case(T, E, K, torch.float32, pattern)
+    eager = fused_moe(x, w13, w2, ids, w, emap, backend="triton")
+    with graph_safe():
+        safe = fused_moe(x, w13, w2, ids, w, emap, backend="triton")
+    assert torch.equal(eager, safe)
 
 
 def test_no_pair_held_here_gives_zeros():

@@ -1,0 +1,64 @@
+"""Launcher of the Triton paged decode attention: checks shapes and dtypes, computes the grid (one program per
+sequence and query head).
+
+On a GPU a decode step's attention was a gather of every sequence's keys into a padded copy, a mask, and an
+SDPA call per layer (a dozen launches, shapes that change every step); this reads the keys where the cache
+holds them, through the block tables, in one launch whose shapes depend only on the batch, so a decode step can
+be captured in a CUDA graph (router_service/model/decode_graphs.py). No split over the keys (flash-decoding):
+one program walks a whole context, which suits the short contexts of decode batches; long contexts at few
+sequences would want the split.
+
+Shapes: B sequences, Hq / Hkv query / key-value heads, D / Dv the key / value head dims, S slots, NB blocks a row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.triton_decode_attention_kernel import paged_decode_attention_kernel
+
+BLOCK_N = 32          # keys a loop iteration
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                           lens: torch.Tensor, block_size: int, sinks: torch.Tensor | None = None,
+                           window: int = 0, scale: float | None = None, out: torch.Tensor | None = None
+                           ) -> torch.Tensor:
+    """q [B, Hq, D], k_cache [S, Hkv, D], v_cache [S, Hkv, Dv], table [B, NB] block ids, lens [B] each sequence's
+    context (its keys are positions 0..lens-1, the query's own included) -> [B, Hq, Dv] in q's dtype (into `out`
+    when given). `window` > 0: only the last `window` positions (a sliding layer). `sinks` [Hq]: GPT-OSS's
+    per-head logit in the softmax's denominator. `scale` defaults to D ** -0.5."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise ValueError(f"paged_decode_attention: need q [B,Hq,D], k_cache [S,Hkv,D], v_cache [S,Hkv,Dv]; got "
+                         f"{list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}")
+    B, Hq, D = q.shape
+    S, Hkv, Dk = k_cache.shape
+    Dv = v_cache.shape[2]
+    if Dk != D or v_cache.shape[:2] != (S, Hkv) or Hq % Hkv:
+        raise ValueError(f"paged_decode_attention: shapes disagree: q {list(q.shape)}, k_cache "
+                         f"{list(k_cache.shape)}, v_cache {list(v_cache.shape)} (Hq must be a multiple of Hkv)")
+    if table.dim() != 2 or table.shape[0] != B or lens.shape != (B,):
+        raise ValueError(f"paged_decode_attention: table must be [B={B}, NB] and lens [B], got {list(table.shape)}, "
+                         f"{list(lens.shape)}")
+    if sinks is not None and sinks.shape != (Hq,):
+        raise ValueError(f"paged_decode_attention: sinks must be [Hq={Hq}], got {list(sinks.shape)}")
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or table.stride(1) != 1:
+        raise ValueError("paged_decode_attention: the head dims and the table rows must have unit stride")
+    tensors = [k_cache, v_cache, table, lens] + ([sinks] if sinks is not None else [])
+    if any(t.device != q.device for t in tensors):
+        raise ValueError(f"paged_decode_attention: every tensor must be on the query's device {q.device}")
+    if out is None:
+        out = torch.empty(B, Hq, Dv, dtype=q.dtype, device=q.device)      # [B, Hq, Dv]
+    elif out.shape != (B, Hq, Dv) or out.stride(2) != 1:
+        raise ValueError(f"paged_decode_attention: out must be [B={B}, Hq={Hq}, Dv={Dv}] with unit stride")
+    if B == 0:
+        return out
+    paged_decode_attention_kernel[(B, Hq)](
+        q, k_cache, v_cache, out, table, lens, sinks if sinks is not None else q,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), table.stride(0),
+        float(D ** -0.5 if scale is None else scale), int(window), Hq // Hkv, int(block_size), D, Dv,
+        BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
+        HAS_SINKS=sinks is not None)
+    return out
