@@ -13,6 +13,8 @@ Shapes: B sequences, Hq / Hkv query / key-value heads, D / Dv the key / value he
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -26,9 +28,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            window: int = 0, scale: float | None = None, out: torch.Tensor | None = None
                            ) -> torch.Tensor:
     """q [B, Hq, D], k_cache [S, Hkv, D], v_cache [S, Hkv, Dv], table [B, NB] block ids, lens [B] each sequence's
-    context (its keys are positions 0..lens-1, the query's own included) -> [B, Hq, Dv] in q's dtype (into `out`
+    context, at least 1 (its keys are positions 0..lens-1, the query's own included; not checked: that would read
+    the lengths back, a sync) -> [B, Hq, Dv] in q's dtype (into `out`
     when given). `window` > 0: only the last `window` positions (a sliding layer). `sinks` [Hq]: GPT-OSS's
     per-head logit in the softmax's denominator. `scale` defaults to D ** -0.5."""
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("paged_decode_attention needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
         raise ValueError(f"paged_decode_attention: need q [B,Hq,D], k_cache [S,Hkv,D], v_cache [S,Hkv,Dv]; got "
                          f"{list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}")

@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The table's row stride is the step's block count op by op (1, 2, 3, ...) and the largest context's in a CUDA graph:
+# Triton would compile a variant for 1 and for multiples of 16 on first use, mid-serving (hundreds of ms each).
+@triton.jit(do_not_specialize=["stride_tb"])
 def paged_decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, sinks_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb,

@@ -74,9 +74,10 @@ class DecodeGraphs:
         self.host_table = np.zeros((bmax, max_blocks), dtype=np.int64)  # [Bmax, NB]
         self.cols = torch.zeros(4, bmax, dtype=torch.long, device=dev)
         self.table = torch.zeros(bmax, max_blocks, dtype=torch.long, device=dev)
-        # bucket -> the graph, its logits, and the inputs it reads (held: a graph replays raw addresses, and a
-        # freed input's memory would be another tensor's by then)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, StepInputs]] = {}
+        # bucket -> the graph and the inputs it reads (held: a graph replays raw addresses, and a freed input's
+        # memory would be another tensor's by then)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepInputs]] = {}
+        self.logits: torch.Tensor | None = None                       # [Bmax, V] every graph's output, shared
         self.pool: tuple[int, int] | None = None                      # the graphs' shared memory pool
         self.failed: str | None = None                                # a capture failed: op by op from then on
         self.runs = self.replays = 0                                  # steps run on the buffers; of them replayed
@@ -90,33 +91,40 @@ class DecodeGraphs:
                 and max(s.num_cached // self.block_size + 1 for s in slices) <= self.table.shape[1])
 
     def run(self, slices: list[SeqSlice], tokens: list[int]) -> torch.Tensor:
-        """The logits [B, V] float32 of a step `fits` accepted: replayed, or run and captured for its bucket."""
+        """The logits [B, V] float32 of a step `fits` accepted: its bucket's graph replayed (or, where none was
+        captured, the same step on the buffers, op by op)."""
         B = len(slices)
         bp = next(b for b in self.buckets if b >= B)
         self.runs += 1
         width = self._fill(slices, tokens, bp)
         self.cols[:, :bp].copy_(torch.from_numpy(self.host_cols[:, :bp]), non_blocking=False)
         self.table[:bp, :width].copy_(torch.from_numpy(self.host_table[:bp, :width]), non_blocking=False)
-        if bp in self.graphs:
-            graph, logits, _ = self.graphs[bp]
-            graph.replay()
+        if bp in self.graphs and self.logits is not None:
+            self.graphs[bp][0].replay()
             self.replays += 1
-            return logits[:B].clone()                                   # [B, V] (the graph's buffer is reused)
-        if not self.capture:
-            with graph_safe():
-                return self.model.forward([self._inputs(bp)], self.kv, self.experts)[:B]
-        return self._capture(bp)[:B]                                    # not captured at start (it failed there)
+            return self.logits[:B].clone()                              # [B, V] (the buffer is the next step's)
+        with graph_safe():                     # no graph (a CPU test): the same step on the buffers, op by op
+            return self.model.forward([self._inputs(bp)], self.kv, self.experts)[:B]
 
     def capture_all(self) -> None:
-        """Every bucket's graph, largest first, on padding rows only (they touch the spare block alone)."""
+        """Every bucket's graph, largest first, on padding rows only (they touch the spare block alone). A
+        failure (an out-of-memory one, say) is logged once, the graphs made so far are dropped with their memory,
+        and every step runs op by op."""
         t0 = time.perf_counter()
         for bp in reversed(self.buckets):
-            if self.failed is not None:
-                return
             self._fill([], [], bp)
             self.cols[:, :bp].copy_(torch.from_numpy(self.host_cols[:, :bp]))
             self.table[:bp, :1].copy_(torch.from_numpy(self.host_table[:bp, :1]))
-            self._capture(bp)
+            try:
+                self._capture(bp)
+            except Exception as exc:                                  # noqa: BLE001 (any capture error: eager)
+                self.failed = f"{type(exc).__name__}: {exc}"
+                self.graphs.clear()
+                self.pool = self.logits = None
+                torch.cuda.empty_cache()
+                log.warning("CUDA graphs off: capturing the decode step of %d sequences failed (%s); every step "
+                            "runs op by op (--enforce-eager skips the capture)", bp, self.failed)
+                return
         log.info("CUDA graphs: %d decode steps (%s sequences) captured in %.1f s (off: --enforce-eager)",
                  len(self.graphs), ", ".join(map(str, self.buckets)), time.perf_counter() - t0)
 
@@ -144,30 +152,25 @@ class DecodeGraphs:
             sample_rows=torch.arange(bp, device=dev), window=self.window, decode_lens=self.cols[3, :bp],
             decode_table=self.table[:bp])
 
-    def _capture(self, bp: int) -> torch.Tensor:
-        """Run the step eagerly on the buffers (this step's logits), then capture it for its bucket. A failed
-        capture is logged once, and every later step runs op by op."""
+    def _capture(self, bp: int) -> None:
+        """Run the bucket's step once on the buffers (Triton compiles, torch sizes its workspaces), then capture
+        it, its logits copied into the shared output buffer (so no graph keeps a [Bp, V] tensor of its own)."""
         t0 = time.perf_counter()
         inputs = self._inputs(bp)
         with graph_safe():
             side = torch.cuda.Stream()                     # the warm-up on a side stream, as torch's docs capture
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                logits = self.model.forward([inputs], self.kv, self.experts).clone()   # [Bp, V] this step's
+                vocab = self.model.forward([inputs], self.kv, self.experts).shape[1]
             torch.cuda.current_stream().wait_stream(side)
+            if self.logits is None:                                      # the largest bucket comes first
+                self.logits = torch.empty(self.buckets[-1], vocab, device=self.cols.device)   # [Bmax, V] float32
             graph = torch.cuda.CUDAGraph()
-            try:
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    out = self.model.forward([inputs], self.kv, self.experts)      # recorded, not run
-            except Exception as exc:                                  # noqa: BLE001 (any capture error: eager)
-                self.failed = f"{type(exc).__name__}: {exc}"
-                log.warning("CUDA graphs off: capturing the decode step of %d sequences failed (%s); every step "
-                            "runs op by op", bp, self.failed)
-                return logits
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self.logits[:bp].copy_(self.model.forward([inputs], self.kv, self.experts))   # recorded, not run
         self.pool = graph.pool()
-        self.graphs[bp] = (graph, out, inputs)
+        self.graphs[bp] = (graph, inputs)
         seconds = time.perf_counter() - t0
         self.capture_seconds += seconds
         log.debug("captured the CUDA graph of a decode step of %d sequences in %.2f s", bp, seconds)
-        return logits

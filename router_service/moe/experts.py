@@ -40,7 +40,8 @@ class Experts(Protocol):
     @property
     def capturable(self) -> bool:
         """Whether `submit` may be recorded in a CUDA graph (router_service/model/decode_graphs.py): computed in
-        this process on the GPU, every expert resident, nothing read on the host."""
+        this process on the GPU, every expert resident, nothing read on the host. A replay runs no Python: a
+        wrapper whose `submit` does something on the host (fault injection, counting) must say False."""
         ...
 
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

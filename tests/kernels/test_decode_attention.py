@@ -102,3 +102,10 @@ def test_bad_arguments_are_named(change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         paged_decode_attention(**args)
+
+
+def test_cpu_tensors_outside_the_interpreter_are_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, table, ln = _case(1, 1, 1, 8, 8, 4, [3], torch.float32)
+    with pytest.raises(RuntimeError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
+        paged_decode_attention(q, k, v, table, ln, 4)
