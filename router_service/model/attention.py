@@ -41,7 +41,7 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
     if nd and paged(q, step):                                                # the Triton kernel, through the tables
         paged_decode_attention(q[:nd], kv.k[layer], kv.v[layer], step.decode_table, step.decode_lens,
                                kv.block_size, sinks, step.window if sliding else 0, out=out[:nd])   # [Bd, Hq, D]
-    elif nd and in_place(q, kv):                                               # where the cache holds the keys
+    elif nd and in_place(q, kv):                                             # where the cache holds the keys
         slots, lens = (step.decode_window_slots, step.decode_window_lens) if sliding else \
             (step.decode_slots, step.decode_lens)                            # [Bd, C], [Bd]
         out[:nd] = native.decode_attention(q[:nd], kv.k[layer], kv.v[layer], slots, lens, sinks,
@@ -64,7 +64,8 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
 
 def paged(q: torch.Tensor, step: StepInputs) -> bool:
     """Decode rows attend through their block tables in the Triton kernel (kernels.paged_decode_attention): where
-    the MoE backend is Triton (a GPU; CPU tensors under the interpreter, as the GPU tests' dry run)."""
+    the MoE backend is Triton (a GPU; or CPU tensors under the interpreter with COLIBRI_MOE_BACKEND=triton, as the
+    suite runs the GPU's path)."""
     return step.decode_table is not None and backend_for(q.device) == "triton"
 
 
