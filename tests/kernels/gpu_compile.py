@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 
-from kernels.triton_decode_attention_kernel import paged_decode_attention_kernel
+from kernels.triton_decode_attention_kernel import combine_splits_kernel, paged_decode_attention_kernel
 from kernels.triton_moe_kernel import down_weighted_kernel, gate_up_act_kernel
 from kernels.triton_topk_kernel import topk_route_kernel
 
@@ -76,14 +76,24 @@ def variants():
                dict(TOP_K=8, TOPK_POW2=8, BLOCK_E=256, SCORING=scoring, HAS_BIAS=scoring == 1, NUM_GROUPS=groups,
                     TOPK_GROUPS=min(4, groups), GROUP_TOP2=True, RENORMALIZE=True), 90)
     attn_ints = [n for n in paged_decode_attention_kernel.arg_names if n.startswith("stride_")] + [
-        "window", "group", "block_size", "head_d", "head_dv"]
-    for capability, act, sinks, (d, dv) in itertools.product((80, 90), ("bf16", "fp16", "fp32"), (False, True),
-                                                             ((64, 64), (128, 128), (192, 128))):
+        "window", "group", "block_size", "head_d", "head_dv", "split_len", "num_heads", "num_splits"]
+    for capability, act, sinks, (d, dv), split in itertools.product(
+            (80, 90), ("bf16", "fp16", "fp32"), (False, True), ((64, 64), (128, 128), (192, 128)), (False, True)):
+        if split and d != 128:
+            continue                                   # the split form on one head size (its own stores only)
         sig = {n: f"*{act}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
         sig.update(table_ptr="*i32", lens_ptr="*i32", sinks_ptr="*fp32" if sinks else f"*{act}", scale="fp32",
-                   **{n: "i32" for n in attn_ints})
-        yield (f"decode_attention sm_{capability} {act} sinks={sinks} D={d}/{dv}", paged_decode_attention_kernel,
-               sig, dict(BLOCK_N=32, BLOCK_D=triton_pow2(d), BLOCK_DV=triton_pow2(dv), HAS_SINKS=sinks), capability)
+                   m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", **{n: "i32" for n in attn_ints})
+        yield (f"decode_attention sm_{capability} {act} sinks={sinks} D={d}/{dv} split={split}",
+               paged_decode_attention_kernel, sig,
+               dict(BLOCK_N=32, BLOCK_D=triton_pow2(d), BLOCK_DV=triton_pow2(dv), HAS_SINKS=sinks, SPLIT=split),
+               capability)
+    for capability, act, sinks in itertools.product((80, 90), ("bf16", "fp16", "fp32"), (False, True)):
+        sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": f"*{act}",
+               "sinks_ptr": "*fp32" if sinks else f"*{act}",
+               **{n: "i32" for n in ("stride_ob", "stride_oh", "head_dv", "num_heads", "num_splits")}}
+        yield (f"combine_splits sm_{capability} {act} sinks={sinks}", combine_splits_kernel, sig,
+               dict(BLOCK_S=16, BLOCK_DV=128, HAS_SINKS=sinks), capability)
 
 
 def triton_pow2(n: int) -> int:

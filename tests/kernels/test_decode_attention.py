@@ -60,13 +60,39 @@ def test_paged_decode_attention_matches_float64(B, Hq, Hkv, D, Dv, block_size, l
 
 @pytest.mark.parametrize("window", [1, 5, 64])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_sliding_windows_and_sinks_match_float64(window, sinks):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sliding_windows_and_sinks_match_float64(window, sinks, splits):
     B, Hq, Hkv, D, block_size, lens = 3, 4, 2, 20, 4, [3, 30, 50]
     q, k, v, table, ln = _case(B, Hq, Hkv, D, D, block_size, lens, torch.float32, seed=1)
     s = torch.randn(Hq, generator=torch.Generator().manual_seed(2)) * 3 if sinks else None
-    got = paged_decode_attention(q, k, v, table, ln, block_size, sinks=s, window=window)
+    got = paged_decode_attention(q, k, v, table, ln, block_size, sinks=s, window=window, splits=splits)
     want = _reference(q, k, v, table, ln, block_size, s, window)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("splits", [2, 5, 16])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_split_contexts_join_as_one_softmax(splits, sinks):
+    """Flash-decoding: each context in parts, the parts' partial softmaxes joined; contexts of one key (every split
+    but the first empty), of fewer keys than splits, and of several loop iterations a split, with odd dims."""
+    B, Hq, Hkv, D, Dv, block_size, lens = 4, 6, 3, 24, 10, 3, [1, 4, 97, 200]
+    q, k, v, table, ln = _case(B, Hq, Hkv, D, Dv, block_size, lens, torch.float32, seed=3)
+    s = torch.randn(Hq, generator=torch.Generator().manual_seed(4)) * 3 if sinks else None
+    got = paged_decode_attention(q, k, v, table, ln, block_size, sinks=s, splits=splits)
+    torch.testing.assert_close(got.double(), _reference(q, k, v, table, ln, block_size, s), atol=2e-5, rtol=2e-5)
+
+
+def test_the_split_count_follows_the_shapes():
+    """Enough programs for two a multiprocessor (an H200 has 132), each split at least MIN_SPLIT keys, at most
+    MAX_SPLITS; one on a CPU."""
+    from kernels.triton_decode_attention import MAX_SPLITS, MIN_SPLIT, auto_splits, split_count
+
+    assert split_count(16, 4096, 132) == MAX_SPLITS == 16                  # one stream, 16 heads, a 4K context
+    assert split_count(16, 80, 132) == 1                                    # a short context: one split
+    assert split_count(16, 3 * MIN_SPLIT, 132) == 3
+    assert split_count(8 * 16, 4096, 132) == 3                              # 8 streams: 128 programs, 3 splits
+    assert split_count(64 * 16, 4096, 132) == 1                             # programs enough already
+    assert auto_splits(torch.empty(1, 16, 64), 4096) == 1                   # CPU tensors (the interpreter)
 
 
 def test_a_sink_takes_weight_from_the_keys():
