@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--skip-serving", action="store_true", help="the kernel part only")
+    ap.add_argument("--skip-moe", action="store_true", help="the serving part only (a long-context run: "
+                                                            "--skip-moe --prompt-len 3000 --streams 1,8)")
     ap.add_argument("--out", default=str(RESULTS / "gpu.md"), help="results file (default: %(default)s)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -143,14 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU, Triton interpreter)"
     probe = 1024 * 2**20 if device.type == "cuda" else 64 * 2**20
     read_gbs, copy_gbs = device_rates(device, probe)
-    moe_rows = moe_section(device, dtype, shapes, tokens, args.runs, read_gbs)
     lines = [
         "# GPU benchmark: the Triton fused MoE and serving on the GPU", "",
         f"GPU: {gpu}; read {read_gbs:.0f} GB/s (streaming sum over {probe // 2**20} MiB), copy {copy_gbs:.0f} GB/s "
         f"(read + write). Host: {machine()}.",
-        f"Command: `python -m benchmarks.gpu {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
-        f"## Fused MoE ({str(dtype).removeprefix('torch.')}, Triton) against the read roofline", "",
-        table(["shape", "T", "experts touched", "µs", "roofline µs", "GB/s", "% roofline"], moe_rows), ""]
+        f"Command: `python -m benchmarks.gpu {' '.join(argv if argv is not None else sys.argv[1:])}`", ""]
+    if not args.skip_moe:
+        moe_rows = moe_section(device, dtype, shapes, tokens, args.runs, read_gbs)
+        lines += [f"## Fused MoE ({str(dtype).removeprefix('torch.')}, Triton) against the read roofline", "",
+                  table(["shape", "T", "experts touched", "µs", "roofline µs", "GB/s", "% roofline"], moe_rows), ""]
     print("\n".join(lines), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))          # the kernel part stands if the serving part is cut short

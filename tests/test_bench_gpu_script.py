@@ -30,6 +30,18 @@ def test_the_gpu_benchmark_runs_end_to_end_at_toy_sizes(oracles, tmp_path):
         assert all(float(r.split("|")[3]) > 0 for r in rows)
 
 
+def test_skip_moe_leaves_the_kernel_part_out(tmp_path):
+    """--skip-moe (a long-context serving run alone): no fused-MoE section; here with --skip-serving, the header."""
+    out = tmp_path / "gpu.md"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--skip-moe", "--skip-serving",
+                          "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = out.read_text()
+    assert text.startswith("# GPU benchmark") and "Command: `python -m benchmarks.gpu --device cpu --skip-moe" in text
+    assert "Fused MoE" not in text and "## Serving" not in text
+
+
 def test_the_gpu_profile_runs_end_to_end_at_toy_sizes(oracles):
     """benchmarks.gpu_profile, as the GPU runs it, on the CPU: the profiler's tables for the fused MoE and for
     decode steps taken on the engine's own thread (a profiler started elsewhere records none of them)."""
