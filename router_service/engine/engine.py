@@ -349,6 +349,7 @@ class Engine:
             m.preemptions = sch.num_preemptions
             m.micro_batch_overlaps = self.model.overlaps
             m.prefetch_predicted, m.prefetch_right = self.model.predicted, self.model.predicted_right
+            m.graph_replays = self.graphs.replays if self.graphs is not None else 0
             m.gauges.update(self._occupancy(), batch_size=len(batch), batch_tokens=sum(s.num_new for s in batch))
             m.phases = dict(self.phase, **self.experts.timers)
             for name in ("batch_size", "batch_tokens"):

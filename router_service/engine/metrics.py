@@ -45,6 +45,7 @@ class Metrics:
         self.micro_batch_overlaps = 0          # waits on one micro-batch's experts while another's were in flight
         self.prefetch_predicted = 0            # --expert-prefetch: experts predicted for the next MoE layer
         self.prefetch_right = 0                # ... that the layer then routed to
+        self.graph_replays = 0                 # decode steps replayed from a CUDA graph
         self.gauges: dict[str, float] = {}
         self.phases: dict[str, float] = {}     # seconds spent per engine phase (schedule, forward, wait, ...)
         self.sources = list(sources)
@@ -81,6 +82,8 @@ class Metrics:
                 ("expert_prefetch_predicted", self.prefetch_predicted,
                  "Experts predicted for the next MoE layer (--expert-prefetch)."),
                 ("expert_prefetch_right", self.prefetch_right, "Predicted experts the next MoE layer routed to."),
+                ("cuda_graph_replays", self.graph_replays,
+                 "Decode steps replayed from a CUDA graph (the in-process engine on a GPU; see the start-up log)."),
             ]:
                 yield CounterMetricFamily(f"colibri:{name}", help_text, value=value)
             phases = CounterMetricFamily("colibri:engine_phase_seconds", "Engine time by phase; wait = blocked on "

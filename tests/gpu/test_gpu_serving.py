@@ -117,6 +117,7 @@ def test_decode_steps_replayed_from_cuda_graphs_match_transformers(oracles, arch
         handles = [llm.submit(p, n, return_logits=True) for p, n in zip(prompts, new, strict=True)]
         results = [InProcess.collect(h) for h in handles]
         assert graphs.replays >= max(new) - 1 and graphs.replays == graphs.runs
+        assert llm.metrics()["colibri:cuda_graph_replays_total"] == graphs.replays
     for p, n, res in zip(prompts, new, results, strict=True):
         assert res.token_ids == oracle.greedy(p, n), f"prompt {p}"
         assert rel_err(res.logits[-1], oracle.last_logits(p + res.token_ids[:-1])) < 1e-4

@@ -40,6 +40,7 @@ def test_the_buffered_decode_step_matches_transformers(oracles, monkeypatch, arc
         handles = [engine.submit(Sequence(f"r{i}", list(p), Sampling(max_tokens=n, return_logits=True)))
                    for i, (p, n) in enumerate(zip(prompts, new, strict=True))]
         results = [InProcess.collect(h) for h in handles]
+        assert llm.metrics()["colibri:cuda_graph_replays_total"] == 0
     assert graphs.runs >= max(new) - 1 and graphs.replays == 0  # every decode step on the buffers (no GPU: no graph)
     for p, n, res in zip(prompts, new, results, strict=True):
         assert res.token_ids == oracle.greedy(p, n), f"prompt {p}"
