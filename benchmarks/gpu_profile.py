@@ -95,14 +95,16 @@ class StepProfiler:
                 self.done.set()
 
 
-def profile_engine(model: str, device: str, dtype: str, streams: list[int], steps: int) -> None:
+def profile_engine(model: str, device: str, dtype: str, streams: list[int], steps: int,
+                   enforce_eager: bool = False) -> None:
     from colibri import LLM
     from colibri.loadgen import random_prompts
     from router_service.engine.events import Failed, Finished
     from router_service.engine.sequence import Sampling, Sequence
 
-    llm = LLM(model, 0, dtype=dtype, device=device)
+    llm = LLM(model, 0, dtype=dtype, device=device, enforce_eager=enforce_eager)
     engine = llm.engine
+    graphs = "CUDA graphs" if engine.graphs is not None else "op by op"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     tracer = StepProfiler(engine, acts)
 
@@ -126,7 +128,8 @@ def profile_engine(model: str, device: str, dtype: str, streams: list[int], step
         if not tracer.done.wait(60):
             raise RuntimeError(f"{steps} decode-only steps at {c} streams were not seen")
         per_step = ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in sorted(tracer.phases.items()))
-        print(f"\n### engine {dtype} on {device}, {c} streams: {steps} decode steps in {tracer.wall * 1e3:.0f} ms "
+        print(f"\n### engine {dtype} on {device} ({graphs}), {c} streams: {steps} decode steps in "
+              f"{tracer.wall * 1e3:.0f} ms "
               f"under the profiler; phases per step (ms): {per_step}\n")
         assert tracer.result is not None
         print(tables(tracer.result, 40, device.startswith("cuda")))
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--steps", type=int, default=10, help="decode steps profiled per stream count")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--enforce-eager", action="store_true", help="the engine's decode steps op by op (no CUDA "
+                                                                 "graphs: each op's host time shows)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.bench_model import ensure_bench_model
             model = str(ensure_bench_model())
         profile_engine(model, args.device, str(dtype).removeprefix("torch."),
-                       [int(s) for s in args.streams.split(",")], args.steps)
+                       [int(s) for s in args.streams.split(",")], args.steps, args.enforce_eager)
     return 0
 
 
