@@ -55,10 +55,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            splits: int | None = None) -> torch.Tensor:
     """q [B, Hq, D], k_cache [S, Hkv, D], v_cache [S, Hkv, Dv], table [B, NB] block ids, lens [B] each sequence's
     context, at least 1 (its keys are positions 0..lens-1, the query's own included; not checked: that would read
-    the lengths back, a sync) -> [B, Hq, Dv] in q's dtype (into `out`
-    when given). `window` > 0: only the last `window` positions (a sliding layer). `sinks` [Hq]: GPT-OSS's
-    per-head logit in the softmax's denominator. `scale` defaults to D ** -0.5. `splits`: how many parts each
-    context is split into (None: `auto_splits`)."""
+    the lengths back, a sync) -> [B, Hq, Dv] in q's dtype (into `out` when given). `window` > 0: only the last
+    `window` positions (a sliding layer). `sinks` [Hq]: GPT-OSS's per-head logit in the softmax's denominator.
+    `scale` defaults to D ** -0.5. `splits`: how many parts each context is split into, 1..MAX_SPLITS (None:
+    `auto_splits`)."""
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("paged_decode_attention needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
@@ -84,8 +84,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty(B, Hq, Dv, dtype=q.dtype, device=q.device)      # [B, Hq, Dv]
     elif out.shape != (B, Hq, Dv) or out.stride(2) != 1:
         raise ValueError(f"paged_decode_attention: out must be [B={B}, Hq={Hq}, Dv={Dv}] with unit stride")
-    if splits is not None and splits < 1:
-        raise ValueError(f"paged_decode_attention: splits must be >= 1, got {splits}")
+    if splits is not None and not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"paged_decode_attention: splits must be in 1..{MAX_SPLITS}, got {splits}")
     if B == 0:
         return out
     span = table.shape[1] * block_size if window <= 0 else min(window, table.shape[1] * block_size)   # keys a row

@@ -81,8 +81,7 @@ class DecodeGraphs:
         self.pool: tuple[int, int] | None = None                      # the graphs' shared memory pool
         self.failed: str | None = None                                # a capture failed: op by op from then on
         self.runs = self.replays = 0                                  # steps run on the buffers; of them replayed
-        self.capture_seconds = 0.0
-        self.capture = model.device.type == "cuda"   # False (a CPU test): the buffered step, run op by op each time
+        self.capture_seconds = 0.0                                    # at start, all buckets
 
     def fits(self, slices: list[SeqSlice]) -> bool:
         """Whether this micro-batch is a decode step a graph can run."""

@@ -121,6 +121,8 @@ def test_writes_into_out_and_takes_an_empty_batch():
     (lambda a: a.update(table=a["table"][:1]), "table must be"),
     (lambda a: a.update(sinks=torch.zeros(3)), "sinks must be"),
     (lambda a: a.update(out=torch.empty(2, 2, 4)), "out must be"),
+    (lambda a: a.update(splits=0), "splits must be in 1..16"),
+    (lambda a: a.update(splits=17), "splits must be in 1..16"),
 ])
 def test_bad_arguments_are_named(change, message):
     q, k, v, table, ln = _case(2, 2, 1, 8, 8, 4, [5, 6], torch.float32)
