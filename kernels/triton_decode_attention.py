@@ -10,7 +10,9 @@ Few sequences over long contexts would leave most of a GPU idle with one program
 whole context, so the keys are split (flash-decoding) until there are about two programs per multiprocessor:
 each split at least MIN_SPLIT keys, at most MAX_SPLITS splits, their partial softmaxes joined by a second kernel.
 The split count follows from the shapes alone (the table's width, not the lengths: no sync), so a CUDA graph
-fixes it per batch bucket; splits past a short context exit at once.
+fixes it per batch bucket; splits past a short context exit at once. It also sets the order of a softmax's sums,
+so a query's float32 bits depend on its batch's size and the GPU, as the GPU's linears and MoE tiles already do
+(`--batch-invariant` is the CPU path's).
 
 Shapes: B sequences, Hq / Hkv query / key-value heads, D / Dv the key / value head dims, S slots, NB blocks a row,
 P splits.

@@ -81,7 +81,6 @@ class DecodeGraphs:
         self.pool: tuple[int, int] | None = None                      # the graphs' shared memory pool
         self.failed: str | None = None                                # a capture failed: op by op from then on
         self.runs = self.replays = 0                                  # steps run on the buffers; of them replayed
-        self.capture_seconds = 0.0                                    # at start, all buckets
 
     def fits(self, slices: list[SeqSlice]) -> bool:
         """Whether this micro-batch is a decode step a graph can run."""
@@ -170,6 +169,4 @@ class DecodeGraphs:
                 self.logits[:bp].copy_(self.model.forward([inputs], self.kv, self.experts))   # recorded, not run
         self.pool = graph.pool()
         self.graphs[bp] = (graph, inputs)
-        seconds = time.perf_counter() - t0
-        self.capture_seconds += seconds
-        log.debug("captured the CUDA graph of a decode step of %d sequences in %.2f s", bp, seconds)
+        log.debug("captured the CUDA graph of a decode step of %d sequences in %.2f s", bp, time.perf_counter() - t0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import sys
 
+import triton
 from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -86,8 +87,8 @@ def variants():
                    m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", **{n: "i32" for n in attn_ints})
         yield (f"decode_attention sm_{capability} {act} sinks={sinks} D={d}/{dv} split={split}",
                paged_decode_attention_kernel, sig,
-               dict(BLOCK_N=32, BLOCK_D=triton_pow2(d), BLOCK_DV=triton_pow2(dv), HAS_SINKS=sinks, SPLIT=split),
-               capability)
+               dict(BLOCK_N=32, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+                    HAS_SINKS=sinks, SPLIT=split), capability)
     for capability, act, sinks in itertools.product((80, 90), ("bf16", "fp16", "fp32"), (False, True)):
         sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": f"*{act}",
                "sinks_ptr": "*fp32" if sinks else f"*{act}",
@@ -95,9 +96,6 @@ def variants():
         yield (f"combine_splits sm_{capability} {act} sinks={sinks}", combine_splits_kernel, sig,
                dict(BLOCK_S=16, BLOCK_DV=128, HAS_SINKS=sinks), capability)
 
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def main() -> int:

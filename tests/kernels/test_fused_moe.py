@@ -384,15 +384,21 @@ def test_the_device_alignment_is_the_host_one_on_a_fixed_grid(T, K, E, block_m):
 
 
 @pytest.mark.parametrize("T,E,K,pattern", [(1, 8, 2, "random"), (17, 21, 3, "expert_map"), (64, 8, 4, "one_expert")])
-def test_graph_safe_mode_gives_the_same_bits(T, E, K, pattern):
+def test_graph_safe_mode_gives_the_same_bits(T, E, K, pattern, monkeypatch):
     """In graph-safe mode (a CUDA graph's capture) the kernels run the device alignment's worst-case grid and skip
     its empty blocks: the same bits as the host alignment's exact grid."""
+    from kernels import triton_moe
     from kernels.graph_safe import graph_safe
 
+    used = []
+    on_device = triton_moe.moe_align_on_device
+    monkeypatch.setattr(triton_moe, "moe_align_on_device", lambda *a: used.append(a) or on_device(*a))
     x, w13, w2, ids, w, emap = make_case(T, E, K, torch.float32, pattern)
     eager = fused_moe(x, w13, w2, ids, w, emap, backend="triton")
+    assert not used                                            # the host alignment outside the mode
     with graph_safe():
         safe = fused_moe(x, w13, w2, ids, w, emap, backend="triton")
+    assert len(used) == 1                                      # the device one inside it
     assert torch.equal(eager, safe)
 
 
