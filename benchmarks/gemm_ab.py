@@ -18,6 +18,7 @@ Needs g++ (or $CXX) and git; prints a table and writes benchmarks/results/gemm_a
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -57,15 +58,24 @@ def working_tree() -> str:
     return f"the working tree at {head}" + (f" with {GEMM} changed" if dirty else "")
 
 
+def lanes(level: str) -> int:
+    """The float lanes (CK_WIDTH) that `level`'s own unit, kernels/native/isa_LEVEL.cpp, compiles gemm.h with."""
+    unit = (ROOT / "kernels" / "native" / f"isa_{level}.cpp").read_text()
+    found = re.search(r"^#define CK_WIDTH (\d+)$", unit, re.M)
+    if not found:
+        raise SystemExit(f"gemm_ab: kernels/native/isa_{level}.cpp defines no CK_WIDTH")
+    return int(found.group(1))
+
+
 def build(a: str, b: str, level: str, cxx: str, work: Path) -> Path:
-    """The driver linked against two texts of gemm.h (A and B), both compiled with `level`'s flags."""
+    """The driver linked against two texts of gemm.h (A and B), both compiled with `level`'s flags and lanes."""
     flags = ["-std=gnu++20", "-O3", "-fno-math-errno", *native_build.levels()[level]]
     objects, jobs = [], []
     for name, text in (("a", a), ("b", b)):                 # the two compiled at once
         (work / name).mkdir(parents=True)
         (work / name / "gemm.h").write_text(text)
         unit = work / name / "unit.cpp"
-        unit.write_text(f'#define CK_WIDTH {16 if level.startswith("avx512") else 8}\n'
+        unit.write_text(f'#define CK_WIDTH {lanes(level)}\n'
                         f'#define CK_NAME {name.upper()}\n#include "gemm.h"\n')
         obj = work / f"{name}.o"
         jobs.append(subprocess.Popen([cxx, *flags, "-c", str(unit), "-o", str(obj)]))

@@ -46,3 +46,13 @@ def test_bad_choices_are_refused_with_what_exists():
     out = subprocess.run([sys.executable, "-m", "benchmarks.gemm_ab", "--rows", "1,65"], capture_output=True,
                          text=True, cwd=gemm_ab.ROOT)
     assert out.returncode != 0 and "--rows takes row counts 1-64" in out.stderr
+
+
+def test_each_level_is_compiled_with_the_lanes_of_its_own_unit():
+    """The amx level's unit defines 16 lanes (its float path is the avx512bf16 code); the driver once gave every
+    level not named avx512* 8, so an A/B at --level amx timed the AVX2-shaped tiles instead."""
+    from kernels.native_build import levels
+
+    for level, flags in levels().items():
+        assert gemm_ab.lanes(level) == (16 if "-mavx512f" in flags else 8), level
+    assert gemm_ab.lanes("amx") == 16

@@ -157,11 +157,14 @@ static inline void tile(const float* x, int K, const WT* w, const float* scale, 
 // hold beside the loads: MT x OT + OT + 1 of AVX2's 16), the rest one by one. Each accumulator takes one
 // multiply-add per step, so more of them keep more in flight: 2 and 3 rows with 4 and 3 weight rows a tile
 // (against 3 and 2) multiplied 13% and 38% faster from the caches, and a layer's experts at 8 tokens (1-3 rows
-// each) took 5.6-6.0 ms against 6.5-7.0 from memory (bf16, 2 threads, an AVX2 EPYC).
+// each) took 5.6-6.0 ms against 6.5-7.0 from memory (bf16, 2 threads, an AVX2 EPYC). AVX-512's 32 registers
+// take 4 weight rows at 3 and 4 rows too: a 32-row block is 8 full tiles (3 a tile left 2 rows to one-row tiles,
+// 4 multiply-adds per widened weight vector), 1.24-1.43x faster for int8 and 1.11-1.28x for bf16 at 3-8 rows on
+// an AMX Xeon (benchmarks/gemm_ab.py --level amx, docs/performance.md).
 template <int MT, typename WT>
 static inline void rows(const float* x, int K, const WT* w, const float* scale, int n, float* y, int ldy,
                         Ahead& ahead) {
-    constexpr int OT = MT == 1 ? 4 : MT == 2 ? 4 : 3;
+    constexpr int OT = MT <= 2 || CK_WIDTH == 16 ? 4 : 3;
     int o = 0;
     for (; o + OT <= n; o += OT)
         tile<MT, OT>(x, K, w + (int64_t)o * K, scale ? scale + o : nullptr, y + o, ldy, ahead);
