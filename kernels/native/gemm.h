@@ -158,9 +158,10 @@ static inline void tile(const float* x, int K, const WT* w, const float* scale, 
 // multiply-add per step, so more of them keep more in flight: 2 and 3 rows with 4 and 3 weight rows a tile
 // (against 3 and 2) multiplied 13% and 38% faster from the caches, and a layer's experts at 8 tokens (1-3 rows
 // each) took 5.6-6.0 ms against 6.5-7.0 from memory (bf16, 2 threads, an AVX2 EPYC). AVX-512's 32 registers
-// take 4 weight rows at 3 and 4 rows too: a 32-row block is 8 full tiles (3 a tile left 2 rows to one-row tiles,
-// 4 multiply-adds per widened weight vector), 1.24-1.43x faster for int8 and 1.11-1.28x for bf16 at 3-8 rows on
-// an AMX Xeon (benchmarks/gemm_ab.py --level amx, docs/performance.md).
+// take 4 weight rows at 3 to 6 rows of x: a 32-row block is 8 full tiles (3 a tile left 2 rows to one-row tiles,
+// 4 multiply-adds per widened weight vector), and a pass takes up to 6 rows (up to 24 accumulators). On an AMX
+// Xeon (benchmarks/gemm_ab.py --level amx, docs/performance.md): 1.24-1.43x faster for int8 and 1.11-1.28x for
+// bf16 at 3-8 rows, then 1.1-1.2x more at 5 and 6 rows (one pass where there were two).
 template <int MT, typename WT>
 static inline void rows(const float* x, int K, const WT* w, const float* scale, int n, float* y, int ldy,
                         Ahead& ahead) {
@@ -178,22 +179,36 @@ static inline void rows_any(const float* x, int mt, int K, const WT* w, const fl
         case 1: rows<1>(x, K, w, scale, n, y, ldy, ahead); break;
         case 2: rows<2>(x, K, w, scale, n, y, ldy, ahead); break;
         case 3: rows<3>(x, K, w, scale, n, y, ldy, ahead); break;
+#if CK_WIDTH == 16
+        case 4: rows<4>(x, K, w, scale, n, y, ldy, ahead); break;
+        case 5: rows<5>(x, K, w, scale, n, y, ldy, ahead); break;
+        default: rows<6>(x, K, w, scale, n, y, ldy, ahead); break;
+#else
         default: rows<4>(x, K, w, scale, n, y, ldy, ahead); break;
+#endif
     }
 }
 
-// The weight is streamed from memory once per block of OB rows; every 4-row tile of x passes over the block
-// while it is in L1/L2, widening it in registers each pass (a float32 panel converted once per block was slower at
-// every row count on an AVX2 EPYC: 4 rows 6.0 against 8.3 GB/s, 32 rows 1.1 against 1.5, bf16, one thread).
+constexpr int PASS_ROWS = CK_WIDTH == 16 ? 6 : 4;    // the most rows of x a pass over a block takes
+
+// The weight is streamed from memory once per block of OB rows; every pass of x's rows (up to PASS_ROWS) goes over
+// the block while it is in L1/L2, widening it in registers each pass (a float32 panel converted once per block was
+// slower at every row count on an AVX2 EPYC: 4 rows 6.0 against 8.3 GB/s, 32 rows 1.1 against 1.5, bf16, one
+// thread). With 6-row passes the rows are split evenly (8 rows are 4 + 4, 12 are 6 + 6); AVX2 keeps its
+// 4-row passes, the last one the rest.
 template <typename WT>
 static void linear_block(const float* x, int M, int K, const WT* w, const float* scale, int o0, int o1, float* y,
                          int ldy, Ahead after) {
     constexpr int OB = 32;
+    const int passes = (M + PASS_ROWS - 1) / PASS_ROWS;
+    const auto rows_of = [&](int p) {
+        return PASS_ROWS == 6 ? M / passes + (p < M % passes) : std::min(PASS_ROWS, M - PASS_ROWS * p);
+    };
     for (int ob = o0; ob < o1; ob += OB) {
         int n = (ob + OB < o1 ? ob + OB : o1) - ob;
-        Ahead ahead = ahead_of(w, int64_t(K) * int64_t(sizeof(WT)), ob, OB, o1, M, after);
-        for (int m = 0; m < M; m += 4)
-            rows_any(x + (int64_t)m * K, M - m < 4 ? M - m : 4, K, w + (int64_t)ob * K, scale ? scale + ob : nullptr, n,
+        Ahead ahead = ahead_of(w, int64_t(K) * int64_t(sizeof(WT)), ob, OB, o1, 4 * passes, after);   // 4-row units
+        for (int p = 0, m = 0; p < passes; m += rows_of(p), ++p)
+            rows_any(x + (int64_t)m * K, rows_of(p), K, w + (int64_t)ob * K, scale ? scale + ob : nullptr, n,
                      y + (int64_t)m * ldy + ob, ldy, ahead);
     }
 }
