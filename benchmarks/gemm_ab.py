@@ -151,9 +151,9 @@ def main() -> int:
         "# Two builds of the native linear, alternating", "",
         f"Machine: {machine()}; ISA level compiled: {args.level}; {args.threads} thread(s), {args.rounds} rounds.",
         f"Command: `python -m benchmarks.gemm_ab --base {args.base} --modes {args.modes} --kinds {args.kinds} "
-        f"--rows {args.rows} --threads {args.threads} --rounds {args.rounds}`. A = `{GEMM}` at `{args.base}`, "
-        f"B = {working_tree()}. ms: best / mean of the rounds; B faster by: A's best over B's; GB/s at the best; "
-        "2 MiB pages: the driver's anonymous memory on them (AnonHugePages), of the weights' "
+        f"--rows {args.rows} --threads {args.threads} --rounds {args.rounds} --level {args.level}`. A = `{GEMM}` at "
+        f"`{args.base}`, B = {working_tree()}. ms: best / mean of the rounds; B faster by: A's best over B's; GB/s at "
+        "the best; 2 MiB pages: the driver's anonymous memory on them (AnonHugePages), of the weights' "
         "576 MiB (layer, bf16), 288 (layer, int8), 188 or 156 (linear: copies of lm_head over 4x a 32 MiB L3).",
         "", table(["mode", "weights", "rows", "A ms", "B ms", "B faster by", "GB/s A / B", "same bits",
                    "2 MiB pages (MiB)"], rows), ""])
