@@ -340,7 +340,11 @@ static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
 template <int MT>
 static inline void rows_i8(const int8_t* x, int Kp, int K, const int8_t* w, const float* xs, const float* ws, int n,
                            float* y, int ldy, Ahead& ahead) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    constexpr int OT = MT == 1 || MT >= 3 ? 4 : 3;     // 32 registers: 3 and 4 rows take 4 weight rows too
+#else
     constexpr int OT = MT == 1 ? 4 : MT == 2 ? 3 : 2;
+#endif
     int o = 0;
     for (; o + OT <= n; o += OT)
         tile_i8<MT, OT>(x, Kp, K, w + (int64_t)o * K, xs, ws + o, y + o, ldy, ahead);
