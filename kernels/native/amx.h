@@ -223,8 +223,7 @@ static void amx_linear(const T* x, int64_t ldx, int M, int K, const T* w, const 
     alignas(64) int32_t c[4][16][16];                        // C0-C3 as stored (float bits for bf16)
     for (int ob = o0; ob < o1; ob += 32) {
         const int rows = o1 - ob < 32 ? o1 - ob : 32;
-        // every group passes over the block (ahead_of counts 4-row passes)
-        Ahead ahead = ahead_of(w, int64_t(K) * int64_t(sizeof(T)), ob, 32, o1, 4 * groups, after);
+        Ahead ahead = ahead_of(w, int64_t(K) * int64_t(sizeof(T)), ob, 32, o1, groups, after);   // a pass a group
         for (int g = 0; g < groups; g += 2) {
             if (g + 1 < groups)
                 amx_pass<T, true>(packed.data() + g * group_words, group_words, N, chunks, K, w, ob, rows, pad, ahead);
@@ -324,7 +323,7 @@ static void amx_linear_i8w(const uint16_t* x, int M, int K, const int8_t* w, con
     for (int ob = o0; ob < o1; ob += 32) {
         const int rows = o1 - ob < 32 ? o1 - ob : 32;
         const int next_rows = o1 - ob - 32 < 32 ? o1 - ob - 32 : 32;   // <= 0 past the last block
-        Ahead ahead = ahead_of(w, K, ob, 32, o1, 4, after);
+        Ahead ahead = ahead_of(w, K, ob, 32, o1, 1, after);
         ahead.passes = pairs;               // the first pass's widening and every later pass earn the block's bytes
         for (int p = 0; p < pairs; ++p) {
             const uint32_t* xb0 = packed.data() + 2 * p * group_words;

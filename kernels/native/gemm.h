@@ -127,10 +127,11 @@ struct Ahead {
 };
 
 // The prefetch while block [ob, ob + OB) of a weight of `row_bytes` rows (rows o0..o1 of the call) is multiplied by
-// M rows of x: the next block's bytes, or after the last block `after` (what the caller computes next, such as the
-// next expert's rows), paced over every 4-row pass of x over the block.
-static inline Ahead ahead_of(const void* w, int64_t row_bytes, int ob, int OB, int o1, int M, Ahead after) {
-    const int passes = std::min(M / 4 + (M % 4 != 0), 1 << 16);  // x's 4-row tiles (capped: 64 x passes is an int)
+// `passes` passes of x's rows over it: the next block's bytes, or after the last block `after` (what the caller
+// computes next, such as the next expert's rows), paced over all the passes.
+static inline Ahead ahead_of(const void* w, int64_t row_bytes, int ob, int OB, int o1, int passes,
+                             Ahead after) {
+    passes = std::min(std::max(passes, 1), 1 << 16);                // capped: 64 x passes is an int
     if (ob + OB >= o1) return Ahead{after.p, after.end, passes};
     const char* base = static_cast<const char*>(w);
     const int end = ob + 2 * OB < o1 ? ob + 2 * OB : o1;
@@ -219,12 +220,12 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
                          int ldy, Ahead after) {
     constexpr int OB = 32;
     const int passes = (M + PASS_ROWS - 1) / PASS_ROWS;
-    const auto rows_of = [&](int p) {
-        return PASS_ROWS == 6 ? M / passes + (p < M % passes) : std::min(PASS_ROWS, M - PASS_ROWS * p);
+    const auto rows_of = [&](int p) {                          // AVX-512 splits evenly, AVX2 fills its passes
+        return CK_WIDTH == 16 ? M / passes + (p < M % passes) : std::min(PASS_ROWS, M - PASS_ROWS * p);
     };
     for (int ob = o0; ob < o1; ob += OB) {
         int n = (ob + OB < o1 ? ob + OB : o1) - ob;
-        Ahead ahead = ahead_of(w, int64_t(K) * int64_t(sizeof(WT)), ob, OB, o1, 4 * passes, after);   // 4-row units
+        Ahead ahead = ahead_of(w, int64_t(K) * int64_t(sizeof(WT)), ob, OB, o1, passes, after);
         for (int p = 0, m = 0; p < passes; m += rows_of(p), ++p)
             rows_any(x + (int64_t)m * K, rows_of(p), K, w + (int64_t)ob * K, scale ? scale + ob : nullptr, n,
                      y + (int64_t)m * ldy + ob, ldy, ahead);
@@ -356,7 +357,7 @@ static void linear_block_i8(const int8_t* x, const float* xs, int M, int Kp, int
     constexpr int OB = 32;
     for (int ob = o0; ob < o1; ob += OB) {
         int n = (ob + OB < o1 ? ob + OB : o1) - ob;
-        Ahead ahead = ahead_of(w, K, ob, OB, o1, M, after);
+        Ahead ahead = ahead_of(w, K, ob, OB, o1, (M + 3) / 4, after);           // 4-row passes
         for (int m = 0; m < M; m += 4) {
             const int mt = M - m < 4 ? M - m : 4;
             const int8_t* xm = x + (int64_t)m * Kp;
