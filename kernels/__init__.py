@@ -167,6 +167,8 @@ def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = No
         from kernels.triton_topk import topk_route_triton
 
         return topk_route_triton(logits, routing, bias)
+    if logits.device.type == "cpu" and native.decoder_ops():      # one call where the torch form takes 6-12 ops
+        return native.topk_route(logits, routing, bias)
     return topk_route_torch(logits, routing, bias)
 
 
@@ -184,8 +186,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 __all__ = [
     # fused MoE and routing
-    "fused_moe", "route", "topk_route", "backend_for", "describe_backend", "describe_expert_kernels", "BACKENDS",
-    "Routing", "GatedAct", "SILU", "paged_decode_attention", "graph_safe",
+    "fused_moe", "route", "topk_route", "topk_route_torch", "backend_for", "describe_backend",
+    "describe_expert_kernels", "BACKENDS", "Routing", "GatedAct", "SILU", "paged_decode_attention", "graph_safe",
     "ExpertRows", "native_serves", "fused_moe_cpu",
     # the router's linear and the CPU forms
     "linear", "cpu_has_fast_bf16", "pick_rows", "Weight", "weight_kind", "form_kind", "describe_forms", "FORMS",

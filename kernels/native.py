@@ -10,6 +10,9 @@ Python op per kernel, each checked against a float64 reference before it may be 
     decode_attention(q, k, v, slots, lens, sinks, scale): each decode query against its keys where the paged KV
         cache holds them (SDPA's flash maths for one query, no gather)
     rms_norm(x, weight, eps), rope(x, cos, sin): transformers' RMSNorm and rotary embedding in one call each
+    topk_route(logits, routing, bias): a layer's routing (scores, the choice, the weights) in one call, the choice
+        torch.topk's own; moe_route(h, ln, gate, eps, routing, bias): rms_norm, the gate's linear and topk_route
+        in one call (the MoE block's front)
     attention_block(h, …): a decode step's whole attention block (norm, qkv, q/k norms, rope, cache write,
         attention, o) in one call, with the bits of those ops run one by one
     rest(): the ops' pool threads (kernels/native/pool.h, `colibri-pool`), which spin a moment after each op,
@@ -33,11 +36,14 @@ import torch
 from kernels.activation import SILU, GatedAct
 from kernels.expert_rows import ExpertRows
 from kernels.formats.int8 import Int8Weight
+from kernels.routing import Routing
 
 LIBRARY = Path(__file__).resolve().parent / "native" / "_build" / "colibri_native.so"
+SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}     # colibri::topk_route's codes
+GROUP_SCORE_CODES = {"max": 0, "top2": 1}
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
-OPS = ("linear", "moe_", "moe_sum_", "decode_attention", "rms_norm", "rope", "attention_block", "isa", "use_isa",
-       "rest")
+OPS = ("linear", "moe_", "moe_sum_", "decode_attention", "rms_norm", "rope", "attention_block", "topk_route",
+       "moe_route", "isa", "use_isa", "rest")
 
 
 def _load() -> str | None:
@@ -208,6 +214,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm of x [..., H] (float32 or bf16; weight [H] float32, or bf16 on bf16 x) in one call: the
     float32 norm from a float64 sum of squares, the scale and the casts in transformers' order."""
     return torch.ops.colibri.rms_norm(x, weight, eps)
+
+
+def topk_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.routing.topk_route_torch in one call: logits [T, E] (any float dtype) -> (weights float32 [T, k], ids
+    int64 [T, k]), best first; the choice by torch.topk's own rule (ties fall as torch's), exp from libm (a weight
+    may differ from the torch form's in its last bit)."""
+    return torch.ops.colibri.topk_route(logits, bias, routing.top_k, SCORING_CODES[routing.scoring],
+                                        routing.renormalize, routing.num_groups, routing.topk_groups,
+                                        GROUP_SCORE_CODES[routing.group_score], routing.scaling)
+
+
+def moe_route(h: torch.Tensor, ln: torch.Tensor, gate: torch.Tensor, eps: float, routing: Routing,
+              bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE block's front in one call, with the bits of rms_norm, linear (the native form) and topk_route called
+    one by one: h [T, H], ln [H], gate [E, H] of h's dtype -> (r = rms_norm(h) [T, H], weights float32 [T, k], ids
+    int64 [T, k])."""
+    return torch.ops.colibri.moe_route(h, ln, gate, eps, bias, routing.top_k, SCORING_CODES[routing.scoring],
+                                       routing.renormalize, routing.num_groups, routing.topk_groups,
+                                       GROUP_SCORE_CODES[routing.group_score], routing.scaling)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 //
 //   rms_norm(x [..., H], w [H], eps) -> [..., H] in x's dtype
 //
-// Each row: r = 1 / sqrt(mean(x²) + eps) in float32, the mean from a float64 sum of the squares rounded once (so
-// it is the same on every ISA and thread split; torch's float32 sum may differ from it in the last bit), then
+// Each row: r = 1 / sqrt(mean(x²) + eps) in float32, the mean from a float64 sum of the squares (exact products; 8
+// running sums, element h into sum h % 8, added in one fixed order) rounded once (so it is the same on every ISA and
+// thread split; torch's float32 sum may differ from it in the last bit), then
 //   float32 x:            w · (x · r)
 //   bf16 x, float32 w:    bf16(w · (x · r))            (GPT-OSS's norms, kept in float32)
 //   bf16 x, bf16 w:       bf16(w · bf16(x · r))         (transformers: the cast, then the scale)
@@ -28,11 +29,18 @@ void rows(const XT* x, const WT* w, XT* out, int64_t r0, int64_t r1, int64_t H, 
     for (int64_t r = r0; r < r1; ++r) {
         const XT* xr = x + r * H;
         XT* o = out + r * H;
-        double ss = 0;
-        for (int64_t h = 0; h < H; ++h) {
+        double part[8] = {};                  // 8 running sums (one chain of float64 adds took 4 cycles a value)
+        int64_t h = 0;
+        for (; h + 8 <= H; h += 8)
+            for (int j = 0; j < 8; ++j) {
+                const double v = float(xr[h + j]);
+                part[j] += v * v;
+            }
+        for (int j = 0; h < H; ++h, ++j) {
             const double v = float(xr[h]);
-            ss += v * v;
+            part[j] += v * v;
         }
+        const double ss = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
         const float inv = 1.0f / std::sqrt(float(ss / double(H)) + eps);
         for (int64_t h = 0; h < H; ++h) {
             float n = float(xr[h]) * inv;

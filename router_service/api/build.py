@@ -32,7 +32,7 @@ from router_service.engine.engine import Engine
 from router_service.engine.scheduler import Scheduler
 from router_service.model.decode_graphs import DecodeGraphs, why_not
 from router_service.model.kv_cache import KVCache
-from router_service.model.model import RouterModel
+from router_service.model.model import RouterModel, routing_of
 from router_service.model.native_check import check_decoder_ops
 from router_service.model.weights import RouterWeights
 from router_service.moe.experts import Experts
@@ -131,7 +131,7 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
         forms, measured = tune_forms(opts.cpu_forms, weights.linear_shapes(dtype), max_rows=rows)
         log.info(forms.summary(measured))
         check_decoder_ops(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, cfg.hidden_size,
-                          cfg.rotary_dim, dtype)
+                          cfg.rotary_dim, dtype, routing_of(cfg), cfg.num_experts)
     kv_heads, k_dim, v_dim = cfg.kv_layout          # latent attention: the compressed latent, its real size
     per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, kv_heads, k_dim, dtype, v_dim)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)

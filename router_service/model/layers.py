@@ -37,7 +37,7 @@ def by_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
 
 
 _ROPE_TYPES = (torch.float32, torch.bfloat16)
-_NORM_TYPES = {(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)}
+NORM_TYPES = {(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,7 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     float64 sum); else torch's ops below."""
     if x.is_cuda:      # the norm in torch's fused kernel: 4 launches where the ops below take 8
         return _scaled(F.rms_norm(x.float(), (x.shape[-1],), eps=eps), weight, x.dtype)
-    if native.decoder_ops() and (x.dtype, weight.dtype) in _NORM_TYPES:
+    if native.decoder_ops() and (x.dtype, weight.dtype) in NORM_TYPES:
         return native.rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
 

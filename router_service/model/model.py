@@ -32,6 +32,7 @@ from kernels import Routing, backend_for, linear, native, pick_rows, route
 from router_service.model.attention import attention
 from router_service.model.kv_cache import KVCache
 from router_service.model.layers import (
+    NORM_TYPES,
     Rope,
     RowMap,
     apply_rope,
@@ -47,6 +48,12 @@ from router_service.model.weights import LayerWeights, RouterWeights
 from router_service.moe.experts import Experts, ExpertsUnavailable, Handle
 
 
+def routing_of(cfg: ModelConfig) -> Routing:
+    """How the model's MoE layers route (kernels/routing.py)."""
+    return Routing(cfg.top_k, cfg.scoring, cfg.norm_topk_prob, cfg.num_groups, cfg.topk_groups, cfg.arch.group_score,
+                   cfg.routed_scaling)
+
+
 class RouterModel:
     def __init__(self, cfg: ModelConfig, weights: RouterWeights, dtype: torch.dtype,
                  device: torch.device | None = None) -> None:
@@ -55,8 +62,7 @@ class RouterModel:
         self.dtype = dtype
         self.device = device or torch.device("cpu")
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, self.device, cfg.rope_scaling)
-        self.routing = Routing(cfg.top_k, cfg.scoring, cfg.norm_topk_prob, cfg.num_groups, cfg.topk_groups,
-                               cfg.arch.group_score, cfg.routed_scaling)
+        self.routing = routing_of(cfg)
         self.mla_scale = mla_scale(cfg) if cfg.mla is not None else 0.0
         self.mla_rope = apply_rope_interleaved if cfg.mla is not None and cfg.mla.rope_interleave else apply_rope
         self.sliding = frozenset(cfg.sliding_layers)                      # layers that read the window's masks
@@ -189,7 +195,12 @@ class RouterModel:
         return silu_mlp(rms_norm(h, lw.ln2, self.cfg.rms_norm_eps), lw.mlp_gate_up, lw.mlp_down)    # [T, H]
 
     def _route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The MoE block's input r [T, H] and its routing: weights [T, K] float32, ids [T, K]."""
+        """The MoE block's input r [T, H] and its routing: weights [T, K] float32, ids [T, K]. On a CPU with the
+        native decoder ops, one call (norm, the gate's native linear, routing) where the torch forms take ~10."""
+        if (h.device.type == "cpu" and native.decoder_ops() and lw.gate_bias is None
+                and isinstance(lw.gate, torch.Tensor) and lw.gate.dtype == h.dtype
+                and (h.dtype, lw.ln2.dtype) in NORM_TYPES):
+            return native.moe_route(h, lw.ln2, lw.gate, self.cfg.rms_norm_eps, self.routing, lw.gate_correction)
         r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
         weights, ids = route(self._scores(r, lw), self.routing, lw.gate_correction)
         return r, weights, ids

@@ -1,7 +1,8 @@
-"""The native decoder ops (decode attention, rms_norm, rope) checked once per router process on the model's own head
-shapes before they may run: against float64 (attention, the norm) and against torch's ops to the bit (rope). A
-wrong op, on a CPU or compiler the tests never met, switches all three off in this process with one warning, and
-the torch forms serve (`native.refuse_decoder_ops`). The check takes about a millisecond.
+"""The native decoder ops (decode attention, rms_norm, rope, routing) checked once per router process on the model's
+own shapes before they may run: against float64 (attention, the norm), against torch's ops to the bit (rope) and
+in their choice of experts (routing). A wrong op, on a CPU or compiler the tests never met, switches them all off in
+this process with one warning, and the torch forms serve (`native.refuse_decoder_ops`). The check takes about a
+millisecond.
 
 Shapes: B decode rows, Hq / Hkv query / KV heads, D / Dv key / value dims, S cache slots, C context.
 """
@@ -12,7 +13,7 @@ import logging
 
 import torch
 
-from kernels import native
+from kernels import Routing, native, topk_route_torch
 from router_service.model.layers import apply_rope_torch
 
 log = logging.getLogger("colibri.router")
@@ -51,8 +52,17 @@ def _norm_error(hidden: int, dtype: torch.dtype, w_dtype: torch.dtype, g: torch.
     return float(((native.rms_norm(x, w, 1e-6).double() - ref) / ref.abs().clamp(min=1e-3)).abs().max())
 
 
+def _routing_differs(routing: Routing, experts: int, g: torch.Generator) -> bool:
+    """Whether the native routing chooses other experts than the torch form, or weighs them otherwise (beyond a
+    last bit), on 5 rows of random logits (and a choice-steering bias where the scoring takes one)."""
+    logits = torch.randn(5, experts, generator=g) * 2                                 # [T, E]
+    bias = None if routing.scoring == "topk_softmax" else torch.randn(experts, generator=g) * 0.5
+    (w, ids), (tw, tids) = native.topk_route(logits, routing, bias), topk_route_torch(logits, routing, bias)
+    return not (torch.equal(ids, tids) and torch.allclose(w, tw, rtol=1e-5, atol=1e-7))
+
+
 def check_decoder_ops(heads: int, kv_heads: int, head_dim: int, v_dim: int, hidden: int, rotary_dim: int,
-                      dtype: torch.dtype) -> str | None:
+                      dtype: torch.dtype, routing: Routing | None = None, experts: int = 0) -> str | None:
     """None where the three ops are right for these shapes (or are not built, or not for this dtype); else why
     not, after switching them off in this process."""
     if not native.decoder_ops() or dtype not in TOLERANCE or kv_heads < 1 or heads % kv_heads:
@@ -73,6 +83,8 @@ def check_decoder_ops(heads: int, kv_heads: int, head_dim: int, v_dim: int, hidd
             cos, sin = (torch.randn(3, rotary_dim, generator=g).to(dtype) for _ in range(2))   # [T, R]
             if not torch.equal(native.rope(x, cos, sin), apply_rope_torch(x, cos, sin)):
                 why = "rope differs from torch's ops"
+        if why is None and routing is not None and experts and _routing_differs(routing, experts, g):
+            why = "the routing differs from torch's ops"
     except Exception as exc:                # noqa: BLE001  (any failure of an op means the torch forms serve)
         why = f"it failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     if why is not None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import Routing, native
 from router_service.model.layers import Rope, apply_rope_torch, rms_norm_torch
 from tests.kernels.levels import needs_native
 
@@ -167,6 +167,13 @@ def _attn(**kw):
      "a bfloat16 weight on float32 activations"),
     (lambda: native.rms_norm(torch.ones(2, 4, dtype=torch.float16), torch.ones(4), 1e-6), "float32 or bfloat16"),
     (lambda: native.rope(torch.ones(2, 3, 4), torch.ones(2, 6), torch.ones(2, 6)), "R=6 must be even and at most"),
+    (lambda: native.topk_route(torch.ones(8), Routing(2), None), "need float logits [T, E]"),
+    (lambda: native.topk_route(torch.ones(2, 8), Routing(9), None), "k=9 must be in 1..8"),
+    (lambda: native.topk_route(torch.ones(2, 8), Routing(2, "sigmoid"), torch.ones(7)), "bias must be float [E=8]"),
+    (lambda: native.topk_route(torch.ones(2, 8), Routing(2, "softmax", False, 3, 1), None),
+     "need num_groups dividing E=8"),
+    (lambda: native.moe_route(torch.ones(2, 8), torch.ones(8), torch.ones(4, 8, dtype=torch.bfloat16), 1e-6,
+                              Routing(2), None), "a gate [E, H] of h's dtype"),
     (lambda: native.rope(torch.ones(2, 3, 4), torch.ones(2, 4, dtype=torch.bfloat16),
                          torch.ones(2, 4, dtype=torch.bfloat16)), "must share one dtype"),
 ])
@@ -183,7 +190,26 @@ def test_the_start_up_check_passes_the_ops_on_model_shapes(dtype):
 
     for heads, kv_heads, head_dim, hidden, rotary in [(16, 4, 64, 1024, 64), (12, 12, 37, 96, 18), (8, 1, 128, 64, 0)]:
         assert check_decoder_ops(heads, kv_heads, head_dim, head_dim, hidden, rotary, dtype) is None
+    for routing, experts in [(Routing(8, "softmax", True), 64), (Routing(8, "sigmoid", True, 8, 4, "top2", 2.5), 256),
+                             (Routing(4, "topk_softmax"), 32)]:
+        assert check_decoder_ops(8, 2, 32, 32, 64, 32, dtype, routing, experts) is None
     assert native.decoder_ops()
+
+
+@needs_native
+def test_a_wrong_routing_at_start_up_switches_the_torch_forms_on(monkeypatch):
+    from kernels import route
+    from router_service.model.native_check import check_decoder_ops
+
+    real = native.topk_route
+    monkeypatch.setattr(native, "topk_route", lambda logits, *a: real(-logits, *a))     # chooses the worst
+    try:
+        why = check_decoder_ops(8, 2, 32, 32, 64, 32, torch.float32, Routing(8, "softmax", True), 64)
+        assert why == "the routing differs from torch's ops" and not native.decoder_ops()
+        logits = torch.randn(3, 64)
+        assert torch.equal(route(logits, Routing(8))[1], torch.topk(logits, 8).indices)      # the torch form
+    finally:
+        native.refuse_decoder_ops(None)
 
 
 @needs_native

@@ -1,14 +1,17 @@
 """topk_route's variants (softmax, sigmoid, top-k-then-softmax; choice-only bias; group-limited choice;
-renormalisation; scaling) against the float64 reference, on both backends (Triton through the interpreter),
-and against transformers' own routers for the families that use them."""
+renormalisation; scaling) against the float64 reference, on both backends (Triton through the interpreter) and
+the torch form (the CPU backend runs the native op where it is built), against transformers' own routers for the
+families that use them; the native op's choice against torch.topk's, ties and NaN included."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import topk_route
+from kernels import Routing, native, topk_route, topk_route_torch
 from kernels.reference import topk_route_reference
+from router_service.model.layers import rms_norm
+from tests.kernels.levels import needs_native
 
 CASES = [
     # (T, E, k, scoring, bias, groups, topk_groups, group_score, renormalize, scaling)
@@ -21,14 +24,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "torch form"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[3]}-g{c[5]}-k{c[2]}" for c in CASES])
 def test_every_routing_matches_the_float64_reference(backend, case):
     T, E, k, scoring, with_bias, G, TG, gs, renorm, scaling = case
     g = torch.Generator().manual_seed(E * k)
     logits = torch.randn(T, E, generator=g) * 2                                      # [T, E]
     bias = torch.randn(E, generator=g) * 0.5 if with_bias else None                  # [E]
-    w, ids = topk_route(logits, k, renorm, scoring, bias, G, TG, gs, scaling, backend=backend)
+    if backend == "torch form":
+        w, ids = topk_route_torch(logits, Routing(k, scoring, renorm, G, TG, gs, scaling), bias)
+    else:
+        w, ids = topk_route(logits, k, renorm, scoring, bias, G, TG, gs, scaling, backend=backend)
     rw, rids = topk_route_reference(logits, k, renorm, scoring, bias, G, TG, gs, scaling)
     assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == (T, k)
     assert torch.equal(ids, rids)
@@ -121,3 +127,63 @@ def test_transformers_routers_agree(tmp_path):
     torch.nn.init.normal_(oss.bias)
     _, hw, hids = oss(x)
     same((hw, hids), topk_route(x @ oss.weight.T + oss.bias, 3, False, "topk_softmax"))
+
+
+NATIVE_CASES = CASES + [
+    (300, 64, 8, "softmax", False, 1, 1, "max", True, 1.0),        # Qwen3-MoE at a prefill's rows
+    (33, 256, 8, "sigmoid", True, 8, 4, "top2", True, 2.5),        # DeepSeek-V3's shape
+    (3, 128, 2, "softmax", False, 1, 1, "max", False, 1.0),        # k * 64 <= E: torch's partial_sort branch
+    (2, 7, 7, "topk_softmax", False, 1, 1, "max", False, 1.0),     # every expert
+]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=[f"{c[3]}-E{c[1]}-g{c[5]}-k{c[2]}" for c in NATIVE_CASES])
+def test_native_routing_chooses_as_torch_does(case, dtype):
+    T, E, k, scoring, with_bias, G, TG, gs, renorm, scaling = case
+    g = torch.Generator().manual_seed(E + k)
+    logits = (torch.randn(T, E, generator=g) * 2).to(dtype)                         # [T, E]
+    bias = torch.randn(E, generator=g) * 0.5 if with_bias else None                  # [E]
+    routing = Routing(k, scoring, renorm, G, TG, gs, scaling)
+    w, ids = native.topk_route(logits, routing, bias)
+    tw, tids = topk_route_torch(logits, routing, bias)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == ids.shape == (T, k)
+    assert torch.equal(ids, tids)
+    assert torch.allclose(w, tw, rtol=1e-6, atol=1e-8)                # libm's exp against torch's: a last bit
+    for t in (0, T - 1):                                               # rows are independent of each other
+        assert torch.equal(native.topk_route(logits[t:t + 1], routing, bias)[1], ids[t:t + 1])
+
+
+@needs_native
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "topk_softmax"])
+def test_native_routing_breaks_ties_and_ranks_nan_as_torch_does(scoring):
+    logits = torch.zeros(4, 64)                                        # all tied
+    logits[1, ::3] = 1.0                                               # 22 tied at the top
+    logits[2, 5] = float("nan")                                        # NaN ranks first
+    logits[3] = torch.arange(64.0) % 4                                 # four levels of 16
+    routing = Routing(8, scoring, scoring != "topk_softmax")
+    w, ids = native.topk_route(logits, routing, None)
+    tw, tids = topk_route_torch(logits, routing, None)
+    assert torch.equal(ids, tids)
+    assert torch.allclose(w, tw, rtol=1e-6, atol=1e-8, equal_nan=True)
+    grouped = Routing(4, "sigmoid", True, 8, 3, "top2")                # ties between groups too
+    assert torch.equal(native.topk_route(logits[[0, 1, 3]], grouped, None)[1],
+                       topk_route_torch(logits[[0, 1, 3]], grouped, None)[1])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5, 37])
+def test_moe_route_has_the_bits_of_its_three_ops(dtype, T):
+    g = torch.Generator().manual_seed(T)
+    H, E = 200, 24                                                     # odd widths: the linear's tails
+    h = torch.randn(T, H, generator=g).to(dtype)                                     # [T, H]
+    ln = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)                           # [H]
+    gate = torch.randn(E, H, generator=g).to(dtype)                                  # [E, H]
+    bias = torch.randn(E, generator=g) * 0.1                                         # [E]
+    routing = Routing(6, "sigmoid", True, 4, 2, "top2", 2.5)
+    r, w, ids = native.moe_route(h, ln, gate, 1e-6, routing, bias)
+    r1 = rms_norm(h, ln, 1e-6)
+    w1, ids1 = native.topk_route(native.linear(r1, gate), routing, bias)
+    assert torch.equal(r, r1) and torch.equal(w, w1) and torch.equal(ids, ids1)
