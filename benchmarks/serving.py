@@ -246,7 +246,8 @@ def main() -> int:
                           f"{100 * ph.get('expert_compute', 0) / total:.0f}%"])
     vs_llama = llamacpp_section(llama, results, streams)
     text = "\n".join([
-        f"# Serving benchmark: {args.size} bench model ({cfg.architecture}, {cfg.num_layers} layers, "
+        f"# Serving benchmark: the {'' if args.size == 'bench' else args.size + ' '}bench model ({cfg.architecture}, "
+        f"{cfg.num_layers} layers, "
         f"{cfg.num_experts} experts top-{cfg.top_k}, hidden {cfg.hidden_size}), {args.dtype}",
         "", f"Machine: {machine()}; measured read bandwidth {bw:.1f} GB/s (streaming sum over 1 GiB); {pages}.",
         f"Command: `python -m benchmarks.serving --dtype {args.dtype}"
