@@ -115,6 +115,9 @@ struct Ahead {
     int credit = 0;                                // bytes earned and not yet requested
     inline void step(int bytes) {                  // into L2 (locality 2): a block ahead is more than L1 holds
         credit += bytes;
+        if (__builtin_expect(credit >= 64 * passes, 0)) request();   // the common step falls through: no jump
+    }
+    inline void request() {
         for (const int line = 64 * passes; credit >= line; credit -= line) {
             if (p >= end) {
                 credit = 0;
