@@ -4,7 +4,7 @@
 //
 // Bandwidth first: the weight is streamed from memory once per call, a block of 32 rows at a time, converted to
 // float32 in registers (bf16: a 16-bit shift; int8: a widening convert, its row scale applied once at the end);
-// up to 4 rows of x share each pass over the block, and further 4-row tiles pass over it again from the caches.
+// up to 6 rows of x share each pass over the block, and further passes go over it again from the caches.
 //
 // Fixed numerics: every output element y[m, o] is one vector accumulator over k in steps of CK_WIDTH lanes
 // (the last step zero-padded), fused multiply-adds where the ISA has them, then the same pairwise sum over its
@@ -157,6 +157,9 @@ static inline void tile(const float* x, int K, const WT* w, const float* scale, 
 #pragma GCC unroll 8
         for (int i = 0; i < MT; ++i) {
             fvec xv = widen(x + (int64_t)i * K + k);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+            __asm__("" : "+x"(xv));               // one load into a register: GCC folded it into every FMA
+#endif
 #pragma GCC unroll 8
             for (int j = 0; j < OT; ++j) acc[i][j] += xv * wv[j];
         }
@@ -183,11 +186,14 @@ static inline void tile(const float* x, int K, const WT* w, const float* scale, 
 // take 4 weight rows at 3 to 6 rows of x: a 32-row block is 8 full tiles (3 a tile left 2 rows to one-row tiles,
 // 4 multiply-adds per widened weight vector), and a pass takes up to 6 rows (up to 24 accumulators). On an AMX
 // Xeon (benchmarks/gemm_ab.py --level amx, docs/performance.md): 1.24-1.43x faster for int8 and 1.11-1.28x for
-// bf16 at 3-8 rows, then 1.1-1.2x more at 5 and 6 rows (one pass where there were two).
+// bf16 at 3-8 rows, then 1.1-1.2x more at 5 and 6 rows (one pass where there were two). AVX2 takes 5 and 6 rows
+// with 2 weight rows (10 and 12 accumulators), x's vector held in a register for the tile's FMAs (GCC had folded its
+// load into each: 6 x 2 ran a third slower than 4 x 3 from the caches, and 5-8% faster held): on an AVX2 EPYC, 1.08-
+// 1.22x for int8 and 0.99-1.15x for bf16 at 5-8 rows, 1.01-1.18x at 32 (gemm_ab, docs/performance.md).
 template <int MT, typename WT>
 static inline void rows(const float* x, int K, const WT* w, const float* scale, int n, float* y, int ldy,
                         Ahead& ahead) {
-    constexpr int OT = MT <= 2 || CK_WIDTH == 16 ? 4 : 3;
+    constexpr int OT = MT <= 2 || CK_WIDTH == 16 ? 4 : MT <= 4 ? 3 : 2;
     int o = 0;
     for (; o + OT <= n; o += OT)
         tile<MT, OT>(x, K, w + (int64_t)o * K, scale ? scale + o : nullptr, y + o, ldy, ahead);
@@ -201,31 +207,24 @@ static inline void rows_any(const float* x, int mt, int K, const WT* w, const fl
         case 1: rows<1>(x, K, w, scale, n, y, ldy, ahead); break;
         case 2: rows<2>(x, K, w, scale, n, y, ldy, ahead); break;
         case 3: rows<3>(x, K, w, scale, n, y, ldy, ahead); break;
-#if CK_WIDTH == 16
         case 4: rows<4>(x, K, w, scale, n, y, ldy, ahead); break;
         case 5: rows<5>(x, K, w, scale, n, y, ldy, ahead); break;
         default: rows<6>(x, K, w, scale, n, y, ldy, ahead); break;
-#else
-        default: rows<4>(x, K, w, scale, n, y, ldy, ahead); break;
-#endif
     }
 }
 
-constexpr int PASS_ROWS = CK_WIDTH == 16 ? 6 : 4;    // the most rows of x a pass over a block takes
+constexpr int PASS_ROWS = 6;                         // the most rows of x a pass over a block takes
 
 // The weight is streamed from memory once per block of OB rows; every pass of x's rows (up to PASS_ROWS) goes over
 // the block while it is in L1/L2, widening it in registers each pass (a float32 panel converted once per block was
 // slower at every row count on an AVX2 EPYC: 4 rows 6.0 against 8.3 GB/s, 32 rows 1.1 against 1.5, bf16, one
-// thread). With 6-row passes the rows are split evenly (8 rows are 4 + 4, 12 are 6 + 6); AVX2 keeps its
-// 4-row passes, the last one the rest.
+// thread). A pass takes up to 6 rows, the rows split evenly (8 rows are 4 + 4, 12 are 6 + 6), on every level.
 template <typename WT>
 static void linear_block(const float* x, int M, int K, const WT* w, const float* scale, int o0, int o1, float* y,
                          int ldy, Ahead after) {
     constexpr int OB = 32;
     const int passes = (M + PASS_ROWS - 1) / PASS_ROWS;
-    const auto rows_of = [&](int p) {                          // AVX-512 splits evenly, AVX2 fills its passes
-        return CK_WIDTH == 16 ? M / passes + (p < M % passes) : std::min(PASS_ROWS, M - PASS_ROWS * p);
-    };
+    const auto rows_of = [&](int p) { return M / passes + (p < M % passes); };   // split evenly
     for (int ob = o0; ob < o1; ob += OB) {
         int n = (ob + OB < o1 ? ob + OB : o1) - ob;
         Ahead ahead = ahead_of(w, int64_t(K) * int64_t(sizeof(WT)), ob, OB, o1, passes, after);
