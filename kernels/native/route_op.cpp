@@ -63,9 +63,17 @@ struct Spec {
     float scaling;
 };
 
-void route_row(const float* x, const float* bias, const Spec& s, float* w, int64_t* ids, std::vector<float>& buf,
-               std::vector<Elem>& queue) {
+struct Scratch {                                              // a chunk's buffers, reused row after row
+    std::vector<float> buf;
+    std::vector<Elem> queue;
+    std::vector<int64_t> best;
+    std::vector<char> kept;
+};
+
+void route_row(const float* x, const float* bias, const Spec& s, float* w, int64_t* ids, Scratch& sc) {
     const int64_t E = s.E, k = s.k;
+    std::vector<float>& buf = sc.buf;
+    std::vector<Elem>& queue = sc.queue;
     if (s.scoring == 2) {                                     // top-k of the logits, softmax over those k
         topk(x, E, k, queue, ids);
         buf.resize(2 * k);
@@ -84,7 +92,8 @@ void route_row(const float* x, const float* bias, const Spec& s, float* w, int64
     for (int64_t e = 0; e < E; ++e) choice[e] = bias ? p[e] + bias[e] : p[e];
     if (s.groups > 1) {
         const int64_t size = E / s.groups;
-        std::vector<int64_t> best(std::max<int64_t>(2, s.topk_groups));
+        std::vector<int64_t>& best = sc.best;
+        best.resize(std::max<int64_t>(2, s.topk_groups));
         for (int64_t g = 0; g < s.groups; ++g) {
             const float* c = choice + g * size;
             if (s.group_score == 0) {                         // torch's max: NaN wins
@@ -97,7 +106,8 @@ void route_row(const float* x, const float* bias, const Spec& s, float* w, int64
             }
         }
         topk(group, s.groups, s.topk_groups, queue, best.data());
-        std::vector<char> kept(s.groups, 0);
+        std::vector<char>& kept = sc.kept;
+        kept.assign(s.groups, 0);
         for (int64_t j = 0; j < s.topk_groups; ++j) kept[best[j]] = 1;
         for (int64_t e = 0; e < E; ++e)
             if (!kept[e / size]) choice[e] = -std::numeric_limits<float>::infinity();
@@ -143,9 +153,8 @@ std::tuple<at::Tensor, at::Tensor> topk_route(const at::Tensor& logits, const c1
     int64_t* ip = ids.data_ptr<int64_t>();
     colibri_ops::parallel_for(0, T, std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, E)),
                               [&](int64_t t0, int64_t t1) {
-        std::vector<float> buf;
-        std::vector<Elem> queue;
-        for (int64_t t = t0; t < t1; ++t) route_row(xp + t * E, bp, s, wp + t * k, ip + t * k, buf, queue);
+        Scratch sc;
+        for (int64_t t = t0; t < t1; ++t) route_row(xp + t * E, bp, s, wp + t * k, ip + t * k, sc);
     });
     return {w, ids};
 }
