@@ -158,7 +158,8 @@ static inline void tile(const float* x, int K, const WT* w, const float* scale, 
         for (int i = 0; i < MT; ++i) {
             fvec xv = widen(x + (int64_t)i * K + k);
 #if defined(__AVX2__) && !defined(__AVX512F__)
-            __asm__("" : "+x"(xv));               // one load into a register: GCC folded it into every FMA
+            if constexpr (MT >= 5)                // one load into a register: GCC folded it into every FMA (at 3
+                __asm__("" : "+x"(xv));           // rows, held, bf16 ran 0.88x: gemm_ab)
 #endif
 #pragma GCC unroll 8
             for (int j = 0; j < OT; ++j) acc[i][j] += xv * wv[j];
@@ -187,9 +188,10 @@ static inline void tile(const float* x, int K, const WT* w, const float* scale, 
 // 4 multiply-adds per widened weight vector), and a pass takes up to 6 rows (up to 24 accumulators). On an AMX
 // Xeon (benchmarks/gemm_ab.py --level amx, docs/performance.md): 1.24-1.43x faster for int8 and 1.11-1.28x for
 // bf16 at 3-8 rows, then 1.1-1.2x more at 5 and 6 rows (one pass where there were two). AVX2 takes 5 and 6 rows
-// with 2 weight rows (10 and 12 accumulators), x's vector held in a register for the tile's FMAs (GCC had folded its
-// load into each: 6 x 2 ran a third slower than 4 x 3 from the caches, and 5-8% faster held): on an AVX2 EPYC, 1.08-
-// 1.22x for int8 and 0.99-1.15x for bf16 at 5-8 rows, 1.01-1.18x at 32 (gemm_ab, docs/performance.md).
+// with 2 weight rows (10 and 12 accumulators), x's vector held in a register for those tiles' FMAs (GCC had
+// folded its load into each: 6 x 2 ran a third slower than 4 x 3 from the caches, and 5-8% faster held): on an
+// AVX2 EPYC, 1.08-1.22x for int8 and 0.99-1.15x for bf16 at 5-8 rows, 1.01-1.18x at 32 (gemm_ab,
+// docs/performance.md).
 template <int MT, typename WT>
 static inline void rows(const float* x, int K, const WT* w, const float* scale, int n, float* y, int ldy,
                         Ahead& ahead) {
