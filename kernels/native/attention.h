@@ -69,14 +69,18 @@ static inline fvec sums8(const fvec* a) {
 // Scores of query head q [D] against a group of 8 keys (rows k[j], all of D): s[j] = (q · k_j) · scale, each one
 // vector accumulator over the head dim, the lanes summed by sums8.
 static inline void score_group(const float* q, int D, const float* const* k, float* s, float scale) {
-    fvec acc[8] = {};
+    fvec acc[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] = fvec{};
     int d = 0;
     for (; d + CK_WIDTH <= D; d += CK_WIDTH) {
         const fvec qv = widen(q + d);
+#pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) acc[j] += qv * widen(k[j] + d);
     }
     if (d < D) {
         const fvec qv = widen_tail(q + d, D - d);
+#pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) acc[j] += qv * widen_tail(k[j] + d, D - d);
     }
     float out[CK_WIDTH];
@@ -118,13 +122,28 @@ static inline float softmax_row(float* s, int n, const float* sink, bool round_p
     return l;
 }
 
-// out[r, :] = Σ_j p[r, j] v_j / l[r] for up to 4 heads: two vectors of value dims per pass over the keys (each
-// value row widened once for the heads), then a last single vector where Dv leaves one; tails zero-padded.
-template <typename KT>
-static inline void weigh_values(const float* p, int64_t p_stride, int rn, int n, const KT* v, int64_t v_stride,
-                                const int64_t* slots, int Dv, const float* inv_l, float* out) {
+// Requests a cache row's lines (`bytes` from `row`, which need not start a line) into L1 (locality 3) or L2 (2).
+template <int LOCALITY>
+static inline void request_row(const void* row, int bytes) {
+    const char* p = static_cast<const char*>(row);
+    for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, LOCALITY);
+    __builtin_prefetch(p + bytes - 1, 0, LOCALITY);
+}
+
+constexpr int VALUES_AHEAD = 32;                     // value rows requested ahead of the first pass over them
+
+// out[r, :] = Σ_j p[r, j] v_j / l[r] for RN (1 to 4) heads: two vectors of value dims per pass over the keys (each
+// value row widened once for the heads; the 2 x RN accumulators in registers), then a last single vector where Dv
+// leaves one; tails zero-padded. Each element is one accumulator taking its keys in order, whatever RN.
+// The first pass requests the rows VALUES_AHEAD keys ahead: the rows are scattered over the cache's slots, so the
+// hardware prefetcher cannot follow them (a pass stalled on every row before).
+template <int RN, typename KT>
+static inline void weigh_values_rn(const float* p, int64_t p_stride, int n, const KT* v, int64_t v_stride,
+                                   const int64_t* slots, int Dv, const float* inv_l, float* out) {
+    const int row_bytes = Dv * int(sizeof(KT));
     auto store = [&](const fvec* acc, int d, int w) {
-        for (int r = 0; r < rn; ++r) {
+#pragma GCC unroll 4
+        for (int r = 0; r < RN; ++r) {
             float o[CK_WIDTH];
             fvec y = acc[r] * inv_l[r];
             std::memcpy(o, &y, sizeof o);
@@ -133,11 +152,16 @@ static inline void weigh_values(const float* p, int64_t p_stride, int rn, int n,
     };
     int d = 0;
     for (; d + 2 * CK_WIDTH <= Dv; d += 2 * CK_WIDTH) {
-        fvec a0[4] = {}, a1[4] = {};
+        fvec a0[RN], a1[RN];
+#pragma GCC unroll 4
+        for (int r = 0; r < RN; ++r) a0[r] = a1[r] = fvec{};
+        const bool first = d == 0;
         for (int j = 0; j < n; ++j) {
+            if (first && j + VALUES_AHEAD < n) request_row<3>(v + slots[j + VALUES_AHEAD] * v_stride, row_bytes);
             const KT* vj = v + slots[j] * v_stride + d;
             const fvec v0 = widen(vj), v1 = widen(vj + CK_WIDTH);
-            for (int r = 0; r < rn; ++r) {
+#pragma GCC unroll 4
+            for (int r = 0; r < RN; ++r) {
                 const float pr = p[r * p_stride + j];
                 a0[r] += pr * v0;
                 a1[r] += pr * v1;
@@ -148,13 +172,29 @@ static inline void weigh_values(const float* p, int64_t p_stride, int rn, int n,
     }
     for (; d < Dv; d += CK_WIDTH) {
         const int w = Dv - d < CK_WIDTH ? Dv - d : CK_WIDTH;
-        fvec acc[4] = {};
+        fvec acc[RN];
+#pragma GCC unroll 4
+        for (int r = 0; r < RN; ++r) acc[r] = fvec{};
+        const bool first = d == 0;
         for (int j = 0; j < n; ++j) {
+            if (first && j + VALUES_AHEAD < n) request_row<3>(v + slots[j + VALUES_AHEAD] * v_stride, row_bytes);
             const KT* vj = v + slots[j] * v_stride + d;
             fvec vv = w == CK_WIDTH ? widen(vj) : widen_tail(vj, w);
-            for (int r = 0; r < rn; ++r) acc[r] += p[r * p_stride + j] * vv;
+#pragma GCC unroll 4
+            for (int r = 0; r < RN; ++r) acc[r] += p[r * p_stride + j] * vv;
         }
         store(acc, d, w);
+    }
+}
+
+template <typename KT>
+static inline void weigh_values(const float* p, int64_t p_stride, int rn, int n, const KT* v, int64_t v_stride,
+                                const int64_t* slots, int Dv, const float* inv_l, float* out) {
+    switch (rn) {
+        case 1: weigh_values_rn<1>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out); break;
+        case 2: weigh_values_rn<2>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out); break;
+        case 3: weigh_values_rn<3>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out); break;
+        default: weigh_values_rn<4>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out); break;
     }
 }
 
@@ -165,7 +205,21 @@ static void decode_group(const float* q, int R, int D, int Dv, const KT* k, cons
                          int64_t v_stride, const int64_t* slots, int n, const float* sinks, float scale, float* out,
                          float* scratch) {
     float* kf = scratch + (int64_t)R * n;           // [8, D]: a bf16 group widened once for all R heads
+    // the key rows of the group two ahead are requested into L1 while this one is scored (scattered slots: no
+    // hardware prefetcher follows them; each group stalled on its rows before), and where the head's value rows fit
+    // in L2 (VALUES_IN_L2), theirs too, for the pass over the values after the scores
+    constexpr int KEYS_AHEAD = 16, VALUES_IN_L2 = 256 * 1024;
+    const int k_bytes = D * int(sizeof(KT)), v_bytes = Dv * int(sizeof(KT));
+    const bool values_too = int64_t(n) * v_bytes <= VALUES_IN_L2;
+    auto request = [&](int j1, int j2) {            // keys [j1, j2) of the context
+        for (int j = j1; j < j2 && j < n; ++j) {
+            request_row<3>(k + slots[j] * k_stride, k_bytes);
+            if (values_too) request_row<2>(v + slots[j] * v_stride, v_bytes);
+        }
+    };
+    request(0, KEYS_AHEAD);
     for (int j0 = 0; j0 < n; j0 += 8) {            // keys in groups of 8 (the last one padded with key 0's row)
+        request(j0 + KEYS_AHEAD, j0 + KEYS_AHEAD + 8);
         const float* rows_[8];
         for (int j = 0; j < 8; ++j) {
             const KT* row = k + slots[j0 + j < n ? j0 + j : 0] * k_stride;
