@@ -298,6 +298,17 @@ static inline void sums_vnni(const int8_t* x, int Kp, int K, const int8_t* w, in
 }
 #endif
 
+#if defined(__AVX2__)
+// The sum of an int32 vector's 8 lanes in registers (int32 sums wrap, so any order gives the same bits; a store and
+// a scalar loop took as long as a few steps of the tile).
+static inline int32_t lanes_sum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
 template <int MT, int OT>
 static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, const float* xs, const float* ws,
                            float* y, int ldy, Ahead& ahead_) {
@@ -312,7 +323,9 @@ static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
 #if defined(__AVX2__)
     constexpr int earn = OT * 32;                  // the bytes of the block a step reads
     __m256i acc[MT][OT];
+#pragma GCC unroll 8
     for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 8
         for (int j = 0; j < OT; ++j) acc[i][j] = _mm256_setzero_si256();
     const __m256i ones = _mm256_set1_epi16(1);
     alignas(32) int8_t tail[OT][32];
@@ -337,14 +350,10 @@ static inline void tile_i8(const int8_t* x, int Kp, int K, const int8_t* w, cons
             }
         }
     }
+#pragma GCC unroll 8
     for (int i = 0; i < MT; ++i)
-        for (int j = 0; j < OT; ++j) {
-            alignas(32) int32_t lanes[8];
-            _mm256_store_si256((__m256i*)lanes, acc[i][j]);
-            int32_t t = 0;
-            for (int l = 0; l < 8; ++l) t += lanes[l];
-            sums[i][j] = t;
-        }
+#pragma GCC unroll 8
+        for (int j = 0; j < OT; ++j) sums[i][j] = lanes_sum_i32(acc[i][j]);
 #else
     (void)Kp;
     for (int i = 0; i < MT; ++i)
