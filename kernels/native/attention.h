@@ -11,6 +11,8 @@
 //
 // Shapes: R query heads of one KV head, D the key dim, Dv the value dim, n context keys.
 
+#include <unistd.h>
+
 namespace colibri_native {
 
 // exp(x) up to ~2 ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n by the exponent bits); x
@@ -132,6 +134,16 @@ static inline void request_row(const void* row, int bytes) {
 
 constexpr int VALUES_AHEAD = 32;                     // value rows requested ahead of the first pass over them
 
+// Half this machine's L2 (sysconf; 256 KiB where it does not say): the most of a head's value rows that the scores'
+// pass requests into L2 for the value pass, beside its keys. L2s run from 256 KiB to 2 MiB a core.
+static inline int64_t values_in_l2() {
+    static const int64_t bytes = [] {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        return l2 > 0 ? int64_t(l2) / 2 : int64_t(256) * 1024;
+    }();
+    return bytes;
+}
+
 // out[r, :] = Σ_j p[r, j] v_j / l[r] for RN (1 to 4) heads: two vectors of value dims per pass over the keys (each
 // value row widened once for the heads; the 2 x RN accumulators in registers), then a last single vector where Dv
 // leaves one; tails zero-padded. Each element is one accumulator taking its keys in order, whatever RN.
@@ -207,10 +219,10 @@ static void decode_group(const float* q, int R, int D, int Dv, const KT* k, cons
     float* kf = scratch + (int64_t)R * n;           // [8, D]: a bf16 group widened once for all R heads
     // the key rows of the group two ahead are requested into L1 while this one is scored (scattered slots: no
     // hardware prefetcher follows them; each group stalled on its rows before), and where the head's value rows fit
-    // in L2 (VALUES_IN_L2), theirs too, for the pass over the values after the scores
-    constexpr int KEYS_AHEAD = 16, VALUES_IN_L2 = 256 * 1024;
+    // in half the L2 (values_in_l2), theirs too, for the pass over the values after the scores
+    constexpr int KEYS_AHEAD = 16;                  // 8 to 64 read alike (a scratch driver, AVX2 EPYC)
     const int k_bytes = D * int(sizeof(KT)), v_bytes = Dv * int(sizeof(KT));
-    const bool values_too = int64_t(n) * v_bytes <= VALUES_IN_L2;
+    const bool values_too = int64_t(n) * v_bytes <= values_in_l2();
     auto request = [&](int j1, int j2) {            // keys [j1, j2) of the context
         for (int j = j1; j < j2 && j < n; ++j) {
             request_row<3>(k + slots[j] * k_stride, k_bytes);

@@ -63,8 +63,8 @@ def _routing_differs(routing: Routing, experts: int, g: torch.Generator) -> bool
 
 def check_decoder_ops(heads: int, kv_heads: int, head_dim: int, v_dim: int, hidden: int, rotary_dim: int,
                       dtype: torch.dtype, routing: Routing | None = None, experts: int = 0) -> str | None:
-    """None where the three ops are right for these shapes (or are not built, or not for this dtype); else why
-    not, after switching them off in this process."""
+    """None where the ops are right for these shapes and this routing (or are not built, or not for this dtype);
+    else why not, after switching them off in this process."""
     if not native.decoder_ops() or dtype not in TOLERANCE or kv_heads < 1 or heads % kv_heads:
         return None
     g = torch.Generator().manual_seed(7)
