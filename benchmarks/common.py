@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,6 +56,43 @@ def read_bandwidth_gbs(nbytes: int = 1024 * 2**20) -> float:
     weight-streaming decode step can reach (the roofline divides by this, not by the copy rate)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     return nbytes / time_fn(lambda: src.sum(), min_runs=5, min_seconds=1.0) / 1e9
+
+
+@dataclass(frozen=True)
+class Beside:
+    """A call timed beside read probes (`ReadProbe.beside`): medians over the rounds."""
+
+    seconds: float                 # a call
+    gbs: float                     # the call's bytes / seconds
+    read_gbs: float                # the probes'
+    share: float                   # the call's GB/s ÷ the probe's, round by round, then the median
+
+
+class ReadProbe:
+    """The read rate taken again beside each measurement (`beside`), for ratios that hold while this VM's
+    bandwidth drifts: a benchmark that probed once and then ran for a minute divided by a rate from another phase
+    (rows at 110-156% of a 15.1 GB/s probe, where a streaming sum read 26 GB/s minutes later). The buffer is made
+    once (1 GiB, far past any L3); a probe is the median of a few sums over it."""
+
+    def __init__(self, nbytes: int = 1024 * 2**20) -> None:
+        self.nbytes = nbytes
+        self.src = torch.ones(nbytes // 4, dtype=torch.float32)
+
+    def gbs(self, min_seconds: float = 0.2) -> float:
+        return self.nbytes / time_fn(lambda: self.src.sum(), min_runs=3, min_seconds=min_seconds, warmup=1) / 1e9
+
+    def beside(self, fn: Callable[[], object], nbytes: float, rounds: int = 3, min_seconds: float = 0.3,
+               min_runs: int = 10) -> Beside:
+        """`rounds` times a probe, then fn timed (the median call); `nbytes` is what a call reads."""
+        if rounds < 1:
+            raise ValueError(f"rounds must be at least 1, got {rounds}")
+        secs, rates = [], []
+        for _ in range(rounds):
+            rates.append(self.gbs())
+            secs.append(time_fn(fn, min_runs=min_runs, min_seconds=min_seconds))
+        s = statistics.median(secs)
+        return Beside(s, nbytes / s / 1e9, statistics.median(rates),
+                      statistics.median(nbytes / t / 1e9 / r for t, r in zip(secs, rates, strict=True)))
 
 
 def machine() -> str:

@@ -13,7 +13,9 @@ allocations) and on 2 MiB pages (copies on anonymous memory advised MADV_HUGEPAG
 checkpoint that the page cache holds in 2 MiB folios (`colibri_common/page_cache.py`). Every call reads weights
 that are not in the caches: the expert weights span several layers (fresh routing each call) and each linear
 cycles through copies of its weight totalling over 4x the L3. GB/s = weight bytes the call reads / time; "% read"
-divides by a streaming sum over 1 GiB at the same thread count (the rate a decode step can reach).
+divides by a streaming sum over 1 GiB at the same thread count (the rate a decode step can reach), taken beside
+each row: three rounds of a probe then the op, the share the median of the rounds' ratios ("read GB/s" the
+probes' median), so a row's share holds while this VM's bandwidth drifts between rows.
 
     python -m benchmarks.native_kernels [--tokens 1,8,32] [--threads 1,2] [--pages 4k,2m]
 """
@@ -36,7 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from benchmarks.common import finish, machine, publish, read_bandwidth_gbs, table, time_fn
+from benchmarks.common import Beside, ReadProbe, finish, machine, publish, table, time_fn
 from kernels import FORMS, Int8Weight, fused_moe, fused_moe_cpu, native, quantize_int8, topk_route
 
 H, I, E, K = 1024, 512, 64, 8
@@ -94,8 +96,14 @@ def huge_copy(w: torch.Tensor | Int8Weight) -> torch.Tensor | Int8Weight:
     return dataclasses.replace(w, q=on_huge_pages(w.q)) if isinstance(w, Int8Weight) else on_huge_pages(w)
 
 
-def expert_rows(kind: str, tokens: list[int], g: torch.Generator, torch_too: bool, huge: bool = False
-                ) -> list[list[str]]:
+def measured(b: Beside) -> list[str]:
+    """The columns ms, GB/s, read GB/s, % read of a row."""
+    return [f"{b.seconds * 1e3:.3f}" if b.seconds < 0.01 else f"{b.seconds * 1e3:.2f}", f"{b.gbs:.1f}",
+            f"{b.read_gbs:.1f}", f"{100 * b.share:.0f}%"]
+
+
+def expert_rows(kind: str, tokens: list[int], g: torch.Generator, torch_too: bool, probe: ReadProbe,
+                huge: bool = False) -> list[list[str]]:
     layers = 3                                                           # 600 MB in bf16: no layer stays cached
     weights = [(make(kind, E, 2 * I, H, g=g), make(kind, E, H, I, g=g)) for _ in range(layers)]
     if huge:
@@ -115,18 +123,18 @@ def expert_rows(kind: str, tokens: list[int], g: torch.Generator, torch_too: boo
         touched = sum(int(c[3].unique().numel()) for c in cases) / len(cases) * per_expert
         cyc = Cycle(cases)
         native.use_isa("")
-        s = time_fn(lambda cyc=cyc: fused_moe(*cyc.next()), min_runs=10, min_seconds=0.5)
+        b = probe.beside(lambda cyc=cyc: fused_moe(*cyc.next()), touched, min_seconds=0.25)
         ref = ""
         if torch_too:                                  # the torch forms on the same calls (Colibri before)
             ref_s = time_fn(lambda cyc=cyc: fused_moe_cpu(*cyc.next(), form="loop"), min_runs=5,
                             min_seconds=0.5)
             ref = f"{touched / ref_s / 1e9:.1f}"
         name = f"experts {kind}{', 2 MiB pages' if huge else ''}"
-        rows.append([name, str(T), f"{touched / 2**20:.0f}", f"{s * 1e3:.2f}", f"{touched / s / 1e9:.1f}", ref])
+        rows.append([name, str(T), f"{touched / 2**20:.0f}", *measured(b), ref])
     return rows
 
 
-def linear_rows(kind: str, tokens: list[int], g: torch.Generator) -> list[list[str]]:
+def linear_rows(kind: str, tokens: list[int], g: torch.Generator, probe: ReadProbe) -> list[list[str]]:
     rows = []
     for name, (dout, din) in LINEARS.items():
         one = make(kind, dout, din, g=g)
@@ -137,8 +145,8 @@ def linear_rows(kind: str, tokens: list[int], g: torch.Generator) -> list[list[s
         for T, tiles in [(T, tiles) for tiles in ways for T in tokens]:
             x = torch.randn(T, din, generator=g).to(torch.bfloat16)                      # [T, Din]
             cyc = Cycle(copies)
-            s = time_fn(lambda x=x, cyc=cyc, tiles=tiles: native.linear(x, cyc.next(), tiles=tiles), min_runs=10,
-                        min_seconds=0.3)
+            b = probe.beside(lambda x=x, cyc=cyc, tiles=tiles: native.linear(x, cyc.next(), tiles=tiles), nbytes,
+                             min_seconds=0.15)
             if kind == "w8a8":                          # the torch form: torch._int_mm on the quantised rows
                 t = time_fn(lambda x=x, cyc=cyc: FORMS["w8a8_intmm"].fn(x, cyc.next()), min_runs=5, min_seconds=0.3)
             elif kind == "int8":                        # torch's kernel takes the scales in x's dtype
@@ -148,8 +156,7 @@ def linear_rows(kind: str, tokens: list[int], g: torch.Generator) -> list[list[s
             else:
                 t = time_fn(lambda x=x, cyc=cyc: F.linear(x, cyc.next()), min_runs=5, min_seconds=0.3)
             label = f"{name} {kind}{' on tiles' if tiles else ''} [{dout}, {din}]"
-            rows.append([label, str(T), f"{nbytes / 2**20:.1f}", f"{s * 1e3:.3f}",
-                         f"{nbytes / s / 1e9:.1f}", f"{nbytes / t / 1e9:.1f}"])
+            rows.append([label, str(T), f"{nbytes / 2**20:.1f}", *measured(b), f"{nbytes / t / 1e9:.1f}"])
     return rows
 
 
@@ -168,22 +175,21 @@ def main() -> int:
     kinds = args.kinds.split(",")
     g = torch.Generator().manual_seed(0)
     sections = []
+    probe = ReadProbe()
     for threads in tqdm([int(t) for t in args.threads.split(",")], desc="native kernels", unit="thread count"):
         torch.set_num_threads(threads)
-        bw = read_bandwidth_gbs()
         rows = []
         pages = args.pages.split(",")
         for kind in kinds:
             if "4k" in pages:
-                rows += expert_rows(kind, tokens, g, torch_too=True)
+                rows += expert_rows(kind, tokens, g, torch_too=True, probe=probe)
             if "2m" in pages:
-                rows += expert_rows(kind, tokens, g, torch_too=False, huge=True)
-            rows += linear_rows(kind, tokens, g)
-        for r in rows:
-            r.insert(5, f"{100 * float(r[4]) / bw:.0f}%")
-        sections += [f"## {threads} thread{'s' if threads > 1 else ''}: read rate {bw:.1f} GB/s (streaming sum "
-                     f"over 1 GiB)", "",
-                     table(["op", "T", "MiB read", "ms", "GB/s", "% read", "torch GB/s"], rows), ""]
+                rows += expert_rows(kind, tokens, g, torch_too=False, probe=probe, huge=True)
+            rows += linear_rows(kind, tokens, g, probe)
+        rates = sorted(float(r[5]) for r in rows)
+        sections += [f"## {threads} thread{'s' if threads > 1 else ''}: read rate {rates[0]:.1f}-{rates[-1]:.1f} "
+                     f"GB/s beside the rows (a streaming sum over 1 GiB)", "",
+                     table(["op", "T", "MiB read", "ms", "GB/s", "read GB/s", "% read", "torch GB/s"], rows), ""]
     override = os.environ.get("COLIBRI_CPU_ISA")          # another level than CPUID's: a file of its own
     text = "\n".join([
         "# Native CPU kernels on the bench shapes", "",
