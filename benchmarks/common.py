@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: timing, the machine's measured read bandwidth, the results table."""
+"""Shared benchmark helpers: timing, the machine's read rate (`ReadProbe`), the results table."""
 
 from __future__ import annotations
 
@@ -51,13 +51,6 @@ def time_fn(fn: Callable[[], object], min_runs: int = 5, min_seconds: float = 0.
     return statistics.median(times)
 
 
-def read_bandwidth_gbs(nbytes: int = 1024 * 2**20) -> float:
-    """Bytes read per second by a streaming sum over a buffer far larger than the caches: the rate a
-    weight-streaming decode step can reach (the roofline divides by this, not by the copy rate)."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / time_fn(lambda: src.sum(), min_runs=5, min_seconds=1.0) / 1e9
-
-
 @dataclass(frozen=True)
 class Beside:
     """A call timed beside read probes (`ReadProbe.beside`): medians over the rounds."""
@@ -69,7 +62,9 @@ class Beside:
 
 
 class ReadProbe:
-    """The read rate taken again beside each measurement (`beside`), for ratios that hold while this VM's
+    """Bytes read per second by a streaming sum over a buffer far larger than the caches: the rate a
+    weight-streaming decode step can reach (a roofline divides by this, not by the copy rate). Taken again beside
+    each measurement (`beside`, or before each engine of a serving run), for ratios that hold while this VM's
     bandwidth drifts: a benchmark that probed once and then ran for a minute divided by a rate from another phase
     (rows at 110-156% of a 15.1 GB/s probe, where a streaming sum read 26 GB/s minutes later). The buffer is made
     once (1 GiB, far past any L3); a probe is the median of a few sums over it."""

@@ -28,7 +28,7 @@ import psutil
 from tqdm import tqdm
 
 from benchmarks.bench_model import SIZES, ensure_bench_model
-from benchmarks.common import finish, machine, page_state, publish, read_bandwidth_gbs, table
+from benchmarks.common import ReadProbe, finish, machine, page_state, publish, table
 from benchmarks.llamacpp import add_peer_args, find_peer
 from benchmarks.llamacpp import measure as measure_llamacpp
 from colibri.launcher import colibri_command
@@ -183,7 +183,7 @@ def main() -> int:
     print(peer_line, file=sys.stderr)
     model = ensure_bench_model(size=args.size)
     cfg = ModelConfig.from_dir(model)
-    bw = read_bandwidth_gbs()
+    probe = ReadProbe()              # the read rate before each engine's run: this VM's drifts over a long run
     pages = page_state(model)
     common = ["--model", str(model), "--dtype", args.dtype, "--streams", args.streams,
               "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
@@ -213,8 +213,9 @@ def main() -> int:
     if peer is not None and args.dtype == "bfloat16":
         jobs.insert(1, ("llama.cpp", lambda: measure_llamacpp(peer, model, streams, args.prompt_len,
                                                                args.max_tokens, len(os.sched_getaffinity(0)))))
-    results = {}
+    results, rates = {}, {}
     for name, job in tqdm(jobs, desc="bench", unit="engine"):
+        rates[name] = probe.gbs(min_seconds=0.5)
         results[name] = job()
     llama = results.pop("llama.cpp", {})
     hf = results["transformers"]
@@ -226,7 +227,7 @@ def main() -> int:
             h = hf["rows"][str(c)]
             expert_itemsize = 1 if "int8" in name or "w8a8" in name else itemsize
             dense_itemsize = 1 if name.endswith("dense int8") else itemsize
-            roof = c / (step_bytes(cfg, c, dense_itemsize, expert_itemsize) / (bw * 1e9))
+            roof = c / (step_bytes(cfg, c, dense_itemsize, expert_itemsize) / (rates[name] * 1e9))
             rows.append([name, str(c), f"{r['output_tokens_per_s']:.1f}",
                          f"{r['output_tokens_per_s'] / h['output_tokens_per_s']:.2f}x",
                          f"{r['ttft_p50_ms']:.0f}", f"{r.get('ttft_p99_ms', float('nan')):.0f}",
@@ -249,7 +250,8 @@ def main() -> int:
         f"# Serving benchmark: the {'' if args.size == 'bench' else args.size + ' '}bench model ({cfg.architecture}, "
         f"{cfg.num_layers} layers, "
         f"{cfg.num_experts} experts top-{cfg.top_k}, hidden {cfg.hidden_size}), {args.dtype}",
-        "", f"Machine: {machine()}; measured read bandwidth {bw:.1f} GB/s (streaming sum over 1 GiB); {pages}.",
+        "", f"Machine: {machine()}; read rate before each engine's run (a streaming sum over 1 GiB): "
+        f"{', '.join(f'{n} {r:.1f} GB/s' for n, r in rates.items())}; {pages}.",
         f"Command: `python -m benchmarks.serving --dtype {args.dtype}"
         f"{' --size ' + args.size if args.size != 'bench' else ''}"
         f"{' --engines ' + repr(args.engines) if args.engines else ''}` ({args.prompt_len}-token prompts, "
@@ -258,7 +260,8 @@ def main() -> int:
         "", "## Throughput and latency", "",
         table(["engine", "streams", "tok/s", "vs transformers", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
                "ITL p99 ms", "% roofline"], rows),
-        "", "Roofline: streams ÷ (weight bytes a decode step must read ÷ read bandwidth); transformers' "
+        "", "Roofline: streams ÷ (weight bytes a decode step must read ÷ the read rate before that engine's run); "
+        "transformers' "
         "TTFT/ITL are per static batch (no p99).",
         *vs_llama,
         "", "## Cold start and memory", "",
