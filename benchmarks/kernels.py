@@ -74,9 +74,8 @@ def main() -> int:
             t_hf = time_fn(lambda a=args, m=hf: m(a[0], a[3], a[4].to(a[0].dtype)))
             t_naive = time_fn(lambda a=args: naive_loop(*a), min_runs=2, min_seconds=0.2) \
                 if T <= 32 else float("nan")
-        gbs = touched / t_ours / 1e9
         rows.append([str(dt).removeprefix("torch."), str(T), f"{touched / 2**20:.0f}", f"{t_ours * 1e3:.2f}",
-                     f"{t_naive * 1e3:.2f}", f"{t_hf * 1e3:.2f}", f"{t_hf / t_ours:.2f}x", f"{gbs:.1f}",
+                     f"{t_naive * 1e3:.2f}", f"{t_hf * 1e3:.2f}", f"{t_hf / t_ours:.2f}x", f"{ours.gbs:.1f}",
                      f"{ours.read_gbs:.1f}", f"{100 * ours.share:.0f}%"])
     headers = ["dtype", "T", "MiB touched", "colibri ms", "naive loop ms", "transformers ms",
                "vs transformers", "GB/s", "read GB/s", "% of read bw"]

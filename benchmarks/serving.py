@@ -183,7 +183,6 @@ def main() -> int:
     print(peer_line, file=sys.stderr)
     model = ensure_bench_model(size=args.size)
     cfg = ModelConfig.from_dir(model)
-    probe = ReadProbe()              # the read rate before each engine's run: this VM's drifts over a long run
     pages = page_state(model)
     common = ["--model", str(model), "--dtype", args.dtype, "--streams", args.streams,
               "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
@@ -215,7 +214,7 @@ def main() -> int:
                                                                args.max_tokens, len(os.sched_getaffinity(0)))))
     results, rates = {}, {}
     for name, job in tqdm(jobs, desc="bench", unit="engine"):
-        rates[name] = probe.gbs(min_seconds=0.5)
+        rates[name] = ReadProbe().gbs(min_seconds=0.5)    # before each run (this VM drifts); 1 GiB, freed after
         results[name] = job()
     llama = results.pop("llama.cpp", {})
     hf = results["transformers"]

@@ -138,7 +138,11 @@ constexpr int VALUES_AHEAD = 32;                     // value rows requested ahe
 // pass requests into L2 for the value pass, beside its keys. L2s run from 256 KiB to 2 MiB a core.
 static inline int64_t values_in_l2() {
     static const int64_t bytes = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE
         const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+        const long l2 = 0;                          // not reported on this platform
+#endif
         return l2 > 0 ? int64_t(l2) / 2 : int64_t(256) * 1024;
     }();
     return bytes;

@@ -106,7 +106,8 @@ def test_the_pool_has_torchs_thread_count_less_the_caller():
     root = Path(__file__).resolve().parents[2]
     code = "from tests.kernels.test_native_pool import _check_thread_counts; _check_thread_counts()"
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)})
     assert done.returncode == 0, done.stderr[-3000:]
 
 
