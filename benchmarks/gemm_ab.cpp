@@ -9,7 +9,8 @@
 //   gemm_ab linear KIND ROWS THREADS ROUNDS  lm_head [32000, 1024], its rows split over the threads, the calls
 //                                            cycling through copies of it (over 4x a 32 MiB L3 in all)
 //
-// KIND: bf16 | int8 (weight-only, float32 rows) | w8a8 (int8 rows). The weights lie on 2 MiB pages (anonymous
+// KIND: bf16 | int8 (weight-only, float32 rows) | int8b (weight-only, rows that were bf16: the entry point's wdtype
+// 3, the int16 form on the avx2 level) | w8a8 (int8 rows). The weights lie on 2 MiB pages (anonymous
 // memory advised MADV_HUGEPAGE, the share the kernel granted printed as huge_kb), as in-place experts over a page
 // cache of 2 MiB folios; every call reads them from memory (576 MiB of bf16 experts across the 3 layers, 192 MiB a
 // layer; lm_head 62.5 MiB in bf16, 31 in int8, in copies of at least 128 MiB together). Output: "A|B best_ms mean_ms GB/s", "same_bits 0|1", "huge_kb N".
@@ -85,7 +86,7 @@ char* weights(size_t bytes, bool bf16) {
 
 struct Bench {
     std::string mode;
-    int kind = 1;                       // the entry point's wdtype: 1 bf16, 2 int8; 3 = W8A8 (linear_i8)
+    int kind = 1;                       // the entry point's wdtype: 1 bf16, 2 int8, 4 = wdtype 3; 3 = W8A8 (linear_i8)
     int rows = 1;
     size_t esize = 2;
     char* w = nullptr;
@@ -109,7 +110,8 @@ struct Bench {
               next_bytes);
         } else {
             linear_fn f = b ? colibri_linear_B : colibri_linear_A;
-            f(in, rows, K, W, kind, kind == 2 ? scale.data() : nullptr, o0, o1, out, ldy, next, next_bytes);
+            f(in, rows, K, W, kind == 4 ? 3 : kind, kind != 1 ? scale.data() : nullptr, o0, o1, out, ldy, next,
+              next_bytes);
         }
     }
 
@@ -147,7 +149,7 @@ struct Bench {
 
 int main(int argc, char** argv) {
     if (argc != 6) {
-        std::fprintf(stderr, "usage: gemm_ab layer|linear bf16|int8|w8a8 ROWS THREADS ROUNDS\n");
+        std::fprintf(stderr, "usage: gemm_ab layer|linear bf16|int8|int8b|w8a8 ROWS THREADS ROUNDS\n");
         return 2;
     }
     Bench bench;
@@ -155,12 +157,12 @@ int main(int argc, char** argv) {
     const std::string kind = argv[2];
     bench.rows = std::atoi(argv[3]);
     const int threads = std::atoi(argv[4]), rounds = std::atoi(argv[5]);
-    if ((bench.mode != "layer" && bench.mode != "linear") || (kind != "bf16" && kind != "int8" && kind != "w8a8") ||
+    if ((bench.mode != "layer" && bench.mode != "linear") || (kind != "bf16" && kind != "int8" && kind != "int8b" && kind != "w8a8") ||
         bench.rows < 1 || bench.rows > 64 || threads < 1 || rounds < 1) {
-        std::fprintf(stderr, "gemm_ab: bad arguments (layer|linear, bf16|int8|w8a8, rows 1-64, threads, rounds)\n");
+        std::fprintf(stderr, "gemm_ab: bad arguments (layer|linear, bf16|int8|int8b|w8a8, rows 1-64, threads, rounds)\n");
         return 2;
     }
-    bench.kind = kind == "bf16" ? 1 : kind == "int8" ? 2 : 3;
+    bench.kind = kind == "bf16" ? 1 : kind == "int8" ? 2 : kind == "int8b" ? 4 : 3;
     bench.esize = kind == "bf16" ? 2 : 1;
     omp_set_num_threads(threads);
     if (bench.mode == "linear")

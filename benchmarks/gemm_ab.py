@@ -4,7 +4,7 @@ the working tree's (B), compiled with the flags of one ISA level into a small C+
 whether the two wrote the same bits. On this VM a build's speed moves more between runs minutes apart than most
 kernel changes do, so a change is judged by such alternating rounds, never by two separate runs.
 
-    python -m benchmarks.gemm_ab [--base HEAD] [--modes layer,linear] [--kinds bf16,int8,w8a8] [--rows 1,8]
+    python -m benchmarks.gemm_ab [--base HEAD] [--modes layer,linear] [--kinds bf16,int8,int8b,w8a8] [--rows 1,8]
                                  [--threads 2] [--rounds 5] [--level avx2]
 
 - layer: a MoE layer of the bench shapes (8 of 64 experts, H 1024, I 512; fresh experts every call over 3
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GEMM = "kernels/native/gemm.h"
 DRIVER = Path(__file__).resolve().parent / "gemm_ab.cpp"
 MODES = ("layer", "linear")
-KINDS = ("bf16", "int8", "w8a8")
+KINDS = ("bf16", "int8", "int8b", "w8a8")   # int8b: weight-only int8 against rows that were bf16 (wdtype 3)
 
 
 def git(*args: str) -> str:
@@ -112,7 +112,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD", help="the git revision of build A (default: %(default)s)")
     ap.add_argument("--modes", default=",".join(MODES), help="layer, linear (default: %(default)s)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="bf16, int8, w8a8 (default: %(default)s)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="bf16, int8, int8b, w8a8 (default: %(default)s)")
     ap.add_argument("--rows", default="1,8", help="rows of x (each expert's, in a layer) (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="OpenMP threads (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default: %(default)s)")

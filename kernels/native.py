@@ -147,6 +147,15 @@ def int8_tiles() -> bool:
     return available() and isa() in TILE_LEVELS
 
 
+X16_LEVELS = ("avx2",)      # the levels whose weight-only int8 linear takes bf16 x as int16 (gemm.h CK_X16)
+
+
+def int8_x16() -> bool:
+    """Whether the level in force multiplies weight-only int8 weights by bf16 x quantised to int16 in blocks
+    (`formats.int8.quantize_x16`) rather than by x widened to float32 (float32 x always is)."""
+    return available() and isa() in X16_LEVELS
+
+
 def linear_int8_tiles(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """`linear` with `tiles`: the form cpu_forms races for weight-only int8 against bf16 x where int8_tiles()."""
     return linear(x, w, tiles=True)

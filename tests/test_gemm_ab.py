@@ -39,7 +39,7 @@ def test_one_source_twice_gives_the_same_bits_and_a_changed_product_does_not(tmp
 def test_bad_choices_are_refused_with_what_exists():
     out = subprocess.run([sys.executable, "-m", "benchmarks.gemm_ab", "--kinds", "fp4"], capture_output=True,
                          text=True, cwd=gemm_ab.ROOT)
-    assert out.returncode != 0 and "unknown fp4" in out.stderr and "bf16, int8, w8a8" in out.stderr
+    assert out.returncode != 0 and "unknown fp4" in out.stderr and "bf16, int8, int8b, w8a8" in out.stderr
     out = subprocess.run([sys.executable, "-m", "benchmarks.gemm_ab", "--base", "no-such-rev"], capture_output=True,
                          text=True, cwd=gemm_ab.ROOT)
     assert out.returncode != 0 and "cannot read kernels/native/gemm.h at 'no-such-rev'" in out.stderr

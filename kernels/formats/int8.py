@@ -82,3 +82,26 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = (xf.abs().amax(dim=-1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)   # [n]
     return torch.round(xf / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+X16_BLOCK = 256     # elements of Din one int16 scale of x covers (kernels/native/gemm.h QB)
+
+
+def quantize_x16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the native avx2 level's weight-only int8 linear multiplies it (gemm.h, CK_X16): each row in blocks of
+    X16_BLOCK along Din, a block's scale amax / 32767 and q = round-half-even(x * (32767 / amax)), float32
+    arithmetic; a zero block has scale 0, a block holding inf or NaN scale NaN (and q 0).
+    x [n, Din] -> (int16 [n, Din], float32 scale [n, blocks])."""
+    xf = x.float()
+    n, din = xf.shape
+    blocks = -(-din // X16_BLOCK)
+    padded = torch.zeros(n, blocks * X16_BLOCK, dtype=torch.float32)
+    padded[:, :din] = xf
+    b = padded.view(n, blocks, X16_BLOCK)                                                    # [n, blocks, B]
+    amax = b.abs().amax(dim=-1)                                                              # [n, blocks]
+    finite = torch.isfinite(b).all(dim=-1)                                                   # [n, blocks]
+    usable = finite & (amax > 0)
+    r = torch.where(usable, torch.tensor(32767.0) / torch.where(usable, amax, 1.0), 0.0)    # [n, blocks]
+    q = torch.round(torch.where(usable[..., None], b, 0.0) * r[..., None]).to(torch.int16)  # [n, blocks, B]
+    scale = torch.where(finite, torch.where(usable, amax / 32767.0, 0.0), float("nan"))
+    return q.view(n, -1)[:, :din], scale

@@ -87,8 +87,8 @@ void project(const float* in, const uint16_t* inb, int64_t n, const std::vector<
                     reinterpret_cast<const int8_t*>(j.w), j.scale, int(j.o0), int(j.o1), yp + j.row * Dout + j.col,
                     int(Dout), next, next_bytes);
             else
-                fn(xp + j.row * K, int(j.n), int(K), j.w, kind, j.scale, int(j.o0), int(j.o1), yp + j.row * Dout + j.col,
-                   int(Dout), next, next_bytes);
+                fn(xp + j.row * K, int(j.n), int(K), j.w, kind == 4 ? 3 : kind, j.scale, int(j.o0), int(j.o1),
+                   yp + j.row * Dout + j.col, int(Dout), next, next_bytes);
         }
     });
 }
@@ -168,8 +168,8 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
                 fn8(q.q.data() + row * q.Kp, q.scale.data() + row, int(n), int(q.Kp), int(K),
                     reinterpret_cast<const int8_t*>(src.w), src.scale, 0, int(src.rows), y, int(ldy), next, next_bytes);
             else
-                fn(in + row * K, int(n), int(K), src.w, kind, src.scale, 0, int(src.rows), y, int(ldy), next,
-                   next_bytes);
+                fn(in + row * K, int(n), int(K), src.w, kind == 4 ? 3 : kind, src.scale, 0, int(src.rows), y,
+                   int(ldy), next, next_bytes);
         };
         colibri_ops::parallel_for(0, A, 1, [&](int64_t a0, int64_t a1) {
             for (int64_t a = a0; a < a1; ++a) {
@@ -331,7 +331,9 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
         TORCH_CHECK(src2.back()[0].rows == H, op, ": expert ", e, "'s down must be [H=", H, ", I]");
     }
     TORCH_CHECK(!w8a8 || kind == 2, op, ": W8A8 takes int8 weights");
-    at::Tensor ys = ffn(on_tiles ? at::Tensor() : xs, counts, rows, src13, src2, w8a8 ? 3 : kind, esize, I, b13, b2,
+    // kind 3: W8A8; 4: weight-only int8 against bf16 x (the linear's wdtype 3: the int16 form where the level has it)
+    const int ffn_kind = w8a8 ? 3 : kind == 2 && x.scalar_type() == at::kBFloat16 ? 4 : kind;
+    at::Tensor ys = ffn(on_tiles ? at::Tensor() : xs, counts, rows, src13, src2, ffn_kind, esize, I, b13, b2,
                         alpha, limit, up_offset, on_tiles ? xs : at::Tensor());                                                                     // [P, H]
     at::Tensor wf = weights.to(at::kFloat).contiguous();
     const float* wp = wf.data_ptr<float>();

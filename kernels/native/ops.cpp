@@ -228,7 +228,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
             fn8(xq.q.data(), xq.scale.data(), int(M), int(xq.Kp), int(K), static_cast<const int8_t*>(wp), sp, int(o0),
                 int(o1), yp, int(D), nullptr, 0);
         else
-            fn(xp, int(M), int(K), wp, kind, sp, int(o0), int(o1), yp, int(D), nullptr, 0);
+            fn(xp, int(M), int(K), wp, kind == 2 && xb16 ? 3 : kind, sp, int(o0), int(o1), yp, int(D), nullptr,
+               0);                                   // 3: int8 against bf16 x (gemm.h's int16 form where it has one)
         if (op)
             for (int64_t m = 0; m < M; ++m)
                 for (int64_t o = o0; o < o1; ++o) op[m * D + o] = c10::BFloat16(yp[m * D + o]);

@@ -16,7 +16,7 @@ from kernels import native
 from kernels.activation import SILU, GatedAct
 from kernels.cpu_forms import FORMS
 from kernels.expert_rows import ExpertRows
-from kernels.formats.int8 import Int8Weight, quantize_int8, quantize_rows
+from kernels.formats.int8 import X16_BLOCK, Int8Weight, quantize_int8, quantize_rows, quantize_x16
 from kernels.native_build import compiler
 from tests.kernels.levels import LEVELS, RUNNABLE, needs_native
 
@@ -92,9 +92,13 @@ def test_linear_against_float64(level, kind, dout, din):
             assert err <= 4e-6 * (1 + din / 1024), f"{where}: {err:.2e}"
             rounded = native.linear(xm, w)                                              # x's dtype, rounded once
             assert rounded.dtype == x_dtype
-            if on_tiles(level, kind, x_dtype):      # their own order of sums: against float64, less x's rounding
-                err = float((((rounded.double() - want).abs() - 2**-8 * want.abs()) / bound.clamp(min=1e-30)).max())
-                assert err <= 4e-6 * (1 + din / 1024), f"{where}, on tiles: {err:.2e}"
+            x16 = kind == "int8" and x_dtype == torch.bfloat16 and native.int8_x16()
+            if on_tiles(level, kind, x_dtype) or x16:   # their own sums: against float64, less the output's rounding
+                xd = as_multiplied(xm, x16)                                            # x as multiplied
+                want16, bound16 = xd @ wd.T, xd.abs() @ wd.abs().T
+                err = float((((rounded.double() - want16).abs() - 2**-8 * want16.abs()) / bound16.clamp(min=1e-30))
+                            .max())
+                assert err <= 4e-6 * (1 + din / 1024), f"{where}, on tiles or int16 x: {err:.2e}"
             else:
                 assert torch.equal(rounded, got.to(x_dtype)), where
         assert torch.equal(x, before[0]), "linear wrote to x"
@@ -102,6 +106,42 @@ def test_linear_against_float64(level, kind, dout, din):
             assert torch.equal(w.q, before[1][0]) and torch.equal(w.scale, before[1][1]), "linear wrote to w"
         else:
             assert torch.equal(w, before[1]), "linear wrote to w"
+
+
+def as_multiplied(x: torch.Tensor, x16: bool) -> torch.Tensor:
+    """x [m, Din] as a kernel multiplies it, in float64: as it is, or with `x16` (weight-only int8 against bf16 x on a
+    level with the int16 form, native.int8_x16()) quantised in blocks (formats.int8.quantize_x16)."""
+    if not x16:
+        return x.double()
+    q, scale = quantize_x16(x)                                                          # [m, Din], [m, blocks]
+    return q.double() * scale.double().repeat_interleave(X16_BLOCK, dim=1)[:, :x.shape[1]]
+
+
+def test_int8_on_int16_x_stays_within_half_a_step_of_bf16_x(level):
+    """Where weight-only int8 meets bf16 x quantised to int16 (the avx2 level), the result is within float32's error
+    of the exact product plus half a step of each block's scale times |w|; an outlier costs only its own block
+    precision; a zero row gives zeros, a row holding inf or NaN NaN. Float32 x keeps the float32 form everywhere."""
+    g = torch.Generator().manual_seed(11)
+    w, wd = weight(70, 3 * X16_BLOCK + 37, "int8", g)
+    x = torch.randn(5, wd.shape[1], generator=g).to(torch.bfloat16)                      # [5, Din]
+    x[1, 5] = 1e4                                                                        # an outlier in block 0
+    exact = x.double() @ wd.T                                                            # [5, Dout]
+    bound = x.double().abs() @ wd.abs().T
+    full = torch.ops.colibri.linear(x.float(), w.q, w.scale).double()                    # float32 x
+    assert bool(((full - exact).abs() <= 4e-6 * bound).all())
+    x16 = native.int8_x16()
+    _, scale = quantize_x16(x)                                                           # [5, blocks]
+    step = scale.double().repeat_interleave(X16_BLOCK, dim=1)[:, :x.shape[1]]           # [5, Din]
+    assert float(step[1, X16_BLOCK]) < 1e-3 < float(step[1, 0])                          # the outlier's block alone
+    allowed = 4e-6 * bound + ((step / 2) @ wd.abs().T if x16 else 0) + 2**-8 * exact.abs()   # + the bf16 output
+    got = native.linear(x, w).double()
+    assert bool(((got - exact).abs() <= allowed).all()), float(((got - exact).abs() / allowed).max())
+    special = torch.zeros(3, x.shape[1], dtype=torch.bfloat16)
+    special[1, 300] = float("inf")
+    special[2, 3] = float("nan")
+    out = native.linear(special, w)                                                      # [3, Dout]
+    assert bool((out[0] == 0).all())
+    assert bool(out[1:].isnan().all()) if x16 else bool((~out[1:].isfinite()).all())
 
 
 def test_bf16_outputs_round_as_torch_does(level):
@@ -196,12 +236,14 @@ def as_w8a8(v: torch.Tensor) -> torch.Tensor:
     return q[0].double() * float(scale[0])
 
 
-def layer_reference(x, ids, weights, local, w13d, w2d, act, b13, b2, w8a8=False) -> torch.Tensor:
+def layer_reference(x, ids, weights, local, w13d, w2d, act, b13, b2, kind="float32") -> torch.Tensor:
     """Σ_k weights[t, k] · FFN_e(x[t]) over the pairs held here (e = local[id] >= 0), in float64, pair by pair;
-    with `w8a8` the rows entering each projection quantised first."""
+    the rows entering each projection as the level in force multiplies them by weights of `kind` (W8A8: quantised
+    to int8; weight-only int8 against bf16 x on the int16 form: quantised in blocks)."""
     I = w2d.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64)
-    q = as_w8a8 if w8a8 else (lambda v: v.double())
+    x16 = kind == "int8" and x.dtype == torch.bfloat16 and native.int8_x16()
+    q = as_w8a8 if kind == "w8a8" else (lambda v: as_multiplied(v[None], x16)[0])
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = int(local[ids[t, k]]) if ids[t, k] >= 0 else -1
@@ -268,7 +310,7 @@ def test_moe_layer_against_float64(level, kind, E, I, H, T, K, act, biases):
     for x_dtype in (torch.float32, torch.bfloat16):
         x = (3 * torch.randn(T, H, generator=g)).to(x_dtype)                            # [T, H] past the clamps
         xr = x if kind in ("int8", "w8a8") or x_dtype == w13.dtype else x.to(w13.dtype)  # what the weights meet
-        want = layer_reference(xr, ids, weights, local, w13d, w2d, act, b13, b2, kind == "w8a8")   # [T, H]
+        want = layer_reference(xr, ids, weights, local, w13d, w2d, act, b13, b2, kind)   # [T, H]
         results = []
         for layout in LAYOUTS[kind]:
             a13, a2 = (w13, w2) if layout == "stack" else in_place(w13, w2, layout == "rows split")
@@ -348,7 +390,7 @@ def test_whole_experts_per_thread_give_the_bits_of_shared_row_blocks(level, kind
                 ids, weights = routing(40, K, E, g)
                 x = (3 * torch.randn(40, H, generator=g)).to(torch.bfloat16)            # [T, H] past the clamps
                 xr = x if kind in ("int8", "w8a8") or w13.dtype == x.dtype else x.to(w13.dtype)
-                want = layer_reference(xr, ids, weights, torch.arange(E), w13d, w2d, act, b13, b2, kind == "w8a8")
+                want = layer_reference(xr, ids, weights, torch.arange(E), w13d, w2d, act, b13, b2, kind)
                 for a13, a2 in layouts:
                     many = native.moe_(torch.zeros(40, H, dtype=torch.float64), x, ids, weights, None, a13, a2, act,
                                        b13, b2)
