@@ -254,19 +254,18 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
 }
 
 // Weight-only int8 against bf16 x on AVX2 (the avx2 level; CK_X16; the entry point's wdtype 3): x's rows are
-// quantised to int16 in blocks of QB = 256 along K (a float32 scale a block: amax / 32767; q = round-half-even(x * (32767 / amax)), float32 arithmetic) and multiplied
-// by the int8 weights with vpmaddwd (16 int16 x int16 products a step, pairs summed into int32 lanes: 16 multiply-adds
-// an instruction against 8 for an FMA, and the weights widen with one instruction per 16 where float32 takes two per
-// 8). A block's int32 sums are exact (16 pair sums of at most 2 * 32767 * 127 a lane), then converted and scaled into
-// float32 lanes, so every output is, whatever the tile or thread, the same fixed sequence: one int32 vector a block,
-// the same float adds, the same pairwise lane sum, times the weight row's scale. The float32 form's 4-row tile is
-// bound by its FMAs (9.6 G weights/s a core on an AVX2 EPYC, ~19 GB/s of int8 on two cores, below the read rate);
-// the int16 form read a MoE layer's int8 experts 1.24-1.28x as fast at 4-32 rows, lm_head 1.28-1.36x, and 1.03-1.13x
-// at 1-2 rows (2 threads, `python -m benchmarks.gemm_ab --base e729f39 --level avx2 --kinds int8`). Its x differs
-// from the float32 x by at most half a step, 1/65534 of the largest |x| of the block (a bf16 x within 2^7 of that
-// largest is exact): far below the int8 weights' own error (up to 1/254 of a row's largest |w|) and, past 2^-7 of the
-// block's largest, below bf16's own rounding; float32 x (wdtype 2) keeps the float32 form. A block holding inf or NaN
-// gives NaN (its scale is NaN).
+// quantised to int16 in blocks of QB = 256 along K (a float32 scale a block, amax / 32767; q = round-half-even(x *
+// (32767 / amax)) in float32 arithmetic) and multiplied by the int8 weights with vpmaddwd (16 int16 x int16 products
+// a step, pairs summed into int32 lanes: 16 multiply-adds an instruction against 8 for an FMA, and the weights widen
+// with one instruction per 16 where float32 takes two per 8). A block's int32 sums are exact (16 pair sums of at most
+// 2 * 32767 * 127 a lane), then converted and scaled into float32 lanes, so every output is, whatever the tile or
+// thread, the same fixed sequence: one int32 vector a block, the same float adds, the same pairwise lane sum, times
+// the weight row's scale. The float32 form's 4-row tile is bound by its FMAs (9.6 G weights/s a core on an AVX2 EPYC,
+// ~19 GB/s of int8 on two cores, below the read rate); the int16 form read a MoE layer's int8 experts 1.22-1.31x as
+// fast at 4-32 rows and lm_head 1.24-1.39x, 0.97-1.09x at 1-2 rows (2 threads, `python -m benchmarks.gemm_ab --base
+// e729f39 --level avx2 --kinds int8b`). Its x is within half a step, 1/65534 of the block's largest |x|, of the bf16
+// x (a value within 2^-7 of that largest is exact): far below the int8 weights' own error (up to 1/254 of a row's
+// largest |w|). Float32 x (wdtype 2) keeps the float32 form. A block holding inf or NaN gives NaN (its scale is NaN).
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define CK_X16 1
 constexpr int QB = 256;                              // elements of K one scale of x covers (16 steps of 16)
@@ -601,7 +600,8 @@ static void linear_block_i8(const int8_t* x, const float* xs, int M, int Kp, int
 
 // The entry point of this ISA level: wdtype 0 = float32, 1 = bf16, 2 = int8 (with `scale`) against float32 x, 3 =
 // int8 against x that was bf16 (quantised to int16 where the level has CK_X16: float32 x keeps its precision);
-// [next, next + next_bytes) is what the caller reads after this call (prefetched during its last block; null for nothing).
+// [next, next + next_bytes) is what the caller reads after this call (prefetched during its last block; null for
+// nothing).
 extern "C" void CK_CAT(colibri_linear_, CK_NAME)(const float* x, int M, int K, const void* w, int wdtype,
                                                   const float* scale, int o0, int o1, float* y, int ldy,
                                                   const void* next, int64_t next_bytes) {
