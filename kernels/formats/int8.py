@@ -90,7 +90,8 @@ X16_BLOCK = 256     # elements of Din one int16 scale of x covers (kernels/nativ
 def quantize_x16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x as the native avx2 level's weight-only int8 linear multiplies it (gemm.h, CK_X16): each row in blocks of
     X16_BLOCK along Din, a block's scale amax / 32767 and q = round-half-even(x * (32767 / amax)), float32
-    arithmetic; a zero block has scale 0, a block holding inf or NaN scale NaN (and q 0).
+    arithmetic (a block whose amax is below 2^-64 scaled up by 2^64 first, exactly, so that 32767 / amax stays
+    finite); a zero block has scale 0, a block holding inf or NaN scale NaN (and q 0).
     x [n, Din] -> (int16 [n, Din], float32 scale [n, blocks])."""
     xf = x.float()
     n, din = xf.shape
@@ -101,7 +102,8 @@ def quantize_x16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = b.abs().amax(dim=-1)                                                              # [n, blocks]
     finite = torch.isfinite(b).all(dim=-1)                                                   # [n, blocks]
     usable = finite & (amax > 0)
-    r = torch.where(usable, torch.tensor(32767.0) / torch.where(usable, amax, 1.0), 0.0)    # [n, blocks]
-    q = torch.round(torch.where(usable[..., None], b, 0.0) * r[..., None]).to(torch.int16)  # [n, blocks, B]
+    up = torch.where(amax < 2.0**-64, 2.0**64, 1.0)                                          # [n, blocks]
+    r = torch.where(usable, torch.tensor(32767.0) / torch.where(usable, amax * up, 1.0), 0.0)   # [n, blocks]
+    q = torch.round(torch.where(usable[..., None], b, 0.0) * up[..., None] * r[..., None]).to(torch.int16)
     scale = torch.where(finite, torch.where(usable, amax / 32767.0, 0.0), float("nan"))
     return q.view(n, -1)[:, :din], scale

@@ -253,19 +253,20 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
     }
 }
 
-// Weight-only int8 against bf16 x on AVX2 (the avx2 level; CK_X16; the entry point's wdtype 3): x's rows are
-// quantised to int16 in blocks of QB = 256 along K (a float32 scale a block, amax / 32767; q = round-half-even(x *
-// (32767 / amax)) in float32 arithmetic) and multiplied by the int8 weights with vpmaddwd (16 int16 x int16 products
-// a step, pairs summed into int32 lanes: 16 multiply-adds an instruction against 8 for an FMA, and the weights widen
-// with one instruction per 16 where float32 takes two per 8). A block's int32 sums are exact (16 pair sums of at most
-// 2 * 32767 * 127 a lane), then converted and scaled into float32 lanes, so every output is, whatever the tile or
-// thread, the same fixed sequence: one int32 vector a block, the same float adds, the same pairwise lane sum, times
-// the weight row's scale. The float32 form's 4-row tile is bound by its FMAs (9.6 G weights/s a core on an AVX2 EPYC,
-// ~19 GB/s of int8 on two cores, below the read rate); the int16 form read a MoE layer's int8 experts 1.22-1.31x as
-// fast at 4-32 rows and lm_head 1.24-1.39x, 0.97-1.09x at 1-2 rows (2 threads, `python -m benchmarks.gemm_ab --base
-// e729f39 --level avx2 --kinds int8b`). Its x is within half a step, 1/65534 of the block's largest |x|, of the bf16
-// x (a value within 2^-7 of that largest is exact): far below the int8 weights' own error (up to 1/254 of a row's
-// largest |w|). Float32 x (wdtype 2) keeps the float32 form. A block holding inf or NaN gives NaN (its scale is NaN).
+// Weight-only int8 against bf16 x on AVX2 (the avx2 level; CK_X16; the entry point's wdtype 3): x's rows are quantised
+// to int16 in blocks of QB = 256 along K (a float32 scale a block, amax / 32767; q = round-half-even(x * (32767 /
+// amax)) in float32 arithmetic, a block below 2^-64 scaled up by 2^64 first) and multiplied by the int8 weights with
+// vpmaddwd (16 int16 x int16 products a step, pairs summed into int32 lanes: 16 multiply-adds an instruction against 8
+// for an FMA, and the weights widen with one instruction per 16 where float32 takes two per 8). A block's int32 sums
+// are exact (16 pair sums of at most 2 * 32767 * 127 a lane), then converted and scaled into float32 lanes, so every
+// output is, whatever the tile or thread, the same fixed sequence: one int32 vector a block, the same float adds, the
+// same pairwise lane sum, times the weight row's scale. The float32 form's 4-row tile is bound by its FMAs (9.6 G
+// weights/s a core on an AVX2 EPYC, ~19 GB/s of int8 on two cores, below the read rate); the int16 form read a MoE
+// layer's int8 experts 1.22-1.31x as fast at 4-32 rows and lm_head 1.24-1.39x, 0.97-1.09x at 1-2 rows (2 threads,
+// `python -m benchmarks.gemm_ab --base e729f39 --level avx2 --kinds int8b`). Its x is within half a step, 1/65534 of
+// the block's largest |x|, of the bf16 x (a value within 2^-7 of that largest is exact): far below the int8 weights'
+// own error (up to 1/254 of a row's largest |w|). Float32 x (wdtype 2) keeps the float32 form. A block holding inf or
+// NaN gives NaN (its scale is NaN).
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define CK_X16 1
 constexpr int QB = 256;                              // elements of K one scale of x covers (16 steps of 16)
@@ -306,15 +307,18 @@ static void quantize_x16(const float* x, int M, int K, int16_t* q, int Kp, float
                 s[(int64_t)m * nb + b] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
                 continue;
             }
-            const float r = 32767.f / amax;
+            // a block below 2^-64 is scaled up by 2^64 first (exact), or 32767 / amax would overflow to inf (from
+            // amax < ~1e-34) and turn its q to garbage; elsewhere `up` is 1 and changes no bit
+            const float up = amax < 0x1p-64f ? 0x1p64f : 1.f;
+            const float r = 32767.f / (amax * up);
             s[(int64_t)m * nb + b] = amax / 32767.f;
-            const __m256 vr = _mm256_set1_ps(r);
-            for (k = k0; k + 8 <= k1; k += 8) {
-                const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k), vr));   // nearest-even
+            const __m256 vr = _mm256_set1_ps(r), vup = _mm256_set1_ps(up);
+            for (k = k0; k + 8 <= k1; k += 8) {               // round to nearest-even
+                const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(row + k), vup), vr));
                 _mm_storeu_si128((__m128i*)(qr + k),
                                  _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
             }
-            for (; k < k1; ++k) qr[k] = int16_t(std::nearbyint(row[k] * r));
+            for (; k < k1; ++k) qr[k] = int16_t(std::nearbyint(row[k] * up * r));
         }
         std::memset(qr + K, 0, sizeof(int16_t) * (Kp - K));
     }

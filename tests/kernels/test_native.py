@@ -120,7 +120,8 @@ def as_multiplied(x: torch.Tensor, x16: bool) -> torch.Tensor:
 def test_int8_on_int16_x_stays_within_half_a_step_of_bf16_x(level):
     """Where weight-only int8 meets bf16 x quantised to int16 (the avx2 level), the result is within float32's error
     of the exact product plus half a step of each block's scale times |w|; an outlier costs only its own block
-    precision; a zero row gives zeros, a row holding inf or NaN NaN. Float32 x keeps the float32 form everywhere."""
+    precision; rows of tiny values (blocks below 2^-64) stay right; a zero row gives zeros, a row holding inf or NaN
+    NaN. Float32 x keeps the float32 form everywhere."""
     g = torch.Generator().manual_seed(11)
     w, wd = weight(70, 3 * X16_BLOCK + 37, "int8", g)
     x = torch.randn(5, wd.shape[1], generator=g).to(torch.bfloat16)                      # [5, Din]
@@ -136,6 +137,13 @@ def test_int8_on_int16_x_stays_within_half_a_step_of_bf16_x(level):
     allowed = 4e-6 * bound + ((step / 2) @ wd.abs().T if x16 else 0) + 2**-8 * exact.abs()   # + the bf16 output
     got = native.linear(x, w).double()
     assert bool(((got - exact).abs() <= allowed).all()), float(((got - exact).abs() / allowed).max())
+    tiny = (torch.randn(2, x.shape[1], generator=g) * 1e-36).to(torch.bfloat16)   # blocks below 2^-64 (and 1e-34,
+    want = as_multiplied(tiny, x16) @ wd.T                                          # where 32767 / amax is inf)
+    exact, bound = tiny.double() @ wd.T, tiny.double().abs() @ wd.abs().T
+    got = native.linear(tiny, w).double()                                           # [2, Dout]
+    assert bool(((got - want).abs() <= 4e-6 * bound + 2**-8 * want.abs()).all())
+    step = quantize_x16(tiny)[1].double().repeat_interleave(X16_BLOCK, dim=1)[:, :x.shape[1]]
+    assert bool(((got - exact).abs() <= 4e-6 * bound + step @ wd.abs().T + 2**-8 * exact.abs()).all())
     special = torch.zeros(3, x.shape[1], dtype=torch.bfloat16)
     special[1, 300] = float("inf")
     special[2, 3] = float("nan")
