@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,12 +27,18 @@ class BenchOptions:
     max_tokens: int = option(64, "new tokens per request")
     seed: int = option(0, "seed of the random prompts")
     timeout: float = option(600.0, "per-request deadline in seconds")
+    ready_timeout: float = option(60.0, "seconds to wait for the router to be ready (a fleet still starting, "
+                                        "a router still loading) before the run; 0 = do not wait")
     json: bool = option(False, "print one JSON object on the last line")
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "num_requests", "prompt_len", "max_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not self.timeout > 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout}")
+        if not 0 <= self.ready_timeout < float("inf"):
+            raise ValueError(f"--ready-timeout must be 0 or more seconds, got {self.ready_timeout}")
 
 
 @dataclass
@@ -129,22 +136,54 @@ def grpc_stream(client, timeout: float = 600) -> StreamFn:
     return stream
 
 
+def ready_vocab(client, target: str, wait_s: float, say: Callable[[str], None] = lambda line: None) -> int:
+    """The router's vocabulary size, once it answers ModelInfo: while it is UNAVAILABLE (not listening yet, still
+    loading) it is asked again every half second for up to `wait_s` seconds (`say` told once that it waits). Raises
+    GenerationError with the last answer when it never becomes ready, or at once on any other error."""
+    from colibri.client import GenerationError
+
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            left = deadline - time.monotonic()
+            return client.model_info(timeout=30.0 if wait_s <= 0 else max(1.0, min(30.0, left))).vocab_size
+        except GenerationError as exc:
+            if exc.code().name != "UNAVAILABLE" or time.monotonic() >= deadline:
+                raise
+            if not told:
+                say(f"waiting up to {wait_s:g} s for the router at {target} to be ready ({exc.details()})")
+                told = True
+            time.sleep(0.5)
+
+
 def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, max_tokens: int,
-             seed: int = 0, timeout: float = 600, vocab_size: int | None = None) -> BenchResult:
+             seed: int = 0, timeout: float = 600, vocab_size: int | None = None, ready_s: float = 0.0,
+             say: Callable[[str], None] = lambda line: None) -> BenchResult:
+    """Random prompts through a router at `target` (see `measure`); raises GenerationError where the router does
+    not answer ModelInfo (after waiting `ready_s` seconds for it to be ready) and no vocab_size is given."""
     from colibri.client import Client
 
     client = Client(target)
-    vocab = vocab_size or client.model_info().vocab_size
-    prompts = random_prompts(num_requests, prompt_len, vocab, seed)
     try:
+        vocab = vocab_size or ready_vocab(client, target, ready_s, say)
+        prompts = random_prompts(num_requests, prompt_len, vocab, seed)
         return measure(grpc_stream(client, timeout), prompts, concurrency, max_tokens, tag=f"bench-{seed}")
     finally:
         client.close()
 
 
 def run_bench(args: BenchOptions) -> int:
-    r = run_load(args.target, args.concurrency, args.num_requests, args.prompt_len, args.max_tokens, args.seed,
-                 args.timeout)
+    from colibri.client import GenerationError
+
+    try:
+        r = run_load(args.target, args.concurrency, args.num_requests, args.prompt_len, args.max_tokens, args.seed,
+                     args.timeout, ready_s=args.ready_timeout, say=lambda line: print(line, file=sys.stderr))
+    except GenerationError as exc:
+        waited = f" (waited {args.ready_timeout:g} s; --ready-timeout)" if exc.code().name == "UNAVAILABLE" else ""
+        print(f"error: the router at {args.target} did not answer: {exc.code().name}: {exc.details()}{waited}",
+              file=sys.stderr)
+        return 2
     print(f"requests      {r.requests_ok} ok, {r.requests_failed} failed, concurrency {args.concurrency}")
     print(f"output        {r.output_tokens} tokens in {r.duration_s:.2f}s = {r.output_tokens_per_s:.1f} tok/s")
     print(f"TTFT          p50 {r.ttft_p50_ms:.1f} ms   p99 {r.ttft_p99_ms:.1f} ms")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from colibri.client import Client
 from colibri_common.tokenizer import Tokenizer
-from tests.conftest import colibri_run, fleet, free_port, metrics
+from tests.conftest import colibri_popen, colibri_run, fleet, free_port, metrics
 from tests.models import build_model, save_checkpoint, small_config
 from tests.tokenizer_fixtures import save_tokenizer
 
@@ -176,6 +177,37 @@ def test_bench_cli_json(served):
     # the human-readable lines carry the same numbers
     assert f"{last['output_tokens_per_s']:.1f} tok/s" in out.stdout
     assert "8 ok, 0 failed" in out.stdout
+
+
+def test_bench_cli_without_a_router_is_one_line_error():
+    """Nothing listening: it says it waits, then one error line naming the address and the flag, exit 2."""
+    port = free_port()
+    t0 = time.monotonic()
+    out = colibri_run(["bench", "--target", f"127.0.0.1:{port}", "--num-requests", "1", "--ready-timeout", "1"])
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr
+    assert f"waiting up to 1 s for the router at 127.0.0.1:{port}" in out.stderr
+    assert f"error: the router at 127.0.0.1:{port} did not answer: UNAVAILABLE" in out.stderr
+    assert "--ready-timeout" in out.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_bench_cli_waits_for_a_fleet_that_starts_after_it(oracles, tmp_path):
+    """`colibri serve` and `colibri bench` started together (a script, a CI job): the bench waits for the router."""
+    port = free_port()
+    bench = colibri_popen(["bench", "--target", f"127.0.0.1:{port}", "--concurrency", "2", "--num-requests", "2",
+                           "--prompt-len", "3", "--max-tokens", "3", "--ready-timeout", "120"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(0.5)
+        assert bench.poll() is None                                  # still waiting: nothing listens yet
+        with fleet(oracles["qwen3_moe"].path, 1, ["--port", str(port)]):
+            out, err = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 0, err
+    assert "waiting up to 120 s" in err and "2 ok, 0 failed" in out
 
 
 def test_health_cli(served):
