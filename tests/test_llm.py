@@ -132,3 +132,20 @@ def test_more_prompts_than_the_waiting_queue_and_a_failure_leave_nothing_running
         outs = llm.generate([[3, i + 1] for i in range(11)], _greedy(4))
         assert [o.outputs[0].token_ids for o in outs] == [oracle.greedy([3, i + 1], 4) for i in range(11)]
         assert not llm.engine.seqs                                       # every request retired
+
+
+def test_the_start_up_log_names_what_routes(model, caplog):
+    """A CPU router with the native decoder ops routes each MoE layer in one native call, and its start-up line
+    says so ("native routing"; it said "torch routing", the kernels' backend, whatever routed)."""
+    from kernels import native
+
+    _, path = model
+    with caplog.at_level("INFO", logger="colibri.router"), LLM(path, 0, expert_cache_heat="off") as llm:
+        form = llm.built.engine.model.routing_form()
+        assert form == ("native" if native.decoder_ops() else "torch")
+        assert f"{form} routing" in caplog.text
+        native.refuse_decoder_ops("a test")
+        try:
+            assert llm.built.engine.model.routing_form() == "torch"
+        finally:
+            native.refuse_decoder_ops(None)

@@ -25,7 +25,7 @@ from colibri_common.heap import return_free_heap
 from colibri_common.serving import MAX_MESSAGE_BYTES
 from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Tokenizer
-from kernels import cpu_has_fast_bf16, describe_backend, native, set_batch_invariant
+from kernels import cpu_has_fast_bf16, native, set_batch_invariant
 from router_service.api.options import RouterOptions
 from router_service.engine.block_allocator import BlockAllocator
 from router_service.engine.engine import Engine
@@ -165,7 +165,7 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
         log.info(native.describe())
     log.info("%s: %d layers, %d experts top-%d, KV cache %d blocks x %d tokens (%.1f MiB), %s on %s, %s routing",
              cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.top_k, num_blocks, opts.block_size,
-             num_blocks * per_block / 2**20, str(dtype).removeprefix("torch."), device, describe_backend(device))
+             num_blocks * per_block / 2**20, str(dtype).removeprefix("torch."), device, model.routing_form())
     if weights.mapped:
         log.info("%s in place (mapped, %.1f MiB): read from the page cache, not copied",
                  " and ".join(sorted(weights.mapped)), weights.mapped_bytes / 2**20)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from colibri_common.config import ModelConfig
 from colibri_common.file_watch import FileWatch, MappingChanged
-from kernels import Routing, backend_for, linear, native, pick_rows, route
+from kernels import Routing, backend_for, describe_backend, linear, native, pick_rows, route
 from router_service.model.attention import attention
 from router_service.model.kv_cache import KVCache
 from router_service.model.layers import (
@@ -191,15 +191,29 @@ class RouterModel:
         if self.mapped is not None and (why := self.mapped.stale(self.mapped.stamps)) is not None:
             raise MappingChanged(why)
 
+    @staticmethod
+    def _routes_natively(lw: LayerWeights, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a MoE layer's front (norm, gate, routing) is the one native call (`_route`): on a CPU, not where
+        the Triton backend runs the GPU's path (the interpreter, in tests), plain gate weights of the step's dtype."""
+        return (device.type == "cpu" and backend_for(device) != "triton" and native.decoder_ops()
+                and lw.gate_bias is None and isinstance(lw.gate, torch.Tensor) and lw.gate.dtype == dtype
+                and (dtype, lw.ln2.dtype) in NORM_TYPES)
+
+    def routing_form(self) -> str:
+        """For the start-up log: what routes the MoE layers' tokens (the native call where every MoE layer takes it,
+        else the kernels' backend: torch's ops or Triton's)."""
+        moe = [lw for lw in self.w.layers if lw.gate is not None]
+        if moe and all(self._routes_natively(lw, self.dtype, self.device) for lw in moe):
+            return "native"
+        return describe_backend(self.device)
+
     def _dense_mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         return silu_mlp(rms_norm(h, lw.ln2, self.cfg.rms_norm_eps), lw.mlp_gate_up, lw.mlp_down)    # [T, H]
 
     def _route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The MoE block's input r [T, H] and its routing: weights [T, K] float32, ids [T, K]. On a CPU with the
         native decoder ops, one call (norm, the gate's native linear, routing) where the torch forms take ~10."""
-        if (h.device.type == "cpu" and native.decoder_ops() and lw.gate_bias is None
-                and isinstance(lw.gate, torch.Tensor) and lw.gate.dtype == h.dtype
-                and (h.dtype, lw.ln2.dtype) in NORM_TYPES):
+        if self._routes_natively(lw, h.dtype, h.device):
             return native.moe_route(h, lw.ln2, lw.gate, self.cfg.rms_norm_eps, self.routing, lw.gate_correction)
         r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
         weights, ids = route(self._scores(r, lw), self.routing, lw.gate_correction)
