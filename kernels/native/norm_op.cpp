@@ -13,9 +13,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "bf16.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -23,36 +23,67 @@
 
 namespace {
 
-template <typename XT, typename WT>
-void rows(const XT* x, const WT* w, XT* out, int64_t r0, int64_t r1, int64_t H, float eps) {
-    constexpr bool round_first = std::is_same<XT, c10::BFloat16>::value && std::is_same<WT, c10::BFloat16>::value;
-    for (int64_t r = r0; r < r1; ++r) {
-        const XT* xr = x + r * H;
-        XT* o = out + r * H;
-        double part[8] = {};                  // 8 running sums (one chain of float64 adds took 4 cycles a value)
-        int64_t h = 0;
-        for (; h + 8 <= H; h += 8)
-            for (int j = 0; j < 8; ++j) {
-                const double v = float(xr[h + j]);
-                part[j] += v * v;
-            }
-        for (int j = 0; h < H; ++h, ++j) {
-            const double v = float(xr[h]);
+// A dtype's loads and stores: float32 as it is, bf16 as raw bits (bf16.h: c10's rounding, branch-free, so that the
+// element loops below vectorise)
+struct F32 {
+    using T = float;
+    static constexpr bool bf16 = false;
+    static float ld(float v) { return v; }
+    static float st(float v) { return v; }
+};
+struct BF16 {
+    using T = uint16_t;
+    static constexpr bool bf16 = true;
+    static float ld(uint16_t v) { return colibri_bf16::to_float(v); }
+    static uint16_t st(float v) { return colibri_bf16::bits(v); }
+};
+
+// One row's scaled output, from its 1 / rms (restrict parameters, so that the loop vectorises)
+template <typename XD, typename WD>
+inline void scale_row(const typename XD::T* __restrict__ x, const typename WD::T* __restrict__ w,
+                      typename XD::T* __restrict__ o, int64_t H, float inv) {
+    for (int64_t h = 0; h < H; ++h) {
+        float n = XD::ld(x[h]) * inv;
+        if constexpr (XD::bf16 && WD::bf16) n = colibri_bf16::round(n);   // transformers: the cast, then the scale
+        o[h] = XD::st(WD::ld(w[h]) * n);
+    }
+}
+
+// One row's sum of squares in float64: 8 running sums (one chain of float64 adds took 4 cycles a value), element h
+// into sum h % 8, added in one fixed order
+template <typename XD>
+inline double sum_squares(const typename XD::T* __restrict__ x, int64_t H) {
+    double part[8] = {};
+    int64_t h = 0;
+    for (; h + 8 <= H; h += 8)
+        for (int j = 0; j < 8; ++j) {
+            const double v = XD::ld(x[h + j]);
             part[j] += v * v;
         }
-        const double ss = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+    for (int j = 0; h < H; ++h, ++j) {
+        const double v = XD::ld(x[h]);
+        part[j] += v * v;
+    }
+    return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+}
+
+template <typename XD, typename WD>
+void rows(const typename XD::T* x, const typename WD::T* w, typename XD::T* out, int64_t r0, int64_t r1, int64_t H,
+          float eps) {
+    for (int64_t r = r0; r < r1; ++r) {
+        const double ss = sum_squares<XD>(x + r * H, H);
         const float inv = 1.0f / std::sqrt(float(ss / double(H)) + eps);
-        for (int64_t h = 0; h < H; ++h) {
-            float n = float(xr[h]) * inv;
-            if (round_first) n = float(c10::BFloat16(n));
-            o[h] = XT(float(w[h]) * n);
-        }
+        scale_row<XD, WD>(x + r * H, w, out + r * H, H, inv);
     }
 }
 
 }  // namespace
 
 namespace colibri_ops {
+
+namespace {
+uint16_t* raw(const at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }   // a bf16 tensor's bits
+}  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     const char* op = "colibri::rms_norm";
@@ -72,12 +103,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     const int64_t rows_per_chunk = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, H));
     colibri_ops::parallel_for(0, T, rows_per_chunk, [&](int64_t r0, int64_t r1) {
         if (xt == at::kFloat)
-            rows(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), r0, r1, H, e);
+            rows<F32, F32>(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), r0, r1, H, e);
         else if (wt == at::kFloat)
-            rows(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), r0, r1, H, e);
+            rows<BF16, F32>(raw(xc), wc.data_ptr<float>(), raw(out), r0, r1, H, e);
         else
-            rows(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), r0, r1,
-                 H, e);
+            rows<BF16, BF16>(raw(xc), raw(wc), raw(out), r0, r1, H, e);
     });
     return out;
 }

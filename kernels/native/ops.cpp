@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bf16.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -213,7 +214,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     const void* wp = wc.data_ptr();
     const float* sp = kind == 2 ? sc.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
-    c10::BFloat16* op = bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr;
+    uint16_t* op = bf16_out ? static_cast<uint16_t*>(out.data_ptr()) : nullptr;   // its bits (bf16.h)
     linear_fn fn = level().linear;
     linear_i8_fn fn8 = level().linear_i8;
     TORCH_CHECK(!w8a8 || kind == 2, "colibri::linear: W8A8 takes int8 weights");
@@ -231,8 +232,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
             fn(xp, int(M), int(K), wp, kind == 2 && xb16 ? 3 : kind, sp, int(o0), int(o1), yp, int(D), nullptr,
                0);                                   // 3: int8 against bf16 x (gemm.h's int16 form where it has one)
         if (op)
-            for (int64_t m = 0; m < M; ++m)
-                for (int64_t o = o0; o < o1; ++o) op[m * D + o] = c10::BFloat16(yp[m * D + o]);
+            for (int64_t m = 0; m < M; ++m) {
+                const float* __restrict__ ym = yp + m * D;
+                uint16_t* __restrict__ om = op + m * D;
+                for (int64_t o = o0; o < o1; ++o) om[o] = colibri_bf16::bits(ym[o]);
+            }
     });
     return out;
 }

@@ -8,32 +8,50 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "bf16.h"
 #include "ops.h"
 #include "pool.h"
 
 namespace {
 
-template <typename T>
-inline float rnd(float v) { return float(T(v)); }
+// A dtype's loads, roundings and stores: float32 as it is, bf16 as raw bits (bf16.h, c10's rounding branch-free so
+// that the pair loop below vectorises)
+struct F32 {
+    using T = float;
+    static float ld(float v) { return v; }
+    static float rnd(float v) { return v; }
+    static float st(float v) { return v; }
+};
+struct BF16 {
+    using T = uint16_t;
+    static float ld(uint16_t v) { return colibri_bf16::to_float(v); }
+    static float rnd(float v) { return colibri_bf16::round(v); }
+    static uint16_t st(float v) { return colibri_bf16::bits(v); }
+};
 
-template <typename T>
-void rotate(const T* x, int64_t sx0, int64_t sx1, const T* cs, const T* sn, T* out, int64_t t0, int64_t t1,
-            int64_t heads, int64_t D, int64_t R) {
-    const int64_t half = R / 2;
+// One head's rotated pairs: i < half pairs with i + half (restrict parameters and one output half a loop, so that
+// each loop vectorises)
+template <typename D_>
+inline void rotate_head(const typename D_::T* __restrict__ x, const typename D_::T* __restrict__ c,
+                        const typename D_::T* __restrict__ s, typename D_::T* __restrict__ o, int64_t half) {
+    for (int64_t i = 0; i < half; ++i)
+        o[i] = D_::st(D_::rnd(D_::ld(x[i]) * D_::ld(c[i])) + D_::rnd(-D_::ld(x[i + half]) * D_::ld(s[i])));
+    for (int64_t i = 0; i < half; ++i)
+        o[half + i] = D_::st(D_::rnd(D_::ld(x[half + i]) * D_::ld(c[half + i])) +
+                             D_::rnd(D_::ld(x[i]) * D_::ld(s[half + i])));
+}
+
+template <typename D_>
+void rotate(const typename D_::T* x, int64_t sx0, int64_t sx1, const typename D_::T* cs, const typename D_::T* sn,
+            typename D_::T* out, int64_t t0, int64_t t1, int64_t heads, int64_t D, int64_t R) {
+    using T = typename D_::T;
     for (int64_t t = t0; t < t1; ++t)
         for (int64_t h = 0; h < heads; ++h) {
             const T* xr = x + t * sx0 + h * sx1;
-            const T* c = cs + t * R;
-            const T* s = sn + t * R;
             T* o = out + (t * heads + h) * D;
-            for (int64_t i = 0; i < half; ++i) {
-                o[i] = T(rnd<T>(float(xr[i]) * float(c[i])) + rnd<T>(-float(xr[i + half]) * float(s[i])));
-                o[i + half] = T(rnd<T>(float(xr[i + half]) * float(c[i + half])) +
-                                rnd<T>(float(xr[i]) * float(s[i + half])));
-            }
+            rotate_head<D_>(xr, cs + t * R, sn + t * R, o, R / 2);
             for (int64_t i = R; i < D; ++i) o[i] = xr[i];
         }
 }
@@ -41,6 +59,10 @@ void rotate(const T* x, int64_t sx0, int64_t sx1, const T* cs, const T* sn, T* o
 }  // namespace
 
 namespace colibri_ops {
+
+namespace {
+uint16_t* raw(const at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }   // a bf16 tensor's bits
+}  // namespace
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     const char* op = "colibri::rope";
@@ -59,11 +81,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
     const int64_t rows_per_chunk = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, heads * D));
     colibri_ops::parallel_for(0, T, rows_per_chunk, [&](int64_t t0, int64_t t1) {
         if (x.scalar_type() == at::kFloat)
-            rotate(xs.data_ptr<float>(), xs.stride(0), xs.stride(1), c.data_ptr<float>(), s.data_ptr<float>(),
-                   out.data_ptr<float>(), t0, t1, heads, D, R);
+            rotate<F32>(xs.data_ptr<float>(), xs.stride(0), xs.stride(1), c.data_ptr<float>(), s.data_ptr<float>(),
+                        out.data_ptr<float>(), t0, t1, heads, D, R);
         else
-            rotate(xs.data_ptr<c10::BFloat16>(), xs.stride(0), xs.stride(1), c.data_ptr<c10::BFloat16>(),
-                   s.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), t0, t1, heads, D, R);
+            rotate<BF16>(raw(xs), xs.stride(0), xs.stride(1), raw(c), raw(s), raw(out), t0, t1, heads, D, R);
     });
     return out;
 }

@@ -144,6 +144,49 @@ def test_rope_is_torchs_ops_to_the_bit(dtype, T, heads, D, R):
     assert got.is_contiguous() and torch.equal(got, apply_rope_torch(x, cos, sin))
 
 
+def _special(n: int, g: torch.Generator) -> torch.Tensor:
+    """n float32 values with what a bf16 rounding must get right as c10 does: NaN, ±inf, values that round up past
+    bf16's largest to inf, ties (half a bf16 step, even and odd), tiny and subnormal values, zeros."""
+    bf16_max = torch.finfo(torch.bfloat16).max
+    tie_even = torch.tensor([1 + 2**-8], dtype=torch.float32)          # halfway, rounds down to 1 (even)
+    tie_odd = torch.tensor([1 + 3 * 2**-8], dtype=torch.float32)       # halfway, rounds up to even
+    picks = torch.cat([torch.tensor([float("nan"), float("inf"), -float("inf"), bf16_max, 3.3961e38, -3.3961e38,
+                                     1e-40, -1e-45, 0.0, -0.0]), tie_even, tie_odd, -tie_odd])
+    x = torch.randn(n, generator=g) * 4
+    x[torch.randperm(n, generator=g)[:picks.numel()]] = picks
+    return x
+
+
+@needs_native
+def test_bf16_roundings_of_special_values_are_c10s():
+    """rope, rms_norm and the linear's bf16 output round as c10's BFloat16 (torch's `.to(bfloat16)`) at NaN, ±inf,
+    overflow to inf and ties: their rounding is written branch-free so that the loops vectorise (bf16.h)."""
+    g = torch.Generator().manual_seed(9)
+    T, heads, D = 5, 3, 64
+    x = _special(T * heads * D, g).reshape(T, heads, D).to(torch.bfloat16)
+    cos, sin = Rope(D, 10000.0).cos_sin(torch.arange(T) * 37, torch.bfloat16)
+    exact = {"atol": 0, "rtol": 0, "equal_nan": True}    # a NaN's bits may differ (torch's vector form: 0xFFFF)
+    torch.testing.assert_close(native.rope(x, cos, sin), apply_rope_torch(x, cos, sin), **exact)
+    # the norm's last step, bf16(w * bf16(x * r)), where the products overflow, are NaN or tie
+    xs = _special(4 * 96, g).reshape(4, 96)
+    xs[0] = torch.tensor(3e38)                                           # r ~ 1/3e38: ordinary outputs
+    w = _special(96, g).to(torch.bfloat16)
+    for xd in (torch.bfloat16,):
+        got = native.rms_norm(xs.to(xd), w, 1e-6)
+        xr = xs.to(xd).float()
+        r = 1 / torch.sqrt(xr.double().pow(2).mean(-1, keepdim=True).float() + 1e-6)
+        want = (w.float() * (xr * r).to(torch.bfloat16).float()).to(torch.bfloat16)
+        finite = torch.isfinite(xr).all(-1)                              # rows whose r is a number
+        torch.testing.assert_close(got[finite], want[finite], **exact)
+    # the linear's bf16 output is its float32 output rounded: products that overflow, NaN, ties
+    xl = _special(3 * 40, g).reshape(3, 40)
+    xl[:, :] = torch.where(torch.isfinite(xl), xl, torch.zeros(()))     # x finite: the weights carry the specials
+    wl = _special(70 * 40, g).reshape(70, 40).to(torch.bfloat16)
+    xb = xl.to(torch.bfloat16)
+    y = native.linear(xb.float(), wl)                                   # float32 out: the same sums
+    torch.testing.assert_close(native.linear(xb, wl), y.to(torch.bfloat16), **exact)
+
+
 def _attn(**kw):
     a = dict(q=torch.ones(2, 4, 8), k=torch.ones(10, 2, 8), v=torch.ones(10, 2, 8),
              slots=torch.zeros(2, 3, dtype=torch.long), lens=torch.ones(2, dtype=torch.long), sinks=None, scale=1.0)
