@@ -124,15 +124,29 @@ static inline float softmax_row(float* s, int n, const float* sink, bool round_p
     return l;
 }
 
+// One line into L1 (locality 3) or L2 (2). On x86 an asm statement: GCC 12 dropped every __builtin_prefetch of
+// decode_group's key and value requests (a loop of them in a lambda: no prefetch instruction in the built library),
+// so the keys were read at DRAM latency, one group of 8 after another.
+template <int LOCALITY>
+static inline void request_line(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+    if constexpr (LOCALITY == 3)
+        __asm__ volatile("prefetcht0 %0" : : "m"(*p));
+    else
+        __asm__ volatile("prefetcht1 %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p, 0, LOCALITY);
+#endif
+}
+
 // Requests a cache row's lines (`bytes` from `row`, which need not start a line) into L1 (locality 3) or L2 (2).
 template <int LOCALITY>
 static inline void request_row(const void* row, int bytes) {
     const char* p = static_cast<const char*>(row);
-    for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, LOCALITY);
-    __builtin_prefetch(p + bytes - 1, 0, LOCALITY);
+    for (int off = 0; off < bytes; off += 64) request_line<LOCALITY>(p + off);
+    request_line<LOCALITY>(p + bytes - 1);
 }
 
-constexpr int VALUES_AHEAD = 32;                     // value rows requested ahead of the first pass over them
 
 // Half this machine's L2 (sysconf; 256 KiB where it does not say): the most of a head's value rows that the scores'
 // pass requests into L2 for the value pass, beside its keys. L2s run from 256 KiB to 2 MiB a core.
@@ -148,74 +162,100 @@ static inline int64_t values_in_l2() {
     return bytes;
 }
 
+constexpr int VALUE_CHUNK = 64;                      // keys whose value rows every pass over the dims takes in turn
+
 // out[r, :] = Σ_j p[r, j] v_j / l[r] for RN (1 to 4) heads: two vectors of value dims per pass over the keys (each
 // value row widened once for the heads; the 2 x RN accumulators in registers), then a last single vector where Dv
 // leaves one; tails zero-padded. Each element is one accumulator taking its keys in order, whatever RN.
-// The first pass requests the rows VALUES_AHEAD keys ahead: the rows are scattered over the cache's slots, so the
-// hardware prefetcher cannot follow them (a pass stalled on every row before).
+// The keys go in chunks of VALUE_CHUNK, and every pass over the dims takes a chunk before the next chunk (its
+// accumulators kept in `acc` [RN, Dv] between chunks: the same adds in the same order), so a chunk's rows come from
+// memory once and from L1 for the other passes (a pass over all the keys each re-read the rows from L3 or memory,
+// a head's values past L2). The next chunk's rows are requested into L1 as a chunk starts (the rows are scattered over
+// the cache's slots, so the hardware prefetcher cannot follow them: a pass stalled on every row), outside the loops
+// over the keys, which keep their accumulators in registers that way (a request inside them spilled all eight).
+// The accumulator of dims [d, d + w) of head r between chunks: zeros before the first, `acc` [RN, Dv] between
+// them, out = acc / l after the last (vectors by value, so that the accumulators stay in registers).
+static inline fvec resume(const float* acc, int64_t at, int w, bool first) {
+    float buf[CK_WIDTH] = {};
+    if (!first) std::memcpy(buf, acc + at, w * sizeof(float));
+    return load<fvec>(buf);
+}
+static inline void pause(fvec a, float inv_l, float* acc, float* out, int64_t at, int w, bool last) {
+    float o[CK_WIDTH];
+    const fvec y = last ? a * inv_l : a;
+    std::memcpy(o, &y, sizeof o);
+    std::memcpy((last ? out : acc) + at, o, w * sizeof(float));
+}
+
 template <int RN, typename KT>
 static inline void weigh_values_rn(const float* p, int64_t p_stride, int n, const KT* v, int64_t v_stride,
-                                   const int64_t* slots, int Dv, const float* inv_l, float* out) {
+                                   const int64_t* slots, int Dv, const float* inv_l, float* out, float* acc) {
     const int row_bytes = Dv * int(sizeof(KT));
-    auto store = [&](const fvec* acc, int d, int w) {
-#pragma GCC unroll 4
-        for (int r = 0; r < RN; ++r) {
-            float o[CK_WIDTH];
-            fvec y = acc[r] * inv_l[r];
-            std::memcpy(o, &y, sizeof o);
-            std::memcpy(out + (int64_t)r * Dv + d, o, w * sizeof(float));
-        }
+    auto request = [&](int j1, int j2) {           // the value rows of keys [j1, j2) into L1
+        for (int j = j1; j < j2 && j < n; ++j) request_row<2>(v + slots[j] * v_stride, row_bytes);
     };
-    int d = 0;
-    for (; d + 2 * CK_WIDTH <= Dv; d += 2 * CK_WIDTH) {
-        fvec a0[RN], a1[RN];
-#pragma GCC unroll 4
-        for (int r = 0; r < RN; ++r) a0[r] = a1[r] = fvec{};
-        const bool first = d == 0;
-        for (int j = 0; j < n; ++j) {
-            if (first && j + VALUES_AHEAD < n) request_row<3>(v + slots[j + VALUES_AHEAD] * v_stride, row_bytes);
-            const KT* vj = v + slots[j] * v_stride + d;
-            const fvec v0 = widen(vj), v1 = widen(vj + CK_WIDTH);
+    request(0, VALUE_CHUNK);
+    for (int j0 = 0; j0 < n; j0 += VALUE_CHUNK) {
+        const int j1 = n - j0 < VALUE_CHUNK ? n : j0 + VALUE_CHUNK;
+        const bool first = j0 == 0, last = j1 == n;
+        request(j1, j1 + VALUE_CHUNK);             // the next chunk's, while the passes go over this one
+        int d = 0;
+        for (; d + 2 * CK_WIDTH <= Dv; d += 2 * CK_WIDTH) {
+            fvec a0[RN], a1[RN];
 #pragma GCC unroll 4
             for (int r = 0; r < RN; ++r) {
-                const float pr = p[r * p_stride + j];
-                a0[r] += pr * v0;
-                a1[r] += pr * v1;
+                a0[r] = first ? fvec{} : load<fvec>(acc + (int64_t)r * Dv + d);
+                a1[r] = first ? fvec{} : load<fvec>(acc + (int64_t)r * Dv + d + CK_WIDTH);
+            }
+            for (int j = j0; j < j1; ++j) {
+                const KT* vj = v + slots[j] * v_stride + d;
+                const fvec v0 = widen(vj), v1 = widen(vj + CK_WIDTH);
+#pragma GCC unroll 4
+                for (int r = 0; r < RN; ++r) {
+                    const float pr = p[r * p_stride + j];
+                    a0[r] += pr * v0;
+                    a1[r] += pr * v1;
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < RN; ++r) {
+                const fvec y0 = last ? a0[r] * inv_l[r] : a0[r], y1 = last ? a1[r] * inv_l[r] : a1[r];
+                float* dst = (last ? out : acc) + (int64_t)r * Dv + d;
+                std::memcpy(dst, &y0, sizeof y0);
+                std::memcpy(dst + CK_WIDTH, &y1, sizeof y1);
             }
         }
-        store(a0, d, CK_WIDTH);
-        store(a1, d + CK_WIDTH, CK_WIDTH);
-    }
-    for (; d < Dv; d += CK_WIDTH) {
-        const int w = Dv - d < CK_WIDTH ? Dv - d : CK_WIDTH;
-        fvec acc[RN];
+        for (; d < Dv; d += CK_WIDTH) {
+            const int w = Dv - d < CK_WIDTH ? Dv - d : CK_WIDTH;
+            fvec a[RN];
 #pragma GCC unroll 4
-        for (int r = 0; r < RN; ++r) acc[r] = fvec{};
-        const bool first = d == 0;
-        for (int j = 0; j < n; ++j) {
-            if (first && j + VALUES_AHEAD < n) request_row<3>(v + slots[j + VALUES_AHEAD] * v_stride, row_bytes);
-            const KT* vj = v + slots[j] * v_stride + d;
-            fvec vv = w == CK_WIDTH ? widen(vj) : widen_tail(vj, w);
+            for (int r = 0; r < RN; ++r) a[r] = resume(acc, (int64_t)r * Dv + d, w, first);
+            for (int j = j0; j < j1; ++j) {
+                const KT* vj = v + slots[j] * v_stride + d;
+                fvec vv = w == CK_WIDTH ? widen(vj) : widen_tail(vj, w);
 #pragma GCC unroll 4
-            for (int r = 0; r < RN; ++r) acc[r] += p[r * p_stride + j] * vv;
+                for (int r = 0; r < RN; ++r) a[r] += p[r * p_stride + j] * vv;
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < RN; ++r) pause(a[r], inv_l[r], acc, out, (int64_t)r * Dv + d, w, last);
         }
-        store(acc, d, w);
     }
 }
 
 template <typename KT>
 static inline void weigh_values(const float* p, int64_t p_stride, int rn, int n, const KT* v, int64_t v_stride,
-                                const int64_t* slots, int Dv, const float* inv_l, float* out) {
+                                const int64_t* slots, int Dv, const float* inv_l, float* out, float* acc) {
     switch (rn) {
-        case 1: weigh_values_rn<1>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out); break;
-        case 2: weigh_values_rn<2>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out); break;
-        case 3: weigh_values_rn<3>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out); break;
-        default: weigh_values_rn<4>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out); break;
+        case 1: weigh_values_rn<1>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out, acc); break;
+        case 2: weigh_values_rn<2>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out, acc); break;
+        case 3: weigh_values_rn<3>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out, acc); break;
+        default: weigh_values_rn<4>(p, p_stride, n, v, v_stride, slots, Dv, inv_l, out, acc); break;
     }
 }
 
 // One sequence and one KV head: q [R, D] float32 (the heads sharing it), k / v the cache rows of this KV head
-// (slot s at k + s * k_stride), slots [n], sinks [R] or null; out [R, Dv]; scratch [R * n + 8 * D] floats.
+// (slot s at k + s * k_stride), slots [n], sinks [R] or null; out [R, Dv]; scratch [R * n + max(8 * D, 4 * Dv)]
+// floats (the scores, then a key group widened, then the value pass's accumulators between its chunks).
 template <typename KT>
 static void decode_group(const float* q, int R, int D, int Dv, const KT* k, const KT* v, int64_t k_stride,
                          int64_t v_stride, const int64_t* slots, int n, const float* sinks, float scale, float* out,
@@ -269,7 +309,8 @@ static void decode_group(const float* q, int R, int D, int Dv, const KT* k, cons
                                   sizeof(KT) == 2);
             inv_l[r] = 1.0f / l;
         }
-        weigh_values(scratch + (int64_t)r0 * n, n, rn, n, v, v_stride, slots, Dv, inv_l, out + (int64_t)r0 * Dv);
+        weigh_values(scratch + (int64_t)r0 * n, n, rn, n, v, v_stride, slots, Dv, inv_l, out + (int64_t)r0 * Dv,
+                     kf);                           // the key group's space holds the accumulators now
     }
 }
 

@@ -73,10 +73,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     const int64_t per_task = std::max<int64_t>(1, keys / B * R * (D + Dv));
     const int64_t tasks_per_chunk = std::max<int64_t>(1, (int64_t(1) << 17) / per_task);
     colibri_ops::parallel_for(0, B * Hkv, tasks_per_chunk, [&](int64_t t0, int64_t t1) {
-        std::vector<float> scratch;              // [R, n] scores, then weights; [8, D] a key group widened
-        for (int64_t t = t0; t < t1; ++t) {
+        std::vector<float> scratch;              // [R, n] scores, then weights; [8, D] a key group widened, then
+        for (int64_t t = t0; t < t1; ++t) {      // [4, Dv] the value pass's accumulators
             const int64_t b = t / Hkv, g = t % Hkv, n = lp[b];
-            scratch.resize(R * n + 8 * D);
+            scratch.resize(R * n + std::max<int64_t>(8 * D, 4 * Dv));
             fn(qp + (b * Hq + g * R) * D, R, int(D), int(Dv), kb + g * D * es, vb + g * Dv * es, kvtype, Hkv * D,
                Hkv * Dv, sp + b * C, int(n), skp ? skp + g * R : nullptr, float(scale), op_ + (b * Hq + g * R) * Dv,
                scratch.data());
