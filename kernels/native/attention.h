@@ -170,9 +170,10 @@ constexpr int VALUE_CHUNK = 64;                      // keys whose value rows ev
 // The keys go in chunks of VALUE_CHUNK, and every pass over the dims takes a chunk before the next chunk (its
 // accumulators kept in `acc` [RN, Dv] between chunks: the same adds in the same order), so a chunk's rows come from
 // memory once and from L1 for the other passes (a pass over all the keys each re-read the rows from L3 or memory,
-// a head's values past L2). The next chunk's rows are requested into L1 as a chunk starts (the rows are scattered over
-// the cache's slots, so the hardware prefetcher cannot follow them: a pass stalled on every row), outside the loops
-// over the keys, which keep their accumulators in registers that way (a request inside them spilled all eight).
+// a head's values past L2). The next chunk's rows are requested into L2 a share before each pass over this one (the
+// rows are scattered over the cache's slots, so the hardware prefetcher cannot follow them: a pass stalled on every
+// row), outside the loops over the keys, which keep their accumulators in registers that way (a request inside them
+// spilled all eight).
 // The accumulator of dims [d, d + w) of head r between chunks: zeros before the first, `acc` [RN, Dv] between
 // them, out = acc / l after the last (vectors by value, so that the accumulators stay in registers).
 static inline fvec resume(const float* acc, int64_t at, int w, bool first) {
@@ -191,16 +192,19 @@ template <int RN, typename KT>
 static inline void weigh_values_rn(const float* p, int64_t p_stride, int n, const KT* v, int64_t v_stride,
                                    const int64_t* slots, int Dv, const float* inv_l, float* out, float* acc) {
     const int row_bytes = Dv * int(sizeof(KT));
-    auto request = [&](int j1, int j2) {           // the value rows of keys [j1, j2) into L1
-        for (int j = j1; j < j2 && j < n; ++j) request_row<2>(v + slots[j] * v_stride, row_bytes);
+    int asked = 0;                                  // the value rows of keys [0, asked) are requested (into L2)
+    auto request = [&](int upto) {
+        for (; asked < upto && asked < n; ++asked) request_row<2>(v + slots[asked] * v_stride, row_bytes);
     };
-    request(0, VALUE_CHUNK);
+    const int passes = (Dv + 2 * CK_WIDTH - 1) / (2 * CK_WIDTH);
+    const int share = (VALUE_CHUNK + passes - 1) / passes;   // the next chunk's rows a pass over the dims requests
+    request(VALUE_CHUNK);
     for (int j0 = 0; j0 < n; j0 += VALUE_CHUNK) {
         const int j1 = n - j0 < VALUE_CHUNK ? n : j0 + VALUE_CHUNK;
         const bool first = j0 == 0, last = j1 == n;
-        request(j1, j1 + VALUE_CHUNK);             // the next chunk's, while the passes go over this one
         int d = 0;
         for (; d + 2 * CK_WIDTH <= Dv; d += 2 * CK_WIDTH) {
+            request(asked + share);                // the next chunk's, a share before each pass over this one
             fvec a0[RN], a1[RN];
 #pragma GCC unroll 4
             for (int r = 0; r < RN; ++r) {
@@ -239,6 +243,7 @@ static inline void weigh_values_rn(const float* p, int64_t p_stride, int n, cons
 #pragma GCC unroll 4
             for (int r = 0; r < RN; ++r) pause(a[r], inv_l[r], acc, out, (int64_t)r * Dv + d, w, last);
         }
+        request(j1 + VALUE_CHUNK);
     }
 }
 
