@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 from concurrent import futures
@@ -13,6 +15,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from colibri_common.errors import ColibriError
 
 MAX_MESSAGE_BYTES = 512 * 2**20      # between router and workers (a step's hidden states); clients get less
 CHANNEL_OPTIONS = [
@@ -22,10 +26,28 @@ CHANNEL_OPTIONS = [
 # Clients (the router watching its workers) may ping every second to find a frozen peer.
 SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_ping_strikes", 0)]
+# gRPC binds with SO_REUSEPORT by default: a second service on a port in use started, said ready, and the kernel shared
+# the connections between the two (a router's health check answered by an expert worker). Off: a busy port is an error.
+NO_PORT_SHARING = [("grpc.so_reuseport", 0)]
 STOP_GRACE_S = 5.0      # for open calls to receive their final status after on_stop, then they are cancelled
 WAKE_POLL_S = 1.0       # the main thread's longest sleep between looks at the stop flags (a wake byte ends it sooner)
 
 log = logging.getLogger("colibri")
+
+
+def why_not_bound(host: str, port: int) -> str:
+    """Why an address cannot be listened on, as the OS says it (gRPC does not)."""
+    try:
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        with socket.socket(family) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host.strip("[]"), port))
+    except OverflowError:
+        return "the port must be 0-65535"
+    except OSError as exc:
+        hint = " (another service listens there; --port 0 picks a free port)" if exc.errno == errno.EADDRINUSE else ""
+        return f"{exc.strerror or exc}{hint}"
+    return "gRPC could not bind it"
 
 
 def setup_logging(role: str, level: str = "INFO") -> None:
@@ -40,7 +62,7 @@ class Service:
                  interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> None:
         self.name = service_name
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", max_receive_bytes), *SERVER_KEEPALIVE]
+                   ("grpc.max_receive_message_length", max_receive_bytes), *SERVER_KEEPALIVE, *NO_PORT_SHARING]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
                                   interceptors=interceptors)
         self._loaded = False
@@ -61,10 +83,13 @@ class Service:
               credentials: grpc.ServerCredentials | None = None) -> int:
         reflection.enable_server_reflection([*full_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self.server)
-        bound = self.server.add_insecure_port(f"{host}:{port}") if credentials is None else \
-            self.server.add_secure_port(f"{host}:{port}", credentials)
+        try:
+            bound = self.server.add_insecure_port(f"{host}:{port}") if credentials is None else \
+                self.server.add_secure_port(f"{host}:{port}", credentials)
+        except RuntimeError:         # grpcio raises where it once returned 0, and says no more than that
+            bound = 0
         if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port} (address in use?)")
+            raise ColibriError(f"cannot listen on {host}:{port}: {why_not_bound(host, port)}")
         self.server.start()
         return bound
 

@@ -216,3 +216,22 @@ def test_health_cli(served):
     assert ok.returncode == 0 and "SERVING" in ok.stdout
     bad = colibri_run(["health", "--target", addr, "--service", "colibri.v1.Nope"], timeout=60)
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr
+
+
+def test_a_port_in_use_is_an_error_not_a_shared_port(oracles):
+    """gRPC binds with SO_REUSEPORT by default: a second service on a busy port said ready and took half of the
+    first one's connections. Now it exits with one line naming the port."""
+    path = str(oracles["qwen3_moe"].path)
+    first = colibri_popen(["expert", "--model", path, "--shard", "0/2", "--port", "0"], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL)
+    try:
+        line = first.stdout.readline()
+        assert line.startswith("ready "), line
+        port = int(line.split()[1].rsplit(":", 1)[1])
+        out = colibri_run(["expert", "--model", path, "--shard", "1/2", "--port", str(port)], timeout=60)
+        assert out.returncode == 2, out
+        assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
+        assert "Traceback" not in out.stderr and "ready" not in out.stdout
+    finally:
+        first.terminate()
+        first.wait(timeout=30)
