@@ -75,9 +75,22 @@ class TlsFiles:
 
 
 def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials:
-    read = lambda p: Path(p).read_bytes() if p else None          # noqa: E731
-    return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
-                                        certificate_chain=read(cert))
+    """TLS credentials of a client: the CA that verifies the server, a client certificate with its key (both or
+    neither: gRPC aborted the process on one without the other). A file that cannot be read is a ConfigError."""
+    if bool(cert) != bool(key):
+        raise ConfigError("a client certificate needs its key: give --tls-cert and --tls-key together "
+                          "(tls_cert= and tls_key= in colibri.Client)")
+
+    def read(flag: str, path: str | None) -> bytes | None:
+        if not path:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from None
+
+    return grpc.ssl_channel_credentials(root_certificates=read("--tls-ca", ca), private_key=read("--tls-key", key),
+                                        certificate_chain=read("--tls-cert", cert))
 
 
 def client_channel(target: str, options: list, ca: str | None = None, cert: str | None = None,
@@ -85,7 +98,7 @@ def client_channel(target: str, options: list, ca: str | None = None, cert: str 
     """A plaintext channel, or TLS when a CA (and optionally a client certificate) is given; a grpc.aio
     channel when `aio`."""
     api = grpc.aio if aio else grpc
-    if not (ca or cert):
+    if not (ca or cert or key):
         return api.insecure_channel(target, options=options)
     return api.secure_channel(target, channel_credentials(ca, cert, key), options=options)
 

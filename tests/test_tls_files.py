@@ -99,3 +99,27 @@ def test_serve_with_an_unwritable_cache_dir_says_so_without_a_traceback(oracles,
                        "--tls-self-signed"], timeout=120, env=env)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert str(tmp_path / "cache") in out.stderr and "set COLIBRI_CACHE_DIR to a writable directory" in out.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tls-ca", "CA", "--tls-cert", "CA"], "give --tls-cert and --tls-key together"),
+    (["--tls-key", "CA"], "give --tls-cert and --tls-key together"),
+    (["--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: No such file or directory"),
+])
+@pytest.mark.parametrize("command", ["health", "workers"])
+def test_client_tls_flags_that_cannot_work_are_one_line_errors(tmp_path, command, flags, message):
+    """A certificate without its key aborted the process inside gRPC (exit 134); a missing file was a traceback."""
+    ca = self_signed(tmp_path / "tls").ca
+    argv = [command, "--target", "127.0.0.1:1", *(ca if f == "CA" else f for f in flags)]
+    out = colibri_run(argv, timeout=60)
+    assert out.returncode == 2, out
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_client_with_half_a_certificate_is_a_config_error(tmp_path):
+    from colibri.client import Client
+    from colibri_common.errors import ConfigError
+
+    files = self_signed(tmp_path / "tls")
+    with pytest.raises(ConfigError, match="--tls-cert and --tls-key together"):
+        Client("127.0.0.1:1", tls_ca=files.ca, tls_cert=files.cert)
