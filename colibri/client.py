@@ -143,18 +143,46 @@ def make_request(prompt: str | list[int], max_tokens: int = 0, temperature: floa
     """A GenerateRequest; `sampling` takes any SamplingParams field (top_p, stop, n, logprobs, ...)."""
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = (sampling["stop"],)              # one stop string, not its characters
-    sp = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, return_logits=return_logits,
-                           **{k: v for k, v in sampling.items() if v is not None})
-    if seed is not None:
-        sp.seed = seed
-    return request_of(prompt, sp, request_id)
+    fields = {"max_tokens": max_tokens, "temperature": temperature, "return_logits": return_logits,
+              **{k: v for k, v in sampling.items() if v is not None}, **({} if seed is None else {"seed": seed})}
+    return request_of(prompt, _message(pb.SamplingParams, fields), request_id)
+
+
+def _message(kind, fields: dict):
+    """kind(**fields), where a value the message cannot carry (past its integer field's range, a string that is
+    not Unicode, a wrong type) is a ValueError naming the field, not protobuf's bare 'Value out of range'."""
+    try:
+        return kind(**fields)
+    except (ValueError, TypeError) as exc:
+        for name, value in fields.items():
+            try:
+                kind(**{name: value})
+            except (ValueError, TypeError) as one:
+                raise ValueError(f"{name}={value!r:.80} cannot be sent: {_why(one)}") from None
+        raise ValueError(f"the request cannot be sent: {_why(exc)}") from None
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, UnicodeEncodeError):
+        return "it is not valid Unicode text (a lone surrogate?)"
+    return str(exc).splitlines()[0]
 
 
 def request_of(prompt: str | list[int], sampling: pb.SamplingParams, request_id: str = "") -> pb.GenerateRequest:
-    """A GenerateRequest of a text or token-id prompt with these SamplingParams."""
+    """A GenerateRequest of a text or token-id prompt with these SamplingParams (ValueError, naming it, for a value
+    a request cannot carry: token ids past int32, text that is not Unicode)."""
     if isinstance(prompt, str):
-        return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=sampling)
-    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the prompt is not valid UTF-8 text (character {exc.start} is {prompt[exc.start]!r}: "
+                             f"a lone surrogate, or bytes that were not UTF-8 on a command line)") from None
+        return _message(pb.GenerateRequest, {"request_id": request_id, "text": prompt, "sampling": sampling})
+    try:
+        ids = pb.TokenIds(ids=prompt)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"prompt token ids cannot be sent: {_why(exc)} (ids are int32)") from None
+    return _message(pb.GenerateRequest, {"request_id": request_id, "token_ids": ids, "sampling": sampling})
 
 
 def _delta(msg: pb.GenerateResponse) -> Delta | None:

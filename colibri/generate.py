@@ -32,8 +32,12 @@ def run_generate(opts: GenerateOptions) -> int:
     from colibri.client import Client, make_request
 
     prompt: str | list[int] = opts.prompt if opts.prompt is not None else list(opts.prompt_ids or ())
+    try:
+        req = make_request(prompt, **dataclasses.asdict(opts.sampling))
+    except ValueError as exc:               # a value no request can carry (past its field's range, not Unicode)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     client = Client(opts.target)
-    req = make_request(prompt, **dataclasses.asdict(opts.sampling))
     ids, text, reason = [], "", ""
     try:
         for msg in client.stream(req):

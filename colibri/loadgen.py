@@ -33,8 +33,8 @@ class BenchOptions:
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "num_requests", "prompt_len", "max_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < 2**31:
+                raise ValueError(f"--{name.replace('_', '-')} must be from 1 to {2**31 - 1}, got {getattr(self, name)}")
         if not self.timeout > 0:
             raise ValueError(f"--timeout must be positive, got {self.timeout}")
         if not 0 <= self.ready_timeout < float("inf"):
@@ -186,8 +186,9 @@ def run_bench(args: BenchOptions) -> int:
         return 2
     print(f"requests      {r.requests_ok} ok, {r.requests_failed} failed, concurrency {args.concurrency}")
     print(f"output        {r.output_tokens} tokens in {r.duration_s:.2f}s = {r.output_tokens_per_s:.1f} tok/s")
-    print(f"TTFT          p50 {r.ttft_p50_ms:.1f} ms   p99 {r.ttft_p99_ms:.1f} ms")
-    print(f"inter-token   p50 {r.itl_p50_ms:.1f} ms   p99 {r.itl_p99_ms:.1f} ms")
+    ms = lambda v: "n/a" if v != v else f"{v:.1f} ms"   # noqa: E731  (no request gave a token: NaN)
+    print(f"TTFT          p50 {ms(r.ttft_p50_ms)}   p99 {ms(r.ttft_p99_ms)}")
+    print(f"inter-token   p50 {ms(r.itl_p50_ms)}   p99 {ms(r.itl_p99_ms)}")
     for e in r.errors:
         print(f"error         {e}")
     if args.json:

@@ -140,6 +140,15 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["serve", "--model", "m", "--threads", "-1"], "--threads must be >= 0"),
     (["serve", "--model", "m", "--spawn", "fork", "--gpus", "0"], "--spawn fork is for CPU fleets"),
     (["serve", "--model", "m", "--spawn", "thread"], "invalid choice: 'thread'"),
+    # values a request cannot carry: protobuf's 'Value out of range' was a traceback
+    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1,2", "--max-tokens", "99999999999999999999"],
+     "max_tokens=99999999999999999999 cannot be sent: Value out of range"),
+    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--seed", "-1"], "seed=-1 cannot be sent"),
+    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "99999999999"], "prompt token ids cannot be sent"),
+    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--stop-token-ids", "99999999999"],
+     "stop_token_ids=(99999999999,) cannot be sent"),
+    (["generate", "--target", "127.0.0.1:1", "--prompt", "bad \udcff"], "the prompt is not valid UTF-8 text"),
+    (["bench", "--target", "127.0.0.1:1", "--max-tokens", "99999999999"], "--max-tokens must be from 1 to"),
 ])
 def test_bad_flags_are_one_clear_line_and_exit_2(argv, needle):
     out = subprocess.run([COLIBRI, *argv], capture_output=True, text=True, timeout=60)

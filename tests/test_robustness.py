@@ -83,6 +83,20 @@ def test_bad_sampling_values_fail_alone_with_invalid_argument(served):
     assert tiny.token_ids == oracle.greedy([1, 2, 3], 4)
 
 
+@pytest.mark.parametrize("prompt, sampling, needle", [
+    ("a\ud800", {}, "the prompt is not valid UTF-8 text (character 1"),
+    ("ab", {"stop": "\ud800"}, "stop=('\\ud800',) cannot be sent: it is not valid Unicode text"),
+    ([1, 2**40], {}, "prompt token ids cannot be sent"),
+    ([1, 2], {"top_k": 2**40}, "top_k=1099511627776 cannot be sent"),
+])
+def test_values_no_request_can_carry_are_a_value_error_naming_them(prompt, sampling, needle):
+    """Client-side, before any call: protobuf's bare 'Value out of range' and UnicodeEncodeError name the field."""
+    with Client("127.0.0.1:1") as client:
+        with pytest.raises(ValueError) as err:
+            client.generate(prompt, 3, **sampling)
+    assert needle in str(err.value)
+
+
 def test_limits_are_checked_before_work_and_say_what_to_fix(served):
     addr, oracle, _ = served
     client = Client(addr)
