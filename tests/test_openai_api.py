@@ -268,9 +268,12 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
     for body, needle in ((b"{not json", "not valid JSON"), (b"[" * 100_000, "not valid JSON"),
                          (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),
                          (b"[1, 2]", "JSON object"),
-                         (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "lone surrogate")):   # UTF-8 cannot carry
+                         (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "lone surrogate"),   # UTF-8 cannot carry
+                         (b'{"model": "\\ud800", "prompt": "x"}', "'model' holds a character")):   # was a 500
         status, err = raw(url, "POST", "/v1/completions", body)
         assert status == 400 and needle in err["error"]["message"], (status, err)
+    status, err = raw(url, "POST", "/v1/chat/completions", b'{"model": "\\ud800", "messages": []}')
+    assert status == 400 and err["error"]["param"] == "model", (status, err)
     status, err = raw(url, "POST", "/v1/completions", json.dumps({"prompt": "x" * (5 << 20)}).encode())
     assert status == 413 and "--max-body-bytes" in err["error"]["message"]
     for kw, param in (({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),

@@ -140,7 +140,8 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 
 def _model(body: dict[str, Any]) -> str | None:
-    return _get(body, "model", (str,), None)
+    model = _get(body, "model", (str,), None)
+    return None if model is None else check_text(model, "model")   # it is echoed in the 404's JSON (UTF-8)
 
 
 def parse_completion(body: Any) -> Parsed:
