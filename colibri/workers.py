@@ -70,6 +70,7 @@ def _patiently(call, request, timeout: float):
 
     deadline = time.monotonic() + timeout
     pause = 0.5
+    said = ""
     while True:
         try:
             return call(request, timeout=max(1.0, deadline - time.monotonic()))
@@ -77,7 +78,13 @@ def _patiently(call, request, timeout: float):
             busy = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
             if not busy or time.monotonic() + pause > deadline:
                 raise
-            print(f"the router is busy ({exc.code().name}: {exc.details()}); trying again", file=sys.stderr)
+            # nothing answering (connection refused, no route) is not a busy router: said as it is, once a reason
+            unreachable = (exc.details() or "").startswith("failed to connect")
+            why = "the router cannot be reached" if unreachable else "the router is busy"
+            line = f"{why} ({exc.code().name}: {exc.details()}); trying again for up to {timeout:g} s (--timeout)"
+            if why != said:
+                print(line, file=sys.stderr)
+                said = why
             time.sleep(pause)
             pause = min(5.0, 2 * pause)
 

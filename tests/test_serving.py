@@ -235,3 +235,12 @@ def test_a_port_in_use_is_an_error_not_a_shared_port(oracles):
     finally:
         first.terminate()
         first.wait(timeout=30)
+
+
+def test_workers_against_nothing_listening_says_unreachable_once_and_gives_up_at_its_timeout():
+    """It said 'the router is busy' at every try (connection refused is not busy) until --timeout (900 s)."""
+    port = free_port()
+    out = colibri_run(["workers", "add", "127.0.0.1:5", "--target", f"127.0.0.1:{port}", "--timeout", "3"], timeout=60)
+    assert out.returncode == 1, out
+    assert out.stderr.count("the router cannot be reached") == 1 and "busy" not in out.stderr
+    assert "trying again for up to 3 s (--timeout)" in out.stderr and "Traceback" not in out.stderr
