@@ -31,6 +31,7 @@ from colibri.fork import FRONT_MODULES, SERVICE_MODULES, Entry, ForkedChild, die
 from colibri.openai_api.options import OpenAIOptions
 from colibri.openai_api.policy import API_KEY_ENV
 from colibri_common.config import ModelConfig
+from colibri_common.errors import ConfigError
 from colibri_common.fleet_token import ENV as FLEET_ENV
 from colibri_common.fleet_token import fleet_token, new_token
 from colibri_common.options import option, shared_fields, to_argv
@@ -301,7 +302,10 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    ModelConfig.from_dir(opts.router.model)      # an unusable config.json fails here, before any child starts
+    cfg = ModelConfig.from_dir(opts.router.model)   # an unusable config.json fails here, before any child starts
+    if n > cfg.num_experts:                      # as would more workers than experts: one line, not one per child
+        raise ConfigError(f"--workers {n}: {cfg.num_experts} experts a layer leave workers without any; give at "
+                          f"most {cfg.num_experts}")
     if opts.on_gpus:                             # so does a GPU this machine lacks: one line, not one a child
         from colibri_common.device import check_device
 

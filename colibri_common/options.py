@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import types
@@ -79,6 +80,10 @@ class ServiceOptions:
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
+        cores = os.cpu_count() or 1
+        if self.threads > 4 * cores:             # each is a kernel thread; 100000 exhausted the machine's threads
+            raise ValueError(f"--threads {self.threads} is more than 4 x this machine's {cores} cores; give at most "
+                             f"{cores} (0 = all of them)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if not DEVICE_SYNTAX.match(self.device):

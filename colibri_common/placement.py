@@ -6,13 +6,20 @@ distinct workers, every worker holding R ranges, the same answer wherever it is 
 
 from __future__ import annotations
 
+from colibri_common.errors import ConfigError
+
+
+class PlacementError(ConfigError, ValueError):
+    """Shards or replicas the experts cannot be split into: a flag to fix (one line on the command line)."""
+
 
 def shard_experts(num_experts: int, shard: int, num_shards: int) -> list[int]:
     """Experts of shard `shard` of `num_shards`: contiguous ranges whose sizes differ by at most one."""
     if num_shards <= 0 or not 0 <= shard < num_shards:
-        raise ValueError(f"shard {shard}/{num_shards}: need 0 <= I < N")
+        raise PlacementError(f"shard {shard}/{num_shards}: need 0 <= I < N")
     if num_shards > num_experts:
-        raise ValueError(f"{num_shards} shards for {num_experts} experts: every shard needs at least one")
+        raise PlacementError(f"{num_shards} shards for {num_experts} experts: every shard needs at least one; give "
+                             f"at most {num_experts} workers")
     base, extra = divmod(num_experts, num_shards)
     start = shard * base + min(shard, extra)
     size = base + (1 if shard < extra else 0)
@@ -22,7 +29,7 @@ def shard_experts(num_experts: int, shard: int, num_shards: int) -> list[int]:
 def replica_experts(num_experts: int, shard: int, num_shards: int, replicas: int = 1) -> list[int]:
     """Experts held by worker `shard` when every expert lives on `replicas` distinct workers."""
     if not 1 <= replicas <= num_shards:
-        raise ValueError(f"--replicas {replicas}: need 1 <= R <= the number of workers ({num_shards})")
+        raise PlacementError(f"--replicas {replicas}: need 1 <= R <= the number of workers ({num_shards})")
     held: set[int] = set()
     for r in range(replicas):
         held.update(shard_experts(num_experts, (shard - r) % num_shards, num_shards))

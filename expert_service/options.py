@@ -83,6 +83,8 @@ class ExpertOptions(ServiceOptions):
         for name in ("max_streams", "max_streams_per_peer", "max_step_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.max_experts < 0:
             raise ValueError(f"--max-experts must be >= 0 (0 = no limit), got {self.max_experts}")
         if not self.shard:

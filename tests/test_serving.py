@@ -244,3 +244,19 @@ def test_workers_against_nothing_listening_says_unreachable_once_and_gives_up_at
     assert out.returncode == 1, out
     assert out.stderr.count("the router cannot be reached") == 1 and "busy" not in out.stderr
     assert "trying again for up to 3 s (--timeout)" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_more_workers_than_experts_is_one_line_before_anything_starts(oracles):
+    """validate and tune ended in a ValueError's traceback; serve forked every worker, each printing one."""
+    oracle = oracles["qwen3_moe"]
+    E = oracle.model.config.num_experts
+    path = str(oracle.path)
+    for argv in (["validate", "--model", path, "--workers", str(E + 1)],
+                 ["tune", "--model", path, "--workers", str(E + 1), "--cpu-forms", "auto"],
+                 ["serve", "--model", path, "--workers", str(E + 1), "--port", "0"],
+                 ["expert", "--model", path, "--shard", f"{E}/{E + 1}", "--port", "0"]):
+        out = colibri_run(argv, timeout=120)
+        assert out.returncode == 2, (argv, out)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"{E} experts" in errors[0], (argv, out.stderr)
+        assert "Traceback" not in out.stderr and "ready" not in out.stdout

@@ -81,6 +81,8 @@ class RouterOptions(ServiceOptions):
         for name in ("kv_cache_mb", "block_size", "micro_batches"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.kv_cache_blocks < 0:
             raise ValueError(f"--kv-cache-blocks must be >= 0, got {self.kv_cache_blocks}")
         if self.quantize_dense and self.device != "cpu":
