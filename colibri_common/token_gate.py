@@ -30,17 +30,29 @@ class TokenGate(grpc.ServerInterceptor):
     never iterates its requests, so not one message of the caller is read, whatever the method.
 
     `guarded`: only methods under these prefixes are checked (a router's Admin service beside its open client
-    API); with no token those are refused outright (PERMISSION_DENIED)."""
+    API); with no token those are refused outright (PERMISSION_DENIED). `serves` (service name, what it is): a
+    call to another service is UNIMPLEMENTED, saying what answered (a client pointed at an expert worker's port
+    was told its fleet token was wrong)."""
 
-    def __init__(self, token: str | None, guarded: tuple[str, ...] | None = None) -> None:
+    def __init__(self, token: str | None, guarded: tuple[str, ...] | None = None,
+                 serves: tuple[str, str] | None = None) -> None:
         self._want = None if token is None else f"Bearer {token}".encode()
         self._guarded = guarded
         self._deny = grpc.stream_stream_rpc_method_handler(_refuse if token is not None else _closed)
+        self._serves = serves
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
                           details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        if details.method.startswith(OPEN):
+        if details.method.startswith(OPEN + ("/grpc.reflection.",)):
             return continuation(details)
+        if self._serves is not None and not details.method.startswith(f"/{self._serves[0]}/"):
+            name, what = self._serves
+            message = f"{details.method}: this port serves {name} ({what}), not that service"
+
+            def elsewhere(request: Any, context: grpc.ServicerContext) -> None:
+                context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+
+            return grpc.stream_stream_rpc_method_handler(elsewhere)
         if self._guarded is not None and not details.method.startswith(self._guarded):
             return continuation(details)
         if self._want is None:

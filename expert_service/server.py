@@ -293,7 +293,8 @@ def serve_expert(opts: ExpertOptions) -> int:
     # message is at most what a router's step sends; a caller without the fleet's token is refused unread.
     limit = forward_bytes(cfg, opts.max_step_tokens)
     service = Service(SERVICE, max_workers=opts.max_streams + 4, max_receive_bytes=limit,
-                      interceptors=() if token is None else (TokenGate(token),))
+                      interceptors=(TokenGate(token, guarded=() if token is None else None,
+                                              serves=(SERVICE, "an expert worker; clients call the router")),))
     servicer = ExpertWorkerServicer(opts.max_streams_per_peer)
     servicer.max_step_tokens = opts.max_step_tokens
     add_servicer(service.server, servicer, expert_pb2.DESCRIPTOR.services_by_name["ExpertWorker"],

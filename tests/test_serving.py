@@ -260,3 +260,39 @@ def test_more_workers_than_experts_is_one_line_before_anything_starts(oracles):
         errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and f"{E} experts" in errors[0], (argv, out.stderr)
         assert "Traceback" not in out.stderr and "ready" not in out.stdout
+
+
+@pytest.mark.parametrize("token", [None, "a-fleet-token-of-the-test-0123456789"])
+def test_a_client_pointed_at_an_expert_worker_is_told_what_answered(oracles, token):
+    """It was told its fleet token was wrong (UNAUTHENTICATED) with a token set, gRPC's 'Method not found!'
+    without; the worker's own calls keep their checks."""
+    import os
+
+    from colibri.client import GenerationError
+
+    env = {k: v for k, v in os.environ.items() if k != "COLIBRI_FLEET_TOKEN"}
+    if token:
+        env["COLIBRI_FLEET_TOKEN"] = token
+    worker = colibri_popen(["expert", "--model", str(oracles["qwen3_moe"].path), "--shard", "0/2", "--port", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        line = worker.stdout.readline()
+        assert line.startswith("ready "), line
+        addr = line.split()[1]
+        with Client(addr) as client, pytest.raises(GenerationError) as err:
+            client.generate([1, 2], 2)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "this port serves colibri.v1.ExpertWorker (an expert worker; clients call the router)" in \
+            err.value.details()
+        from colibri_common.pb import expert_pb2, expert_pb2_grpc
+        with grpc.insecure_channel(addr) as channel:               # its own service without the token
+            call = expert_pb2_grpc.ExpertWorkerStub(channel).Describe
+            if token:
+                with pytest.raises(grpc.RpcError) as denied:
+                    call(expert_pb2.DescribeRequest(), timeout=10)
+                assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            else:
+                assert call(expert_pb2.DescribeRequest(), timeout=10).ListFields()
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
