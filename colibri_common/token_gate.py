@@ -43,9 +43,9 @@ class TokenGate(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
                           details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        if details.method.startswith(OPEN + ("/grpc.reflection.",)):
+        if details.method.startswith(OPEN):
             return continuation(details)
-        if self._serves is not None and not details.method.startswith(f"/{self._serves[0]}/"):
+        if self._serves is not None and not details.method.startswith((f"/{self._serves[0]}/", "/grpc.reflection.")):
             name, what = self._serves
             message = f"{details.method}: this port serves {name} ({what}), not that service"
 
