@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from colibri_common.options import option
+from colibri_common.options import check_target, option
 from router_service.engine.sequence import Sampling
 
 
@@ -22,6 +22,7 @@ class GenerateOptions:
     sampling: Sampling = Sampling()
 
     def __post_init__(self) -> None:
+        check_target("--target", self.target)
         if (self.prompt is None) == (self.prompt_ids is None):
             raise ValueError("give exactly one of --prompt TEXT and --prompt-ids 1,2,3")
 

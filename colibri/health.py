@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from colibri_common.options import option
+from colibri_common.options import check_target, option
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,11 @@ class HealthOptions:
     tls_key: str | None = option(None, "PEM key of --tls-cert", metavar="PATH")
     tls_server_name: str | None = option(None, "the name the service's certificate carries, when it differs from "
                                                "the target's host (a pod probing itself on 127.0.0.1)")
+
+    def __post_init__(self) -> None:
+        check_target("--target", self.target)
+        if not self.timeout > 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout}")
 
 
 def is_serving(address: str, service: str, timeout: float = 1.0) -> bool:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-from colibri_common.options import option
+from colibri_common.options import check_target, option
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class BenchOptions:
     json: bool = option(False, "print one JSON object on the last line")
 
     def __post_init__(self) -> None:
+        check_target("--target", self.target)
         for name in ("concurrency", "num_requests", "prompt_len", "max_tokens"):
             if not 0 < getattr(self, name) < 2**31:
                 raise ValueError(f"--{name.replace('_', '-')} must be from 1 to {2**31 - 1}, got {getattr(self, name)}")

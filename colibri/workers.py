@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from colibri_common.options import comma_list, option
+from colibri_common.options import check_target, comma_list, option
 
 ACTIONS = ("show", "set", "add", "remove", "rebalance")
 
@@ -38,6 +38,7 @@ class WorkersOptions:
                                                "the target's host")
 
     def __post_init__(self) -> None:
+        check_target("--target", self.target)
         if self.action in ("set", "add", "remove") and not self.addresses:
             raise ValueError(f"`colibri workers {self.action}` needs worker addresses: HOST:PORT[,HOST:PORT...]")
         if self.action in ("show", "rebalance") and self.addresses:

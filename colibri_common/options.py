@@ -96,6 +96,17 @@ class ServiceOptions:
                              "depend on the batch: serve without it")
 
 
+def check_target(flag: str, value: str) -> None:
+    """A gRPC address a client dials: not empty (an unset variable: gRPC failed with its internal trace), and a
+    HOST:PORT's port in 1..65535 (gRPC dialled 99999 as 34463). Other gRPC target forms (unix:PATH, dns:///...)
+    pass as they are."""
+    if not value.strip():
+        raise ValueError(f"{flag} is empty: give the address as HOST:PORT")
+    found = re.fullmatch(r"(.*):(\d+)", value)
+    if found and not 0 < int(found.group(2)) < 65536:
+        raise ValueError(f"{flag} {value}: the port must be in 1..65535")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: what is wrong and where the help is, no usage dump."""
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from colibri.openai_api.policy import API_KEY_ENV, check_key, host_entry, origin_entry
-from colibri_common.options import LOG_LEVELS, option, upper
+from colibri_common.options import LOG_LEVELS, check_target, option, upper
 
 
 def secret_option(help: str, metavar: str) -> Any:
@@ -47,6 +47,7 @@ class OpenAIOptions:
     log_level: str = option("INFO", "log level", choices=LOG_LEVELS, type=upper)
 
     def __post_init__(self) -> None:
+        check_target("--target", self.target)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes <= 0:
