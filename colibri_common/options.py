@@ -97,11 +97,9 @@ class ServiceOptions:
 
 
 def check_target(flag: str, value: str) -> None:
-    """A gRPC address a client dials: not empty (an unset variable: gRPC failed with its internal trace), and a
-    HOST:PORT's port in 1..65535 (gRPC dialled 99999 as 34463). Other gRPC target forms (unix:PATH, dns:///...)
-    pass as they are."""
-    if not value.strip():
-        raise ValueError(f"{flag} is empty: give the address as HOST:PORT")
+    """A gRPC address a client dials: a HOST:PORT's port in 1..65535 (gRPC dialled 99999 as 34463); other gRPC
+    target forms (unix:PATH, dns:///...) pass as they are. An empty one (an unset variable: gRPC failed with its
+    internal trace) is refused by `from_args`, as every required flag given empty."""
     found = re.fullmatch(r"(.*):(\d+)", value)
     if found and not 0 < int(found.group(2)) < 65536:
         raise ValueError(f"{flag} {value}: the port must be in 1..65535")
@@ -209,7 +207,11 @@ def from_args(cls: type, ns: argparse.Namespace, prefix: str = "") -> Any:
         if _is_options(_strip_optional(hints[f.name])):
             kw[f.name] = from_args(_strip_optional(hints[f.name]), ns, path + ".")
         elif hasattr(ns, path.replace(".", "__")):
-            kw[f.name] = getattr(ns, path.replace(".", "__"))
+            kw[f.name] = value = getattr(ns, path.replace(".", "__"))
+            cli = f.metadata.get("cli", {})
+            if cli.get("required") and isinstance(value, str) and not value.strip():   # "$UNSET" on a command line
+                name = cli.get("flag") or "--" + f.name.replace("_", "-")
+                raise ValueError(f"{name} is empty (an unset variable?): it needs a value")
     return cls(**kw)
 
 

@@ -153,8 +153,9 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["generate", "--target", "127.0.0.1:1", "--prompt", "bad \udcff"], "the prompt is not valid UTF-8 text"),
     (["bench", "--target", "127.0.0.1:1", "--max-tokens", "99999999999"], "--max-tokens must be from 1 to"),
     # an unset variable as the target (gRPC's internal trace), a port past 65535 (dialled modulo 65536)
-    (["generate", "--target", "", "--prompt-ids", "1"], "--target is empty: give the address as HOST:PORT"),
-    (["openai", "--target", ""], "--target is empty"),
+    (["generate", "--target", "", "--prompt-ids", "1"], "--target is empty (an unset variable?): it needs a value"),
+    (["openai", "--target", " "], "--target is empty"),
+    (["serve", "--model", ""], "--model is empty"),
     (["health", "--target", "127.0.0.1:99999"], "--target 127.0.0.1:99999: the port must be in 1..65535"),
     (["workers", "--target", "h:0"], "the port must be in 1..65535"),
     (["health", "--target", "127.0.0.1:1", "--timeout", "-1"], "--timeout must be positive"),
