@@ -230,7 +230,13 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-        cfg = ModelConfig.from_dict(raw, source=str(path))
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: must hold a JSON object (a model's config), not a {type(raw).__name__}")
+        try:
+            cfg = ModelConfig.from_dict(raw, source=str(path))
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:   # a value of the wrong type or form
+            raise ConfigError(f"{path}: a value of the wrong type or form ({type(exc).__name__}: {exc}); is it a "
+                              f"Hugging Face config.json?") from None
         extra = _generation_eos(Path(model_dir) / "generation_config.json")
         if extra - set(cfg.eos_token_ids):        # generate()'s stop tokens too (GPT-OSS: <|call|>, <|endoftext|>)
             cfg = dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids,
@@ -255,15 +261,22 @@ class ModelConfig:
                     return raw[key]
             raise ConfigError(f"{source}: missing '{' or '.join(keys)}' required by {name}")
 
+        def size(*keys: str) -> int:                    # a count or a dimension: a whole number from 1
+            value = need(*keys)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 1:
+                key = next(k for k in keys if raw.get(k) is not None)
+                raise ConfigError(f"{source}: {key} must be a whole number from 1, got {value!r}")
+            return int(value)
+
         for key, values in arch.allowed:
             if raw.get(key) not in values:
                 raise ConfigError(f"{source}: {key} '{raw.get(key)}' is not one {name} can serve; supported: "
                                   f"{', '.join(str(v) for v in values if v is not None)}")
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        layers = int(need("num_hidden_layers"))
+        hidden = size("hidden_size")
+        heads = size("num_attention_heads")
+        layers = size("num_hidden_layers")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        max_positions = int(raw.get("max_position_embeddings", 4096))
+        max_positions = size("max_position_embeddings") if "max_position_embeddings" in raw else 4096
         rope_scaling = RopeScaling.from_raw(rope, max_positions, raw.get("original_max_position_embeddings"))
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
         if raw.get("use_sliding_window") and arch.sliding == "none":
@@ -278,7 +291,7 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         qkv_bias = bool(raw.get(arch.bias_key, arch.bias_default))
-        width = int(need(arch.expert_width_key))
+        width = size(arch.expert_width_key)
         shared = int(raw.get("shared_expert_intermediate_size", 0) or 0) if arch.shared_expert else 0
         if arch.shared_experts_key:
             shared = int(raw.get(arch.shared_experts_key, 0) or 0) * width
@@ -305,7 +318,7 @@ class ModelConfig:
         return ModelConfig(
             architecture=name,
             arch=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=size("vocab_size"),
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
@@ -318,8 +331,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            num_experts=int(need(*arch.experts_key)),
-            top_k=int(need(arch.topk_key)),
+            num_experts=size(*arch.experts_key),
+            top_k=size(arch.topk_key),
             moe_intermediate_size=width,
             norm_topk_prob=renorm,
             dense_intermediate_size=int(raw.get("intermediate_size", 0) or 0),

@@ -47,6 +47,15 @@ def test_a_step_whose_moe_sums_would_not_fit_a_message_is_refused_at_start(ckpt)
     assert "--max-num-tokens 1000000" in out.stderr and "message limit" in out.stderr and "lower it to" in out.stderr
 
 
+def test_a_config_that_is_not_an_object_is_one_line(ckpt, tmp_path):
+    dst = tmp_path / "list"
+    shutil.copytree(ckpt, dst)
+    (dst / "config.json").write_text("[1, 2]")
+    out = run("validate", "--model", str(dst))
+    assert out.returncode == 2 and "must hold a JSON object (a model's config), not a list" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_unknown_architecture(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["architectures"] = ["GrokForCausalLM"]
@@ -107,6 +116,11 @@ def test_a_gpu_device_on_a_machine_without_one_is_a_clear_error(ckpt, args):
      "partial_rotary_factor"),
     ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "longrope"}}, "rope type 'longrope' is not supported"),
     ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": 0}}, "factor must be positive"),
+    # values of the wrong type or form: tracebacks (int('many'), hidden_size 768.5 taken as 768, a limit of 0)
+    ({"n_routed_experts": "many"}, "n_routed_experts must be a whole number from 1, got 'many'"),
+    ({"hidden_size": 768.5}, "hidden_size must be a whole number from 1, got 768.5"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be a whole number from 1, got 0"),
+    ({"rope_parameters": "yes"}, "a value of the wrong type or form"),
 ])
 def test_a_routing_or_rope_config_that_cannot_work_names_the_field(oracles, tmp_path, change, needle):
     dst = tmp_path / "glm"
