@@ -66,6 +66,14 @@ def test_bounded_waiting_queue_and_finish_frees_kv():
     assert alloc.num_free == 16 and not s.running
 
 
+def test_more_choices_than_the_queue_ever_holds_never_fit_rather_than_retry_later():
+    """n = 5 choices where the queue holds 4: QueueFull said 'retry later' on an idle server (HTTP 429)."""
+    s = Scheduler(SchedulerConfig(max_waiting=4), BlockAllocator(16, 4))
+    with pytest.raises(NeverFits, match="n = 5 choices exceed the waiting queue's bound"):
+        s.add(seq("a", 5), siblings=4)
+    s.add(seq("b", 5), siblings=3)                      # 4 fit an empty queue
+
+
 def test_preemption_when_kv_is_full_recomputes_later():
     alloc = BlockAllocator(3, 4)
     s = Scheduler(SchedulerConfig(max_batch_size=4, max_num_tokens=64), alloc)

@@ -78,6 +78,9 @@ class Scheduler:
 
     def add(self, seq: Sequence, siblings: int = 0) -> None:
         """Queue a new request; `siblings` more of its choices will join later (`add_fork`), counted now."""
+        if 1 + siblings > self.cfg.max_waiting:          # not even into an empty queue: no retry can help
+            raise NeverFits(f"n = {1 + siblings} choices exceed the waiting queue's bound ({self.cfg.max_waiting} "
+                            f"sequences); lower n or raise --max-waiting")
         if len(self.waiting) + siblings >= self.cfg.max_waiting:
             raise QueueFull(f"the waiting queue is full ({self.cfg.max_waiting} requests); retry later or "
                             f"raise --max-waiting")
