@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from colibri_common.errors import ColibriError
+
 # Request latencies from 1 ms to 10 min; inter-token latencies from 1 ms to 10 s (vLLM's ranges).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
@@ -41,7 +43,10 @@ def serve_metrics(host: str, port: int, body: Callable[[], str]) -> int:
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:                   # a busy port: one line at start, not a traceback
+        raise ColibriError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} (--metrics-port)") from None
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server.server_address[1]
 

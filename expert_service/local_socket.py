@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from colibri_common.errors import ColibriError
 from colibri_common.frames import FrameError, recv_frame, send_frame
 
 log = logging.getLogger("colibri.expert")
@@ -43,6 +44,9 @@ class LocalServer:
         old = os.umask(0o177)                             # created 0600: only this user connects
         try:
             self.sock.bind(str(self.path))
+        except OSError as exc:                            # no such directory, no permission: one line at start
+            self.sock.close()
+            raise ColibriError(f"--local-socket {self.path}: {exc.strerror or exc}") from None
         finally:
             os.umask(old)
         self.sock.listen(16)

@@ -296,3 +296,22 @@ def test_a_client_pointed_at_an_expert_worker_is_told_what_answered(oracles, tok
     finally:
         worker.terminate()
         worker.wait(timeout=30)
+
+
+def test_a_local_socket_or_metrics_port_that_cannot_be_bound_is_one_line(oracles, tmp_path):
+    """A missing directory for --local-socket, a busy --metrics-port: tracebacks from bind before."""
+    import socket
+
+    path = str(oracles["qwen3_moe"].path)
+    out = colibri_run(["expert", "--model", path, "--shard", "0/2", "--port", "0", "--local-socket",
+                       str(tmp_path / "no" / "such" / "dir.sock")], timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out
+    assert f"error: --local-socket {tmp_path}/no/such/dir.sock: No such file or directory" in out.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = colibri_run(["expert", "--model", path, "--shard", "0/2", "--port", "0", "--metrics-port", str(port)],
+                          timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out
+    assert f"error: cannot serve metrics on 127.0.0.1:{port}: Address already in use (--metrics-port)" in out.stderr
