@@ -39,13 +39,14 @@ def run_generate(opts: GenerateOptions) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     client = Client(opts.target)
-    ids, text, reason = [], "", ""
+    ids, text, reason, logprobs = [], "", "", []
     try:
         for msg in client.stream(req):
             kind = msg.WhichOneof("response")
             if kind == "chunk":
                 ids.extend(msg.chunk.token_ids)
                 text += msg.chunk.text
+                logprobs += [_logprob(lp) for lp in msg.chunk.logprobs]
                 if not opts.json:
                     print(msg.chunk.text, end="", flush=True)
             elif kind == "complete":
@@ -56,7 +57,19 @@ def run_generate(opts: GenerateOptions) -> int:
     finally:
         client.close()
     if opts.json:
-        print(json.dumps({"token_ids": ids, "text": text, "finish_reason": reason}))
+        print(json.dumps({"token_ids": ids, "text": text, "finish_reason": reason,
+                          **({"logprobs": logprobs} if opts.sampling.wants_logprobs else {})}))
     else:
         print()
+        if not text and ids:                     # no tokenizer.json: the text is empty, the tokens are not
+            print(f"token ids: {ids}")
+        for lp in logprobs:                      # --logprobs: one line a token, after the text
+            top = "  ".join(f"{t['token_id']}:{t['logprob']:.4f}" for t in lp["top"])
+            line = f"logprob {lp['token_id']:>7} {lp['token']!r:>12} {lp['logprob']:9.4f}"
+            print(line + (f"   top {top}" if top else ""))
     return 0
+
+
+def _logprob(lp) -> dict:
+    return {"token_id": lp.token_id, "token": lp.token, "logprob": lp.logprob,
+            "top": [{"token_id": t.token_id, "token": t.token, "logprob": t.logprob} for t in lp.top]}

@@ -94,7 +94,22 @@ def test_generate_cli_json(served):
     assert out.returncode == 0, out.stderr
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert last["token_ids"] == oracle.greedy([3, 17, 42], 6)
-    assert last["finish_reason"] == "length"
+    assert last["finish_reason"] == "length" and "logprobs" not in last
+
+
+def test_generate_cli_logprobs(served):
+    """--logprobs / --top-logprobs were sent and their answers dropped: the flags did nothing."""
+    oracle, addr, _ = served
+    argv = ["generate", "--target", addr, "--prompt-ids", "3,17,42", "--max-tokens", "4", "--logprobs",
+            "--top-logprobs", "2"]
+    out = colibri_run([*argv, "--json"], timeout=60)
+    assert out.returncode == 0, out.stderr
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [lp["token_id"] for lp in last["logprobs"]] == last["token_ids"] == oracle.greedy([3, 17, 42], 4)
+    for lp in last["logprobs"]:
+        assert lp["logprob"] <= 0 and len(lp["top"]) == 2 and lp["top"][0]["token_id"] == lp["token_id"]
+    text = colibri_run(argv, timeout=60)
+    assert text.returncode == 0 and text.stdout.count("logprob ") == 4, text.stdout
 
 
 def dead(worker: psutil.Process, timeout: float = 10) -> None:
