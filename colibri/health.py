@@ -52,7 +52,11 @@ def run_health(opts: HealthOptions) -> int:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=opts.service), timeout=opts.timeout)
         except grpc.RpcError as exc:
-            print(f"{opts.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            why = exc.details()
+            if exc.code() == grpc.StatusCode.NOT_FOUND:     # gRPC's health service says no more than the code
+                why = (f"no service '{opts.service}' here; --service '' is liveness, colibri.v1.Generation (a "
+                       f"router) or colibri.v1.ExpertWorker (an expert worker) readiness")
+            print(f"{opts.target}: {exc.code().name}: {why}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(f"{opts.target} {opts.service or '(liveness)'}: {status}")

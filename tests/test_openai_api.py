@@ -284,6 +284,7 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
     assert status == 404 and "/v1/chat/completions" in err["error"]["message"]
     status, err = raw(url, "GET", "/v1/completions")
     assert status == 405 and "GET is not allowed" in err["error"]["message"]
+    assert err["error"]["type"] == "invalid_request_error"            # a client's mistake (was server_error)
 
 
 def test_health_and_metrics(served):

@@ -230,7 +230,8 @@ def test_health_cli(served):
     ok = colibri_run(["health", "--target", addr, "--service", "colibri.v1.Generation"], timeout=60)
     assert ok.returncode == 0 and "SERVING" in ok.stdout
     bad = colibri_run(["health", "--target", addr, "--service", "colibri.v1.Nope"], timeout=60)
-    assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr
+    assert bad.returncode == 1 and "NOT_FOUND: no service 'colibri.v1.Nope' here; --service '' is liveness" in \
+        bad.stderr                                                       # gRPC's own detail was empty
 
 
 def test_a_port_in_use_is_an_error_not_a_shared_port(oracles):

@@ -25,7 +25,8 @@ HTTP_OF = {
     grpc.StatusCode.PERMISSION_DENIED: 403,
 }
 TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-           404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
+           404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+           415: "invalid_request_error",
            421: "invalid_request_error", 429: "rate_limit_error",
            503: "service_unavailable",
            504: "timeout"}
