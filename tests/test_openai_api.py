@@ -370,6 +370,23 @@ def test_a_front_without_a_router_answers_503_and_says_not_ready():
         assert conn.getresponse().status == 503
 
 
+def test_a_front_pointed_at_an_expert_worker_answers_502_saying_so(oracles):
+    """It answered 401 authentication_error (the worker's fleet-token refusal) for its own misconfiguration."""
+    worker = colibri_popen(["expert", "--model", str(oracles["qwen3_moe"].path), "--shard", "0/2", "--port", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        line = worker.stdout.readline()
+        assert line.startswith("ready "), line
+        with front(line.split()[1]) as (_, _, api):
+            with pytest.raises(openai.APIStatusError) as err:
+                api.completions.create(model="m", prompt="x", max_tokens=2)
+        assert err.value.status_code == 502
+        assert "this port serves colibri.v1.ExpertWorker (an expert worker" in err.value.body["message"]
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+
+
 def test_a_request_past_the_fronts_deadline_is_504_and_frees_its_kv(served):
     _, _, addr, *_ = served
     total = metrics(METRICS_PORT)["colibri:kv_cache_blocks_total"]
