@@ -133,7 +133,14 @@ class WorkerLink:
         """Ask until it answers (a worker may still be loading) or `deadline` (time.monotonic) passes; the pause
         between asks grows from 50 ms to 0.5 s (a fleet's router and workers start at once: most are up soon)."""
         pause = 0.05
+        start = said = time.monotonic()
+        last = "no answer yet"
         while True:
+            now = time.monotonic()
+            if now - said >= 10.0:       # a worker that is not up: said every 10 s, not only when the wait ends
+                log.warning("expert worker %s has not answered for %.0f s (%s); waiting up to %.0f s more",
+                            self.address, now - start, last, max(0.0, deadline - now))
+                said = now
             try:
                 return self.stub.Describe(expert_pb2.DescribeRequest(), wait_for_ready=True,
                                           timeout=min(10.0, max(0.1, deadline - time.monotonic())))
@@ -147,6 +154,7 @@ class WorkerLink:
                 if time.monotonic() > deadline:
                     raise WorkerError(f"expert worker {self.address} did not answer Describe: "
                                       f"{exc.details()}") from exc
+                last = f"{exc.code().name}: {exc.details()}"
                 time.sleep(pause)
                 pause = min(0.5, 2 * pause)
 
