@@ -164,17 +164,7 @@ static inline int64_t values_in_l2() {
 
 constexpr int VALUE_CHUNK = 64;                      // keys whose value rows every pass over the dims takes in turn
 
-// out[r, :] = Σ_j p[r, j] v_j / l[r] for RN (1 to 4) heads: two vectors of value dims per pass over the keys (each
-// value row widened once for the heads; the 2 x RN accumulators in registers), then a last single vector where Dv
-// leaves one; tails zero-padded. Each element is one accumulator taking its keys in order, whatever RN.
-// The keys go in chunks of VALUE_CHUNK, and every pass over the dims takes a chunk before the next chunk (its
-// accumulators kept in `acc` [RN, Dv] between chunks: the same adds in the same order), so a chunk's rows come from
-// memory once and from L1 for the other passes (a pass over all the keys each re-read the rows from L3 or memory,
-// a head's values past L2). The next chunk's rows are requested into L2 a share before each pass over this one (the
-// rows are scattered over the cache's slots, so the hardware prefetcher cannot follow them: a pass stalled on every
-// row), outside the loops over the keys, which keep their accumulators in registers that way (a request inside them
-// spilled all eight).
-// The accumulator of dims [d, d + w) of head r between chunks: zeros before the first, `acc` [RN, Dv] between
+// The tail's accumulator of dims [d, d + w) of head r between chunks: zeros before the first, `acc` [RN, Dv] between
 // them, out = acc / l after the last (vectors by value, so that the accumulators stay in registers).
 static inline fvec resume(const float* acc, int64_t at, int w, bool first) {
     float buf[CK_WIDTH] = {};
@@ -188,6 +178,16 @@ static inline void pause(fvec a, float inv_l, float* acc, float* out, int64_t at
     std::memcpy((last ? out : acc) + at, o, w * sizeof(float));
 }
 
+// out[r, :] = Σ_j p[r, j] v_j / l[r] for RN (1 to 4) heads: two vectors of value dims per pass over the keys (each
+// value row widened once for the heads; the 2 x RN accumulators in registers), then a last single vector where Dv
+// leaves one; tails zero-padded. Each element is one accumulator taking its keys in order, whatever RN.
+// The keys go in chunks of VALUE_CHUNK, and every pass over the dims takes a chunk before the next chunk (its
+// accumulators kept in `acc` [RN, Dv] between chunks: the same adds in the same order), so a chunk's rows come from
+// memory once and from L1 for the other passes (a pass over all the keys each re-read the rows from L3 or memory,
+// a head's values past L2). The next chunk's rows are requested into L2 a share before each pass over this one (the
+// rows are scattered over the cache's slots, so the hardware prefetcher cannot follow them: a pass stalled on every
+// row), outside the loops over the keys, which keep their accumulators in registers that way (a request inside them
+// spilled all eight, as did the tail's helpers above where the full vectors used them).
 template <int RN, typename KT>
 static inline void weigh_values_rn(const float* p, int64_t p_stride, int n, const KT* v, int64_t v_stride,
                                    const int64_t* slots, int Dv, const float* inv_l, float* out, float* acc) {
