@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from colibri_common.errors import ConfigError
 from kernels import BUCKETS, CANDIDATES, MoeShape, tune
 
 log = logging.getLogger("colibri")
@@ -82,10 +83,31 @@ def default_path() -> Path:
 
 
 def resolve(setting: str) -> Path | None:
-    """`--cpu-forms`: 'auto' = the default path, 'off' = no file (the built-in defaults), else a path."""
+    """`--cpu-forms`: 'auto' = the default path, 'off' = no file (the built-in defaults), else a path. A path that
+    holds something else than a forms file (a checkpoint's config.json given by mistake) is a ConfigError: the
+    measurement would overwrite it."""
     if setting == "off":
         return None
-    return default_path() if setting == "auto" else Path(setting)
+    path = default_path() if setting == "auto" else Path(setting)
+    if path.exists() and not _ours(path):
+        raise ConfigError(f"--cpu-forms {path}: this file is not a CPU forms file, and measuring would overwrite it; "
+                          f"give a path of its own (or 'auto')")
+    return path
+
+
+def _ours(path: Path) -> bool:
+    """Whether `path` is a forms file (any version, or one a crash left unreadable) rather than someone else's."""
+    if not path.is_file():
+        return False
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    try:
+        raw = json.loads(text)
+    except ValueError:                        # empty, or an object that broke: ours, corrupt (measured again)
+        return not text.strip() or text.lstrip().startswith("{")
+    return isinstance(raw, dict) and "forms" in raw
 
 
 def _read(path: Path, here: dict[str, object], say: bool = True) -> dict[str, dict[str, str]]:

@@ -257,6 +257,23 @@ def test_a_corrupt_file_is_rebuilt_with_a_warning(tmp_path, oracles, caplog):
     assert json.loads(path.read_text())["machine"] == machine()
 
 
+@pytest.mark.parametrize("text", ['{"architectures": ["Qwen3MoeForCausalLM"]}', "# notes\n", "[1, 2]"])
+def test_a_file_that_is_not_a_forms_file_is_never_overwritten(tmp_path, oracles, text):
+    """`--cpu-forms config.json` by mistake: it was taken as a corrupt forms file and overwritten."""
+    from colibri_common.errors import ConfigError
+    from colibri_common.forms_file import resolve
+
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="is not a CPU forms file, and measuring would overwrite it"):
+        resolve(str(path))
+    assert path.read_text() == text
+    for command in ("tune", "validate"):
+        out = colibri_run([command, "--model", str(oracles["qwen3_moe"].path), "--cpu-forms", str(path)], timeout=120)
+        assert out.returncode == 2 and "is not a CPU forms file" in out.stderr and "Traceback" not in out.stderr
+    assert path.read_text() == text
+
+
 def test_entries_that_make_no_sense_are_measured_again(forms_state):
     table = {cpu_forms.key(48, 32, "int8-float32", 1): "linear", "garbage": "mv",   # a float form for int8
              "reject:nonsense": "?", "reject:1x:float32:mv": "?", cpu_tune.reject_key(8, 8, "float32", "mv"): "kept"}
