@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -54,16 +55,26 @@ class WorkerWatch:
         return out
 
     def _run(self) -> None:
+        said = -1e9
         while not self._stop.wait(self.PERIOD_S):
-            for i, ((address, _), ok) in enumerate(zip(self.stubs, self._checks(), strict=True)):
-                self.misses[i] = 0 if ok else self.misses[i] + 1
-                if ok and not self.up[i]:
-                    self.up[i] = True
-                    log.info("expert worker %s is serving again", address)
-                elif not ok and self.up[i] and self.misses[i] >= self.MISSES:
-                    self.up[i] = False
-                    log.warning("expert worker %s is down (%d health checks failed)", address, self.misses[i])
-            self.on_change(list(self.up))       # every round (bans end without a health change)
+            try:
+                self._round()
+            except Exception as exc:  # noqa: BLE001  (a round that broke: the watch must outlive it)
+                now = time.monotonic()
+                if now - said > 60:    # said once a minute: a machine out of threads fails every round
+                    log.error("a round of worker health checks failed (%r); the checks go on", exc)
+                    said = now
+
+    def _round(self) -> None:
+        for i, ((address, _), ok) in enumerate(zip(self.stubs, self._checks(), strict=True)):
+            self.misses[i] = 0 if ok else self.misses[i] + 1
+            if ok and not self.up[i]:
+                self.up[i] = True
+                log.info("expert worker %s is serving again", address)
+            elif not ok and self.up[i] and self.misses[i] >= self.MISSES:
+                self.up[i] = False
+                log.warning("expert worker %s is down (%d health checks failed)", address, self.misses[i])
+        self.on_change(list(self.up))           # every round (bans end without a health change)
 
     def close(self) -> None:
         self._stop.set()
