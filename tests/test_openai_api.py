@@ -272,6 +272,10 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
                          (b'{"model": "\\ud800", "prompt": "x"}', "'model' holds a character")):   # was a 500
         status, err = raw(url, "POST", "/v1/completions", body)
         assert status == 400 and needle in err["error"]["message"], (status, err)
+    # more sequences than the router ever queues (8 prompts x n=64 > its 256): 429 'retry later' on an idle server
+    status, err = raw(url, "POST", "/v1/completions",
+                      json.dumps({"prompt": [[1, 2]] * 8, "n": 64, "max_tokens": 1}).encode())
+    assert status == 400 and err["error"]["param"] == "n" and "--max-waiting" in err["error"]["message"], err
     status, err = raw(url, "POST", "/v1/chat/completions", b'{"model": "\\ud800", "messages": []}')
     assert status == 400 and err["error"]["param"] == "model", (status, err)
     status, err = raw(url, "POST", "/v1/completions", json.dumps({"prompt": "x" * (5 << 20)}).encode())

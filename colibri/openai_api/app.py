@@ -117,6 +117,10 @@ class Front:
         prompts = [self._render(parsed)] if chat else parsed.prompts
         if any(isinstance(p, str) for p in prompts) and not info.has_tokenizer:
             raise bad("this model has no tokenizer.json: send the prompt as token ids", "prompt")
+        n = parsed.sampling.n or 1
+        if info.max_waiting and len(prompts) * n > info.max_waiting:     # 429 'retry later' could never succeed
+            raise bad(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} sequences exceed what the router "
+                      f"queues at once ({info.max_waiting}, its --max-waiting): send fewer prompts or a lower n", "n")
         reply = Reply(chat, name, parsed.sampling.n or 1, info.has_tokenizer,
                       parsed.sampling.logprobs or parsed.sampling.top_logprobs > 0)
         calls = [self.client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}"),
