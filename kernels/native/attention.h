@@ -162,7 +162,9 @@ static inline int64_t values_in_l2() {
     return bytes;
 }
 
-constexpr int VALUE_CHUNK = 64;                      // keys whose value rows every pass over the dims takes in turn
+// The value rows a chunk of keys holds (see weigh_values_rn): 8 KiB, a quarter of the smallest L1d of the x86 CPUs
+// served (32 KiB), whatever the row size: 64 keys of a bf16 head of 64 dims, 16 of a float32 head of 128.
+constexpr int VALUE_CHUNK_BYTES = 8192;
 
 // The tail's accumulator of dims [d, d + w) of head r between chunks: zeros before the first, `acc` [RN, Dv] between
 // them, out = acc / l after the last (vectors by value, so that the accumulators stay in registers).
@@ -181,7 +183,7 @@ static inline void pause(fvec a, float inv_l, float* acc, float* out, int64_t at
 // out[r, :] = Σ_j p[r, j] v_j / l[r] for RN (1 to 4) heads: two vectors of value dims per pass over the keys (each
 // value row widened once for the heads; the 2 x RN accumulators in registers), then a last single vector where Dv
 // leaves one; tails zero-padded. Each element is one accumulator taking its keys in order, whatever RN.
-// The keys go in chunks of VALUE_CHUNK, and every pass over the dims takes a chunk before the next chunk (its
+// The keys go in chunks of VALUE_CHUNK_BYTES of rows, and every pass over the dims takes a chunk before the next (its
 // accumulators kept in `acc` [RN, Dv] between chunks: the same adds in the same order), so a chunk's rows come from
 // memory once and from L1 for the other passes (a pass over all the keys each re-read the rows from L3 or memory,
 // a head's values past L2). The next chunk's rows are requested into L2 a share before each pass over this one (the
@@ -197,10 +199,11 @@ static inline void weigh_values_rn(const float* p, int64_t p_stride, int n, cons
         for (; asked < upto && asked < n; ++asked) request_row<2>(v + slots[asked] * v_stride, row_bytes);
     };
     const int passes = (Dv + 2 * CK_WIDTH - 1) / (2 * CK_WIDTH);
-    const int share = (VALUE_CHUNK + passes - 1) / passes;   // the next chunk's rows a pass over the dims requests
-    request(VALUE_CHUNK);
-    for (int j0 = 0; j0 < n; j0 += VALUE_CHUNK) {
-        const int j1 = n - j0 < VALUE_CHUNK ? n : j0 + VALUE_CHUNK;
+    const int chunk = std::max(8, VALUE_CHUNK_BYTES / row_bytes);  // keys a chunk (the order of adds is the same)
+    const int share = (chunk + passes - 1) / passes;   // the next chunk's rows a pass over the dims requests
+    request(chunk);
+    for (int j0 = 0; j0 < n; j0 += chunk) {
+        const int j1 = n - j0 < chunk ? n : j0 + chunk;
         const bool first = j0 == 0, last = j1 == n;
         int d = 0;
         for (; d + 2 * CK_WIDTH <= Dv; d += 2 * CK_WIDTH) {
@@ -243,7 +246,7 @@ static inline void weigh_values_rn(const float* p, int64_t p_stride, int n, cons
 #pragma GCC unroll 4
             for (int r = 0; r < RN; ++r) pause(a[r], inv_l[r], acc, out, (int64_t)r * Dv + d, w, last);
         }
-        request(j1 + VALUE_CHUNK);
+        request(j1 + chunk);
     }
 }
 
