@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import dataclass
 
+from colibri_common.errors import TOO_LARGE_HINT, TOO_LARGE_MARK
 from colibri_common.options import check_target, option
 from router_service.engine.sequence import Sampling
 
@@ -52,7 +53,9 @@ def run_generate(opts: GenerateOptions) -> int:
             elif kind == "complete":
                 reason = msg.complete.finish_reason
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        details = exc.details() or ""
+        hint = TOO_LARGE_HINT if TOO_LARGE_MARK in details else ""
+        print(f"error: {exc.code().name}: {details}{hint}", file=sys.stderr)
         return 1
     finally:
         client.close()

@@ -39,6 +39,36 @@ def comma_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", ",": ","}
+
+
+def escaped_list(text: str) -> tuple[str, ...]:
+    """Comma-separated strings kept as typed (a stop string may be " the" or a newline), with escapes for what
+    a shell makes awkward: \\n \\t \\r, \\, for a comma inside one, \\\\ for a backslash. An empty string,
+    or an empty item ("a,,b", an unset variable), is an error: it would match everywhere or nowhere."""
+    items, cur, chars = [], [], iter(text)
+    for ch in chars:
+        if ch == "\\":
+            nxt = next(chars, "")
+            if nxt not in _ESCAPES:
+                raise argparse.ArgumentTypeError(f"unknown escape '\\{nxt}' in {text!r}: use \\n \\t \\r "
+                                                 f"\\, (a comma) or \\\\ (a backslash)")
+            cur.append(_ESCAPES[nxt])
+        elif ch == ",":
+            items.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    items.append("".join(cur))
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"{text!r} holds an empty string (an unset variable, or two commas in "
+                                         f"a row?): give non-empty strings, '\\,' for a comma inside one")
+    return tuple(items)
+
+
+escaped_list.__name__ = "comma-separated strings"
+
+
 def upper(text: str) -> str:
     return text.upper()
 

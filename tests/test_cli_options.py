@@ -151,10 +151,15 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--stop-token-ids", "99999999999"],
      "stop_token_ids=(99999999999,) cannot be sent"),
     (["generate", "--target", "127.0.0.1:1", "--prompt", "bad \udcff"], "the prompt is not valid UTF-8 text"),
+    # an empty stop string ("$UNSET", "a,,b") was dropped without a word: the request ran with no stop
+    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--stop", ""], "holds an empty string"),
+    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--stop", "a,,b"], "holds an empty string"),
+    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--stop", "a\\q"], "unknown escape"),
     (["bench", "--target", "127.0.0.1:1", "--max-tokens", "99999999999"], "--max-tokens must be from 1 to"),
     # an unset variable as the target (gRPC's internal trace), a port past 65535 (dialled modulo 65536)
     (["generate", "--target", "", "--prompt-ids", "1"], "--target is empty (an unset variable?): it needs a value"),
     (["openai", "--target", " "], "--target is empty"),
+    (["openai", "--target", "127.0.0.1:1", "--api-key", ""], "--api-key is empty (an unset variable?)"),
     (["serve", "--model", ""], "--model is empty"),
     (["health", "--target", "127.0.0.1:99999"], "--target 127.0.0.1:99999: the port must be in 1..65535"),
     (["workers", "--target", "h:0"], "the port must be in 1..65535"),
@@ -166,6 +171,20 @@ def test_bad_flags_are_one_clear_line_and_exit_2(argv, needle):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle.replace("_", "-") in lines[0].replace("_", "-"), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_stop_strings_are_kept_as_typed_with_escapes():
+    """Stop strings are text, not names: leading spaces and newlines are what they match (the comma-list parser
+    stripped them, so `--stop $'\\n'` was no stop at all); a comma or backslash inside one is escaped."""
+    from colibri.generate import GenerateOptions
+
+    def stop(text: str) -> tuple[str, ...]:
+        return parse(GenerateOptions, ["--target", "h:1", "--prompt-ids", "1", "--stop", text]).sampling.stop
+
+    assert stop(" the,\\n") == (" the", "\n")                  # the escape
+    assert stop("\n\n,\t") == ("\n\n", "\t")                     # the characters themselves ($'\n')
+    assert stop("a\\,b,c\\\\d") == ("a,b", "c\\d")
+    assert stop("\\r\\t") == ("\r\t",)
 
 
 def test_the_cli_starts_without_torch_or_grpc():

@@ -63,6 +63,8 @@ def test_origins_keys_and_their_bad_values():
     with pytest.raises(ValueError, match="--api-key must be printable ASCII") as err:
         OpenAIOptions(target="r:1", api_key="two words")
     assert "two words" not in str(err.value)                              # a refused key is not echoed
+    with pytest.raises(ValueError, match="--api-key is empty"):          # "$UNSET": not an open front
+        OpenAIOptions(target="r:1", api_key=" ")
     opts = OpenAIOptions(target="r:1", api_key=KEY)
     assert KEY not in repr(opts)
     assert api_key(opts, {API_KEY_ENV: "other"}) == (KEY, "--api-key")    # the flag wins

@@ -19,6 +19,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from colibri.client import Client, make_request
+from colibri.openai_api.errors import ApiError
 from colibri_common import wire
 from colibri_common.config import ModelConfig
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
@@ -111,6 +112,9 @@ def test_limits_are_checked_before_work_and_say_what_to_fix(served):
         with pytest.raises(grpc.RpcError) as err:
             client.generate(prompt, kw.pop("max_tokens", 4), **kw)
         assert err.value.code() == code and needle in err.value.details(), err.value.details()
+        if needle == "larger than max":          # gRPC's words alone: the front (and the CLI) name the flags
+            answer = ApiError.of_grpc(err.value)
+            assert answer.status == 413 and "--max-request-bytes" in answer.message, answer.message
     assert client.generate([1, 2, 3], 4).token_ids == oracle.greedy([1, 2, 3], 4)
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import grpc
 
+from colibri_common.errors import TOO_LARGE_HINT, TOO_LARGE_MARK
+
 HTTP_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -56,8 +58,9 @@ class ApiError(Exception):
         if code is None:
             return ApiError(500, f"the router failed: {details}")
         status = HTTP_OF.get(code, 500)
-        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE_MARK in details:
             status = 413         # gRPC's message-size limit: the request is too big, retrying cannot help
+            details += TOO_LARGE_HINT
         if code is grpc.StatusCode.UNAVAILABLE and not details:
             details = "the router is not reachable"
         return ApiError(status, details or code.name, code=code.name.lower())

@@ -11,9 +11,10 @@ from colibri_common.options import LOG_LEVELS, check_target, option, upper
 
 
 def secret_option(help: str, metavar: str) -> Any:
-    """A flag like `option("")` that stays out of the options' repr (a logged repr never shows it)."""
+    """A flag like `option(None)` that stays out of the options' repr (a logged repr never shows it). None is
+    "not given"; an empty value is refused, as `--api-key "$UNSET"` would otherwise start an open front."""
     meta = {"help": help, "flag": None, "choices": None, "metavar": metavar, "required": False, "type": None}
-    return dataclasses.field(default="", repr=False, metadata={"cli": meta})
+    return dataclasses.field(default=None, repr=False, metadata={"cli": meta})
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,9 @@ class OpenAIOptions:
     tls_cert: str | None = option(None, "PEM client certificate, for a router with --tls-client-auth",
                                   metavar="PATH")
     tls_key: str | None = option(None, "PEM private key of --tls-cert", metavar="PATH")
-    api_key: str = secret_option(f"require 'Authorization: Bearer KEY' on every route but /health (401 otherwise, "
-                                 f"compared in constant time). Default: ${API_KEY_ENV}, none when unset. Prefer "
-                                 f"the variable: a flag shows in ps", metavar="KEY")
+    api_key: str | None = secret_option(f"require 'Authorization: Bearer KEY' on every route but /health (401 "
+                                        f"otherwise, compared in constant time). Default: ${API_KEY_ENV}, none "
+                                        f"when unset. Prefer the variable: a flag shows in ps", metavar="KEY")
     allowed_hosts: tuple[str, ...] = option((), "Host header names (ports ignored) this front answers; others get "
                                                 "421, against DNS rebinding. '*' = any, '*.example.com' = its "
                                                 "subdomains. Default: the --host address, localhost, 127.0.0.1 "
@@ -59,7 +60,10 @@ class OpenAIOptions:
             raise ValueError("give --tls-cert and --tls-key together")
         if self.tls_cert is not None and self.tls_ca is None:
             raise ValueError("--tls-cert needs --tls-ca (the router's CA)")
-        if self.api_key:
+        if self.api_key is not None:
+            if not self.api_key.strip():
+                raise ValueError("--api-key is empty (an unset variable?): give the key, or leave the flag out "
+                                 f"to take ${API_KEY_ENV} (no key when that is unset too)")
             check_key(self.api_key, "--api-key")
         for entry in self.allowed_hosts:
             host_entry(entry)

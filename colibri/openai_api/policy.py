@@ -26,7 +26,7 @@ _ORIGIN = re.compile(r"(https?)://(\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(?::(\d{1,5}))?"
 
 class GuardOptions(Protocol):
     host: str
-    api_key: str
+    api_key: str | None
     allowed_hosts: tuple[str, ...]
     allowed_origins: tuple[str, ...]
 
@@ -99,7 +99,7 @@ def origin_entry(entry: str) -> str:
 def api_key(opts: GuardOptions, env: Mapping[str, str] = os.environ) -> tuple[str, str]:
     """(the key, where it came from): --api-key, else $COLIBRI_API_KEY (surrounding whitespace dropped, as a
     mounted Secret file may end in a newline); ("", "") when neither is set."""
-    if opts.api_key:
+    if opts.api_key is not None:
         return opts.api_key, "--api-key"
     key = env.get(API_KEY_ENV, "").strip()
     return (check_key(key, f"${API_KEY_ENV}"), f"${API_KEY_ENV}") if key else ("", "")

@@ -8,7 +8,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from colibri_common.options import option
+from colibri_common.options import escaped_list, option
 
 _NUMBER = (int, float)
 _TYPES: dict[str, tuple[type, ...]] = {     # what each field takes (a bool is no number here: logprobs=3 is no bool)
@@ -44,7 +44,9 @@ class Sampling:
                                             "prompt or the output (> 0; 1 = off)")
     seed: int | None = option(None, "seed of this request's sampling (default: random)")
     stop_token_ids: tuple[int, ...] = option((), "comma-separated token ids that end the generation")
-    stop: tuple[str, ...] = option((), "comma-separated strings that end the generation (not included in the text)")
+    stop: tuple[str, ...] = option((), "comma-separated strings that end the generation (not included in the "
+                                       "text), kept as typed, spaces included; \\n \\t \\r, \\, for a comma, "
+                                       "\\\\ for a backslash", type=escaped_list)
     ignore_eos: bool = option(False, "keep generating past the model's EOS token")
     logprobs: bool = option(False, "return the log-probability of every sampled token")
     top_logprobs: int = option(0, f"with each sampled token, the N likeliest tokens and their log-probabilities "
