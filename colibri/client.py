@@ -17,12 +17,14 @@ anywhere; `timeout` is the call's deadline in seconds. A failed call raises `Gen
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 
+from colibri_common.options import check_target
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb import generation_pb2_grpc
 from colibri_common.serving import CHANNEL_OPTIONS
@@ -168,15 +170,47 @@ def _why(exc: Exception) -> str:
     return str(exc).splitlines()[0]
 
 
+DEFAULT = -1.0                              # a call's `timeout` when it takes the client's
+
+
+def _seconds(value: object, name: str) -> float | None:
+    """A deadline in seconds (> 0), or None for none; a ValueError or TypeError naming `name` otherwise (-5 had
+    meant the default, nan an expired deadline, "5" a TypeError from inside gRPC)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be seconds (a number) or None for no deadline, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be seconds > 0, or None for no deadline, got {value!r}")
+    return float(value)
+
+
+def _target(target: object) -> str:
+    """The router's address as gRPC dials it; a port past 65535 (dialled modulo 65536) or an empty target is a
+    ValueError, a non-string a TypeError."""
+    if not isinstance(target, str):
+        raise TypeError(f"target must be the router's address 'HOST:PORT' (a str), got {target!r}")
+    if not target.strip():
+        raise ValueError("target is empty: give the router's address HOST:PORT")
+    check_target("target", target)
+    return target
+
+
+def check_utf8(prompt: str) -> str:
+    """The prompt, or a ValueError where UTF-8 cannot carry it (a lone surrogate)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the prompt is not valid UTF-8 text (character {exc.start} is {prompt[exc.start]!r}: "
+                         f"a lone surrogate, or bytes that were not UTF-8 on a command line)") from None
+    return prompt
+
+
 def request_of(prompt: str | list[int], sampling: pb.SamplingParams, request_id: str = "") -> pb.GenerateRequest:
     """A GenerateRequest of a text or token-id prompt with these SamplingParams (ValueError, naming it, for a value
     a request cannot carry: token ids past int32, text that is not Unicode)."""
     if isinstance(prompt, str):
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"the prompt is not valid UTF-8 text (character {exc.start} is {prompt[exc.start]!r}: "
-                             f"a lone surrogate, or bytes that were not UTF-8 on a command line)") from None
+        check_utf8(prompt)
         return _message(pb.GenerateRequest, {"request_id": request_id, "text": prompt, "sampling": sampling})
     try:
         ids = pb.TokenIds(ids=prompt)
@@ -199,15 +233,21 @@ class Client:
                  tls_key: str | None = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
         """Plaintext, or TLS when `tls_ca` (the router's CA) is given; `tls_cert`/`tls_key` for a router that
         requires client certificates. `timeout` is every call's default deadline (None: none)."""
-        self.channel = client_channel(target, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
+        self.timeout = _seconds(timeout, "timeout")
+        self.closed = False
+        self.channel = client_channel(_target(target), CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.timeout = timeout
 
-    def stream(self, request: pb.GenerateRequest, timeout: float | None = -1.0) -> Iterator[pb.GenerateResponse]:
+    def stream(self, request: pb.GenerateRequest, timeout: float | None = DEFAULT) -> Iterator[pb.GenerateResponse]:
         """The raw response stream of one request (cancel it with `.cancel()` or let it go); raw grpc.RpcErrors."""
+        self._check_open()
         return self.stub.Generate(request, timeout=self._deadline(timeout))
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
+    def _check_open(self) -> None:
+        if self.closed:                              # a ValueError, as a closed file's (gRPC's: "Channel closed!")
+            raise ValueError("this Client is closed")
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = DEFAULT,
                  **sampling) -> Result:
         """One whole request; `max_tokens` 0 = as many as fit. Raises GenerationError."""
         res = Result()
@@ -218,7 +258,7 @@ class Client:
             raise GenerationError.of(exc) from None
         return res
 
-    def stream_text(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
+    def stream_text(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = DEFAULT,
                     **sampling) -> Iterator[Delta]:
         """Each piece as it comes. Leaving the loop early (break, an exception) cancels the request."""
         call = self.stream(make_request(prompt, max_tokens, **sampling), self._deadline(timeout))
@@ -234,21 +274,24 @@ class Client:
 
     def abort(self, request_id: str, timeout: float = 30.0) -> bool:
         """End the open request with this id (every choice); False when none is open."""
+        self._check_open()
         try:
             return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found
         except grpc.RpcError as exc:
             raise GenerationError.of(exc) from None
 
     def model_info(self, timeout: float = 30.0) -> pb.ModelInfoResponse:
+        self._check_open()
         try:
             return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
         except grpc.RpcError as exc:
             raise GenerationError.of(exc) from None
 
     def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is not None and timeout < 0 else timeout
+        return self.timeout if timeout == DEFAULT else _seconds(timeout, "timeout")
 
     def close(self) -> None:
+        self.closed = True
         self.channel.close()
 
     def __enter__(self) -> Client:
@@ -263,15 +306,15 @@ class AsyncClient:
 
     def __init__(self, target: str, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
-        self.channel = client_channel(target, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key, aio=True)
+        self.timeout = _seconds(timeout, "timeout")
+        self.channel = client_channel(_target(target), CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key, aio=True)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.timeout = timeout
 
-    def stream(self, request: pb.GenerateRequest, timeout: float | None = -1.0):
+    def stream(self, request: pb.GenerateRequest, timeout: float | None = DEFAULT):
         """The raw response call: iterate it with `async for`; `.cancel()` ends the request."""
         return self.stub.Generate(request, timeout=self._deadline(timeout))
 
-    async def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
+    async def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = DEFAULT,
                        **sampling) -> Result:
         res = Result()
         try:
@@ -281,7 +324,7 @@ class AsyncClient:
             raise GenerationError.of(exc) from None
         return res
 
-    async def stream_text(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = -1.0,
+    async def stream_text(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = DEFAULT,
                           **sampling) -> AsyncIterator[Delta]:
         """Each piece as it comes. To stop early, leave an `async with contextlib.aclosing(...)` block (or
         `await gen.aclose()`): an async generator left by `break` alone is closed only when it is collected."""
@@ -309,7 +352,7 @@ class AsyncClient:
             raise GenerationError.of(exc) from None
 
     def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is not None and timeout < 0 else timeout
+        return self.timeout if timeout == DEFAULT else _seconds(timeout, "timeout")
 
     async def close(self) -> None:
         await self.channel.close()

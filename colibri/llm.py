@@ -26,16 +26,16 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from colibri.client import Client, GenerationError
+from colibri.client import Client, GenerationError, check_utf8
 from colibri.fork import die_with_parent
 from colibri.launcher import ServeOptions, colibri_command
-from colibri_common.options import to_argv
+from colibri_common.options import check_values, to_argv
 from colibri_common.tokenizer import Tokenizer
 from expert_service.build import BuiltShard, build_shard
 from expert_service.options import ExpertCacheOptions, ExpertOptions
@@ -121,6 +121,12 @@ def _token_ids(prompt: object) -> list[int]:
         raise TypeError(f"a prompt is a str or a list of int token ids, got {prompt!r:.80}") from None
 
 
+def _check_stop_ids(sp: SamplingParams, vocab: int) -> None:
+    bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+
+
 class LLM:
     def __init__(self, model: str | Path, workers: int = 0, *,
                  wrap_experts: Callable[[Experts], Experts] | None = None, **options) -> None:
@@ -137,6 +143,12 @@ class LLM:
         self.workers = workers
         # in this process the weights are copied unless asked otherwise: nothing here restarts an engine whose
         # checkpoint changed under its mapping (a fleet's router does: --weights-in-place)
+        for name in ("dtype", "wire_dtype"):          # torch.bfloat16 as well as "bfloat16", as vLLM takes it
+            if isinstance(options.get(name), torch.dtype):
+                options[name] = str(options[name]).removeprefix("torch.")
+        options = {**check_values(RouterOptions, {k: v for k, v in options.items() if k in _ROUTER}, "LLM"),
+                   **check_values(ExpertCacheOptions, {k: v for k, v in options.items() if k in _CACHE}, "LLM"),
+                   **check_values(ServeOptions, {k: v for k, v in options.items() if k in _SERVE}, "LLM")}
         router = RouterOptions(model=self.model, **{"weights_in_place": "auto" if workers else "off",
                                                     **{k: v for k, v in options.items() if k in _ROUTER}})
         cache = ExpertCacheOptions(**{k: v for k, v in options.items() if k in _CACHE})
@@ -208,7 +220,7 @@ class LLM:
         if isinstance(prompt, str):
             if b.tokenizer is None:
                 raise ValueError(f"{self.model} has no tokenizer.json; give prompts as lists of token ids")
-            ids = b.tokenizer.encode(prompt)
+            ids = b.tokenizer.encode(check_utf8(prompt))
         else:
             ids = _token_ids(prompt)
         if not ids:
@@ -227,6 +239,7 @@ class LLM:
             if len(ids) + sp.max_tokens > b.max_model_len:
                 raise ValueError(f"a prompt of {len(ids)} tokens + max_tokens {sp.max_tokens} exceeds the model's "
                                  f"maximum length {b.max_model_len}")
+            _check_stop_ids(sp, b.cfg.vocab_size)
             if sp.n > min(limits.max_batch_size, limits.max_waiting):
                 raise ValueError(f"n = {sp.n} is more than the engine runs at once ({limits.max_batch_size}); "
                                  f"raise max_batch_size")
@@ -295,18 +308,26 @@ class LLM:
         if self._closed:
             raise RuntimeError("this LLM is closed")
         client = self._clients[0]
-        for prompt in prompts:
-            if not isinstance(prompt, str):
-                _token_ids(prompt)
+        vocab = client.model_info().vocab_size
+        for prompt, sp in zip(prompts, params, strict=True):         # every prompt checked before any runs
+            if isinstance(prompt, str):
+                check_utf8(prompt)
+            else:
+                bad = [t for t in _token_ids(prompt) if not 0 <= t < vocab]
+                if bad:
+                    raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+            _check_stop_ids(sp, vocab)
+        rids = [f"llm-{next(self._ids)}" for _ in prompts]
 
-        def one(job: tuple[Prompt, SamplingParams]) -> RequestOutput:
-            prompt, sp = job
+        def one(job: tuple[Prompt, SamplingParams, str]) -> RequestOutput:
+            prompt, sp, rid = job
             fields = {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}
-            rid = f"llm-{next(self._ids)}"
             wire_prompt = prompt if isinstance(prompt, str) else _token_ids(prompt)
             try:
                 r = client.generate(wire_prompt, timeout=None, request_id=rid, **fields)
             except GenerationError as exc:
+                if self._closed:                       # closed under a running generate (another thread)
+                    raise RuntimeError("this LLM is closed") from exc
                 raise (ValueError if exc.code().name == "INVALID_ARGUMENT" else RuntimeError)(exc.details()) from exc
             outs = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                      [torch.from_numpy(x.copy()) for x in c.logits],
@@ -319,7 +340,17 @@ class LLM:
             return RequestOutput(rid, None, list(wire_prompt), outs)
 
         with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
-            return list(pool.map(one, zip(prompts, params, strict=True)))
+            futures = [pool.submit(one, job) for job in zip(prompts, params, rids, strict=True)]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:                     # the others are not waited for: aborted, then the error
+                for rid in rids:
+                    try:
+                        client.abort(rid)
+                    except (GenerationError, ValueError):
+                        pass                           # the router is gone, or this LLM closed: nothing to abort
+                raise failed.exception()               # type: ignore[misc]
+            return [f.result() for f in futures]
 
     # -- both -----------------------------------------------------------------------------------------------
 

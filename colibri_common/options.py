@@ -245,6 +245,45 @@ def from_args(cls: type, ns: argparse.Namespace, prefix: str = "") -> Any:
     return cls(**kw)
 
 
+def _fits(value: Any, tp: Any) -> bool:
+    """Whether a keyword value is of a flag field's type (a bool is no number; a list passes for a tuple)."""
+    if typing.get_origin(tp) is tuple:
+        item = typing.get_args(tp)[0]
+        return isinstance(value, (tuple, list)) and all(_fits(v, item) for v in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp) if isinstance(tp, type) else True
+
+
+def check_values(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Keyword values for `cls`'s flag fields checked as the flags' parser would: the field's type and its choices
+    (the Python API skips argparse: dtype="BFLOAT16" was an AttributeError deep in torch, threads="two" a
+    comparison error, dtype="float16" silently taken). Lists become tuples; the values, or a TypeError / ValueError
+    naming the option."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = dict(values)
+    for name, value in values.items():
+        f = fields.get(name)
+        if f is None or "cli" not in f.metadata or (value is None and _strip_optional(hints[name]) is not
+                                                     hints[name]):
+            continue
+        tp, meta = _strip_optional(hints[name]), f.metadata["cli"]
+        if not _fits(value, tp):
+            kind = getattr(tp, "__name__", str(tp))
+            raise TypeError(f"{where}: {name} must be {kind}, got {value!r}")
+        if isinstance(value, list):
+            out[name] = value = tuple(value)
+        if meta["choices"]:
+            as_flag = meta["type"](value) if meta["type"] and isinstance(value, str) else value
+            if as_flag not in meta["choices"]:
+                raise ValueError(f"{where}: {name}={value!r} is not one of {', '.join(map(str, meta['choices']))}")
+            out[name] = as_flag
+    return out
+
+
 def to_argv(opts: Any, exclude: tuple[str, ...] = ()) -> list[str]:
     """The flags (`--name=value`) that rebuild `opts` in a child process: the values that differ from the
     defaults, and the required ones."""

@@ -207,6 +207,8 @@ def test_admin_takes_only_the_fleet_token_and_checks_addresses(model):
         assert res.returncode == 1 and "at least one worker" in res.stderr
         res = workers_cli(r, "remove", "127.0.0.1:1")
         assert res.returncode == 1 and "not among the router's workers" in res.stderr
+        res = workers_cli(r, "add", "127.0.0.1:1")          # nothing listens: said so, not "Deadline Exceeded" alone
+        assert res.returncode == 1 and "connecting to it: Connection refused" in res.stderr, res.stderr
         assert Client(r).generate([1, 2, 3], 4, ignore_eos=True, timeout=60).token_ids == model.greedy([1, 2, 3], 4)
 
 
@@ -365,12 +367,18 @@ def test_adding_a_worker_to_a_static_fleet_mid_stream_changes_no_token(model):
         a, _ = stack.enter_context(worker(model.path, "--shard", "0/2"))
         b, _ = stack.enter_context(worker(model.path, "--shard", "1/2"))
         c, _ = stack.enter_context(worker(model.path))
-        r, _ = stack.enter_context(router(model.path, [a, b]))
+        r, rp = stack.enter_context(router(model.path, [a, b]))
         got, res = streams(r, 300, lambda: workers_cli(r, "add", c))
         assert res.returncode == 0, res.stderr
         for g, w in zip(got, want, strict=True):
             assert g.token_ids == w
         assert held(c) > 0
+        # the router dies and comes back with its first list (as `serve` restarts it): a and b no longer cover
+        # every expert (c holds some), so it plans anew over a and b rather than refuse to start
+        rp.kill()
+        rp.wait()
+        r2, _ = stack.enter_context(router(model.path, [a, b]))
+        assert Client(r2).generate(PROMPTS[0], 8, ignore_eos=True, timeout=120).token_ids == want[0][:8]
 
 
 def test_a_worker_nobody_assigned_refuses_forward_and_one_worker_is_not_taken_twice(model):

@@ -62,6 +62,18 @@ def test_bad_input_is_a_clear_error_and_the_llm_goes_on(model):
         LLM(path, 0, nonsense=1)
     with pytest.raises(ValueError, match="workers"):
         LLM(path, -1)
+    # keyword options are checked as their flags are: types and choices, before anything loads
+    for kw, error, match in [({"dtype": "BFLOAT16"}, ValueError, "dtype='BFLOAT16' is not one of float32, bfloat16"),
+                             ({"dtype": "float16"}, ValueError, "not one of"), ({"dtype": 3}, TypeError, "dtype"),
+                             ({"threads": "two"}, TypeError, "threads must be int"),
+                             ({"kv_cache_mb": "100"}, TypeError, "kv_cache_mb must be int")]:
+        with pytest.raises(error, match=match):
+            LLM(path, 0, **kw)
+    # what one request carries: a value past it failed the engine step of every request beside it
+    for bad, match in [({"seed": 2**70}, r"seed must be in \[0, 2\^64\)"), ({"seed": -1}, "seed"),
+                       ({"top_k": 2**64}, "top_k must be at most"), ({"stop_token_ids": (-1,)}, "stop_token_ids")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad)
     with LLM(path, 0, expert_cache_heat="off") as llm:
         limit = llm.built.max_model_len
         for prompts, params, match in [
@@ -69,6 +81,8 @@ def test_bad_input_is_a_clear_error_and_the_llm_goes_on(model):
             ([[3, 256]], None, r"outside the vocabulary \[0, 256\)"),
             ([[3] * (limit - 2)], _greedy(4), "maximum length"),
             ([[3], [4]], [_greedy(), _greedy(), _greedy()], "3 sampling params for 2 prompts"),
+            ([[3]], _greedy(stop_token_ids=(5, 300)), r"stop_token_ids \[300\] are outside the vocabulary"),
+            (["bad \ud800"], None, "not valid UTF-8"),
         ]:
             with pytest.raises(ValueError, match=match):
                 llm.generate(prompts, params)
@@ -84,10 +98,16 @@ def test_a_local_fleet_gives_the_same_tokens_as_in_process(model):
     prompts = [PROMPTS[0], PROMPTS[2]]
     with LLM(path, 0, expert_cache_heat="off") as llm:
         here = [o.outputs[0] for o in llm.generate(prompts, params)]
-    with LLM(path, 2, expert_cache_heat="off", log_level="WARNING") as fleet:
+    with LLM(path, 2, expert_cache_heat="off", log_level="WARNING", dtype=torch.float32) as fleet:
         there = [o.outputs[0] for o in fleet.generate(prompts, params)]
-        with pytest.raises(ValueError, match="outside the vocabulary"):
-            fleet.generate([[3, 999]], _greedy())
+        with pytest.raises(ValueError, match="outside the vocabulary"):      # checked before any prompt runs
+            fleet.generate([PROMPTS[0], [3, 999]], _greedy())
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            fleet.generate([PROMPTS[0]], _greedy(stop_token_ids=(300,)))
+        # the router refuses one (too long once tokenized): the error comes at once and the others are aborted
+        limit = fleet._clients[0].model_info().max_model_len
+        with pytest.raises(ValueError, match="maximum length"):
+            fleet.generate([PROMPTS[1], "x" * (2 * limit), PROMPTS[2]], _greedy(limit - 10))
         text = fleet.generate("Colibri", _greedy())[0]
     check_against_oracle(oracle, PROMPTS[0], there[0].token_ids, there[0].logits, there[0].finish_reason)
     for a, b in zip(here, there, strict=True):

@@ -470,5 +470,5 @@ def test_client_deadline_abort_and_leaving_a_stream_early(served):
         with pytest.raises(GenerationError) as err:
             client.generate([5], 4, temperature=-1)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="this Client is closed"):
         client.generate("x", 2)                           # the context manager closed the channel

@@ -98,6 +98,26 @@ def test_values_no_request_can_carry_are_a_value_error_naming_them(prompt, sampl
     assert needle in str(err.value)
 
 
+def test_a_client_checks_its_target_and_deadlines_and_says_when_it_is_closed(served):
+    """A port past 65535 was dialled modulo 65536 (another service), -5 s meant the default deadline, nan an
+    expired one; a closed client raised gRPC's ValueError."""
+    addr, oracle, _ = served
+    for target, error, needle in [("127.0.0.1:99999", ValueError, "port must be in 1..65535"),
+                                  ("", ValueError, "target is empty"), (None, TypeError, "HOST:PORT")]:
+        with pytest.raises(error, match=needle):
+            Client(target)
+    with pytest.raises(ValueError, match="timeout must be seconds > 0"):
+        Client(addr, timeout=0)
+    client = Client(addr)
+    for timeout, error in [(-5, ValueError), (math.nan, ValueError), ("5", TypeError)]:
+        with pytest.raises(error, match="timeout"):
+            client.generate([1, 2, 3], 4, timeout=timeout)
+    assert client.generate([1, 2, 3], 4, timeout=None).token_ids == oracle.greedy([1, 2, 3], 4)
+    client.close()
+    with pytest.raises(ValueError, match="this Client is closed"):
+        client.generate([1, 2, 3], 4)
+
+
 def test_limits_are_checked_before_work_and_say_what_to_fix(served):
     addr, oracle, _ = served
     client = Client(addr)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from colibri_common.options import escaped_list, option
 
 _NUMBER = (int, float)
+INT32_MAX = 2**31 - 1
 _TYPES: dict[str, tuple[type, ...]] = {     # what each field takes (a bool is no number here: logprobs=3 is no bool)
     "temperature": _NUMBER, "top_p": _NUMBER, "top_k": (int,), "min_p": _NUMBER, "max_tokens": (int,),
     "min_tokens": (int,), "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER,
@@ -65,6 +66,14 @@ class Sampling:
             raise TypeError("stop takes strings and stop_token_ids integers")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        for name in ("max_tokens", "min_tokens", "top_k"):     # what a request carries (int32): a value past
+            if getattr(self, name) > INT32_MAX:                 # it failed the step of every request beside it
+                raise ValueError(f"{name} must be at most {INT32_MAX}, got {getattr(self, name)}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {INT32_MAX}], got "
+                             f"{[t for t in self.stop_token_ids if not 0 <= t <= INT32_MAX][:4]}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

@@ -200,11 +200,18 @@ class RemoteExperts:
         missing = learnt.covers(self.cfg.num_experts)
         if not missing and len({i.epoch for i in infos}) == 1 and all(i.assigned for i in infos):
             return Table.of(learnt, self.index, self.cfg.num_layers, self.cfg.num_experts)
-        if any(i.static_shard for i in infos) and all(i.static_shard for i in infos):
+        # static shards that still hold their own plans and miss experts: a shard was left out of --workers. Once a
+        # router re-planned them (`colibri workers`, epoch > 0), a new one (a restart listing the first workers)
+        # plans anew over what it lists, as below.
+        if all(i.static_shard and i.epoch == 0 for i in infos):
             layers = sorted({layer for layer, _ in missing})
             experts = sorted({e for _, e in missing})
             raise WorkerError(f"no worker holds experts {experts[:16]}{'…' if len(experts) > 16 else ''} of layers "
                               f"{layers[:8]}; start every shard (--workers must list all N shards)", retryable=False)
+        if learnt.epoch > 0:
+            log.warning("the workers hold placement epoch %d of another router's plan (%s); planning anew over the "
+                        "%d listed here", learnt.epoch, "experts missing" if missing else "mixed epochs",
+                        len(learnt.workers))
         plan = Plan(learnt.epoch + 1, learnt.workers,
                     even_plan(self.cfg.num_experts, self.cfg.moe_layers, learnt.workers, self.replicas))
         for address in plan.workers:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +41,22 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reco
 # A worker that answers INTERNAL or INVALID_ARGUMENT has a bug or was sent a bad request: retrying will not help.
 NOT_RETRYABLE = (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
 
+
+
+def _unreachable(address: str) -> str:
+    """Why a HOST:PORT cannot be reached, said plainly (gRPC waiting for a channel says only "Deadline Exceeded"):
+    "; connecting to it: Connection refused" or "...: cannot resolve ..."; "" where a TCP connection opens (or the
+    address is not HOST:PORT)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return ""
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+    except socket.gaierror as exc:
+        return f"; connecting to it: cannot resolve {host!r} ({exc.strerror})"
+    except OSError as exc:
+        return f"; connecting to it: {exc.strerror or exc}"
+    return ""
 
 class WorkerError(Exception):
     """A worker failed, timed out or is unreachable; the message names it. `retryable`: whether the same
@@ -152,8 +169,9 @@ class WorkerLink:
                     raise WorkerError(f"expert worker {self.address} refused this router: {exc.details()}",
                                       retryable=False) from exc
                 if time.monotonic() > deadline:
-                    raise WorkerError(f"expert worker {self.address} did not answer Describe: "
-                                      f"{exc.details()}") from exc
+                    before = f"; before that {last}" if last != "no answer yet" else ""
+                    raise WorkerError(f"expert worker {self.address} did not answer Describe: {exc.details()}"
+                                      f"{before}{_unreachable(self.address)}") from exc
                 last = f"{exc.code().name}: {exc.details()}"
                 time.sleep(pause)
                 pause = min(0.5, 2 * pause)
