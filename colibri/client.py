@@ -228,7 +228,21 @@ def _delta(msg: pb.GenerateResponse) -> Delta | None:
     return None
 
 
-class Client:
+class _Calls:
+    """What both clients share: the deadline a call takes, and the check that the client is open."""
+
+    timeout: float | None
+    closed: bool
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout == DEFAULT else _seconds(timeout, "timeout")
+
+    def _check_open(self) -> None:
+        if self.closed:                              # a ValueError, as a closed file's (gRPC's: "Channel closed!")
+            raise ValueError("this Client is closed")
+
+
+class Client(_Calls):
     def __init__(self, target: str, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
         """Plaintext, or TLS when `tls_ca` (the router's CA) is given; `tls_cert`/`tls_key` for a router that
@@ -243,9 +257,6 @@ class Client:
         self._check_open()
         return self.stub.Generate(request, timeout=self._deadline(timeout))
 
-    def _check_open(self) -> None:
-        if self.closed:                              # a ValueError, as a closed file's (gRPC's: "Channel closed!")
-            raise ValueError("this Client is closed")
 
     def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = DEFAULT,
                  **sampling) -> Result:
@@ -287,8 +298,6 @@ class Client:
         except grpc.RpcError as exc:
             raise GenerationError.of(exc) from None
 
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout == DEFAULT else _seconds(timeout, "timeout")
 
     def close(self) -> None:
         self.closed = True
@@ -301,17 +310,19 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Calls):
     """`Client` for asyncio (grpc.aio): the same calls, awaited; streams are async iterators."""
 
     def __init__(self, target: str, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
         self.timeout = _seconds(timeout, "timeout")
+        self.closed = False
         self.channel = client_channel(_target(target), CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key, aio=True)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = DEFAULT):
         """The raw response call: iterate it with `async for`; `.cancel()` ends the request."""
+        self._check_open()
         return self.stub.Generate(request, timeout=self._deadline(timeout))
 
     async def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = DEFAULT,
@@ -340,21 +351,21 @@ class AsyncClient:
             call.cancel()
 
     async def abort(self, request_id: str, timeout: float = 30.0) -> bool:
+        self._check_open()
         try:
             return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)).found
         except grpc.RpcError as exc:
             raise GenerationError.of(exc) from None
 
     async def model_info(self, timeout: float = 30.0) -> pb.ModelInfoResponse:
+        self._check_open()
         try:
             return await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
         except grpc.RpcError as exc:
             raise GenerationError.of(exc) from None
 
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout == DEFAULT else _seconds(timeout, "timeout")
-
     async def close(self) -> None:
+        self.closed = True
         await self.channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -438,7 +438,11 @@ def test_async_client_equals_the_blocking_one_and_collects_every_choice(served):
         async with AsyncClient(addr) as aio:
             whole = await aio.generate("Hello", 8, n=2)
             pieces = [d async for d in aio.stream_text("Hello", 8)]
-            return whole, pieces
+            with pytest.raises(ValueError, match="timeout must be seconds > 0"):
+                await aio.generate("Hello", 8, timeout=-5)
+        with pytest.raises(ValueError, match="this Client is closed"):
+            await aio.generate("Hello", 8)
+        return whole, pieces
 
     whole, pieces = asyncio.run(run())
     ref = greedy_text(oracle, tok, tok.encode("Hello"), 8)
