@@ -34,6 +34,8 @@ _ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F8_E4M3": (torch.float8_e4m3fn, 1),
 }
 
+INTEGER_DTYPES = ("I64", "I32", "U8")
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -120,6 +122,23 @@ def _check_layout(path: Path, entries: dict[str, TensorEntry], base: int, size: 
                               f"{corrupt}")
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json's tensor -> file map, or a CheckpointError naming the index and what is wrong
+    (garbage was a JSONDecodeError, a missing key a KeyError, a list a TypeError)."""
+    try:
+        doc = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{index}: not a readable JSON index ({str(exc).splitlines()[0]})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                   for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor names to file names (strings)")
+    if any("/" in v or v in (".", "..") for v in weight_map.values()):
+        raise CheckpointError(f"{index}: 'weight_map' names files outside the checkpoint directory; give plain "
+                              f"file names")
+    return weight_map
+
+
 class Checkpoint:
     """All tensors of a checkpoint directory, mapped lazily, file by file."""
 
@@ -131,7 +150,7 @@ class Checkpoint:
         self.stamps: dict[Path, Stamp] = {}           # each mapped file's identity when it was mapped
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = _weight_map(index)
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
@@ -141,7 +160,8 @@ class Checkpoint:
         for fname in files:
             path = self.dir / fname
             if not path.is_file():
-                raise CheckpointError(f"{index}: names {fname}, which is missing from {self.dir}")
+                raise CheckpointError(f"{index}: names {fname}, which is missing from {self.dir}" if weight_map else
+                                      f"{path}: not a regular file (a directory, or a link to nothing)")
             self.entries.update(_read_header(path))
         for name, fname in weight_map.items():
             if name not in self.entries:
@@ -156,10 +176,17 @@ class Checkpoint:
         return self.entries[name]
 
     def check(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+        """A tensor the model reads, with the shape the config gives it, stored as numbers it can read: floats, FP8,
+        or MXFP4's byte blocks and scales (an integer weight, such as a quantised export's without its scales,
+        was taken as raw integers and served silently wrong tokens)."""
         e = self.entry(name)
         if e.shape != tuple(shape):
             raise CheckpointError(f"{e.file}: tensor '{name}' has shape {list(e.shape)}, the config needs "
                                   f"{list(shape)}")
+        if e.dtype in INTEGER_DTYPES and not (e.dtype == "U8" and name.endswith(("_blocks", "_scales"))):
+            raise CheckpointError(f"{e.file}: tensor '{name}' is stored as {e.dtype}, where the model reads a float "
+                                  f"weight (F32, BF16, F16, F64 or FP8 with its scales): a quantised export "
+                                  f"whose format this loader does not read?")
         return e
 
     def _map(self, path: Path) -> mmap.mmap:

@@ -32,6 +32,9 @@ class Tokenizer:
         """
         path = Path(model_dir) / TOKENIZER_FILE
         if not path.is_file():
+            if path.exists() or path.is_symlink():       # a directory, or a link to nothing: not "no tokenizer"
+                raise CheckpointError(f"{path}: not a regular file (a directory, or a link to nothing); replace it "
+                                      f"with the model's {TOKENIZER_FILE}, or delete it to serve token ids only")
             return None
         try:
             hf = tokenizers.Tokenizer.from_file(str(path))

@@ -145,3 +145,41 @@ def test_a_deepseek_config_with_an_unknown_routing_method_names_the_field(oracle
     for args in (["validate", "--model", str(dst)], ["serve", "--model", str(dst), "--port", "0"]):
         out = run(*args)
         assert out.returncode != 0 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("index", "needle"), [
+    ("{not json", "not a readable JSON index"),
+    ('{"metadata": {}}', "needs a 'weight_map' object"),
+    ("[1, 2]", "needs a 'weight_map' object"),
+    ('{"weight_map": {"a": 3}}', "needs a 'weight_map' object"),
+    ('{"weight_map": {"a": "../x.safetensors"}}', "outside the checkpoint directory"),
+])
+def test_a_broken_index_is_one_line_naming_it(ckpt, index, needle):
+    """It was a JSONDecodeError, KeyError or TypeError traceback from every command."""
+    (ckpt / "model.safetensors.index.json").write_text(index)
+    for args in (["validate", "--model", str(ckpt)], ["expert", "--model", str(ckpt), "--shard", "0/2", "--port", "0"]):
+        out = run(*args)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert "model.safetensors.index.json" in out.stderr and needle in out.stderr, out.stderr
+
+
+def test_an_integer_weight_and_a_file_that_is_a_directory_are_refused(ckpt, tmp_path):
+    """An int32 expert weight validated `ok` and was served as raw integers (other tokens, no error)."""
+    odd, tok = tmp_path / "dir", tmp_path / "tok"
+    shutil.copytree(ckpt, odd)
+    shutil.copytree(ckpt, tok)
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, ckpt / "model.safetensors")
+    for args in (["validate", "--model", str(ckpt)], ["expert", "--model", str(ckpt), "--shard", "0/2", "--port", "0"]):
+        out = run(*args)
+        assert out.returncode == 2 and f"tensor '{name}' is stored as I32" in out.stderr, out.stderr
+    (odd / "model.safetensors").unlink()
+    (odd / "model.safetensors").mkdir()
+    out = run("validate", "--model", str(odd))
+    assert out.returncode == 2 and "model.safetensors: not a regular file" in out.stderr, out.stderr
+    (tok / "tokenizer.json").unlink(missing_ok=True)
+    (tok / "tokenizer.json").mkdir()                     # validated `ok`; text requests then said "no tokenizer"
+    out = run("validate", "--model", str(tok))
+    assert out.returncode == 2 and "tokenizer.json: not a regular file" in out.stderr, out.stderr

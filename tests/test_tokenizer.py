@@ -104,8 +104,9 @@ def test_no_tokenizer() -> None:
 
 def test_from_dir(tmp_path: Path) -> None:
     assert Tokenizer.from_dir(tmp_path) is None
-    (tmp_path / "tokenizer.json").mkdir()  # not a file
-    assert Tokenizer.from_dir(tmp_path) is None
+    (tmp_path / "tokenizer.json").mkdir()  # not a file: a broken checkpoint, not one without a tokenizer
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        Tokenizer.from_dir(tmp_path)
     good = tmp_path / "good"
     good.mkdir()
     path = save_tokenizer(good)
