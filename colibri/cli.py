@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     except ColibriError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                  # Ctrl-C in a tool (tune, validate, bench): one line, not a traceback
+        print(f"colibri {args.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 SERVICES = ("serve", "router", "expert", "openai")

@@ -8,6 +8,7 @@ count and one worker's expert shapes with a worker's, and writes them where the 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 from colibri.cores import split_threads
@@ -58,6 +59,10 @@ def run_tune(opts: TuneOptions) -> int:
         torch.set_num_threads(threads)
         forms, measured = tune_forms(opts.cpu_forms, shapes, experts=role == "expert worker", moe=moe,
                                      max_rows=opts.max_rows)
+        if forms.unsaved is not None:                   # writing them is tune's whole purpose: not a warning here
+            print(f"error: cannot write {forms.path} ({forms.unsaved}); give --cpu-forms a writable path",
+                  file=sys.stderr)
+            return 1
         print(f"{role} ({threads} threads): {forms.summary(measured)}")
         print(f"  {describe_forms({k: forms.forms[k] for k in measured})}" if measured else "  nothing new to measure")
     return 0

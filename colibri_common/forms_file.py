@@ -137,6 +137,7 @@ class FormsFile:
         """`candidates` names the forms the caller races (a release that adds one measures again); `experts`: the
         experts' section, one for every worker of the machine."""
         self.path = path
+        self.unsaved: str | None = None                 # why the last save failed (the forms stay in memory)
         self.machine = machine()
         who = "experts" if experts else f"threads={torch.get_num_threads()}"
         self.section = who + (f" forms={candidates}" if candidates else "")
@@ -196,7 +197,10 @@ class FormsFile:
                 write_atomic(self.path, json.dumps({"version": VERSION, "machine": self.machine, "forms": sections},
                                                    indent=1, sort_keys=True))
         except OSError as exc:
+            self.unsaved = str(exc)
             log.warning("cannot write %s (%s); the measured forms are used but not kept", self.path, exc)
+        else:
+            self.unsaved = None
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -241,3 +241,16 @@ def test_nested_defaults_optional_and_tuple_fields():
     p = Parser(prog="t")
     add_options(p, Outer)
     assert "50% of it" in p.format_help()
+
+
+def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
+    """`colibri tune` (or bench waiting for its router) stopped with Ctrl-C printed a KeyboardInterrupt traceback."""
+    import signal
+    import time
+
+    p = subprocess.Popen([COLIBRI, "bench", "--target", "127.0.0.1:1", "--ready-timeout", "60"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)                                # importing, then waiting for a router that never comes
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "colibri bench: interrupted" in err and "Traceback" not in err, err

@@ -319,6 +319,11 @@ def test_tune_cli_writes_the_file_the_services_read(tmp_path, oracles):
     assert sections and all(sections.values())
     # the worker's MoE form is raced only where the native expert FFN does not serve (it is never raced)
     assert any(k.startswith("moe:") for forms in sections.values() for k in forms) != native.available()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")                       # a file where the forms' directory would be: nothing can be written
+    out = colibri_run(["tune", "--model", str(oracles["qwen3_moe"].path), "--workers", "2", "--cpu-forms",
+                       str(blocked / "forms.json"), "--max-rows", "2"])
+    assert out.returncode == 1 and f"error: cannot write {blocked / 'forms.json'}" in out.stderr, out.stderr
 
 
 def test_the_workers_of_a_fleet_measure_their_shared_shapes_once(tmp_path, oracles):
