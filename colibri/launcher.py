@@ -32,6 +32,7 @@ from colibri.openai_api.options import OpenAIOptions
 from colibri.openai_api.policy import API_KEY_ENV
 from colibri_common.config import ModelConfig
 from colibri_common.errors import ConfigError
+from colibri_common.file_watch import EXIT_RESTART
 from colibri_common.fleet_token import ENV as FLEET_ENV
 from colibri_common.fleet_token import fleet_token, new_token
 from colibri_common.options import option, shared_fields, to_argv
@@ -47,6 +48,21 @@ T = TypeVar("T")
 def colibri_command() -> list[str]:
     exe = Path(sys.executable).parent / "colibri"
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "colibri.cli"]
+
+
+def exit_reason(code: int | None) -> str:
+    """What a child's exit code says, for the log: a signal's name and its usual cause."""
+    if code is None or code >= 0:
+        return " (its files changed under it: it maps them afresh)" if code == EXIT_RESTART else ""
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return ""
+    why = {"SIGKILL": "killed: the kernel's OOM killer, or someone's kill -9",
+           "SIGBUS": "a read through a mapped file whose pages were gone: a checkpoint file truncated or replaced "
+                     "while served",
+           "SIGSEGV": "a crash (please report it with the log above)"}.get(name, "")
+    return f" ({name}{': ' + why if why else ''})"
 
 
 def free_ports(n: int) -> list[int]:
@@ -375,7 +391,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
             quick = time.monotonic() - started < 60          # died soon after its (re)start
             delay = min(30.0, max(1.0, 2 * delay)) if quick and restarts else 0.0
             restarts = restarts + 1 if quick else 0
-            log.error("%s exited with code %s; restarting it in %.0fs", what, code, delay)
+            log.error("%s exited with code %s%s; restarting it in %.0fs", what, code, exit_reason(code), delay)
             if stop_signal.wait(delay):
                 return
             started = time.monotonic()

@@ -34,7 +34,7 @@ from expert_service.local_socket import LocalServer
 from expert_service.metrics import WorkerMetrics
 from expert_service.options import ExpertOptions
 from expert_service.shard import ExpertShard
-from kernels import batch_invariant
+from kernels import batch_invariant, native
 
 log = logging.getLogger("colibri.expert")
 SERVICE = "colibri.v1.ExpertWorker"
@@ -273,6 +273,7 @@ def yield_to_router() -> None:
 def serve_expert(opts: ExpertOptions) -> int:
     """Serve until a signal (exit code 0) or until the experts' bytes cannot be trusted (75: restart me)."""
     setup_logging(f"expert[{opts.shard or opts.port}]", opts.log_level)
+    native.exit_on_sigbus(EXIT_RESTART)         # a mapped file changed during a read: named, exit 75, not -7
     if opts.local_socket:
         yield_to_router()
     if opts.threads > 0:

@@ -43,7 +43,7 @@ SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}     # colibri::t
 GROUP_SCORE_CODES = {"max": 0, "top2": 1}
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
 OPS = ("linear", "moe_", "moe_sum_", "decode_attention", "rms_norm", "rope", "attention_block", "topk_route",
-       "moe_route", "isa", "use_isa", "rest")
+       "moe_route", "isa", "use_isa", "rest", "exit_on_sigbus")
 
 
 def _load() -> str | None:
@@ -118,6 +118,13 @@ def rest() -> None:
     caller about to block on something else, so the cores go to whoever computes meanwhile."""
     if available():
         torch.ops.colibri.rest()
+
+
+def exit_on_sigbus(code: int) -> bool:
+    """A read through a mapping whose file changed under the process (SIGBUS, which kills it without a word) prints
+    the file's name and exits with `code` instead (kernels/native/sigbus_op.cpp); False where the native library is
+    not loaded (the fault then kills the process, exit -7, as before)."""
+    return bool(torch.ops.colibri.exit_on_sigbus(code)) if available() else False
 
 
 def describe() -> str:

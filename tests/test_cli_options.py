@@ -254,3 +254,11 @@ def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "colibri bench: interrupted" in err and "Traceback" not in err, err
+
+
+def test_a_child_s_exit_is_explained_in_serve_s_log():
+    from colibri.launcher import exit_reason
+
+    assert "SIGBUS: a read through a mapped file" in exit_reason(-7)
+    assert "SIGKILL: killed: the kernel's OOM killer" in exit_reason(-9)
+    assert "maps them afresh" in exit_reason(75) and exit_reason(1) == "" and exit_reason(None) == ""

@@ -196,3 +196,31 @@ def test_the_in_process_engine_copies_its_weights_unless_asked(model):
         assert llm._built[0].mapped is None
     with LLM(model, workers=0, cpu_forms="off", weights_in_place="auto") as llm:
         assert llm._built[0].mapped is not None
+
+
+SIGBUS_SCRIPT = """
+import mmap, os, sys
+import torch
+from kernels import native
+assert native.exit_on_sigbus(75)
+path = sys.argv[1]
+with open(path, "wb") as f:
+    f.write(os.urandom(1 << 20))
+m = mmap.mmap(os.open(path, os.O_RDONLY), 0, access=mmap.ACCESS_READ)
+t = torch.frombuffer(m, dtype=torch.uint8)
+os.truncate(path, 4096)                  # what a copy over the file, mid-read, does to the pages past it
+print(int(t[-1]))                        # a read of a page that is gone: SIGBUS
+"""
+
+
+@pytest.mark.skipif(not __import__("kernels").native.available(), reason="the SIGBUS handler is a native op")
+def test_a_read_that_faults_on_a_changed_file_names_it_and_exits_75(tmp_path):
+    """The services check a mapped file before each read, but a change that lands during one still faults: the
+    process exits 75 naming the file (serve restarts it on the new file), not -7 without a word."""
+    import sys
+
+    target = tmp_path / "model.safetensors"
+    out = subprocess.run([sys.executable, "-c", SIGBUS_SCRIPT, str(target)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == RESTART, f"exit {out.returncode} (a SIGBUS is -7): {out.stderr[-2000:]}"
+    assert f"colibri: SIGBUS reading {target} through its mapping" in out.stderr

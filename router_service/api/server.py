@@ -22,6 +22,7 @@ from colibri_common.pb import generation_pb2 as pb
 from colibri_common.serving import Service, setup_logging
 from colibri_common.tls import TlsFiles
 from colibri_common.token_gate import TokenGate
+from kernels import native
 from router_service.api import admin
 from router_service.api.build import BuiltEngine, build_engine, remote_experts
 from router_service.api.choices import ChoiceFailed, Choices, Piece
@@ -213,6 +214,7 @@ def serve_router(opts: RouterOptions) -> int:
     """Serve until a signal (exit code 0), or until the checkpoint bytes it reads in place change under it
     (EXIT_RESTART: a restart maps the files afresh)."""
     setup_logging("router", opts.log_level)
+    native.exit_on_sigbus(EXIT_RESTART)         # a mapped file changed during a read: named, exit 75, not -7
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
     if not opts.workers and not opts.follow_workers:
