@@ -161,7 +161,8 @@ class Front:
     def _close(self, reply: Reply, calls: list, outcome: str) -> None:
         """Every way out of a request: its router calls cancelled (a no-op once they ended), counted once."""
         _cancel(calls)
-        self.metrics.finished(reply, outcome)
+        if self.metrics.finished(reply, outcome) and outcome == "abort":       # a stream left before its end
+            log.info("%s: the client went away mid-stream; its request was cancelled on the router", reply.id)
 
     def _render(self, parsed: Parsed) -> str:
         if self._template is None:

@@ -14,9 +14,10 @@ from colibri_common.metrics_http import LATENCY_BUCKETS, render
 class FrontMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("colibri_openai:requests", "HTTP generation requests by endpoint and outcome "
-                                "(ok, abort = the client left, or the HTTP status).", ["endpoint", "outcome"],
-                                registry=self.registry)
+        self.requests = Counter("colibri_openai:requests", "HTTP generation requests the router answered, by "
+                                "endpoint and outcome (ok, abort = the client left, or the HTTP status); those "
+                                "refused before (bad input, a wrong key) are in colibri_openai:refused.",
+                                ["endpoint", "outcome"], registry=self.registry)
         self.in_flight = Gauge("colibri_openai:requests_in_flight", "Generation requests open now.",
                                registry=self.registry)
         self.latency = Histogram("colibri_openai:request_seconds", "From the router's first answer to the last "
@@ -29,15 +30,16 @@ class FrontMetrics:
         self.in_flight.inc()
         reply.counted = False
 
-    def finished(self, reply: Reply, outcome: str) -> None:
-        """Once per request: the first outcome told is the one counted."""
+    def finished(self, reply: Reply, outcome: str) -> bool:
+        """Once per request: the first outcome told is the one counted (True for that one)."""
         if reply.counted:
-            return
+            return False
         reply.counted = True
         endpoint = "chat" if reply.chat else "completions"
         self.in_flight.dec()
         self.requests.labels(endpoint, outcome).inc()
         self.latency.labels(endpoint).observe(time.monotonic() - reply.t0)
+        return True
 
     def tokens(self, n: int) -> None:
         self.generated.inc(n)

@@ -79,6 +79,9 @@ class Upkeep:
                 except WorkerError as exc:
                     log.debug("re-sync of %s: %s", address, exc)
                     info = None
+                except ValueError as exc:          # its link closed under it: the router is stopping
+                    log.debug("re-sync of %s ends: %s", address, exc)
+                    return
                 if info is not None:
                     with self.placement.change_lock:
                         table = remote.table
@@ -107,8 +110,13 @@ class Upkeep:
                                 return
                             except WorkerError as exc:
                                 log.debug("re-sync of %s: %s", address, exc)
+                            except ValueError as exc:          # the link closed: the router is stopping
+                                log.debug("re-sync of %s ends: %s", address, exc)
+                                return
                 time.sleep(pause)
                 pause = min(2.0, pause * 2)
+        except Exception:  # noqa: BLE001 (logged, not a thread's raw traceback; the next failure tries again)
+            log.exception("re-sync of %s failed", address)
         finally:
             with self._resync_lock:
                 self._resyncing.discard(w)
