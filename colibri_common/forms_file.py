@@ -89,6 +89,9 @@ def resolve(setting: str) -> Path | None:
     if setting == "off":
         return None
     path = default_path() if setting == "auto" else Path(setting)
+    if path.is_dir():
+        raise ConfigError(f"--cpu-forms {path}: a directory; give a file's path, such as {path / 'cpu-forms.json'} "
+                          f"(or 'auto')")
     if path.exists() and not _ours(path):
         raise ConfigError(f"--cpu-forms {path}: this file is not a CPU forms file, and measuring would overwrite it; "
                           f"give a path of its own (or 'auto')")

@@ -272,6 +272,8 @@ def test_a_file_that_is_not_a_forms_file_is_never_overwritten(tmp_path, oracles,
         out = colibri_run([command, "--model", str(oracles["qwen3_moe"].path), "--cpu-forms", str(path)], timeout=120)
         assert out.returncode == 2 and "is not a CPU forms file" in out.stderr and "Traceback" not in out.stderr
     assert path.read_text() == text
+    with pytest.raises(ConfigError, match="a directory; give a file's path"):
+        resolve(str(tmp_path))
 
 
 def test_entries_that_make_no_sense_are_measured_again(forms_state):
