@@ -174,15 +174,16 @@ DEFAULT = -1.0                              # a call's `timeout` when it takes t
 
 
 def _seconds(value: object, name: str) -> float | None:
-    """A deadline in seconds (> 0), or None for none; a ValueError or TypeError naming `name` otherwise (-5 had
-    meant the default, nan an expired deadline, "5" a TypeError from inside gRPC)."""
+    """A deadline in seconds (> 0), or None for none (inf too: gRPC took it as one already passed); a ValueError or
+    TypeError naming `name` otherwise (-5 had meant the default, nan an expired deadline, "5" a TypeError from
+    inside gRPC)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be seconds (a number) or None for no deadline, got {value!r}")
-    if not (value > 0 and math.isfinite(value)):
+    if not value > 0:
         raise ValueError(f"{name} must be seconds > 0, or None for no deadline, got {value!r}")
-    return float(value)
+    return None if math.isinf(value) else float(value)
 
 
 def _target(target: object) -> str:

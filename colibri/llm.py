@@ -23,6 +23,7 @@ import logging
 import operator
 import subprocess
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -119,6 +120,22 @@ def _token_ids(prompt: object) -> list[int]:
         return [operator.index(t) for t in prompt]               # type: ignore[union-attr]
     except TypeError:
         raise TypeError(f"a prompt is a str or a list of int token ids, got {prompt!r:.80}") from None
+
+
+def _abort_running(client: Client, futures: list, rids: list[str], within: float = 10.0) -> None:
+    """Abort the requests whose calls still run, again until they end (a call may reach the router after an abort
+    that found nothing), for at most `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        running = [(f, rid) for f, rid in zip(futures, rids, strict=True) if not f.done()]
+        if not running:
+            return
+        for _, rid in running:
+            try:
+                client.abort(rid)
+            except (GenerationError, ValueError):
+                return                                 # the router is gone, or this LLM closed: nothing to abort
+        wait([f for f, _ in running], timeout=0.1)
 
 
 def _check_stop_ids(sp: SamplingParams, vocab: int) -> None:
@@ -308,7 +325,10 @@ class LLM:
         if self._closed:
             raise RuntimeError("this LLM is closed")
         client = self._clients[0]
-        vocab = client.model_info().vocab_size
+        try:
+            vocab = client.model_info().vocab_size
+        except (GenerationError, ValueError) as exc:   # the router unreachable, or this LLM closed meanwhile
+            raise RuntimeError("this LLM is closed" if self._closed else f"the fleet's router: {exc}") from exc
         for prompt, sp in zip(prompts, params, strict=True):         # every prompt checked before any runs
             if isinstance(prompt, str):
                 check_utf8(prompt)
@@ -318,16 +338,21 @@ class LLM:
                     raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
             _check_stop_ids(sp, vocab)
         rids = [f"llm-{next(self._ids)}" for _ in prompts]
+        stop = threading.Event()                       # set once one fails: the requests not yet sent are not sent
 
-        def one(job: tuple[Prompt, SamplingParams, str]) -> RequestOutput:
+        def one(job: tuple[Prompt, SamplingParams, str]) -> RequestOutput | None:
             prompt, sp, rid = job
+            if stop.is_set():
+                return None
             fields = {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}
             wire_prompt = prompt if isinstance(prompt, str) else _token_ids(prompt)
             try:
                 r = client.generate(wire_prompt, timeout=None, request_id=rid, **fields)
-            except GenerationError as exc:
+            except (GenerationError, ValueError) as exc:
                 if self._closed:                       # closed under a running generate (another thread)
                     raise RuntimeError("this LLM is closed") from exc
+                if isinstance(exc, ValueError):
+                    raise
                 raise (ValueError if exc.code().name == "INVALID_ARGUMENT" else RuntimeError)(exc.details()) from exc
             outs = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                      [torch.from_numpy(x.copy()) for x in c.logits],
@@ -339,18 +364,20 @@ class LLM:
                 return RequestOutput(rid, prompt, ids, outs)
             return RequestOutput(rid, None, list(wire_prompt), outs)
 
-        with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
-            futures = [pool.submit(one, job) for job in zip(prompts, params, rids, strict=True)]
+        pool = ThreadPoolExecutor(max_workers=min(64, len(prompts)))
+        futures = [pool.submit(one, job) for job in zip(prompts, params, rids, strict=True)]
+        try:
             wait(futures, return_when=FIRST_EXCEPTION)
             failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-            if failed is not None:                     # the others are not waited for: aborted, then the error
-                for rid in rids:
-                    try:
-                        client.abort(rid)
-                    except (GenerationError, ValueError):
-                        pass                           # the router is gone, or this LLM closed: nothing to abort
-                raise failed.exception()               # type: ignore[misc]
-            return [f.result() for f in futures]
+            if failed is None:
+                return [f.result() for f in futures]   # type: ignore[misc]  (none skipped: none failed)
+            raise failed.exception()                   # type: ignore[misc]
+        except BaseException:                          # a failure, or Ctrl-C: the others end now, not in full
+            stop.set()
+            _abort_running(client, futures, rids)
+            raise
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # -- both -----------------------------------------------------------------------------------------------
 

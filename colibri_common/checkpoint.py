@@ -160,7 +160,8 @@ class Checkpoint:
         for fname in files:
             path = self.dir / fname
             if not path.is_file():
-                raise CheckpointError(f"{index}: names {fname}, which is missing from {self.dir}" if weight_map else
+                raise CheckpointError(f"{index}: names {fname}, which is missing from {self.dir}"
+                                      if weight_map and not (path.exists() or path.is_symlink()) else
                                       f"{path}: not a regular file (a directory, or a link to nothing)")
             self.entries.update(_read_header(path))
         for name, fname in weight_map.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 import os
 import re
 import sys
@@ -50,6 +51,8 @@ def escaped_list(text: str) -> tuple[str, ...]:
     for ch in chars:
         if ch == "\\":
             nxt = next(chars, "")
+            if not nxt:
+                raise argparse.ArgumentTypeError(f"{text!r} ends in a lone backslash: write \\\\ for a backslash")
             if nxt not in _ESCAPES:
                 raise argparse.ArgumentTypeError(f"unknown escape '\\{nxt}' in {text!r}: use \\n \\t \\r "
                                                  f"\\, (a comma) or \\\\ (a backslash)")
@@ -245,23 +248,35 @@ def from_args(cls: type, ns: argparse.Namespace, prefix: str = "") -> Any:
     return cls(**kw)
 
 
-def _fits(value: Any, tp: Any) -> bool:
-    """Whether a keyword value is of a flag field's type (a bool is no number; a list passes for a tuple)."""
+def _as_field(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(whether a keyword value fits a flag field's type, the value as the field holds it): a path for a str, any
+    integer (numpy's too) for an int, any real for a float, 0 / 1 for a bool, a list for a tuple; a bool is no
+    number."""
     if typing.get_origin(tp) is tuple:
         item = typing.get_args(tp)[0]
-        return isinstance(value, (tuple, list)) and all(_fits(v, item) for v in value)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not isinstance(value, (tuple, list)):
+            return False, value
+        items = [_as_field(v, item) for v in value]
+        return all(ok for ok, _ in items), tuple(v for _, v in items)
+    if tp is str and isinstance(value, os.PathLike):
+        return True, os.fspath(value)
+    if tp is bool:
+        return (True, bool(value)) if isinstance(value, bool) or (isinstance(value, numbers.Integral)
+                                                                  and value in (0, 1)) else (False, value)
+    if isinstance(value, bool):
+        return tp is not int and tp is not float and isinstance(tp, type) and isinstance(value, tp), value
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, tp) if isinstance(tp, type) else True
+        return (True, int(value)) if isinstance(value, numbers.Integral) else (False, value)
+    if tp is float:
+        return (True, float(value)) if isinstance(value, numbers.Real) else (False, value)
+    return (isinstance(value, tp) if isinstance(tp, type) else True), value
 
 
 def check_values(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
     """Keyword values for `cls`'s flag fields checked as the flags' parser would: the field's type and its choices
     (the Python API skips argparse: dtype="BFLOAT16" was an AttributeError deep in torch, threads="two" a
-    comparison error, dtype="float16" silently taken). Lists become tuples; the values, or a TypeError / ValueError
-    naming the option."""
+    comparison error, dtype="float16" silently taken). The values as the fields hold them (`_as_field`), or a
+    TypeError / ValueError naming the option."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     out = dict(values)
@@ -271,11 +286,11 @@ def check_values(cls: type, values: dict[str, Any], where: str) -> dict[str, Any
                                                      hints[name]):
             continue
         tp, meta = _strip_optional(hints[name]), f.metadata["cli"]
-        if not _fits(value, tp):
+        ok, value = _as_field(value, tp)
+        if not ok:
             kind = getattr(tp, "__name__", str(tp))
-            raise TypeError(f"{where}: {name} must be {kind}, got {value!r}")
-        if isinstance(value, list):
-            out[name] = value = tuple(value)
+            raise TypeError(f"{where}: {name} must be {kind}, got {values[name]!r}")
+        out[name] = value
         if meta["choices"]:
             as_flag = meta["type"](value) if meta["type"] and isinstance(value, str) else value
             if as_flag not in meta["choices"]:

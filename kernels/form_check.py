@@ -122,6 +122,7 @@ def isolated(run: Callable[[], str | None], timeout: float = 60.0) -> Verdict | 
             os.close(r)
             signal.alarm(int(timeout) + 5)             # gone even if the parent dies first
             faulthandler.disable()                     # its crash is the parent's finding, not a traceback
+            signal.signal(signal.SIGBUS, signal.SIG_DFL)   # nor an exit 75 (the services' SIGBUS handler)
             torch.set_num_threads(1)
             why = run()
             os.write(w, (why or "").encode()[:4000])

@@ -250,7 +250,9 @@ def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
 
     p = subprocess.Popen([COLIBRI, "bench", "--target", "127.0.0.1:1", "--ready-timeout", "60"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)                                # importing, then waiting for a router that never comes
+    told = p.stderr.readline()                   # it says once that it waits for a router that never comes
+    assert "waiting up to 60 s" in told, told
+    time.sleep(0.5)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "colibri bench: interrupted" in err and "Traceback" not in err, err
@@ -262,3 +264,22 @@ def test_a_child_s_exit_is_explained_in_serve_s_log():
     assert "SIGBUS: a read through a mapped file" in exit_reason(-7)
     assert "SIGKILL: killed: the kernel's OOM killer" in exit_reason(-9)
     assert "maps them afresh" in exit_reason(75) and exit_reason(1) == "" and exit_reason(None) == ""
+
+
+def test_keyword_options_are_checked_and_converted_as_their_flags_are():
+    """The Python API's keywords (LLM(...)) against the flags' types: paths, numpy integers and 0 / 1 are taken
+    as a user means them; a string for a number, a bool for a count and a value outside the choices are not."""
+    import numpy as np
+
+    from colibri_common.options import check_values
+
+    got = check_values(RouterOptions, {"cpu_forms": Path("/tmp/f.json"), "batch_invariant": 1,
+                                       "threads": np.int64(2), "workers": ["a:1", "b:2"]}, "LLM")
+    assert got == {"cpu_forms": "/tmp/f.json", "batch_invariant": True, "threads": 2, "workers": ("a:1", "b:2")}
+    assert type(got["threads"]) is int
+    for bad, error, needle in [({"threads": "two"}, TypeError, "threads must be int, got 'two'"),
+                               ({"threads": True}, TypeError, "threads must be int"),
+                               ({"batch_invariant": 2}, TypeError, "batch_invariant must be bool"),
+                               ({"dtype": "BFLOAT16"}, ValueError, "dtype='BFLOAT16' is not one of")]:
+        with pytest.raises(error, match=needle):
+            check_values(RouterOptions, bad, "LLM")

@@ -4,6 +4,7 @@ text prompts, stop strings, one sampling per prompt; bad input is a clear error 
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -104,10 +105,16 @@ def test_a_local_fleet_gives_the_same_tokens_as_in_process(model):
             fleet.generate([PROMPTS[0], [3, 999]], _greedy())
         with pytest.raises(ValueError, match="stop_token_ids"):
             fleet.generate([PROMPTS[0]], _greedy(stop_token_ids=(300,)))
-        # the router refuses one (too long once tokenized): the error comes at once and the others are aborted
+        # the router refuses one (too long once tokenized): the error comes at once and the others are aborted,
+        # where the executor's exit had waited for them to finish in full
         limit = fleet._clients[0].model_info().max_model_len
+        t0 = time.monotonic()
+        fleet.generate([[3, 5], [7, 9]], _greedy(limit - 10))
+        full = time.monotonic() - t0
+        t0 = time.monotonic()
         with pytest.raises(ValueError, match="maximum length"):
-            fleet.generate([PROMPTS[1], "x" * (2 * limit), PROMPTS[2]], _greedy(limit - 10))
+            fleet.generate([[3, 5], "x" * (2 * limit), [7, 9]], _greedy(limit - 10))
+        assert time.monotonic() - t0 < full / 2, (time.monotonic() - t0, full)
         text = fleet.generate("Colibri", _greedy())[0]
     check_against_oracle(oracle, PROMPTS[0], there[0].token_ids, there[0].logits, there[0].finish_reason)
     for a, b in zip(here, there, strict=True):

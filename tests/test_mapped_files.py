@@ -223,4 +223,8 @@ def test_a_read_that_faults_on_a_changed_file_names_it_and_exits_75(tmp_path):
     out = subprocess.run([sys.executable, "-c", SIGBUS_SCRIPT, str(target)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == RESTART, f"exit {out.returncode} (a SIGBUS is -7): {out.stderr[-2000:]}"
-    assert f"colibri: SIGBUS reading {target} through its mapping" in out.stderr
+    assert f"colibri: SIGBUS reading {target} through its mapping: the file was truncated" in out.stderr
+    sent = subprocess.run([sys.executable, "-c", "import os, signal; from kernels import native; "
+                           "native.exit_on_sigbus(75); os.kill(os.getpid(), signal.SIGBUS)"], capture_output=True,
+                          timeout=120)
+    assert sent.returncode == -7 and b"colibri: SIGBUS" not in sent.stderr   # a kill -BUS is not ours: default

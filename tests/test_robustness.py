@@ -113,6 +113,7 @@ def test_a_client_checks_its_target_and_deadlines_and_says_when_it_is_closed(ser
         with pytest.raises(error, match="timeout"):
             client.generate([1, 2, 3], 4, timeout=timeout)
     assert client.generate([1, 2, 3], 4, timeout=None).token_ids == oracle.greedy([1, 2, 3], 4)
+    assert client.generate([1, 2, 3], 4, timeout=math.inf).token_ids == oracle.greedy([1, 2, 3], 4)   # none
     client.close()
     with pytest.raises(ValueError, match="this Client is closed"):
         client.generate([1, 2, 3], 4)

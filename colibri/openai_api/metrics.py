@@ -15,8 +15,9 @@ class FrontMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("colibri_openai:requests", "HTTP generation requests the router answered, by "
-                                "endpoint and outcome (ok, abort = the client left, or the HTTP status); those "
-                                "refused before (bad input, a wrong key) are in colibri_openai:refused.",
+                                "endpoint and outcome (ok, abort = the client left, or the HTTP status); "
+                                "colibri_openai:refused counts every error answer, those refused before the "
+                                "router (bad input, a wrong key) included.",
                                 ["endpoint", "outcome"], registry=self.registry)
         self.in_flight = Gauge("colibri_openai:requests_in_flight", "Generation requests open now.",
                                registry=self.registry)

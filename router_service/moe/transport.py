@@ -48,7 +48,7 @@ def _unreachable(address: str) -> str:
     "; connecting to it: Connection refused" or "...: cannot resolve ..."; "" where a TCP connection opens (or the
     address is not HOST:PORT)."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or "/" in host:          # dns:///..., unix:...: gRPC's own forms
         return ""
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()

@@ -71,57 +71,58 @@ class Upkeep:
     def _resync(self, w: int) -> None:
         remote, address = self.placement.remote, self.placement.remote.addresses[w]
         pause = 0.1
-        warned = False
+        warned = [False]
         try:
             while not self._stop.is_set():
                 try:
-                    info = remote.describe(address, time.monotonic() + 2.0)      # outside the change lock
-                except WorkerError as exc:
-                    log.debug("re-sync of %s: %s", address, exc)
-                    info = None
-                except ValueError as exc:          # its link closed under it: the router is stopping
-                    log.debug("re-sync of %s ends: %s", address, exc)
-                    return
-                if info is not None:
-                    with self.placement.change_lock:
-                        table = remote.table
-                        if not table.in_plan(w):
-                            return
-                        if remote.serves(info, table):
-                            remote.liveness.set_synced(w, True)
-                            return
-                        mine = info.owner in ("", remote.owner_id)
-                        if info.epoch > table.epoch and not mine:
-                            if not warned:
-                                log.error("worker %s holds placement epoch %d of another router (%s): this router "
-                                          "(epoch %d) cannot serve with it; one router owns a fleet's placement",
-                                          address, info.epoch, info.owner, table.epoch)
-                                warned = True
-                        else:
-                            # never lower a worker's epoch (after this router's rollback it is ahead): it answers
-                            # for ours too
-                            epoch = max(table.epoch, info.epoch)
-                            try:
-                                remote.assign(address, table.plan.of(address), epoch, self.placement.opts.load_timeout,
-                                              (table.epoch,) if epoch != table.epoch else ())
-                                log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address,
-                                         table.epoch, info.epoch)
-                                remote.liveness.set_synced(w, True)
-                                return
-                            except WorkerError as exc:
-                                log.debug("re-sync of %s: %s", address, exc)
-                            except ValueError as exc:          # the link closed: the router is stopping
-                                log.debug("re-sync of %s ends: %s", address, exc)
-                                return
+                    if self._resync_once(w, address, warned):
+                        return
+                except Exception:  # noqa: BLE001 (logged; the loop tries again, a thread's traceback would end it)
+                    if self._stop.is_set() or remote.links.links[w].closed:
+                        return                              # the router is stopping: its links closed under us
+                    log.exception("re-sync of %s failed; trying again", address)
                 time.sleep(pause)
                 pause = min(2.0, pause * 2)
-        except Exception:  # noqa: BLE001 (logged, not a thread's raw traceback; the next failure tries again)
-            log.exception("re-sync of %s failed", address)
         finally:
             with self._resync_lock:
                 self._resyncing.discard(w)
             if not remote.table.in_plan(w):
                 remote.liveness.set_synced(w, True)     # it left the plan: a clean slate if it comes back
+
+    def _resync_once(self, w: int, address: str, warned: list[bool]) -> bool:
+        """One try at having worker w hold the current plan's experts; True when it does (or left the plan)."""
+        remote = self.placement.remote
+        try:
+            info = remote.describe(address, time.monotonic() + 2.0)      # outside the change lock
+        except WorkerError as exc:
+            log.debug("re-sync of %s: %s", address, exc)
+            return False
+        with self.placement.change_lock:
+            table = remote.table
+            if not table.in_plan(w):
+                return True
+            if remote.serves(info, table):
+                remote.liveness.set_synced(w, True)
+                return True
+            mine = info.owner in ("", remote.owner_id)
+            if info.epoch > table.epoch and not mine:
+                if not warned[0]:
+                    log.error("worker %s holds placement epoch %d of another router (%s): this router (epoch %d) "
+                              "cannot serve with it; one router owns a fleet's placement", address, info.epoch,
+                              info.owner, table.epoch)
+                    warned[0] = True
+                return False
+            # never lower a worker's epoch (after this router's rollback it is ahead): it answers for ours too
+            epoch = max(table.epoch, info.epoch)
+            try:
+                remote.assign(address, table.plan.of(address), epoch, self.placement.opts.load_timeout,
+                              (table.epoch,) if epoch != table.epoch else ())
+            except WorkerError as exc:
+                log.debug("re-sync of %s: %s", address, exc)
+                return False
+            log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address, table.epoch, info.epoch)
+            remote.liveness.set_synced(w, True)
+            return True
 
     def _rebalancing(self) -> None:
         while not self._stop.wait(self.placement.opts.rebalance_interval):
