@@ -691,7 +691,8 @@ def test_the_openai_front_dials_the_router_service_and_serves_its_port():
     hosts = f"{front_svc},{front_svc}.llm,{front_svc}.llm.svc,{front_svc}.llm.svc.cluster.local,$(POD_IP),localhost," \
             "127.0.0.1"
     assert c["args"] == ["openai", f"--target={target}", "--host=0.0.0.0", "--port=8000", f"--allowed-hosts={hosts}",
-                         "--tls-ca=/etc/colibri/tls/ca.crt", "--log-level=INFO"]       # TLS is on by default
+                         "--tls-ca=/etc/colibri/tls/ca.crt", "--log-level=INFO",       # TLS is on by default
+                         "--grace-period=30"]                   # terminationGracePeriodSeconds, less 5 to exit
     # the Host names it answers: its Service's, and its pod's IP, which kubelet's probes and scrapers call
     assert {e["name"]: e for e in c["env"]}["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert dep["spec"]["replicas"] == 1
@@ -737,7 +738,7 @@ def test_the_openai_front_follows_its_values():
                          "--port=9000", "--served-model-name=org/qwen3: moe",
                          f"--allowed-hosts={svc},{svc}.llm,{svc}.llm.svc,{svc}.llm.svc.corp,$(POD_IP),localhost,"
                          "127.0.0.1,api.example.com", "--allowed-origins=https://a.example,https://b.example",
-                         "--tls-ca=/etc/colibri/tls/ca.crt", "--log-level=DEBUG",
+                         "--tls-ca=/etc/colibri/tls/ca.crt", "--log-level=DEBUG", "--grace-period=30",
                          "--max-tokens-default", "256"]
     assert c["ports"][0]["containerPort"] == 9000 and dep["spec"]["replicas"] == 3
     (svc,) = of(docs, "Service", "openai")
@@ -1139,3 +1140,56 @@ def test_notes_say_how_to_reach_the_admin_service_and_resize():
     assert "colibri workers --target 127.0.0.1:50051 show" in static and "statefulset" not in static
     assert "jsonpath='{.data.fleet}'" in notes(VALUE_SETS["elastic-plain"]) and "corp-fleet" in notes(
         VALUE_SETS["elastic-plain"])
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"model": {"quantize": "int8"}, "router": {"gpus": 1}}, "router.gpus=1 puts the router on a GPU"),
+    ({"router": {"port": 9090}}, "router.port and router.metricsPort are both 9090"),
+    ({"experts": {"metricsPort": 50061}}, "experts.port and experts.metricsPort are both 50061"),
+    ({"router": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+     "router.autoscaling.minReplicas (5) is more than router.autoscaling.maxReplicas (2)"),
+    ({"router": {"keda": {"enabled": True, "minReplicaCount": 3, "maxReplicaCount": 2}}},
+     "router.keda.minReplicaCount (3) is more than"),
+    ({"model": {"source": "init", "init": {"source": " "}}}, "model.source=init: set model.init.source"),
+    ({"router": {"extraArgs": ["--port=6000"]}}, "router.extraArgs sets --port, which the chart sets itself"),
+    ({"experts": {"extraArgs": ["--shard", "0/1"]}}, "experts.extraArgs sets --shard"),
+    ({"openai": {"enabled": True, "extraArgs": ["--target=elsewhere:1"]}}, "openai.extraArgs sets --target"),
+])
+def test_values_that_conflict_fail_the_render_naming_them(values, message):
+    """Each rendered before: a router the CLI refuses, two ports in one Service, an HPA the API server refuses, an
+    init container copying from nothing, a router listening where no probe or Service looks."""
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        render(values)
+
+
+@pytest.mark.parametrize(("values", "where"), [
+    ({"experts": {"cache": {"capacity": "150%"}}}, "/experts/cache/capacity"),
+    ({"experts": {"cache": {"capacity": "0%"}}}, "/experts/cache/capacity"),
+    ({"experts": {"cache": {"hostCapacity": "0GiB"}}}, "/experts/cache/hostCapacity"),
+    ({"router": {"resources": {"requests": {"cpu": "two"}}}}, "/router/resources/requests/cpu"),
+    ({"experts": {"resources": {"limits": {"memory": "16GB"}}}}, "/experts/resources/limits/memory"),
+    ({"shm": {"sizeLimit": "huge"}}, "/shm/sizeLimit"),
+    ({"shm": {"size": "8Gi"}}, "/shm"),
+    ({"openai": {"enabled": True, "allowedOrigins": ["example.com"]}}, "/openai/allowedOrigins/0"),
+    ({"openai": {"enabled": True, "allowedHosts": ["https://example.com"]}}, "/openai/allowedHosts/0"),
+])
+def test_the_schema_refuses_values_the_services_or_the_api_server_would(values, where):
+    with pytest.raises(helm.HelmError, match=f"(?s)schema.*at '{where}'"):
+        render(values)
+
+
+def test_long_release_names_keep_the_expert_pods_makeable_and_the_front_drains_in_its_grace():
+    """A StatefulSet's pods carry controller-revision-hash: <name>-<10 characters> (63 at most): a release name of
+    50 characters made a 58-character StatefulSet whose pods were never created."""
+    docs = helm.Chart.load(CHART).render({"openai": {"enabled": True}}, name="a" * 50, namespace="llm",
+                                         is_install=True)
+    objs = [d for path, text in docs.items() if not path.endswith(".txt") for d in yaml.safe_load_all(text) if d]
+    (sts,) = by_kind(objs, "StatefulSet")
+    assert len(sts["metadata"]["name"]) <= 52 and sts["spec"]["serviceName"] == sts["metadata"]["name"]
+    router = next(d for d in by_kind(objs, "Deployment") if d["metadata"]["name"].endswith("-router"))
+    worker_addresses = next(a for a in router["spec"]["template"]["spec"]["containers"][0]["args"]
+                            if a.startswith("--workers="))
+    assert f"{sts['metadata']['name']}-0." in worker_addresses
+    front = next(d for d in by_kind(render({"openai": {"enabled": True}, "terminationGracePeriodSeconds": 12}),
+                                    "Deployment") if d["metadata"]["name"].endswith("-openai"))
+    assert "--grace-period=7" in front["spec"]["template"]["spec"]["containers"][0]["args"]

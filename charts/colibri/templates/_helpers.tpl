@@ -12,7 +12,9 @@
 {{- end -}}
 
 {{- define "colibri.routerName" -}}{{ include "colibri.fullname" . }}-router{{- end -}}
-{{- define "colibri.expertsName" -}}{{ include "colibri.fullname" . }}-experts{{- end -}}
+{{- /* at most 52 characters: the StatefulSet's pods carry "controller-revision-hash: <name>-<10 characters>", a
+label value of at most 63 (a longer name: no pod is ever made) */}}
+{{- define "colibri.expertsName" -}}{{ include "colibri.fullname" . | trunc 44 | trimSuffix "-" }}-experts{{- end -}}
 {{- define "colibri.openaiName" -}}{{ include "colibri.fullname" . }}-openai{{- end -}}
 
 {{/* The router Service's in-cluster address: the name its TLS certificate carries. */}}
@@ -300,5 +302,38 @@ grpc:
   {{- with .service }}
   service: {{ . }}
   {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Checks between values that the schema cannot state: each fails the render naming the values and what to set
+(each was a manifest the API server, the scheduler or the colibri CLI refused after the install). */}}
+{{- define "colibri.checks" -}}
+{{- $v := .Values -}}
+{{- if and (gt (int $v.router.gpus) 0) $v.model.quantize }}
+{{- fail (printf "model.quantize=%s is the CPU path (int8 CPU kernels) and router.gpus=%d puts the router on a GPU, which the router refuses: set router.gpus=0, or drop model.quantize" $v.model.quantize (int $v.router.gpus)) }}
+{{- end }}
+{{- range $name := list "router" "experts" }}
+{{- $c := get $v $name }}
+{{- if eq (int $c.port) (int $c.metricsPort) }}
+{{- fail (printf "%s.port and %s.metricsPort are both %d: one port cannot serve gRPC and the metrics; give them different ports" $name $name (int $c.port)) }}
+{{- end }}
+{{- end }}
+{{- $scaled := dict "router.autoscaling" (list $v.router.autoscaling.enabled $v.router.autoscaling.minReplicas $v.router.autoscaling.maxReplicas "minReplicas" "maxReplicas") "openai.autoscaling" (list (and $v.openai.enabled $v.openai.autoscaling.enabled) $v.openai.autoscaling.minReplicas $v.openai.autoscaling.maxReplicas "minReplicas" "maxReplicas") "experts.autoscaling" (list $v.experts.autoscaling.enabled $v.experts.autoscaling.minReplicas $v.experts.autoscaling.maxReplicas "minReplicas" "maxReplicas") "router.keda" (list $v.router.keda.enabled $v.router.keda.minReplicaCount $v.router.keda.maxReplicaCount "minReplicaCount" "maxReplicaCount") }}
+{{- range $name, $s := $scaled }}
+{{- if and (index $s 0) (gt (int (index $s 1)) (int (index $s 2))) }}
+{{- fail (printf "%s.%s (%d) is more than %s.%s (%d)" $name (index $s 3) (int (index $s 1)) $name (index $s 4) (int (index $s 2))) }}
+{{- end }}
+{{- end }}
+{{- if and (eq $v.model.source "init") (not (trim (toString $v.model.init.source))) }}
+{{- fail "model.source=init: set model.init.source, what model.init.command copies the checkpoint from (s3://..., https://..., or a path inside model.init.image)" }}
+{{- end }}
+{{- $owned := dict "router" (list "--model" "--host" "--port" "--metrics-port" "--workers" "--follow-workers" "--tls-cert" "--tls-key" "--tls-ca" "--tls-client-auth" "--grace-period" "--device") "experts" (list "--model" "--host" "--port" "--metrics-port" "--shard" "--tls-cert" "--tls-key" "--tls-ca" "--device") "openai" (list "--target" "--host" "--port" "--tls-ca" "--tls-cert" "--tls-key" "--grace-period") }}
+{{- range $name, $flags := $owned }}
+{{- range (get $v $name).extraArgs }}
+{{- $flag := regexReplaceAll "=.*$" (toString .) "" }}
+{{- if has $flag $flags }}
+{{- fail (printf "%s.extraArgs sets %s, which the chart sets itself (its probes, Services and the other pods follow the chart's value): set it through the chart's values instead" $name $flag) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end -}}
