@@ -1172,6 +1172,13 @@ def test_values_that_conflict_fail_the_render_naming_them(values, message):
     ({"shm": {"size": "8Gi"}}, "/shm"),
     ({"openai": {"enabled": True, "allowedOrigins": ["example.com"]}}, "/openai/allowedOrigins/0"),
     ({"openai": {"enabled": True, "allowedHosts": ["https://example.com"]}}, "/openai/allowedHosts/0"),
+    ({"router": {"keda": {"enabled": True, "threshold": "0"}}}, "/router/keda/threshold"),
+    ({"tls": {"certManager": {"enabled": True, "issuerRef": {"kind": "ClusterIssuer"}}}}, "/tls/certManager/issuerRef"),
+    ({"model": {"source": "pvc", "pvc": {"claimName": "c", "subPath": "/abs"}}}, "/model/pvc/subPath"),
+    ({"model": {"source": "pvc", "pvc": {"claimName": "c", "subPath": "a/../b"}}}, "/model/pvc/subPath"),
+    ({"experts": {"shards": 2000}}, "/experts/shards"),             # its --workers= would pass Linux's 128 KiB
+    ({"podLabels": {"team": "a b"}}, "/podLabels/team"),
+    ({"podLabels": {"app.kubernetes.io/component": "x"}}, ""),       # the selector's own labels
 ])
 def test_the_schema_refuses_values_the_services_or_the_api_server_would(values, where):
     with pytest.raises(helm.HelmError, match=f"(?s)schema.*at '{where}'"):
@@ -1193,3 +1200,8 @@ def test_long_release_names_keep_the_expert_pods_makeable_and_the_front_drains_i
     front = next(d for d in by_kind(render({"openai": {"enabled": True}, "terminationGracePeriodSeconds": 12}),
                                     "Deployment") if d["metadata"]["name"].endswith("-openai"))
     assert "--grace-period=7" in front["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_a_release_name_that_starts_with_a_digit_is_refused():
+    with pytest.raises(helm.HelmError, match="release name 1prod starts with a digit"):
+        helm.Chart.load(CHART).render({}, name="1prod", namespace="llm", is_install=True)

@@ -309,6 +309,9 @@ grpc:
 (each was a manifest the API server, the scheduler or the colibri CLI refused after the install). */}}
 {{- define "colibri.checks" -}}
 {{- $v := .Values -}}
+{{- if regexMatch "^[0-9]" .Release.Name }}
+{{- fail (printf "release name %s starts with a digit: its Services' names (%s-...) must start with a letter (DNS-1035)" .Release.Name .Release.Name) }}
+{{- end }}
 {{- if and (gt (int $v.router.gpus) 0) $v.model.quantize }}
 {{- fail (printf "model.quantize=%s is the CPU path (int8 CPU kernels) and router.gpus=%d puts the router on a GPU, which the router refuses: set router.gpus=0, or drop model.quantize" $v.model.quantize (int $v.router.gpus)) }}
 {{- end }}
