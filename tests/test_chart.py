@@ -1205,3 +1205,20 @@ def test_long_release_names_keep_the_expert_pods_makeable_and_the_front_drains_i
 def test_a_release_name_that_starts_with_a_digit_is_refused():
     with pytest.raises(helm.HelmError, match="release name 1prod starts with a digit"):
         helm.Chart.load(CHART).render({}, name="1prod", namespace="llm", is_install=True)
+
+
+def test_ip_addresses_in_extra_names_become_ip_sans():
+    """tls.extraDnsNames of 10.0.0.1 went into the DNS names, where a client that verifies an IP never looks."""
+    import ipaddress
+
+    from cryptography import x509
+
+    extra = ["moe.example.com", "10.0.0.1", "fd00::1"]
+    cert = x509.load_pem_x509_certificate(pems(tls_secret(render({"tls": {"extraDnsNames": extra}})))["tls.crt"])
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert set(sans.get_values_for_type(x509.IPAddress)) == {ipaddress.ip_address("10.0.0.1"),
+                                                            ipaddress.ip_address("fd00::1")}
+    assert "moe.example.com" in sans.get_values_for_type(x509.DNSName)
+    assert not any(n[0].isdigit() or ":" in n for n in sans.get_values_for_type(x509.DNSName))
+    managed = by_kind(render({"tls": {"certManager": {"enabled": True}, "extraDnsNames": extra}}), "Certificate")[-1]
+    assert managed["spec"]["ipAddresses"] == ["10.0.0.1", "fd00::1"] and "10.0.0.1" not in managed["spec"]["dnsNames"]

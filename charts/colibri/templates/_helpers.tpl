@@ -171,7 +171,25 @@ initContainers:
 {{- $names := list $router (printf "%s.%s" $router $ns) (printf "%s.%s.svc" $router $ns)
       (printf "%s.%s.svc.%s" $router $ns .Values.clusterDomain)
       (printf "*.%s.%s.svc" $experts $ns) (printf "*.%s.%s.svc.%s" $experts $ns .Values.clusterDomain) -}}
-{{- concat $names .Values.tls.extraDnsNames | uniq | join "," -}}
+{{- $extra := list -}}
+{{- range .Values.tls.extraDnsNames }}{{ if not (include "colibri.isIp" .) }}{{ $extra = append $extra . }}{{ end }}{{ end -}}
+{{- concat $names $extra | uniq | join "," -}}
+{{- end -}}
+
+{{/* tls.extraDnsNames that are IP addresses: the certificate's IP SANs (as DNS names, clients that verify an IP
+     refused them) */}}
+{{- define "colibri.isIp" -}}
+{{- if or (regexMatch "^[0-9]+(\\.[0-9]+){3}$" .) (contains ":" .) }}true{{ end -}}
+{{- end -}}
+{{- define "colibri.tlsIps" -}}
+{{- $ips := list -}}
+{{- range .Values.tls.extraDnsNames }}{{ if include "colibri.isIp" . }}{{ $ips = append $ips . }}{{ end }}{{ end -}}
+{{- $ips | uniq | join "," -}}
+{{- end -}}
+
+{{/* What the certificate was made for, kept on the generated Secret: its names, then its IPs where it has some */}}
+{{- define "colibri.tlsNames" -}}
+{{- include "colibri.tlsDnsNames" . -}}{{ with include "colibri.tlsIps" . }}|{{ . }}{{ end -}}
 {{- end -}}
 
 {{/* The generated Secret's data (JSON, base64 values): the Secret already in the cluster when it was made for
@@ -179,7 +197,7 @@ initContainers:
      use. Made once per render and kept in .Values: the Secret and the pods' checksum see the same bytes. */}}
 {{- define "colibri.tlsGenerated" -}}
 {{- if not (hasKey .Values "_colibriTls") -}}
-{{- $names := include "colibri.tlsDnsNames" . -}}
+{{- $names := include "colibri.tlsNames" . -}}
 {{- $old := lookup "v1" "Secret" .Release.Namespace (include "colibri.tlsSecretName" .) | default dict -}}
 {{- $oldData := get $old "data" | default dict -}}
 {{- $oldNames := get (get (get $old "metadata" | default dict) "annotations" | default dict) "colibri.io/tls-names" -}}
@@ -190,8 +208,10 @@ initContainers:
 {{- $days := int .Values.tls.validityDays -}}
 {{- $ca := genCAWithKey (printf "%s-ca" (include "colibri.fullname" .)) $days (genPrivateKey "ecdsa") -}}
 {{- $dns := list -}}
-{{- range splitList "," $names }}{{ $dns = append $dns . }}{{ end -}}
-{{- $cert := genSignedCertWithKey (include "colibri.fullname" .) nil $dns $days $ca (genPrivateKey "ecdsa") -}}
+{{- range splitList "," (include "colibri.tlsDnsNames" .) }}{{ $dns = append $dns . }}{{ end -}}
+{{- $ips := list -}}
+{{- range splitList "," (include "colibri.tlsIps" .) }}{{ if . }}{{ $ips = append $ips . }}{{ end }}{{ end -}}
+{{- $cert := genSignedCertWithKey (include "colibri.fullname" .) $ips $dns $days $ca (genPrivateKey "ecdsa") -}}
 {{- $data = dict "ca.crt" ($ca.Cert | b64enc) "tls.crt" ($cert.Cert | b64enc) "tls.key" ($cert.Key | b64enc) -}}
 {{- end -}}
 {{- $_ := set .Values "_colibriTls" $data -}}
