@@ -32,7 +32,7 @@ from colibri.openai_api.options import OpenAIOptions
 from colibri.openai_api.policy import API_KEY_ENV
 from colibri_common.config import ModelConfig
 from colibri_common.errors import ConfigError
-from colibri_common.file_watch import EXIT_RESTART
+from colibri_common.file_watch import EXIT_RESTART, files_settled
 from colibri_common.fleet_token import ENV as FLEET_ENV
 from colibri_common.fleet_token import fleet_token, new_token
 from colibri_common.options import option, shared_fields, to_argv
@@ -394,6 +394,10 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
             log.error("%s exited with code %s%s; restarting it in %.0fs", what, code, exit_reason(code), delay)
             if stop_signal.wait(delay):
                 return
+            if code == EXIT_RESTART:           # its files changed: started again once a copy still under way ends
+                files_settled(opts.router.model, stop_signal)
+                if stop_signal.is_set():
+                    return
             started = time.monotonic()
             try:
                 p = respawn()

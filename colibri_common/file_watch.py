@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,3 +102,37 @@ class FileWatch:
 
 class MappingChanged(Exception):
     """A mapped file changed: nothing may read through its mapping any more (the message names it)."""
+
+
+def files_settled(directory: Path | str, stop: threading.Event, quiet_s: float = 1.0, limit_s: float = 600.0,
+                  say: Callable[[str], None] = log.info) -> bool:
+    """Wait until the checkpoint files of `directory` (*.safetensors and *.json) have kept their sizes and
+    modification times for `quiet_s` seconds, at most `limit_s`: a service that stopped because its files changed
+    starts again on a copy that is complete, not on one still being written (its start would fail, and a fleet
+    stop with it). False when `stop` was set or the limit passed."""
+
+    def stamps() -> dict[str, tuple[int, int]]:
+        out = {}
+        for p in sorted(Path(directory).glob("*")):
+            if p.suffix in (".safetensors", ".json"):
+                try:
+                    st = p.stat()
+                except OSError:
+                    continue
+                out[p.name] = (st.st_size, st.st_mtime_ns)
+        return out
+
+    deadline, told = time.monotonic() + limit_s, False
+    before = stamps()
+    while time.monotonic() < deadline:
+        if stop.wait(quiet_s):
+            return False
+        now = stamps()
+        if now == before:
+            return True
+        if not told:
+            say(f"the checkpoint files in {directory} are changing; waiting until they stay the same for "
+                f"{quiet_s:g} s (at most {limit_s:g} s)")
+            told = True
+        before = now
+    return False

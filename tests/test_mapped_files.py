@@ -228,3 +228,32 @@ def test_a_read_that_faults_on_a_changed_file_names_it_and_exits_75(tmp_path):
                            "native.exit_on_sigbus(75); os.kill(os.getpid(), signal.SIGBUS)"], capture_output=True,
                           timeout=120)
     assert sent.returncode == -7 and b"colibri: SIGBUS" not in sent.stderr   # a kill -BUS is not ours: default
+
+
+def test_a_restart_after_a_change_waits_for_the_copy_to_end(tmp_path):
+    """`serve` restarts a service that exited 75 once its checkpoint files stop changing: restarted mid-copy, the
+    service found a partial file, failed its start, and the fleet stopped with it."""
+    import threading
+
+    from colibri_common.file_watch import files_settled
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"x")
+    done = threading.Event()
+
+    def copy() -> None:                          # a slow copy over the file: 1.5 s of growth
+        with open(f, "ab") as out:
+            for _ in range(15):
+                out.write(b"y" * 4096)
+                out.flush()
+                time.sleep(0.1)
+        done.set()
+
+    said: list[str] = []
+    threading.Thread(target=copy, daemon=True).start()
+    t0 = time.monotonic()
+    assert files_settled(tmp_path, threading.Event(), quiet_s=0.4, say=said.append)
+    assert done.is_set() and time.monotonic() - t0 >= 1.4 and len(said) == 1 and "are changing" in said[0]
+    stop = threading.Event()
+    stop.set()
+    assert not files_settled(tmp_path, stop, quiet_s=0.2)             # serve is stopping: no wait
