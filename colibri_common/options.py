@@ -72,6 +72,12 @@ def escaped_list(text: str) -> tuple[str, ...]:
 escaped_list.__name__ = "comma-separated strings"
 
 
+def escaped(text: str) -> str:
+    """One string as `escaped_list` reads it back (its inverse, for `to_argv`)."""
+    return (text.replace("\\", "\\\\").replace(",", "\\,").replace("\n", "\\n").replace("\t", "\\t")
+            .replace("\r", "\\r"))
+
+
 def upper(text: str) -> str:
     return text.upper()
 
@@ -314,7 +320,8 @@ def to_argv(opts: Any, exclude: tuple[str, ...] = ()) -> list[str]:
         if flag.type is bool:
             out.append(flag.name if value else "--no-" + flag.name[2:])
         elif isinstance(value, tuple):
-            out.append(f"{flag.name}={','.join(map(str, value))}")
+            escape = flag.field.metadata["cli"]["type"] is escaped_list
+            out.append(f"{flag.name}={','.join(escaped(v) if escape else str(v) for v in value)}")
         else:
             out.append(f"{flag.name}={value}")
     return out

@@ -20,6 +20,7 @@ from colibri_common.options import Parser, _flags, add_options, from_args, optio
 from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.api.options import RouterOptions
 from router_service.engine.scheduler import SchedulerConfig
+from router_service.engine.sequence import Sampling
 from tests.conftest import COLIBRI
 
 
@@ -185,6 +186,9 @@ def test_stop_strings_are_kept_as_typed_with_escapes():
     assert stop("\n\n,\t") == ("\n\n", "\t")                     # the characters themselves ($'\n')
     assert stop("a\\,b,c\\\\d") == ("a,b", "c\\d")
     assert stop("\\r\\t") == ("\r\t",)
+    odd = (" the", "\n\n", "a,b", "c\\d", "\t")                     # and back through to_argv, as a child gets it
+    argv = to_argv(GenerateOptions(target="h:1", prompt_ids=(1,), sampling=Sampling(stop=odd)))
+    assert stop(next(a for a in argv if a.startswith("--stop=")).split("=", 1)[1]) == odd
 
 
 def test_the_cli_starts_without_torch_or_grpc():
