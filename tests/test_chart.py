@@ -1154,6 +1154,8 @@ def test_notes_say_how_to_reach_the_admin_service_and_resize():
     ({"router": {"extraArgs": ["--port=6000"]}}, "router.extraArgs sets --port, which the chart sets itself"),
     ({"experts": {"extraArgs": ["--shard", "0/1"]}}, "experts.extraArgs sets --shard"),
     ({"openai": {"enabled": True, "extraArgs": ["--target=elsewhere:1"]}}, "openai.extraArgs sets --target"),
+    ({"model": {"mountPath": "/tmp"}}, "model.mountPath /tmp overlaps the pods' scratch volume at /tmp"),
+    ({"tls": {"mountPath": "/models/model/tls"}}, "overlaps tls.mountPath at /models/model/tls"),
 ])
 def test_values_that_conflict_fail_the_render_naming_them(values, message):
     """Each rendered before: a router the CLI refuses, two ports in one Service, an HPA the API server refuses, an

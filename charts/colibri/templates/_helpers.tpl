@@ -347,6 +347,14 @@ grpc:
 {{- fail (printf "%s.%s (%d) is more than %s.%s (%d)" $name (index $s 3) (int (index $s 1)) $name (index $s 4) (int (index $s 2))) }}
 {{- end }}
 {{- end }}
+{{- $mounts := dict "/tmp" "the pods' scratch volume" "/dev/shm" "shm" }}
+{{- if $v.tls.enabled }}{{ $_ := set $mounts (clean $v.tls.mountPath) "tls.mountPath" }}{{ end }}
+{{- $model := clean $v.model.mountPath }}
+{{- range $path, $what := $mounts }}
+{{- if or (eq $model $path) (hasPrefix (printf "%s/" $path) $model) (hasPrefix (printf "%s/" $model) $path) }}
+{{- fail (printf "model.mountPath %s overlaps %s at %s: give each a path of its own (the checkpoint at /models/model, say)" $v.model.mountPath $what $path) }}
+{{- end }}
+{{- end }}
 {{- if and (eq $v.model.source "init") (not (trim (toString $v.model.init.source))) }}
 {{- fail "model.source=init: set model.init.source, what model.init.command copies the checkpoint from (s3://..., https://..., or a path inside model.init.image)" }}
 {{- end }}
