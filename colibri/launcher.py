@@ -261,6 +261,12 @@ class Fleet:
         code = p.wait()
         raise RuntimeError(f"{what} exited with code {code} before it was ready (its log is above)")
 
+    def signal_all(self, signum: int) -> None:
+        """`signum` to every child still running (a second signal to serve: the router's drain stops at once)."""
+        for p in list(self.children):
+            if p.poll() is None:
+                p.send_signal(signum)
+
     def stop(self, first: tuple[Child, ...] = (), first_timeout: float = 15.0,
              timeout: float = 15.0) -> None:
         """SIGTERM to `first` (the router, which drains) and wait for them; then the others; SIGKILL whatever
@@ -313,7 +319,12 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
     def on_signal(signum, _frame):
         # No wake (a put on the calls' queue): the handler runs on the main thread between two of its bytecodes,
         # perhaps inside that queue's lock. serve_calls polls the flag every 0.5 s, whichever thread took the signal.
-        log.info("received %s: stopping the fleet", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if stop_signal.is_set():              # a second Ctrl-C: every child stops now (the router cuts its drain)
+            log.info("received %s again: stopping every process now", name)
+            fleet.signal_all(signal.SIGTERM)
+            return
+        log.info("received %s: stopping the fleet", name)
         stop_signal.set()
 
     signal.signal(signal.SIGINT, on_signal)

@@ -90,9 +90,21 @@ def _patiently(call, request, timeout: float):
             pause = min(5.0, 2 * pause)
 
 
+def _plain(msg) -> dict:
+    """A message as JSON-ready values, every field present (layer 0 and epoch 0 too, which protobuf's JSON form
+    leaves out) and 64-bit integers as numbers (it writes them as strings)."""
+    out: dict = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.message_type is not None:
+            out[field.name] = [_plain(v) for v in value] if field.is_repeated else _plain(value)
+        else:
+            out[field.name] = list(value) if field.is_repeated else value
+    return out
+
+
 def run_workers(opts: WorkersOptions) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from colibri_common.fleet_token import fleet_token
     from colibri_common.pb import admin_pb2, admin_pb2_grpc
@@ -105,8 +117,7 @@ def run_workers(opts: WorkersOptions) -> int:
         try:
             if opts.action == "show":
                 resp = stub.ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=30)
-                print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True), indent=2) if opts.json
-                      else _table(resp))
+                print(json.dumps(_plain(resp), indent=2) if opts.json else _table(resp))
                 return 0
             if opts.action == "rebalance":
                 request = admin_pb2.RebalanceRequest()

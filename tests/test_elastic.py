@@ -132,7 +132,8 @@ def test_resize_mid_stream_3_to_4_to_2_changes_no_token(model):
         shown = json.loads(workers_cli(r, "show", "--json").stdout)
         assert [w["address"] for w in shown["workers"]] == addrs[1:3]
         assert all(w["state"] == "serving" and w["experts"] == 2 * 30 for w in shown["workers"])
-        assert int(shown["epoch"]) == 3 and int(shown["rebalances"]) == 2
+        assert shown["epoch"] == 3 and shown["rebalances"] == 2           # numbers, not protobuf JSON's strings
+        assert all(le["layer"] == i for w in shown["workers"] for i, le in enumerate(w["layers"]))   # layer 0 too
         assert held(addrs[0]) == 0 and held(addrs[3]) == 0   # the removed workers hold no experts
         table = workers_cli(r, "show").stdout
         assert addrs[1] in table and addrs[0] not in table and "balance" in table

@@ -6,9 +6,10 @@ from __future__ import annotations
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from colibri.client import Client
+from colibri.client import Client, GenerationError
 from tests.conftest import fleet, free_port
 
 
@@ -38,6 +39,13 @@ def test_router_and_worker_metrics_move_with_the_traffic(oracles):
             moved = value(m[h], h + "_count") - value(before[h], h + "_count")
             assert moved >= (25 if "inter_token" in h else 5), h
         assert value(m["colibri:request_success"], "colibri:request_success_total", finished_reason="length") >= 5
+        # requests refused at admission are counted by reason (they were in no metric)
+        for bad in ({"temperature": -1.0}, {"stop_token_ids": [10**6]}):
+            with pytest.raises(GenerationError):
+                client.generate([1, 2], 2, **bad)
+        refused = scrape(port)["colibri:request_refused"]
+        assert value(refused, "colibri:request_refused_total", reason="invalid") == 2
+        assert value(refused, "colibri:request_refused_total", reason="duplicate_id") == 0
         assert value(m["colibri:generation_tokens"], "colibri:generation_tokens_total") >= 30
         assert value(m["colibri:prompt_tokens"], "colibri:prompt_tokens_total") >= 15
         assert m["colibri:num_requests_running"].type == "gauge" and "colibri:kv_cache_usage_perc" in m

@@ -331,3 +331,26 @@ def test_a_local_socket_or_metrics_port_that_cannot_be_bound_is_one_line(oracles
                           timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out
     assert f"error: cannot serve metrics on 127.0.0.1:{port}: Address already in use (--metrics-port)" in out.stderr
+
+
+def test_a_second_signal_to_serve_stops_the_fleet_now_not_after_the_grace_period(oracles):
+    """Ctrl-C twice stopped nothing sooner: serve's handler only set its flag again, and the router went on
+    draining open streams for its whole --grace-period."""
+    oracle = oracles["olmoe"]
+    # one request at a time: 32 of 500 tokens queue up more work than the 15 s allowed below
+    with fleet(oracle.path, 2, ["--grace-period", "60", "--max-model-len", "512", "--max-batch-size", "1"]) \
+            as (addr, proc):
+        client = Client(addr)
+        with ThreadPoolExecutor(32) as pool:
+            streams = [pool.submit(lambda: list(client.stream_text([1, 2, 3], 500, ignore_eos=True)))
+                       for _ in range(32)]
+            time.sleep(1.0)
+            assert not any(s.done() for s in streams), "the streams ended before the signals: make them longer"
+            proc.send_signal(signal.SIGINT)                # a drain of up to 60 s begins
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)                # the second: now
+            proc.wait(timeout=30)
+            assert time.monotonic() - t0 < 15, "serve waited for the drain after a second signal"
+            for s in streams:                              # the open streams ended (an error), not cut silently
+                assert s.exception(timeout=30) is not None or s.result()

@@ -37,8 +37,8 @@ def worker_states(remote: RemoteExperts) -> list[admin_pb2.WorkerState]:
     for address in plan.workers:
         w = remote.index[address]
         lv = remote.liveness
-        state = ("serving" if live[w] else "syncing" if not lv.synced[w] else "down" if not lv.healthy[w]
-                 else "banned")
+        state = ("serving" if live[w] else "down" if not lv.healthy[w] else "syncing" if not lv.synced[w]
+                 else "banned")                  # down first: a frozen worker is re-synced once it answers again
         held = plan.of(address)
         out.append(admin_pb2.WorkerState(
             address=address, state=state, experts=sum(map(len, held.values())),

@@ -138,21 +138,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._loaded(context)
         rid = request.request_id or uuid.uuid4().hex
         if len(rid) > 256:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id has {len(rid)} characters; at most 256")
+            self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request_id has {len(rid)} characters; at most 256")
         try:
             ids = self._prompt(request, context)
             group = [Sequence(rid, ids, sp, index=i) for i, sp in enumerate(self._sampling(request.sampling, len(ids)))]
             events = self.built.engine.submit(group)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))        # counted as request_rejected
         except DuplicateId as exc:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            self._refuse(context, "duplicate_id", grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except Draining as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            self._refuse(context, "draining", grpc.StatusCode.UNAVAILABLE, str(exc))
         except FutureTimeout:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while tokenizing the prompt")
+            self._refuse(context, "deadline", grpc.StatusCode.DEADLINE_EXCEEDED,
+                         "the deadline passed while tokenizing the prompt")
         engine = self.built.engine
 
         def cancel() -> None:                                  # by the engine's own ids, never by request_id
@@ -183,6 +185,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             except ChoiceFailed as exc:
                 cancel()                                       # the other choices go too: the call ends here
                 context.abort(grpc.StatusCode[exc.failed.code.name], f"generation failed: {exc.failed.message}")
+
+    def _refuse(self, context, reason: str, code: grpc.StatusCode, message: str) -> None:
+        """Count a request refused at admission (colibri:request_refused{reason}), then end its call with `code`."""
+        metrics = self.built.engine.metrics
+        with metrics.lock:
+            metrics.refused[reason] += 1
+        context.abort(code, message)
 
     def Abort(self, request, context):
         self._loaded(context)
@@ -275,21 +284,28 @@ def serve_router(opts: RouterOptions) -> int:
     built.experts.watch(lambda ok: service.set_serving(ok and not built.engine.draining
                                                        and built.engine.stopped is None))
     service.ready(opts.host, bound)
+    closed = threading.Event()
+
     def stop() -> None:
+        closed.set()
         placement.close()
         built.close()
 
-    service.run_until_signal(drain=lambda: _drain(built, opts.grace_period), on_stop=stop)
+    service.run_until_signal(drain=lambda: _drain(built, opts.grace_period, closed), on_stop=stop)
     if damaged:
         log.error("stopped: %s", damaged[0])
         return EXIT_RESTART
     return 0
 
 
-def _drain(built: BuiltEngine, grace: float) -> None:
+def _drain(built: BuiltEngine, grace: float, closed: threading.Event) -> None:
+    """`closed`: the engine was stopped under the drain (a second signal), which ends the open requests too."""
     n = len(built.engine.seqs)
     log.info("draining: %d open requests get up to %.0fs to finish; new ones are refused", n, grace)
-    if built.engine.drain(grace):
+    finished = built.engine.drain(grace)
+    if closed.is_set():
+        log.warning("the drain was cut short: the requests still open then (%d when it began) ended UNAVAILABLE", n)
+    elif finished:
         log.info("drained: every open request finished")
     else:
         log.warning("grace period over: %d requests still open end UNAVAILABLE", len(built.engine.seqs))

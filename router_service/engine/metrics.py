@@ -36,6 +36,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.rejected = 0
+        self.refused = {"invalid": 0, "duplicate_id": 0, "draining": 0, "deadline": 0}   # at admission, by reason
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
@@ -68,6 +69,12 @@ class Metrics:
             for reason, n in self.requests.items():
                 done.add_metric([reason], n)
             yield done
+            refused = CounterMetricFamily("colibri:request_refused", "Requests refused at admission, by reason: "
+                                          "invalid (a value that says what to fix), duplicate_id, draining, deadline "
+                                          "(a full waiting queue is request_rejected).", labels=["reason"])
+            for reason, n in self.refused.items():
+                refused.add_metric([reason], n)
+            yield refused
             for name, value, help_text in [
                 ("request_rejected", self.rejected, "Requests refused because the waiting queue was full."),
                 ("prompt_tokens", self.prompt_tokens, "Prompt tokens admitted."),

@@ -54,13 +54,31 @@ def resolve(target: str) -> dict[str, str]:
 
 def wait_for_workers(target: str, timeout_s: float) -> tuple[str, ...]:
     """The workers `target` resolves to once it resolves to any (a fleet's first pods may still be starting)."""
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline, said = start + timeout_s, -1e9
     while not (found := tuple(resolve(target))):
-        if time.monotonic() > deadline:
-            raise ConfigError(f"--follow-workers {target} resolved to no address within {timeout_s:.0f}s")
+        now = time.monotonic()
+        if now > deadline:
+            raise ConfigError(f"--follow-workers {target} resolved to no address within {timeout_s:.0f}s "
+                              f"({why_unresolved(target)})")
+        if now - said >= 30.0:                  # at once, then every 30 s: not a silent wait of minutes
+            log.warning("--follow-workers %s resolves to no address yet (%s) after %.0f s; waiting up to %.0f s more "
+                        "(the fleet's worker pods may still be starting)", target, why_unresolved(target),
+                        now - start, deadline - now)
+            said = now
         time.sleep(1.0)
     log.info("%s resolves to %s", target, ", ".join(found))
     return found
+
+
+def why_unresolved(target: str) -> str:
+    """What the resolver says of a target that gave no address, for the log."""
+    host, port = split_target(target)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"{host}: {exc.strerror or exc}"
+    return f"{host} has no address now"
 
 
 class Follower:

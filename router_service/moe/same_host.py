@@ -12,6 +12,7 @@ deadline fails what was in flight, as a reset stream does, and the next send con
 from __future__ import annotations
 
 import collections
+import logging
 import socket
 import threading
 import time
@@ -36,6 +37,7 @@ from router_service.moe.transport import (
 )
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+log = logging.getLogger("colibri.router")
 
 
 class LocalLink(StreamLink):
@@ -47,6 +49,7 @@ class LocalLink(StreamLink):
         self._sock: socket.socket | None = None
         self._pending: collections.deque[StreamReply] = collections.deque()    # sent on the socket, unanswered
         self._waiting_since: float | None = None
+        self._timed_out = False                  # the watchdog shut the socket: no answer within timeout_s
 
     def describe(self, deadline: float) -> expert_pb2.DescribeResponse:
         d = super().describe(deadline)
@@ -98,8 +101,10 @@ class LocalLink(StreamLink):
             try:
                 status, payload = recv_frame(sock, MAX_MESSAGE_BYTES)
             except (FrameError, OSError) as exc:
-                message = f"expert worker {self.address} failed on layer {reply.layer}: its local connection " \
-                          f"broke ({exc})"
+                why = f"did not answer within {self.timeout_s:g}s (--worker-timeout)" if self._timed_out else \
+                    f"its local connection broke ({exc})"
+                self._timed_out = False
+                message = f"expert worker {self.address} failed on layer {reply.layer}: {why}"
                 self._drop(f"expert worker {self.address}: its local connection was reset after a failure")
                 raise WorkerError(message) from exc
             finally:
@@ -119,6 +124,10 @@ class LocalLink(StreamLink):
         super().check_deadline()
         sock, since = self._sock, self._waiting_since
         if sock is not None and since is not None and time.monotonic() - since > self.timeout_s:
+            log.error("expert worker %s did not answer within %.0fs (--worker-timeout); closing its local "
+                      "connection", self.address, self.timeout_s)
+            self._timed_out = True
+            self._waiting_since = None                    # said once
             try:
                 sock.shutdown(socket.SHUT_RDWR)           # the blocked read returns: the layer fails
             except OSError:
