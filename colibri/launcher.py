@@ -182,6 +182,7 @@ def child_argv(command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions
 class Fleet:
     def __init__(self, forks: bool = False, entry: Entry | None = None) -> None:
         self.children: list[Child] = []
+        self.names: dict[int, str] = {}           # pid -> what it runs, for the log
         self.stopping = threading.Event()
         self.forks = forks
         self.entry = entry                  # what a forked child runs: colibri.cli.main, handed in by the CLI
@@ -216,6 +217,7 @@ class Fleet:
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
                                      preexec_fn=die_with_parent, process_group=0)
             self.children.append(p)
+            self.names[p.pid] = f"colibri {command} (pid {p.pid})"
             return p
 
         p = self.on_main(start)
@@ -281,7 +283,8 @@ class Fleet:
                 try:
                     p.wait(timeout=wait_s)
                 except subprocess.TimeoutExpired:
-                    log.warning("pid %d did not stop within %.0fs: killing it", p.pid, wait_s)
+                    log.warning("%s did not stop within %.0fs: killing it", self.names.get(p.pid, f"pid {p.pid}"),
+                                wait_s)
                     p.kill()
                     p.wait()
 
