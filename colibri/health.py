@@ -56,6 +56,9 @@ def run_health(opts: HealthOptions) -> int:
             if exc.code() == grpc.StatusCode.NOT_FOUND:     # gRPC's health service says no more than the code
                 why = (f"no service '{opts.service}' here; --service '' is liveness, colibri.v1.Generation (a "
                        f"router) or colibri.v1.ExpertWorker (an expert worker) readiness")
+            elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:   # gRPC says "Deadline Exceeded" alone
+                why = (f"no answer within --timeout {opts.timeout:g}s (a process that is frozen, overloaded or "
+                       f"swapping, or a port that drops packets)")
             print(f"{opts.target}: {exc.code().name}: {why}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

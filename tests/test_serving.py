@@ -232,6 +232,12 @@ def test_health_cli(served):
     bad = colibri_run(["health", "--target", addr, "--service", "colibri.v1.Nope"], timeout=60)
     assert bad.returncode == 1 and "NOT_FOUND: no service 'colibri.v1.Nope' here; --service '' is liveness" in \
         bad.stderr                                                       # gRPC's own detail was empty
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as mute:                # accepts, never answers (a frozen process)
+        port = mute.getsockname()[1]
+        slow = colibri_run(["health", "--target", f"127.0.0.1:{port}", "--timeout", "1"], timeout=60)
+    assert slow.returncode == 1 and "DEADLINE_EXCEEDED: no answer within --timeout 1s" in slow.stderr, slow.stderr
 
 
 def test_a_port_in_use_is_an_error_not_a_shared_port(oracles):
