@@ -127,6 +127,12 @@ def test_chat_greedy_equals_transformers_on_the_templated_prompt(served):
     with pytest.raises(openai.BadRequestError, match="system message must come first"):
         api.chat.completions.create(model="chatty", messages=[{"role": "user", "content": "a"},
                                                               {"role": "system", "content": "b"}])
+    # what would change the answer's form is refused by name (these were answered 200 with plain text)
+    for extra, param in [({"function_call": "auto"}, "function_call"), ({"modalities": ["audio"]}, "modalities"),
+                         ({"audio": {"voice": "x"}}, "audio"), ({"guided_json": {"type": "object"}}, "guided_json")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=2, extra_body=extra)
+        assert err.value.body["param"] == param
 
 
 def test_max_tokens_defaults_to_what_fits(served):
@@ -225,6 +231,7 @@ def test_penalties_and_vllm_extras_reach_the_sampler(served):
     cut = api.completions.create(model="chatty", prompt=prompt, max_tokens=10, temperature=0,
                                  extra_body={"stop_token_ids": [stop_id]})
     assert (cut.usage.completion_tokens, cut.choices[0].finish_reason) == (1, "stop")
+    assert cut.choices[0].stop_reason == stop_id                  # an int, as vLLM's (it was the id's text)
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
@@ -241,6 +248,12 @@ def test_penalties_and_vllm_extras_reach_the_sampler(served):
     ({"prompt": [1, 2**40]}, "prompt"),                      # token ids travel as int32
     ({"extra_body": {"stop_token_ids": [2**40]}}, "stop_token_ids"),
     ({"prompt": ["x"] * 65}, "prompt"),                      # at most 64 prompts per request
+    # structured output and prompt extras change what comes back: refused, never ignored (they were, with a 200)
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ({"extra_body": {"structured_outputs": {"regex": "a+"}}}, "structured_outputs"),
+    ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ({"top_p": 1.5}, "top_p"),
 ])
 def test_bad_fields_are_400_naming_the_field(served, kwargs, param):
     *_, api = served
@@ -476,3 +489,22 @@ def test_client_deadline_abort_and_leaving_a_stream_early(served):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
     with pytest.raises(ValueError, match="this Client is closed"):
         client.generate("x", 2)                           # the context manager closed the channel
+
+
+def test_text_offsets_are_the_tokens_running_length_when_text_is_held_back():
+    """A token whose text the router holds back (half a character, a stop string's start) gave the next tokens
+    the same offset: [0, 1, 1] where vLLM's are [0, 1, 2]."""
+    from colibri.openai_api.responses import Reply
+    from colibri_common.pb import generation_pb2 as pb
+
+    reply = Reply(False, "m", 1, True, True)
+    lp = [pb.TokenLogprob(token_id=i, token=t, logprob=-1.0) for i, t in enumerate(["0", "\ufffd", "\x13"])]
+    reply.add(0, pb.GenerateResponse(chunk=pb.Chunk(text="0", logprobs=lp[:2])))          # the second held back
+    reply.add(0, pb.GenerateResponse(chunk=pb.Chunk(text="\ufffd\x13", logprobs=lp[2:])))
+    reply.add(0, pb.GenerateResponse(complete=pb.Complete(finish_reason="stop", stop_reason="7")))
+    choice = reply.body()["choices"][0]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2]
+    assert choice["stop_reason"] == 7
+    named = Reply(False, "m", 1, True, False, stop_strings=("7",))                      # a stop string "7"
+    named.add(0, pb.GenerateResponse(complete=pb.Complete(finish_reason="stop", stop_reason="7")))
+    assert named.body()["choices"][0]["stop_reason"] == "7"

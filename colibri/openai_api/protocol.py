@@ -67,11 +67,25 @@ def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int 
     return value
 
 
+# vLLM's structured-output and prompt extras: asked for, they change what comes back, so they are refused
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+          "guided_whitespace_pattern", "structured_outputs", "prompt_logprobs", "return_tokens_as_token_ids")
+
+
 def _refuse(body: dict[str, Any], names: tuple[str, ...]) -> None:
-    for name in names:
+    for name in (*names, *GUIDED):
         value = body.get(name)
         if value not in (None, False, [], {}, ""):
             raise bad(f"'{name}' is not supported by this server", name)
+
+
+def _text_format(body: dict[str, Any]) -> None:
+    """`response_format` is text or nothing: JSON mode and schemas are structured output, which this server does
+    not constrain (a 200 of free text would look like an answer in the asked format)."""
+    fmt = _get(body, "response_format", (dict,), None)
+    if fmt is not None and fmt.get("type") not in (None, "text"):
+        raise bad("'response_format' other than {'type': 'text'} is not supported by this server",
+                  "response_format")
 
 
 def check_text(text: str, param: str) -> str:
@@ -120,10 +134,10 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: bool, top_
 
 
 def _top_p(body: dict[str, Any]) -> float:
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:         # 0 would read as "off" on the wire; OpenAI and vLLM want (0, 1]
-        raise bad("'top_p' must be in (0, 1]; for the likeliest token only use temperature 0", "top_p")
-    return top_p
+    top_p = _get(body, "top_p", (int, float), 1.0)
+    if not 0.0 < top_p <= 1.0:   # 0 would read as "off" on the wire; OpenAI and vLLM want (0, 1]
+        raise bad(f"'top_p' must be in (0, 1], got {top_p}; for the likeliest token only use temperature 0", "top_p")
+    return float(top_p)
 
 
 def _is_id(t: Any) -> bool:
@@ -148,6 +162,7 @@ def parse_completion(body: Any) -> Parsed:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _refuse(body, ("suffix", "logit_bias", "echo", "include_stop_str_in_output"))
+    _text_format(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
@@ -206,14 +221,13 @@ def parse_chat(body: Any) -> Parsed:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _refuse(body, ("tools", "functions", "logit_bias", "echo", "include_stop_str_in_output",
-                   "continue_final_message"))
-    fmt = _get(body, "response_format", (dict,), None)
-    if fmt is not None and fmt.get("type") not in (None, "text"):
-        raise bad("'response_format' other than {'type': 'text'} is not supported by this server",
-                  "response_format")
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none"):
-        raise bad("'tool_choice' is not supported by this server", "tool_choice")
+                   "continue_final_message", "audio"))
+    _text_format(body)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise bad(f"'{name}' is not supported by this server", name)
+    if body.get("modalities") not in (None, ["text"]):
+        raise bad("'modalities' other than ['text'] is not supported by this server", "modalities")
     logprobs = bool(_get(body, "logprobs", (bool,), False))
     top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:

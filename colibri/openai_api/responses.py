@@ -26,16 +26,19 @@ def _lp(value: float) -> float:
 class ChoiceState:
     text: str = ""
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None        # the stop string, or the stop token id (an int, as vLLM's)
     completion_tokens: int = 0
     tokens: list[pb.TokenLogprob] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)
+    token_chars: int = 0                       # the tokens' texts so far: where the next one's offset is
     started: bool = False                      # chat streams send the assistant role once per choice
 
 
 class Reply:
-    def __init__(self, chat: bool, model: str, n: int, has_tokenizer: bool, logprobs: bool) -> None:
+    def __init__(self, chat: bool, model: str, n: int, has_tokenizer: bool, logprobs: bool,
+                 stop_strings: tuple[str, ...] = ()) -> None:
         self.chat, self.model, self.n = chat, model, n
+        self.stop_strings = stop_strings
         self.has_tokenizer, self.logprobs = has_tokenizer, logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -55,13 +58,16 @@ class Reply:
         i = self.index(prompt, part.index)
         c = self.choices.setdefault(i, ChoiceState())
         if kind == "chunk":
-            for _ in part.logprobs:
-                c.text_offsets.append(len(c.text))
+            for lp in part.logprobs:                # as vLLM: the running sum of the tokens' own texts (the
+                c.text_offsets.append(c.token_chars)  # text may hold a piece back, a stop string's start)
+                c.token_chars += len(lp.token)
             c.text += part.text
             c.tokens.extend(part.logprobs)
             return i, part.text, list(part.logprobs), None
         c.finish_reason, c.completion_tokens = part.finish_reason, part.completion_tokens
         c.stop_reason = part.stop_reason or None
+        if c.stop_reason is not None and c.stop_reason not in self.stop_strings and c.stop_reason.isdigit():
+            c.stop_reason = int(c.stop_reason)        # the wire's text of a stop token id
         self.prompt_tokens[prompt] = part.prompt_tokens
         return i, "", [], part.finish_reason
 
