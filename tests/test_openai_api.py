@@ -199,6 +199,14 @@ def test_logprobs_match_the_oracles_log_softmax(served):
         assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(best[0], abs=1e-4)
         assert all(any(abs(v - b) < 1e-4 for b in best) for v in top.values())
     assert max(len(top) for top in lp.top_logprobs) == 3
+    for n in (0, 1):                            # sampled: its token is in each dict too (N + 1 at most, as vLLM's)
+        sampled = api.completions.create(model="chatty", prompt=prompt, max_tokens=6, temperature=1.5, seed=5,
+                                         logprobs=n).choices[0].logprobs
+        assert all(t in top and len(top) <= n + 1 for t, top in zip(sampled.tokens, sampled.top_logprobs,
+                                                                      strict=True)), sampled
+        assert all(top[t] == pytest.approx(v) for t, top, v in zip(sampled.tokens, sampled.top_logprobs,
+                                                                    sampled.token_logprobs, strict=True)
+                   if "\ufffd" not in t)            # byte tokens that print alike share the likeliest's value
     chat_ids = hf_tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
     chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
     chat = api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=4, temperature=0,

@@ -92,14 +92,17 @@ class Reply:
     def _completion_logprobs(self, tokens: list[pb.TokenLogprob], offsets: list[int]) -> dict[str, Any]:
         return {"tokens": [self._token(t.token, t.token_id) for t in tokens],
                 "token_logprobs": [_lp(t.logprob) for t in tokens],
-                "top_logprobs": [self._top_dict(t.top) for t in tokens],
+                "top_logprobs": [self._top_dict(t.top, t) for t in tokens],
                 "text_offset": offsets}
 
-    def _top_dict(self, top: list[pb.TopLogprob]) -> dict[str, float]:
-        """{token text: logprob}; tokens that print alike (partial UTF-8 bytes) keep the likeliest's value."""
+    def _top_dict(self, top: list[pb.TopLogprob], sampled: pb.TokenLogprob) -> dict[str, float]:
+        """{token text: logprob}: the N likeliest and the sampled token (OpenAI's legacy shape: up to N + 1, as
+        vLLM's; `logprobs: 0` is the sampled one alone); tokens that print alike (partial UTF-8 bytes) keep the
+        likeliest's value."""
         out: dict[str, float] = {}
         for x in top:
             out.setdefault(self._token(x.token, x.token_id), _lp(x.logprob))
+        out.setdefault(self._token(sampled.token, sampled.token_id), _lp(sampled.logprob))
         return out
 
     def _logprobs_of(self, tokens: list[pb.TokenLogprob], offsets: list[int]) -> dict[str, Any] | None:
