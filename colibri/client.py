@@ -258,7 +258,6 @@ class Client(_Calls):
         self._check_open()
         return self.stub.Generate(request, timeout=self._deadline(timeout))
 
-
     def generate(self, prompt: str | list[int], max_tokens: int = 0, timeout: float | None = DEFAULT,
                  **sampling) -> Result:
         """One whole request; `max_tokens` 0 = as many as fit. Raises GenerationError."""
@@ -298,7 +297,6 @@ class Client(_Calls):
             return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
         except grpc.RpcError as exc:
             raise GenerationError.of(exc) from None
-
 
     def close(self) -> None:
         self.closed = True

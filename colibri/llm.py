@@ -36,6 +36,7 @@ import torch
 from colibri.client import Client, GenerationError, check_utf8
 from colibri.fork import die_with_parent
 from colibri.launcher import ServeOptions, colibri_command
+from colibri_common.config import ModelConfig
 from colibri_common.options import check_values, to_argv
 from colibri_common.tokenizer import Tokenizer
 from expert_service.build import BuiltShard, build_shard
@@ -175,6 +176,7 @@ class LLM:
         self._fleets: list[subprocess.Popen] = []
         self._clients: list[Client] = []
         self._tokenizer: Tokenizer | None = None
+        self._vocab = 0                              # a fleet's vocabulary (its config.json)
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._built, self._shards, self._fleets, self._clients)
         try:
@@ -320,15 +322,12 @@ class LLM:
         threading.Thread(target=fleet.stdout.read, name="fleet-stdout", daemon=True).start()
         self._clients.append(Client(addr))
         self._tokenizer = Tokenizer.from_dir(self.model)
+        self._vocab = ModelConfig.from_dir(self.model).vocab_size     # what the fleet's router checks ids against
 
     def _on_fleet(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
         if self._closed:
             raise RuntimeError("this LLM is closed")
-        client = self._clients[0]
-        try:
-            vocab = client.model_info().vocab_size
-        except (GenerationError, ValueError) as exc:   # the router unreachable, or this LLM closed meanwhile
-            raise RuntimeError("this LLM is closed" if self._closed else f"the fleet's router: {exc}") from exc
+        client, vocab = self._clients[0], self._vocab
         for prompt, sp in zip(prompts, params, strict=True):         # every prompt checked before any runs
             if isinstance(prompt, str):
                 check_utf8(prompt)

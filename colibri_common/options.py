@@ -269,8 +269,8 @@ def _as_field(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is bool:
         return (True, bool(value)) if isinstance(value, bool) or (isinstance(value, numbers.Integral)
                                                                   and value in (0, 1)) else (False, value)
-    if isinstance(value, bool):
-        return tp is not int and tp is not float and isinstance(tp, type) and isinstance(value, tp), value
+    if isinstance(value, bool):                  # a bool is no number, no string, no path
+        return False, value
     if tp is int:
         return (True, int(value)) if isinstance(value, numbers.Integral) else (False, value)
     if tp is float:

@@ -40,12 +40,13 @@ class TokenGate(grpc.ServerInterceptor):
         self._guarded = guarded
         self._deny = grpc.stream_stream_rpc_method_handler(_refuse if token is not None else _closed)
         self._serves = serves
+        self._served = () if serves is None else (f"/{serves[0]}/", "/grpc.reflection.")   # prefixes it answers
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
                           details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         if details.method.startswith(OPEN):
             return continuation(details)
-        if self._serves is not None and not details.method.startswith((f"/{self._serves[0]}/", "/grpc.reflection.")):
+        if self._serves is not None and not details.method.startswith(self._served):
             name, what = self._serves
             message = f"{details.method}: this port serves {name} ({what}), not that service"
 

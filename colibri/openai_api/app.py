@@ -121,7 +121,7 @@ class Front:
         if info.max_waiting and len(prompts) * n > info.max_waiting:     # 429 'retry later' could never succeed
             raise bad(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} sequences exceed what the router "
                       f"queues at once ({info.max_waiting}, its --max-waiting): send fewer prompts or a lower n", "n")
-        reply = Reply(chat, name, parsed.sampling.n or 1, info.has_tokenizer,
+        reply = Reply(chat, name, n, info.has_tokenizer,
                       parsed.sampling.logprobs or parsed.sampling.top_logprobs > 0, tuple(parsed.sampling.stop))
         calls = [self.client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}"),
                                     self.opts.request_timeout)

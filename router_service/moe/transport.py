@@ -42,7 +42,6 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reco
 NOT_RETRYABLE = (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
 
 
-
 def _unreachable(address: str) -> str:
     """Why a HOST:PORT cannot be reached, said plainly (gRPC waiting for a channel says only "Deadline Exceeded"):
     "; connecting to it: Connection refused" or "...: cannot resolve ..."; "" where a TCP connection opens (or the
@@ -57,6 +56,7 @@ def _unreachable(address: str) -> str:
     except OSError as exc:
         return f"; connecting to it: {exc.strerror or exc}"
     return ""
+
 
 class WorkerError(Exception):
     """A worker failed, timed out or is unreachable; the message names it. `retryable`: whether the same
