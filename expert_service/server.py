@@ -167,7 +167,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
                 shard.hint(request.prefetch.layer, list(request.prefetch.experts))
         seconds = time.perf_counter() - t0
         self.metrics.count("ok", hidden.shape[0], seconds)
-        return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=seconds * 1e3)
+        return expert_pb2.ForwardResponse(output=wire.encode(out), compute_ms=seconds * 1e3, instance=self.instance)
 
     def _refusal(self, exc: Exception) -> str:
         """The status message of a worker that stopped trusting its experts' bytes (it goes NOT_SERVING)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -124,10 +125,13 @@ def test_worker_death_is_unavailable_then_the_worker_is_restarted_and_sigterm_st
     """serve's children are named by role; a killed worker fails requests UNAVAILABLE and is restarted; then
     SIGTERM to serve stops every child, the restarted worker too, and serve exits 0. serve is held (SIGSTOP)
     while each worker is dead: a forked worker is back in a fraction of a second, before the checks could
-    see it gone."""
+    see it gone. The router counts each restart, the one while idle too (a new process answered: its own counters
+    start at 0)."""
     model = build_model(small_config("olmoe"), seed=5)
     path = save_checkpoint(model, tmp_path / "m")
-    with fleet(path, 2) as (addr, proc):
+    metrics_port = free_port()
+    token = {"COLIBRI_FLEET_TOKEN": "serving-test-token"}
+    with fleet(path, 2, ["--metrics-port", str(metrics_port)], env=token) as (addr, proc):
         cmdlines = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(recursive=True)]
         assert sum("colibri expert --model" in c and "--shard" in c for c in cmdlines) == 2
         assert sum("colibri router --model" in c for c in cmdlines) == 1
@@ -168,6 +172,12 @@ def test_worker_death_is_unavailable_then_the_worker_is_restarted_and_sigterm_st
             assert time.monotonic() < deadline, "the worker was not restarted"
             time.sleep(0.1)
         assert client.generate([1, 2, 3], 4, timeout=60).token_ids == model_tokens
+        restarts = {k: v for k, v in metrics(metrics_port).items() if k.startswith("colibri:worker_restarts_total")}
+        assert len(restarts) == 2 and sum(restarts.values()) == 2, restarts
+        shown = colibri_run(["workers", "show", "--target", addr], timeout=60, env={**os.environ, **token})
+        assert shown.returncode == 0 and "RESTARTS" in shown.stdout.splitlines()[0], shown.stdout + shown.stderr
+        assert sorted(line.split()[-1] for line in shown.stdout.splitlines()[1:3]) == \
+            sorted(str(int(v)) for v in restarts.values()), shown.stdout
         children = psutil.Process(proc.pid).children(recursive=True)
         cmdlines = [" ".join(c.cmdline()) for c in children]
         assert sum("colibri expert --model" in c and "--shard" in c for c in cmdlines) == 2

@@ -44,7 +44,7 @@ def worker_states(remote: RemoteExperts) -> list[admin_pb2.WorkerState]:
             address=address, state=state, experts=sum(map(len, held.values())),
             layers=[admin_pb2.HeldExperts(layer=layer, experts=es) for layer, es in sorted(held.items())],
             token_rows=remote.worker_rows[w], pairs_window=pairs[address],
-            load_share=pairs[address] / total if total else 0.0))
+            load_share=pairs[address] / total if total else 0.0, restarts=remote.restarts[address]))
     return out
 
 

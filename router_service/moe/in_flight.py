@@ -32,6 +32,8 @@ class Sender(Protocol):
 
     def failed(self, w: int, why: str) -> None: ...
 
+    def saw(self, address: str, instance: str, how: str) -> None: ...
+
     def send(self, table: Table, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
              pairs: int) -> Reply: ...
 
@@ -116,7 +118,9 @@ class InFlight:
                 todo += self._failover(part, exc)
                 continue
             waited += time.perf_counter() - t0
-            self.owner.dispatch_seconds.labels(self.owner.addresses[worker]).observe(time.perf_counter() - self.sent)
+            address = self.owner.addresses[worker]
+            self.owner.saw(address, resp.instance, f"answered layer {self.layer}")
+            self.owner.dispatch_seconds.labels(address).observe(time.perf_counter() - self.sent)
             computed += resp.compute_ms / 1e3
             decoded.append((rows, wire.decode(resp.output)))                  # [n, H]
         out = combine(self.num_tokens, self.hidden_size, self.dtype, decoded).to(self.device)  # [T, H]

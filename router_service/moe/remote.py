@@ -7,6 +7,7 @@ Shapes: T tokens in the step, H hidden size, K experts per token (top-k), E expe
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import secrets
@@ -102,6 +103,8 @@ class RemoteExperts:
         self.rebalance_seconds = 0.0
         self.owner_id = secrets.token_hex(6)                 # this router, in the plans it assigns
         self.instances: dict[str, str] = {}                  # address -> the worker process it reached
+        self.restarts: collections.Counter[str] = collections.Counter()   # address -> new processes seen there
+        self._seen_lock = threading.Lock()                   # saw(): the engine's and the re-sync threads'
         self.budgets: dict[str, int] = {}                    # address -> its --max-experts (0 = none)
         self.on_back: Callable[[int], None] | None = None    # a worker's health checks pass again (resize.py)
         self.table = Table.of(Plan(0, (), {}), {}, cfg.num_layers, cfg.num_experts)   # none until learnt
@@ -169,8 +172,7 @@ class RemoteExperts:
         if twin is not None and twin in self.table_workers():
             raise WorkerError(f"{address} is the same expert worker as {twin} (one process under two addresses); "
                               f"list it once", retryable=False)
-        if d.instance:
-            self.instances[address] = d.instance
+        self.saw(address, d.instance, "answered Describe")
         self.budgets[address] = d.max_experts
         return WorkerInfo(address, d.epoch, held, tuple(d.also_serves), d.max_experts,
                           d.static_shard or bool(d.num_shards), summary, d.instance, d.owner, d.assigned)
@@ -268,6 +270,23 @@ class RemoteExperts:
     def cancel_switch(self) -> None:
         """A switch that did not happen (its change rolled back) is not taken later."""
         self._pending = None
+
+    def saw(self, address: str, instance: str, how: str) -> None:
+        """`address` answered from process `instance` (Describe's, and every Forward's): another process than
+        before there means the worker restarted (serve, Kubernetes or an operator started it again), which its
+        own counters cannot tell, since they restart at 0. Counted (`colibri:worker_restarts_total`) and logged."""
+        if not instance or self.instances.get(address) == instance:    # the common case: no lock
+            return
+        with self._seen_lock:
+            known = self.instances.get(address)
+            if known == instance:
+                return
+            self.instances[address] = instance
+            if known is not None:
+                self.restarts[address] += 1
+        if known is not None:
+            log.warning("expert worker %s restarted: a new process %s (restart %d seen by this router)", address,
+                        how, self.restarts[address])
 
     def failed(self, w: int, why: str) -> None:
         self.liveness.failed(w, why)

@@ -4,7 +4,7 @@ changes; per (layer, expert) the tokens routed only with --expert-metrics (bound
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 import torch
@@ -28,6 +28,7 @@ class FleetView(Protocol):
     rebalance_seconds: float
     liveness: Liveness
     routed: torch.Tensor | None
+    restarts: Mapping[str, int]
 
 
 def fleet_families(remote: FleetView) -> Iterator[Metric]:
@@ -57,13 +58,16 @@ def fleet_families(remote: FleetView) -> Iterator[Metric]:
     bans = CounterMetricFamily("colibri:worker_bans", "Failed calls that banned the worker.", labels=["worker"])
     back = CounterMetricFamily("colibri:worker_readmissions", "Times a banned or unhealthy worker was "
                                "re-admitted.", labels=["worker"])
+    restarts = CounterMetricFamily("colibri:worker_restarts", "Times a new process answered for the worker (it "
+                                   "restarted) since this router started.", labels=["worker"])
     live = remote.liveness.live()
     for w in current:
         address = remote.addresses[w]
         up.add_metric([address], float(live[w]))
         bans.add_metric([address], remote.liveness.bans[w])
         back.add_metric([address], remote.liveness.readmissions[w])
-    yield from (up, bans, back)
+        restarts.add_metric([address], remote.restarts[address])
+    yield from (up, bans, back, restarts)
     if remote.routed is not None:
         routed = CounterMetricFamily("colibri:moe_tokens_routed", "Tokens routed to each expert of each "
                                      "layer (--expert-metrics).", labels=["layer", "expert"])
