@@ -11,7 +11,8 @@ from colibri_common.options import check_target, option
 @dataclass(frozen=True)
 class HealthOptions:
     target: str = option("", "service address HOST:PORT", required=True)
-    service: str = option("", "'' = liveness; colibri.v1.Generation or colibri.v1.ExpertWorker = readiness")
+    service: str = option("", "'' = liveness (the default); colibri.v1.Generation (a router) or "
+                                   "colibri.v1.ExpertWorker (a worker) = readiness")
     timeout: float = option(10.0, "seconds")
     tls_ca: str | None = option(None, "PEM CA of a TLS service (TLS when given)", metavar="PATH")
     tls_cert: str | None = option(None, "PEM client certificate, for a service that requires one", metavar="PATH")

@@ -81,7 +81,9 @@ def free_ports(n: int) -> list[int]:
 class ServeOptions:
     """`colibri serve`: the router's options (its worker addresses come from the workers it starts) + N."""
 
-    EXCLUDED = ("router.workers",)
+    # serve starts the workers itself (--workers N), so the router's ways of finding them are not its flags, and
+    # its --replicas is the router's --expert-replicas
+    EXCLUDED = ("router.workers", "router.follow_workers", "router.follow_interval", "router.expert_replicas")
     HELPS = {"router.threads": "cores to split between the router and the workers (0 = all cores)",
              "router.metrics_port": "serve the router's Prometheus metrics on this port P, and worker i's on "
                                     "P + 1 + i (default: off; 0 = any free ports)"}
@@ -100,8 +102,9 @@ class ServeOptions:
                                            "this port of the router's host (0 = any free port)")
     served_model_name: str = option("", "with --openai-port: the model's name in the HTTP API (default: the "
                                         "checkpoint directory's name)")
-    allowed_hosts: tuple[str, ...] = option((), "with --openai-port: the Host names the front answers besides its "
-                                                "defaults (a Service, an ingress, a proxy name); '*' = any",
+    allowed_hosts: tuple[str, ...] = option((), "with --openai-port: the Host names the front answers (a Service, "
+                                                "an ingress, a proxy name), in place of its defaults localhost, "
+                                                "127.0.0.1 and [::1]: list those too to keep them; '*' = any",
                                             metavar="H[,H...]")
     allowed_origins: tuple[str, ...] = option((), "with --openai-port: web origins whose pages may call the front "
                                                   "(CORS); default none", metavar="O[,O...]")

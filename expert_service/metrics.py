@@ -33,7 +33,7 @@ class WorkerMetrics:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.tokens = 0
-        self.calls = {"ok": 0, "invalid_argument": 0, "internal": 0, "unavailable": 0}
+        self.calls = {"ok": 0, "invalid_argument": 0, "internal": 0, "unavailable": 0, "failed_precondition": 0}
         self.resident_bytes = 0
         self.cache = None          # the shard's ExpertCache, when its capacity is bounded
         self.mapped_bytes = 0      # the shard's experts in the checkpoint files (the cold tier)

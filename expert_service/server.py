@@ -195,7 +195,10 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             return 0, self._respond(request).SerializeToString()
         except (MappingChanged, NonFinite) as exc:
             return grpc.StatusCode.UNAVAILABLE.value[0], self._refusal(exc).encode()
-        except (WrongEpoch, LookupError) as exc:
+        except WrongEpoch as exc:                   # up, but not under that plan: the router re-syncs it
+            self.metrics.count("failed_precondition")
+            return grpc.StatusCode.FAILED_PRECONDITION.value[0], str(exc).encode()
+        except LookupError as exc:
             self.metrics.count("unavailable")
             return grpc.StatusCode.UNAVAILABLE.value[0], str(exc).encode()
         except ValueError as exc:
@@ -212,7 +215,10 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             return self._respond(request)
         except (MappingChanged, NonFinite) as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal(exc))
-        except (WrongEpoch, LookupError) as exc:
+        except WrongEpoch as exc:                   # up, but not under that plan: the router re-syncs it
+            self.metrics.count("failed_precondition")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except LookupError as exc:
             self.metrics.count("unavailable")
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:

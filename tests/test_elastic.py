@@ -396,13 +396,35 @@ def test_a_worker_nobody_assigned_refuses_forward_and_one_worker_is_not_taken_tw
                                             topk_weights=wire.encode(torch.ones(1, 4)))
             with pytest.raises(grpc.RpcError) as err:
                 stub.Forward(req, timeout=10)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no experts yet" in err.value.details()
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no experts yet" in err.value.details()
         b, _ = stack.enter_context(worker(model.path))
         r, _ = stack.enter_context(router(model.path, [a, b]))
         twin = "localhost:" + a.rsplit(":", 1)[1]
         res = workers_cli(r, "add", twin)
         assert res.returncode == 1 and "same expert worker" in res.stderr
         assert Client(r).generate([1, 2, 3], 8, ignore_eos=True, timeout=60).token_ids == model.greedy([1, 2, 3], 8)
+
+
+def test_a_worker_that_answers_under_another_plan_is_re_synced_within_the_step(model):
+    """A worker restarted faster than the health checks can see it go (serve forks one in ~0.1 s) comes back on
+    its own plan, and its first call is refused as planned under another epoch while its health says SERVING. The
+    router re-syncs it and the layer waits for that: the request failed UNAVAILABLE ("no live replica") before.
+    Here b is put on another plan from outside (the same experts under a higher epoch and no owner, as a restart
+    on its own plan would be), so the race is not left to timing."""
+    want = model.greedy([1, 2, 3], 8)
+    with ExitStack() as stack:
+        (a, _), (b, _) = stack.enter_context(worker(model.path)), stack.enter_context(worker(model.path))
+        r, _ = stack.enter_context(router(model.path, [a, b]))
+        client = Client(r)
+        assert client.generate([1, 2, 3], 8, ignore_eos=True, timeout=60).token_ids == want
+        with grpc.insecure_channel(b) as ch:
+            stub = expert_pb2_grpc.ExpertWorkerStub(with_token(ch, TOKEN))
+            d = stub.Describe(expert_pb2.DescribeRequest(), timeout=10)
+            stub.Assign(expert_pb2.AssignRequest(epoch=d.epoch + 1, layers=d.layers), timeout=60)
+            for _ in range(2):
+                assert client.generate([1, 2, 3], 8, ignore_eos=True, timeout=60).token_ids == want
+            again = stub.Describe(expert_pb2.DescribeRequest(), timeout=10)
+        assert again.epoch == d.epoch + 1 and d.epoch in again.also_serves     # re-synced: it serves ours too
 
 
 def test_a_removed_dead_worker_started_again_and_added_back_serves(model):

@@ -261,6 +261,8 @@ def test_penalties_and_vllm_extras_reach_the_sampler(served):
     ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
     ({"extra_body": {"structured_outputs": {"regex": "a+"}}}, "structured_outputs"),
     ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ({"extra_body": {"guided_json": {}}}, "guided_json"),          # an empty schema is "any JSON": still asked
+    ({"extra_body": {"prompt_logprobs": 0}}, "prompt_logprobs"),    # the prompt tokens' own: still asked
     ({"top_p": 1.5}, "top_p"),
 ])
 def test_bad_fields_are_400_naming_the_field(served, kwargs, param):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import colibri_run
+from tests.conftest import colibri_popen, colibri_run
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -183,3 +183,26 @@ def test_an_integer_weight_and_a_file_that_is_a_directory_are_refused(ckpt, tmp_
     (tok / "tokenizer.json").mkdir()                     # validated `ok`; text requests then said "no tokenizer"
     out = run("validate", "--model", str(tok))
     assert out.returncode == 2 and "tokenizer.json: not a regular file" in out.stderr, out.stderr
+
+
+def test_a_worker_that_does_not_match_the_router_is_one_line(ckpt):
+    """The router's checks of its workers at start (--max-step-tokens, --quantize, --batch-invariant) said what to
+    fix, as the last line of a traceback."""
+    worker = colibri_popen(["expert", "--model", str(ckpt), "--shard", "0/1", "--port", "0", "--threads", "1",
+                            "--log-level", "WARNING", "--cpu-forms", "off", "--max-step-tokens", "64"],
+                           stdout=subprocess.PIPE)
+    try:
+        line = worker.stdout.readline()
+        assert line.startswith("ready "), line
+        address = line.split()[1]
+        for extra, says in (([], "start the worker with --max-step-tokens 512 or more"),
+                            (["--max-num-tokens", "64", "--quantize", "int8"], "the router expects int8"),
+                            (["--max-num-tokens", "64", "--batch-invariant"], "--batch-invariant")):
+            out = run("router", "--model", str(ckpt), "--workers", address, "--port", "0", "--cpu-forms", "off",
+                      *extra)
+            assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+            last = out.stderr.strip().splitlines()[-1]
+            assert last.startswith("error: expert worker") and says in last, out.stderr
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)

@@ -38,7 +38,8 @@ class OpenAIOptions:
                                                 "421, against DNS rebinding. '*' = any, '*.example.com' = its "
                                                 "subdomains. Default: the --host address, localhost, 127.0.0.1 "
                                                 "and [::1]; on 0.0.0.0 or :: also this machine's addresses and "
-                                                "host name", metavar="HOST[,HOST...]")
+                                                "host name. A list replaces the default: name those you keep",
+                                            metavar="HOST[,HOST...]")
     allowed_origins: tuple[str, ...] = option((), "web origins (https://app.example.com) whose pages may call "
                                                   "this front from a browser: they get CORS headers and their "
                                                   "preflights answered; '*' = any. Default none: no CORS headers "

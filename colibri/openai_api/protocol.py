@@ -70,12 +70,15 @@ def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int 
 # vLLM's structured-output and prompt extras: asked for, they change what comes back, so they are refused
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
           "guided_whitespace_pattern", "structured_outputs", "prompt_logprobs", "return_tokens_as_token_ids")
+# ... of which these ask for something whatever their value: an empty schema {} is "any JSON", an empty regex or
+# choice list constrains too, and prompt_logprobs 0 is the prompt tokens' own log-probabilities
+ASKED_BY_ANY_VALUE = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "prompt_logprobs")
 
 
 def _refuse(body: dict[str, Any], names: tuple[str, ...]) -> None:
     for name in (*names, *GUIDED):
         value = body.get(name)
-        if value not in (None, False, [], {}, ""):
+        if value is not None and (name in ASKED_BY_ANY_VALUE or value not in (False, [], {}, "")):
             raise bad(f"'{name}' is not supported by this server", name)
 
 

@@ -53,7 +53,8 @@ class RouterOptions(ServiceOptions):
                                             "0 = any free port)")
     tls_client_auth: bool = option(False, "with --tls-cert: clients must show a certificate --tls-ca signed")
     expert_metrics: bool = option(False, "count the tokens routed to every (layer, expert) in /metrics "
-                                         "(colibri:moe_tokens_routed; layers x experts series)")
+                                         "(colibri:moe_tokens_routed_total{layer,expert}; layers x experts "
+                                         "series)")
     expert_prefetch: bool = option(False, "predict each next MoE layer's experts (its gate on this layer's "
                                           "hidden states) and send the prediction with this layer's dispatch, so "
                                           "workers with a bounded --expert-cache-capacity pack them ahead")

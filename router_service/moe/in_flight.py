@@ -18,7 +18,7 @@ from kernels import native
 from router_service.moe.combine import combine
 from router_service.moe.experts import ExpertsUnavailable
 from router_service.moe.liveness import Liveness
-from router_service.moe.partition import place
+from router_service.moe.partition import Placement, place
 from router_service.moe.table import Table
 from router_service.moe.transport import Reply, WorkerError
 
@@ -30,7 +30,9 @@ class Sender(Protocol):
     liveness: Liveness
     dispatch_seconds: Histogram
 
-    def failed(self, w: int, why: str) -> None: ...
+    def failed(self, w: int, why: str, unsynced: bool = False) -> None: ...
+
+    def await_sync(self, w: int) -> bool: ...
 
     def saw(self, address: str, instance: str, how: str) -> None: ...
 
@@ -82,11 +84,11 @@ class InFlight:
         return mask
 
     def _failover(self, part: Part, exc: WorkerError) -> list[Part]:
-        self.owner.failed(part.worker, str(exc))
+        self.owner.failed(part.worker, str(exc), exc.unsynced)
         pairs = self._pairs_of(part)
-        W = self.table.holders.shape[2]
-        placed = place(self.table.holders[self.layer], self.ids32, self.owner.liveness.live()[:W], pairs,
-                       self.table.holding[self.layer])
+        placed = self._place(pairs)
+        if placed.unplaced and exc.unsynced and self.owner.await_sync(part.worker):
+            placed = self._place(pairs)        # up, re-synced: it takes its pairs again (no replica held them)
         if placed.unplaced:
             raise ExpertsUnavailable(f"{exc}; no live replica holds the experts some tokens need",
                                      torch.tensor(placed.unplaced)) from exc
@@ -94,6 +96,11 @@ class InFlight:
                      self.owner.send(self.table, wp.worker, self.layer, self._rows(self.x, wp.rows), wp.ids,
                                      self._rows(self.w32, wp.rows), wp.pairs), placed.assigned)
                 for wp in placed.parts]
+
+    def _place(self, pairs: torch.Tensor) -> Placement:
+        W = self.table.holders.shape[2]
+        return place(self.table.holders[self.layer], self.ids32, self.owner.liveness.live()[:W], pairs,
+                     self.table.holding[self.layer])
 
     @staticmethod
     def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -80,6 +80,7 @@ class RemoteExperts:
         self.expect_quantize = expect_quantize                # --quantize: None, "int8" or "w8a8"
         self.batch_invariant = batch_invariant
         self.step_tokens = step_tokens                       # the most token rows one step sends a worker
+        self.sync_wait_s = min(timeout_s, 10.0)              # a layer's wait for a worker being re-synced
         self.replicas = replicas                             # a plan of the router's: each expert on this many
         self.links = Links(addresses, transport, timeout_s, Access(None if tls is None else tls.channel(), token))
         self.watcher: WorkerWatch | None = None
@@ -288,10 +289,28 @@ class RemoteExperts:
             log.warning("expert worker %s restarted: a new process %s (restart %d seen by this router)", address,
                         how, self.restarts[address])
 
-    def failed(self, w: int, why: str) -> None:
-        self.liveness.failed(w, why)
+    def failed(self, w: int, why: str, unsynced: bool = False) -> None:
+        """Worker w failed a call: banned (its tokens go to replicas) and re-synced; one that answered it does
+        not hold the call's plan (`unsynced`: restarted on its own plan, faster than its health checks could see
+        it go) is up, so it is not banned, only sent nothing until the re-sync has assigned its experts."""
+        if unsynced and self.on_failure is not None:
+            log.warning("expert worker %s does not hold this router's plan (%s); re-syncing it", self.addresses[w],
+                        why)
+            self.liveness.set_synced(w, False)
+        else:
+            self.liveness.failed(w, why)
         if self.on_failure is not None:
             self.on_failure(w)
+
+    def await_sync(self, w: int) -> bool:
+        """Whether worker w is live again (re-synced) within the worker timeout: a layer whose experts only it
+        holds waits for it rather than failing its requests."""
+        deadline = time.monotonic() + self.sync_wait_s
+        while time.monotonic() < deadline:
+            if self.liveness.live()[w]:
+                return True
+            time.sleep(0.005)
+        return False
 
     # -- metrics ------------------------------------------------------------------------------------
     def metric_families(self) -> Iterator[Metric]:

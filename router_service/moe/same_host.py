@@ -96,7 +96,8 @@ class LocalLink(StreamLink):
         while reply.response is None:
             sock = self._sock
             if reply.error is not None or sock is None:
-                raise WorkerError(reply.error or f"expert worker {self.address}: its local connection was reset")
+                raise WorkerError(reply.error or f"expert worker {self.address}: its local connection was reset",
+                                  unsynced=reply.unsynced)
             self._waiting_since = time.monotonic()
             try:
                 status, payload = recv_frame(sock, MAX_MESSAGE_BYTES)
@@ -116,8 +117,9 @@ class LocalLink(StreamLink):
             code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
             answered.error = f"expert worker {self.address} failed on layer {answered.layer}: {code.name}: " \
                              f"{payload.decode(errors='replace')}"
+            answered.unsynced = code == grpc.StatusCode.FAILED_PRECONDITION
             if answered is reply:
-                raise WorkerError(answered.error, retryable=code not in NOT_RETRYABLE)
+                raise WorkerError(answered.error, retryable=code not in NOT_RETRYABLE, unsynced=answered.unsynced)
         return reply.response
 
     def check_deadline(self) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from colibri_common.errors import ColibriError
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import CHANNEL_OPTIONS
 from colibri_common.token_gate import with_token
@@ -58,18 +59,21 @@ def _unreachable(address: str) -> str:
     return ""
 
 
-class WorkerError(Exception):
-    """A worker failed, timed out or is unreachable; the message names it. `retryable`: whether the same
-    request may succeed later (the worker was down or slow) rather than hit the same bug again."""
+class WorkerError(ColibriError):
+    """A worker failed, timed out or is unreachable; the message names it (one line where it stops a start: a
+    worker that does not match the router). `retryable`: whether the same request may succeed later (the worker
+    was down or slow) rather than hit the same bug again. `unsynced`: the worker answered that it does not hold
+    the plan the call was made under (FAILED_PRECONDITION: restarted on its own plan, or never assigned one), so
+    it is up and a re-sync makes it serve again."""
 
-    def __init__(self, message: str, retryable: bool = True) -> None:
+    def __init__(self, message: str, retryable: bool = True, unsynced: bool = False) -> None:
         super().__init__(message)
-        self.retryable = retryable
+        self.retryable, self.unsynced = retryable, unsynced
 
     @staticmethod
     def from_rpc(message: str, exc: BaseException) -> WorkerError:
-        retryable = not (isinstance(exc, grpc.RpcError) and exc.code() in NOT_RETRYABLE)
-        return WorkerError(message, retryable)
+        code = exc.code() if isinstance(exc, grpc.RpcError) else None
+        return WorkerError(message, code not in NOT_RETRYABLE, code == grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def _detail(exc: BaseException) -> str:
@@ -107,6 +111,7 @@ class StreamReply(Reply):
         self.link, self.layer = link, layer
         self.response: expert_pb2.ForwardResponse | None = None
         self.error: str | None = None            # set when its stream was reset before it was answered
+        self.unsynced = False                    # its error is the worker's "not under that plan"
 
     def done(self) -> bool:
         return self.response is not None or self.error is not None
