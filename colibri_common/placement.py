@@ -6,6 +6,10 @@ distinct workers, every worker holding R ranges, the same answer wherever it is 
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from collections.abc import Iterable, Mapping
+
 from colibri_common.errors import ConfigError
 
 
@@ -45,3 +49,16 @@ def parse_shard(text: str) -> tuple[int, int]:
     if n <= 0 or not 0 <= i < n:
         raise ValueError(f"--shard {text}: need 0 <= I < N")
     return i, n
+
+
+def held_digest(held: Mapping[int, Iterable[int]]) -> int:
+    """A 64-bit digest of a worker's (layer, expert) set, never 0 (layers without experts count as absent), the same
+    in the router (its plan for the worker) and the worker (what it holds): a ForwardRequest that sends the whole
+    top-k carries it, so a worker holding other experts than the router planned (restarted with other flags on the
+    same epoch 0) refuses the call instead of adding experts the router counted elsewhere."""
+    h = hashlib.blake2b(digest_size=8)
+    for layer in sorted(held):
+        experts = sorted(set(held[layer]))
+        if experts:
+            h.update(struct.pack(f"<2i{len(experts)}i", layer, len(experts), *experts))
+    return int.from_bytes(h.digest(), "little") | 1

@@ -9,6 +9,7 @@ placed for a different set of experts, and computing them here would change the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from colibri_common.heap import return_free_heap
+from colibri_common.placement import held_digest
 from expert_service.build import BuiltShard
 from expert_service.shard import ExpertShard
 
@@ -23,7 +25,8 @@ log = logging.getLogger("colibri.expert")
 
 
 class WrongEpoch(Exception):
-    """A Forward planned under a placement epoch this worker does not serve (UNAVAILABLE: the router re-plans)."""
+    """A Forward planned under a placement epoch this worker does not serve, or for other experts than it holds
+    (FAILED_PRECONDITION: the router re-syncs it)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,11 @@ class Served:
 
     def serves(self, epoch: int) -> bool:
         return self.assigned and (epoch == self.epoch or epoch in self.also)
+
+    @functools.cached_property
+    def digest(self) -> int:
+        """held_digest of the experts held (what a whole-top-k call's `holds` must equal)."""
+        return held_digest(self.built.experts.held)
 
 
 class Holding:
@@ -77,7 +85,9 @@ class Holding:
                 self.now = Served(self.now.built, epoch, also, owner)
 
     @contextmanager
-    def use(self, epoch: int) -> Iterator[ExpertShard]:
+    def use(self, epoch: int, holds: int = 0) -> Iterator[ExpertShard]:
+        """The shard a call computes on, if it serves the call's epoch and (`holds` != 0) holds exactly the experts
+        the router planned here; WrongEpoch otherwise."""
         with self._lock:
             now = self.now
             if now is None:
@@ -88,6 +98,9 @@ class Holding:
             if not now.serves(epoch):
                 raise WrongEpoch(f"this call was planned under placement epoch {epoch}, but this worker holds the "
                                  f"experts of epoch {now.epoch}; the router re-plans")
+            if holds and holds != now.digest:
+                raise WrongEpoch(f"this worker holds other experts than the router planned here under placement "
+                                 f"epoch {epoch} (started with other --shard/--replicas?); the router re-syncs it")
             key = id(now.built)
             self._users[key] = self._users.get(key, 0) + 1
         try:

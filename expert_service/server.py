@@ -128,7 +128,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             context.abort(exc.code, str(exc))
 
     def _compute(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
-        with self.holding.use(request.epoch) as shard:
+        with self.holding.use(request.epoch, request.holds) as shard:
             return self._compute_on(shard, request)
 
     def _compute_on(self, shard: ExpertShard, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:

@@ -427,6 +427,31 @@ def test_a_worker_that_answers_under_another_plan_is_re_synced_within_the_step(m
         assert again.epoch == d.epoch + 1 and d.epoch in again.also_serves     # re-synced: it serves ours too
 
 
+def test_a_static_worker_restarted_holding_more_experts_is_not_counted_twice(model):
+    """A static shard restarted with --replicas 2 (a rolled StatefulSet) holds its range and its neighbour's under
+    the same epoch 0. The router sends a static fleet the whole top-k and each worker adds every expert it holds:
+    it took the superset as serving, and every token after was wrong with no error. Now the call carries the
+    digest of the experts planned there: the worker refuses it, the router re-syncs it to exactly its plan."""
+    want = model.greedy_many(PROMPTS[:2], 8)
+    with ExitStack() as stack:
+        a, _ = stack.enter_context(worker(model.path, "--shard", "0/2"))
+        b_port = free_port()
+        with worker(model.path, "--shard", "1/2", port=b_port) as (b, _):
+            r, _ = stack.enter_context(router(model.path, [a, b]))
+            client = Client(r)
+            assert [client.generate(p, 8, ignore_eos=True, timeout=60).token_ids for p in PROMPTS[:2]] == want
+        stack.enter_context(worker(model.path, "--shard", "1/2", "--replicas", "2", port=b_port))
+        assert held(b) == 2 * 60                              # both ranges: every expert of its 2 MoE layers
+        deadline = time.monotonic() + 60
+        while {w.address: w.state for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(),
+                                                                  timeout=10).workers}[b] != "serving":
+            assert time.monotonic() < deadline, "the restarted worker was not taken back"
+            time.sleep(0.1)
+        for _ in range(2):
+            assert [client.generate(p, 8, ignore_eos=True, timeout=60).token_ids for p in PROMPTS[:2]] == want
+        assert held(b) == 60                                  # re-synced to its own range (30 a layer)
+
+
 def test_a_removed_dead_worker_started_again_and_added_back_serves(model):
     with ExitStack() as stack:
         (a, _), (b, pb) = stack.enter_context(worker(model.path)), stack.enter_context(worker(model.path))

@@ -65,6 +65,7 @@ class InFlight:
         self.owner, self.table, self.layer, self.parts = owner, table, layer, parts
         self.x, self.ids32, self.w32 = wire_x, ids32, w32            # host copies: [T, H], [T, K], [T, K]
         self.sent = time.perf_counter()
+        self.awaited: set[int] = set()                 # workers this layer waited on a re-sync for (once each)
         self.num_tokens, self.hidden_size = hidden.shape
         self.dtype, self.device = hidden.dtype, hidden.device
 
@@ -87,8 +88,10 @@ class InFlight:
         self.owner.failed(part.worker, str(exc), exc.unsynced)
         pairs = self._pairs_of(part)
         placed = self._place(pairs)
-        if placed.unplaced and exc.unsynced and self.owner.await_sync(part.worker):
-            placed = self._place(pairs)        # up, re-synced: it takes its pairs again (no replica held them)
+        if placed.unplaced and exc.unsynced and part.worker not in self.awaited:
+            self.awaited.add(part.worker)
+            if self.owner.await_sync(part.worker):
+                placed = self._place(pairs)    # up, re-synced: it takes its pairs again (no replica held them)
         if placed.unplaced:
             raise ExpertsUnavailable(f"{exc}; no live replica holds the experts some tokens need",
                                      torch.tensor(placed.unplaced)) from exc

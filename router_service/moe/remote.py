@@ -27,6 +27,7 @@ from colibri_common.errors import ConfigError
 from colibri_common.metrics_http import TOKEN_BUCKETS
 from colibri_common.options import QUANTIZE as QUANTIZE_NAMES
 from colibri_common.pb import expert_pb2
+from colibri_common.placement import held_digest
 from colibri_common.tls import TlsFiles
 from kernels import native
 from router_service.moe.experts import ExpertsUnavailable, Prefetch
@@ -184,8 +185,11 @@ class RemoteExperts:
     def serves(self, info: WorkerInfo, table: Table) -> bool:
         """Whether a worker (as described) computes every pair `table` would send it."""
         want = table.plan.of(info.address)
-        return info.assigned and (info.epoch == table.epoch or table.epoch in info.also) and all(
-            set(es) <= set(info.held.get(layer, ())) for layer, es in want.items())
+        if not (info.assigned and (info.epoch == table.epoch or table.epoch in info.also)):
+            return False
+        if not table.explicit:          # sent the whole top-k: each worker adds every expert it holds, so exactly
+            return held_digest(info.held) == held_digest(want)
+        return all(set(es) <= set(info.held.get(layer, ())) for layer, es in want.items())
 
     def _first_table(self, infos: list[WorkerInfo]) -> Table:
         """The workers' own plans where they brought one (static shards), else a plan of the router's, assigned
@@ -370,7 +374,8 @@ class RemoteExperts:
                     # ~0.07 ms on an idle CPU and ~1 ms while the workers hold the cores
                     enc = tuple(wire.encode(t.index_select(0, wr.rows)) for t in (x, ids32, w32))
                 req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
-                                                step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch)
+                                                step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch,
+                                                holds=table.digests[wr.worker])
                 parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
                 self.window.computed(self.addresses[wr.worker], wr.pairs)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from colibri_common.placement import held_digest
 from router_service.moe.partition import holding_of
 from router_service.moe.plan import Plan
 
@@ -24,6 +25,8 @@ class Table:
     explicit: bool                     # send each worker its pairs (-1 for others'): replicas, or a router's plan
                                        # (a worker may hold more than the plan while a switch is under way)
     holding: tuple[list[tuple[int, ...]], ...]   # [L][E] each expert's workers, ascending (`holding_of(holders)`)
+    digests: tuple[int, ...] = ()      # [W] held_digest of each worker's experts in the plan (0: none), sent with the
+                                       # whole top-k so a worker holding another set refuses it
 
     @property
     def epoch(self) -> int:
@@ -42,8 +45,11 @@ class Table:
         first = holders.to(torch.int8).argmax(dim=2) if W else torch.zeros_like(counts)
         owner = torch.where(counts > 0, first, -1)                                # [L, E]
         replicated = bool((counts > 1).any())
+        digests = [0] * W
+        for address in plan.workers:
+            digests[index[address]] = held_digest(plan.of(address))
         return Table(plan, holders, owner, explicit=replicated or plan.epoch > 0,
-                     holding=tuple(holding_of(h) for h in holders))
+                     holding=tuple(holding_of(h) for h in holders), digests=tuple(digests))
 
     def in_plan(self, w: int) -> bool:
         """Whether worker w holds anything in this plan."""
