@@ -6,6 +6,7 @@ experts it reads, not the files it maps. Every problem names the tensor and the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import mmap
@@ -139,6 +140,11 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def checkpoint_id(fingerprint: str) -> int:
+    """The 64 bits of a Checkpoint.fingerprint() that every ForwardRequest carries (0 = none: not checked)."""
+    return int(fingerprint[:16], 16) | 1 if fingerprint else 0
+
+
 class Checkpoint:
     """All tensors of a checkpoint directory, mapped lazily, file by file."""
 
@@ -170,6 +176,31 @@ class Checkpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
+
+    def fingerprint(self, samples: int = 256) -> str:
+        """What tells two checkpoints apart, cheaply: every tensor's name, dtype and shape, and the first and last
+        64 bytes of up to `samples` of them (spread over the sorted names; two trainings or seeds of one shape
+        differ in every tensor), read with pread (no mapping). The router and its workers compare theirs: a
+        worker on another checkpoint of the same shapes added its experts silently into the wrong model."""
+        h = hashlib.blake2b(digest_size=16)
+        names = sorted(self.entries)
+        for name in names:
+            e = self.entries[name]
+            h.update(f"{name}|{e.dtype}|{list(e.shape)}\n".encode())
+        fds: dict[Path, int] = {}
+        try:
+            for name in names[::max(1, len(names) // samples)]:
+                e = self.entries[name]
+                if e.file not in fds:
+                    fds[e.file] = os.open(e.file, os.O_RDONLY)
+                for start in dict.fromkeys((e.start, max(e.start, e.end - 64))):
+                    h.update(os.pread(fds[e.file], min(64, e.end - start), start))
+        except OSError as exc:
+            raise CheckpointError(f"{self.dir}: cannot read a tensor's bytes: {exc}") from exc
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return h.hexdigest()
 
     def entry(self, name: str) -> TensorEntry:
         if name not in self.entries:

@@ -15,6 +15,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from colibri_common import wire
+from colibri_common.checkpoint import Checkpoint, checkpoint_id
 from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging, device_scope, open_device
 from colibri_common.errors import ConfigError
@@ -93,6 +94,8 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.assignments = Assignments(self.holding)   # a router's plans (Assign)
         self.on_damage: Callable[[str], None] | None = None   # its experts' bytes cannot be trusted: stop serving
         self.instance = secrets.token_hex(8)    # this process: one worker under two addresses is one worker
+        self.checkpoint = ""                    # its --model's Checkpoint.fingerprint(), told in Describe
+        self.checkpoint_id = 0                  # its 64 bits, against each Forward's
 
     @property
     def shard(self) -> ExpertShard | None:
@@ -118,6 +121,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             static_shard=self.static_shard,
             also_serves=sorted(now.also) if now is not None else [], instance=self.instance,
             owner=now.owner if now is not None else "", assigned=now is not None and now.assigned,
+            checkpoint=self.checkpoint,
             layers=[expert_pb2.LayerExperts(layer=layer, experts=es) for layer, es in s.held.items()])
 
     def Assign(self, request, context):
@@ -128,6 +132,9 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             context.abort(exc.code, str(exc))
 
     def _compute(self, request: expert_pb2.ForwardRequest) -> expert_pb2.ForwardResponse:
+        if request.checkpoint and self.checkpoint_id and request.checkpoint != self.checkpoint_id:
+            raise WrongEpoch("this worker serves another checkpoint than the router's --model (restarted on "
+                             "another one?); the router re-syncs it, and refuses it")
         with self.holding.use(request.epoch, request.holds) as shard:
             return self._compute_on(shard, request)
 
@@ -309,6 +316,8 @@ def serve_expert(opts: ExpertOptions) -> int:
     # Listen (liveness answers) while the weights load; readiness turns SERVING only after.
     bound = service.start(opts.host, opts.port, [SERVICE], None if tls is None else tls.server(True))
     built = build_shard(opts, device)
+    servicer.checkpoint = Checkpoint(opts.model).fingerprint()
+    servicer.checkpoint_id = checkpoint_id(servicer.checkpoint)
     servicer.staging = HostStaging(device)
     servicer.static_shard = bool(opts.shard)
     servicer.assignments.max_experts = opts.max_experts

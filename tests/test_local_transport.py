@@ -19,6 +19,7 @@ import torch
 
 from colibri.client import Client
 from colibri_common import wire
+from colibri_common.checkpoint import Checkpoint, checkpoint_id
 from colibri_common.frames import HEADER, recv_frame, send_frame
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from tests.conftest import argv_of, colibri_popen, fleet
@@ -138,6 +139,12 @@ def test_bad_frames_on_a_workers_socket_are_refused_and_it_serves_on(oracles, tm
         status, message = ask(path, request(torch.randn(1, H), torch.tensor([[0, 1]]), layer=999)
                               .SerializeToString())
         assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"layer 999" in message
+        other = request(torch.randn(1, H), torch.tensor([[0, 1]]))
+        other.checkpoint = 12345                  # a router on another checkpoint: refused, not computed
+        status, message = ask(path, other.SerializeToString())
+        assert status == grpc.StatusCode.FAILED_PRECONDITION.value[0] and b"another checkpoint" in message
+        other.checkpoint = checkpoint_id(Checkpoint(oracle.path).fingerprint())        # its own: computed
+        assert ask(path, other.SerializeToString())[0] == 0
         with socket.socket(socket.AF_UNIX) as s:               # a frame over the limit: that connection closes
             s.connect(str(path))
             s.sendall(HEADER.pack(2**31, 0))

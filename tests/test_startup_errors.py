@@ -206,3 +206,24 @@ def test_a_worker_that_does_not_match_the_router_is_one_line(ckpt):
     finally:
         worker.terminate()
         worker.wait(timeout=30)
+
+
+def test_a_worker_on_another_checkpoint_of_the_same_shapes_is_refused(ckpt, tmp_path):
+    """Same config, other weights (another seed): the router took its experts and served tokens of neither
+    model, with no error. The checkpoints' fingerprints differ now."""
+    from tests.models import build_model, save_checkpoint, small_config
+
+    other = save_checkpoint(build_model(small_config("qwen3_moe"), seed=99), tmp_path / "other")
+    assert json.loads((other / "config.json").read_text())["hidden_size"] == \
+        json.loads((ckpt / "config.json").read_text())["hidden_size"]
+    worker = colibri_popen(["expert", "--model", str(other), "--shard", "0/1", "--port", "0", "--threads", "1",
+                            "--log-level", "WARNING", "--cpu-forms", "off"], stdout=subprocess.PIPE)
+    try:
+        line = worker.stdout.readline()
+        assert line.startswith("ready "), line
+        out = run("router", "--model", str(ckpt), "--workers", line.split()[1], "--port", "0", "--cpu-forms", "off")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert "serves another checkpoint than this router's --model" in out.stderr.strip().splitlines()[-1]
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)

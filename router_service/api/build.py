@@ -103,7 +103,8 @@ def remote_experts(opts: RouterOptions, workers: tuple[str, ...] = ()) -> Expert
         return RemoteExperts(cfg, workers or opts.workers, wire_dtype, opts.transport, opts.worker_timeout,
                              expect_quantize=opts.quantize, device=device, track_routing=opts.expert_metrics, tls=tls,
                              batch_invariant=opts.batch_invariant, token=fleet_token(), step_tokens=rows,
-                             replicas=opts.expert_replicas, window_steps=opts.placement_window)
+                             replicas=opts.expert_replicas, window_steps=opts.placement_window,
+                             checkpoint=Checkpoint(opts.model).fingerprint())
 
     return connect
 

@@ -21,6 +21,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import Metric
 
 from colibri_common import wire
+from colibri_common.checkpoint import checkpoint_id
 from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging
 from colibri_common.errors import ConfigError
@@ -70,7 +71,8 @@ class RemoteExperts:
                  transport: str = "auto", timeout_s: float = 60.0, connect_timeout_s: float = 300.0,
                  expect_quantize: str | None = None, device: torch.device | None = None,
                  track_routing: bool = False, tls: TlsFiles | None = None, batch_invariant: bool = False,
-                 token: str | None = None, step_tokens: int = 0, replicas: int = 1, window_steps: int = 256) -> None:
+                 token: str | None = None, step_tokens: int = 0, replicas: int = 1, window_steps: int = 256,
+                 checkpoint: str = "") -> None:
         if len(set(addresses)) != len(addresses):
             raise ConfigError(f"--workers names a worker twice: {', '.join(addresses)}")
         self.cfg, self.wire_dtype = cfg, wire_dtype
@@ -81,6 +83,8 @@ class RemoteExperts:
         self.expect_quantize = expect_quantize                # --quantize: None, "int8" or "w8a8"
         self.batch_invariant = batch_invariant
         self.step_tokens = step_tokens                       # the most token rows one step sends a worker
+        self.checkpoint = checkpoint                         # Checkpoint.fingerprint() of --model ("" = unchecked)
+        self.checkpoint_id = checkpoint_id(checkpoint)       # what every ForwardRequest carries of it
         self.sync_wait_s = min(timeout_s, 10.0)              # a layer's wait for a worker being re-synced
         self.replicas = replicas                             # a plan of the router's: each expert on this many
         self.links = Links(addresses, transport, timeout_s, Access(None if tls is None else tls.channel(), token))
@@ -145,6 +149,10 @@ class RemoteExperts:
             raise WorkerError(f"expert worker {address} serves a different model ({d.model_type}, "
                               f"{d.num_experts} experts, hidden {d.hidden_size}, width {d.intermediate_size}, "
                               f"MoE layers {list(d.moe_layers)})", retryable=False)
+        if self.checkpoint and d.checkpoint and d.checkpoint != self.checkpoint:
+            raise WorkerError(f"expert worker {address} serves another checkpoint than this router's --model (the "
+                              f"same shapes, other weights or tensors: fingerprint {d.checkpoint[:12]} against "
+                              f"{self.checkpoint[:12]}); give router and workers the same --model", retryable=False)
         served = d.dtype if d.dtype in QUANTIZE_NAMES else None
         if served != self.expect_quantize:
             raise WorkerError(f"expert worker {address} serves {d.dtype} experts but the router expects "
@@ -375,7 +383,7 @@ class RemoteExperts:
                     enc = tuple(wire.encode(t.index_select(0, wr.rows)) for t in (x, ids32, w32))
                 req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
                                                 step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch,
-                                                holds=table.digests[wr.worker])
+                                                holds=table.digests[wr.worker], checkpoint=self.checkpoint_id)
                 parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
                 self.window.computed(self.addresses[wr.worker], wr.pairs)
@@ -393,7 +401,8 @@ class RemoteExperts:
     def _request(self, table: Table, layer: int, hidden: expert_pb2.Tensor, ids: expert_pb2.Tensor,
                  weights: expert_pb2.Tensor, ahead: expert_pb2.Prefetch | None) -> expert_pb2.ForwardRequest:
         return expert_pb2.ForwardRequest(layer=layer, hidden=hidden, topk_ids=ids, topk_weights=weights,
-                                         step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch)
+                                         step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch,
+                                         checkpoint=self.checkpoint_id)
 
     def _send(self, w: int, req: expert_pb2.ForwardRequest, rows: int, pairs: int) -> Reply:
         """Send worker w its request of `rows` token rows and `pairs` token-expert pairs, counted as sent."""

@@ -71,7 +71,7 @@ class Upkeep:
     def _resync(self, w: int) -> None:
         remote, address = self.placement.remote, self.placement.remote.addresses[w]
         pause = 0.1
-        warned = [False]
+        warned = [""]                                    # the last reason logged: each new one once
         try:
             while not self._stop.is_set():
                 try:
@@ -89,14 +89,25 @@ class Upkeep:
             if not remote.table.in_plan(w):
                 remote.liveness.set_synced(w, True)     # it left the plan: a clean slate if it comes back
 
-    def _resync_once(self, w: int, address: str, warned: list[bool]) -> bool:
+    @staticmethod
+    def _kept_out(address: str, why: str, warned: list[str]) -> bool:
+        """Log once why a worker stays out (a refusal such as another --quantize, token or checkpoint is a
+        WARNING an operator must see: it was DEBUG, and the worker looked healthy yet unused); False."""
+        if why != warned[0]:
+            log.warning("expert worker %s stays out of the placement until this changes: %s", address, why)
+            warned[0] = why
+        return False
+
+    def _resync_once(self, w: int, address: str, warned: list[str]) -> bool:
         """One try at having worker w hold the current plan's experts; True when it does (or left the plan)."""
         remote = self.placement.remote
         try:
             info = remote.describe(address, time.monotonic() + 2.0)      # outside the change lock
         except WorkerError as exc:
-            log.debug("re-sync of %s: %s", address, exc)
-            return False
+            if exc.retryable:                            # down or starting: the health checks say so
+                log.debug("re-sync of %s: %s", address, exc)
+                return False
+            return self._kept_out(address, str(exc), warned)
         with self.placement.change_lock:
             table = remote.table
             if not table.in_plan(w):
@@ -106,11 +117,11 @@ class Upkeep:
                 return True
             mine = info.owner in ("", remote.owner_id)
             if info.epoch > table.epoch and not mine:
-                if not warned[0]:
+                if warned[0] != info.owner:
                     log.error("worker %s holds placement epoch %d of another router (%s): this router (epoch %d) "
                               "cannot serve with it; one router owns a fleet's placement", address, info.epoch,
                               info.owner, table.epoch)
-                    warned[0] = True
+                    warned[0] = info.owner
                 return False
             # never lower a worker's epoch (after this router's rollback it is ahead): it answers for ours too
             epoch = max(table.epoch, info.epoch)
@@ -118,8 +129,7 @@ class Upkeep:
                 remote.assign(address, table.plan.of(address), epoch, self.placement.opts.load_timeout,
                               (table.epoch,) if epoch != table.epoch else ())
             except WorkerError as exc:
-                log.debug("re-sync of %s: %s", address, exc)
-                return False
+                return self._kept_out(address, f"it did not take its experts: {exc}", warned)
             log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address, table.epoch, info.epoch)
             remote.liveness.set_synced(w, True)
             return True
