@@ -176,3 +176,27 @@ def test_the_start_up_log_names_what_routes(model, caplog):
             assert llm.built.engine.model.routing_form() == "torch"
         finally:
             native.refuse_decoder_ops(None)
+
+
+def test_n_choices_of_a_long_prompt_on_a_small_cache_finish_with_their_tokens(model):
+    """n = 8 choices of a 200-token prompt in a 16-block cache: the other choices waited holding the first's
+    prompt blocks after it was preempted, nothing could run, and the engine hung for good (every later request
+    behind it). Now they give their blocks back and recompute; each choice's tokens are those of a roomy cache."""
+    import threading
+
+    from router_service.engine.scheduler import SchedulerConfig
+
+    _, path = model
+    prompt = [(5 * j + 1) % 256 for j in range(200)]
+    sp = SamplingParams(max_tokens=56, ignore_eos=True, n=8, temperature=0.8, seed=3)
+    with LLM(path, 0, expert_cache_heat="off") as roomy:
+        want = [c.token_ids for c in roomy.generate([prompt], sp)[0].outputs]
+    got: list = []
+    with LLM(path, 0, expert_cache_heat="off", kv_cache_blocks=16, block_size=16,
+             sched=SchedulerConfig(max_model_len=256)) as small:
+        runner = threading.Thread(target=lambda: got.append(small.generate([prompt], sp)), daemon=True)
+        runner.start()
+        runner.join(timeout=120)
+        assert got, "the engine hung: n choices of a long prompt on a small KV cache"
+        assert [c.token_ids for c in got[0][0].outputs] == want
+        assert small.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids    # it goes on

@@ -129,6 +129,7 @@ class Engine:
                         self.scheduler.add_fork(other, first=False)
             with self.metrics.lock:
                 self.metrics.prompt_tokens += len(seq.prompt_ids) * len(group)
+                self.metrics.gauges.update(self._occupancy())     # waiting counts now, not after the next step
             q = Outputs(on_room=lambda: self._resume(group))
             for member in group:
                 self.outputs[member.uid] = q
@@ -194,6 +195,8 @@ class Engine:
     def _steps(self) -> None:
         while (step := self._schedule()) is not None:
             if not step.micro_batches:
+                with self.metrics.lock:    # what the engine holds, while it cannot step (dashboards, KEDA)
+                    self.metrics.gauges.update(self._occupancy())
                 time.sleep(0.001)     # work is waiting but nothing fits yet (KV cache full)
                 continue
             t0 = time.perf_counter()

@@ -107,8 +107,8 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def has_work(self) -> bool:
-        """Whether a step has anything to run: waiting requests, or running ones not paused by their reader."""
-        return bool(self.waiting) or any(not s.paused for s in self.running)
+        """Whether a step has anything to run: sequences, waiting or running, not paused by their reader."""
+        return any(not s.paused for s in self.waiting) or any(not s.paused for s in self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -118,14 +118,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _oldest(self) -> int:
+        """The index in `waiting` of the oldest sequence not paused by its reader (-1: none)."""
+        return next((i for i, s in enumerate(self.waiting) if not s.paused), -1)
+
     def _next_waiting(self, batch: set[int]) -> int:
-        """The index in `waiting` of the request to admit next: FIFO, or with routing-aware batching the
-        first one passed over too often, else the largest share of its experts already in the batch (the
-        oldest among equals)."""
-        if not self.cfg.routing_aware_batching or len(self.waiting) == 1:
-            return 0
-        best, best_share = 0, -1.0
+        """The index in `waiting` of the request to admit next (never one paused by its reader): FIFO, or with
+        routing-aware batching the first one passed over too often, else the largest share of its experts already
+        in the batch (the oldest among equals)."""
+        oldest = self._oldest()
+        if not self.cfg.routing_aware_batching or oldest < 0 or len(self.waiting) == 1:
+            return oldest
+        best, best_share = oldest, -1.0
         for i, seq in enumerate(itertools.islice(self.waiting, SCAN)):
+            if seq.paused:
+                continue
             if seq.passed_over >= self.cfg.max_passed_over:
                 return i
             share = len(seq.experts & batch) / len(seq.experts) if seq.experts else 0.0
@@ -133,7 +140,32 @@ class Scheduler:
                 best, best_share = i, share
         return best
 
+    def _unblock(self) -> bool:
+        """Nothing could run while sequences wait: the KV blocks are held by sequences that take no step, the
+        other choices of a request waiting with their first choice's prompt blocks (that choice preempted since)
+        and sequences paused by a reader that is behind. They give their blocks back and recompute later, as a
+        preempted sequence does (they hung the engine for good: a long prompt with n > 1 on a small cache).
+        Whether any block came back."""
+        freed = False
+        for seq in self.waiting:
+            if seq.block_table:
+                self.alloc.release(seq.block_table)
+                seq.num_cached = 0
+                self.num_preemptions += 1
+                freed = True
+        for seq in [s for s in self.running if s.paused]:    # back to waiting; admitted once its reader reads
+            if seq.block_table:
+                self._preempt(seq)
+                freed = True
+        return freed
+
     def schedule(self) -> list[Scheduled]:
+        out = self._schedule()
+        if not out and self._oldest() >= 0 and self._unblock():
+            out = self._schedule()
+        return out
+
+    def _schedule(self) -> list[Scheduled]:
         out: list[Scheduled] = []
         budget = self.cfg.max_num_tokens
         for seq in list(self.running):              # decodes (and unfinished chunked prefills) first
@@ -158,7 +190,9 @@ class Scheduler:
         active = sum(not s.paused for s in self.running)
         while self.waiting and budget > 0 and active < self.cfg.max_batch_size:
             pick = self._next_waiting(batch)
-            for i in dict.fromkeys((pick, 0)):                 # the preferred one; if it does not fit, the oldest
+            if pick < 0:                                       # every waiting one is paused by its reader
+                break
+            for i in dict.fromkeys((pick, self._oldest())):    # the preferred one; if it does not fit, the oldest
                 seq = self.waiting[i]
                 num_new = min(seq.num_tokens - seq.num_cached, budget)
                 try:
