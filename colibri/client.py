@@ -27,7 +27,7 @@ import numpy as np
 from colibri_common.options import check_target
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb import generation_pb2_grpc
-from colibri_common.serving import CHANNEL_OPTIONS
+from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from colibri_common.tls import client_channel
 
 DEFAULT_TIMEOUT = 300.0
@@ -250,7 +250,7 @@ class Client(_Calls):
         requires client certificates. `timeout` is every call's default deadline (None: none)."""
         self.timeout = _seconds(timeout, "timeout")
         self.closed = False
-        self.channel = client_channel(_target(target), CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
+        self.channel = client_channel(_target(target), CHANNEL_OPTIONS + RECONNECT_OPTIONS, tls_ca, tls_cert, tls_key)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = DEFAULT) -> Iterator[pb.GenerateResponse]:
@@ -316,7 +316,8 @@ class AsyncClient(_Calls):
                  tls_key: str | None = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
         self.timeout = _seconds(timeout, "timeout")
         self.closed = False
-        self.channel = client_channel(_target(target), CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key, aio=True)
+        self.channel = client_channel(_target(target), CHANNEL_OPTIONS + RECONNECT_OPTIONS, tls_ca, tls_cert, tls_key,
+                                      aio=True)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = DEFAULT):

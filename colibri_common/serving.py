@@ -23,6 +23,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# A server that is still starting or was just restarted is found again within a second, not after gRPC's default
+# backoff (which grows to two minutes: an HTTP front stayed 503 for 13 s after its router was back). A rescheduled
+# pod behind a headless Service comes back with a new IP: the DNS name is resolved again on reconnect, at most once
+# a second (gRPC's default waits 30 s between resolutions). The router's links to its workers, and every Client.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.dns_min_time_between_resolutions_ms", 1000)]
 # Clients (the router watching its workers) may ping every second to find a frozen peer.
 SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_ping_strikes", 0)]

@@ -42,6 +42,7 @@ class TlsFiles:
         for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{flag} {path}: no such file")
+        check_pem(cert, key, ca)
         return TlsFiles(cert, key, ca)
 
     def _read(self) -> tuple[bytes, bytes, bytes | None]:
@@ -72,6 +73,35 @@ class TlsFiles:
             pass
         except OSError as exc:
             log.warning("could not remove the throw-away TLS directory %s (%s); delete it by hand", d, exc)
+
+
+def check_pem(cert: str, key: str, ca: str | None) -> None:
+    """The files gRPC would take, checked with Python's ssl first: gRPC reported a key that is not the
+    certificate's, or a CA that is not PEM, as a port it could not bind. A certificate outside its validity
+    period is a warning (every peer will refuse it)."""
+    import ssl
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        what = "is not the key of --tls-cert" if "MISMATCH" in str(exc).upper() else \
+            "and --tls-cert are not a PEM certificate and its PEM key"
+        raise ConfigError(f"--tls-key {key} {what} ({exc.reason or exc})") from None
+    if ca is not None:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=ca)
+        except ssl.SSLError as exc:
+            raise ConfigError(f"--tls-ca {ca} holds no PEM certificate ({exc.reason or exc})") from None
+    try:
+        from cryptography import x509
+
+        pem = x509.load_pem_x509_certificate(Path(cert).read_bytes())
+    except (ImportError, ValueError):
+        return
+    now = datetime.datetime.now(datetime.UTC)
+    if not pem.not_valid_before_utc <= now <= pem.not_valid_after_utc:
+        log.warning("--tls-cert %s is valid from %s to %s only, not now: its peers will refuse it", cert,
+                    pem.not_valid_before_utc, pem.not_valid_after_utc)
 
 
 def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from colibri_common import tls
-from colibri_common.errors import ColibriError
+from colibri_common.errors import ColibriError, ConfigError
 from colibri_common.tls import TlsFiles, self_signed
 from tests.conftest import colibri_run
 
@@ -123,3 +123,17 @@ def test_a_client_with_half_a_certificate_is_a_config_error(tmp_path):
     files = self_signed(tmp_path / "tls")
     with pytest.raises(ConfigError, match="--tls-cert and --tls-key together"):
         Client("127.0.0.1:1", tls_ca=files.ca, tls_cert=files.cert)
+
+
+def test_a_key_that_is_not_the_certificates_or_a_ca_that_is_not_pem_is_named(tmp_path):
+    """gRPC reported both as a port it could not bind ("cannot listen on …")."""
+    one, two = self_signed(tmp_path / "one"), self_signed(tmp_path / "two")
+    assert TlsFiles.of(one.cert, one.key, one.ca) is not None
+    with pytest.raises(ConfigError, match="is not the key of --tls-cert"):
+        TlsFiles.of(one.cert, two.key, one.ca)
+    junk = tmp_path / "ca.txt"
+    junk.write_text("not a certificate\n")
+    with pytest.raises(ConfigError, match="holds no PEM certificate"):
+        TlsFiles.of(one.cert, one.key, str(junk))
+    with pytest.raises(ConfigError, match="not a PEM certificate and its PEM key"):
+        TlsFiles.of(str(junk), one.key, one.ca)

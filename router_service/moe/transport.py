@@ -27,17 +27,10 @@ import grpc
 
 from colibri_common.errors import ColibriError
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
-from colibri_common.serving import CHANNEL_OPTIONS
+from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from colibri_common.token_gate import with_token
 
 log = logging.getLogger("colibri.router")
-# A worker that is still starting or was just restarted is found again within a second, not after gRPC's
-# default backoff (which grows to two minutes).
-# A rescheduled pod behind a headless Service comes back with a new IP: the DNS name is resolved again
-# on reconnect, at most once a second (gRPC's default waits 30 s between resolutions).
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                     ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.dns_min_time_between_resolutions_ms", 1000)]
-
 
 # A worker that answers INTERNAL or INVALID_ARGUMENT has a bug or was sent a bad request: retrying will not help.
 NOT_RETRYABLE = (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
@@ -167,19 +160,34 @@ class WorkerLink:
                 return self.stub.Describe(expert_pb2.DescribeRequest(), wait_for_ready=True,
                                           timeout=min(10.0, max(0.1, deadline - time.monotonic())))
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    exc = self._why_not_connected(exc)
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     raise WorkerError(f"{self.address} is not an expert worker (it has no colibri.v1.ExpertWorker "
                                       f"service: a router's or another server's address?)", retryable=False) from exc
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                     raise WorkerError(f"expert worker {self.address} refused this router: {exc.details()}",
                                       retryable=False) from exc
+                now_said = f"{exc.code().name}: {exc.details()}"
                 if time.monotonic() > deadline:
-                    before = f"; before that {last}" if last != "no answer yet" else ""
+                    before = f"; before that {last}" if last not in ("no answer yet", now_said) else ""
+                    tcp = _unreachable(self.address)
+                    tcp = "" if tcp.rpartition(": ")[2] in exc.details() else tcp     # said already
                     raise WorkerError(f"expert worker {self.address} did not answer Describe: {exc.details()}"
-                                      f"{before}{_unreachable(self.address)}") from exc
-                last = f"{exc.code().name}: {exc.details()}"
+                                      f"{before}{tcp}") from exc
+                last = now_said
                 time.sleep(pause)
                 pause = min(0.5, 2 * pause)
+
+    def _why_not_connected(self, exc: grpc.RpcError) -> grpc.RpcError:
+        """A call that waited for the channel only says "Deadline Exceeded"; one that does not wait gets the
+        channel's own reason (connection refused, a TLS handshake that failed and why), where there is one."""
+        try:
+            self.stub.Describe(expert_pb2.DescribeRequest(), wait_for_ready=False, timeout=1.0)
+        except grpc.RpcError as now:
+            if now.code() == grpc.StatusCode.UNAVAILABLE and now.details():
+                return now
+        return exc
 
     def assign(self, request: expert_pb2.AssignRequest, timeout_s: float, wait: bool = True
                ) -> expert_pb2.AssignResponse:

@@ -32,6 +32,7 @@ class WorkerWatch:
         self.stubs = [(address, health_pb2_grpc.HealthStub(ch)) for address, ch in channels]
         self.up = [True] * len(channels)
         self.misses = [0] * len(channels)
+        self.why = [""] * len(channels)         # the last failed check's reason (NOT_SERVING, refused, TLS, timeout)
         self.on_change = on_change
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="worker-watch", daemon=True)
@@ -47,11 +48,15 @@ class WorkerWatch:
             except ValueError:                    # the channel was closed: the router is stopping
                 futures.append(None)
         out = []
-        for f in futures:
+        for i, f in enumerate(futures):
             try:
-                out.append(f is not None and f.result().status == health_pb2.HealthCheckResponse.SERVING)
-            except grpc.RpcError:
+                status = f.result().status if f is not None else None
+                out.append(status == health_pb2.HealthCheckResponse.SERVING)
+                if not out[-1]:
+                    self.why[i] = "not SERVING" if status is not None else "the router is stopping"
+            except grpc.RpcError as exc:
                 out.append(False)
+                self.why[i] = f"{exc.code().name}: {exc.details()}"
         return out
 
     def _run(self) -> None:
@@ -73,7 +78,8 @@ class WorkerWatch:
                 log.info("expert worker %s is serving again", address)
             elif not ok and self.up[i] and self.misses[i] >= self.MISSES:
                 self.up[i] = False
-                log.warning("expert worker %s is down (%d health checks failed)", address, self.misses[i])
+                log.warning("expert worker %s is down (%d health checks failed; the last: %s)", address,
+                            self.misses[i], self.why[i])
         self.on_change(list(self.up))           # every round (bans end without a health change)
 
     def close(self) -> None:
