@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from colibri_common.errors import TOO_LARGE_HINT, TOO_LARGE_MARK
-from colibri_common.options import check_target, option
+from colibri_common.options import ClientTls, check_target, option
 from router_service.engine.sequence import Sampling
 
 
@@ -20,6 +20,7 @@ class GenerateOptions:
     prompt: str | None = option(None, "prompt text (needs the model's tokenizer.json)")
     prompt_ids: tuple[int, ...] | None = option(None, "comma-separated prompt token ids", metavar="ID[,ID...]")
     json: bool = option(False, "print one JSON object on the last line instead of the streamed text")
+    tls: ClientTls = ClientTls()
     sampling: Sampling = Sampling()
 
     def __post_init__(self) -> None:
@@ -39,7 +40,7 @@ def run_generate(opts: GenerateOptions) -> int:
     except ValueError as exc:               # a value no request can carry (past its field's range, not Unicode)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    client = Client(opts.target)
+    client = Client(opts.target, opts.tls.tls_ca, opts.tls.tls_cert, opts.tls.tls_key)
     ids, text, reason, logprobs = [], "", "", []
     try:
         for msg in client.stream(req):

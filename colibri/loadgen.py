@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-from colibri_common.options import check_target, option
+from colibri_common.options import ClientTls, check_target, option
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class BenchOptions:
     ready_timeout: float = option(60.0, "seconds to wait for the router to be ready (a fleet still starting, "
                                         "a router still loading) before the run; 0 = do not wait")
     json: bool = option(False, "print one JSON object on the last line")
+    tls: ClientTls = ClientTls()
 
     def __post_init__(self) -> None:
         check_target("--target", self.target)
@@ -160,12 +161,13 @@ def ready_vocab(client, target: str, wait_s: float, say: Callable[[str], None] =
 
 def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, max_tokens: int,
              seed: int = 0, timeout: float = 600, vocab_size: int | None = None, ready_s: float = 0.0,
-             say: Callable[[str], None] = lambda line: None) -> BenchResult:
+             say: Callable[[str], None] = lambda line: None, tls: ClientTls | None = None) -> BenchResult:
     """Random prompts through a router at `target` (see `measure`); raises GenerationError where the router does
     not answer ModelInfo (after waiting `ready_s` seconds for it to be ready) and no vocab_size is given."""
     from colibri.client import Client
 
-    client = Client(target)
+    tls = tls or ClientTls()
+    client = Client(target, tls.tls_ca, tls.tls_cert, tls.tls_key)
     try:
         vocab = vocab_size or ready_vocab(client, target, ready_s, say)
         prompts = random_prompts(num_requests, prompt_len, vocab, seed)
@@ -179,7 +181,8 @@ def run_bench(args: BenchOptions) -> int:
 
     try:
         r = run_load(args.target, args.concurrency, args.num_requests, args.prompt_len, args.max_tokens, args.seed,
-                     args.timeout, ready_s=args.ready_timeout, say=lambda line: print(line, file=sys.stderr))
+                     args.timeout, ready_s=args.ready_timeout, say=lambda line: print(line, file=sys.stderr),
+                     tls=args.tls)
     except GenerationError as exc:
         waited = f" (waited {args.ready_timeout:g} s; --ready-timeout)" if exc.code().name == "UNAVAILABLE" else ""
         print(f"error: the router at {args.target} did not answer: {exc.code().name}: {exc.details()}{waited}",

@@ -135,6 +135,23 @@ class ServiceOptions:
                              "depend on the batch: serve without it")
 
 
+@dataclass(frozen=True)
+class ClientTls:
+    """How a client (`colibri generate`, `colibri bench`) reaches a router that serves TLS (the chart's default)."""
+
+    tls_ca: str | None = option(None, "PEM CA of the router's certificate: TLS when given (`serve --tls-self-signed` "
+                                      "logs where its ca.pem is)", metavar="PATH")
+    tls_cert: str | None = option(None, "PEM client certificate, for a router started with --tls-client-auth",
+                                  metavar="PATH")
+    tls_key: str | None = option(None, "PEM key of --tls-cert", metavar="PATH")
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("give --tls-cert and --tls-key together (a client certificate and its key)")
+        if (self.tls_cert or self.tls_key) and not self.tls_ca:
+            raise ValueError("--tls-cert/--tls-key need --tls-ca (the router's CA): TLS is on only with it")
+
+
 def check_target(flag: str, value: str) -> None:
     """A gRPC address a client dials: a HOST:PORT's port in 1..65535 (gRPC dialled 99999 as 34463); other gRPC
     target forms (unix:PATH, dns:///...) pass as they are. An empty one (an unset variable: gRPC failed with its

@@ -4,6 +4,7 @@ whose certificate another CA signed; a fleet started with --tls-self-signed serv
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -86,6 +87,16 @@ def test_a_self_signed_fleet_serves_the_same_tokens_over_tls(oracles):
                 return (await aio.generate([1, 2, 3], 8)).token_ids
 
         assert asyncio.run(over_aio()) == oracle.greedy([1, 2, 3], 8)
+        # the command-line clients too (they had no TLS flags: a TLS router, the chart's default, was out of reach)
+        files = ["--tls-ca", ca, "--tls-cert", cert, "--tls-key", key]
+        gen = colibri_run(["generate", "--target", addr, "--prompt-ids", "1,2,3", "--max-tokens", "8", "--json",
+                           *files], timeout=60)
+        assert gen.returncode == 0, gen.stderr
+        assert json.loads(gen.stdout.strip().splitlines()[-1])["token_ids"] == oracle.greedy([1, 2, 3], 8)
+        bench = colibri_run(["bench", "--target", addr, "--concurrency", "2", "--num-requests", "2", "--max-tokens",
+                             "4", "--json", *files], timeout=120)
+        assert bench.returncode == 0 and json.loads(bench.stdout.strip().splitlines()[-1])["requests_ok"] == 2, \
+            bench.stdout + bench.stderr
         # The HTTP front `serve` started is the router's TLS client (with the client certificate it requires);
         # a model without a tokenizer takes token ids, and its log-probabilities name tokens by id.
         api = openai.OpenAI(base_url=proc.openai, api_key="x", max_retries=0, timeout=60)
