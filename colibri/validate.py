@@ -68,13 +68,15 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
     """Returns the summary lines; raises ColibriError naming the first problem."""
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
-    from colibri_common.errors import CheckpointError
+    from colibri_common.errors import CheckpointError, ConfigError
     from colibri_common.forms_file import describe_machine, in_force, resolve
     from colibri_common.placement import replica_experts
     from colibri_common.tensors import router_tensors
     from colibri_common.tokenizer import Tokenizer
-    from kernels import CANDIDATES
+    from kernels import CANDIDATES, native
 
+    if native.refused_override():               # what the router and workers would refuse at start
+        raise ConfigError(native.refused_override())
     cfg = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)
     router_bytes = sum(held_bytes(ckpt, n, s) for n, s in router_tensors(cfg))
@@ -113,6 +115,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
                                "int8": "int8 weight-only (--quantize int8): activations in the compute dtype",
                                "w8a8": "int8 weights and per-token int8 activations (--quantize w8a8)"}[quantize],
         f"this CPU         {describe_machine()}",
+        f"                 {native.describe()}",
         *(f"                 {line}" for line in in_force(resolve(cpu_forms), CANDIDATES)),
     ]
     for i in range(workers):

@@ -99,10 +99,11 @@ class ServiceOptions:
                                         "quantised per token to int8 too (int8 x int8 products, int32 sums: faster "
                                         "where the CPU has VNNI, less accurate). The router checks that its "
                                         "workers serve what it was told", choices=QUANTIZE)
-    device: str = option("cpu", "compute device: cpu, cuda or cuda:N (weights, KV cache and compute go there; "
-                                "only the wire stays on the host)", metavar="cpu|cuda[:N]")
-    tls_cert: str | None = option(None, "PEM certificate: serve TLS only (the router also shows it to its "
-                                        "workers)", metavar="PATH")
+    device: str = option("cpu", "compute device: cpu, cuda or cuda:N (a worker's experts and their compute, a "
+                                "router's weights, KV cache and compute go there; only the wire stays on the "
+                                "host)", metavar="cpu|cuda[:N]")
+    tls_cert: str | None = option(None, "PEM certificate: serve TLS only (a router also shows it to its workers "
+                                        "as its client certificate)", metavar="PATH")
     tls_key: str | None = option(None, "PEM private key of --tls-cert", metavar="PATH")
     tls_ca: str | None = option(None, "PEM CA that signs the peers' certificates: a worker refuses callers "
                                       "without one (mutual TLS); the router verifies its workers with it",
@@ -112,8 +113,9 @@ class ServiceOptions:
                                           "attention over its exact context), the MoE sum exactly; slower (see "
                                           "docs/models.md). Router and workers must agree; CPU only")
     cpu_forms: str = option("auto", "JSON file of the CPU linear forms measured on this machine, written on the "
-                                    "first start and reused after ('auto' = $COLIBRI_CACHE_DIR or "
-                                    "~/.cache/colibri/cpu-forms.json; 'off' = built-in defaults, no measurement)",
+                                    "first start and reused after ('auto' = cpu-forms.json in $COLIBRI_CACHE_DIR, "
+                                    "$XDG_CACHE_HOME/colibri or ~/.cache/colibri; 'off' = built-in defaults, no "
+                                    "measurement)",
                             metavar="PATH|auto|off")
 
     def __post_init__(self) -> None:

@@ -452,6 +452,17 @@ def test_a_static_worker_restarted_holding_more_experts_is_not_counted_twice(mod
         assert held(b) == 60                                  # re-synced to its own range (30 a layer)
 
 
+def test_workers_show_the_replication_the_workers_hold(model):
+    """Static shards started with --replicas 2 behind a router left at --expert-replicas 1: `workers show` said
+    "1 replica(s)", the router's flag, not what the fleet holds."""
+    with ExitStack() as stack:
+        a, _ = stack.enter_context(worker(model.path, "--shard", "0/2", "--replicas", "2"))
+        b, _ = stack.enter_context(worker(model.path, "--shard", "1/2", "--replicas", "2"))
+        r, _ = stack.enter_context(router(model.path, [a, b]))
+        assert admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).replicas == 2
+        assert "2 replica(s)" in workers_cli(r, "show").stdout
+
+
 def test_a_removed_dead_worker_started_again_and_added_back_serves(model):
     with ExitStack() as stack:
         (a, _), (b, pb) = stack.enter_context(worker(model.path)), stack.enter_context(worker(model.path))

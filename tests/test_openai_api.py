@@ -312,6 +312,10 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
     status, err = raw(url, "GET", "/v1/completions")
     assert status == 405 and "GET is not allowed" in err["error"]["message"]
     assert err["error"]["type"] == "invalid_request_error"            # a client's mistake (was server_error)
+    conn = http.client.HTTPConnection(urlparse(url).hostname, urlparse(url).port, timeout=30)
+    conn.request("GET", "/metrics")
+    counted = conn.getresponse().read().decode()
+    assert 'colibri_openai:refused_total{status="405"}' in counted      # counted as the other refusals (it was not)
 
 
 def test_health_and_metrics(served):
@@ -420,7 +424,7 @@ def test_a_request_past_the_fronts_deadline_is_504_and_frees_its_kv(served):
     with front(addr, "--request-timeout", "0.1") as (_, _, api):
         with pytest.raises(openai.InternalServerError) as err:
             api.completions.create(model="chatty", prompt="x", max_tokens=90, extra_body={"ignore_eos": True})
-        assert err.value.status_code == 504
+        assert err.value.status_code == 504 and "--request-timeout" in err.value.body["message"]
     wait_kv(total, within=1.0)
 
 

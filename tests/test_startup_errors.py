@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels import native
 from tests.conftest import colibri_popen, colibri_run
 
 
@@ -227,3 +228,16 @@ def test_a_worker_on_another_checkpoint_of_the_same_shapes_is_refused(ckpt, tmp_
     finally:
         worker.terminate()
         worker.wait(timeout=30)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built here")
+def test_validate_refuses_the_isa_override_the_services_refuse(ckpt):
+    """validate said `ok` for COLIBRI_CPU_ISA=bogus, which router and workers refuse at start (a new process:
+    the override is read when the library loads)."""
+    import os
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "colibri.cli", "validate", "--model", str(ckpt)], text=True,
+                         env={**os.environ, "COLIBRI_CPU_ISA": "bogus"}, capture_output=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == ("error: COLIBRI_CPU_ISA=bogus is unknown; use generic, "
+                                                          "avx2, avx512, avx512bf16 or amx"), out.stderr

@@ -338,6 +338,7 @@ def build_app(front: Front, policy: Policy) -> Starlette:
                      f"/v1/chat/completions, /health, /metrics",
                 405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
         err = ApiError(exc.status_code, what)
+        front.metrics.refused(exc.status_code)       # counted as the front's own refusals are (a 405 was not)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=dict(exc.headers or {}))
 
     async def internal(request: Request, exc: Exception) -> Response:

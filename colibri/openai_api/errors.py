@@ -63,6 +63,8 @@ class ApiError(Exception):
             details += TOO_LARGE_HINT
         if code is grpc.StatusCode.UNAVAILABLE and not details:
             details = "the router is not reachable"
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:     # gRPC's own text was "Stream removed (Deadline Exceeded)"
+            details = f"the request did not finish within the front's --request-timeout ({details or code.name})"
         return ApiError(status, details or code.name, code=code.name.lower())
 
 

@@ -5,6 +5,7 @@ are in-process has no workers to show and refuses with FAILED_PRECONDITION."""
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -37,8 +38,11 @@ def worker_states(remote: RemoteExperts) -> list[admin_pb2.WorkerState]:
     for address in plan.workers:
         w = remote.index[address]
         lv = remote.liveness
-        state = ("serving" if live[w] else "down" if not lv.healthy[w] else "syncing" if not lv.synced[w]
-                 else "banned")                  # down first: a frozen worker is re-synced once it answers again
+        banned = time.monotonic() < lv.banned_until[w]
+        # down first (a frozen worker is re-synced once it answers again), then a ban (a call failed: a worker just
+        # killed, before its health checks tell), then a re-sync under way
+        state = ("serving" if live[w] else "down" if not lv.healthy[w] else "banned" if banned
+                 else "syncing" if not lv.synced[w] else "banned")
         held = plan.of(address)
         out.append(admin_pb2.WorkerState(
             address=address, state=state, experts=sum(map(len, held.values())),
@@ -46,6 +50,14 @@ def worker_states(remote: RemoteExperts) -> list[admin_pb2.WorkerState]:
             token_rows=remote.worker_rows[w], pairs_window=pairs[address],
             load_share=pairs[address] / total if total else 0.0, restarts=remote.restarts[address]))
     return out
+
+
+def replication(remote: RemoteExperts) -> int:
+    """The fewest workers any routed expert is on in the plan served now (a static fleet's is its workers'
+    --replicas, which the router's own --expert-replicas does not tell)."""
+    layers = list(remote.cfg.moe_layers)
+    holders = remote.table.holders[layers]                                    # [L_moe, E, W]
+    return int(holders.sum(dim=2).min()) if holders.numel() else 0
 
 
 def _change(out: Outcome) -> admin_pb2.ChangeResponse:
@@ -69,7 +81,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.ShowWorkersResponse(
             epoch=remote.table.epoch, workers=worker_states(remote),
             balance=remote.window.balance(remote.table.plan.workers), placement_window=remote.window.steps,
-            replicas=p.opts.replicas, redundant_experts=p.opts.redundant_experts, rebalances=remote.rebalances,
+            replicas=replication(remote), redundant_experts=p.opts.redundant_experts, rebalances=remote.rebalances,
             last_change="" if p.last is None else p.last.message)
 
     def SetWorkers(self, request, context):
