@@ -55,7 +55,7 @@ def run_generate(opts: GenerateOptions) -> int:
                 reason = msg.complete.finish_reason
     except grpc.RpcError as exc:
         details = exc.details() or ""
-        hint = TOO_LARGE_HINT if TOO_LARGE_MARK in details else ""
+        hint = TOO_LARGE_HINT if TOO_LARGE_MARK in details else opts.tls.hint(details)
         print(f"error: {exc.code().name}: {details}{hint}", file=sys.stderr)
         return 1
     finally:

@@ -185,8 +185,8 @@ def run_bench(args: BenchOptions) -> int:
                      tls=args.tls)
     except GenerationError as exc:
         waited = f" (waited {args.ready_timeout:g} s; --ready-timeout)" if exc.code().name == "UNAVAILABLE" else ""
-        print(f"error: the router at {args.target} did not answer: {exc.code().name}: {exc.details()}{waited}",
-              file=sys.stderr)
+        print(f"error: the router at {args.target} did not answer: {exc.code().name}: {exc.details()}{waited}"
+              f"{args.tls.hint(exc.details())}", file=sys.stderr)
         return 2
     print(f"requests      {r.requests_ok} ok, {r.requests_failed} failed, concurrency {args.concurrency}")
     print(f"output        {r.output_tokens} tokens in {r.duration_s:.2f}s = {r.output_tokens_per_s:.1f} tok/s")

@@ -153,6 +153,17 @@ class ClientTls:
         if (self.tls_cert or self.tls_key) and not self.tls_ca:
             raise ValueError("--tls-cert/--tls-key need --tls-ca (the router's CA): TLS is on only with it")
 
+    def hint(self, details: str) -> str:
+        """What an unreachable router's error leaves out: a plaintext call to a TLS router, or a call without the
+        client certificate a --tls-client-auth router requires, ends in "Socket closed" and nothing more."""
+        text = details.lower()
+        if not ("socket closed" in text or "ssl" in text or "handshake" in text or "certificate" in text):
+            return ""
+        if not self.tls_ca:
+            return " (does the router serve TLS? give its CA with --tls-ca)"
+        return "" if self.tls_cert else " (does the router require a client certificate? give --tls-cert and " \
+            "--tls-key)"
+
 
 def check_target(flag: str, value: str) -> None:
     """A gRPC address a client dials: a HOST:PORT's port in 1..65535 (gRPC dialled 99999 as 34463); other gRPC

@@ -97,6 +97,11 @@ def test_a_self_signed_fleet_serves_the_same_tokens_over_tls(oracles):
                              "4", "--json", *files], timeout=120)
         assert bench.returncode == 0 and json.loads(bench.stdout.strip().splitlines()[-1])["requests_ok"] == 2, \
             bench.stdout + bench.stderr
+        plain = colibri_run(["generate", "--target", addr, "--prompt-ids", "1,2,3", "--max-tokens", "2"], timeout=60)
+        assert plain.returncode == 1 and "give its CA with --tls-ca" in plain.stderr, plain.stderr
+        no_cert = colibri_run(["generate", "--target", addr, "--prompt-ids", "1,2,3", "--max-tokens", "2",
+                               "--tls-ca", ca], timeout=60)
+        assert no_cert.returncode == 1 and "require a client certificate" in no_cert.stderr, no_cert.stderr
         # The HTTP front `serve` started is the router's TLS client (with the client certificate it requires);
         # a model without a tokenizer takes token ids, and its log-probabilities name tokens by id.
         api = openai.OpenAI(base_url=proc.openai, api_key="x", max_retries=0, timeout=60)
