@@ -82,7 +82,7 @@ def check_pem(cert: str, key: str, ca: str | None) -> None:
     import ssl
 
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")   # no TTY prompt
     except ssl.SSLError as exc:
         what = "is not the key of --tls-cert" if "MISMATCH" in str(exc).upper() else \
             "and --tls-cert are not a PEM certificate and its PEM key"

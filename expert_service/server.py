@@ -159,6 +159,10 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         if request.layer not in shard.cfg.moe_layers:
             raise ValueError(f"layer {request.layer} has no routed experts; MoE layers are "
                              f"{list(shard.cfg.moe_layers)}")
+        if request.explicit and not shard.holds_all(request.layer, ids):
+            raise WrongEpoch(f"this worker was sent pairs of experts it does not hold in layer {request.layer} "
+                             f"under placement epoch {request.epoch} (restarted with fewer experts?); the router "
+                             f"re-syncs it")
         t0 = time.perf_counter()
         with torch.inference_mode(), device_scope(self.staging.device):     # this handler thread's GPU
             hidden_d, ids_d, weights_d = self.staging.to_device(hidden, ids, weights)

@@ -335,6 +335,11 @@ class ExpertShard:
         """The most experts this worker holds in one MoE layer."""
         return max(map(len, self.held.values()), default=0)
 
+    def holds_all(self, layer: int, ids: torch.Tensor) -> bool:
+        """Whether every expert id >= 0 of `ids` [n, K] is held here (in `layer`, a MoE layer)."""
+        ids = ids.to(self.device).long()                                                   # [n, K]
+        return bool(((ids < 0) | (self.expert_maps[layer][ids.clamp(min=0)] >= 0)).all())
+
     def hint(self, layer: int, experts: list[int]) -> None:
         """The router's prediction of the experts `layer` needs next; packed ahead with a cache."""
         if self.cache is not None:

@@ -22,6 +22,7 @@ from colibri_common import wire
 from colibri_common.checkpoint import Checkpoint, checkpoint_id
 from colibri_common.frames import HEADER, recv_frame, send_frame
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
+from colibri_common.placement import held_digest
 from tests.conftest import argv_of, colibri_popen, fleet
 
 PROMPTS = [[1, 2, 3, 4], [9, 8, 7], [5, 17, 33, 2, 11]]
@@ -145,6 +146,12 @@ def test_bad_frames_on_a_workers_socket_are_refused_and_it_serves_on(oracles, tm
         assert status == grpc.StatusCode.FAILED_PRECONDITION.value[0] and b"another checkpoint" in message
         other.checkpoint = checkpoint_id(Checkpoint(oracle.path).fingerprint())        # its own: computed
         assert ask(path, other.SerializeToString())[0] == 0
+        other.holds = 12345                       # a whole top-k planned for another set of experts: refused
+        status, message = ask(path, other.SerializeToString())
+        assert status == grpc.StatusCode.FAILED_PRECONDITION.value[0] and b"other experts" in message
+        E = oracle.model.config.num_experts
+        other.holds = held_digest({layer: range(E) for layer in range(oracle.model.config.num_hidden_layers)})
+        assert ask(path, other.SerializeToString())[0] == 0                  # the set it holds: computed
         with socket.socket(socket.AF_UNIX) as s:               # a frame over the limit: that connection closes
             s.connect(str(path))
             s.sendall(HEADER.pack(2**31, 0))
@@ -168,3 +175,26 @@ def test_two_micro_batches_of_large_steps_flow_both_ways_on_the_socket(oracles):
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda p: client.generate(p, 2, timeout=60).token_ids, prompts))
     assert [got[i] for i in (0, 5)] == [oracle.greedy(prompts[i], 2) for i in (0, 5)]
+
+
+def test_explicit_pairs_of_experts_a_worker_does_not_hold_are_refused(oracles, tmp_path):
+    """A static shard restarted with fewer experts under the same epoch: the pairs placed on it that it no longer
+    holds were left out of the sum without a word. Sent as explicit pairs, they are refused now."""
+    oracle = oracles["qwen3_moe"]
+    H, E = oracle.model.config.hidden_size, oracle.model.config.num_experts
+    path = tmp_path / "w.sock"
+    p = colibri_popen(["expert", "--model", str(oracle.path), "--shard", "0/2", "--port", "0", "--threads", "1",
+                       "--log-level", "WARNING", "--cpu-forms", "off", "--local-socket", str(path)],
+                      stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().startswith("ready ")
+        mine, theirs = request(torch.randn(1, H), torch.tensor([[0, -1]])), request(torch.randn(1, H),
+                                                                                     torch.tensor([[0, E - 1]]))
+        assert ask(path, theirs.SerializeToString())[0] == 0         # the whole top-k: others' experts ignored
+        mine.explicit = theirs.explicit = True
+        assert ask(path, mine.SerializeToString())[0] == 0
+        status, message = ask(path, theirs.SerializeToString())
+        assert status == grpc.StatusCode.FAILED_PRECONDITION.value[0] and b"does not hold" in message
+    finally:
+        p.terminate()
+        p.wait(timeout=30)

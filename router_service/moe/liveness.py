@@ -56,7 +56,8 @@ class Liveness:
             for w, (was, is_) in enumerate(zip(self._was_live, out, strict=True)):
                 if is_ and not was:
                     self.readmissions[w] += 1
-                    log.info("expert worker %s is re-admitted (healthy, ban over)", self.addresses[w])
+                    log.info("expert worker %s is re-admitted (healthy, not banned, holding the plan)",
+                             self.addresses[w])
             self._was_live = out
         return out
 

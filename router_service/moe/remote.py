@@ -85,7 +85,8 @@ class RemoteExperts:
         self.step_tokens = step_tokens                       # the most token rows one step sends a worker
         self.checkpoint = checkpoint                         # Checkpoint.fingerprint() of --model ("" = unchecked)
         self.checkpoint_id = checkpoint_id(checkpoint)       # what every ForwardRequest carries of it
-        self.sync_wait_s = min(timeout_s, 10.0)              # a layer's wait for a worker being re-synced
+        self.sync_wait_s = min(timeout_s, 3.0)               # a layer's wait for a worker being re-synced
+        self.kept_out: set[int] = set()                      # workers a re-sync found refusing (upkeep.py)
         self.replicas = replicas                             # a plan of the router's: each expert on this many
         self.links = Links(addresses, transport, timeout_s, Access(None if tls is None else tls.channel(), token))
         self.watcher: WorkerWatch | None = None
@@ -308,6 +309,7 @@ class RemoteExperts:
         if unsynced and self.on_failure is not None:
             log.warning("expert worker %s does not hold this router's plan (%s); re-syncing it", self.addresses[w],
                         why)
+            self.kept_out.discard(w)                         # a new incident: the re-sync tells anew
             self.liveness.set_synced(w, False)
         else:
             self.liveness.failed(w, why)
@@ -315,12 +317,18 @@ class RemoteExperts:
             self.on_failure(w)
 
     def await_sync(self, w: int) -> bool:
-        """Whether worker w is live again (re-synced) within the worker timeout: a layer whose experts only it
-        holds waits for it rather than failing its requests."""
+        """Whether worker w is live again (re-synced) within 3 s (or --worker-timeout, if shorter): a layer whose
+        experts only it holds waits for it rather than failing its requests. Not where it cannot be: no re-syncs
+        yet (still starting), a placement change waiting for this very step to end, or a re-sync that found the
+        worker refusing (another checkpoint, another router's plan)."""
+        if self.on_failure is None or self._pending is not None:
+            return False
         deadline = time.monotonic() + self.sync_wait_s
         while time.monotonic() < deadline:
             if self.liveness.live()[w]:
                 return True
+            if w in self.kept_out:
+                return False
             time.sleep(0.005)
         return False
 
@@ -402,7 +410,7 @@ class RemoteExperts:
                  weights: expert_pb2.Tensor, ahead: expert_pb2.Prefetch | None) -> expert_pb2.ForwardRequest:
         return expert_pb2.ForwardRequest(layer=layer, hidden=hidden, topk_ids=ids, topk_weights=weights,
                                          step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch,
-                                         checkpoint=self.checkpoint_id)
+                                         checkpoint=self.checkpoint_id, explicit=True)
 
     def _send(self, w: int, req: expert_pb2.ForwardRequest, rows: int, pairs: int) -> Reply:
         """Send worker w its request of `rows` token rows and `pairs` token-expert pairs, counted as sent."""

@@ -141,9 +141,9 @@ class LocalLink(StreamLink):
             self._sock = None
         fail_in_flight(self._pending, why)
 
-    def reset(self, why: str) -> None:
+    def reset(self, why: str, unsynced: bool = False) -> None:
         self._drop(why)
-        super().reset(why)
+        super().reset(why, unsynced)
 
 
 LINKS: dict[str, type[WorkerLink]] = {"auto": LocalLink, "stream": StreamLink, "unary": UnaryLink}

@@ -113,10 +113,11 @@ class StreamReply(Reply):
         return self.link.receive(self)
 
 
-def fail_in_flight(replies: collections.deque[StreamReply], why: str) -> None:
-    """A link was reset: every reply still awaited on it fails with `why` (its `get` raises WorkerError)."""
+def fail_in_flight(replies: collections.deque[StreamReply], why: str, unsynced: bool = False) -> None:
+    """A link was reset: every reply still awaited on it fails with `why` (its `get` raises WorkerError);
+    `unsynced`: because the worker answered it does not hold the plan (a re-sync, not a ban, is what it needs)."""
     for r in replies:
-        r.error = why
+        r.error, r.unsynced = why, unsynced
     replies.clear()
 
 
@@ -264,14 +265,16 @@ class StreamLink(WorkerLink):
         while reply.response is None:
             stream = self._stream
             if reply.error is not None or stream is None:
-                raise WorkerError(reply.error or f"expert worker {self.address}: its stream was reset")
+                raise WorkerError(reply.error or f"expert worker {self.address}: its stream was reset",
+                                  unsynced=reply.unsynced)
             stream.waiting_since = time.monotonic()
             try:
                 resp = next(stream.responses)
             except (grpc.RpcError, StopIteration) as exc:
                 message = f"expert worker {self.address} failed on layer {reply.layer}: {_detail(exc)}"
-                self.reset(f"expert worker {self.address}: its stream was reset after a failure")
-                raise WorkerError.from_rpc(message, exc) from exc
+                error = WorkerError.from_rpc(message, exc)
+                self.reset(f"expert worker {self.address}: its stream was reset after a failure", error.unsynced)
+                raise error from exc
             finally:
                 stream.waiting_since = None
             self._awaiting.popleft().response = resp
@@ -285,12 +288,12 @@ class StreamLink(WorkerLink):
                       self.timeout_s)
             stream.cancel()  # type: ignore[union-attr]
 
-    def reset(self, why: str) -> None:
+    def reset(self, why: str, unsynced: bool = False) -> None:
         """Drop the open stream and fail what was in flight on it; the next send reopens it."""
         if self._stream is not None:
             self._stream.cancel()
         self._stream = None
-        fail_in_flight(self._awaiting, why)
+        fail_in_flight(self._awaiting, why, unsynced)
 
     def close(self) -> None:
         self.reset(f"expert worker {self.address}: the router is closing its connections")

@@ -49,7 +49,8 @@ class Upkeep:
     def __init__(self, placement: Changes) -> None:
         self.placement = placement
         self._resyncing: set[int] = set()
-        self._resync_lock = threading.Lock()
+        self._asked: dict[int, int] = {}        # re-syncs asked per worker: a thread whose Describe predates the
+        self._resync_lock = threading.Lock()    # last ask (a restart since) must describe again
         self._stop = threading.Event()
         placement.remote.on_failure = self.resync
         placement.remote.on_back = self.resync
@@ -62,6 +63,7 @@ class Upkeep:
         """Worker w failed a call, or its health checks pass again: before it is sent tokens it must hold the
         current plan's experts."""
         with self._resync_lock:                # never the change lock: this runs on the engine's thread
+            self._asked[w] = self._asked.get(w, 0) + 1
             if w in self._resyncing or not self.placement.remote.table.in_plan(w):
                 return
             self._resyncing.add(w)
@@ -89,10 +91,11 @@ class Upkeep:
             if not remote.table.in_plan(w):
                 remote.liveness.set_synced(w, True)     # it left the plan: a clean slate if it comes back
 
-    @staticmethod
-    def _kept_out(address: str, why: str, warned: list[str]) -> bool:
+    def _kept_out(self, w: int, address: str, why: str, warned: list[str]) -> bool:
         """Log once why a worker stays out (a refusal such as another --quantize, token or checkpoint is a
-        WARNING an operator must see: it was DEBUG, and the worker looked healthy yet unused); False."""
+        WARNING an operator must see: it was DEBUG, and the worker looked healthy yet unused); False. A layer
+        waiting on its re-sync stops waiting."""
+        self.placement.remote.kept_out.add(w)
         if why != warned[0]:
             log.warning("expert worker %s stays out of the placement until this changes: %s", address, why)
             warned[0] = why
@@ -101,22 +104,28 @@ class Upkeep:
     def _resync_once(self, w: int, address: str, warned: list[str]) -> bool:
         """One try at having worker w hold the current plan's experts; True when it does (or left the plan)."""
         remote = self.placement.remote
+        with self._resync_lock:
+            asked = self._asked.get(w, 0)
         try:
             info = remote.describe(address, time.monotonic() + 2.0)      # outside the change lock
         except WorkerError as exc:
             if exc.retryable:                            # down or starting: the health checks say so
                 log.debug("re-sync of %s: %s", address, exc)
                 return False
-            return self._kept_out(address, str(exc), warned)
+            return self._kept_out(w, address, str(exc), warned)
         with self.placement.change_lock:
             table = remote.table
             if not table.in_plan(w):
                 return True
+            with self._resync_lock:
+                if self._asked.get(w, 0) != asked:       # asked again since that Describe: a newer process
+                    return False
             if remote.serves(info, table):
-                remote.liveness.set_synced(w, True)
+                self._synced(w)
                 return True
             mine = info.owner in ("", remote.owner_id)
             if info.epoch > table.epoch and not mine:
+                remote.kept_out.add(w)
                 if warned[0] != info.owner:
                     log.error("worker %s holds placement epoch %d of another router (%s): this router (epoch %d) "
                               "cannot serve with it; one router owns a fleet's placement", address, info.epoch,
@@ -129,10 +138,14 @@ class Upkeep:
                 remote.assign(address, table.plan.of(address), epoch, self.placement.opts.load_timeout,
                               (table.epoch,) if epoch != table.epoch else ())
             except WorkerError as exc:
-                return self._kept_out(address, f"it did not take its experts: {exc}", warned)
+                return self._kept_out(w, address, f"it did not take its experts: {exc}", warned)
             log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address, table.epoch, info.epoch)
-            remote.liveness.set_synced(w, True)
+            self._synced(w)
             return True
+
+    def _synced(self, w: int) -> None:
+        self.placement.remote.kept_out.discard(w)
+        self.placement.remote.liveness.set_synced(w, True)
 
     def _rebalancing(self) -> None:
         while not self._stop.wait(self.placement.opts.rebalance_interval):
