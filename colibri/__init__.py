@@ -4,6 +4,7 @@ and the offline API: `from colibri import LLM, SamplingParams` (colibri/llm.py).
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,6 +16,11 @@ __version__ = "0.1.0"
 # in flight gets "Other threads are currently calling into gRPC, skipping fork() handlers"); its errors
 # stay. Set before any gRPC import; a GRPC_VERBOSITY the user set wins.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# libgomp's threads sleep between torch ops (kernels/omp_policy.py says why), read when torch loads: `from colibri
+# import LLM` loads torch before `kernels` would set it. Where torch is loaded already it is too late: left unset,
+# so kernels.omp_policy.SPINNING tells and the LLM warns.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 _OFFLINE = ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput")

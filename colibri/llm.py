@@ -194,6 +194,12 @@ class LLM:
 
     def _start_in_process(self, router: RouterOptions, cache: ExpertCacheOptions,
                           wrap: Callable[[Experts], Experts] | None) -> None:
+        from kernels import omp_policy
+
+        if omp_policy.SPINNING and router.device == "cpu":
+            log.warning("torch was imported before colibri without OMP_WAIT_POLICY set, so its OpenMP threads spin "
+                        "between ops beside the native kernels' threads (up to 2x slower on a few cores): import "
+                        "colibri first, or run with OMP_WAIT_POLICY=PASSIVE in the environment")
         if router.threads > 0:
             torch.set_num_threads(router.threads)
         shard_opts = ExpertOptions(model=router.model, shard="0/1", dtype=router.dtype, quantize=router.quantize,

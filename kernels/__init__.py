@@ -23,13 +23,9 @@ from __future__ import annotations
 
 import os
 
-# torch's OpenMP threads sleep between regions: the native ops' pool (kernels/native/pool.h) spins instead, and
-# libgomp's spinning threads (up to ~300000 pauses after each region while it manages no more threads than there
-# are cores) would hold the core that pool's worker needs. libgomp reads this once, when torch loads it: set before
-# the first `import torch` of the process (an OMP_WAIT_POLICY the user set wins).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from kernels import omp_policy  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads libgomp)
 
-import torch  # noqa: E402
+import torch
 
 from kernels import native, native_build
 from kernels.activation import SILU, GatedAct

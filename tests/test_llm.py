@@ -200,3 +200,22 @@ def test_n_choices_of_a_long_prompt_on_a_small_cache_finish_with_their_tokens(mo
         assert got, "the engine hung: n choices of a long prompt on a small KV cache"
         assert [c.token_ids for c in got[0][0].outputs] == want
         assert small.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids    # it goes on
+
+
+def test_torch_imported_first_is_warned_about(model):
+    """libgomp reads OMP_WAIT_POLICY when torch loads: a program that imported torch before colibri keeps its
+    OpenMP threads spinning beside the kernels' (up to 2x slower at 5-8 rows an expert), with no word of it."""
+    import os
+    import subprocess
+    import sys
+
+    _, path = model
+    code = "{}from colibri import LLM; LLM({!r}, 0, expert_cache_heat='off').close()"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    said = []
+    for first in ("import torch; ", ""):
+        out = subprocess.run([sys.executable, "-c", code.format(first, str(path))], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        said.append("import colibri first, or run with OMP_WAIT_POLICY=PASSIVE" in out.stderr)
+    assert said == [True, False]
