@@ -144,6 +144,7 @@ class RemoteExperts:
         """Ask a worker what it serves and check it serves this model as this router expects."""
         cfg, link = self.cfg, self.link(address)
         d = link.describe(deadline)
+        self.saw(address, d.instance, "answered Describe")   # a restart counts, refused below or not
         if (d.num_experts, d.hidden_size, d.intermediate_size) != (
                 cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size) or \
                 tuple(d.moe_layers) != cfg.moe_layers:
@@ -183,7 +184,6 @@ class RemoteExperts:
         if twin is not None and twin in self.table_workers():
             raise WorkerError(f"{address} is the same expert worker as {twin} (one process under two addresses); "
                               f"list it once", retryable=False)
-        self.saw(address, d.instance, "answered Describe")
         self.budgets[address] = d.max_experts
         return WorkerInfo(address, d.epoch, held, tuple(d.also_serves), d.max_experts,
                           d.static_shard or bool(d.num_shards), summary, d.instance, d.owner, d.assigned)

@@ -62,6 +62,7 @@ class Upkeep:
     def resync(self, w: int) -> None:
         """Worker w failed a call, or its health checks pass again: before it is sent tokens it must hold the
         current plan's experts."""
+        self.placement.remote.kept_out.discard(w)   # a new ask: what refused before may be gone
         with self._resync_lock:                # never the change lock: this runs on the engine's thread
             self._asked[w] = self._asked.get(w, 0) + 1
             if w in self._resyncing or not self.placement.remote.table.in_plan(w):
