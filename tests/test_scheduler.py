@@ -110,3 +110,52 @@ def test_sequence_stop_and_length_checks(sampling, tokens, want):
     got = [s.append_token(t, frozenset({2}), max_model_len=8) for t in tokens]
     assert got == want and s.output_ids == tokens
 
+
+
+def run_steps(s: Scheduler, steps: int) -> None:
+    """What the engine does with a schedule, minus the model: cache what ran, a token where a prefill completes."""
+    for _ in range(steps):
+        for x in s.schedule():
+            x.seq.num_cached += x.num_new
+            if x.samples:
+                x.seq.output_ids.append(1)
+
+
+def test_a_paused_sequences_blocks_go_to_a_prompt_prefilled_in_chunks():
+    """A reader that is behind pauses its sequence, which kept its KV blocks; a long prompt (chunks of
+    max_num_tokens) whose second chunk did not fit preempted itself and was taken back at once, every step:
+    a livelock at full CPU. The paused one gives its blocks back now and is admitted again once its reader reads."""
+    s = Scheduler(SchedulerConfig(max_num_tokens=512), BlockAllocator(46, 16))
+    p = seq("p", 100, max_tokens=500)
+    s.add(p)
+    run_steps(s, 65)                                   # its prompt and 64 tokens: 11 blocks
+    p.paused = True
+    long = seq("long", 600, max_tokens=10)
+    s.add(long)
+    run_steps(s, 3)
+    assert long.num_cached >= 600 and long.output_ids, "the chunked prefill never completed"
+    assert p.status.name == "WAITING" and not p.block_table                     # preempted: it takes no step
+    assert all(x.seq is not p for x in s.schedule())                             # nor is it admitted, paused
+    p.paused = False
+    s.finish(long)
+    run_steps(s, 2)
+    assert p.status.name == "RUNNING" and p.block_table                          # back once its reader reads
+
+
+def test_waiting_choices_holding_shared_prompt_blocks_give_them_to_a_chunked_prefill():
+    """The other choices of an n > 1 request wait holding their first choice's prompt blocks; a long prompt
+    prefilled in chunks could not grow past them and preempted itself every step."""
+    s = Scheduler(SchedulerConfig(max_num_tokens=512), BlockAllocator(40, 16))
+    first = seq("n", 100, max_tokens=8)
+    s.add(first, siblings=2)
+    run_steps(s, 1)
+    forks = [seq(f"n{i}", 100, max_tokens=8) for i in (1, 2)]
+    for f in forks:
+        f.block_table = s.share_blocks(first.block_table[:6])
+        f.num_cached = 96
+        s.add_fork(f, first=False)                       # behind the long prompt, holding 6 blocks each
+    s.finish(first)
+    long = seq("long", 560, max_tokens=4)
+    s.waiting.appendleft(long)
+    run_steps(s, 3)
+    assert long.num_cached >= 560 and long.output_ids, "the chunked prefill never completed"

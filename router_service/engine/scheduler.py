@@ -67,6 +67,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._preempted_now: set[int] = set()
 
     def kv_blocks(self) -> tuple[int, int]:
         """(total, free) KV cache blocks."""
@@ -118,9 +119,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _admissible(self, seq: Sequence) -> bool:
+        """Not paused by its reader, and not preempted in this very step (taken back at once, a prefill in chunks
+        that cannot grow would start over every step)."""
+        return not seq.paused and seq.uid not in self._preempted_now
+
     def _oldest(self) -> int:
-        """The index in `waiting` of the oldest sequence not paused by its reader (-1: none)."""
-        return next((i for i, s in enumerate(self.waiting) if not s.paused), -1)
+        """The index in `waiting` of the oldest admissible sequence (-1: none)."""
+        return next((i for i, s in enumerate(self.waiting) if self._admissible(s)), -1)
 
     def _next_waiting(self, batch: set[int]) -> int:
         """The index in `waiting` of the request to admit next (never one paused by its reader): FIFO, or with
@@ -131,7 +137,7 @@ class Scheduler:
             return oldest
         best, best_share = oldest, -1.0
         for i, seq in enumerate(itertools.islice(self.waiting, SCAN)):
-            if seq.paused:
+            if not self._admissible(seq):
                 continue
             if seq.passed_over >= self.cfg.max_passed_over:
                 return i
@@ -140,28 +146,29 @@ class Scheduler:
                 best, best_share = i, share
         return best
 
-    def _unblock(self) -> bool:
-        """Nothing could run while sequences wait: the KV blocks are held by sequences that take no step, the
-        other choices of a request waiting with their first choice's prompt blocks (that choice preempted since)
-        and sequences paused by a reader that is behind. They give their blocks back and recompute later, as a
-        preempted sequence does (they hung the engine for good: a long prompt with n > 1 on a small cache).
-        Whether any block came back."""
-        freed = False
+    def _reclaim(self) -> bool:
+        """KV blocks back from sequences that take no step: first those paused by a reader that is behind (back to
+        waiting, admitted once it reads), then the other choices of a request waiting with their first choice's
+        prompt blocks. They recompute later, as a preempted sequence does. Whether any block came free. Before,
+        they kept their blocks while the running ones could not grow: an n > 1 request with a long prompt on a
+        small cache hung the engine for good, and a prompt prefilled in chunks preempted itself every step and was
+        taken back at once (a livelock at full CPU)."""
+        before = self.alloc.num_free
+        for seq in [s for s in self.running if s.paused and s.block_table]:
+            self._preempt(seq)
+        if self.alloc.num_free > before:
+            return True
         for seq in self.waiting:
             if seq.block_table:
                 self.alloc.release(seq.block_table)
                 seq.num_cached = 0
                 self.num_preemptions += 1
-                freed = True
-        for seq in [s for s in self.running if s.paused]:    # back to waiting; admitted once its reader reads
-            if seq.block_table:
-                self._preempt(seq)
-                freed = True
-        return freed
+        return self.alloc.num_free > before
 
     def schedule(self) -> list[Scheduled]:
+        self._preempted_now: set[int] = set()       # preempted in this step: not taken back in it
         out = self._schedule()
-        if not out and self._oldest() >= 0 and self._unblock():
+        if not out and self._oldest() >= 0 and self._reclaim():
             out = self._schedule()
         return out
 
@@ -177,8 +184,11 @@ class Scheduler:
                     self.alloc.grow(seq.block_table, seq.num_cached + num_new)
                     break
                 except OutOfBlocks:
+                    if self._reclaim():                 # from sequences taking no step, before running ones
+                        continue
                     victim = self.running[-1]
                     self._preempt(victim)
+                    self._preempted_now.add(victim.uid)
                     if victim is seq:
                         break
             if seq.status is Status.RUNNING:
