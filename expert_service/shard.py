@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -140,10 +141,12 @@ class ExpertShard:
         self.rows = {layer: self.experts if cache is not None and cache.capacity.bounded else es
                      for layer, es in self.held.items()}
         self.expert_maps: dict[int, torch.Tensor] = {}                          # layer -> [E] global -> local
+        self.held_or_none: dict[int, np.ndarray] = {}        # layer -> [1 + E] on the host: id + 1 held (or -1)
         for layer, es in self.rows.items():
             m = torch.full((cfg.num_experts,), -1, dtype=torch.long)
             m[self.held[layer]] = torch.tensor([es.index(e) for e in self.held[layer]], dtype=torch.long)
             self.expert_maps[layer] = m.to(self.device)
+            self.held_or_none[layer] = np.concatenate(([True], m.numpy() >= 0))
         self.w13: dict[int, Weight | ExpertRows] = {}
         self.w2: dict[int, Weight | ExpertRows] = {}
         self.cache: ExpertCache | None = None
@@ -336,9 +339,9 @@ class ExpertShard:
         return max(map(len, self.held.values()), default=0)
 
     def holds_all(self, layer: int, ids: torch.Tensor) -> bool:
-        """Whether every expert id >= 0 of `ids` [n, K] is held here (in `layer`, a MoE layer)."""
-        ids = ids.to(self.device).long()                                                   # [n, K]
-        return bool(((ids < 0) | (self.expert_maps[layer][ids.clamp(min=0)] >= 0)).all())
+        """Whether every expert id >= 0 of the host tensor `ids` [n, K] (ids in [-1, E), checked) is held here, in
+        `layer` (a MoE layer): two numpy ops on the host, no device copy or sync on the Forward path."""
+        return bool(self.held_or_none[layer][ids.numpy() + 1].all())
 
     def hint(self, layer: int, experts: list[int]) -> None:
         """The router's prediction of the experts `layer` needs next; packed ahead with a cache."""

@@ -67,7 +67,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._preempted_now: set[int] = set()
+        self._preempted_now: set[int] = set()        # uids preempted in the step being scheduled
 
     def kv_blocks(self) -> tuple[int, int]:
         """(total, free) KV cache blocks."""
@@ -166,7 +166,7 @@ class Scheduler:
         return self.alloc.num_free > before
 
     def schedule(self) -> list[Scheduled]:
-        self._preempted_now: set[int] = set()       # preempted in this step: not taken back in it
+        self._preempted_now = set()                  # preempted in this step: not taken back in it
         out = self._schedule()
         if not out and self._oldest() >= 0 and self._reclaim():
             out = self._schedule()

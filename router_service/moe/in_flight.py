@@ -34,7 +34,7 @@ class Sender(Protocol):
 
     def await_sync(self, w: int) -> bool: ...
 
-    def saw(self, address: str, instance: str, how: str) -> None: ...
+    def saw(self, address: str, instance: str, layer: int | None = None) -> None: ...
 
     def send(self, table: Table, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
              pairs: int) -> Reply: ...
@@ -129,7 +129,7 @@ class InFlight:
                 continue
             waited += time.perf_counter() - t0
             address = self.owner.addresses[worker]
-            self.owner.saw(address, resp.instance, f"answered layer {self.layer}")
+            self.owner.saw(address, resp.instance, self.layer)
             self.owner.dispatch_seconds.labels(address).observe(time.perf_counter() - self.sent)
             computed += resp.compute_ms / 1e3
             decoded.append((rows, wire.decode(resp.output)))                  # [n, H]

@@ -144,7 +144,7 @@ class RemoteExperts:
         """Ask a worker what it serves and check it serves this model as this router expects."""
         cfg, link = self.cfg, self.link(address)
         d = link.describe(deadline)
-        self.saw(address, d.instance, "answered Describe")   # a restart counts, refused below or not
+        self.saw(address, d.instance)              # a restart counts, refused below or not
         if (d.num_experts, d.hidden_size, d.intermediate_size) != (
                 cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size) or \
                 tuple(d.moe_layers) != cfg.moe_layers:
@@ -285,10 +285,11 @@ class RemoteExperts:
         """A switch that did not happen (its change rolled back) is not taken later."""
         self._pending = None
 
-    def saw(self, address: str, instance: str, how: str) -> None:
-        """`address` answered from process `instance` (Describe's, and every Forward's): another process than
-        before there means the worker restarted (serve, Kubernetes or an operator started it again), which its
-        own counters cannot tell, since they restart at 0. Counted (`colibri:worker_restarts_total`) and logged."""
+    def saw(self, address: str, instance: str, layer: int | None = None) -> None:
+        """`address` answered from process `instance` (Describe's, or a Forward's for `layer`; per reply, so the
+        common case is one dict lookup): another process than before there means the worker restarted (serve,
+        Kubernetes or an operator started it again), which its own counters cannot tell, since they restart at 0.
+        Counted (`colibri:worker_restarts_total`) and logged."""
         if not instance or self.instances.get(address) == instance:    # the common case: no lock
             return
         with self._seen_lock:
@@ -299,8 +300,8 @@ class RemoteExperts:
             if known is not None:
                 self.restarts[address] += 1
         if known is not None:
-            log.warning("expert worker %s restarted: a new process %s (restart %d seen by this router)", address,
-                        how, self.restarts[address])
+            log.warning("expert worker %s restarted: a new process answered %s (restart %d seen by this router)",
+                        address, "Describe" if layer is None else f"layer {layer}", self.restarts[address])
 
     def failed(self, w: int, why: str, unsynced: bool = False) -> None:
         """Worker w failed a call: banned (its tokens go to replicas) and re-synced; one that answered it does
@@ -389,9 +390,7 @@ class RemoteExperts:
                     # index_select, never x[rows]: advanced indexing of a few rows starts an OpenMP region,
                     # ~0.07 ms on an idle CPU and ~1 ms while the workers hold the cores
                     enc = tuple(wire.encode(t.index_select(0, wr.rows)) for t in (x, ids32, w32))
-                req = expert_pb2.ForwardRequest(layer=layer, hidden=enc[0], topk_ids=enc[1], topk_weights=enc[2],
-                                                step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch,
-                                                holds=table.digests[wr.worker], checkpoint=self.checkpoint_id)
+                req = self._request(table, layer, *enc, ahead, holds=table.digests[wr.worker])
                 parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
                 self.window.computed(self.addresses[wr.worker], wr.pairs)
@@ -407,10 +406,13 @@ class RemoteExperts:
         return self._send(w, req, x.shape[0], pairs)
 
     def _request(self, table: Table, layer: int, hidden: expert_pb2.Tensor, ids: expert_pb2.Tensor,
-                 weights: expert_pb2.Tensor, ahead: expert_pb2.Prefetch | None) -> expert_pb2.ForwardRequest:
+                 weights: expert_pb2.Tensor, ahead: expert_pb2.Prefetch | None,
+                 holds: int | None = None) -> expert_pb2.ForwardRequest:
+        """One layer's message: explicit pairs (others' ids -1), or with `holds` (the digest of the experts planned
+        on that worker) the whole top-k of a static plan."""
         return expert_pb2.ForwardRequest(layer=layer, hidden=hidden, topk_ids=ids, topk_weights=weights,
                                          step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch,
-                                         checkpoint=self.checkpoint_id, explicit=True)
+                                         checkpoint=self.checkpoint_id, explicit=holds is None, holds=holds or 0)
 
     def _send(self, w: int, req: expert_pb2.ForwardRequest, rows: int, pairs: int) -> Reply:
         """Send worker w its request of `rows` token rows and `pairs` token-expert pairs, counted as sent."""
