@@ -121,3 +121,28 @@ def test_a_stream_that_ended_between_steps_is_replaced_not_failed_on():
     stub.calls[0].ended = True                                   # as gRPC reports a call its peer dropped
     assert lk.send(expert_pb2.ForwardRequest(layer=0, step=2)).get().compute_ms == 2.0
     assert len(stub.calls) == 2
+
+
+def test_abandon_fails_what_is_in_flight_with_its_reason_and_only_then():
+    """The router gives up on a worker whose health checks failed (its pairs go to replicas): the waiting reads
+    fail at once, saying why, and the next send opens a new stream; with nothing in flight it does nothing."""
+    stub = FakeStub()
+    lk = link(stub)
+    assert not lk.abandon("checks failed")                       # no stream yet
+    assert lk.send(req(1)).get().compute_ms == 1
+    assert not lk.abandon("checks failed") and not stub.calls[0].cancelled.is_set()   # nothing in flight
+    pending = lk.send(req(2))
+    assert lk.abandon("its health checks failed (DEADLINE_EXCEEDED)")
+    with pytest.raises(WorkerError, match=r"failed on layer 0: its health checks failed \(DEADLINE_EXCEEDED\)") as exc:
+        pending.get()
+    assert exc.value.retryable
+    assert lk.send(req(3)).get().compute_ms == 3 and len(stub.calls) == 2
+
+
+def test_a_timeout_says_so():
+    lk = link(FakeStub(), timeout_s=0.05)
+    pending = lk.send(req(1))
+    lk._stream.waiting_since = time.monotonic() - 1.0
+    lk.check_deadline()
+    with pytest.raises(WorkerError, match=r"no answer within 0.05s \(--worker-timeout\)"):
+        pending.get()

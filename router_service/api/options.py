@@ -30,8 +30,10 @@ class RouterOptions(ServiceOptions):
                                     "names one this router reaches (`colibri serve`), else one bidirectional gRPC "
                                     "stream per worker; stream = always the gRPC stream; unary = one gRPC call "
                                     "per layer", choices=TRANSPORTS)
-    worker_timeout: float = option(10.0, "seconds a worker may take to answer one layer (or a health check) "
-                                         "before its call is cancelled and the step fails UNAVAILABLE")
+    worker_timeout: float = option(10.0, "seconds a worker may take to answer one layer before its call is "
+                                         "cancelled and the step goes to replicas or fails UNAVAILABLE (a worker "
+                                         "down by its health checks whose every expert has a live replica is cut "
+                                         "off at once)")
     grace_period: float = option(30.0, "on SIGTERM: seconds the open requests get to finish (new ones are "
                                        "refused UNAVAILABLE, readiness is NOT_SERVING) before the router exits")
     max_prompt_bytes: int = option(1 << 20, "largest text prompt in bytes, refused before tokenizing")

@@ -443,12 +443,33 @@ class RemoteExperts:
             for w in back:                                # it may have restarted: described before it is sent tokens
                 if self.on_back is not None:
                     self.on_back(w)
+            for i, (w, ok) in enumerate(zip(checked, up, strict=True)):
+                if not ok:
+                    self._cut_over(w, watch.why[i])
             on_change(self.covered())
 
-        old, self.watcher = self.watcher, WorkerWatch(
-            [(self.addresses[w], self.links.links[w].channel) for w in checked], changed)
+        watch = WorkerWatch([(self.addresses[w], self.links.links[w].channel) for w in checked], changed)
+        old, self.watcher = self.watcher, watch
         if old is not None:
             old.close()
+
+    def _cut_over(self, w: int, why: str) -> None:
+        """Worker w is down by its health checks (frozen, its host hung, the network cut): where every expert it
+        holds has another live holder, the layers waiting on it give up on it now and go to those replicas (the
+        same sums, so the same tokens), rather than holding every stream for --worker-timeout. Where some expert
+        is on w alone, they wait: a worker too busy to answer its checks in time may still answer the layer."""
+        table = self.table
+        W = table.holders.shape[2]
+        live = self.liveness.live()[:W]
+        others = [i for i in range(W) if i != w and live[i]]
+        if w >= W or not others:
+            return
+        mine = table.holders[:, :, w]                                             # [L, E]
+        if bool((mine & ~table.holders[:, :, others].any(dim=2)).any()):
+            return
+        if self.links.links[w].abandon(f"its health checks failed ({why}); its pairs went to replicas"):
+            log.warning("expert worker %s is down by its health checks (%s) while layers wait on it: they go to "
+                        "replicas now, not after --worker-timeout", self.addresses[w], why)
 
     def close(self) -> None:
         if self.watcher is not None:

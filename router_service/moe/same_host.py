@@ -49,7 +49,7 @@ class LocalLink(StreamLink):
         self._sock: socket.socket | None = None
         self._pending: collections.deque[StreamReply] = collections.deque()    # sent on the socket, unanswered
         self._waiting_since: float | None = None
-        self._timed_out = False                  # the watchdog shut the socket: no answer within timeout_s
+        self._cut: str | None = None             # why the router shut the socket (a timeout, an abandon)
 
     def describe(self, deadline: float) -> expert_pb2.DescribeResponse:
         d = super().describe(deadline)
@@ -88,7 +88,7 @@ class LocalLink(StreamLink):
         except OSError:
             sock.close()
             raise
-        self._sock = sock
+        self._sock, self._cut = sock, None
 
     def receive(self, reply: StreamReply) -> expert_pb2.ForwardResponse:
         if self.socket_path is None:
@@ -102,9 +102,8 @@ class LocalLink(StreamLink):
             try:
                 status, payload = recv_frame(sock, MAX_MESSAGE_BYTES)
             except (FrameError, OSError) as exc:
-                why = f"did not answer within {self.timeout_s:g}s (--worker-timeout)" if self._timed_out else \
-                    f"its local connection broke ({exc})"
-                self._timed_out = False
+                why = self._cut or f"its local connection broke ({exc})"
+                self._cut = None
                 message = f"expert worker {self.address} failed on layer {reply.layer}: {why}"
                 self._drop(f"expert worker {self.address}: its local connection was reset after a failure")
                 raise WorkerError(message) from exc
@@ -128,12 +127,25 @@ class LocalLink(StreamLink):
         if sock is not None and since is not None and time.monotonic() - since > self.timeout_s:
             log.error("expert worker %s did not answer within %.0fs (--worker-timeout); closing its local "
                       "connection", self.address, self.timeout_s)
-            self._timed_out = True
             self._waiting_since = None                    # said once
-            try:
-                sock.shutdown(socket.SHUT_RDWR)           # the blocked read returns: the layer fails
-            except OSError:
-                pass
+            self._shut(sock, f"did not answer within {self.timeout_s:g}s (--worker-timeout)")
+
+    def abandon(self, why: str) -> bool:
+        if self.socket_path is None:
+            return super().abandon(why)
+        sock = self._sock
+        if sock is None or not self._pending:
+            return False
+        self._shut(sock, why)
+        return True
+
+    def _shut(self, sock: socket.socket, why: str) -> None:
+        """The read waiting on this socket (or the next one) fails, saying `why`."""
+        self._cut = self._cut or why
+        try:
+            sock.shutdown(socket.SHUT_RDWR)               # the blocked read returns: the layer fails
+        except OSError:
+            pass
 
     def _drop(self, why: str) -> None:
         if self._sock is not None:

@@ -211,6 +211,12 @@ class WorkerLink:
     def check_deadline(self) -> None:
         """Called about once a second by the watchdog."""
 
+    def abandon(self, why: str) -> bool:
+        """Give up on the answers in flight now, as --worker-timeout would later: the reads waiting on them fail
+        with `why` (the caller sends their pairs to replicas). False where nothing is in flight, and on unary
+        calls, which keep their own deadline."""
+        return False
+
     def close(self) -> None:
         self.closed = True
         self._raw.close()
@@ -229,12 +235,14 @@ class _OpenStream:
         self.requests: queue.SimpleQueue[expert_pb2.ForwardRequest | None] = queue.SimpleQueue()
         self.responses: Iterator[expert_pb2.ForwardResponse] = stub.ForwardStream(self._pump())
         self.waiting_since: float | None = None
+        self.why: str | None = None               # why it was cancelled, where the router chose to
 
     def _pump(self) -> Iterator[expert_pb2.ForwardRequest]:
         while (req := self.requests.get()) is not None:
             yield req
 
-    def cancel(self) -> None:
+    def cancel(self, why: str | None = None) -> None:
+        self.why = self.why or why
         self.requests.put(None)
         self.responses.cancel()  # type: ignore[attr-defined]
 
@@ -271,7 +279,7 @@ class StreamLink(WorkerLink):
             try:
                 resp = next(stream.responses)
             except (grpc.RpcError, StopIteration) as exc:
-                message = f"expert worker {self.address} failed on layer {reply.layer}: {_detail(exc)}"
+                message = f"expert worker {self.address} failed on layer {reply.layer}: {stream.why or _detail(exc)}"
                 error = WorkerError.from_rpc(message, exc)
                 self.reset(f"expert worker {self.address}: its stream was reset after a failure", error.unsynced)
                 raise error from exc
@@ -286,7 +294,14 @@ class StreamLink(WorkerLink):
         if since is not None and time.monotonic() - since > self.timeout_s:
             log.error("expert worker %s did not answer within %.0fs; cancelling its stream", self.address,
                       self.timeout_s)
-            stream.cancel()  # type: ignore[union-attr]
+            stream.cancel(f"no answer within {self.timeout_s:g}s (--worker-timeout)")  # type: ignore[union-attr]
+
+    def abandon(self, why: str) -> bool:
+        stream = self._stream
+        if stream is None or not self._awaiting:
+            return False
+        stream.cancel(why)
+        return True
 
     def reset(self, why: str, unsynced: bool = False) -> None:
         """Drop the open stream and fail what was in flight on it; the next send reopens it."""
