@@ -36,10 +36,13 @@ class ArchSpec:
     group_score: str = "max"       # group-limited routing: a group's score ("max" | "top2")
     gate_fp32: bool = False      # the gate computes in float32 whatever the compute dtype (as transformers)
     attention: str = "mha"         # "mha" (grouped-query) | "mla" (DeepSeek's latent attention, a latent KV cache)
-    renormalize: bool | None = None  # fixed by the architecture (DeepSeek-V2 never renormalises); None: config
+    renormalize: bool | None = None  # fixed by the architecture (Mixtral's and MiniMax-M2's routers always
+                                     # renormalise, DeepSeek-V2's never); None: config.json's norm_topk_prob
     groups_when: tuple[str, str] | None = None      # (key, value): group-limited routing only when key == value
     allowed: tuple[tuple[str, tuple[object, ...]], ...] = ()   # config values the architecture can serve
-    defaults: tuple[tuple[str, object], ...] = ()   # transformers' defaults for keys a config.json may omit
+    defaults: tuple[tuple[str, object], ...] = ()   # the transformers config class's defaults for keys a config.json
+                                                    # may omit, where they are not the generic ones below
+                                                    # (tests/test_config_defaults.py holds them to transformers)
     norm_topk_default: bool = False
     experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
     topk_key: str = "num_experts_per_tok"
@@ -55,23 +58,31 @@ class ArchSpec:
     norm_scale_fp32: bool = False  # RMSNorm multiplies its weight in float32, then casts (GPT-OSS)
 
 
+# DeepSeek-V2/V3's latent attention sizes where a config.json leaves them out, as their transformers classes
+MLA_DEFAULTS = (("kv_lora_rank", 512), ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64), ("v_head_dim", 128))
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     "MixtralForCausalLM": ArchSpec(
         moe_prefix="block_sparse_moe", gate_name="gate", expert_names=("w1", "w3", "w2"),
-        norm_topk_default=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
+        renormalize=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
         sliding="all",
+        defaults=(("rms_norm_eps", 1e-5), ("rope_theta", 1e6), ("max_position_embeddings", 131072),
+                  ("num_key_value_heads", 8)),
     ),
     "Qwen2MoeForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
         bias_key="qkv_bias", bias_default=True, o_proj_bias=False, shared_expert=True,
+        defaults=(("max_position_embeddings", 32768), ("num_key_value_heads", 16)),
     ),
     "Qwen3MoeForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
         qk_norm="head",
+        defaults=(("max_position_embeddings", 32768), ("num_key_value_heads", 4)),
     ),
     "OlmoeForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
         qk_norm="full", expert_width_key="intermediate_size",
+        defaults=(("rms_norm_eps", 1e-5), ("max_position_embeddings", 4096), ("num_key_value_heads", 16)),
     ),
     "Glm4MoeForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
@@ -79,7 +90,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         shared_experts_key="n_shared_experts", shared_prefix="shared_experts", dense_first_key="first_k_dense_replace",
         scoring="sigmoid", routing_bias="gate.e_score_correction_bias", group_score="top2", gate_fp32=True,
         norm_topk_default=True,
-        defaults=(("partial_rotary_factor", 0.5), ("n_shared_experts", 1), ("first_k_dense_replace", 1)),
+        defaults=(("partial_rotary_factor", 0.5), ("n_shared_experts", 1), ("first_k_dense_replace", 1),
+                  ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072), ("num_key_value_heads", 8)),
     ),
     "DeepseekV2ForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"), o_proj_bias=False,
@@ -88,7 +100,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         groups_when=("topk_method", "group_limited_greedy"),
         allowed=(("topk_method", ("greedy", "group_limited_greedy")), ("scoring_func", (None, "softmax")),
                  ("moe_layer_freq", (None, 1)), ("mlp_bias", (None, False))),
-        defaults=(("topk_method", "greedy"), ("n_shared_experts", 2)),
+        defaults=(("topk_method", "greedy"), ("n_shared_experts", 2), ("max_position_embeddings", 2048),
+                  *MLA_DEFAULTS),
     ),
     "DeepseekV3ForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"), o_proj_bias=False,
@@ -98,12 +111,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         allowed=(("topk_method", (None, "noaux_tc")), ("scoring_func", (None, "sigmoid")),
                  ("moe_layer_freq", (None, 1))),
         defaults=(("n_shared_experts", 1), ("routed_scaling_factor", 2.5), ("n_group", 8), ("topk_group", 4),
-                  ("first_k_dense_replace", 3)),
+                  ("first_k_dense_replace", 3), ("max_position_embeddings", 4096), *MLA_DEFAULTS),
     ),
     "MiniMaxM2ForCausalLM": ArchSpec(
         moe_prefix="block_sparse_moe", gate_name="gate", expert_names=("w1", "w3", "w2"), qk_norm="full",
-        norm_topk_default=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
-        scoring="sigmoid", routing_bias="e_score_correction_bias", defaults=(("rope_theta", 5e6),),
+        renormalize=True, experts_key=("num_local_experts",), expert_width_key="intermediate_size",
+        scoring="sigmoid", routing_bias="e_score_correction_bias",
+        defaults=(("rope_theta", 5e6), ("max_position_embeddings", 196608), ("num_key_value_heads", 8),
+                  ("head_dim", 128)),
     ),
     "GptOssForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="router", expert_names=("gate_proj", "up_proj", "down_proj"),
@@ -112,6 +127,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         clamped_swiglu=True, attention_sinks=True, sliding="layer_types", norm_scale_fp32=True,
         defaults=(("rope_theta", 150000.0), ("sliding_window", 128), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0),
                   ("rms_norm_eps", 1e-5), ("head_dim", 64), ("max_position_embeddings", 131072),
+                  ("num_key_value_heads", 8),
                   ("rope_scaling", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 4096})),
     ),
@@ -272,6 +288,10 @@ class ModelConfig:
             if raw.get(key) not in values:
                 raise ConfigError(f"{source}: {key} '{raw.get(key)}' is not one {name} can serve; supported: "
                                   f"{', '.join(str(v) for v in values if v is not None)}")
+        act = raw.get("hidden_act", "silu")
+        if not arch.clamped_swiglu and act not in ("silu", "swish"):    # GPT-OSS's experts clamp their own SwiGLU
+            raise ConfigError(f"{source}: hidden_act '{act}' is not one {name} can serve; supported: silu (its "
+                              f"experts and MLPs compute SiLU-gated units)")
         hidden = size("hidden_size")
         heads = size("num_attention_heads")
         layers = size("num_hidden_layers")
