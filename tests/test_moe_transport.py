@@ -146,3 +146,22 @@ def test_a_timeout_says_so():
     lk.check_deadline()
     with pytest.raises(WorkerError, match=r"no answer within 0.05s \(--worker-timeout\)"):
         pending.get()
+
+
+def test_a_ban_is_on_the_process_that_failed_and_ends_when_a_new_one_holds_the_plan():
+    """With one replica, requests that need a banned worker's experts fail for the whole ban (0.5 s, doubling up
+    to 30 s on repeated failures): a restarted worker (another process) that holds the plan ends it at once; the
+    same process answering again does not, and the ban's length still doubles if the new process fails too."""
+    from router_service.moe.liveness import Liveness
+
+    lv = Liveness(("a:1", "b:2"))
+    lv.failed(1, "gone", process="p1")
+    assert lv.live() == [True, False]
+    lv.restarted(1, "p1")                          # the same process: still banned
+    assert lv.live() == [True, False]
+    lv.restarted(1, "")                            # no instance known: still banned
+    assert lv.live() == [True, False]
+    lv.restarted(1, "p2")                          # a new process holds the plan
+    assert lv.live() == [True, True]
+    lv.failed(1, "gone again", process="p2")
+    assert lv.live() == [True, False] and lv.ban_s[1] == 2 * Liveness.FIRST_BAN_S

@@ -7,7 +7,9 @@ import asyncio
 import http.client
 import json
 import subprocess
+import threading
 import time
+from concurrent import futures
 from contextlib import contextmanager
 from urllib.parse import urlparse
 
@@ -23,6 +25,7 @@ from colibri.openai_api.errors import ApiError
 from colibri_common.chat_template import ChatTemplate, load_chat_template
 from colibri_common.fleet_token import ENV as FLEET_ENV
 from colibri_common.fleet_token import new_token
+from colibri_common.pb import generation_pb2, generation_pb2_grpc
 from colibri_common.token_gate import with_token
 from colibri_common.tokenizer import Tokenizer
 from tests.chat_fixtures import chat_checkpoint
@@ -522,3 +525,53 @@ def test_text_offsets_are_the_tokens_running_length_when_text_is_held_back():
     named = Reply(False, "m", 1, True, False, stop_strings=("7",))                      # a stop string "7"
     named.add(0, pb.GenerateResponse(complete=pb.Complete(finish_reason="stop", stop_reason="7")))
     assert named.body()["choices"][0]["stop_reason"] == "7"
+
+
+class SilentRouter(generation_pb2_grpc.GenerationServicer):
+    """A router that knows its model but never answers a Generate (as one queuing a request behind a full batch)."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def ModelInfo(self, request, context):  # noqa: N802 (gRPC's name)
+        return generation_pb2.ModelInfoResponse(model_path="m", vocab_size=256, max_model_len=64,
+                                                has_tokenizer=False, max_waiting=8)
+
+    def Generate(self, request, context):  # noqa: N802
+        while context.is_active():
+            time.sleep(0.01)
+        self.cancelled.set()
+        return iter(())
+
+
+def test_a_client_that_leaves_before_its_first_token_is_one_info_line(tmp_path):
+    """The front cancels the router's call; it logged an ERROR and a 14-line traceback ('_GatheringFuture exception
+    was never retrieved') for every such client."""
+    router = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    stub = SilentRouter()
+    generation_pb2_grpc.add_GenerationServicer_to_server(stub, router)
+    rport = router.add_insecure_port("127.0.0.1:0")
+    router.start()
+    p = colibri_popen(["openai", "--target", f"127.0.0.1:{rport}", "--port", "0", "--log-level", "INFO"],
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("ready "), p.stderr.read()
+        host, port = line.split()[1].rsplit(":", 1)
+        for _ in range(3):
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
+            conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            time.sleep(0.3)                              # the router holds the call: no first token
+            conn.sock.shutdown(2)
+            conn.close()
+            assert stub.cancelled.wait(10), "the front did not cancel the router's call"
+            stub.cancelled.clear()
+        time.sleep(0.5)
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+        router.stop(0)
+    err = p.stderr.read()
+    assert err.count("the client went away before the first token") == 3, err
+    assert "never retrieved" not in err and "Traceback" not in err, err

@@ -130,6 +130,9 @@ class Front:
         # Every call's first message is the router's verdict on its prompt (a refusal is a status code, before
         # any byte is sent); a client that leaves while the router queues or prefills cancels them.
         firsts = asyncio.ensure_future(asyncio.gather(*(anext(it) for it in streams)))
+        # read whatever it ends with, so a gather cancelled when the client left (it then holds CancelledError or
+        # the cancelled calls' error) is not logged as "exception was never retrieved" with a traceback
+        firsts.add_done_callback(lambda f: f.cancelled() or f.exception())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({firsts, gone}, return_when=asyncio.FIRST_COMPLETED)

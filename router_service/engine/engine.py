@@ -15,6 +15,7 @@ import torch
 
 from colibri_common.device import device_scope
 from colibri_common.file_watch import MappingChanged
+from colibri_common.repeated_log import RepeatedLog
 from router_service.engine.batch import Step
 from router_service.engine.events import Event, Failed, FailureCode, Finished, Outputs, Tokens
 from router_service.engine.metrics import Metrics
@@ -59,6 +60,7 @@ class Engine:
                                                                   # share its prompt's blocks once it is cached
         self._cv = threading.Condition()
         self._aborts: list[tuple[int, FinishReason]] = []
+        self._failures = RepeatedLog(log)   # a step failed: said once per incident, not once per step
         self._stop = False
         self.stopped: str | None = None            # why the engine thread ended on an error, if it did
         self.draining = False
@@ -211,7 +213,7 @@ class Engine:
             except ExpertsUnavailable as exc:   # no live worker for some tokens' experts: fail those requests
                 self._fail_unserved(step, exc)
             except WorkerError as exc:   # a worker failed: fail this step's requests, keep serving
-                log.error("step %d failed: %s", self.metrics.steps, exc)
+                self._failures.say(str(exc), f"step {self.metrics.steps} failed: {exc}")
                 code = FailureCode.UNAVAILABLE if exc.retryable else FailureCode.INTERNAL
                 self._fail_step(step, code, str(exc))
             except Exception as exc:     # a bug: log it whole, fail the step's requests (not retryable), go on
@@ -371,7 +373,8 @@ class Engine:
             if rows & set(range(row, row + s.num_new)):
                 hit.append(s.seq)
             row += s.num_new
-        log.error("step %d: %s; failing %d of %d requests", self.metrics.steps, exc, len(hit), len(step.scheduled))
+        self._failures.say(str(exc), f"step {self.metrics.steps}: {exc}; failing {len(hit)} of {len(step.scheduled)} "
+                                     f"requests")
         with self._cv:
             for seq in hit or [s.seq for s in step.scheduled]:
                 self._fail(seq, FailureCode.UNAVAILABLE, str(exc))

@@ -30,6 +30,7 @@ class Liveness:
         self.readmissions = [0] * len(addresses)
         self._was_live = [True] * len(addresses)
         self.synced = [True] * len(addresses)         # holds the router's current plan (elastic placement)
+        self.banned_process = [""] * len(addresses)   # the worker process (its instance) the ban is on
         self._lock = threading.Lock()
 
     def add(self, address: str) -> None:
@@ -37,7 +38,8 @@ class Liveness:
         with self._lock:
             self.addresses = (*self.addresses, address)
             for name, value in (("healthy", True), ("banned_until", 0.0), ("ban_s", 0.0), ("last_failure", 0.0),
-                                ("bans", 0), ("readmissions", 0), ("_was_live", True), ("synced", True)):
+                                ("bans", 0), ("readmissions", 0), ("_was_live", True), ("synced", True),
+                                ("banned_process", "")):
                 getattr(self, name).append(value)
 
     def forgive(self, w: int) -> None:
@@ -61,11 +63,13 @@ class Liveness:
             self._was_live = out
         return out
 
-    def failed(self, w: int, why: str) -> None:
+    def failed(self, w: int, why: str, process: str = "") -> None:
+        """Worker w failed a call; `process`: the worker process (its instance) that was answering it."""
         now = time.monotonic()
         with self._lock:
             if now < self.banned_until[w]:       # the same incident (every reply in flight on it fails)
                 return
+            self.banned_process[w] = process
             if now - self.last_failure[w] > self.FORGIVE_S:
                 self.ban_s[w] = 0.0
             self.ban_s[w] = min(self.MAX_BAN_S, max(self.FIRST_BAN_S, 2 * self.ban_s[w]))
@@ -74,6 +78,19 @@ class Liveness:
             self.bans[w] += 1
         log.warning("expert worker %s failed (%s): banned for %.1fs, its tokens go to replicas",
                     self.addresses[w], why, self.ban_s[w])
+
+    def restarted(self, w: int, process: str) -> None:
+        """Worker w now answers from `process` and holds the plan: a ban on another process (the one that died)
+        ends at once, so the requests its experts serve succeed as soon as it is back (with one replica they
+        failed until the ban ran out, up to 30 s after a crash loop). The ban's length still doubles if the new
+        process fails too."""
+        with self._lock:
+            if not process or not self.banned_process[w] or process == self.banned_process[w] or \
+                    time.monotonic() >= self.banned_until[w]:
+                return
+            self.banned_until[w] = 0.0
+        log.info("expert worker %s restarted (a new process holds its experts): its ban is lifted",
+                 self.addresses[w])
 
     def set_healthy(self, up: dict[int, bool]) -> None:
         """Health by worker index (the workers the watch checks; others keep theirs)."""

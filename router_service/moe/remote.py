@@ -313,7 +313,7 @@ class RemoteExperts:
             self.kept_out.discard(w)                         # a new incident: the re-sync tells anew
             self.liveness.set_synced(w, False)
         else:
-            self.liveness.failed(w, why)
+            self.liveness.failed(w, why, self.instances.get(self.addresses[w], ""))
         if self.on_failure is not None:
             self.on_failure(w)
 

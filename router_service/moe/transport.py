@@ -133,12 +133,18 @@ class Access:
 OPEN_ACCESS = Access()
 
 
+# A worker that died comes back in a fraction of a second (serve, Kubernetes): its channel tries again every quarter
+# second at most, so the router finds it (health checks, re-sync) that soon, not up to a second later (a later option
+# overrides RECONNECT_OPTIONS' maximum).
+WORKER_RECONNECT = [("grpc.max_reconnect_backoff_ms", 250)]
+
+
 class WorkerLink:
     """The router's connection to one expert worker."""
 
     def __init__(self, address: str, timeout_s: float, access: Access = OPEN_ACCESS) -> None:
         self.address, self.timeout_s = address, timeout_s
-        options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
+        options = CHANNEL_OPTIONS + RECONNECT_OPTIONS + WORKER_RECONNECT
         self._raw = grpc.insecure_channel(address, options=options) if access.credentials is None else \
             grpc.secure_channel(address, access.credentials, options=options)     # mutual TLS to the worker
         self.channel = with_token(self._raw, access.token)                       # every call carries the token

@@ -49,6 +49,7 @@ class Upkeep:
     def __init__(self, placement: Changes) -> None:
         self.placement = placement
         self._resyncing: set[int] = set()
+        self._wake: dict[int, threading.Event] = {}   # a re-sync waiting to try again: asked again, it tries now
         self._asked: dict[int, int] = {}        # re-syncs asked per worker: a thread whose Describe predates the
         self._resync_lock = threading.Lock()    # last ask (a restart since) must describe again
         self._stop = threading.Event()
@@ -65,7 +66,10 @@ class Upkeep:
         self.placement.remote.kept_out.discard(w)   # a new ask: what refused before may be gone
         with self._resync_lock:                # never the change lock: this runs on the engine's thread
             self._asked[w] = self._asked.get(w, 0) + 1
-            if w in self._resyncing or not self.placement.remote.table.in_plan(w):
+            if w in self._resyncing:           # its health checks pass again, say: the waiting re-sync tries now
+                self._wake.setdefault(w, threading.Event()).set()
+                return
+            if not self.placement.remote.table.in_plan(w):
                 return
             self._resyncing.add(w)
         self.placement.remote.liveness.set_synced(w, False)
@@ -75,8 +79,11 @@ class Upkeep:
         remote, address = self.placement.remote, self.placement.remote.addresses[w]
         pause = 0.1
         warned = [""]                                    # the last reason logged: each new one once
+        with self._resync_lock:
+            wake = self._wake.setdefault(w, threading.Event())
         try:
             while not self._stop.is_set():
+                wake.clear()
                 try:
                     if self._resync_once(w, address, warned):
                         return
@@ -84,7 +91,7 @@ class Upkeep:
                     if self._stop.is_set() or remote.links.links[w].closed:
                         return                              # the router is stopping: its links closed under us
                     log.exception("re-sync of %s failed; trying again", address)
-                time.sleep(pause)
+                wake.wait(pause)               # a worker back (its health checks pass) is described at once
                 pause = min(2.0, pause * 2)
         finally:
             with self._resync_lock:
@@ -122,7 +129,7 @@ class Upkeep:
                 if self._asked.get(w, 0) != asked:       # asked again since that Describe: a newer process
                     return False
             if remote.serves(info, table):
-                self._synced(w)
+                self._synced(w, info.instance)
                 return True
             mine = info.owner in ("", remote.owner_id)
             if info.epoch > table.epoch and not mine:
@@ -141,12 +148,15 @@ class Upkeep:
             except WorkerError as exc:
                 return self._kept_out(w, address, f"it did not take its experts: {exc}", warned)
             log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address, table.epoch, info.epoch)
-            self._synced(w)
+            self._synced(w, info.instance)
             return True
 
-    def _synced(self, w: int) -> None:
+    def _synced(self, w: int, process: str) -> None:
+        """Worker w (answering from `process`) holds the current plan: it may be sent tokens again (a ban on a
+        process that has since died ends now)."""
         self.placement.remote.kept_out.discard(w)
         self.placement.remote.liveness.set_synced(w, True)
+        self.placement.remote.liveness.restarted(w, process)
 
     def _rebalancing(self) -> None:
         while not self._stop.wait(self.placement.opts.rebalance_interval):
