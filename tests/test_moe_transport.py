@@ -14,14 +14,14 @@ from router_service.moe.transport import StreamLink, WorkerError
 
 
 class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        self._code = code
+    def __init__(self, code: grpc.StatusCode, details: str = "scripted failure") -> None:
+        self._code, self._details = code, details
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
-        return "scripted failure"
+        return self._details
 
 
 class FakeCall:

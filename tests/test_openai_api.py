@@ -21,7 +21,7 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from colibri.client import AsyncClient, Client, GenerationError
-from colibri.openai_api.errors import ApiError
+from colibri.openai_api.errors import FLEET_ADDRESS, ApiError
 from colibri_common.chat_template import ChatTemplate, load_chat_template
 from colibri_common.fleet_token import ENV as FLEET_ENV
 from colibri_common.fleet_token import new_token
@@ -394,11 +394,13 @@ def front(target: str, *extra: str):
 
 
 def test_a_front_without_a_router_answers_503_and_says_not_ready():
-    with front(f"127.0.0.1:{free_port()}") as (host, port, api):
+    target = f"127.0.0.1:{free_port()}"
+    with front(target) as (host, port, api):
         with pytest.raises(openai.InternalServerError) as err:
             api.completions.create(model="m", prompt="x", max_tokens=2)
         assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "1"
         assert "not ready" in err.value.body["message"]
+        assert target.rsplit(":")[1] not in err.value.body["message"]      # the fleet's addresses stay inside
         conn = http.client.HTTPConnection(host, port, timeout=30)
         conn.request("GET", "/health")
         assert conn.getresponse().status == 503
@@ -441,6 +443,25 @@ def test_grpc_statuses_map_to_the_codes_openai_clients_retry_on():
     assert got[grpc.StatusCode.RESOURCE_EXHAUSTED].headers() == {"Retry-After": "1"}
     assert got[grpc.StatusCode.INVALID_ARGUMENT].headers() == {}
     assert got[grpc.StatusCode.INTERNAL].body()["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize(("details", "kept"), [
+    ("expert worker 127.0.0.1:54649 failed on layer 3: UNAVAILABLE: gone", "failed on layer 3: UNAVAILABLE: gone"),
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.7:51876: Connection refused",
+     "Connection refused"),
+    ("expert worker w-1.colibri.ns.svc:50052 is unreachable on /tmp/colibri-fleet-x1/worker-1.sock: refused",
+     "is unreachable on"),
+    ("[fd00::7]:50052, ipv6:[::1]:5000, colibri-expert-0:50052, localhost:8000", ", "),
+])
+def test_error_messages_reach_http_clients_without_the_fleets_addresses(details, kept):
+    """api.md: a client learns no address of the fleet; a worker's failure and gRPC's connection errors named
+    the workers' and the router's host:port and the same-host socket paths."""
+    message = ApiError.of_grpc(FakeRpcError(grpc.StatusCode.UNAVAILABLE, details)).message
+    assert kept in message and FLEET_ADDRESS in message
+    for leak in ("127.0.0.1", "10.0.0.7", "54649", "svc", ".sock", "fd00", "::1", "expert-0", "localhost"):
+        assert leak not in message, message
+    for fine in ("layer 3: x", "a 3:4 ratio", "top-k:8", "prompt of 4097 tokens exceeds 4096", "e5m2:12"):
+        assert ApiError.of_grpc(FakeRpcError(grpc.StatusCode.INTERNAL, fine)).message == fine
 
 
 def test_reflection_lists_both_services_and_their_methods(serving):

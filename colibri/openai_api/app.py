@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from colibri.client import AsyncClient, request_of
-from colibri.openai_api.errors import ApiError, bad
+from colibri.openai_api.errors import ApiError, bad, without_addresses
 from colibri.openai_api.guard import Guard
 from colibri.openai_api.metrics import FrontMetrics
 from colibri.openai_api.options import OpenAIOptions
@@ -38,6 +38,7 @@ from colibri.openai_api.protocol import Parsed, check_model, check_text, parse_c
 from colibri.openai_api.responses import Reply, sse
 from colibri_common.chat_template import ChatTemplate, TemplateError
 from colibri_common.pb import generation_pb2 as pb
+from colibri_common.repeated_log import RepeatedLog
 
 log = logging.getLogger("colibri.openai")
 ROUTER_SERVICE = "colibri.v1.Generation"
@@ -54,6 +55,7 @@ class Front:
                                   timeout=opts.request_timeout)
         self.metrics = FrontMetrics()
         self._info: pb.ModelInfoResponse | None = None
+        self._unready = RepeatedLog(log, every_s=10.0, level=logging.WARNING)   # where and why, for the operator
         self._template: ChatTemplate | None = None
         self.started = int(time.time())
 
@@ -64,8 +66,11 @@ class Front:
             try:
                 info = await self.client.model_info()
             except grpc.RpcError as exc:
-                raise ApiError.of_grpc(exc) if exc.code() != grpc.StatusCode.UNAVAILABLE else ApiError(
-                    503, f"the router at {self.opts.target} is not ready: {exc.details()}") from None
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise ApiError.of_grpc(exc) from None
+                self._unready.say(exc.details() or "", f"the router at {self.opts.target} is not ready: "
+                                                        f"{exc.details()}")
+                raise ApiError(503, f"the router is not ready: {without_addresses(exc.details() or '')}") from None
             self._info = info
             if info.chat_template:
                 self._template = ChatTemplate(info.chat_template, dict(info.special_tokens))

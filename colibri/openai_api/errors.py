@@ -7,6 +7,7 @@ InternalServerError) and retry 408, 409, 429 and 5xx by themselves, honouring `R
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import grpc
@@ -34,6 +35,18 @@ TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 403: "perm
            502: "bad_gateway", 503: "service_unavailable",
            504: "timeout"}
 RETRY_AFTER_S = {429: 1, 503: 1}
+# Addresses inside the fleet (router, workers, their same-host sockets) as gRPC and the router word their errors:
+# "ipv4:10.0.0.7:50052", "[fd00::7]:50052", "expert-1.colibri.ns.svc:50052", "/tmp/colibri-fleet-x/worker-1.sock".
+# HTTP clients get none of them (docs/api.md); the front's and the router's logs keep them for the operators.
+_HOST = r"(?=[A-Za-z0-9.-]*[A-Za-z])(?:[A-Za-z0-9]+(?:[.-][A-Za-z0-9]+)+|localhost)"   # a letter, and a . or a -
+_ADDRESS = re.compile(rf"(?:\b(?:ipv4|ipv6|unix|dns):)?(?:\[[0-9A-Fa-f:.]+\]|\b\d{{1,3}}(?:\.\d{{1,3}}){{3}}|\b{_HOST})"
+                      rf":\d{{2,5}}\b|(?:\bunix:)?/[^\s:,;()'\"]+\.sock\b")
+FLEET_ADDRESS = "<fleet address>"
+
+
+def without_addresses(text: str) -> str:
+    """`text` with every host:port and socket path of the fleet replaced (what an HTTP client may read)."""
+    return _ADDRESS.sub(FLEET_ADDRESS, text)
 
 
 class ApiError(Exception):
@@ -54,7 +67,7 @@ class ApiError(Exception):
     @staticmethod
     def of_grpc(exc: grpc.RpcError) -> ApiError:
         code = exc.code() if hasattr(exc, "code") else None
-        details = exc.details() if hasattr(exc, "details") else str(exc)
+        details = without_addresses(exc.details() if hasattr(exc, "details") else str(exc))
         if code is None:
             return ApiError(500, f"the router failed: {details}")
         status = HTTP_OF.get(code, 500)
