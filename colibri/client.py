@@ -313,11 +313,12 @@ class AsyncClient(_Calls):
     """`Client` for asyncio (grpc.aio): the same calls, awaited; streams are async iterators."""
 
     def __init__(self, target: str, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+                 tls_key: str | None = None, timeout: float | None = DEFAULT_TIMEOUT,
+                 options: list[tuple[str, object]] | None = None) -> None:
         self.timeout = _seconds(timeout, "timeout")
         self.closed = False
-        self.channel = client_channel(_target(target), CHANNEL_OPTIONS + RECONNECT_OPTIONS, tls_ca, tls_cert, tls_key,
-                                      aio=True)
+        self.channel = client_channel(_target(target), CHANNEL_OPTIONS + RECONNECT_OPTIONS + (options or []), tls_ca,
+                                      tls_cert, tls_key, aio=True)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = DEFAULT):

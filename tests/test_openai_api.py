@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import subprocess
 import threading
 import time
@@ -596,3 +597,33 @@ def test_a_client_that_leaves_before_its_first_token_is_one_info_line(tmp_path):
     err = p.stderr.read()
     assert err.count("the client went away before the first token") == 3, err
     assert "never retrieved" not in err and "Traceback" not in err, err
+
+
+def test_an_http_client_that_stops_reading_is_cancelled_by_the_stall_timeout(tmp_path):
+    """A stream is held to its client's pace end to end (the front's send buffer, HTTP/2's window to the router,
+    the engine's pause), so a client that stops reading is cancelled after --stream-stall-timeout and its KV
+    freed. The front's socket grew to megabytes and gRPC's window with it, and such a request generated on to
+    its end into the buffers."""
+    oracle, _ = chat_checkpoint(tmp_path / "chatty")
+    mport = free_port()
+    extra = ["--openai-port", "0", "--max-model-len", "512", "--stream-stall-timeout", "2", "--metrics-port",
+             str(mport)]
+    with fleet(oracle.path, 1, extra) as (_, proc):
+        u = urlparse(proc.openai)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)            # a client that reads nothing
+        sock.connect((u.hostname, u.port))
+        body = json.dumps({"model": "chatty", "messages": MESSAGES, "max_tokens": 450, "ignore_eos": True,
+                           "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 20})
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json"
+                     f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        done = 'colibri:request_success_total{finished_reason="%s"}'
+        t0 = time.monotonic()
+        while not metrics(mport)[done % "abort"]:
+            assert not metrics(mport)[done % "length"], "the request ran to its end into the buffers"
+            assert time.monotonic() - t0 < 60, "the stalled request was not cancelled"
+            time.sleep(0.1)
+        m = metrics(mport)
+        assert m["colibri:kv_cache_blocks_free"] == m["colibri:kv_cache_blocks_total"]
+        assert m["colibri:generation_tokens_total"] < 450
+        sock.close()

@@ -48,11 +48,17 @@ HTTP10_STREAM = ("streaming needs HTTP/1.1 (server-sent events in chunked transf
                  "as HTTP/1.0: send it as HTTP/1.1 (behind nginx: proxy_http_version 1.1) or with \"stream\": false")
 
 
+# The router's answers wait in the front only as far as HTTP/2's initial window (64 KiB a stream): gRPC's BDP probe
+# grew it to megabytes while a client read fast, so a client that then stopped reading left the router generating
+# into the front's buffers for minutes instead of blocking its stream (its --stream-stall-timeout never fired).
+BOUNDED_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
+
+
 class Front:
     def __init__(self, opts: OpenAIOptions) -> None:
         self.opts = opts
         self.client = AsyncClient(opts.target, opts.tls_ca, opts.tls_cert, opts.tls_key,
-                                  timeout=opts.request_timeout)
+                                  timeout=opts.request_timeout, options=BOUNDED_WINDOW)
         self.metrics = FrontMetrics()
         self._info: pb.ModelInfoResponse | None = None
         self._unready = RepeatedLog(log, every_s=10.0, level=logging.WARNING)   # where and why, for the operator

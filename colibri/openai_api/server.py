@@ -17,6 +17,7 @@ from colibri_common.errors import ColibriError
 from colibri_common.serving import setup_logging
 
 log = logging.getLogger("colibri.openai")
+SEND_BUFFER = 64 * 1024      # bytes a connection's socket holds for its client (the kernel doubles it for its books)
 
 
 def run_front(opts: OpenAIOptions) -> int:
@@ -39,6 +40,10 @@ def run_front(opts: OpenAIOptions) -> int:
         raise ColibriError(str(exc)) from None
     sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Connections inherit a bounded send buffer (Linux grows one to 4 MiB for a client that does not read): a client
+    # that stops reading blocks the front's writes within SEND_BUFFER bytes, and so the router's stream, whose
+    # --stream-stall-timeout then cancels it and frees its KV blocks (it generated on into the buffer for minutes).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
     try:
         sock.bind((opts.host, opts.port))
     except OSError as exc:
