@@ -312,7 +312,7 @@ class Checkpoint:
         try:
             return mxfp4.dequantize(b, s)
         except ValueError as exc:
-            raise CheckpointError(f"{self.entry(blocks).file}: '{blocks}': {exc}") from exc
+            raise CheckpointError(f"{self.entry(blocks).file}: '{blocks}' and '{scales}': {exc}") from exc
 
     def check_fp8(self, name: str) -> None:
         """An FP8 weight's block scales exist with the shape its blocks need (headers only)."""

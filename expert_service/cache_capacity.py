@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from colibri_common.errors import ConfigError
+
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SPEC = re.compile(r"^\s*(?:(?P<all>all)|(?P<n>\d+)\s*(?P<per>/\s*layer)?|(?P<pct>\d+(?:\.\d+)?)\s*%"
@@ -57,7 +59,15 @@ def check_capacity(spec: str) -> None:
         raise ValueError(f"--expert-cache-capacity {spec}: a byte budget must be positive")
 
 
-def parse_capacity(spec: str, experts_per_layer: int, num_layers: int, expert_bytes: int) -> CacheCapacity:
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def parse_capacity(spec: str, experts_per_layer: int, num_layers: int, expert_bytes: int,
+                   flag: str = "--expert-cache-capacity") -> CacheCapacity:
     """The slots `spec` means for a worker holding `experts_per_layer` experts in each of `num_layers` MoE
     layers, `expert_bytes` each (packed). Capacities that hold everything are `all` (no cache at all)."""
     check_capacity(spec)
@@ -79,8 +89,8 @@ def parse_capacity(spec: str, experts_per_layer: int, num_layers: int, expert_by
         size = float(m["size"]) * _UNITS[m["unit"].lower()]
         n = int(size // expert_bytes)
         if n < 1:
-            raise ValueError(f"--expert-cache-capacity {spec} holds no expert: one takes {expert_bytes / 2**20:.1f} "
-                             f"MiB packed")
+            raise ConfigError(f"{flag} {spec} holds no expert: one takes {_size(expert_bytes)} "
+                              f"packed; give at least that, a count (e.g. 1/layer) or a share (e.g. 10%)")
     if n >= total:
         return CacheCapacity(None)
     return CacheCapacity(n // num_layers, per_layer=True) if n >= num_layers else CacheCapacity(n)

@@ -61,6 +61,12 @@ def kept_format(cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, mode: 
         return None
     layout, specs = stored_expert_tensors(cfg, cfg.moe_layers[0], 0, ckpt)
     I = cfg.moe_intermediate_size
+    other = _unlike(cfg, ckpt, layout)
+    if other is not None:          # a checkpoint that left some experts unquantised (modules_to_not_convert)
+        if mode == "keep":
+            raise ConfigError(f"--quantized-experts keep: {other} is not stored as the first MoE layer's experts "
+                              f"are ({layout}); use --quantized-experts dequantize")
+        return None
     if layout == "mxfp4":
         kept, fp8_gpu = Kept("mxfp4"), True
         aligned = cfg.hidden_size % 32 == 0 and I % 32 == 0               # rows of whole 32-value blocks
@@ -91,3 +97,18 @@ def kept_format(cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, mode: 
         raise ConfigError("--quantized-experts keep on a CPU needs the Triton kernels (COLIBRI_MOE_BACKEND=triton "
                           "under TRITON_INTERPRET=1, a test setup); CPU workers compute dequantised experts")
     return kept
+
+
+def _unlike(cfg: ModelConfig, ckpt: Checkpoint, layout: str) -> str | None:
+    """The first expert tensor of any MoE layer not stored as the first layer's expert 0 (its layout, or FP8 where
+    that one is FP8), or None: a format is kept for all the experts or for none (header reads only)."""
+    first = {ckpt.entry(name).dtype for name, _ in stored_expert_tensors(cfg, cfg.moe_layers[0], 0, ckpt)[1].values()}
+    for layer in cfg.moe_layers:
+        for e in range(cfg.num_experts if layout == "per_expert" else 1):
+            lay, specs = stored_expert_tensors(cfg, layer, e, ckpt)
+            if lay != layout:
+                return f"layer {layer}'s experts ({lay})"
+            for name, _ in specs.values():
+                if "F8_E4M3" in first and ckpt.entry(name).dtype != "F8_E4M3":
+                    return f"'{name}' ({ckpt.entry(name).dtype})"
+    return None

@@ -102,7 +102,8 @@ def cache_setting(cfg: ModelConfig, num_local: int, dtype: torch.dtype, quantize
     hot = parse_capacity(capacity, num_local, len(cfg.moe_layers), each)
     if not hot.bounded:
         return None
-    warm = None if host_capacity == "off" else parse_capacity(host_capacity, num_local, len(cfg.moe_layers), each)
+    warm = None if host_capacity == "off" else parse_capacity(host_capacity, num_local, len(cfg.moe_layers), each,
+                                                              "--expert-cache-host-capacity")
     if warm is not None and not warm.bounded:                    # all of the shard in pinned host memory
         warm = CacheCapacity(num_local, per_layer=True)
     return CacheSetting(hot, policy, half_life, warm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from colibri_common.errors import ConfigError
 from expert_service.cache_capacity import CacheCapacity, check_capacity, parse_capacity
 from expert_service.cache_policy import LFU, LRU, make_policy
 from expert_service.cache_stats import CacheStats
@@ -76,8 +77,10 @@ def test_bad_capacities_are_refused_before_anything_loads(spec, message):
 
 def test_a_budget_under_one_expert_is_refused_with_its_size():
     check_capacity("100KiB")
-    with pytest.raises(ValueError, match="holds no expert: one takes 1.0 MiB"):
+    with pytest.raises(ConfigError, match="holds no expert: one takes 1.0 MiB packed"):
         parse_capacity("100KiB", 8, 8, 2**20)
+    with pytest.raises(ConfigError, match="--expert-cache-host-capacity 100B holds no expert: one takes 23.0 KiB"):
+        parse_capacity("100B", 8, 8, 23 * 1024, "--expert-cache-host-capacity")     # not "0.0 MiB"
 
 
 def test_hit_rate_of_the_last_minute_forgets_older_lookups():

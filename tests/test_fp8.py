@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from colibri_common.checkpoint import Checkpoint
-from colibri_common.errors import CheckpointError
+from colibri_common.errors import CheckpointError, ConfigError
 from kernels.formats.fp8 import dequantize, quantize
 from tests.conftest import colibri_run, fleet
 from tests.inprocess import InProcess
@@ -160,3 +160,25 @@ def test_kernels_that_cannot_run_on_the_device_fail_at_start_not_at_the_first_re
     with pytest.raises(ConfigError, match=r"kernels \(float32 weights\) cannot run on cpu: .*fp8e4nv not supported"):
         experts.warm_up()
     experts.close()
+
+
+def test_experts_left_unquantised_in_some_layers_are_dequantised_with_the_rest(fp8_model, tmp_path):
+    """A checkpoint whose last MoE layer's experts stayed bf16 (modules_to_not_convert): the format is kept for
+    all the experts or for none. `auto` chose from the first layer's expert 0 alone, so an FP8 GPU would keep FP8
+    and then refuse the bf16 layer; `keep` now says which tensor is not FP8."""
+    from colibri_common.config import ModelConfig
+    from expert_service.kept_format import kept_format
+
+    tensors = load_file(fp8_model.path / "model.safetensors")
+    cfg = ModelConfig.from_dir(fp8_model.path)
+    last = f"model.layers.{cfg.moe_layers[-1]}."
+    for name in [n for n in tensors if n.startswith(last) and ".experts." in n and n.endswith(".weight")]:
+        tensors[name] = dequantize(tensors[name], tensors.pop(name + "_scale_inv"), BLOCK).to(torch.bfloat16)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    save_file(tensors, str(mixed / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(fp8_model.path / "config.json", mixed / "config.json")
+    ckpt = Checkpoint(mixed)
+    assert kept_format(cfg, ckpt, torch.device("cuda"), "auto", None) is None     # no GPU asked: decided before
+    with pytest.raises(ConfigError, match=rf"'{last}.*' \(BF16\) is not stored as the first MoE layer's experts"):
+        kept_format(cfg, ckpt, torch.device("cpu"), "keep", None)

@@ -200,3 +200,17 @@ def test_gpt_oss_configs_that_cannot_be_served_name_the_field(gpt_oss, tmp_path,
     (bad / "config.json").write_text(json.dumps({**raw, **change}))
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dir(bad)
+
+
+def test_an_mxfp4_scale_that_the_format_calls_nan_fails_at_start_naming_the_tensors(tmp_path):
+    """A scale byte of 255 (NaN in the MX format) dequantised to 2^128 = inf: start-up passed and the first request
+    failed on non-finite logits."""
+    model = build_model(small_config("gpt_oss", intermediate_size=64), seed=5)
+    write_mxfp4(save_checkpoint(model, tmp_path / "bf"), tmp_path / "mxfp4")
+    tensors = load_file(tmp_path / "mxfp4" / "model.safetensors")
+    name = "model.layers.0.mlp.experts.gate_up_proj_scales"
+    tensors[name][1, 3, 0] = 255
+    save_file(tensors, tmp_path / "mxfp4" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"'model.layers.0.mlp.experts.gate_up_proj_blocks' and '{name}': an "
+                                              r"MXFP4 scale byte is 255, which the MX format defines as NaN"):
+        InProcess(tmp_path / "mxfp4")

@@ -241,3 +241,10 @@ def test_validate_refuses_the_isa_override_the_services_refuse(ckpt):
                          env={**os.environ, "COLIBRI_CPU_ISA": "bogus"}, capture_output=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip() == ("error: COLIBRI_CPU_ISA=bogus is unknown; use generic, "
                                                           "avx2, avx512, avx512bf16 or amx"), out.stderr
+
+
+def test_a_cache_budget_under_one_expert_is_one_line(ckpt):
+    """The worker's check of a byte budget against its expert size ended in a traceback."""
+    out = run("serve", "--model", str(ckpt), "--workers", "1", "--port", "0", "--expert-cache-capacity", "100B")
+    assert out.returncode != 0 and "--expert-cache-capacity 100B holds no expert: one takes" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr

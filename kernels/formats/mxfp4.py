@@ -90,6 +90,9 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} need scales {list(blocks.shape[:-1])} and "
                          f"{BLOCK // 2} bytes a block; got scales {list(scales.shape)}")
+    if bool((scales == 255).any()):
+        raise ValueError("an MXFP4 scale byte is 255, which the MX format defines as NaN (a corrupt or truncated "
+                         "tensor)")
     values = _PAIRS[blocks.int()]                                               # [..., R, G, 16, 2]
     scale = torch.pow(2.0, scales.float() - SCALE_BIAS)                        # [..., R, G] exact powers of 2
     return (values.flatten(-2) * scale[..., None]).flatten(-2)                  # [..., R, G * 32]
