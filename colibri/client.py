@@ -27,7 +27,7 @@ import numpy as np
 from colibri_common.options import check_target
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb import generation_pb2_grpc
-from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS
+from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS, channel_options
 from colibri_common.tls import client_channel
 
 DEFAULT_TIMEOUT = 300.0
@@ -317,8 +317,8 @@ class AsyncClient(_Calls):
                  options: list[tuple[str, object]] | None = None) -> None:
         self.timeout = _seconds(timeout, "timeout")
         self.closed = False
-        self.channel = client_channel(_target(target), CHANNEL_OPTIONS + RECONNECT_OPTIONS + (options or []), tls_ca,
-                                      tls_cert, tls_key, aio=True)
+        merged = channel_options(CHANNEL_OPTIONS, RECONNECT_OPTIONS, options or [])
+        self.channel = client_channel(_target(target), merged, tls_ca, tls_cert, tls_key, aio=True)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = DEFAULT):

@@ -82,7 +82,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "OlmoeForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
         qk_norm="full", expert_width_key="intermediate_size",
-        defaults=(("rms_norm_eps", 1e-5), ("max_position_embeddings", 4096), ("num_key_value_heads", 16)),
+        defaults=(("rms_norm_eps", 1e-5), ("max_position_embeddings", 4096)),   # left-out kv heads: all heads
     ),
     "Glm4MoeForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
@@ -269,7 +269,10 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(ARCHITECTURES))}")
         name = known[0]
         arch = ARCHITECTURES[name]
+        mha = "num_key_value_heads" in raw and raw["num_key_value_heads"] is None     # an explicit null: every head
         raw = {**dict(arch.defaults), **{k: v for k, v in raw.items() if v is not None}}
+        if mha:
+            raw.pop("num_key_value_heads", None)
 
         def need(*keys: str):
             for key in keys:

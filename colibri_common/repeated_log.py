@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 
 class RepeatedLog:
-    def __init__(self, log: logging.Logger, every_s: float = 5.0, level: int = logging.ERROR) -> None:
-        self.log, self.every_s, self.level = log, every_s, level
+    def __init__(self, log: logging.Logger, every_s: float = 5.0, level: int = logging.ERROR,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log, self.every_s, self.level, self.clock = log, every_s, level, clock
         self.reason = ""            # the last reason said
         self.said_at = 0.0
         self.held = 0               # times it happened since it was last said
 
     def say(self, reason: str, line: str) -> bool:
         """Log `line` (about `reason`) unless the same reason was said within every_s; True when logged."""
-        now = time.monotonic()
+        now = self.clock()
         if reason == self.reason and now - self.said_at < self.every_s:
             self.held += 1
             return False
@@ -29,3 +31,9 @@ class RepeatedLog:
         self.log.log(self.level, "%s", line)
         self.reason, self.said_at, self.held = reason, now, 0
         return True
+
+    def end(self) -> None:
+        """The incident is over (a step went through): the times it happened since it was last said, said."""
+        if self.held:
+            self.log.log(self.level, "(the line before happened %d more time%s)", self.held, "s" * (self.held > 1))
+        self.reason, self.held = "", 0

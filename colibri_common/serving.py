@@ -29,6 +29,17 @@ CHANNEL_OPTIONS = [
 # a second (gRPC's default waits 30 s between resolutions). The router's links to its workers, and every Client.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.dns_min_time_between_resolutions_ms", 1000)]
+
+
+def channel_options(*lists: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """Option lists merged, a later value of a key replacing an earlier one (gRPC keeps the first of a repeated
+    key: appended overrides were silently ignored)."""
+    merged: dict[str, object] = {}
+    for options in lists:
+        merged.update(options)
+    return list(merged.items())
+
+
 # Clients (the router watching its workers) may ping every second to find a frozen peer.
 SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_ping_strikes", 0)]

@@ -93,14 +93,15 @@ def build_shard(opts: ExpertOptions, device: torch.device | None = None,
     kept = kept_format(cfg, ckpt, device, c.quantized_experts, opts.quantize)
     if kept is not None:
         log.info("experts held in %s as published, computed by the Triton kernels", kept.dtype_name)
-    if device.type == "cpu" and c.expert_cache_host_capacity != "off":
+    warm = c.expert_cache_host_capacity
+    if device.type == "cpu" and warm != "off":
         log.warning("--expert-cache-host-capacity %s is for GPU workers (a warm tier of pinned host memory between "
-                    "the GPU and the page cache); a CPU worker's hot tier is host memory already: ignored",
-                    c.expert_cache_host_capacity)
+                    "the GPU and the page cache); a CPU worker's hot tier is host memory already: ignored", warm)
+        warm = "off"
     held = static_plan(cfg, opts) if held is None else held
     most = max(map(len, held.values()), default=0)
     cache = cache_setting(cfg, max(1, most), dtype, opts.quantize, c.expert_cache_capacity, c.expert_cache_policy,
-                          c.expert_cache_half_life, c.expert_cache_host_capacity, kept) if most else None
+                          c.expert_cache_half_life, warm, kept) if most else None
     experts = ExpertShard(cfg, ckpt, shard, num_shards, dtype, progress=log.isEnabledFor(logging.INFO),
                           quantize=opts.quantize, device=device, replicas=opts.replicas, cache=cache, kept=kept,
                           in_place=c.experts_in_place == "auto", held=held)

@@ -25,7 +25,7 @@ ALWAYS_RENORMALISES = {"MixtralForCausalLM", "MiniMaxM2ForCausalLM"}
 def minimal(arch: str) -> dict:
     """Only the sizes every architecture needs given; everything else left to the defaults."""
     spec = ARCHITECTURES[arch]
-    raw = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 16, "num_hidden_layers": 4,
+    raw = {"architectures": [arch], "hidden_size": 128, "num_attention_heads": 32, "num_hidden_layers": 4,
            "vocab_size": 128, spec.experts_key[0]: 64, spec.topk_key: 2, spec.expert_width_key: 32}
     raw.setdefault("intermediate_size", 48)
     if spec.attention == "mla":
@@ -90,3 +90,10 @@ def test_an_activation_the_experts_do_not_compute_is_refused_naming_it(arch):
     for act in ("gelu", "gelu_pytorch_tanh", "relu"):
         with pytest.raises(ConfigError, match=f"hidden_act '{act}' is not one {arch} can serve; supported: silu"):
             ModelConfig.from_dict({**minimal(arch), "hidden_act": act})
+
+
+@pytest.mark.parametrize("arch", ["OlmoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"])
+def test_an_explicit_null_of_kv_heads_is_every_head(arch):
+    """transformers (4.x, and 5.x's OLMoE) reads "num_key_value_heads": null as plain multi-head attention; the
+    class default must not fill it in."""
+    assert ModelConfig.from_dict({**minimal(arch), "num_key_value_heads": None}).num_kv_heads == 32

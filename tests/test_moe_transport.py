@@ -124,15 +124,20 @@ def test_a_stream_that_ended_between_steps_is_replaced_not_failed_on():
 
 
 def test_abandon_fails_what_is_in_flight_with_its_reason_and_only_then():
-    """The router gives up on a worker whose health checks failed (its pairs go to replicas): the waiting reads
-    fail at once, saying why, and the next send opens a new stream; with nothing in flight it does nothing."""
+    """The router gives up on a worker whose health checks failed (its pairs go to replicas) once a read has waited
+    on it that long: the read fails at once, saying why, and the next send opens a new stream; nothing in flight,
+    or a read that has just begun, is left alone."""
     stub = FakeStub()
     lk = link(stub)
-    assert not lk.abandon("checks failed")                       # no stream yet
+    assert not lk.abandon("checks failed", 1.5)                  # no stream yet
     assert lk.send(req(1)).get().compute_ms == 1
-    assert not lk.abandon("checks failed") and not stub.calls[0].cancelled.is_set()   # nothing in flight
+    assert not lk.abandon("checks failed", 1.5) and not stub.calls[0].cancelled.is_set()   # nothing in flight
     pending = lk.send(req(2))
-    assert lk.abandon("its health checks failed (DEADLINE_EXCEEDED)")
+    lk._stream.waiting_since = time.monotonic()                  # a read that has just begun: it may yet answer
+    assert not lk.abandon("checks failed", 1.5) and not stub.calls[0].cancelled.is_set()
+    lk._stream.waiting_since = time.monotonic() - 2.0            # waiting for as long as the checks took to fail
+    assert lk.abandon("its health checks failed (DEADLINE_EXCEEDED)", 1.5)
+    lk._stream.waiting_since = None
     with pytest.raises(WorkerError, match=r"failed on layer 0: its health checks failed \(DEADLINE_EXCEEDED\)") as exc:
         pending.get()
     assert exc.value.retryable
@@ -165,3 +170,52 @@ def test_a_ban_is_on_the_process_that_failed_and_ends_when_a_new_one_holds_the_p
     assert lv.live() == [True, True]
     lv.failed(1, "gone again", process="p2")
     assert lv.live() == [True, False] and lv.ban_s[1] == 2 * Liveness.FIRST_BAN_S
+
+
+def test_channel_options_merge_with_the_later_value_winning():
+    """gRPC keeps the first of a repeated key: appended overrides were silently ignored."""
+    from colibri_common.serving import channel_options
+
+    assert channel_options([("a", 1), ("b", 2)], [("a", 3)], []) == [("a", 3), ("b", 2)]
+
+
+def test_a_workers_channel_tries_again_every_quarter_second():
+    """A worker that died and came back is found within ~250 ms (serve restarts one in 0.1 s): its channel's
+    reconnect backoff is capped at 250 ms, not the clients' 1 s."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.1)
+    lk = StreamLink(f"127.0.0.1:{listener.getsockname()[1]}", 5.0)
+    attempts, t0 = 0, time.monotonic()
+    try:
+        lk.channel.subscribe(lambda _: None, try_to_connect=True)
+        while time.monotonic() - t0 < 4.0:
+            try:
+                conn, _ = listener.accept()          # accepted and dropped at once: not a gRPC server
+            except TimeoutError:
+                continue
+            attempts += 1
+            conn.close()
+    finally:
+        lk.close()
+        listener.close()
+    assert attempts >= 10, f"{attempts} connection attempts in 4 s"
+
+
+def test_a_worker_is_held_elsewhere_only_when_every_expert_it_holds_has_another_live_holder():
+    """The cut-over rule for a worker down by its health checks: its layers go to replicas at once only when
+    every expert it holds has another live holder; otherwise they wait (--worker-timeout)."""
+    from router_service.moe.plan import Plan
+    from router_service.moe.table import Table
+
+    index = {"a:1": 0, "b:2": 1, "c:3": 2}
+    plan = Plan(1, ("a:1", "b:2", "c:3"), {0: {"a:1": [0, 1], "b:2": [1, 2], "c:3": [0, 2, 3]}})
+    table = Table.of(plan, index, 1, 4)
+    assert table.held_elsewhere(0, [True, True, True])          # 0 on c, 1 on b
+    assert not table.held_elsewhere(0, [True, True, False])     # 0 only on a once c is down
+    assert not table.held_elsewhere(2, [True, True, True])      # 3 only on c
+    assert not table.held_elsewhere(1, [False, True, False])    # no other live worker
+    assert not table.held_elsewhere(5, [True, True, True])      # a worker the table does not know

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from colibri_common import repeated_log
 from colibri_common.repeated_log import RepeatedLog
 
 
-def test_a_repeated_reason_is_said_once_per_interval_with_how_often_it_happened(monkeypatch, caplog):
+def test_a_repeated_reason_is_said_once_per_interval_with_how_often_it_happened(caplog):
     now = [100.0]
-    monkeypatch.setattr(repeated_log.time, "monotonic", lambda: now[0])
-    said = RepeatedLog(logging.getLogger("test.repeated"), every_s=5.0)
+    said = RepeatedLog(logging.getLogger("test.repeated"), every_s=5.0, clock=lambda: now[0])
     with caplog.at_level(logging.ERROR, logger="test.repeated"):
         assert said.say("worker down", "step 1: worker down")
         for step in range(2, 200):                      # a step every 10 ms, for 2 s: one line in all
@@ -22,6 +20,10 @@ def test_a_repeated_reason_is_said_once_per_interval_with_how_often_it_happened(
         now[0] += 0.5
         assert not said.say("worker down", "step 201: worker down")
         assert said.say("another", "step 202: another")   # a new reason at once; the held one is counted
+        assert not said.say("another", "step 203: another")
+        said.end()                                          # the incident is over: its count is said
+        assert said.say("another", "step 204: another")     # and a new one starts afresh
     assert [r.getMessage() for r in caplog.records] == [
         "step 1: worker down", "step 200: worker down (198 more like it in the last 6 s)",
-        "(the line before happened 1 more time)", "step 202: another"]
+        "(the line before happened 1 more time)", "step 202: another", "(the line before happened 1 more time)",
+        "step 204: another"]

@@ -42,7 +42,7 @@ def test_a_round_that_raises_does_not_end_the_watch(caplog):
     rounds = []
     seen = threading.Event()
 
-    def on_change(up: list[bool]) -> None:
+    def on_change(up: list[bool], why: list[str]) -> None:
         rounds.append(up)
         if up == [True]:                              # a round after the three that raised
             seen.set()

@@ -60,6 +60,7 @@ class Front:
         self.client = AsyncClient(opts.target, opts.tls_ca, opts.tls_cert, opts.tls_key,
                                   timeout=opts.request_timeout, options=BOUNDED_WINDOW)
         self.metrics = FrontMetrics()
+        self.hide = (opts.target,)            # the router's address, kept out of what clients read (errors.py)
         self._info: pb.ModelInfoResponse | None = None
         self._unready = RepeatedLog(log, every_s=10.0, level=logging.WARNING)   # where and why, for the operator
         self._template: ChatTemplate | None = None
@@ -73,10 +74,11 @@ class Front:
                 info = await self.client.model_info()
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise ApiError.of_grpc(exc) from None
+                    raise ApiError.of_grpc(exc, self.hide) from None
                 self._unready.say(exc.details() or "", f"the router at {self.opts.target} is not ready: "
                                                         f"{exc.details()}")
-                raise ApiError(503, f"the router is not ready: {without_addresses(exc.details() or '')}") from None
+                why = without_addresses(exc.details() or "", self.hide)
+                raise ApiError(503, f"the router is not ready: {why}") from None
             self._info = info
             if info.chat_template:
                 self._template = ChatTemplate(info.chat_template, dict(info.special_tokens))
@@ -158,7 +160,7 @@ class Front:
             first = firsts.result()
         except grpc.RpcError as exc:
             _cancel(calls)
-            raise ApiError.of_grpc(exc) from None
+            raise ApiError.of_grpc(exc, self.hide) from None
         except StopAsyncIteration:
             _cancel(calls)
             raise ApiError(500, "the router ended a call without an answer") from None
@@ -213,7 +215,7 @@ class Front:
         try:
             work.result()
         except grpc.RpcError as exc:
-            err = ApiError.of_grpc(exc)
+            err = ApiError.of_grpc(exc, self.hide)
             self.metrics.finished(reply, str(err.status))
             raise err from None
         self.metrics.finished(reply, "ok")
@@ -238,7 +240,7 @@ class Front:
                 yield sse(reply.usage_chunk())
             self.metrics.finished(reply, "ok")
         except grpc.RpcError as exc:              # mid-stream: the status line is sent; the error goes as an event
-            err = ApiError.of_grpc(exc)
+            err = ApiError.of_grpc(exc, self.hide)
             self.metrics.finished(reply, str(err.status))
             yield sse(err.body())
         yield sse(DONE)

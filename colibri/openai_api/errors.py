@@ -35,18 +35,28 @@ TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 403: "perm
            502: "bad_gateway", 503: "service_unavailable",
            504: "timeout"}
 RETRY_AFTER_S = {429: 1, 503: 1}
-# Addresses inside the fleet (router, workers, their same-host sockets) as gRPC and the router word their errors:
-# "ipv4:10.0.0.7:50052", "[fd00::7]:50052", "expert-1.colibri.ns.svc:50052", "/tmp/colibri-fleet-x/worker-1.sock".
-# HTTP clients get none of them (docs/api.md); the front's and the router's logs keep them for the operators.
-_HOST = r"(?=[A-Za-z0-9.-]*[A-Za-z])(?:[A-Za-z0-9]+(?:[.-][A-Za-z0-9]+)+|localhost)"   # a letter, and a . or a -
-_ADDRESS = re.compile(rf"(?:\b(?:ipv4|ipv6|unix|dns):)?(?:\[[0-9A-Fa-f:.]+\]|\b\d{{1,3}}(?:\.\d{{1,3}}){{3}}|\b{_HOST})"
-                      rf":\d{{2,5}}\b|(?:\bunix:)?/[^\s:,;()'\"]+\.sock\b")
+# Addresses inside the fleet as the router and gRPC word their errors: gRPC's own URIs ("ipv4:10.0.0.7:50052",
+# "ipv6:%5B::1%5D:1", "unix:/run/w.sock"), what follows "expert worker " and "unreachable on " (a worker's address,
+# its same-host socket) and a "(down: ...)" list, IP:port, [IPv6]:port and socket paths; the front adds its own
+# --target literally. HTTP clients get none of them (docs/api.md); the logs keep them for the operators. Words in
+# general are left alone (a "host:port" rule took times and model names such as "gpt-4.1:20" for addresses).
+_ADDRESS = re.compile("|".join((
+    r"\b(?:ipv4|ipv6|unix|unix-abstract|dns|vsock):[^\s,;()'\"]*[^\s,;()'\":]",
+    r"(?<=expert worker )\S*[^\s:,;]", r"(?<=unreachable on )\S*[^\s:,;]", r"(?<=\(down: )[^)]+",
+    r"\b\d{1,3}(?:\.\d{1,3}){3}:\d{1,5}\b", r"\[[0-9A-Fa-f:.%]+\](?::\d{1,5})?", r"%5B[0-9A-Fa-f:.%]+%5D(?::\d{1,5})?",
+    r"(?:\bunix:)?/[^\s:,;()'\"]+\.sock\b")))
 FLEET_ADDRESS = "<fleet address>"
+MAX_SCRUBBED = 4000          # characters of a message looked at (and passed on): linear, whatever the router says
 
 
-def without_addresses(text: str) -> str:
-    """`text` with every host:port and socket path of the fleet replaced (what an HTTP client may read)."""
-    return _ADDRESS.sub(FLEET_ADDRESS, text)
+def without_addresses(text: str, also: tuple[str, ...] = ()) -> str:
+    """`text` with every address of the fleet it names (and the literal strings `also`) replaced: what an HTTP
+    client may read."""
+    text = _ADDRESS.sub(FLEET_ADDRESS, text[:MAX_SCRUBBED])
+    for literal in also:
+        if literal:
+            text = text.replace(literal, FLEET_ADDRESS)
+    return text
 
 
 class ApiError(Exception):
@@ -65,9 +75,10 @@ class ApiError(Exception):
         return {"Retry-After": str(wait)} if wait else {}
 
     @staticmethod
-    def of_grpc(exc: grpc.RpcError) -> ApiError:
+    def of_grpc(exc: grpc.RpcError, hide: tuple[str, ...] = ()) -> ApiError:
+        """The HTTP answer to a gRPC error, its message without the fleet's addresses (and the strings `hide`)."""
         code = exc.code() if hasattr(exc, "code") else None
-        details = without_addresses(exc.details() if hasattr(exc, "details") else str(exc))
+        details = without_addresses(exc.details() if hasattr(exc, "details") else str(exc), hide)
         if code is None:
             return ApiError(500, f"the router failed: {details}")
         status = HTTP_OF.get(code, 500)

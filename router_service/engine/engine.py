@@ -7,6 +7,7 @@ Shapes: B sequences that sample this step, V vocabulary.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -207,13 +208,15 @@ class Engine:
                 with self._cv:
                     self._postprocess(step, logits)
                     self._update_metrics(step, time.perf_counter() - t0)
+                if self._failures.held:
+                    self._failures.end()
             except MappingChanged as exc:       # weights read in place changed: no step may run again
                 self._damaged(str(exc))
                 return
             except ExpertsUnavailable as exc:   # no live worker for some tokens' experts: fail those requests
                 self._fail_unserved(step, exc)
             except WorkerError as exc:   # a worker failed: fail this step's requests, keep serving
-                self._failures.say(str(exc), f"step {self.metrics.steps} failed: {exc}")
+                self._failures.say(_incident(exc), f"step {self.metrics.steps} failed: {exc}")
                 code = FailureCode.UNAVAILABLE if exc.retryable else FailureCode.INTERNAL
                 self._fail_step(step, code, str(exc))
             except Exception as exc:     # a bug: log it whole, fail the step's requests (not retryable), go on
@@ -373,8 +376,8 @@ class Engine:
             if rows & set(range(row, row + s.num_new)):
                 hit.append(s.seq)
             row += s.num_new
-        self._failures.say(str(exc), f"step {self.metrics.steps}: {exc}; failing {len(hit)} of {len(step.scheduled)} "
-                                     f"requests")
+        self._failures.say(_incident(exc), f"step {self.metrics.steps}: {exc}; failing {len(hit)} of "
+                                           f"{len(step.scheduled)} requests")
         with self._cv:
             for seq in hit or [s.seq for s in step.scheduled]:
                 self._fail(seq, FailureCode.UNAVAILABLE, str(exc))
@@ -410,3 +413,9 @@ class Engine:
             else:
                 self._finish(waiting, reason)
         self._cv.notify_all()                     # a drain waits for the last one
+
+
+def _incident(exc: Exception) -> str:
+    """What makes failures one incident in the log: their text without the layer (each layer of a step says its
+    own)."""
+    return re.sub(r"layer \d+", "layer N", str(exc))

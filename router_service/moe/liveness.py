@@ -2,7 +2,8 @@
 
 A worker whose call fails is banned at once, for a backoff that doubles on each failure (0.5 s up to 30 s)
 and resets after a minute without one; it is re-admitted when the ban has passed and its health checks say
-SERVING again (log line, `colibri:worker_readmissions_total`). Plain Python; the health checks are
+SERVING again (log line, `colibri:worker_readmissions_total`), or as soon as another process at its address holds
+the plan (`restarted`: the ban is on the process that failed). Plain Python; the health checks are
 `worker_watch.WorkerWatch`'s.
 """
 
@@ -82,8 +83,8 @@ class Liveness:
     def restarted(self, w: int, process: str) -> None:
         """Worker w now answers from `process` and holds the plan: a ban on another process (the one that died)
         ends at once, so the requests its experts serve succeed as soon as it is back (with one replica they
-        failed until the ban ran out, up to 30 s after a crash loop). The ban's length still doubles if the new
-        process fails too."""
+        failed until the ban ran out, up to 30 s after a crash loop). The next ban's length still doubles if the new
+        process fails within the minute, but a crash loop is paced by its restarter's backoff, not by the bans."""
         with self._lock:
             if not process or not self.banned_process[w] or process == self.banned_process[w] or \
                     time.monotonic() >= self.banned_until[w]:

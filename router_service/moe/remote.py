@@ -436,7 +436,7 @@ class RemoteExperts:
         table = self.table
         checked = [w for w in range(len(self.addresses)) if table.in_plan(w)]
 
-        def changed(up: list[bool]) -> None:              # every round: a ban can end between health changes
+        def changed(up: list[bool], why: list[str]) -> None:   # every round: a ban can end between health changes
             was = self.liveness.healthy
             back = [w for w, ok in zip(checked, up, strict=True) if ok and not was[w]]
             self.liveness.set_healthy(dict(zip(checked, up, strict=True)))
@@ -445,30 +445,25 @@ class RemoteExperts:
                     self.on_back(w)
             for i, (w, ok) in enumerate(zip(checked, up, strict=True)):
                 if not ok:
-                    self._cut_over(w, watch.why[i])
+                    self._cut_over(w, why[i])
             on_change(self.covered())
 
-        watch = WorkerWatch([(self.addresses[w], self.links.links[w].channel) for w in checked], changed)
-        old, self.watcher = self.watcher, watch
+        old, self.watcher = self.watcher, WorkerWatch(
+            [(self.addresses[w], self.links.links[w].channel) for w in checked], changed)
         if old is not None:
             old.close()
 
     def _cut_over(self, w: int, why: str) -> None:
         """Worker w is down by its health checks (frozen, its host hung, the network cut): where every expert it
-        holds has another live holder, the layers waiting on it give up on it now and go to those replicas (the
-        same sums, so the same tokens), rather than holding every stream for --worker-timeout. Where some expert
-        is on w alone, they wait: a worker too busy to answer its checks in time may still answer the layer."""
-        table = self.table
-        W = table.holders.shape[2]
-        live = self.liveness.live()[:W]
-        others = [i for i in range(W) if i != w and live[i]]
-        if w >= W or not others:
+        holds has another live holder, a layer that has waited on it for as long as the checks took to fail gives
+        up on it and goes to those replicas (the same sums, so the same tokens), rather than holding every stream
+        for --worker-timeout. Where some expert is on w alone, or the layer was sent just now, it waits: a worker
+        too busy to answer its checks in time may still answer the layer."""
+        if not self.table.held_elsewhere(w, self.liveness.live()):
             return
-        mine = table.holders[:, :, w]                                             # [L, E]
-        if bool((mine & ~table.holders[:, :, others].any(dim=2)).any()):
-            return
-        if self.links.links[w].abandon(f"its health checks failed ({why}); its pairs went to replicas"):
-            log.warning("expert worker %s is down by its health checks (%s) while layers wait on it: they go to "
+        if self.links.links[w].abandon(f"its health checks failed ({why}); its pairs went to replicas",
+                                       WorkerWatch.MISSES * WorkerWatch.DEADLINE_S):
+            log.warning("expert worker %s is down by its health checks (%s) while a layer waits on it: it goes to "
                         "replicas now, not after --worker-timeout", self.addresses[w], why)
 
     def close(self) -> None:

@@ -49,7 +49,7 @@ class LocalLink(StreamLink):
         self._sock: socket.socket | None = None
         self._pending: collections.deque[StreamReply] = collections.deque()    # sent on the socket, unanswered
         self._waiting_since: float | None = None
-        self._cut: str | None = None             # why the router shut the socket (a timeout, an abandon)
+        self._cut: tuple[socket.socket, str] | None = None   # a socket the router shut, and why (timeout, abandon)
 
     def describe(self, deadline: float) -> expert_pb2.DescribeResponse:
         d = super().describe(deadline)
@@ -102,7 +102,8 @@ class LocalLink(StreamLink):
             try:
                 status, payload = recv_frame(sock, MAX_MESSAGE_BYTES)
             except (FrameError, OSError) as exc:
-                why = self._cut or f"its local connection broke ({exc})"
+                cut = self._cut
+                why = cut[1] if cut is not None and cut[0] is sock else f"its local connection broke ({exc})"
                 self._cut = None
                 message = f"expert worker {self.address} failed on layer {reply.layer}: {why}"
                 self._drop(f"expert worker {self.address}: its local connection was reset after a failure")
@@ -130,18 +131,19 @@ class LocalLink(StreamLink):
             self._waiting_since = None                    # said once
             self._shut(sock, f"did not answer within {self.timeout_s:g}s (--worker-timeout)")
 
-    def abandon(self, why: str) -> bool:
+    def abandon(self, why: str, waited_s: float) -> bool:
         if self.socket_path is None:
-            return super().abandon(why)
-        sock = self._sock
-        if sock is None or not self._pending:
+            return super().abandon(why, waited_s)
+        sock, since = self._sock, self._waiting_since
+        if sock is None or since is None or time.monotonic() - since < waited_s:
             return False
         self._shut(sock, why)
         return True
 
     def _shut(self, sock: socket.socket, why: str) -> None:
         """The read waiting on this socket (or the next one) fails, saying `why`."""
-        self._cut = self._cut or why
+        if self._cut is None or self._cut[0] is not sock:         # the first reason given for this socket
+            self._cut = (sock, why)
         try:
             sock.shutdown(socket.SHUT_RDWR)               # the blocked read returns: the layer fails
         except OSError:

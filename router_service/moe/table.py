@@ -51,6 +51,16 @@ class Table:
         return Table(plan, holders, owner, explicit=replicated or plan.epoch > 0,
                      holding=tuple(holding_of(h) for h in holders), digests=tuple(digests))
 
+    def held_elsewhere(self, w: int, live: list[bool]) -> bool:
+        """Whether every expert worker w holds has another live holder (live [W']: liveness by worker index), so
+        its pairs can go elsewhere at once."""
+        W = self.holders.shape[2]
+        others = [i for i in range(min(W, len(live))) if i != w and live[i]]
+        if w >= W or not others:
+            return False
+        mine = self.holders[:, :, w]                                              # [L, E]
+        return not bool((mine & ~self.holders[:, :, others].any(dim=2)).any())
+
     def in_plan(self, w: int) -> bool:
         """Whether worker w holds anything in this plan."""
         return w < self.holders.shape[2] and bool(self.holders[:, :, w].any())

@@ -27,7 +27,7 @@ import grpc
 
 from colibri_common.errors import ColibriError
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
-from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS
+from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS, channel_options
 from colibri_common.token_gate import with_token
 
 log = logging.getLogger("colibri.router")
@@ -134,8 +134,8 @@ OPEN_ACCESS = Access()
 
 
 # A worker that died comes back in a fraction of a second (serve, Kubernetes): its channel tries again every quarter
-# second at most, so the router finds it (health checks, re-sync) that soon, not up to a second later (a later option
-# overrides RECONNECT_OPTIONS' maximum).
+# second at most, so the router finds it (health checks, re-sync) that soon, not up to a second later (replacing
+# RECONNECT_OPTIONS' maximum).
 WORKER_RECONNECT = [("grpc.max_reconnect_backoff_ms", 250)]
 
 
@@ -144,7 +144,7 @@ class WorkerLink:
 
     def __init__(self, address: str, timeout_s: float, access: Access = OPEN_ACCESS) -> None:
         self.address, self.timeout_s = address, timeout_s
-        options = CHANNEL_OPTIONS + RECONNECT_OPTIONS + WORKER_RECONNECT
+        options = channel_options(CHANNEL_OPTIONS, RECONNECT_OPTIONS, WORKER_RECONNECT)
         self._raw = grpc.insecure_channel(address, options=options) if access.credentials is None else \
             grpc.secure_channel(address, access.credentials, options=options)     # mutual TLS to the worker
         self.channel = with_token(self._raw, access.token)                       # every call carries the token
@@ -217,10 +217,10 @@ class WorkerLink:
     def check_deadline(self) -> None:
         """Called about once a second by the watchdog."""
 
-    def abandon(self, why: str) -> bool:
-        """Give up on the answers in flight now, as --worker-timeout would later: the reads waiting on them fail
-        with `why` (the caller sends their pairs to replicas). False where nothing is in flight, and on unary
-        calls, which keep their own deadline."""
+    def abandon(self, why: str, waited_s: float) -> bool:
+        """Give up on the answers in flight now, as --worker-timeout would later, if a read has waited on them for
+        `waited_s` or more: it fails with `why` (the caller sends their pairs to replicas). False otherwise, and on
+        unary calls, which keep their own deadline."""
         return False
 
     def close(self) -> None:
@@ -302,11 +302,12 @@ class StreamLink(WorkerLink):
                       self.timeout_s)
             stream.cancel(f"no answer within {self.timeout_s:g}s (--worker-timeout)")  # type: ignore[union-attr]
 
-    def abandon(self, why: str) -> bool:
+    def abandon(self, why: str, waited_s: float) -> bool:
         stream = self._stream
-        if stream is None or not self._awaiting:
+        since = stream.waiting_since if stream is not None else None
+        if since is None or time.monotonic() - since < waited_s:
             return False
-        stream.cancel(why)
+        stream.cancel(why)  # type: ignore[union-attr]
         return True
 
     def reset(self, why: str, unsynced: bool = False) -> None:

@@ -84,9 +84,15 @@ class Upkeep:
         try:
             while not self._stop.is_set():
                 wake.clear()
+                with self._resync_lock:
+                    asked = self._asked.get(w, 0)
                 try:
-                    if self._resync_once(w, address, warned):
-                        return
+                    if self._resync_once(w, address, warned, asked):
+                        with self._resync_lock:             # asked again since (a restart): describe it again
+                            if self._asked.get(w, 0) == asked:
+                                self._resyncing.discard(w)
+                                return
+                        continue
                 except Exception:  # noqa: BLE001 (logged; the loop tries again, a thread's traceback would end it)
                     if self._stop.is_set() or remote.links.links[w].closed:
                         return                              # the router is stopping: its links closed under us
@@ -109,11 +115,10 @@ class Upkeep:
             warned[0] = why
         return False
 
-    def _resync_once(self, w: int, address: str, warned: list[str]) -> bool:
-        """One try at having worker w hold the current plan's experts; True when it does (or left the plan)."""
+    def _resync_once(self, w: int, address: str, warned: list[str], asked: int) -> bool:
+        """One try at having worker w hold the current plan's experts (`asked`: the re-syncs asked before it);
+        True when it does (or left the plan)."""
         remote = self.placement.remote
-        with self._resync_lock:
-            asked = self._asked.get(w, 0)
         try:
             info = remote.describe(address, time.monotonic() + 2.0)      # outside the change lock
         except WorkerError as exc:

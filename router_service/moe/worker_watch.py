@@ -3,7 +3,7 @@
 One thread checks every worker's readiness (`grpc.health.v1` Check on the ExpertWorker service, all at once)
 four times a second on the channel the experts travel on, with a 0.75 s deadline. A worker that fails
 two checks in a row (killed: the connection is refused at once; frozen by SIGSTOP or a hung host: the
-deadline passes) is down; one good answer brings it back. `on_change(up)` runs after every round, so the
+deadline passes) is down; one good answer brings it back. `on_change(up, why)` runs after every round, so the
 router's readiness is NOT_SERVING within about 2 s of a worker's loss and SERVING again once it is back.
 (Polling rather than a health Watch stream: a frozen peer never closes
 a stream, while a deadline always passes.)
@@ -28,7 +28,8 @@ class WorkerWatch:
     DEADLINE_S = 0.75
     MISSES = 2
 
-    def __init__(self, channels: list[tuple[str, grpc.Channel]], on_change: Callable[[list[bool]], None]) -> None:
+    def __init__(self, channels: list[tuple[str, grpc.Channel]],
+                 on_change: Callable[[list[bool], list[str]], None]) -> None:
         self.stubs = [(address, health_pb2_grpc.HealthStub(ch)) for address, ch in channels]
         self.up = [True] * len(channels)
         self.misses = [0] * len(channels)
@@ -80,7 +81,7 @@ class WorkerWatch:
                 self.up[i] = False
                 log.warning("expert worker %s is down (%d health checks failed; the last: %s)", address,
                             self.misses[i], self.why[i])
-        self.on_change(list(self.up))           # every round (bans end without a health change)
+        self.on_change(list(self.up), list(self.why))   # every round (bans end without a health change)
 
     def close(self) -> None:
         self._stop.set()
