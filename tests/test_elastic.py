@@ -498,3 +498,18 @@ def test_a_budget_holds_the_plan_not_the_switch(model):
         assert all(0 < len(le.experts) <= 32 for w in shown.workers for le in w.layers)
         for p in PROMPTS:
             assert client.generate(p, 16, ignore_eos=True, timeout=60).token_ids == model.greedy(p, 16)
+
+
+def test_a_router_asked_for_more_replicas_than_the_workers_hold_plans_anew(model):
+    """A router restarted with --expert-replicas 2 over workers another router had planned with one copy each
+    adopted their plan: '1 replica(s)', nothing said, and neither rebalance nor the same set could change it."""
+    with ExitStack() as stack:
+        a, _ = stack.enter_context(worker(model.path))
+        b, _ = stack.enter_context(worker(model.path))
+        with router(model.path, [a, b]) as (r, _):
+            assert admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).replicas == 1
+        before = held(a) + held(b)
+        r, _ = stack.enter_context(router(model.path, [a, b], "--expert-replicas", "2"))
+        assert admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).replicas == 2
+        assert held(a) + held(b) == 2 * before
+        assert Client(r).generate([1, 2, 3], 6).token_ids == model.greedy([1, 2, 3], 6)

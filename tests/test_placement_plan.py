@@ -171,3 +171,27 @@ def test_a_resize_without_load_moves_few_experts_and_stays_balanced(E, before, a
         need = sum(len(per[w]) for w in names[before:after])
         if R == 1:                                               # replicas may need a fresh even plan
             assert moved <= need + gone + R, (moved, need, gone)
+
+
+def test_an_admin_change_whose_caller_gave_up_before_its_turn_changes_nothing():
+    """`colibri workers --timeout 3 set ...` queued behind a slow change exited 1 (deadline exceeded), and the
+    router applied the set later anyway: the fleet shrank though the operator's last successful command grew it."""
+    import threading
+    from types import SimpleNamespace
+
+    from router_service.moe.plan import ResizeFailed
+    from router_service.moe.resize import Placement
+
+    p = Placement.__new__(Placement)                  # the change logic alone: no fleet
+    p.change_lock, p.cordoned = threading.Lock(), set()
+    p.cfg = SimpleNamespace(num_experts=8)
+    p.remote = SimpleNamespace(table=SimpleNamespace(plan=SimpleNamespace(workers=("a:1", "b:2"))))
+    done = []
+    p._change_to = lambda workers, why: done.append((workers, why)) or why
+    with pytest.raises(ResizeFailed, match="the caller gave up"):
+        p.set_workers(("a:1",), wanted=lambda: False)
+    with pytest.raises(ResizeFailed, match="the caller gave up"):
+        p.rebalance(wanted=lambda: False)
+    assert done == []
+    assert p.set_workers(("a:1",), wanted=lambda: True) == "resize" and p.rebalance() == "rebalance"
+    assert done == [(("a:1",), "resize"), (("a:1", "b:2"), "rebalance")]

@@ -100,7 +100,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         log.info("admin: %s", f"set workers to {', '.join(workers)}" if workers else
                  "; ".join(f"{what} {', '.join(names)}" for what, names in (("add", add), ("remove", remove)) if names))
         try:
-            return _change(p.set_workers(workers, add=add, remove=remove))
+            return _change(p.set_workers(workers, add=add, remove=remove, wanted=context.is_active))
         except ResizeFailed as exc:
             log.warning("admin: %s", exc)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -108,6 +108,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def Rebalance(self, request, context):
         p = self._placement(context)
         try:
-            return _change(p.rebalance())
+            return _change(p.rebalance(wanted=context.is_active))
         except ResizeFailed as exc:
+            log.warning("admin: %s", exc)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

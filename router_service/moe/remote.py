@@ -214,8 +214,17 @@ class RemoteExperts:
         held = {layer: {i.address: i.held[layer] for i in infos} for layer in self.cfg.moe_layers}
         learnt = Plan(max((i.epoch for i in infos), default=0), tuple(i.address for i in infos), held)
         missing = learnt.covers(self.cfg.num_experts)
+        want = min(self.replicas, len(infos))
+        adopted = Table.of(learnt, self.index, self.cfg.num_layers, self.cfg.num_experts)
+        copies = int(adopted.holders[list(self.cfg.moe_layers)].sum(dim=2).min()) if self.cfg.moe_layers else want
         if not missing and len({i.epoch for i in infos}) == 1 and all(i.assigned for i in infos):
-            return Table.of(learnt, self.index, self.cfg.num_layers, self.cfg.num_experts)
+            if copies >= want or learnt.epoch == 0:
+                if copies < want:          # static shards keep their own --replicas
+                    log.warning("the workers' static shards put each expert on %d worker(s); --expert-replicas %d "
+                                "is not in force (start the shards with --replicas %d)", copies, self.replicas, want)
+                return adopted
+            log.warning("the workers hold placement epoch %d with each expert on %d worker(s); --expert-replicas %d: "
+                        "planning anew", learnt.epoch, copies, self.replicas)
         # static shards that still hold their own plans and miss experts: a shard was left out of --workers. Once a
         # router re-planned them (`colibri workers`, epoch > 0), a new one (a restart listing the first workers)
         # plans anew over what it lists, as below.
@@ -224,7 +233,7 @@ class RemoteExperts:
             experts = sorted({e for _, e in missing})
             raise WorkerError(f"no worker holds experts {experts[:16]}{'…' if len(experts) > 16 else ''} of layers "
                               f"{layers[:8]}; start every shard (--workers must list all N shards)", retryable=False)
-        if learnt.epoch > 0:
+        if learnt.epoch > 0 and (missing or copies >= want):
             log.warning("the workers hold placement epoch %d of another router's plan (%s); planning anew over the "
                         "%d listed here", learnt.epoch, "experts missing" if missing else "mixed epochs",
                         len(learnt.workers))

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -105,11 +106,12 @@ class Placement:
 
     # -- changes -----------------------------------------------------------------------------------
     def set_workers(self, addresses: tuple[str, ...] = (), by_operator: bool = True, add: tuple[str, ...] = (),
-                    remove: tuple[str, ...] = ()) -> Outcome:
+                    remove: tuple[str, ...] = (), wanted: Callable[[], bool] = lambda: True) -> Outcome:
         """Serve with exactly `addresses` (or the current set with `add` joined and `remove` taken out, as it is
         when this change's turn comes) from a switch between two steps on; raises ResizeFailed (nothing changed)
         with the reason. Workers an operator removes are not taken back by `--follow-workers` while they are
-        still listed there (draining)."""
+        still listed there (draining). `wanted`: asked when the change's turn comes (another may be under way):
+        an operator's call that has given up by then (its deadline passed) changes nothing."""
         if addresses and (add or remove):
             raise ResizeFailed("give the whole set of workers, or workers to add and remove, not both")
         if set(add) & set(remove):
@@ -118,6 +120,7 @@ class Placement:
             raise ResizeFailed(f"more workers than the {self.cfg.num_experts} experts a layer: every worker needs "
                                f"at least one")
         with self.change_lock:
+            _still(wanted)
             old = self.remote.table.plan.workers
             if not addresses:
                 unknown = [a for a in remove if a not in old]
@@ -148,9 +151,11 @@ class Placement:
         self.follower = Follower(target, lambda: self.remote.table.plan.workers, change, lambda: set(self.cordoned),
                                  uncordon, interval_s)
 
-    def rebalance(self) -> Outcome:
-        """Re-plan the same workers from the measured load (EPLB); no change when it would not help."""
+    def rebalance(self, wanted: Callable[[], bool] = lambda: True) -> Outcome:
+        """Re-plan the same workers from the measured load (EPLB); no change when it would not help (`wanted`: as
+        set_workers)."""
         with self.change_lock:
+            _still(wanted)
             return self._change_to(self.remote.table.plan.workers, "rebalance")
 
     def _connect(self, addresses: tuple[str, ...]) -> dict[str, WorkerInfo]:
@@ -286,3 +291,9 @@ class Placement:
         self.upkeep.close()
         if self.follower is not None:
             self.follower.close()
+
+
+def _still(wanted: Callable[[], bool]) -> None:
+    if not wanted():
+        raise ResizeFailed("the caller gave up (its deadline passed or it was cancelled) before this change's turn "
+                           "came, behind another change: nothing changed")
