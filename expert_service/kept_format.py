@@ -61,7 +61,7 @@ def kept_format(cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, mode: 
         return None
     layout, specs = stored_expert_tensors(cfg, cfg.moe_layers[0], 0, ckpt)
     I = cfg.moe_intermediate_size
-    other = _unlike(cfg, ckpt, layout)
+    other = _unlike(cfg, ckpt, layout, {ckpt.entry(name).dtype for name, _ in specs.values()})
     if other is not None:          # a checkpoint that left some experts unquantised (modules_to_not_convert)
         if mode == "keep":
             raise ConfigError(f"--quantized-experts keep: {other} is not stored as the first MoE layer's experts "
@@ -99,10 +99,10 @@ def kept_format(cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, mode: 
     return kept
 
 
-def _unlike(cfg: ModelConfig, ckpt: Checkpoint, layout: str) -> str | None:
-    """The first expert tensor of any MoE layer not stored as the first layer's expert 0 (its layout, or FP8 where
-    that one is FP8), or None: a format is kept for all the experts or for none (header reads only)."""
-    first = {ckpt.entry(name).dtype for name, _ in stored_expert_tensors(cfg, cfg.moe_layers[0], 0, ckpt)[1].values()}
+def _unlike(cfg: ModelConfig, ckpt: Checkpoint, layout: str, first: set[str]) -> str | None:
+    """The first expert tensor of any MoE layer not stored as the first layer's expert 0 (`layout`, its tensors'
+    dtypes `first`: FP8 where those are), or None: a format is kept for all the experts or for none (header reads
+    only)."""
     for layer in cfg.moe_layers:
         for e in range(cfg.num_experts if layout == "per_expert" else 1):
             lay, specs = stored_expert_tensors(cfg, layer, e, ckpt)

@@ -80,6 +80,7 @@ class Front:
                 why = without_addresses(exc.details() or "", self.hide)
                 raise ApiError(503, f"the router is not ready: {why}") from None
             self._info = info
+            self._unready.end()                   # how often it was not ready since last said, if it was held back
             if info.chat_template:
                 self._template = ChatTemplate(info.chat_template, dict(info.special_tokens))
             log.info("serving %s (%s) from the router at %s as '%s'", info.model_path, info.architecture,

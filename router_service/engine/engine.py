@@ -208,7 +208,7 @@ class Engine:
                 with self._cv:
                     self._postprocess(step, logits)
                     self._update_metrics(step, time.perf_counter() - t0)
-                if self._failures.held:
+                if self._failures.reason:           # a step went through: the incident is over
                     self._failures.end()
             except MappingChanged as exc:       # weights read in place changed: no step may run again
                 self._damaged(str(exc))
