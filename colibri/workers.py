@@ -131,6 +131,10 @@ def run_workers(opts: WorkersOptions) -> int:
             change = _patiently(call, request, opts.timeout)
         except grpc.RpcError as exc:
             print(f"{opts.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and opts.action != "show":
+                print(f"the router did not answer within --timeout {opts.timeout:g} s: a change whose turn had "
+                      f"not come is dropped, one under way goes on; `colibri workers show` and the router's log say "
+                      f"which", file=sys.stderr)
             return 1
     print(change.message if change.changed else f"no change: {change.message}")
     return 0

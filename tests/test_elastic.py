@@ -513,3 +513,57 @@ def test_a_router_asked_for_more_replicas_than_the_workers_hold_plans_anew(model
         assert admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).replicas == 2
         assert held(a) + held(b) == 2 * before
         assert Client(r).generate([1, 2, 3], 6).token_ids == model.greedy([1, 2, 3], 6)
+
+
+def test_a_change_whose_worker_freezes_fails_within_seconds_and_a_later_one_goes_through(model):
+    """A worker that answers no health check while it is to load (SIGSTOP here; a hung host or a cut network
+    alike) fails the change after the load silence (10 s), not --worker-load-timeout (600 s) later, which held
+    every other admin change that long; the plan serves on, and once the worker runs again the same change
+    goes through."""
+    want = model.greedy(PROMPTS[0], 8)
+    with ExitStack() as stack:
+        ws = [stack.enter_context(worker(model.path)) for _ in range(3)]
+        addrs = [a for a, _ in ws]
+        r, rp = stack.enter_context(router(model.path, addrs[:2]))
+        frozen = ws[1][1]
+        frozen.send_signal(signal.SIGSTOP)                   # in the plan: the new plan must load onto it too
+        stack.callback(frozen.send_signal, signal.SIGCONT)   # (before the workers are stopped)
+        t0 = time.monotonic()
+        res = workers_cli(r, "--timeout", "2", "add", addrs[2])      # gives up first: it is told what that means
+        assert res.returncode == 1 and "did not answer within --timeout 2 s" in res.stderr, res.stderr
+        res = workers_cli(r, "--timeout", "120", "add", addrs[2])
+        took = time.monotonic() - t0
+        assert res.returncode == 1 and "answered no health check" in res.stderr and addrs[1] in res.stderr, \
+            res.stderr
+        assert took < 40, f"the frozen worker held the change {took:.0f} s"
+        shown = admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10)
+        assert [w.address for w in shown.workers] == addrs[:2] and shown.epoch == 1
+        frozen.send_signal(signal.SIGCONT)
+        res = workers_cli(r, "add", addrs[2])
+        assert res.returncode == 0, res.stderr
+        shown = admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10)
+        assert [w.address for w in shown.workers] == addrs
+        wait_serving(r, "colibri.v1.Generation", rp)        # its health checks see the worker back
+        assert Client(r).generate(PROMPTS[0], 8, ignore_eos=True, timeout=120).token_ids == want
+
+
+def test_a_router_started_on_a_change_another_left_unfinished_plans_anew(model):
+    """A router killed while its change loaded leaves its workers holding the old and the new plan's experts for
+    two epochs (over their budgets); the router started next plans anew, so they drop what no plan needs, rather
+    than adopting the union for good."""
+    want = model.greedy(PROMPTS[0], 8)
+    with ExitStack() as stack:
+        addrs = [stack.enter_context(worker(model.path))[0] for _ in range(2)]
+        with router(model.path, addrs) as (_, first):
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+        every = [expert_pb2.LayerExperts(layer=layer, experts=range(60)) for layer in (0, 1)]
+        for a in addrs:             # the load step of a change that swaps the halves: old ∪ new, answering epoch 1
+            with grpc.insecure_channel(a) as ch:
+                expert_pb2_grpc.ExpertWorkerStub(with_token(ch, TOKEN)).Assign(expert_pb2.AssignRequest(
+                    epoch=2, also_serves=[1], owner="the-killed-router", switching=True, layers=every), timeout=60)
+        assert [held(a) for a in addrs] == [2 * 60, 2 * 60]
+        r, _ = stack.enter_context(router(model.path, addrs))
+        assert [held(a) for a in addrs] == [2 * 30, 2 * 30]
+        assert admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).epoch == 3
+        assert Client(r).generate(PROMPTS[0], 8, ignore_eos=True, timeout=120).token_ids == want

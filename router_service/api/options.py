@@ -73,7 +73,8 @@ class RouterOptions(ServiceOptions):
                                            "requests (with --follow-workers it is planned in again once it serves); "
                                            "0 = never (requests that need it fail until it is back)")
     worker_load_timeout: float = option(600.0, "seconds a worker may take to load the experts a new plan gives "
-                                               "it before the change is rolled back")
+                                               "it before the change is rolled back (one that answers no health "
+                                               "check for 10 s meanwhile rolls it back then)")
     enforce_eager: bool = option(False, "GPU: run every decode step op by op; by default, with the experts in "
                                         "this process, decode steps are captured as CUDA graphs (one per batch "
                                         "size, at start) and replayed")

@@ -217,7 +217,14 @@ class RemoteExperts:
         want = min(self.replicas, len(infos))
         adopted = Table.of(learnt, self.index, self.cfg.num_layers, self.cfg.num_experts)
         copies = int(adopted.holders[list(self.cfg.moe_layers)].sum(dim=2).min()) if self.cfg.moe_layers else want
-        if not missing and len({i.epoch for i in infos}) == 1 and all(i.assigned for i in infos):
+        # a change whose router died before it ended (killed while loading or releasing) leaves workers holding
+        # the old and the new plan's experts for two epochs, over their budgets: a plan anew releases one of them
+        halfway = [i.address for i in infos if i.also]
+        if halfway:
+            log.warning("workers %s hold a change that their router left unfinished (old and new experts, placement "
+                        "epoch %d and %s): planning anew", ", ".join(halfway), learnt.epoch,
+                        ", ".join(str(e) for e in sorted({e for i in infos for e in i.also})))
+        elif not missing and len({i.epoch for i in infos}) == 1 and all(i.assigned for i in infos):
             if copies >= want or learnt.epoch == 0:
                 if copies < want:          # static shards keep their own --replicas
                     log.warning("the workers' static shards put each expert on %d worker(s); --expert-replicas %d "
@@ -233,26 +240,28 @@ class RemoteExperts:
             experts = sorted({e for _, e in missing})
             raise WorkerError(f"no worker holds experts {experts[:16]}{'…' if len(experts) > 16 else ''} of layers "
                               f"{layers[:8]}; start every shard (--workers must list all N shards)", retryable=False)
-        if learnt.epoch > 0 and (missing or copies >= want):
+        if learnt.epoch > 0 and not halfway and (missing or copies >= want):
             log.warning("the workers hold placement epoch %d of another router's plan (%s); planning anew over the "
                         "%d listed here", learnt.epoch, "experts missing" if missing else "mixed epochs",
                         len(learnt.workers))
         plan = Plan(learnt.epoch + 1, learnt.workers,
                     even_plan(self.cfg.num_experts, self.cfg.moe_layers, learnt.workers, self.replicas))
         for address in plan.workers:
-            self.assign(address, plan.of(address), plan.epoch, timeout_s=600.0)
+            self.assign(address, plan.of(address), plan.epoch, timeout_s=600.0, silence_s=10.0)
         log.info("placement epoch %d: %d workers, every expert on %d (the router's plan)", plan.epoch,
                  len(plan.workers), min(self.replicas, len(plan.workers)))
         return Table.of(plan, self.index, self.cfg.num_layers, self.cfg.num_experts)
 
     def assign(self, address: str, held: dict[int, list[int]], epoch: int, timeout_s: float,
-               also: tuple[int, ...] = (), switching: bool = False, wait: bool = True) -> expert_pb2.AssignResponse:
+               also: tuple[int, ...] = (), switching: bool = False, wait: bool = True,
+               silence_s: float = 0.0) -> expert_pb2.AssignResponse:
         """Have one worker hold `held` for `epoch` (and still answer for the epochs `also`; `switching`: old and new
-        experts together, over its budget for a while)."""
+        experts together, over its budget for a while; `silence_s`: given up sooner than `timeout_s` once the
+        worker answers no health check for that long)."""
         request = expert_pb2.AssignRequest(epoch=epoch, also_serves=also, owner=self.owner_id, switching=switching,
                                            layers=[expert_pb2.LayerExperts(layer=layer, experts=es)
                                                    for layer, es in sorted(held.items())])
-        return self.link(address).assign(request, timeout_s, wait)
+        return self.link(address).assign(request, timeout_s, wait, silence_s)
 
     @property
     def capturable(self) -> bool:

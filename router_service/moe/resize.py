@@ -49,6 +49,7 @@ class PlacementOptions:
     load_timeout: float = 600.0       # seconds a worker may take to load its new experts
     connect_timeout: float = 10.0     # seconds a new worker may take to answer Describe
     replan_dead_after: float = 0.0    # a worker down this long is planned out (its experts moved); 0 = never
+    load_silence: float = 10.0        # a worker loading or releasing that answers no health check this long fails
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -57,6 +58,8 @@ class PlacementOptions:
             raise ValueError(f"--redundant-experts must be >= 0, got {self.redundant_experts}")
         if self.rebalance_interval < 0:
             raise ValueError(f"--rebalance-interval must be >= 0 (0 = off), got {self.rebalance_interval}")
+        if self.load_silence <= 0:
+            raise ValueError(f"the load silence must be > 0 seconds, got {self.load_silence}")
         if self.replan_dead_after < 0:
             raise ValueError(f"--replan-dead-after must be >= 0 (0 = off), got {self.replan_dead_after}")
 
@@ -229,7 +232,7 @@ class Placement:
         errors: list[str] = []
         with ThreadPoolExecutor(len(addresses)) as pool:
             futures = {a: pool.submit(remote.assign, a, union(old.of(a), plan.of(a)), epoch, self.opts.load_timeout,
-                                      (old.epoch,), True) for a in addresses}
+                                      (old.epoch,), True, True, self.opts.load_silence) for a in addresses}
             for a, f in futures.items():
                 try:
                     f.result()
@@ -254,8 +257,8 @@ class Placement:
         # 4. release: exactly the new experts; removed workers none (they may be gone: no waiting for them)
         release = (*addresses, *(a for a in old.workers if a not in addresses))
         with ThreadPoolExecutor(len(release)) as pool:
-            futures = {a: pool.submit(remote.assign, a, plan.of(a), epoch, RELEASE_TIMEOUT_S, (), False, False)
-                       for a in release}
+            futures = {a: pool.submit(remote.assign, a, plan.of(a), epoch, RELEASE_TIMEOUT_S, (), False, False,
+                                      self.opts.load_silence) for a in release}
             for a, f in futures.items():
                 try:
                     f.result()
@@ -277,9 +280,10 @@ class Placement:
         for a in loaded:
             try:
                 if a in old.workers:
-                    remote.assign(a, old.of(a), epoch, RELEASE_TIMEOUT_S, (old.epoch,), False, False)
+                    remote.assign(a, old.of(a), epoch, RELEASE_TIMEOUT_S, (old.epoch,), False, False,
+                                  self.opts.load_silence)
                 else:
-                    remote.assign(a, {}, epoch, RELEASE_TIMEOUT_S, (), False, False)
+                    remote.assign(a, {}, epoch, RELEASE_TIMEOUT_S, (), False, False, self.opts.load_silence)
             except WorkerError as exc:
                 log.warning("rolling back placement epoch %d: %s: %s", epoch, a, exc)
         for a in loaded:

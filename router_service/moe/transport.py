@@ -29,6 +29,7 @@ from colibri_common.errors import ColibriError
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS, channel_options
 from colibri_common.token_gate import with_token
+from router_service.moe.heartbeat import Heartbeat
 
 log = logging.getLogger("colibri.router")
 
@@ -196,15 +197,32 @@ class WorkerLink:
                 return now
         return exc
 
-    def assign(self, request: expert_pb2.AssignRequest, timeout_s: float, wait: bool = True
-               ) -> expert_pb2.AssignResponse:
+    def assign(self, request: expert_pb2.AssignRequest, timeout_s: float, wait: bool = True,
+               silence_s: float = 0.0) -> expert_pb2.AssignResponse:
         """The router's plan for this worker (it loads what it lacks before it answers); `wait`: for a worker that
-        is still starting (not for one being released, which may be gone)."""
+        is still starting (not for one being released, which may be gone). `silence_s` > 0: given up once the
+        worker has answered no health check for that long (frozen, its host hung, killed before the call reached
+        it), not only at `timeout_s`."""
+        what = f"expert worker {self.address} did not take placement epoch {request.epoch}"
         try:
-            return self.stub.Assign(request, timeout=timeout_s, wait_for_ready=wait)
+            if silence_s <= 0:
+                return self.stub.Assign(request, timeout=timeout_s, wait_for_ready=wait)
+            call = self.stub.Assign.future(request, timeout=timeout_s, wait_for_ready=wait)
+            beat = Heartbeat(self.channel)
+            try:
+                while True:
+                    try:
+                        return call.result(timeout=0.25)
+                    except grpc.FutureTimeoutError:
+                        quiet = beat.quiet_for()
+                        if quiet >= silence_s:
+                            call.cancel()
+                            raise WorkerError(f"{what}: it answered no health check for {quiet:.0f} s while it was "
+                                              f"to load ({beat.why}); frozen, its host hung or unreachable") from None
+            finally:
+                beat.close()
         except grpc.RpcError as exc:
-            raise WorkerError.from_rpc(f"expert worker {self.address} did not take placement epoch {request.epoch}: "
-                                       f"{_detail(exc)}", exc) from exc
+            raise WorkerError.from_rpc(f"{what}: {_detail(exc)}", exc) from exc
 
     def send(self, request: expert_pb2.ForwardRequest) -> Reply:
         raise NotImplementedError

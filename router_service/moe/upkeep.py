@@ -148,8 +148,9 @@ class Upkeep:
             # never lower a worker's epoch (after this router's rollback it is ahead): it answers for ours too
             epoch = max(table.epoch, info.epoch)
             try:
-                remote.assign(address, table.plan.of(address), epoch, self.placement.opts.load_timeout,
-                              (table.epoch,) if epoch != table.epoch else ())
+                opts = self.placement.opts
+                remote.assign(address, table.plan.of(address), epoch, opts.load_timeout,
+                              (table.epoch,) if epoch != table.epoch else (), silence_s=opts.load_silence)
             except WorkerError as exc:
                 return self._kept_out(w, address, f"it did not take its experts: {exc}", warned)
             log.info("worker %s re-synced to placement epoch %d (it held epoch %d)", address, table.epoch, info.epoch)
