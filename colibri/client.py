@@ -141,13 +141,15 @@ class Delta:
 
 
 def make_request(prompt: str | list[int], max_tokens: int = 0, temperature: float = 0.0, seed: int | None = None,
-                 return_logits: bool = False, request_id: str = "", **sampling) -> pb.GenerateRequest:
-    """A GenerateRequest; `sampling` takes any SamplingParams field (top_p, stop, n, logprobs, ...)."""
+                 return_logits: bool = False, request_id: str = "", add_special_tokens: bool | None = None,
+                 **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest; `sampling` takes any SamplingParams field (top_p, stop, n, logprobs, ...);
+    `add_special_tokens`: as request_of."""
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = (sampling["stop"],)              # one stop string, not its characters
     fields = {"max_tokens": max_tokens, "temperature": temperature, "return_logits": return_logits,
               **{k: v for k, v in sampling.items() if v is not None}, **({} if seed is None else {"seed": seed})}
-    return request_of(prompt, _message(pb.SamplingParams, fields), request_id)
+    return request_of(prompt, _message(pb.SamplingParams, fields), request_id, add_special_tokens)
 
 
 def _message(kind, fields: dict):
@@ -207,12 +209,17 @@ def check_utf8(prompt: str) -> str:
     return prompt
 
 
-def request_of(prompt: str | list[int], sampling: pb.SamplingParams, request_id: str = "") -> pb.GenerateRequest:
+def request_of(prompt: str | list[int], sampling: pb.SamplingParams, request_id: str = "",
+               add_special_tokens: bool | None = None) -> pb.GenerateRequest:
     """A GenerateRequest of a text or token-id prompt with these SamplingParams (ValueError, naming it, for a value
-    a request cannot carry: token ids past int32, text that is not Unicode)."""
+    a request cannot carry: token ids past int32, text that is not Unicode). `add_special_tokens`: whether a text
+    prompt's tokenizing adds the tokenizer's special tokens (a BOS); None = the router's default, yes."""
     if isinstance(prompt, str):
         check_utf8(prompt)
-        return _message(pb.GenerateRequest, {"request_id": request_id, "text": prompt, "sampling": sampling})
+        fields = {"request_id": request_id, "text": prompt, "sampling": sampling}
+        if add_special_tokens is not None:
+            fields["add_special_tokens"] = add_special_tokens
+        return _message(pb.GenerateRequest, fields)
     try:
         ids = pb.TokenIds(ids=prompt)
     except (ValueError, TypeError) as exc:

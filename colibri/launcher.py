@@ -108,6 +108,9 @@ class ServeOptions:
                                             metavar="H[,H...]")
     allowed_origins: tuple[str, ...] = option((), "with --openai-port: web origins whose pages may call the front "
                                                   "(CORS); default none", metavar="O[,O...]")
+    generation_config: str = option("auto", "with --openai-port: 'auto' gives requests that leave sampling "
+                                            "fields out the checkpoint's generation_config.json values (as "
+                                            "vLLM); 'vllm': OpenAI's defaults", choices=("auto", "vllm"))
     spawn: str = option("auto", "how the children start: 'fork' them from serve once it has imported torch and "
                                 "the services (one import for the fleet, pages shared), or 'exec' a fresh "
                                 "`colibri` for each; 'auto' forks on CPUs and execs with GPUs (CUDA cannot "
@@ -174,7 +177,7 @@ class ServeOptions:
                              tls_cert=r.tls_cert if r.tls_client_auth else None,
                              tls_key=r.tls_key if r.tls_client_auth else None, log_level=r.log_level,
                              grace_period=r.grace_period, allowed_hosts=self.allowed_hosts,
-                             allowed_origins=self.allowed_origins)
+                             allowed_origins=self.allowed_origins, generation_config=self.generation_config)
 
 
 def child_argv(command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> list[str]:

@@ -37,6 +37,7 @@ from colibri.client import Client, GenerationError, check_utf8
 from colibri.fork import die_with_parent
 from colibri.launcher import ServeOptions, colibri_command
 from colibri_common.config import ModelConfig
+from colibri_common.errors import context_length_exceeded
 from colibri_common.options import check_values, to_argv
 from colibri_common.tokenizer import Tokenizer
 from expert_service.build import BuiltShard, build_shard
@@ -245,7 +246,7 @@ class LLM:
         if isinstance(prompt, str):
             if b.tokenizer is None:
                 raise ValueError(f"{self.model} has no tokenizer.json; give prompts as lists of token ids")
-            ids = b.tokenizer.encode(check_utf8(prompt))
+            ids = b.tokenizer.encode(check_utf8(prompt), True)      # with its BOS, as the router's
         else:
             ids = _token_ids(prompt)
         if not ids:
@@ -262,8 +263,7 @@ class LLM:
         for prompt, sp in zip(prompts, params, strict=True):         # every prompt checked before any runs
             ids = self._prompt_ids(prompt)
             if len(ids) + sp.max_tokens > b.max_model_len:
-                raise ValueError(f"a prompt of {len(ids)} tokens + max_tokens {sp.max_tokens} exceeds the model's "
-                                 f"maximum length {b.max_model_len}")
+                raise ValueError(context_length_exceeded(b.max_model_len, len(ids), sp.max_tokens))
             _check_stop_ids(sp, b.cfg.vocab_size)
             if sp.n > min(limits.max_batch_size, limits.max_waiting):
                 raise ValueError(f"n = {sp.n} is more than the engine runs at once ({limits.max_batch_size}); "
@@ -365,7 +365,7 @@ class LLM:
                                      [[(t.token_id, t.logprob) for t in lp.top] for lp in c.logprobs]
                                      if sp.top_logprobs else []) for c in r.choices]
             if isinstance(prompt, str):                # the router's tokenizer, the same file
-                ids = self._tokenizer.encode(prompt) if self._tokenizer is not None else []
+                ids = self._tokenizer.encode(prompt, True) if self._tokenizer is not None else []
                 return RequestOutput(rid, prompt, ids, outs)
             return RequestOutput(rid, None, list(wire_prompt), outs)
 

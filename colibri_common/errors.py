@@ -18,3 +18,17 @@ class ConfigError(ColibriError):
 TOO_LARGE_MARK = "larger than max"
 TOO_LARGE_HINT = ("; the router takes requests up to its --max-request-bytes, and prompts up to its "
                   "--max-prompt-bytes")
+
+# A request longer than the model's length says so in vLLM's and OpenAI's words, which client libraries
+# (LiteLLM, LangChain) recognise for their context-window fallbacks; the HTTP front adds OpenAI's code for it.
+CONTEXT_LENGTH_MARK = "This model's maximum context length is"
+
+
+def context_length_exceeded(limit: int, prompt: int, completion: int | None) -> str:
+    """The message for a prompt of `prompt` tokens (plus `completion` asked for, None: the prompt alone) over
+    `limit`."""
+    if completion is None:
+        return (f"{CONTEXT_LENGTH_MARK} {limit} tokens. However, the prompt is {prompt} tokens; send a shorter "
+                f"prompt")
+    return (f"{CONTEXT_LENGTH_MARK} {limit} tokens. However, you requested {prompt + completion} tokens ({prompt} "
+            f"in the prompt, {completion} for max_tokens); send a shorter prompt or a lower max_tokens")

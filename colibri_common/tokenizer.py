@@ -58,8 +58,10 @@ class Tokenizer:
         """Ids of the added tokens marked special (dropped by `decode`)."""
         return self._special_ids
 
-    def encode(self, text: str) -> list[int]:
-        return self._hf.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The text's ids; `add_special_tokens`: with what the tokenizer's post-processor adds (a BOS for Llama,
+        Mistral and DeepSeek tokenizers), as `transformers`' `tokenizer(text)` and vLLM's prompts have it."""
+        return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._hf.decode(ids, skip_special_tokens=True)
@@ -76,11 +78,12 @@ class Detokenizer:
     decode of a window of at most 2 * MAX_PENDING ids (the ids behind the last chunk plus those held
     since), never a re-decode of the whole output; `Tokenizer.decode` is not called for valid text.
 
-    For valid text, the concatenation of all pushes equals `tokenizer.decode(all_ids)`, leading spaces
-    included: DecodeStream decodes its first ids as a full decode does, so a SentencePiece "▁" is
-    stripped from the first pushed token only, as in `decode(output_ids)` (and unlike
-    `decode(prompt + output)`, which keeps it: the stream is not seeded with the prompt). Where
-    DecodeStream alone differs, and what is done about it:
+    For valid text, the concatenation of all pushes equals what the ids add to the prompt's text,
+    `decode(prompt + ids)[len(decode(prompt)):]`, as vLLM's and transformers' pipelines return it: the
+    stream is primed with the prompt's last ids (the shortest suffix of at least PRIME ids whose text is
+    whole, at most PRIME_MAX), so a SentencePiece "▁" on the first generated token is the space it is
+    after the prompt, not stripped as `decode(output_ids)` alone would. Without a prompt (or without a
+    whole suffix) it equals `decode(ids)`. Where DecodeStream alone differs, and what is done about it:
 
     * `step` returns None whenever its decoded window ends in '\\ufffd': an incomplete character, but
       also genuinely invalid bytes or a literal U+FFFD. A model repeating an invalid byte would stream
@@ -100,12 +103,27 @@ class Detokenizer:
 
     MAX_PENDING = 8  # ids held back before the held text is forced out
     KEEP = 3  # ids kept back when forcing: the first 3 bytes of a 4-byte character
+    PRIME, PRIME_MAX = 4, 24  # the prompt's last ids the stream starts after (vLLM's bounds)
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, prompt: list[int] | tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
-        self._context: list[int] = []  # ids behind the last emitted text, the stream's decoding context
+        self._context: list[int] = self._prime(list(prompt))  # ids behind the last emitted text: the context
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=True) if self._context else \
+            DecodeStream(skip_special_tokens=True)
         self._pending: list[int] = []  # ids pushed since the last emitted text
+
+    def _prime(self, prompt: list[int]) -> list[int]:
+        """The prompt's shortest suffix of at least PRIME ids (all of a shorter prompt) whose text has no
+        '\ufffd' (a character the prompt splits would be re-emitted), up to PRIME_MAX, else the longest shorter
+        one; [] if there is none (the prompt ends inside a character)."""
+        tok = self.tokenizer
+        if tok is None or not prompt:
+            return []
+        first = min(self.PRIME, len(prompt))
+        for n in (*range(first, min(self.PRIME_MAX, len(prompt)) + 1), *range(first - 1, 0, -1)):
+            if "\ufffd" not in tok.decode(prompt[-n:]):
+                return prompt[-n:]
+        return []
 
     def push(self, new_ids: list[int]) -> str:
         """The text that `new_ids` add to the output; "" while a character is still incomplete."""

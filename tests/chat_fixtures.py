@@ -1,11 +1,12 @@
 """A checkpoint with a tokenizer and a chat template, saved by transformers as a published model would be:
-the byte-level tokenizer plus <s> and </s> (ids 256, 257), and a template that uses bos_token, eos_token,
-loop variables, a filter and raise_exception."""
+the byte-level tokenizer plus <s> and </s> (ids 256, 257), <s> put before a text prompt, and a template that
+uses bos_token, eos_token, loop variables, a filter and raise_exception."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from tokenizers import processors
 from transformers import PreTrainedTokenizerFast
 
 from tests.models import Oracle, build_model, save_checkpoint, small_config
@@ -20,7 +21,11 @@ VOCAB = 258
 
 
 def hf_tokenizer(template: str | None = TEMPLATE) -> PreTrainedTokenizerFast:
+    """As Llama's and Mixtral's: a post-processor puts <s> before a text's ids (`tokenizer(text)`); a chat
+    template writes its own."""
     tok = PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer(), bos_token="<s>", eos_token="</s>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.bos_token_id)])
     if template is not None:
         tok.chat_template = template
     return tok

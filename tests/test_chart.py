@@ -691,7 +691,8 @@ def test_the_openai_front_dials_the_router_service_and_serves_its_port():
     hosts = f"{front_svc},{front_svc}.llm,{front_svc}.llm.svc,{front_svc}.llm.svc.cluster.local,$(POD_IP),localhost," \
             "127.0.0.1"
     assert c["args"] == ["openai", f"--target={target}", "--host=0.0.0.0", "--port=8000", f"--allowed-hosts={hosts}",
-                         "--tls-ca=/etc/colibri/tls/ca.crt", "--log-level=INFO",       # TLS is on by default
+                         "--generation-config=auto", "--tls-ca=/etc/colibri/tls/ca.crt",   # TLS is on by default
+                         "--log-level=INFO",
                          "--grace-period=30"]                   # terminationGracePeriodSeconds, less 5 to exit
     # the Host names it answers: its Service's, and its pod's IP, which kubelet's probes and scrapers call
     assert {e["name"]: e for e in c["env"]}["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -731,15 +732,16 @@ def test_the_openai_front_follows_its_values():
     docs, dep, c = front({"openai": {"enabled": True, "port": 9000, "replicas": 3, "servedModelName": "org/qwen3: moe",
                                      "extraArgs": ["--max-tokens-default", "256"], "service": {"type": "NodePort"},
                                      "allowedHosts": ["api.example.com"], "allowedOrigins": ["https://a.example",
-                                                                                             "https://b.example"]},
+                                                                                             "https://b.example"],
+                                     "generationConfig": "vllm"},
                           "router": {"port": 50052}, "logLevel": "DEBUG", "clusterDomain": "corp"})
     svc = "prod-colibri-openai"
     assert c["args"] == ["openai", "--target=prod-colibri-router.llm.svc.corp:50052", "--host=0.0.0.0",
                          "--port=9000", "--served-model-name=org/qwen3: moe",
                          f"--allowed-hosts={svc},{svc}.llm,{svc}.llm.svc,{svc}.llm.svc.corp,$(POD_IP),localhost,"
                          "127.0.0.1,api.example.com", "--allowed-origins=https://a.example,https://b.example",
-                         "--tls-ca=/etc/colibri/tls/ca.crt", "--log-level=DEBUG", "--grace-period=30",
-                         "--max-tokens-default", "256"]
+                         "--generation-config=vllm", "--tls-ca=/etc/colibri/tls/ca.crt", "--log-level=DEBUG",
+                         "--grace-period=30", "--max-tokens-default", "256"]
     assert c["ports"][0]["containerPort"] == 9000 and dep["spec"]["replicas"] == 3
     (svc,) = of(docs, "Service", "openai")
     assert svc["spec"]["type"] == "NodePort" and svc["spec"]["ports"][0]["port"] == 9000
@@ -852,6 +854,7 @@ def test_the_openai_front_dials_the_router_over_tls():
     ({"port": "x"}, "/openai/port"),
     ({"port": 70000}, "/openai/port"),
     ({"servedModelName": ["a"]}, "/openai/servedModelName"),
+    ({"generationConfig": "hf"}, "/openai/generationConfig"),
     ({"service": {"type": "Ingress"}}, "/openai/service/type"),
 ])
 def test_the_schema_names_the_wrong_openai_value(bad, where):

@@ -74,7 +74,8 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
     o = OpenAIOptions(target="h:9", host="0.0.0.0", port=8001, served_model_name="m", request_timeout=5.5,
                       max_body_bytes=1000,
                       grace_period=2.5, tls_ca="/ca.pem", tls_cert="/c.pem", tls_key="/k.pem", access_log=True,
-                      log_level="DEBUG", api_key="k", allowed_hosts=("h",), allowed_origins=("https://o.example",))
+                      log_level="DEBUG", api_key="k", allowed_hosts=("h",), allowed_origins=("https://o.example",),
+                      generation_config="vllm")
     assert all(getattr(o, f.name) != getattr(OpenAIOptions(), f.name) for f in dataclasses.fields(o))
     assert parse(OpenAIOptions, child_argv("openai", o)[1:]) == o
 

@@ -80,7 +80,7 @@ def test_bad_input_is_a_clear_error_and_the_llm_goes_on(model):
         for prompts, params, match in [
             ([[]], None, "empty"),
             ([[3, 256]], None, r"outside the vocabulary \[0, 256\)"),
-            ([[3] * (limit - 2)], _greedy(4), "maximum length"),
+            ([[3] * (limit - 2)], _greedy(4), "maximum context length"),
             ([[3], [4]], [_greedy(), _greedy(), _greedy()], "3 sampling params for 2 prompts"),
             ([[3]], _greedy(stop_token_ids=(5, 300)), r"stop_token_ids \[300\] are outside the vocabulary"),
             (["bad \ud800"], None, "not valid UTF-8"),
@@ -112,7 +112,7 @@ def test_a_local_fleet_gives_the_same_tokens_as_in_process(model):
         fleet.generate([[3, 5], [7, 9]], _greedy(limit - 10))
         full = time.monotonic() - t0
         t0 = time.monotonic()
-        with pytest.raises(ValueError, match="maximum length"):
+        with pytest.raises(ValueError, match="maximum context length"):
             fleet.generate([[3, 5], "x" * (2 * limit), [7, 9]], _greedy(limit - 10))
         assert time.monotonic() - t0 < full / 2, (time.monotonic() - t0, full)
         text = fleet.generate("Colibri", _greedy())[0]

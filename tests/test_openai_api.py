@@ -71,15 +71,22 @@ def test_models_lists_the_checkpoint_by_its_directory_name(served):
 
 
 def test_completion_text_equals_the_grpc_api_and_transformers(served):
-    oracle, _, addr, _, api = served
+    oracle, hf_tok, addr, _, api = served
     tok = Tokenizer.from_dir(oracle.path)
     prompt = "The sky is"
-    ref = greedy_text(oracle, tok, tok.encode(prompt), 12)
+    ids = hf_tok(prompt)["input_ids"]                        # transformers' tokenizer(text): <s> first, as vLLM
+    assert ids[0] == hf_tok.bos_token_id and ids[1:] == tok.encode(prompt)
+    ref = greedy_text(oracle, tok, ids, 12)
+    assert ref != greedy_text(oracle, tok, ids[1:], 12)      # so a prompt without its <s> would show
     grpc_text = Client(addr).generate(prompt, 12).text
     res = api.completions.create(model="chatty", prompt=prompt, max_tokens=12, temperature=0)
     assert res.choices[0].text == grpc_text == ref
     assert res.choices[0].finish_reason == "length"
-    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(tok.encode(prompt)), 12)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(ids), 12)
+    bare = api.completions.create(model="chatty", prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"add_special_tokens": False})      # vLLM's field: without the <s>
+    assert (bare.choices[0].text, bare.usage.prompt_tokens) == (greedy_text(oracle, tok, ids[1:], 12), len(ids) - 1)
+    assert Client(addr).generate(prompt, 12, add_special_tokens=False).text == bare.choices[0].text
     streamed = api.completions.create(model="chatty", prompt=prompt, max_tokens=12, temperature=0, stream=True,
                                       stream_options={"include_usage": True})
     chunks = list(streamed)
@@ -152,10 +159,10 @@ def test_n_choices_share_prompt_blocks_and_greedy_choices_agree(served):
     prompt = "A long enough prompt to fill more than one KV block of sixteen tokens"
     before = metrics(METRICS_PORT)["colibri:kv_cache_blocks_shared_total"]
     res = api.completions.create(model="chatty", prompt=prompt, max_tokens=8, temperature=0, n=2)
-    ref = greedy_text(oracle, tok, tok.encode(prompt), 8)
+    ref = greedy_text(oracle, tok, tok.encode(prompt, True), 8)
     assert [c.text for c in res.choices] == [ref, ref] and [c.index for c in res.choices] == [0, 1]
     assert res.usage.completion_tokens == 16
-    shared = (len(tok.encode(prompt)) - 1) // 16
+    shared = (len(tok.encode(prompt, True)) - 1) // 16
     assert shared >= 2
     assert metrics(METRICS_PORT)["colibri:kv_cache_blocks_shared_total"] - before == shared
     sampled = api.completions.create(model="chatty", prompt=prompt, max_tokens=8, temperature=1.0, n=2, seed=5)
@@ -168,7 +175,7 @@ def test_stop_strings_end_the_text_before_the_match(served):
     oracle, _, addr, _, api = served
     tok = Tokenizer.from_dir(oracle.path)
     prompt = "Once upon a time"
-    full = greedy_text(oracle, tok, tok.encode(prompt), 30)
+    full = greedy_text(oracle, tok, tok.encode(prompt, True), 30)
     at = next(i for i in range(4, len(full) - 2) if "\ufffd" not in full[i:i + 2] and full[i:i + 2] not in full[:i])
     stop = full[at:at + 2]
     for stream in (False, True):
@@ -183,7 +190,7 @@ def test_stop_strings_end_the_text_before_the_match(served):
         assert (text, reason) == (full[:at], "stop")
     res = Client(addr).generate(prompt, 30, stop=[stop])
     assert (res.text, res.finish_reason, res.choices[0].stop_reason) == (full[:at], "stop", stop)
-    ids = tok.encode(prompt)
+    ids = tok.encode(prompt, True)
     used = next(k for k in range(1, 31) if stop in tok.decode(oracle.greedy(ids, 30)[:k]))
     assert res.token_ids == oracle.greedy(ids, 30)[:used]      # up to the token that completed the match
 
@@ -192,7 +199,7 @@ def test_logprobs_match_the_oracles_log_softmax(served):
     oracle, hf_tok, _, _, api = served
     tok = Tokenizer.from_dir(oracle.path)
     prompt = "Numbers:"
-    ids = tok.encode(prompt)
+    ids = tok.encode(prompt, True)
     res = api.completions.create(model="chatty", prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
     gen = oracle.greedy(ids, 6)
     ref = torch.log_softmax(oracle.step_logits(ids, gen).double(), dim=-1)        # [6, V]
@@ -227,7 +234,7 @@ def test_penalties_and_vllm_extras_reach_the_sampler(served):
     oracle, _, _, _, api = served
     tok = Tokenizer.from_dir(oracle.path)
     prompt = "aaaa"
-    ids = tok.encode(prompt)
+    ids = tok.encode(prompt, True)
     ref: list[int] = []                     # the frequency penalty by hand on transformers' logits
     for _ in range(10):
         x = oracle.last_logits(ids + ref).double().clone()
@@ -244,13 +251,22 @@ def test_penalties_and_vllm_extras_reach_the_sampler(served):
                                  extra_body={"stop_token_ids": [stop_id]})
     assert (cut.usage.completion_tokens, cut.choices[0].finish_reason) == (1, "stop")
     assert cut.choices[0].stop_reason == stop_id                  # an int, as vLLM's (it was the id's text)
+    # the stop token's own text is left out, as vLLM leaves it (it was the whole text here)
+    assert tok.decode([stop_id]) and cut.choices[0].text == ""
+    later = oracle.greedy(ids, 10)[3]
+    upto = oracle.greedy(ids, 10).index(later)
+    for stream in (False, True):
+        res = api.completions.create(model="chatty", prompt=prompt, max_tokens=10, temperature=0, stream=stream,
+                                     extra_body={"stop_token_ids": [later]})
+        text = "".join(c.choices[0].text for c in res) if stream else res.choices[0].text
+        assert text == tok.decode(oracle.greedy(ids, 10)[:upto])
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"temperature": 3}, "temperature"),
     ({"top_p": -1}, "top_p"),
     ({"n": 0}, "n"),
-    ({"max_tokens": 10_000}, None),                         # the router's own check: over the model's length
+    ({"max_tokens": 10_000}, "prompt"),                     # the router's own check: over the model's length
     ({"logprobs": 50}, "logprobs"),
     ({"extra_body": {"logit_bias": {"5": 1}}}, "logit_bias"),
     ({"extra_body": {"echo": True}}, "echo"),
@@ -268,6 +284,14 @@ def test_penalties_and_vllm_extras_reach_the_sampler(served):
     ({"extra_body": {"guided_json": {}}}, "guided_json"),          # an empty schema is "any JSON": still asked
     ({"extra_body": {"prompt_logprobs": 0}}, "prompt_logprobs"),    # the prompt tokens' own: still asked
     ({"top_p": 1.5}, "top_p"),
+    # vLLM's extras this server does not do: refused unless at vLLM's default (they were ignored, with a 200)
+    ({"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens"),
+    ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+    ({"extra_body": {"bad_words": ["END"]}}, "bad_words"),
+    ({"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
+    ({"extra_body": {"typical_p": 0.5}}, "typical_p"),
+    ({"extra_body": {"truncate_prompt_tokens": 1}}, "truncate_prompt_tokens"),
+    ({"extra_body": {"add_special_tokens": "yes"}}, "add_special_tokens"),
 ])
 def test_bad_fields_are_400_naming_the_field(served, kwargs, param):
     *_, api = served
@@ -276,7 +300,20 @@ def test_bad_fields_are_400_naming_the_field(served, kwargs, param):
     assert err.value.status_code == 400
     body = err.value.body
     assert body["param"] == param and body["type"] == "invalid_request_error"
+    if "max_tokens" in kwargs and kwargs["max_tokens"] == 10_000:   # as OpenAI's, which client libraries look for
+        assert body["code"] == "context_length_exceeded"
+        assert body["message"].startswith(f"This model's maximum context length is {MAX_LEN} tokens. However, you "
+                                          f"requested 10002 tokens (2 in the prompt, 10000 for max_tokens)")
     assert api.completions.create(model="chatty", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_vllm_extras_at_their_defaults_are_accepted(served):
+    *_, api = served
+    defaults = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
+                "typical_p": 1.0, "bad_words": [], "allowed_token_ids": [], "truncate_prompt_tokens": None}
+    plain = api.completions.create(model="chatty", prompt="x", max_tokens=4, temperature=0)
+    res = api.completions.create(model="chatty", prompt="x", max_tokens=4, temperature=0, extra_body=defaults)
+    assert res.choices[0].text == plain.choices[0].text
 
 
 def raw(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
@@ -465,6 +502,14 @@ def test_error_messages_reach_http_clients_without_the_fleets_addresses(details,
     for leak in ("127.0.0.1", "10.0.0.7", "54649", "svc", "colibri/worker", ".sock", "fd00", "%5B", "worker0",
                  "router-a", "expert-0", "/tmp/s", "my-router"):
         assert leak not in message, message
+
+
+def test_bracketed_numbers_are_not_taken_for_ipv6_addresses():
+    """Token ids and ranges in brackets are the client's own values: only a bracketed text with a colon is an
+    IPv6 address (they read "token ids <fleet address> are outside the vocabulary")."""
+    for details in ("token ids [99999] are outside the vocabulary [0, 466)", "stop_token_ids [5000, 7]: bad",
+                    "at [1.5]"):
+        assert ApiError.of_grpc(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, details)).message == details
     for fine in ("layer 3: x", "a 3:4 ratio", "top-k:8", "prompt of 4097 tokens exceeds 4096", "e5m2:12",
                  "2024-01-01T12:30:00Z", "see https://example.com:8443/x", "model gpt-4.1:20"):
         assert ApiError.of_grpc(FakeRpcError(grpc.StatusCode.INTERNAL, fine)).message == fine
@@ -502,7 +547,7 @@ def test_async_client_equals_the_blocking_one_and_collects_every_choice(served):
         return whole, pieces
 
     whole, pieces = asyncio.run(run())
-    ref = greedy_text(oracle, tok, tok.encode("Hello"), 8)
+    ref = greedy_text(oracle, tok, tok.encode("Hello", True), 8)
     with Client(addr) as client:
         assert client.generate("Hello", 8).text == ref
         assert "".join(d.text for d in client.stream_text("Hello", 8)) == ref

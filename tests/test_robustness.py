@@ -125,10 +125,12 @@ def test_limits_are_checked_before_work_and_say_what_to_fix(served):
     for prompt, kw, code, needle in [
         ("x" * 200_000, {}, grpc.StatusCode.INVALID_ARGUMENT, "--max-prompt-bytes 65536"),
         ("x" * 2_000_000, {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),   # the gRPC limit
-        ([1] * 600, {}, grpc.StatusCode.INVALID_ARGUMENT, "over the model's maximum length 512"),
+        ([1] * 600, {}, grpc.StatusCode.INVALID_ARGUMENT,
+         "maximum context length is 512 tokens. However, the prompt is 600"),
         ([1, 2], {"stop_token_ids": list(range(100))}, grpc.StatusCode.INVALID_ARGUMENT, "--max-stop-token-ids"),
         ([1, 2], {"stop_token_ids": [5, 10**6]}, grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
-        ([1] * 300, {"max_tokens": 300}, grpc.StatusCode.INVALID_ARGUMENT, "exceeds the model's maximum length"),
+        ([1] * 300, {"max_tokens": 300}, grpc.StatusCode.INVALID_ARGUMENT,
+         "you requested 600 tokens (300 in the prompt, 300 for max_tokens)"),
     ]:
         with pytest.raises(grpc.RpcError) as err:
             client.generate(prompt, kw.pop("max_tokens", 4), **kw)

@@ -102,3 +102,16 @@ def test_finish_flushes_the_held_tail_and_can_still_match(tok: Tokenizer) -> Non
     end = choice.finish()
     assert end.text == "x" and end.stop is None
     assert ChoiceText(tok, ("b",), 0).token_text(ord("b")) == "b"
+
+
+def test_a_stop_string_with_the_first_tokens_space_matches_after_the_prompt() -> None:
+    """A SentencePiece "▁world" first generated after "Hello" is " world": stop=[" world"] ends the choice there
+    (the stream is primed with the prompt; alone it would be "world", and the stop would be missed)."""
+    from tests.test_tokenizer import sentencepiece_like
+
+    tok = sentencepiece_like()
+    choice = ChoiceText(tok, (" world",), min_tokens=0, prompt=[1])
+    piece = choice.push([2])
+    assert (piece.text, piece.stop) == ("", " world")
+    choice = ChoiceText(tok, ("!",), min_tokens=0, prompt=[1])
+    assert choice.push([2, 2]).text == " world world"

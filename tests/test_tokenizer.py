@@ -214,3 +214,36 @@ def test_sentencepiece_leading_space() -> None:
     assert stream(Detokenizer(tok), [1, 2, 3]) == ["Hello", " world", "!"]
     assert stream(Detokenizer(tok), [1, 5, 6]) == ["Hello", "", "é"]
     assert tok.decode([2, 1]) == "world Hello"  # the generated text alone: its first space is stripped
+
+
+def test_primed_with_the_prompt_the_stream_is_what_the_ids_add_to_it() -> None:
+    """As vLLM and transformers' pipelines: the text generated after a prompt keeps the space a SentencePiece "▁"
+    carries on its first token (decode(output_ids) alone strips it), and a prompt that ends inside a character
+    does not make its text come twice."""
+    tok = sentencepiece_like()
+
+    def added(prompt: list[int], ids: list[int]) -> str:
+        return tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+
+    cases = [([1], [2, 3]), ([1, 2], [2]), ([4] * 30 + [1], [2, 1]), ([1, 8], [2, 8, 1]),
+             ([1] * 30, [7] * 12 + [2]), ([8], [1, 2]), ([7, 1], [2]), ([7] * 20 + [1], [2])]
+    for prompt, ids in cases:
+        detok = Detokenizer(tok, prompt)
+        text = "".join(stream(detok, ids)) + detok.finish()
+        assert text == added(prompt, ids), (prompt, ids)
+    assert stream(Detokenizer(tok, [1]), [2, 3]) == [" world", "!"]
+    assert stream(Detokenizer(tok), [2, 3]) == ["world", "!"]              # no prompt: decode(ids), as before
+    # a prompt that ends inside a character (or in invalid bytes) has no whole suffix: the ids' own text, as
+    # without a prompt
+    for prompt in ([1, 5], [7] * 30):
+        detok = Detokenizer(tok, prompt)
+        assert "".join(stream(detok, [6, 2])) + detok.finish() == tok.decode([6, 2]) == "\ufffd world"
+
+
+
+def test_priming_holds_for_byte_level_text_too(tok: Tokenizer) -> None:
+    prompt = tok.encode("Sag «é» ")
+    for text in ("weiter 😀 日本", " und", "é"):
+        ids = tok.encode(text)
+        assert "".join(stream(Detokenizer(tok, prompt), ids)) == text
+        assert "".join(stream(Detokenizer(tok, prompt[:2]), ids)) == text    # a prompt shorter than PRIME

@@ -85,6 +85,10 @@ class Front:
                 self._template = ChatTemplate(info.chat_template, dict(info.special_tokens))
             log.info("serving %s (%s) from the router at %s as '%s'", info.model_path, info.architecture,
                      self.opts.target, self.model_name(info))
+            if info.sampling_defaults and self.opts.generation_config == "auto":
+                log.info("sampling defaults from the checkpoint's generation_config.json for requests that leave "
+                         "them out: %s (--generation-config vllm: OpenAI's)",
+                         ", ".join(f"{k} {v:g}" for k, v in sorted(info.sampling_defaults.items())))
         return self._info
 
     def model_name(self, info: pb.ModelInfoResponse) -> str:
@@ -128,6 +132,8 @@ class Front:
         info = await self.info()
         name = self.model_name(info)
         check_model(parsed, name)
+        if self.opts.generation_config == "auto":
+            parsed = parsed.with_defaults(dict(info.sampling_defaults))
         prompts = [self._render(parsed)] if chat else parsed.prompts
         if any(isinstance(p, str) for p in prompts) and not info.has_tokenizer:
             raise bad("this model has no tokenizer.json: send the prompt as token ids", "prompt")
@@ -137,7 +143,7 @@ class Front:
                       f"queues at once ({info.max_waiting}, its --max-waiting): send fewer prompts or a lower n", "n")
         reply = Reply(chat, name, n, info.has_tokenizer,
                       parsed.sampling.logprobs or parsed.sampling.top_logprobs > 0, tuple(parsed.sampling.stop))
-        calls = [self.client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}"),
+        calls = [self.client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}", parsed.add_special_tokens),
                                     self.opts.request_timeout)
                  for i, p in enumerate(prompts)]
         streams = [aiter(call) for call in calls]
@@ -161,7 +167,7 @@ class Front:
             first = firsts.result()
         except grpc.RpcError as exc:
             _cancel(calls)
-            raise ApiError.of_grpc(exc, self.hide) from None
+            raise ApiError.of_grpc(exc, self.hide, "messages" if chat else "prompt") from None
         except StopAsyncIteration:
             _cancel(calls)
             raise ApiError(500, "the router ended a call without an answer") from None

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from colibri_common.errors import TOO_LARGE_HINT, TOO_LARGE_MARK
+from colibri_common.errors import CONTEXT_LENGTH_MARK, TOO_LARGE_HINT, TOO_LARGE_MARK
 
 HTTP_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -43,7 +43,8 @@ RETRY_AFTER_S = {429: 1, 503: 1}
 _ADDRESS = re.compile("|".join((
     r"\b(?:ipv4|ipv6|unix|unix-abstract|dns|vsock):[^\s,;()'\"]*[^\s,;()'\":]",
     r"(?<=expert worker )\S*[^\s:,;]", r"(?<=unreachable on )\S*[^\s:,;]", r"(?<=\(down: )[^)]+",
-    r"\b\d{1,3}(?:\.\d{1,3}){3}:\d{1,5}\b", r"\[[0-9A-Fa-f:.%]+\](?::\d{1,5})?", r"%5B[0-9A-Fa-f:.%]+%5D(?::\d{1,5})?",
+    r"\b\d{1,3}(?:\.\d{1,3}){3}:\d{1,5}\b", r"\[[0-9A-Fa-f.%]*:[0-9A-Fa-f:.%]*\](?::\d{1,5})?",
+    r"%5B[0-9A-Fa-f.%]*:[0-9A-Fa-f:.%]*%5D(?::\d{1,5})?",
     r"(?:\bunix:)?/[^\s:,;()'\"]+\.sock\b")))
 FLEET_ADDRESS = "<fleet address>"
 MAX_SCRUBBED = 4000          # characters of a message looked at (and passed on): linear, whatever the router says
@@ -75,12 +76,15 @@ class ApiError(Exception):
         return {"Retry-After": str(wait)} if wait else {}
 
     @staticmethod
-    def of_grpc(exc: grpc.RpcError, hide: tuple[str, ...] = ()) -> ApiError:
-        """The HTTP answer to a gRPC error, its message without the fleet's addresses (and the strings `hide`)."""
+    def of_grpc(exc: grpc.RpcError, hide: tuple[str, ...] = (), prompt_param: str | None = None) -> ApiError:
+        """The HTTP answer to a gRPC error, its message without the fleet's addresses (and the strings `hide`). A
+        request over the model's length is OpenAI's `context_length_exceeded`, about `prompt_param`."""
         code = exc.code() if hasattr(exc, "code") else None
         details = without_addresses(exc.details() if hasattr(exc, "details") else str(exc), hide)
         if code is None:
             return ApiError(500, f"the router failed: {details}")
+        if code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith(CONTEXT_LENGTH_MARK):
+            return ApiError(400, details, prompt_param, "context_length_exceeded")
         status = HTTP_OF.get(code, 500)
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE_MARK in details:
             status = 413         # gRPC's message-size limit: the request is too big, retrying cannot help

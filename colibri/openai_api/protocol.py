@@ -3,11 +3,15 @@
 Each wrong field is a 400 that names it (`param`). Fields OpenAI defines that Colibri cannot honour (tools,
 logit_bias, suffix, echo, best_of != n, non-text content parts) are refused, never ignored; unknown fields
 are ignored, as OpenAI's own server does, so clients that send extras work. vLLM's extra sampling fields
-(top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) are accepted too.
+(top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, add_special_tokens) are accepted
+too; its others (beam search, bad_words, skip_special_tokens false, ...) are refused unless they hold vLLM's
+default.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +39,29 @@ class Parsed:
     messages: list[dict[str, Any]] = field(default_factory=list)      # chat: rendered by the front
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = True      # a text prompt's BOS (vLLM: completions yes, chat no: the template's own)
+    omitted: frozenset[str] = frozenset()   # of DEFAULTED, the fields the request left out
+
+    def with_defaults(self, defaults: dict[str, float]) -> Parsed:
+        """The sampling with the checkpoint's recommended values (ModelInfo's) where the request left them out."""
+        given = {k: v for k, v in defaults.items() if k in self.omitted}
+        if not given:
+            return self
+        sp = pb.SamplingParams()
+        sp.CopyFrom(self.sampling)
+        for name, value in given.items():
+            setattr(sp, name, int(value) if name == "top_k" else value)
+        if sp.top_k < 0:                                           # HF and vLLM: -1 = off, as 0 on the wire
+            sp.top_k = 0
+        return dataclasses.replace(self, sampling=sp)
+
+
+# the sampling fields a checkpoint's generation_config.json may give defaults for (colibri_common.sampling_defaults)
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _omitted(body: dict[str, Any]) -> frozenset[str]:
+    return frozenset(name for name in DEFAULTED if body.get(name) is None)
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -75,11 +102,22 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
 ASKED_BY_ANY_VALUE = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "prompt_logprobs")
 
 
+# vLLM's other extras this server does not do: refused unless they hold vLLM's default (clients send those)
+VLLM_DEFAULTS: dict[str, Any] = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+                                 "use_beam_search": False, "length_penalty": 1.0, "typical_p": 1.0,
+                                 "allowed_token_ids": [], "bad_words": [], "logits_processors": [],
+                                 "truncate_prompt_tokens": None, "prompt_embeds": None}
+
+
 def _refuse(body: dict[str, Any], names: tuple[str, ...]) -> None:
     for name in (*names, *GUIDED):
         value = body.get(name)
         if value is not None and (name in ASKED_BY_ANY_VALUE or value not in (False, [], {}, "")):
             raise bad(f"'{name}' is not supported by this server", name)
+    for name, default in VLLM_DEFAULTS.items():
+        value = body.get(name)
+        if value is not None and (value != default or isinstance(value, bool) != isinstance(default, bool)):
+            raise bad(f"'{name}' other than {json.dumps(default)} is not supported by this server", name)
 
 
 def _text_format(body: dict[str, Any]) -> None:
@@ -189,7 +227,8 @@ def parse_completion(body: Any) -> Parsed:
     logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     stream = bool(_get(body, "stream", (bool,), False))
     return Parsed(prompts, _sampling(body, _int(body, "max_tokens", 16, 1), logprobs is not None, logprobs or 0),
-                  stream, _stream_options(body, stream), _model(body))
+                  stream, _stream_options(body, stream), _model(body),
+                  add_special_tokens=bool(_get(body, "add_special_tokens", (bool,), True)), omitted=_omitted(body))
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -211,7 +250,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                     raise bad(f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported "
                               f"by this model", f"{where}.content")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)               # as vLLM joins them
         elif content is not None and not isinstance(content, str):
             raise bad(f"{where}.content must be a string, a list of text parts or null", f"{where}.content")
         msg = {k: v for k, v in m.items() if k != "content"}
@@ -246,7 +285,8 @@ def parse_chat(body: Any) -> Parsed:
                   "chat_template_kwargs")
     return Parsed([], _sampling(body, max_tokens, logprobs, top or 0), stream, _stream_options(body, stream),
                   _model(body), _messages(body), kwargs,
-                  bool(_get(body, "add_generation_prompt", (bool,), True)))
+                  bool(_get(body, "add_generation_prompt", (bool,), True)),
+                  bool(_get(body, "add_special_tokens", (bool,), False)), _omitted(body))
 
 
 def check_model(parsed: Parsed, served: str) -> None:

@@ -22,6 +22,7 @@ from colibri_common.file_watch import FileWatch
 from colibri_common.fleet_token import fleet_token
 from colibri_common.forms_file import tune_forms
 from colibri_common.heap import return_free_heap
+from colibri_common.sampling_defaults import sampling_defaults
 from colibri_common.serving import MAX_MESSAGE_BYTES
 from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Tokenizer
@@ -55,6 +56,7 @@ class BuiltEngine:
     engine: Engine
     chat_template: str | None = None           # the checkpoint's, handed to the OpenAI front in ModelInfo
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+    sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)   # generation_config.json's
 
     @property
     def mapped(self) -> FileWatch | None:
@@ -171,4 +173,4 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
         log.info("%s in place (mapped, %.1f MiB): read from the page cache, not copied",
                  " and ".join(sorted(weights.mapped)), weights.mapped_bytes / 2**20)
     template, special = load_chat_template(opts.model)
-    return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special)
+    return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special, sampling_defaults(opts.model))

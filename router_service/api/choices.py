@@ -48,7 +48,8 @@ class Choices:
     def __init__(self, engine: Engine, group: list[Sequence], events: Outputs,
                  tokenizer: Tokenizer | None) -> None:
         self.engine, self.group, self.events = engine, group, events
-        self.texts = [ChoiceText(tokenizer, seq.sampling.stop, seq.sampling.min_tokens) for seq in group]
+        self.texts = [ChoiceText(tokenizer, seq.sampling.stop, seq.sampling.min_tokens, seq.prompt_ids)
+                      for seq in group]
 
     def token_text(self, index: int, token_id: int) -> str:
         """One token's own text (for log-probabilities); "" without a tokenizer."""
@@ -66,7 +67,7 @@ class Choices:
             if isinstance(ev, Failed):
                 raise ChoiceFailed(ev)
             if isinstance(ev, Tokens):
-                piece = text.push(ev.token_ids)
+                piece = text.push(ev.token_ids, ev.stop_token)
                 last[i] = ev.token_ids[-1]
                 if piece.stop is not None:     # end it in the engine first: a slow reader costs no steps
                     self.engine.cancel(seq, FinishReason.STOP)

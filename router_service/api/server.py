@@ -13,7 +13,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 import torch
 
-from colibri_common.errors import ColibriError
+from colibri_common.errors import ColibriError, context_length_exceeded
 from colibri_common.file_watch import EXIT_RESTART
 from colibri_common.fleet_token import fleet_token
 from colibri_common.handlers import add_servicer
@@ -76,19 +76,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if self.built.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json; send the prompt as token_ids")
             left = context.time_remaining()                  # huge when the client set no deadline
-            ids = self.tokenize_pool.submit(self.built.tokenizer.encode, request.text).result(
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = self.tokenize_pool.submit(self.built.tokenizer.encode, request.text, special).result(
                 timeout=left if left is not None and left < 1e6 else None)
         elif kind == "token_ids":
             if len(request.token_ids.ids) > limit:
-                raise ValueError(f"the prompt has {len(request.token_ids.ids)} token ids, over the model's "
-                                 f"maximum length {limit}")
+                raise ValueError(context_length_exceeded(limit, len(request.token_ids.ids), None))
             ids = list(request.token_ids.ids)
         else:
             ids = []
         if not ids:
             raise ValueError("the prompt is empty; send text or at least one token id")
         if len(ids) > limit:
-            raise ValueError(f"the prompt is {len(ids)} tokens, over the model's maximum length {limit}")
+            raise ValueError(context_length_exceeded(limit, len(ids), None))
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab_size})")
@@ -119,8 +119,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise ValueError(f"max_tokens must be > 0 (or 0 = as many as fit), got {p.max_tokens}")
         max_tokens = p.max_tokens or limit - prompt_len            # 0: what the model's length leaves
         if max_tokens <= 0:
-            raise ValueError(f"the prompt ({prompt_len} tokens) leaves no room under the model's maximum length "
-                             f"{limit}; shorten it")
+            raise ValueError(context_length_exceeded(limit, prompt_len, 1))
         seed = p.seed if p.HasField("seed") else None
         base = Sampling(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p,
                         max_tokens=max_tokens, min_tokens=p.min_tokens, presence_penalty=p.presence_penalty,
@@ -129,8 +128,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         ignore_eos=p.ignore_eos, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
                         return_logits=p.return_logits)
         if prompt_len + base.max_tokens > limit:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({base.max_tokens}) exceeds the model's "
-                             f"maximum length {limit}")
+            raise ValueError(context_length_exceeded(limit, prompt_len, base.max_tokens))
         return [base if seed is None or i == 0 else dataclasses.replace(base, seed=(seed + i) % 2**64)
                 for i in range(n)]
 
@@ -210,7 +208,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             dtype=r.opts.dtype, max_model_len=r.max_model_len,
             eos_token_ids=list(cfg.eos_token_ids), has_tokenizer=r.tokenizer is not None,
             chat_template=r.chat_template or "", special_tokens=r.special_tokens,
-            max_waiting=r.engine.limits.max_waiting)
+            max_waiting=r.engine.limits.max_waiting, sampling_defaults=r.sampling_defaults)
 
 
 def _logprob(choices: Choices, index: int, s: Sampled) -> pb.TokenLogprob:

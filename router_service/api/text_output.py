@@ -58,17 +58,21 @@ class TextPiece:
 class ChoiceText:
     """Token ids in, text out, for one of a request's choices."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...], min_tokens: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...], min_tokens: int,
+                 prompt: list[int] | tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
-        self.detok = Detokenizer(tokenizer)
+        self.detok = Detokenizer(tokenizer, prompt)       # primed with the prompt: the text the ids add to it
         self.stops = StopStrings(stops if tokenizer is not None else ())
         self.min_tokens = min_tokens
         self.num_tokens = 0
         self.done = False
 
-    def push(self, token_ids: list[int]) -> TextPiece:
+    def push(self, token_ids: list[int], stop_token: bool = False) -> TextPiece:
+        """`stop_token`: the last id is the stop token or EOS that ends the choice; its text is left out, as
+        vLLM leaves it (a special token has none anyway)."""
         self.num_tokens += len(token_ids)
-        text, stop = self.stops.push(self.detok.push(token_ids), may_stop=self.num_tokens >= self.min_tokens)
+        text = self.detok.push(token_ids[:-1] if stop_token else token_ids)
+        text, stop = self.stops.push(text, may_stop=self.num_tokens >= self.min_tokens)
         if stop is not None:
             self.done = True
         return TextPiece(text, stop)

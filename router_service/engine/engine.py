@@ -305,12 +305,12 @@ class Engine:
                 seq.last_token_at = now
                 raw = [logits[row].cpu().numpy().tobytes()] if seq.sampling.return_logits else []
                 lps = (out,) if seq.sampling.wants_logprobs else ()
+                reason = seq.append_token(tok, self.eos, self.scheduler.cfg.max_model_len)
                 q = self.outputs[seq.uid]
-                q.put(Tokens([tok], raw, seq.index, lps))
+                q.put(Tokens([tok], raw, seq.index, lps, stop_token=reason is FinishReason.STOP))
                 if q.pause_if_full():                    # its reader is behind: no more steps until it reads
                     for member in self.by_request_id.get(seq.request_id, ()):
                         member.paused = True
-                reason = seq.append_token(tok, self.eos, self.scheduler.cfg.max_model_len)
                 if reason is not None:
                     self._finish(seq, reason)
         self.phase["postprocess"] += time.perf_counter() - t0

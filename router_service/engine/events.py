@@ -25,6 +25,7 @@ class Tokens:
     logits: list[bytes]             # float32 [V] per token, when the request asked for them
     index: int = 0                  # which of the request's n choices
     logprobs: tuple[Sampled, ...] = ()   # per token, when the request asked for them
+    stop_token: bool = False        # the last token is the stop token or EOS that ends the choice (no text)
 
 
 @dataclass(frozen=True)
