@@ -12,6 +12,7 @@ import tokenizers
 from tokenizers.decoders import DecodeStream
 
 from colibri_common.errors import CheckpointError
+from colibri_common.token_bytes import TokenBytes
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -23,6 +24,7 @@ class Tokenizer:
         self._hf = hf
         self.path = path
         self._special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+        self._bytes: TokenBytes | None = None
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> Tokenizer | None:
@@ -68,6 +70,12 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._hf.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a part of a UTF-8 character where it carries one), for log-probabilities."""
+        if self._bytes is None:
+            self._bytes = TokenBytes(self._hf)
+        return self._bytes.of(token_id)
 
 
 class Detokenizer:

@@ -227,7 +227,16 @@ def test_logprobs_match_the_oracles_log_softmax(served):
     content = chat.choices[0].logprobs.content
     assert [c.logprob for c in content] == pytest.approx([float(cref[t, g]) for t, g in enumerate(cgen)], abs=1e-4)
     assert [len(c.top_logprobs) for c in content] == [2] * 4
-    assert content[0].bytes == list(content[0].token.encode())
+    # `bytes` are each token's own (one byte a token here: its id), also half a character, which prints as U+FFFD
+    # (its bytes were U+FFFD's); joined over the message they rebuild its text
+    long = api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=24, temperature=0,
+                                       logprobs=True, top_logprobs=1)
+    gen = oracle.greedy(chat_ids, 24)
+    assert any(128 <= g < 256 for g in gen)                  # a byte that is no character alone
+    own = [[g] if g < 256 else list(hf_tok.convert_ids_to_tokens(g).encode()) for g in gen]
+    assert [c.bytes for c in long.choices[0].logprobs.content] == own
+    joined = bytes(b for c in long.choices[0].logprobs.content for b in c.bytes)
+    assert joined.decode("utf-8", "replace") == long.choices[0].message.content
 
 
 def test_penalties_and_vllm_extras_reach_the_sampler(served):

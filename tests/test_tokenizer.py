@@ -247,3 +247,17 @@ def test_priming_holds_for_byte_level_text_too(tok: Tokenizer) -> None:
         ids = tok.encode(text)
         assert "".join(stream(Detokenizer(tok, prompt), ids)) == text
         assert "".join(stream(Detokenizer(tok, prompt[:2]), ids)) == text    # a prompt shorter than PRIME
+
+
+def test_token_bytes_are_each_tokens_own_bytes(tok: Tokenizer) -> None:
+    """OpenAI's logprob `bytes`: a byte-level token's byte (half a character too), a byte-fallback token's byte, a
+    SentencePiece "▁" as a space, an added token's text; joined they rebuild the text where each token's own
+    text is U+FFFD."""
+    text = "aé€😀 日本"
+    ids = tok.encode(text)
+    assert [tok.token_bytes(i) for i in ids] == [bytes([b]) for b in text.encode()]
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == text
+    sp = sentencepiece_like()
+    assert [sp.token_bytes(i) for i in (1, 2, 3, 5, 6, 7, 8)] == [b" Hello", b" world", b"!", b"\xc3", b"\xa9",
+                                                                  b"\xff", b"</s>"]
+    assert b"".join(sp.token_bytes(i) for i in (1, 5, 6)).decode() == " Hello\u00e9"

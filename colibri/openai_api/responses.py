@@ -81,13 +81,12 @@ class Reply:
         return token if self.has_tokenizer else f"token_id:{token_id}"
 
     def _chat_logprobs(self, tokens: list[pb.TokenLogprob]) -> dict[str, Any]:
-        def entry(token: str, token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token(token, token_id)
-            return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+        def entry(x: pb.TokenLogprob | pb.TopLogprob) -> dict[str, Any]:
+            text = self._token(x.token, x.token_id)
+            raw = x.token_bytes or text.encode("utf-8")        # the token's own: a part of a character too
+            return {"token": text, "logprob": _lp(x.logprob), "bytes": list(raw)}
 
-        return {"content": [{**entry(t.token, t.token_id, t.logprob),
-                             "top_logprobs": [entry(x.token, x.token_id, x.logprob) for x in t.top]}
-                            for t in tokens]}
+        return {"content": [{**entry(t), "top_logprobs": [entry(x) for x in t.top]} for t in tokens]}
 
     def _completion_logprobs(self, tokens: list[pb.TokenLogprob], offsets: list[int]) -> dict[str, Any]:
         return {"tokens": [self._token(t.token, t.token_id) for t in tokens],

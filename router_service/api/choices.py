@@ -55,6 +55,10 @@ class Choices:
         """One token's own text (for log-probabilities); "" without a tokenizer."""
         return self.texts[index].token_text(token_id)
 
+    def token_bytes(self, index: int, token_id: int) -> bytes:
+        """One token's own bytes (for log-probabilities); b"" without a tokenizer."""
+        return self.texts[index].token_bytes(token_id)
+
     def __iter__(self) -> Iterator[Piece | Done]:
         last = [-1] * len(self.group)
         left = len(self.group)

@@ -212,9 +212,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 def _logprob(choices: Choices, index: int, s: Sampled) -> pb.TokenLogprob:
-    text = choices.token_text
+    text, raw = choices.token_text, choices.token_bytes
     return pb.TokenLogprob(token_id=s.token, logprob=s.logprob or 0.0, token=text(index, s.token),
-                           top=[pb.TopLogprob(token_id=t, logprob=v, token=text(index, t)) for t, v in s.top])
+                           token_bytes=raw(index, s.token),
+                           top=[pb.TopLogprob(token_id=t, logprob=v, token=text(index, t), token_bytes=raw(index, t))
+                                for t, v in s.top])
 
 
 def serve_router(opts: RouterOptions) -> int:

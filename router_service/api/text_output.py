@@ -88,3 +88,7 @@ class ChoiceText:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.hf.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes for log-probabilities (a part of a character too); b"" without a tokenizer."""
+        return self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else b""
