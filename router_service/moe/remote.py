@@ -14,7 +14,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from prometheus_client import Histogram
@@ -26,17 +25,16 @@ from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging
 from colibri_common.errors import ConfigError
 from colibri_common.metrics_http import TOKEN_BUCKETS
-from colibri_common.options import QUANTIZE as QUANTIZE_NAMES
 from colibri_common.pb import expert_pb2
-from colibri_common.placement import held_digest
 from colibri_common.tls import TlsFiles
 from kernels import native
+from router_service.moe.admission import Expected, WorkerInfo, check, first_plan, info_of
 from router_service.moe.experts import ExpertsUnavailable, Prefetch
 from router_service.moe.in_flight import InFlight, Part
 from router_service.moe.liveness import Liveness
 from router_service.moe.load_window import LoadWindow
 from router_service.moe.partition import partition, place
-from router_service.moe.plan import Plan, even_plan
+from router_service.moe.plan import Plan
 from router_service.moe.remote_metrics import fleet_families
 from router_service.moe.same_host import Links
 from router_service.moe.table import Table
@@ -44,22 +42,6 @@ from router_service.moe.transport import Access, Reply, WorkerError, WorkerLink
 from router_service.moe.worker_watch import WorkerWatch
 
 log = logging.getLogger("colibri.router")
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What a worker said of itself in Describe, as placement needs it."""
-
-    address: str
-    epoch: int
-    held: dict[int, list[int]]       # layer -> experts
-    also: tuple[int, ...]            # earlier epochs those experts still answer for
-    max_experts: int                 # 0 = no limit
-    static_shard: bool
-    summary: str                     # for the logs
-    instance: str = ""               # the worker process (one worker under two addresses is one worker)
-    owner: str = ""                  # the router whose plan it holds ("" = its own, or none)
-    assigned: bool = True            # it holds a plan (False: started without --shard, nothing assigned yet)
 
 
 class RemoteExperts:
@@ -80,10 +62,7 @@ class RemoteExperts:
         self.index = {a: w for w, a in enumerate(addresses)}
         self.liveness = Liveness(addresses)
         self.staging = HostStaging(device or torch.device("cpu"))   # the wire's pinned buffers on a GPU
-        self.expect_quantize = expect_quantize                # --quantize: None, "int8" or "w8a8"
-        self.batch_invariant = batch_invariant
-        self.step_tokens = step_tokens                       # the most token rows one step sends a worker
-        self.checkpoint = checkpoint                         # Checkpoint.fingerprint() of --model ("" = unchecked)
+        self.expected = Expected(cfg, expect_quantize, batch_invariant, step_tokens, checkpoint)
         self.checkpoint_id = checkpoint_id(checkpoint)       # what every ForwardRequest carries of it
         self.sync_wait_s = min(timeout_s, 3.0)               # a layer's wait for a worker being re-synced
         self.kept_out: set[int] = set()                      # workers a re-sync found refusing (upkeep.py)
@@ -117,7 +96,8 @@ class RemoteExperts:
         self.table = Table.of(Plan(0, (), {}), {}, cfg.num_layers, cfg.num_experts)   # none until learnt
         try:
             infos = [self.describe(a, time.monotonic() + connect_timeout_s) for a in addresses]
-            self.table = self._first_table(infos)
+            self.table = first_plan(infos, cfg, replicas, self.index, lambda a, held, epoch: self.assign(
+                a, held, epoch, timeout_s=600.0, silence_s=10.0))
         except WorkerError:
             self.links.close()
             raise
@@ -142,115 +122,17 @@ class RemoteExperts:
 
     def describe(self, address: str, deadline: float) -> WorkerInfo:
         """Ask a worker what it serves and check it serves this model as this router expects."""
-        cfg, link = self.cfg, self.link(address)
+        link = self.link(address)
         d = link.describe(deadline)
         self.saw(address, d.instance)              # a restart counts, refused below or not
-        if (d.num_experts, d.hidden_size, d.intermediate_size) != (
-                cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size) or \
-                tuple(d.moe_layers) != cfg.moe_layers:
-            raise WorkerError(f"expert worker {address} serves a different model ({d.model_type}, "
-                              f"{d.num_experts} experts, hidden {d.hidden_size}, width {d.intermediate_size}, "
-                              f"MoE layers {list(d.moe_layers)})", retryable=False)
-        if self.checkpoint and d.checkpoint and d.checkpoint != self.checkpoint:
-            raise WorkerError(f"expert worker {address} serves another checkpoint than this router's --model (the "
-                              f"same shapes, other weights or tensors: fingerprint {d.checkpoint[:12]} against "
-                              f"{self.checkpoint[:12]}); give router and workers the same --model", retryable=False)
-        served = d.dtype if d.dtype in QUANTIZE_NAMES else None
-        if served != self.expect_quantize:
-            raise WorkerError(f"expert worker {address} serves {d.dtype} experts but the router expects "
-                              f"{self.expect_quantize or 'float'} ones; start router and workers with the same "
-                              f"--quantize", retryable=False)
-        if d.batch_invariant != self.batch_invariant:
-            raise WorkerError(f"expert worker {address} runs {'with' if d.batch_invariant else 'without'} "
-                              f"--batch-invariant and the router {'with' if self.batch_invariant else 'without'}"
-                              f" it; start router and workers with the same flag", retryable=False)
-        if d.max_step_tokens and d.max_step_tokens < self.step_tokens:
-            raise WorkerError(f"expert worker {address} takes at most {d.max_step_tokens} tokens a step "
-                              f"(its --max-step-tokens) but this router sends up to {self.step_tokens} "
-                              f"(--max-num-tokens): start the worker with --max-step-tokens "
-                              f"{self.step_tokens} or more", retryable=False)
-        held = {layer: [] for layer in cfg.moe_layers}
-        if d.layers:
-            held.update({le.layer: sorted(le.experts) for le in d.layers})
-        elif d.experts:                                       # an older worker: the same experts in every layer
-            held = {layer: sorted(d.experts) for layer in cfg.moe_layers}
-        cached = (f"an expert cache of {d.expert_cache_slots} slots" if d.expert_cache_slots else
-                  f"{d.packed_bytes / 2**20:.1f} MiB packed" if d.packed_bytes else "in place (mapped)")
-        how = f"shard {d.shard_index}/{d.num_shards}" if d.static_shard or d.num_shards else f"epoch {d.epoch}"
-        summary = f"{how}, {sum(map(len, held.values()))} (layer, expert) pairs, {d.dtype} {cached}, layers over " \
-                  f"{'its local socket ' + d.local_socket if link.local else 'gRPC'}"
+        check(d, address, self.expected)
         twin = next((a for a, i in self.instances.items() if i == d.instance and a != address), None) \
             if d.instance else None
-        if twin is not None and twin in self.table_workers():
+        if twin is not None and twin in self.table.plan.workers:
             raise WorkerError(f"{address} is the same expert worker as {twin} (one process under two addresses); "
                               f"list it once", retryable=False)
         self.budgets[address] = d.max_experts
-        return WorkerInfo(address, d.epoch, held, tuple(d.also_serves), d.max_experts,
-                          d.static_shard or bool(d.num_shards), summary, d.instance, d.owner, d.assigned)
-
-    def table_workers(self) -> tuple[str, ...]:
-        return self.table.plan.workers
-
-    def serves(self, info: WorkerInfo, table: Table) -> bool:
-        """Whether a worker (as described) computes every pair `table` would send it."""
-        want = table.plan.of(info.address)
-        if not (info.assigned and (info.epoch == table.epoch or table.epoch in info.also)):
-            return False
-        if not table.explicit:          # sent the whole top-k: each worker adds every expert it holds, so exactly
-            return held_digest(info.held) == held_digest(want)
-        return all(set(es) <= set(info.held.get(layer, ())) for layer, es in want.items())
-
-    def _first_table(self, infos: list[WorkerInfo]) -> Table:
-        """The workers' own plans where they brought one (static shards), else a plan of the router's, assigned
-        now (workers started without --shard hold nothing until then)."""
-        for i in infos:
-            log.info("worker %s: %s", i.address, i.summary)
-        seen: dict[str, str] = {}
-        for i in infos:
-            if i.instance and i.instance in seen:
-                raise WorkerError(f"{i.address} is the same expert worker as {seen[i.instance]} (one process under "
-                                  f"two addresses); list it once", retryable=False)
-            seen[i.instance] = i.address
-        held = {layer: {i.address: i.held[layer] for i in infos} for layer in self.cfg.moe_layers}
-        learnt = Plan(max((i.epoch for i in infos), default=0), tuple(i.address for i in infos), held)
-        missing = learnt.covers(self.cfg.num_experts)
-        want = min(self.replicas, len(infos))
-        adopted = Table.of(learnt, self.index, self.cfg.num_layers, self.cfg.num_experts)
-        copies = int(adopted.holders[list(self.cfg.moe_layers)].sum(dim=2).min()) if self.cfg.moe_layers else want
-        # a change whose router died before it ended (killed while loading or releasing) leaves workers holding
-        # the old and the new plan's experts for two epochs, over their budgets: a plan anew releases one of them
-        halfway = [i.address for i in infos if i.also]
-        if halfway:
-            log.warning("workers %s hold a change that their router left unfinished (old and new experts, placement "
-                        "epoch %d and %s): planning anew", ", ".join(halfway), learnt.epoch,
-                        ", ".join(str(e) for e in sorted({e for i in infos for e in i.also})))
-        elif not missing and len({i.epoch for i in infos}) == 1 and all(i.assigned for i in infos):
-            if copies >= want or learnt.epoch == 0:
-                if copies < want:          # static shards keep their own --replicas
-                    log.warning("the workers' static shards put each expert on %d worker(s); --expert-replicas %d "
-                                "is not in force (start the shards with --replicas %d)", copies, self.replicas, want)
-                return adopted
-            log.warning("the workers hold placement epoch %d with each expert on %d worker(s); --expert-replicas %d: "
-                        "planning anew", learnt.epoch, copies, self.replicas)
-        # static shards that still hold their own plans and miss experts: a shard was left out of --workers. Once a
-        # router re-planned them (`colibri workers`, epoch > 0), a new one (a restart listing the first workers)
-        # plans anew over what it lists, as below.
-        if all(i.static_shard and i.epoch == 0 for i in infos):
-            layers = sorted({layer for layer, _ in missing})
-            experts = sorted({e for _, e in missing})
-            raise WorkerError(f"no worker holds experts {experts[:16]}{'…' if len(experts) > 16 else ''} of layers "
-                              f"{layers[:8]}; start every shard (--workers must list all N shards)", retryable=False)
-        if learnt.epoch > 0 and not halfway and (missing or copies >= want):
-            log.warning("the workers hold placement epoch %d of another router's plan (%s); planning anew over the "
-                        "%d listed here", learnt.epoch, "experts missing" if missing else "mixed epochs",
-                        len(learnt.workers))
-        plan = Plan(learnt.epoch + 1, learnt.workers,
-                    even_plan(self.cfg.num_experts, self.cfg.moe_layers, learnt.workers, self.replicas))
-        for address in plan.workers:
-            self.assign(address, plan.of(address), plan.epoch, timeout_s=600.0, silence_s=10.0)
-        log.info("placement epoch %d: %d workers, every expert on %d (the router's plan)", plan.epoch,
-                 len(plan.workers), min(self.replicas, len(plan.workers)))
-        return Table.of(plan, self.index, self.cfg.num_layers, self.cfg.num_experts)
+        return info_of(d, address, self.cfg, link.local)
 
     def assign(self, address: str, held: dict[int, list[int]], epoch: int, timeout_s: float,
                also: tuple[int, ...] = (), switching: bool = False, wait: bool = True,

@@ -30,9 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from colibri_common.errors import ConfigError
+from router_service.moe.admission import WorkerInfo
 from router_service.moe.follow import Follower
 from router_service.moe.plan import Held, Plan, ResizeFailed, balance, load_plan, sticky_plan, union
-from router_service.moe.remote import RemoteExperts, WorkerInfo
+from router_service.moe.remote import RemoteExperts
 from router_service.moe.table import Table
 from router_service.moe.transport import WorkerError
 from router_service.moe.upkeep import Upkeep

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Protocol
 
+from router_service.moe.admission import serves
 from router_service.moe.plan import ResizeFailed
 from router_service.moe.remote import RemoteExperts
 from router_service.moe.transport import WorkerError
@@ -133,7 +134,7 @@ class Upkeep:
             with self._resync_lock:
                 if self._asked.get(w, 0) != asked:       # asked again since that Describe: a newer process
                     return False
-            if remote.serves(info, table):
+            if serves(info, table):
                 self._synced(w, info.instance)
                 return True
             mine = info.owner in ("", remote.owner_id)
