@@ -132,7 +132,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from colibri.client import Client
-    from colibri.launcher import free_ports
+    from colibri.fleet import free_ports
     from colibri_common.pb import admin_pb2, admin_pb2_grpc
     from colibri_common.token_gate import with_token
 

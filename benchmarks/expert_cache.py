@@ -89,7 +89,7 @@ def stop(p: subprocess.Popen) -> None:
 def run_config(model: Path, capacity: str, policy: str, aware: bool, prefetch: bool, heat: str,
                prompts: list[list[int]], args: argparse.Namespace) -> dict:
     from colibri.client import Client
-    from colibri.launcher import free_ports
+    from colibri.fleet import free_ports
 
     mport = free_ports(1)[0]
     cmd = [*COLIBRI, "serve", "--model", str(model), "--workers", "2", "--port", "0", "--dtype", "bfloat16",

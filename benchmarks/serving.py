@@ -31,7 +31,7 @@ from benchmarks.bench_model import SIZES, ensure_bench_model
 from benchmarks.common import ReadProbe, finish, machine, page_state, publish, table
 from benchmarks.llamacpp import add_peer_args, find_peer
 from benchmarks.llamacpp import measure as measure_llamacpp
-from colibri.launcher import colibri_command
+from colibri.fleet import colibri_command
 from colibri.loadgen import run_load
 from colibri_common.config import ModelConfig
 from router_service.engine.metrics import parse

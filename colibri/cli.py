@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from colibri import __version__
 from colibri.generate import GenerateOptions
 from colibri.health import HealthOptions
-from colibri.launcher import ServeOptions
 from colibri.loadgen import BenchOptions
 from colibri.openai_api.options import OpenAIOptions
+from colibri.serve_options import ServeOptions
 from colibri.tune import TuneOptions
 from colibri.validate import ValidateOptions
 from colibri.workers import WorkersOptions

@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 
 from colibri.client import Client, GenerationError, check_utf8
+from colibri.fleet import colibri_command
 from colibri.fork import die_with_parent
-from colibri.launcher import ServeOptions, colibri_command
+from colibri.serve_options import ServeOptions
 from colibri_common.config import ModelConfig
 from colibri_common.errors import context_length_exceeded
 from colibri_common.options import check_values, to_argv

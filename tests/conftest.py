@@ -105,7 +105,7 @@ def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = Non
             *(extra or [])]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     if exec_:
-        from colibri.launcher import colibri_command  # the console script, or `python -m colibri.cli`
+        from colibri.fleet import colibri_command  # the console script, or `python -m colibri.cli`
 
         p = subprocess.Popen([*colibri_command(), *argv], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                              env=full_env)

@@ -14,8 +14,9 @@ import pytest
 
 from colibri import __version__
 from colibri.cli import COMMANDS, build_parser
-from colibri.launcher import ServeOptions, child_argv
+from colibri.fleet import child_argv
 from colibri.openai_api.options import OpenAIOptions
+from colibri.serve_options import ServeOptions
 from colibri_common.options import Parser, _flags, add_options, from_args, option, to_argv
 from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.api.options import RouterOptions
@@ -264,7 +265,7 @@ def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
 
 
 def test_a_child_s_exit_is_explained_in_serve_s_log():
-    from colibri.launcher import exit_reason
+    from colibri.fleet import exit_reason
 
     assert "SIGBUS: a read through a mapped file" in exit_reason(-7)
     assert "SIGKILL: killed: the kernel's OOM killer" in exit_reason(-9)
