@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from colibri_common.config import ARCHITECTURES, ConfigError, ModelConfig
+from colibri_common.architectures import ARCHITECTURES
+from colibri_common.config import ConfigError, ModelConfig
 
 CLASSES = {
     "MixtralForCausalLM": "MixtralConfig", "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
