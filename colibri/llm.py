@@ -179,6 +179,7 @@ class LLM:
         self._clients: list[Client] = []
         self._tokenizer: Tokenizer | None = None
         self._vocab = 0                              # a fleet's vocabulary (its config.json)
+        self._max_waiting = 0                        # ... and the most sequences its router queues
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._built, self._shards, self._fleets, self._clients)
         try:
@@ -330,6 +331,7 @@ class LLM:
         self._clients.append(Client(addr))
         self._tokenizer = Tokenizer.from_dir(self.model)
         self._vocab = ModelConfig.from_dir(self.model).vocab_size     # what the fleet's router checks ids against
+        self._max_waiting = self._clients[0].model_info().max_waiting  # what its queue takes at once
 
     def _on_fleet(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
         if self._closed:
@@ -352,8 +354,18 @@ class LLM:
                 return None
             fields = {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}
             wire_prompt = prompt if isinstance(prompt, str) else _token_ids(prompt)
+            pause = 0.05
             try:
-                r = client.generate(wire_prompt, timeout=None, request_id=rid, **fields)
+                while True:
+                    try:
+                        r = client.generate(wire_prompt, timeout=None, request_id=rid, **fields)
+                        break
+                    except GenerationError as exc:     # the router's queue is full (other clients too): wait
+                        if exc.code().name != "RESOURCE_EXHAUSTED" or "queue is full" not in exc.details() \
+                                or stop.is_set():
+                            raise
+                        time.sleep(pause)
+                        pause = min(1.0, 2 * pause)
             except (GenerationError, ValueError) as exc:
                 if self._closed:                       # closed under a running generate (another thread)
                     raise RuntimeError("this LLM is closed") from exc
@@ -370,7 +382,10 @@ class LLM:
                 return RequestOutput(rid, prompt, ids, outs)
             return RequestOutput(rid, None, list(wire_prompt), outs)
 
-        pool = ThreadPoolExecutor(max_workers=min(64, len(prompts)))
+        # as many requests at once as the router's queue takes (each of n choices is a sequence there), the rest
+        # as those finish: as the in-process engine runs a call
+        at_once = max(1, min(64, len(prompts), self._max_waiting // max(sp.n for sp in params)))
+        pool = ThreadPoolExecutor(max_workers=at_once)
         futures = [pool.submit(one, job) for job in zip(prompts, params, rids, strict=True)]
         try:
             wait(futures, return_when=FIRST_EXCEPTION)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import shutil
 import threading
 
@@ -88,15 +89,19 @@ def test_seeded_sampling_in_a_batch_matches_alone(oracles):
     assert together == alone
 
 
-def test_preemption_recomputes_with_identical_tokens(oracles):
+def test_preemption_recomputes_with_identical_tokens(oracles, caplog):
     oracle = oracles["qwen3_moe"]
     prompts = [[(11 * i + j) % 256 for j in range(10)] for i in range(4)]
     # 12 blocks of 4 tokens: each request (10 + 14 tokens = 6 blocks) fits alone, four at once do not
-    with InProcess(oracle.path, kv_cache_blocks=12, block_size=4, sched=SchedulerConfig(max_model_len=48)) as engine:
+    with InProcess(oracle.path, kv_cache_blocks=12, block_size=4, sched=SchedulerConfig(max_model_len=48)) as engine, \
+            caplog.at_level(logging.WARNING, "colibri.router"):
         events = [engine.submit(p, 14) for p in prompts]
         results = [engine.collect(e) for e in events]
         m = engine.metrics()
     assert m["colibri:num_preemptions_total"] > 0
+    # the operator is told, once for the burst (at most every 30 s), with the count and what to change
+    said = [r.getMessage() for r in caplog.records if "preempted for KV cache space" in r.getMessage()]
+    assert len(said) == 1 and "raise --kv-cache-mb" in said[0] and "12 blocks of 4 tokens" in said[0], said
     assert m["colibri:batch_size_max"] >= 2
     assert m["colibri:kv_cache_blocks_free"] == 12
     for p, r in zip(prompts, results, strict=True):

@@ -161,6 +161,21 @@ def test_more_prompts_than_the_waiting_queue_and_a_failure_leave_nothing_running
         assert not llm.engine.seqs                                       # every request retired
 
 
+def test_a_fleet_takes_more_prompts_than_its_routers_queue_as_in_process(model):
+    """A local fleet's generate sends as many as the router's --max-waiting queue takes and the rest as those
+    finish, as the in-process engine does (it sent up to 64 at once, and the first refused failed the call)."""
+    from router_service.engine.scheduler import SchedulerConfig
+
+    oracle, path = model
+    sched = SchedulerConfig(max_waiting=4, max_batch_size=2)
+    with LLM(path, 1, expert_cache_heat="off", log_level="WARNING", dtype=torch.float32, sched=sched) as fleet:
+        outs = fleet.generate([[3, i + 1] for i in range(13)], _greedy(4))
+        assert [o.outputs[0].token_ids for o in outs] == [oracle.greedy([3, i + 1], 4) for i in range(13)]
+        n2 = fleet.generate([[3, i + 1] for i in range(5)], SamplingParams(max_tokens=4, ignore_eos=True, n=2))
+        assert [[c.token_ids for c in o.outputs] for o in n2] == [[oracle.greedy([3, i + 1], 4)] * 2
+                                                                  for i in range(5)]
+
+
 def test_the_start_up_log_names_what_routes(model, caplog):
     """A CPU router with the native decoder ops routes each MoE layer in one native call, and its start-up line
     says so ("native routing"; it said "torch routing", the kernels' backend, whatever routed)."""

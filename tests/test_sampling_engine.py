@@ -165,3 +165,21 @@ def test_an_aborted_request_ends_every_choice_and_frees_the_shared_blocks(qwen3)
             reasons.append(ev.reason.value)
     assert reasons == ["abort", "abort"]
     assert engine.metrics()["colibri:kv_cache_blocks_free"] == 64
+
+
+def test_an_aborted_requests_id_is_free_at_once(qwen3):
+    """A gateway that cancels on its timeout and retries under the same id is served, not told ALREADY_EXISTS
+    (not retryable) for the step until the aborted request left the engine; the old request's pausing never
+    touches the new one."""
+    oracle, engine = qwen3
+    for _ in range(5):
+        events = engine.engine.submit([Sequence("again", list(PROMPT), Sampling(max_tokens=40, ignore_eos=True))])
+        assert isinstance(events.get(timeout=60), Tokens)
+        assert engine.engine.abort("again")
+        retry = engine.engine.submit([Sequence("again", list(PROMPT), Sampling(max_tokens=8, ignore_eos=True))])
+        got = []
+        while not isinstance(ev := retry.get(timeout=60), Finished):
+            got += ev.token_ids
+        assert got == oracle.greedy(PROMPT, 8)
+        while not isinstance(events.get(timeout=60), Finished):    # the aborted one ended as aborted
+            pass

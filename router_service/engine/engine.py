@@ -31,6 +31,7 @@ from router_service.moe.experts import Experts, ExpertsUnavailable
 from router_service.moe.transport import WorkerError
 
 log = logging.getLogger("colibri.router")
+PREEMPTIONS_EVERY_S = 30.0
 
 
 class Draining(Exception):
@@ -62,6 +63,7 @@ class Engine:
         self._cv = threading.Condition()
         self._aborts: list[tuple[int, FinishReason]] = []
         self._failures = RepeatedLog(log)   # a step failed: said once per incident, not once per step
+        self._preemptions_said = (0, -PREEMPTIONS_EVERY_S)    # (count, monotonic time) when last logged
         self._stop = False
         self.stopped: str | None = None            # why the engine thread ended on an error, if it did
         self.draining = False
@@ -172,6 +174,11 @@ class Engine:
             found = seq.uid in self.seqs
             if found:
                 self._aborts.append((seq.uid, reason))
+                group = self.by_request_id.get(seq.request_id)
+                if group is not None and seq in group:    # its id is free once every choice is leaving: a client
+                    group.remove(seq)                     # that cancelled may send it again before the next step
+                    if not group:
+                        del self.by_request_id[seq.request_id]
                 self._cv.notify()
         return found
 
@@ -310,7 +317,8 @@ class Engine:
                 q.put(Tokens([tok], raw, seq.index, lps, stop_token=reason is FinishReason.STOP))
                 if q.pause_if_full():                    # its reader is behind: no more steps until it reads
                     for member in self.by_request_id.get(seq.request_id, ()):
-                        member.paused = True
+                        if self.outputs.get(member.uid) is q:    # (not a new request that took a cancelled id)
+                            member.paused = True
                 if reason is not None:
                     self._finish(seq, reason)
         self.phase["postprocess"] += time.perf_counter() - t0
@@ -362,6 +370,21 @@ class Engine:
             m.phases = dict(self.phase, **self.experts.timers)
             for name in ("batch_size", "batch_tokens"):
                 m.gauges[name + "_max"] = max(m.gauges.get(name + "_max", 0), m.gauges[name])
+        self._say_preemptions()
+
+    def _say_preemptions(self) -> None:
+        """Preemptions cost a recompute from the prompt each: a WARNING with the count and what to change, at most
+        every PREEMPTIONS_EVERY_S while they go on (vLLM's operators know the line), never one per preemption."""
+        count, said_at = self._preemptions_said
+        now = time.monotonic()
+        total = self.scheduler.num_preemptions
+        if total > count and now - said_at >= PREEMPTIONS_EVERY_S:
+            blocks, _ = self.scheduler.kv_blocks()
+            log.warning("%d sequence%s preempted for KV cache space (%d since start): each is recomputed from its "
+                        "prompt, which costs throughput; the KV cache holds %d blocks of %d tokens: raise "
+                        "--kv-cache-mb or lower --max-batch-size", total - count, "s" * (total - count > 1), total,
+                        blocks, self.kv.block_size)
+            self._preemptions_said = (total, now)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
