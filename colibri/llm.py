@@ -20,27 +20,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import operator
-import subprocess
-import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from colibri.client import Client, GenerationError, check_utf8
-from colibri.fleet import colibri_command
-from colibri.fork import die_with_parent
+from colibri.client import check_utf8
+from colibri.llm_fleet import LocalFleet
+from colibri.llm_types import CompletionOutput, Prompt, RequestOutput, SamplingParams, check_stop_ids, token_ids
 from colibri.serve_options import ServeOptions
-from colibri_common.config import ModelConfig
 from colibri_common.errors import context_length_exceeded
-from colibri_common.options import check_values, to_argv
-from colibri_common.tokenizer import Tokenizer
+from colibri_common.options import check_values
 from expert_service.build import BuiltShard, build_shard
 from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.api.build import BuiltEngine, build_engine
@@ -53,98 +45,19 @@ from router_service.moe.experts import Experts, LocalExperts
 
 log = logging.getLogger("colibri")
 
-Prompt = str | list[int]
-
 _ROUTER = {f.name for f in dataclasses.fields(RouterOptions)} - {"model", "workers"}
 _CACHE = {f.name for f in dataclasses.fields(ExpertCacheOptions)}
 _SERVE = {f.name for f in dataclasses.fields(ServeOptions)} - {"router", "workers", "cache"}
 
 
-@dataclass(frozen=True)
-class SamplingParams(Sampling):
-    """vLLM's name and fields (temperature, top_p, top_k, min_p, max_tokens, stop, seed, logprobs ...), plus `n`:
-    that many completions of each prompt (completion i seeded seed + i)."""
-
-    n: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-
-    def choices(self) -> list[Sampling]:
-        """One engine sampling per completion, as the router's server makes them."""
-        base = Sampling(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Sampling)})
-        return [base if self.seed is None or i == 0 else dataclasses.replace(base, seed=(self.seed + i) % 2**64)
-                for i in range(self.n)]
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""                 # "stop" (EOS, a stop token or string) or "length"
-    stop_reason: str = ""                   # the stop string, or the stop token id, that ended it
-    logits: list[torch.Tensor] = field(default_factory=list)   # float32 [V] per token, with return_logits
-    logprobs: list[float] = field(default_factory=list)        # the sampled token's, per token, with logprobs
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)   # with top_logprobs=N
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]         # one per completion (SamplingParams.n)
-
-
-def _shutdown(built: list[BuiltEngine], shards: list[BuiltShard], fleets: list[subprocess.Popen],
-              clients: list[Client]) -> None:
+def _shutdown(built: list[BuiltEngine], shards: list[BuiltShard], fleets: list[LocalFleet]) -> None:
     """Everything an LLM holds, stopped; at `close`, or when the LLM is collected or the interpreter exits."""
     while built:
         built.pop().close()
     while shards:
         shards.pop().close()
-    while clients:
-        clients.pop().close()
     while fleets:
-        p = fleets.pop()
-        p.terminate()
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _token_ids(prompt: object) -> list[int]:
-    try:
-        return [operator.index(t) for t in prompt]               # type: ignore[union-attr]
-    except TypeError:
-        raise TypeError(f"a prompt is a str or a list of int token ids, got {prompt!r:.80}") from None
-
-
-def _abort_running(client: Client, futures: list, rids: list[str], within: float = 10.0) -> None:
-    """Abort the requests whose calls still run, again until they end (a call may reach the router after an abort
-    that found nothing), for at most `within` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        running = [(f, rid) for f, rid in zip(futures, rids, strict=True) if not f.done()]
-        if not running:
-            return
-        for _, rid in running:
-            try:
-                client.abort(rid)
-            except (GenerationError, ValueError):
-                return                                 # the router is gone, or this LLM closed: nothing to abort
-        wait([f for f, _ in running], timeout=0.1)
-
-
-def _check_stop_ids(sp: SamplingParams, vocab: int) -> None:
-    bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+        fleets.pop().close()
 
 
 class LLM:
@@ -175,20 +88,16 @@ class LLM:
         self._ids = itertools.count()
         self._built: list[BuiltEngine] = []          # lists, so the finaliser holds them and never self
         self._shards: list[BuiltShard] = []
-        self._fleets: list[subprocess.Popen] = []
-        self._clients: list[Client] = []
-        self._tokenizer: Tokenizer | None = None
-        self._vocab = 0                              # a fleet's vocabulary (its config.json)
-        self._max_waiting = 0                        # ... and the most sequences its router queues
+        self._fleets: list[LocalFleet] = []
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._built, self._shards, self._fleets, self._clients)
+        self._finalizer = weakref.finalize(self, _shutdown, self._built, self._shards, self._fleets)
         try:
             if workers == 0:
                 self._start_in_process(router, cache, wrap_experts)
             else:
                 serve = ServeOptions(router=dataclasses.replace(router, port=0), workers=workers, cache=cache,
                                      **{k: v for k, v in options.items() if k in _SERVE})
-                self._start_fleet(serve)
+                self._fleets.append(LocalFleet(self.model, serve))
         except BaseException:                        # a failed or interrupted start leaves nothing running
             self._finalizer()
             raise
@@ -250,7 +159,7 @@ class LLM:
                 raise ValueError(f"{self.model} has no tokenizer.json; give prompts as lists of token ids")
             ids = b.tokenizer.encode(check_utf8(prompt), True)      # with its BOS, as the router's
         else:
-            ids = _token_ids(prompt)
+            ids = token_ids(prompt)
         if not ids:
             raise ValueError("a prompt is empty; give text or at least one token id")
         bad = [t for t in ids if not 0 <= t < b.cfg.vocab_size]
@@ -266,7 +175,7 @@ class LLM:
             ids = self._prompt_ids(prompt)
             if len(ids) + sp.max_tokens > b.max_model_len:
                 raise ValueError(context_length_exceeded(b.max_model_len, len(ids), sp.max_tokens))
-            _check_stop_ids(sp, b.cfg.vocab_size)
+            check_stop_ids(sp, b.cfg.vocab_size)
             if sp.n > min(limits.max_batch_size, limits.max_waiting):
                 raise ValueError(f"n = {sp.n} is more than the engine runs at once ({limits.max_batch_size}); "
                                  f"raise max_batch_size")
@@ -313,92 +222,10 @@ class LLM:
 
     # -- a local fleet --------------------------------------------------------------------------------------
 
-    def _start_fleet(self, serve: ServeOptions) -> None:
-        argv = [*colibri_command(), "serve", *to_argv(serve, ServeOptions.EXCLUDED)]
-        log.info("starting a local fleet: colibri serve --workers %d", serve.workers)
-        fleet = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                 preexec_fn=die_with_parent)          # its logs go to our stderr
-        self._fleets.append(fleet)
-        assert fleet.stdout is not None
-        for line in fleet.stdout:
-            if line.startswith("ready "):
-                addr = line.split()[1]
-                break
-        else:
-            code = fleet.wait()
-            raise RuntimeError(f"colibri serve exited with code {code} before it was ready (its log above says why)")
-        threading.Thread(target=fleet.stdout.read, name="fleet-stdout", daemon=True).start()
-        self._clients.append(Client(addr))
-        self._tokenizer = Tokenizer.from_dir(self.model)
-        self._vocab = ModelConfig.from_dir(self.model).vocab_size     # what the fleet's router checks ids against
-        self._max_waiting = self._clients[0].model_info().max_waiting  # what its queue takes at once
-
     def _on_fleet(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
-        if self._closed:
+        if self._closed or not self._fleets:
             raise RuntimeError("this LLM is closed")
-        client, vocab = self._clients[0], self._vocab
-        for prompt, sp in zip(prompts, params, strict=True):         # every prompt checked before any runs
-            if isinstance(prompt, str):
-                check_utf8(prompt)
-            else:
-                bad = [t for t in _token_ids(prompt) if not 0 <= t < vocab]
-                if bad:
-                    raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
-            _check_stop_ids(sp, vocab)
-        rids = [f"llm-{next(self._ids)}" for _ in prompts]
-        stop = threading.Event()                       # set once one fails: the requests not yet sent are not sent
-
-        def one(job: tuple[Prompt, SamplingParams, str]) -> RequestOutput | None:
-            prompt, sp, rid = job
-            if stop.is_set():
-                return None
-            fields = {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}
-            wire_prompt = prompt if isinstance(prompt, str) else _token_ids(prompt)
-            pause = 0.05
-            try:
-                while True:
-                    try:
-                        r = client.generate(wire_prompt, timeout=None, request_id=rid, **fields)
-                        break
-                    except GenerationError as exc:     # the router's queue is full (other clients too): wait
-                        if exc.code().name != "RESOURCE_EXHAUSTED" or "queue is full" not in exc.details() \
-                                or stop.is_set():
-                            raise
-                        time.sleep(pause)
-                        pause = min(1.0, 2 * pause)
-            except (GenerationError, ValueError) as exc:
-                if self._closed:                       # closed under a running generate (another thread)
-                    raise RuntimeError("this LLM is closed") from exc
-                if isinstance(exc, ValueError):
-                    raise
-                raise (ValueError if exc.code().name == "INVALID_ARGUMENT" else RuntimeError)(exc.details()) from exc
-            outs = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
-                                     [torch.from_numpy(x.copy()) for x in c.logits],
-                                     [lp.logprob for lp in c.logprobs],
-                                     [[(t.token_id, t.logprob) for t in lp.top] for lp in c.logprobs]
-                                     if sp.top_logprobs else []) for c in r.choices]
-            if isinstance(prompt, str):                # the router's tokenizer, the same file
-                ids = self._tokenizer.encode(prompt, True) if self._tokenizer is not None else []
-                return RequestOutput(rid, prompt, ids, outs)
-            return RequestOutput(rid, None, list(wire_prompt), outs)
-
-        # as many requests at once as the router's queue takes (each of n choices is a sequence there), the rest
-        # as those finish: as the in-process engine runs a call
-        at_once = max(1, min(64, len(prompts), self._max_waiting // max(sp.n for sp in params)))
-        pool = ThreadPoolExecutor(max_workers=at_once)
-        futures = [pool.submit(one, job) for job in zip(prompts, params, rids, strict=True)]
-        try:
-            wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-            if failed is None:
-                return [f.result() for f in futures]   # type: ignore[misc]  (none skipped: none failed)
-            raise failed.exception()                   # type: ignore[misc]
-        except BaseException:                          # a failure, or Ctrl-C: the others end now, not in full
-            stop.set()
-            _abort_running(client, futures, rids)
-            raise
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        return self._fleets[0].generate(prompts, params, [f"llm-{next(self._ids)}" for _ in prompts])
 
     # -- both -----------------------------------------------------------------------------------------------
 

@@ -107,7 +107,7 @@ def test_a_local_fleet_gives_the_same_tokens_as_in_process(model):
             fleet.generate([PROMPTS[0]], _greedy(stop_token_ids=(300,)))
         # the router refuses one (too long once tokenized): the error comes at once and the others are aborted,
         # where the executor's exit had waited for them to finish in full
-        limit = fleet._clients[0].model_info().max_model_len
+        limit = fleet._fleets[0].client.model_info().max_model_len
         t0 = time.monotonic()
         fleet.generate([[3, 5], [7, 9]], _greedy(limit - 10))
         full = time.monotonic() - t0
