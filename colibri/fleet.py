@@ -76,8 +76,10 @@ class Fleet:
         self.forks = forks
         self.entry = entry                  # what a forked child runs: colibri.cli.main, handed in by the CLI
         self.plane_env: dict[str, str] = {}  # the worker plane's secrets: for the router and the workers only
-        # SimpleQueue: its put is reentrant, so a signal handler on the main thread may wake `serve_calls`
-        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        # queue.Queue, not SimpleQueue: on the main thread a signal handler that outlasts SimpleQueue.get's
+        # timeout made it wait for good (CPython 3.11), where Queue's lock gives up at its deadline. No signal
+        # handler puts on it (its lock is not reentrant): they set a flag that `serve_calls` polls.
+        self._calls: queue.Queue[tuple[Callable[[], object], Future]] = queue.Queue()
 
     def spawn(self, command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> Child:
         # PASSIVE: a process waiting on another (router on workers, workers on the router) must not keep
