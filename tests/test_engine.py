@@ -152,12 +152,15 @@ def test_an_error_outside_a_step_fails_the_open_requests_instead_of_leaving_them
         def broken(*args, **kwargs):
             raise RuntimeError("scheduler bug")
 
+        told: list[str] = []
+        engine.engine.on_stopped = told.append                     # the router's service stops on it
         engine.engine.scheduler.schedule = broken                  # the instance's attribute hides the method
         ev = engine.submit(PROMPT, 4).get(timeout=60)
         assert isinstance(ev, Failed) and ev.code == FailureCode.INTERNAL, ev
         assert "scheduler bug" in ev.message and "internal error" in ev.message
         with pytest.raises(Draining, match="scheduler bug"):
             engine.submit(PROMPT, 4)
+        assert len(told) == 1 and "scheduler bug" in told[0]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])

@@ -253,18 +253,21 @@ def serve_router(opts: RouterOptions) -> int:
     # the workers the name stands for now (the first pods may be starting)
     workers = opts.workers or wait_for_workers(opts.follow_workers, 600.0)
     built = build_engine(opts, remote_experts(opts, workers))
-    damaged: list[str] = []
+    damaged: list[tuple[str, int]] = []           # why it stops on its own, and the exit code that says so
     once = threading.Lock()                       # the watch's thread and the engine's may both see the change
 
-    def stop_serving(reason: str) -> None:        # once: NOT_SERVING, drain, stop
-        with once:
+    def stop_serving(reason: str, then: str = "the router's weights are not read any more (a restart maps the "
+                                              "files afresh)", code: int = EXIT_RESTART) -> None:
+        with once:                                # once: NOT_SERVING, drain, stop
             if damaged:
                 return
-            damaged.append(reason)
+            damaged.append((reason, code))
         service.set_serving(False)
-        service.stop_soon(f"{reason}; the router's weights are not read any more (a restart maps the files afresh)")
+        service.stop_soon(f"{reason}; {then}")
 
     built.engine.on_damage = stop_serving
+    built.engine.on_stopped = lambda why: stop_serving(why, "the router stops so that it is started again (by "
+                                                            "serve, Kubernetes or systemd)", 1)
     if built.mapped is not None:
         built.mapped.watch(stop_serving)
     built.engine.start()
@@ -293,8 +296,8 @@ def serve_router(opts: RouterOptions) -> int:
 
     service.run_until_signal(drain=lambda: _drain(built, opts.grace_period, closed), on_stop=stop)
     if damaged:
-        log.error("stopped: %s", damaged[0])
-        return EXIT_RESTART
+        log.error("stopped: %s", damaged[0][0])
+        return damaged[0][1]
     return 0
 
 

@@ -51,6 +51,7 @@ class Engine:
         self.metrics = Metrics(sources=[experts])
         self.graphs: DecodeGraphs | None = None     # CUDA graphs of decode steps, where they can be (build.py)
         self.on_damage: Callable[[str], None] | None = None   # told once when the model's mapped weights change
+        self.on_stopped: Callable[[str], None] | None = None  # told once if the engine thread dies on an error
         self.phase = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "postprocess": 0.0}  # seconds
         self.metrics.gauges.update(self._occupancy())
         self.eos = frozenset(eos_token_ids)
@@ -201,6 +202,8 @@ class Engine:
                         q = self.outputs.pop(seq.uid, None)
                         if q is not None:
                             q.put(Failed(FailureCode.INTERNAL, why, seq.index))
+            if self.on_stopped is not None:           # a router without its engine serves nothing: it stops, to
+                self.on_stopped(why)                  # be restarted (readiness alone left it up, unready, for good)
 
     def _steps(self) -> None:
         while (step := self._schedule()) is not None:
