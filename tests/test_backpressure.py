@@ -25,6 +25,8 @@ def test_an_unread_request_pauses_at_the_bound_and_resumes_when_read(oracles):
         time.sleep(0.3)                                               # steps would go on here without the bound
         assert slow.paused and slow.unread == slow.high
         assert all(s.paused for s in engine.engine.by_request_id["r1"])
+        m = engine.metrics()                                          # taking no steps: not counted as running
+        assert (m["colibri:num_requests_running"], m["colibri:num_requests_paused"]) == (0, 1)
         other = engine.generate([1, 2, 3], 24, ignore_eos=True)        # the paused one gave up its slot
         assert other.token_ids == oracle.greedy([1, 2, 3], 24)
         assert slow.unread == slow.high                               # still paused: not one step more

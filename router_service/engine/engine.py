@@ -356,7 +356,8 @@ class Engine:
         start, after each step and when a request leaves (a cancel or an abort between steps included)."""
         total, free = self.scheduler.kv_blocks()
         return {"kv_cache_blocks_total": total, "kv_cache_blocks_free": free, "kv_cache_usage_perc": 1 - free / total,
-                "num_requests_running": len(self.scheduler.running),
+                "num_requests_running": sum(not s.paused for s in self.scheduler.running),
+                "num_requests_paused": sum(s.paused for s in self.scheduler.running),
                 "num_requests_waiting": len(self.scheduler.waiting)}
 
     def _update_metrics(self, step: Step, seconds: float) -> None:

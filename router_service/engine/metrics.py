@@ -19,7 +19,9 @@ from colibri_common.metrics_http import LATENCY_BUCKETS, TOKEN_BUCKETS, render, 
 from colibri_common.metrics_http import parse as parse  # noqa: PLC0414 (re-exported for callers)
 
 GAUGE_HELP = {
-    "num_requests_running": "Requests in the running batch.",
+    "num_requests_running": "Sequences in the running batch, taking steps (paused ones not counted).",
+    "num_requests_paused": "Running sequences paused because their client reads too slowly (they hold their KV "
+                           "blocks and take no steps until it catches up).",
     "num_requests_waiting": "Requests waiting to be scheduled.",
     "kv_cache_usage_perc": "Share of KV cache blocks in use (0-1).",
     "kv_cache_blocks_total": "KV cache blocks.",
