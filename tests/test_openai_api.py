@@ -379,6 +379,11 @@ def test_health_and_metrics(served):
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     assert 'colibri_openai:requests_total{endpoint="completions",outcome="ok"}' in text
+    with pytest.raises(openai.BadRequestError):                         # the router's refusal: counted by status
+        api.completions.create(model="chatty", prompt="Hi", max_tokens=10_000)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", "/metrics")
+    assert 'colibri_openai:requests_total{endpoint="completions",outcome="400"}' in conn.getresponse().read().decode()
 
 
 def kv_free() -> float:
@@ -626,9 +631,16 @@ class SilentRouter(generation_pb2_grpc.GenerationServicer):
         return iter(())
 
 
+def front_metrics(host: str, port: int) -> str:
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.request("GET", "/metrics")
+    return conn.getresponse().read().decode()
+
+
 def test_a_client_that_leaves_before_its_first_token_is_one_info_line(tmp_path):
     """The front cancels the router's call; it logged an ERROR and a 14-line traceback ('_GatheringFuture exception
-    was never retrieved') for every such client."""
+    was never retrieved') for every such client. Its metrics count the request in flight while the router holds
+    it, and as an abort after (it was in neither)."""
     router = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     stub = SilentRouter()
     generation_pb2_grpc.add_GenerationServicer_to_server(stub, router)
@@ -645,12 +657,16 @@ def test_a_client_that_leaves_before_its_first_token_is_one_info_line(tmp_path):
             body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
             conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
             assert stub.started.wait(30), "the front did not call the router"   # which holds it: no first token
+            assert "colibri_openai:requests_in_flight 1.0" in front_metrics(host, int(port))
             conn.sock.shutdown(2)
             conn.close()
             assert stub.cancelled.wait(10), "the front did not cancel the router's call"
             stub.started.clear()
             stub.cancelled.clear()
         time.sleep(0.5)
+        text = front_metrics(host, int(port))
+        assert 'colibri_openai:requests_total{endpoint="completions",outcome="abort"} 3.0' in text, text
+        assert "colibri_openai:requests_in_flight 0.0" in text
     finally:
         p.terminate()
         p.wait(timeout=30)

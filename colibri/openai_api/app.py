@@ -143,6 +143,7 @@ class Front:
                       f"queues at once ({info.max_waiting}, its --max-waiting): send fewer prompts or a lower n", "n")
         reply = Reply(chat, name, n, info.has_tokenizer,
                       parsed.sampling.logprobs or parsed.sampling.top_logprobs > 0, tuple(parsed.sampling.stop))
+        self.metrics.started(reply)             # in flight from here (queued on the router too), counted once
         calls = [self.client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}", parsed.add_special_tokens),
                                     self.opts.request_timeout)
                  for i, p in enumerate(prompts)]
@@ -161,18 +162,23 @@ class Front:
         if not firsts.done() or (gone.done() and not gone.cancelled()):      # it left (or both at once)
             firsts.cancel()
             _cancel(calls)
+            self.metrics.finished(reply, "abort")
             log.info("%s: the client went away before the first token; cancelled on the router", reply.id)
             return Response(status_code=499)
         try:
             first = firsts.result()
         except grpc.RpcError as exc:
-            _cancel(calls)
-            raise ApiError.of_grpc(exc, self.hide, "messages" if chat else "prompt") from None
+            err = ApiError.of_grpc(exc, self.hide, "messages" if chat else "prompt")
+            self._close(reply, calls, str(err.status))
+            raise err from None
         except StopAsyncIteration:
-            _cancel(calls)
+            self._close(reply, calls, "500")
             raise ApiError(500, "the router ended a call without an answer") from None
+        except BaseException:                   # cancelled (the server stopping): counted, then passed on
+            _cancel(calls)
+            self.metrics.finished(reply, "abort")
+            raise
         messages = _merge(streams, first)
-        self.metrics.started(reply)
         if parsed.stream:
             return _Stream(self._events(reply, messages, parsed.include_usage),
                            on_close=lambda: self._close(reply, calls, "abort"))

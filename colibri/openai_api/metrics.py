@@ -14,15 +14,17 @@ from colibri_common.metrics_http import LATENCY_BUCKETS, render
 class FrontMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("colibri_openai:requests", "HTTP generation requests the router answered, by "
-                                "endpoint and outcome (ok, abort = the client left, or the HTTP status); "
+        self.requests = Counter("colibri_openai:requests", "HTTP generation requests sent to the router, by "
+                                "endpoint and outcome: ok; abort (the client left, before its first token or "
+                                "after); or the HTTP status of an error, the router's refusals included. "
                                 "colibri_openai:refused counts every error answer, those refused before the "
                                 "router (bad input, a wrong key) included.",
                                 ["endpoint", "outcome"], registry=self.registry)
-        self.in_flight = Gauge("colibri_openai:requests_in_flight", "Generation requests open now.",
-                               registry=self.registry)
-        self.latency = Histogram("colibri_openai:request_seconds", "From the router's first answer to the last "
-                                 "byte, by endpoint.", ["endpoint"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("colibri_openai:requests_in_flight", "Generation requests open now (queued on the "
+                               "router included).", registry=self.registry)
+        self.latency = Histogram("colibri_openai:request_seconds", "From the request's send to the router to its "
+                                 "last byte (or its end), by endpoint.", ["endpoint"], buckets=LATENCY_BUCKETS,
+                                 registry=self.registry)
         self.generated = Counter("colibri_openai:generation_tokens", "Tokens passed on to clients.",
                                  registry=self.registry)
         self.errors = Counter("colibri_openai:refused", "Requests answered with an error status.", ["status"],
