@@ -347,15 +347,17 @@ def serve_expert(opts: ExpertOptions) -> int:
     servicer.on_damage = stop_serving
     servicer.assignments.on_install = serving
     serving(built)
+    local = None
+    if opts.local_socket:                       # same-host routers: Forward without HTTP/2 (gRPC stays for the rest)
+        # before the shard is installed: Describe answers from then on, and a router that asked earlier than the
+        # socket was named took gRPC for the worker's life
+        local = LocalServer(opts.local_socket, servicer.answer_frame, limit, opts.max_streams)
+        servicer.local_socket = str(local.path)
+        log.info("Forward also on the local socket %s", local.path)
     servicer.holding.install(built, 0, assigned=bool(opts.shard))     # without --shard: nothing until assigned
     if opts.metrics_port is not None:
         mport = servicer.metrics.serve(opts.host, opts.metrics_port)
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
-    local = None
-    if opts.local_socket:                       # same-host routers: Forward without HTTP/2 (gRPC stays for the rest)
-        local = LocalServer(opts.local_socket, servicer.answer_frame, limit, opts.max_streams)
-        servicer.local_socket = str(local.path)
-        log.info("Forward also on the local socket %s", local.path)
     service.ready(opts.host, bound)
     service.run_until_signal()
     if local is not None:
