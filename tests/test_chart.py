@@ -693,7 +693,11 @@ def test_the_openai_front_dials_the_router_service_and_serves_its_port():
     assert c["args"] == ["openai", f"--target={target}", "--host=0.0.0.0", "--port=8000", f"--allowed-hosts={hosts}",
                          "--generation-config=auto", "--tls-ca=/etc/colibri/tls/ca.crt",   # TLS is on by default
                          "--log-level=INFO",
-                         "--grace-period=30"]                   # terminationGracePeriodSeconds, less 5 to exit
+                         "--grace-period=25"]       # terminationGracePeriodSeconds, less the preStop's 5 and 5 to exit
+    # deleted, it accepts on while its endpoint's removal spreads (SIGTERM closes its listening socket)
+    assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
+    c0 = front({"openai": {"enabled": True, "preStopSleepSeconds": 0}})[2]
+    assert "lifecycle" not in c0 and "--grace-period=30" in c0["args"]
     # the Host names it answers: its Service's, and its pod's IP, which kubelet's probes and scrapers call
     assert {e["name"]: e for e in c["env"]}["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert dep["spec"]["replicas"] == 1
@@ -741,7 +745,7 @@ def test_the_openai_front_follows_its_values():
                          f"--allowed-hosts={svc},{svc}.llm,{svc}.llm.svc,{svc}.llm.svc.corp,$(POD_IP),localhost,"
                          "127.0.0.1,api.example.com", "--allowed-origins=https://a.example,https://b.example",
                          "--generation-config=vllm", "--tls-ca=/etc/colibri/tls/ca.crt", "--log-level=DEBUG",
-                         "--grace-period=30", "--max-tokens-default", "256"]
+                         "--grace-period=25", "--max-tokens-default", "256"]
     assert c["ports"][0]["containerPort"] == 9000 and dep["spec"]["replicas"] == 3
     (svc,) = of(docs, "Service", "openai")
     assert svc["spec"]["type"] == "NodePort" and svc["spec"]["ports"][0]["port"] == 9000
@@ -1204,7 +1208,7 @@ def test_long_release_names_keep_the_expert_pods_makeable_and_the_front_drains_i
     assert f"{sts['metadata']['name']}-0." in worker_addresses
     front = next(d for d in by_kind(render({"openai": {"enabled": True}, "terminationGracePeriodSeconds": 12}),
                                     "Deployment") if d["metadata"]["name"].endswith("-openai"))
-    assert "--grace-period=7" in front["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--grace-period=2" in front["spec"]["template"]["spec"]["containers"][0]["args"]   # 12 - 5 - preStop 5
 
 
 def test_a_release_name_that_starts_with_a_digit_is_refused():
