@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from colibri_common.errors import ColibriError
@@ -19,6 +19,13 @@ from colibri_common.errors import ColibriError
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+def with_process(registry: CollectorRegistry) -> CollectorRegistry:
+    """`registry` with the process's own families (process_resident_memory_bytes, process_cpu_seconds_total,
+    process_open_fds, process_start_time_seconds: what a dashboard's restart and memory panels read)."""
+    ProcessCollector(registry=registry)
+    return registry
 
 
 def render(registry: CollectorRegistry) -> str:

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from colibri_common import page_cache
-from colibri_common.metrics_http import TOKEN_BUCKETS, render, serve_metrics
+from colibri_common.metrics_http import TOKEN_BUCKETS, render, serve_metrics, with_process
 
 PAGES_EVERY = 30.0        # seconds between two reads of /proc/self/smaps for colibri:checkpoint_resident_bytes
 
@@ -42,7 +42,7 @@ class WorkerMetrics:
         self.mapped_files: list[Path] = []   # the checkpoint files read through the mapping (in place, or the
         #                                      expert cache's mapped tier; none when all packed)
         self._pages: tuple[float, tuple[int, int] | None] = (float("-inf"), None)   # (when, mapped_pages)
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = with_process(CollectorRegistry(auto_describe=False))
         self.compute = Histogram("colibri:expert_compute_seconds", "One Forward's fused-MoE compute.",
                                  buckets=TOKEN_BUCKETS, registry=self.registry)
         self.registry.register(self)

@@ -49,6 +49,7 @@ def test_router_and_worker_metrics_move_with_the_traffic(oracles):
         assert value(m["colibri:generation_tokens"], "colibri:generation_tokens_total") >= 30
         assert value(m["colibri:prompt_tokens"], "colibri:prompt_tokens_total") >= 15
         assert m["colibri:num_requests_running"].type == "gauge" and "colibri:kv_cache_usage_perc" in m
+        assert value(m["process_resident_memory_bytes"], "process_resident_memory_bytes") > 0
         workers = {s.labels["worker"] for s in m["colibri:worker_dispatch_seconds"].samples}
         assert len(workers) == 2
         assert 0 < value(m["colibri:expert_balance"], "colibri:expert_balance") <= 1
@@ -71,3 +72,6 @@ def test_router_and_worker_metrics_move_with_the_traffic(oracles):
             elif held > 0:                     # all packed (no expert cache here): no mapping served from
                 assert not pages
             assert value(wm["colibri:expert_forward"], "colibri:expert_forward_total", code="ok") > 0
+            # the process's own families, on every service (memory and restart panels read them)
+            assert value(wm["process_resident_memory_bytes"], "process_resident_memory_bytes") > 0
+            assert value(wm["process_start_time_seconds"], "process_start_time_seconds") > 0

@@ -379,6 +379,7 @@ def test_health_and_metrics(served):
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     assert 'colibri_openai:requests_total{endpoint="completions",outcome="ok"}' in text
+    assert "process_resident_memory_bytes" in text and "process_start_time_seconds" in text
     with pytest.raises(openai.BadRequestError):                         # the router's refusal: counted by status
         api.completions.create(model="chatty", prompt="Hi", max_tokens=10_000)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)

@@ -8,12 +8,12 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from colibri.openai_api.responses import Reply
-from colibri_common.metrics_http import LATENCY_BUCKETS, render
+from colibri_common.metrics_http import LATENCY_BUCKETS, render, with_process
 
 
 class FrontMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = with_process(CollectorRegistry(auto_describe=True))
         self.requests = Counter("colibri_openai:requests", "HTTP generation requests sent to the router, by "
                                 "endpoint and outcome: ok; abort (the client left, before its first token or "
                                 "after); or the HTTP status of an error, the router's refusals included. "

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from colibri_common.metrics_http import LATENCY_BUCKETS, TOKEN_BUCKETS, render, serve_metrics
+from colibri_common.metrics_http import LATENCY_BUCKETS, TOKEN_BUCKETS, render, serve_metrics, with_process
 from colibri_common.metrics_http import parse as parse  # noqa: PLC0414 (re-exported for callers)
 
 GAUGE_HELP = {
@@ -52,7 +52,7 @@ class Metrics:
         self.gauges: dict[str, float] = {}
         self.phases: dict[str, float] = {}     # seconds spent per engine phase (schedule, forward, wait, ...)
         self.sources = list(sources)
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = with_process(CollectorRegistry(auto_describe=False))
         self.ttft = Histogram("colibri:time_to_first_token_seconds", "Time from arrival to the first token.",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("colibri:inter_token_latency_seconds", "Time between two tokens of one request.",
