@@ -77,6 +77,8 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (nohup's ignore stays)
+        signal.signal(signal.SIGHUP, on_signal)   # its terminal closed: the ordered stop (it died, children and all)
     cfg = ModelConfig.from_dir(opts.router.model)   # an unusable config.json fails here, before any child starts
     if n > cfg.num_experts:                      # as would more workers than experts: one line, not one per child
         raise ConfigError(f"--workers {n}: {cfg.num_experts} experts a layer leave workers without any; give at "
@@ -150,7 +152,9 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
             quick = time.monotonic() - started < 60          # died soon after its (re)start
             delay = min(30.0, max(1.0, 2 * delay)) if quick and restarts else 0.0
             restarts = restarts + 1 if quick else 0
-            log.error("%s exited with code %s%s; restarting it in %.0fs", what, code, exit_reason(code), delay)
+            # exit 0: it was stopped (someone's SIGTERM), not a crash
+            log.log(logging.WARNING if code == 0 else logging.ERROR, "%s exited with code %s%s; restarting it in "
+                    "%.0fs", what, code, " (stopped from outside serve)" if code == 0 else exit_reason(code), delay)
             if stop_signal.wait(delay):
                 return
             if code == EXIT_RESTART:           # its files changed: started again once a copy still under way ends

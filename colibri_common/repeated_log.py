@@ -25,7 +25,7 @@ class RepeatedLog:
             self.held += 1
             return False
         if self.held and reason != self.reason:
-            self.log.log(self.level, "(the line before happened %d more time%s)", self.held, "s" * (self.held > 1))
+            self._said_held()
         elif self.held:
             line += f" ({self.held} more like it in the last {now - self.said_at:.0f} s)"
         self.log.log(self.level, "%s", line)
@@ -35,5 +35,10 @@ class RepeatedLog:
     def end(self) -> None:
         """The incident is over (a step went through): the times it happened since it was last said, said."""
         if self.held:
-            self.log.log(self.level, "(the line before happened %d more time%s)", self.held, "s" * (self.held > 1))
+            self._said_held()
         self.reason, self.held = "", 0
+
+    def _said_held(self) -> None:
+        """The count of the held repeats, naming their reason (in a log that several threads and processes write,
+        "the line before" is any line)."""
+        self.log.log(self.level, "(%s: %d more time%s)", self.reason[:200], self.held, "s" * (self.held > 1))

@@ -116,11 +116,13 @@ class Service:
             self.health.set(self.name, health_pb2.HealthCheckResponse.SERVING if serving
                             else health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    def set_serving(self, healthy: bool) -> None:
-        """Readiness from the service's own checks (it is SERVING only when loaded, healthy and not stopping)."""
+    def set_serving(self, healthy: bool, why: str = "") -> None:
+        """Readiness from the service's own checks (it is SERVING only when loaded, healthy and not stopping);
+        `why` it is not. A WARNING when it goes NOT_SERVING while it serves; INFO when it stops (a drain)."""
         if healthy != self._healthy:
-            log.log(logging.INFO if healthy else logging.WARNING, "readiness: %s",
-                    "SERVING" if healthy else "NOT_SERVING")
+            stopping = self._stopped.is_set()
+            log.log(logging.INFO if healthy or stopping else logging.WARNING, "readiness: %s%s",
+                    "SERVING" if healthy else "NOT_SERVING", f" ({why})" if why and not healthy else "")
         self._healthy = healthy
         self._publish()
 

@@ -332,7 +332,7 @@ def serve_expert(opts: ExpertOptions) -> int:
         if damaged:
             return
         damaged.append(reason)
-        service.set_serving(False)
+        service.set_serving(False, reason)
         service.stop_soon(f"{reason}; the experts' bytes are not read any more (a restart maps the files afresh)")
 
     def serving(b: BuiltShard) -> None:         # the metrics and the file watch follow the experts served

@@ -225,7 +225,7 @@ class ExpertShard:
 
     def _pack_all(self, progress: bool) -> None:
         for layer in tqdm(self.cfg.moe_layers, desc=f"experts {self.shard}/{self.num_shards}" if self.num_shards
-                          else "experts", unit="layer", disable=not progress or not self.experts):
+                          else "experts", unit="layer", disable=None if progress and self.experts else True):
             if self.held[layer]:
                 self.w13[layer], self.w2[layer] = self._pack(self.ckpt, layer)
 

@@ -25,5 +25,5 @@ def test_a_repeated_reason_is_said_once_per_interval_with_how_often_it_happened(
         assert said.say("another", "step 204: another")     # and a new one starts afresh
     assert [r.getMessage() for r in caplog.records] == [
         "step 1: worker down", "step 200: worker down (198 more like it in the last 6 s)",
-        "(the line before happened 1 more time)", "step 202: another", "(the line before happened 1 more time)",
+        "(worker down: 1 more time)", "step 202: another", "(another: 1 more time)",
         "step 204: another"]

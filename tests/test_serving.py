@@ -370,3 +370,19 @@ def test_a_second_signal_to_serve_stops_the_fleet_now_not_after_the_grace_period
             assert time.monotonic() - t0 < 15, "serve waited for the drain after a second signal"
             for s in streams:                              # the open streams ended (an error), not cut silently
                 assert s.exception(timeout=30) is not None or s.result()
+
+
+def test_serve_whose_terminal_closed_drains_and_stops_as_on_sigterm(oracles):
+    """SIGHUP (the terminal closed) killed serve at once, its children with it: no log line, no drain, requests cut.
+    Now it is the ordered stop: the open stream ends whole and serve exits 0."""
+    oracle = oracles["olmoe"]
+    with fleet(oracle.path, 1, ["--max-model-len", "512", "--max-batch-size", "1", "--grace-period", "60"]) \
+            as (addr, proc):
+        client = Client(addr)
+        with ThreadPoolExecutor(4) as pool:                # one at a time: they outlast the second below
+            streams = [pool.submit(client.generate, [1, 2, 3], 500, ignore_eos=True, timeout=120) for _ in range(4)]
+            time.sleep(1.0)
+            assert not all(s.done() for s in streams), "the streams ended before the signal: make them longer"
+            proc.send_signal(signal.SIGHUP)
+            assert proc.wait(timeout=90) == 0
+            assert [len(s.result(timeout=60).token_ids) for s in streams] == [500] * 4   # drained, not cut

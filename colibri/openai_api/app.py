@@ -79,6 +79,8 @@ class Front:
                                                         f"{exc.details()}")
                 why = without_addresses(exc.details() or "", self.hide)
                 raise ApiError(503, f"the router is not ready: {why}") from None
+            if self._info is not None:            # another request asked at the same time and got it first
+                return self._info
             self._info = info
             self._unready.end()                   # how often it was not ready since last said, if it was held back
             if info.chat_template:

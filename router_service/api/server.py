@@ -262,7 +262,7 @@ def serve_router(opts: RouterOptions) -> int:
             if damaged:
                 return
             damaged.append((reason, code))
-        service.set_serving(False)
+        service.set_serving(False, reason)
         service.stop_soon(f"{reason}; {then}")
 
     built.engine.on_damage = stop_serving
@@ -284,8 +284,12 @@ def serve_router(opts: RouterOptions) -> int:
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     log.info("router loaded in %.2fs", time.perf_counter() - t0)
     # readiness follows the workers: NOT_SERVING while an expert has no live worker (or the engine has stopped)
-    built.experts.watch(lambda ok: service.set_serving(ok and not built.engine.draining
-                                                       and built.engine.stopped is None))
+    def readiness(ok: bool) -> None:
+        why = "draining" if built.engine.draining else "the engine stopped" if built.engine.stopped is not None \
+            else "" if ok else "some experts have no live worker"
+        service.set_serving(not why, why)
+
+    built.experts.watch(readiness)
     service.ready(opts.host, bound)
     closed = threading.Event()
 

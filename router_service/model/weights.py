@@ -140,7 +140,8 @@ class RouterWeights:
         if norm is not None:
             top["norm"] = norm
         layers = []
-        for i in tqdm(range(cfg.num_layers), desc="router weights", unit="layer", disable=not progress):
+        # disable=None: a bar on a terminal only, never into a log file
+        for i in tqdm(range(cfg.num_layers), desc="router weights", unit="layer", disable=None if progress else True):
             specs = router_layer_tensors(cfg, i)
             bias = specs.pop("gate_correction", None)          # float32 whatever the compute dtype, as transformers
             gate = specs.pop("gate", None) if cfg.arch.gate_fp32 else None        # a float32 gate too

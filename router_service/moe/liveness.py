@@ -77,7 +77,8 @@ class Liveness:
             self.banned_until[w] = now + self.ban_s[w]
             self.last_failure[w] = now
             self.bans[w] += 1
-        log.warning("expert worker %s failed (%s): banned for %.1fs, its tokens go to replicas",
+        log.warning("expert worker %s failed (%s): left out for %.1fs; its experts' tokens go to their other "
+                    "workers where they have any (--replicas), else their requests fail until it is back",
                     self.addresses[w], why, self.ban_s[w])
 
     def restarted(self, w: int, process: str) -> None:
