@@ -15,10 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from colibri_common.errors import ColibriError
 
-# Request latencies from 1 ms to 10 min; inter-token latencies from 1 ms to 10 s (vLLM's ranges).
+# Request latencies from 1 ms to 10 min; inter-token latencies from 1 ms to 80 s (vLLM's ranges: a stall of a
+# --worker-timeout or a preemption's recompute lands in a bucket, not +Inf).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
-TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                 20.0, 40.0, 80.0)
 
 
 def with_process(registry: CollectorRegistry) -> CollectorRegistry:

@@ -38,6 +38,17 @@ def test_router_and_worker_metrics_move_with_the_traffic(oracles):
             assert m[h].type == "histogram"
             moved = value(m[h], h + "_count") - value(before[h], h + "_count")
             assert moved >= (25 if "inter_token" in h else 5), h
+        # a finished request's phases and sizes, under vLLM's names: these 5 requests of 3 + 6 tokens
+        for h in ("colibri:request_queue_time_seconds", "colibri:request_prefill_time_seconds",
+                  "colibri:request_decode_time_seconds", "colibri:request_prompt_tokens",
+                  "colibri:request_generation_tokens"):
+            assert m[h].type == "histogram" and value(m[h], h + "_count") - value(before[h], h + "_count") == 5, h
+        assert value(m["colibri:request_prompt_tokens"], "colibri:request_prompt_tokens_sum") - \
+            value(before["colibri:request_prompt_tokens"], "colibri:request_prompt_tokens_sum") == 15
+        assert value(m["colibri:request_generation_tokens"], "colibri:request_generation_tokens_sum") - \
+            value(before["colibri:request_generation_tokens"], "colibri:request_generation_tokens_sum") == 30
+        steps = m["colibri:iteration_tokens_total"]
+        assert value(steps, "colibri:iteration_tokens_total_sum") >= 5 * (3 + 5)     # every token the model ran
         assert value(m["colibri:request_success"], "colibri:request_success_total", finished_reason="length") >= 5
         # requests refused at admission are counted by reason (they were in no metric)
         for bad in ({"temperature": -1.0}, {"stop_token_ids": [10**6]}):

@@ -260,6 +260,10 @@ class Engine:
             t0 = time.perf_counter()
             step = Step.split(self.scheduler.schedule(), self.micro_batches)
             self.phase["schedule"] += time.perf_counter() - t0
+        now = time.monotonic()
+        for s in step.scheduled:
+            if s.seq.scheduled_at is None:
+                s.seq.scheduled_at = now
         return step
 
     def _execute(self, step: Step) -> torch.Tensor:
@@ -374,6 +378,7 @@ class Engine:
             m.phases = dict(self.phase, **self.experts.timers)
             for name in ("batch_size", "batch_tokens"):
                 m.gauges[name + "_max"] = max(m.gauges.get(name + "_max", 0), m.gauges[name])
+        m.iteration_tokens.observe(sum(s.num_new for s in batch))
         self._say_preemptions()
 
     def _say_preemptions(self) -> None:
@@ -422,7 +427,7 @@ class Engine:
         """The one way out of the engine: free the KV blocks, count it, send the last event, forget it."""
         self.scheduler.finish(seq)
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.metrics.e2e.observe(time.monotonic() - seq.arrival)
+            self.metrics.finished(seq, time.monotonic())
         with self.metrics.lock:
             self.metrics.requests[reason.value] += 1
             self.metrics.gauges.update(self._occupancy())

@@ -2,7 +2,8 @@
 
 Counters and gauges are plain Python values the engine updates between steps (under `lock`); a collector
 turns them into metric families at scrape time. Latencies are `prometheus_client` histograms, observed as
-tokens leave: time to first token, inter-token latency, end-to-end request latency. Other parts add
+tokens leave: time to first token, inter-token latency, end-to-end request latency, and a finished request's
+queue, prefill and decode times and sizes, as vLLM's. Other parts add
 families through `sources` (the experts client: dispatch latency per worker, tokens per worker, expert
 balance, and tokens routed per layer and expert when asked).
 """
@@ -11,12 +12,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from colibri_common.metrics_http import LATENCY_BUCKETS, TOKEN_BUCKETS, render, serve_metrics, with_process
 from colibri_common.metrics_http import parse as parse  # noqa: PLC0414 (re-exported for callers)
+
+if TYPE_CHECKING:
+    from router_service.engine.sequence import Sequence
+
+# token counts per request or step: 1 to 32 Ki, doubling
+SIZE_BUCKETS = tuple(float(2**i) for i in range(16))
 
 GAUGE_HELP = {
     "num_requests_running": "Sequences in the running batch, taking steps (paused ones not counted).",
@@ -59,7 +67,32 @@ class Metrics:
                              buckets=TOKEN_BUCKETS, registry=self.registry)
         self.e2e = Histogram("colibri:e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        # a finished request's phases and sizes, as vLLM's of the same names (its dashboards' panels read them)
+        self.queue_time = Histogram("colibri:request_queue_time_seconds", "A finished request's time waiting "
+                                    "before its first step.", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.prefill_time = Histogram("colibri:request_prefill_time_seconds", "A finished request's time from its "
+                                      "first step to its first token.", buckets=LATENCY_BUCKETS,
+                                      registry=self.registry)
+        self.decode_time = Histogram("colibri:request_decode_time_seconds", "A finished request's time from its "
+                                     "first token to its last.", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_sizes = Histogram("colibri:request_prompt_tokens", "A finished request's prompt tokens.",
+                                      buckets=SIZE_BUCKETS, registry=self.registry)
+        self.output_sizes = Histogram("colibri:request_generation_tokens", "A finished request's generated "
+                                      "tokens.", buckets=SIZE_BUCKETS, registry=self.registry)
+        self.iteration_tokens = Histogram("colibri:iteration_tokens_total", "Tokens (prefill + decode) per engine "
+                                          "step.", buckets=SIZE_BUCKETS, registry=self.registry)
         self.registry.register(self)
+
+    def finished(self, seq: Sequence, now: float) -> None:
+        """A request that ended with its tokens (stop or length): its latency, phases and sizes."""
+        self.e2e.observe(now - seq.arrival)
+        start = seq.scheduled_at if seq.scheduled_at is not None else now
+        first = seq.first_token_at if seq.first_token_at is not None else now
+        self.queue_time.observe(start - seq.arrival)
+        self.prefill_time.observe(max(0.0, first - start))
+        self.decode_time.observe(max(0.0, now - first))
+        self.prompt_sizes.observe(len(seq.prompt_ids))
+        self.output_sizes.observe(len(seq.output_ids))
 
     def describe(self) -> list[Metric]:
         return []

@@ -146,6 +146,7 @@ class Sequence:
     num_cached: int = 0          # tokens whose K/V are in the cache
     status: Status = Status.WAITING
     arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None   # its first step (the end of its wait in the queue)
     first_token_at: float | None = None
     last_token_at: float = 0.0
     uid: int = field(default_factory=lambda: next(_UIDS))
