@@ -141,7 +141,7 @@ class Delta:
 
 
 def make_request(prompt: str | list[int], max_tokens: int = 0, temperature: float = 0.0, seed: int | None = None,
-                 return_logits: bool = False, request_id: str = "", add_special_tokens: bool | None = None,
+                 return_logits: bool = False, request_id: str = "", add_special_tokens: bool = True,
                  **sampling) -> pb.GenerateRequest:
     """A GenerateRequest; `sampling` takes any SamplingParams field (top_p, stop, n, logprobs, ...);
     `add_special_tokens`: as request_of."""
@@ -210,16 +210,14 @@ def check_utf8(prompt: str) -> str:
 
 
 def request_of(prompt: str | list[int], sampling: pb.SamplingParams, request_id: str = "",
-               add_special_tokens: bool | None = None) -> pb.GenerateRequest:
+               add_special_tokens: bool = True) -> pb.GenerateRequest:
     """A GenerateRequest of a text or token-id prompt with these SamplingParams (ValueError, naming it, for a value
     a request cannot carry: token ids past int32, text that is not Unicode). `add_special_tokens`: whether a text
-    prompt's tokenizing adds the tokenizer's special tokens (a BOS); None = the router's default, yes."""
+    prompt's tokenizing adds the tokenizer's special tokens (a BOS), as transformers' tokenizer(text) does."""
     if isinstance(prompt, str):
         check_utf8(prompt)
-        fields = {"request_id": request_id, "text": prompt, "sampling": sampling}
-        if add_special_tokens is not None:
-            fields["add_special_tokens"] = add_special_tokens
-        return _message(pb.GenerateRequest, fields)
+        return _message(pb.GenerateRequest, {"request_id": request_id, "text": prompt, "sampling": sampling,
+                                             "add_special_tokens": add_special_tokens})
     try:
         ids = pb.TokenIds(ids=prompt)
     except (ValueError, TypeError) as exc:

@@ -124,6 +124,8 @@ class LocalFleet:
                     raise
                 time.sleep(pause)
                 pause = min(1.0, 2 * pause)
+                if stop.is_set():               # another failed meanwhile: this one is not sent again
+                    raise
 
     def _abort_running(self, futures: list, rids: list[str], within: float = 10.0) -> None:
         """Abort the requests whose calls still run, again until they end (a call may reach the router after an

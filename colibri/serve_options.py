@@ -58,6 +58,8 @@ class ServeOptions:
             raise ValueError(f"--openai-port must be in [0, 65535], got {self.openai_port}")
         if self.workers <= 0:
             raise ValueError(f"--workers must be positive, got {self.workers}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"--generation-config must be auto or vllm, got {self.generation_config!r}")
         if not 1 <= self.replicas <= self.workers:
             raise ValueError(f"--replicas {self.replicas}: need 1 <= R <= --workers ({self.workers})")
         if self.gpus and self.router.device != "cpu":

@@ -121,15 +121,16 @@ class Detokenizer:
         self._pending: list[int] = []  # ids pushed since the last emitted text
 
     def _prime(self, prompt: list[int]) -> list[int]:
-        """The prompt's shortest suffix of at least PRIME ids (all of a shorter prompt) whose text has no
-        '\ufffd' (a character the prompt splits would be re-emitted), up to PRIME_MAX, else the longest shorter
-        one; [] if there is none (the prompt ends inside a character)."""
+        """The prompt's shortest suffix of at least PRIME ids (all of a shorter prompt) whose text is not empty and
+        has no '\ufffd' (a character the prompt splits would be re-emitted), up to PRIME_MAX, else the longest
+        shorter one; [] if there is none (the prompt ends inside a character, or in special tokens only)."""
         tok = self.tokenizer
         if tok is None or not prompt:
             return []
         first = min(self.PRIME, len(prompt))
         for n in (*range(first, min(self.PRIME_MAX, len(prompt)) + 1), *range(first - 1, 0, -1)):
-            if "\ufffd" not in tok.decode(prompt[-n:]):
+            text = tok.decode(prompt[-n:])
+            if text and "\ufffd" not in text:       # (special tokens alone decode to "": no context)
                 return prompt[-n:]
         return []
 

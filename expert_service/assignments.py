@@ -80,7 +80,7 @@ class Assignments:
             also = frozenset(request.also_serves) - {request.epoch}
             t0 = time.perf_counter()
             if held == s.held and now.assigned:               # nothing moves here
-                self.holding.set_epochs(request.epoch, also, request.owner)
+                self.holding.set_epochs(request.epoch, also, request.owner, request.switching)
             else:
                 assert self.build is not None                 # set before the worker serves
                 try:
@@ -89,7 +89,7 @@ class Assignments:
                     log.exception("could not load the experts of placement epoch %d", request.epoch)
                     raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"could not load the experts of epoch "
                                   f"{request.epoch}: {type(exc).__name__}: {exc}") from exc
-                self.holding.install(built, request.epoch, also, request.owner)
+                self.holding.install(built, request.epoch, also, request.owner, switching=request.switching)
                 if self.on_install is not None:
                     self.on_install(built)
             s = self.holding.now.built.experts

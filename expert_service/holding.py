@@ -38,6 +38,7 @@ class Served:
     also: frozenset[int]           # earlier epochs the set still covers (the union during a switch)
     owner: str = ""                # the router whose plan this is ("" = the worker's own, or none)
     assigned: bool = True          # False: a worker without --shard that no router has given experts yet
+    switching: bool = False        # the union of two plans (a change's load step), over budget until released
 
     def serves(self, epoch: int) -> bool:
         return self.assigned and (epoch == self.epoch or epoch in self.also)
@@ -61,13 +62,13 @@ class Holding:
         return None if now is None else now.built.experts
 
     def install(self, built: BuiltShard, epoch: int, also: frozenset[int] = frozenset(), owner: str = "",
-                assigned: bool = True) -> BuiltShard | None:
+                assigned: bool = True, switching: bool = False) -> BuiltShard | None:
         """Serve `built` from now on for `epoch` (and `also`); the shard it replaces is returned (closed here
         once no call uses it)."""
         close_now = False
         with self._lock:
             old = self.now
-            self.now = Served(built, epoch, also, owner, assigned)
+            self.now = Served(built, epoch, also, owner, assigned, switching)
             if old is None or old.built is built:
                 return None
             if self._users.get(id(old.built), 0):
@@ -78,11 +79,11 @@ class Holding:
             self._close(old.built)
         return old.built
 
-    def set_epochs(self, epoch: int, also: frozenset[int], owner: str) -> None:
+    def set_epochs(self, epoch: int, also: frozenset[int], owner: str, switching: bool = False) -> None:
         """The same experts answer for other epochs (a plan that changes nothing here)."""
         with self._lock:
             if self.now is not None:
-                self.now = Served(self.now.built, epoch, also, owner)
+                self.now = Served(self.now.built, epoch, also, owner, switching=switching)
 
     @contextmanager
     def use(self, epoch: int, holds: int = 0) -> Iterator[ExpertShard]:

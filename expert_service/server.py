@@ -121,6 +121,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             static_shard=self.static_shard,
             also_serves=sorted(now.also) if now is not None else [], instance=self.instance,
             owner=now.owner if now is not None else "", assigned=now is not None and now.assigned,
+            switching=now is not None and now.switching,
             checkpoint=self.checkpoint,
             layers=[expert_pb2.LayerExperts(layer=layer, experts=es) for layer, es in s.held.items()])
 

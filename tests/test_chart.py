@@ -698,6 +698,8 @@ def test_the_openai_front_dials_the_router_service_and_serves_its_port():
     assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
     c0 = front({"openai": {"enabled": True, "preStopSleepSeconds": 0}})[2]
     assert "lifecycle" not in c0 and "--grace-period=30" in c0["args"]
+    with pytest.raises(helm.HelmError, match="leaves the front no drain"):      # SIGKILL would cut the drain
+        render({"openai": {"enabled": True, "preStopSleepSeconds": 30}})
     # the Host names it answers: its Service's, and its pod's IP, which kubelet's probes and scrapers call
     assert {e["name"]: e for e in c["env"]}["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert dep["spec"]["replicas"] == 1

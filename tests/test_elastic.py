@@ -567,3 +567,21 @@ def test_a_router_started_on_a_change_another_left_unfinished_plans_anew(model):
         assert [held(a) for a in addrs] == [2 * 30, 2 * 30]
         assert admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).epoch == 3
         assert Client(r).generate(PROMPTS[0], 8, ignore_eos=True, timeout=120).token_ids == want
+
+
+def test_a_router_started_after_a_rolled_back_change_adopts_the_plan(model):
+    """A rolled-back change leaves the workers answering for the old epoch and the new one, holding the old plan
+    alone (not switching): a router started next adopts it as it is, with no re-plan."""
+    with ExitStack() as stack:
+        addrs = [stack.enter_context(worker(model.path))[0] for _ in range(2)]
+        with router(model.path, addrs) as (_, first):
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+        for k, a in enumerate(addrs):      # what the rollback assigns: each its old experts, at the new epoch
+            half = [expert_pb2.LayerExperts(layer=layer, experts=range(30 * k, 30 * k + 30)) for layer in (0, 1)]
+            with grpc.insecure_channel(a) as ch:
+                expert_pb2_grpc.ExpertWorkerStub(with_token(ch, TOKEN)).Assign(expert_pb2.AssignRequest(
+                    epoch=2, also_serves=[1], owner="the-killed-router", layers=half), timeout=60)
+        r, _ = stack.enter_context(router(model.path, addrs))
+        assert admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).epoch == 2     # adopted
+        assert [held(a) for a in addrs] == [2 * 30, 2 * 30]

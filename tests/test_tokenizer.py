@@ -226,7 +226,8 @@ def test_primed_with_the_prompt_the_stream_is_what_the_ids_add_to_it() -> None:
         return tok.decode(prompt + ids)[len(tok.decode(prompt)):]
 
     cases = [([1], [2, 3]), ([1, 2], [2]), ([4] * 30 + [1], [2, 1]), ([1, 8], [2, 8, 1]),
-             ([1] * 30, [7] * 12 + [2]), ([8], [1, 2]), ([7, 1], [2]), ([7] * 20 + [1], [2])]
+             ([1] * 30, [7] * 12 + [2]), ([8], [1, 2]), ([7, 1], [2]), ([7] * 20 + [1], [2]),
+             ([1, 8, 8, 8, 8], [2]), ([1, 2, 3] + [8] * 5, [2, 3]), ([8] * 6, [2])]      # special tokens last
     for prompt, ids in cases:
         detok = Detokenizer(tok, prompt)
         text = "".join(stream(detok, ids)) + detok.finish()

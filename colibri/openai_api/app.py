@@ -146,40 +146,16 @@ class Front:
         reply = Reply(chat, name, n, info.has_tokenizer,
                       parsed.sampling.logprobs or parsed.sampling.top_logprobs > 0, tuple(parsed.sampling.stop))
         self.metrics.started(reply)             # in flight from here (queued on the router too), counted once
-        calls = [self.client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}", parsed.add_special_tokens),
-                                    self.opts.request_timeout)
-                 for i, p in enumerate(prompts)]
-        streams = [aiter(call) for call in calls]
-        # Every call's first message is the router's verdict on its prompt (a refusal is a status code, before
-        # any byte is sent); a client that leaves while the router queues or prefills cancels them.
-        firsts = asyncio.ensure_future(asyncio.gather(*(anext(it) for it in streams)))
-        # read whatever it ends with, so a gather cancelled when the client left (it then holds CancelledError or
-        # the cancelled calls' error) is not logged as "exception was never retrieved" with a traceback
-        firsts.add_done_callback(lambda f: f.cancelled() or f.exception())
-        gone = asyncio.ensure_future(_disconnected(request))
+        calls: list = []
         try:
-            await asyncio.wait({firsts, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not firsts.done() or (gone.done() and not gone.cancelled()):      # it left (or both at once)
-            firsts.cancel()
+            first, streams = await self._first(request, reply, prompts, parsed, calls)
+        except BaseException:                   # a refusal, or cancelled (the server stopping): counted once
             _cancel(calls)
-            self.metrics.finished(reply, "abort")
+            self.metrics.finished(reply, "abort")    # (a no-op where a status was counted before)
+            raise
+        if first is None:                       # the client left before its first token
             log.info("%s: the client went away before the first token; cancelled on the router", reply.id)
             return Response(status_code=499)
-        try:
-            first = firsts.result()
-        except grpc.RpcError as exc:
-            err = ApiError.of_grpc(exc, self.hide, "messages" if chat else "prompt")
-            self._close(reply, calls, str(err.status))
-            raise err from None
-        except StopAsyncIteration:
-            self._close(reply, calls, "500")
-            raise ApiError(500, "the router ended a call without an answer") from None
-        except BaseException:                   # cancelled (the server stopping): counted, then passed on
-            _cancel(calls)
-            self.metrics.finished(reply, "abort")
-            raise
         messages = _merge(streams, first)
         if parsed.stream:
             return _Stream(self._events(reply, messages, parsed.include_usage),
@@ -189,10 +165,45 @@ class Front:
         finally:
             self._close(reply, calls, "error")
 
-    def _close(self, reply: Reply, calls: list, outcome: str) -> None:
+    async def _first(self, request: Request, reply: Reply, prompts: list, parsed: Parsed,
+                     calls: list) -> tuple[list | None, list]:
+        """Send every prompt to the router (into `calls`) and wait for each call's first message: the router's
+        verdict on its prompt (a refusal is a status code, before any byte is sent). (None, streams) when the
+        client left first (the calls are cancelled and counted as an abort); a refusal is raised as its ApiError,
+        counted by its status."""
+        calls += [self.client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}", parsed.add_special_tokens),
+                                     self.opts.request_timeout)
+                  for i, p in enumerate(prompts)]
+        streams = [aiter(call) for call in calls]
+        firsts = asyncio.ensure_future(asyncio.gather(*(anext(it) for it in streams)))
+        # read whatever it ends with, so a gather cancelled when the client left (it then holds CancelledError or
+        # the cancelled calls' error) is not logged as "exception was never retrieved" with a traceback
+        firsts.add_done_callback(lambda f: f.cancelled() or f.exception())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({firsts, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            left = not firsts.done()
+            if left:                            # the client left, or this handler was cancelled
+                firsts.cancel()
+        if left or (gone.done() and not gone.cancelled()):      # it left (or both at once)
+            self._close(reply, calls, "abort", quiet=True)
+            return None, streams
+        try:
+            return firsts.result(), streams
+        except grpc.RpcError as exc:
+            err = ApiError.of_grpc(exc, self.hide, "messages" if reply.chat else "prompt")
+            self._close(reply, calls, str(err.status))
+            raise err from None
+        except StopAsyncIteration:
+            self._close(reply, calls, "500")
+            raise ApiError(500, "the router ended a call without an answer") from None
+
+    def _close(self, reply: Reply, calls: list, outcome: str, quiet: bool = False) -> None:
         """Every way out of a request: its router calls cancelled (a no-op once they ended), counted once."""
         _cancel(calls)
-        if self.metrics.finished(reply, outcome) and outcome == "abort":       # a stream left before its end
+        if self.metrics.finished(reply, outcome) and outcome == "abort" and not quiet:   # a stream left mid-way
             log.info("%s: the client went away mid-stream; its request was cancelled on the router", reply.id)
 
     def _render(self, parsed: Parsed) -> str:

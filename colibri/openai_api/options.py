@@ -55,6 +55,8 @@ class OpenAIOptions:
 
     def __post_init__(self) -> None:
         check_target("--target", self.target)
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"--generation-config must be auto or vllm, got {self.generation_config!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes <= 0:

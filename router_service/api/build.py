@@ -106,7 +106,7 @@ def remote_experts(opts: RouterOptions, workers: tuple[str, ...] = ()) -> Expert
                              expect_quantize=opts.quantize, device=device, track_routing=opts.expert_metrics, tls=tls,
                              batch_invariant=opts.batch_invariant, token=fleet_token(), step_tokens=rows,
                              replicas=opts.expert_replicas, window_steps=opts.placement_window,
-                             checkpoint=Checkpoint(opts.model).fingerprint())
+                             checkpoint=Checkpoint(opts.model).fingerprint(), load_timeout_s=opts.worker_load_timeout)
 
     return connect
 

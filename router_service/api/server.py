@@ -76,8 +76,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if self.built.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json; send the prompt as token_ids")
             left = context.time_remaining()                  # huge when the client set no deadline
-            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = self.tokenize_pool.submit(self.built.tokenizer.encode, request.text, special).result(
+            if not request.text:                            # (not [BOS] alone)
+                raise ValueError("the prompt is empty; send text or at least one token id")
+            ids = self.tokenize_pool.submit(self.built.tokenizer.encode, request.text,
+                                            request.add_special_tokens).result(
                 timeout=left if left is not None and left < 1e6 else None)
         elif kind == "token_ids":
             if len(request.token_ids.ids) > limit:

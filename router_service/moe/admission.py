@@ -35,6 +35,7 @@ class WorkerInfo:
     instance: str = ""               # the worker process (one worker under two addresses is one worker)
     owner: str = ""                  # the router whose plan it holds ("" = its own, or none)
     assigned: bool = True            # it holds a plan (False: started without --shard, nothing assigned yet)
+    switching: bool = False          # it holds the old and new experts of a change not released yet
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def info_of(d: expert_pb2.DescribeResponse, address: str, cfg: ModelConfig, loca
     summary = f"{how}, {sum(map(len, held.values()))} (layer, expert) pairs, {d.dtype} {cached}, layers over " \
               f"{'its local socket ' + d.local_socket if local else 'gRPC'}"
     return WorkerInfo(address, d.epoch, held, tuple(d.also_serves), d.max_experts,
-                      d.static_shard or bool(d.num_shards), summary, d.instance, d.owner, d.assigned)
+                      d.static_shard or bool(d.num_shards), summary, d.instance, d.owner, d.assigned, d.switching)
 
 
 def serves(info: WorkerInfo, table: Table) -> bool:
@@ -125,8 +126,9 @@ def first_plan(infos: list[WorkerInfo], cfg: ModelConfig, replicas: int, index: 
     adopted = Table.of(learnt, index, cfg.num_layers, cfg.num_experts)
     copies = int(adopted.holders[list(cfg.moe_layers)].sum(dim=2).min()) if cfg.moe_layers else want
     # a change whose router died before it ended (killed while loading or releasing) leaves workers holding
-    # the old and the new plan's experts for two epochs, over their budgets: a plan anew releases one of them
-    halfway = [i.address for i in infos if i.also]
+    # the old and the new plan's experts for two epochs, over their budgets: a plan anew releases one of them.
+    # (A rolled-back change leaves them answering for two epochs too, but holding one plan: that is adopted.)
+    halfway = [i.address for i in infos if i.switching]
     if halfway:
         log.warning("workers %s hold a change that their router left unfinished (old and new experts, placement "
                     "epoch %d and %s): planning anew", ", ".join(halfway), learnt.epoch,

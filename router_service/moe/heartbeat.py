@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_service.moe.worker_watch import WORKER_SERVICE
 
+LOAD_SILENCE_S = 10.0       # a worker to load a placement that answers no health check this long is given up
 # no answer at all: the peer's process is not there or does not run (any status, even an error, is an answer)
 _SILENT = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 

@@ -30,6 +30,7 @@ from colibri_common.tls import TlsFiles
 from kernels import native
 from router_service.moe.admission import Expected, WorkerInfo, check, first_plan, info_of
 from router_service.moe.experts import ExpertsUnavailable, Prefetch
+from router_service.moe.heartbeat import LOAD_SILENCE_S
 from router_service.moe.in_flight import InFlight, Part
 from router_service.moe.liveness import Liveness
 from router_service.moe.load_window import LoadWindow
@@ -54,7 +55,7 @@ class RemoteExperts:
                  expect_quantize: str | None = None, device: torch.device | None = None,
                  track_routing: bool = False, tls: TlsFiles | None = None, batch_invariant: bool = False,
                  token: str | None = None, step_tokens: int = 0, replicas: int = 1, window_steps: int = 256,
-                 checkpoint: str = "") -> None:
+                 checkpoint: str = "", load_timeout_s: float = 600.0) -> None:
         if len(set(addresses)) != len(addresses):
             raise ConfigError(f"--workers names a worker twice: {', '.join(addresses)}")
         self.cfg, self.wire_dtype = cfg, wire_dtype
@@ -97,7 +98,7 @@ class RemoteExperts:
         try:
             infos = [self.describe(a, time.monotonic() + connect_timeout_s) for a in addresses]
             self.table = first_plan(infos, cfg, replicas, self.index, lambda a, held, epoch: self.assign(
-                a, held, epoch, timeout_s=600.0, silence_s=10.0))
+                a, held, epoch, timeout_s=load_timeout_s, silence_s=LOAD_SILENCE_S))
         except WorkerError:
             self.links.close()
             raise

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from colibri_common.errors import ConfigError
 from router_service.moe.admission import WorkerInfo
 from router_service.moe.follow import Follower
+from router_service.moe.heartbeat import LOAD_SILENCE_S
 from router_service.moe.plan import Held, Plan, ResizeFailed, balance, load_plan, sticky_plan, union
 from router_service.moe.remote import RemoteExperts
 from router_service.moe.table import Table
@@ -50,7 +51,7 @@ class PlacementOptions:
     load_timeout: float = 600.0       # seconds a worker may take to load its new experts
     connect_timeout: float = 10.0     # seconds a new worker may take to answer Describe
     replan_dead_after: float = 0.0    # a worker down this long is planned out (its experts moved); 0 = never
-    load_silence: float = 10.0        # a worker loading or releasing that answers no health check this long fails
+    load_silence: float = LOAD_SILENCE_S   # a worker loading or releasing that answers no check this long fails
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

@@ -25,6 +25,7 @@ class Options(Protocol):
     rebalance_interval: float
     replan_dead_after: float
     load_timeout: float
+    load_silence: float
 
 
 class Changed(Protocol):
