@@ -104,8 +104,15 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         # Every child starts at once (the router loads its weights while the workers load theirs, and waits
         # for them): the workers get their ports up front, so the router knows where to find them.
         t_start = time.monotonic()
-        ports = free_ports(n)
-        procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i], sockets)) for i in range(n)]
+        # --metrics-port 0: the metrics ports are chosen here too (all at once: none repeats), so a child started
+        # again serves its metrics where it did
+        any_metrics = opts.router.metrics_port == 0
+        chosen = free_ports(2 * n + 1 if any_metrics else n)
+        ports, mports = chosen[:n], [*chosen[n:]] if any_metrics else [None] * (n + 1)
+        if any_metrics:
+            opts = replace(opts, router=replace(opts.router, metrics_port=mports[n]))
+        procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i], sockets, mports[i]))
+                 for i in range(n)]
         workers = tuple(f"127.0.0.1:{port}" for port in ports)
         router = fleet.spawn("router", opts.router_options(workers, router_threads))
         addrs, ready_s = [], []
@@ -178,7 +185,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         return int(address.rsplit(":", 1)[1])
 
     def respawn_worker(i: int) -> Child:
-        return fleet.spawn("expert", opts.expert(i, worker_threads, port_of(addrs[i]), sockets))
+        return fleet.spawn("expert", opts.expert(i, worker_threads, port_of(addrs[i]), sockets, mports[i]))
 
     def respawn_router() -> Child:
         current["router"] = fleet.spawn("router", replace(opts.router_options(workers, router_threads),

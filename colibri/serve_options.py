@@ -23,7 +23,8 @@ class ServeOptions:
     EXCLUDED = ("router.workers", "router.follow_workers", "router.follow_interval", "router.expert_replicas")
     HELPS = {"router.threads": "cores to split between the router and the workers (0 = all cores)",
              "router.metrics_port": "serve the router's Prometheus metrics on this port P, and worker i's on "
-                                    "P + 1 + i (default: off; 0 = any free ports)"}
+                                    "P + 1 + i (default: off; 0 = free ports chosen at start, each kept across its "
+                                    "child's restarts)"}
 
     router: RouterOptions = RouterOptions()
     workers: int = option(2, "number of expert workers (shards) to start")
@@ -90,16 +91,19 @@ class ServeOptions:
             return self.router.device
         return f"cuda:{self.gpus[0 if child is None else child % len(self.gpus)]}"
 
-    def expert(self, shard: int, threads: int, port: int = 0, sockets: Path | None = None) -> ExpertOptions:
+    def expert(self, shard: int, threads: int, port: int = 0, sockets: Path | None = None,
+               metrics_port: int | None = None) -> ExpertOptions:
         """Worker `shard`'s options: the service options it shares with the router, on loopback; with `sockets`
-        (a directory only this user enters) its same-host socket there."""
+        (a directory only this user enters) its same-host socket there; `metrics_port` overrides P + 1 + shard."""
         common = dict(shared_fields(self.router), host="127.0.0.1", port=port, threads=threads,
                       device=self.device(shard))
         mport = self.router.metrics_port                 # the router's port P; worker i gets P + 1 + i
+        if metrics_port is None and mport is not None:   # (`metrics_port`: the one serve chose, for P = 0)
+            metrics_port = mport and mport + 1 + shard
         sched = self.router.sched
         return ExpertOptions(**common, shard=f"{shard}/{self.workers}", replicas=self.replicas, cache=self.cache,
                              max_step_tokens=max(sched.max_num_tokens, sched.max_batch_size),
-                             metrics_port=None if mport is None else (mport and mport + 1 + shard),
+                             metrics_port=metrics_port,
                              local_socket="" if sockets is None else str(sockets / f"worker-{shard}.sock"))
 
     def router_options(self, workers: tuple[str, ...], threads: int) -> RouterOptions:

@@ -386,3 +386,45 @@ def test_serve_whose_terminal_closed_drains_and_stops_as_on_sigterm(oracles):
             proc.send_signal(signal.SIGHUP)
             assert proc.wait(timeout=90) == 0
             assert [len(s.result(timeout=60).token_ids) for s in streams] == [500] * 4   # drained, not cut
+
+
+def test_metrics_port_0_gives_each_child_a_port_it_keeps_across_restarts(oracles):
+    """With --metrics-port 0 a restarted child took a new free port, so a scrape target written down after the
+    start went dead; serve now chooses the ports itself, and a child started again serves its metrics there."""
+    from tests.conftest import argv_of
+
+    def children(proc) -> list[tuple[psutil.Process, list[str]]]:
+        out = []
+        for c in psutil.Process(proc.pid).children():
+            try:
+                out.append((c, argv_of(c)))
+            except psutil.Error:                           # a child that just exited (a kernel probe's fork)
+                pass
+        return out
+
+    def metrics_ports(proc) -> dict[str, int]:
+        out = {}
+        for _, argv in children(proc):
+            role = "router" if "router" in argv else "expert" if "expert" in argv else ""
+            if role:
+                out[role] = int(next(a for a in argv if a.startswith("--metrics-port=")).split("=")[1])
+        return out
+
+    with fleet(oracles["olmoe"].path, 1, ["--metrics-port", "0"]) as (_, proc):
+        before = metrics_ports(proc)
+        assert set(before) == {"router", "expert"} and all(before.values())
+        assert metrics(before["expert"]) and metrics(before["router"])
+        (worker,) = [c for c, argv in children(proc) if "expert" in argv]
+        worker.kill()
+        deadline = time.monotonic() + 60
+        while True:                                        # serve starts it again, on the same ports
+            kids = [c for c, argv in children(proc) if "expert" in argv and c.pid != worker.pid]
+            if kids:
+                try:
+                    if metrics(before["expert"]):
+                        break
+                except OSError:
+                    pass
+            assert time.monotonic() < deadline, "the restarted worker serves no metrics on its port"
+            time.sleep(0.2)
+        assert metrics_ports(proc) == before
