@@ -102,6 +102,10 @@ class LocalServer:
             pass                                          # closed under it
         frames.put(None)
 
+    @property
+    def open_connections(self) -> int:
+        return self._open
+
     def close(self) -> None:
         self._closed.set()
         self.sock.close()

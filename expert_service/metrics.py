@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -39,6 +39,7 @@ class WorkerMetrics:
         self.mapped_bytes = 0      # the shard's experts in the checkpoint files (the cold tier)
         self.in_place_bytes = 0    # the shard's experts computed in place on the mapping (0 when packed)
         self.streams_open = 0
+        self.local_open: Callable[[], int] = lambda: 0   # the same-host socket's connections open now
         self.mapped_files: list[Path] = []   # the checkpoint files read through the mapping (in place, or the
         #                                      expert cache's mapped tier; none when all packed)
         self._pages: tuple[float, tuple[int, int] | None] = (float("-inf"), None)   # (when, mapped_pages)
@@ -66,6 +67,9 @@ class WorkerMetrics:
                                     value=self.in_place_bytes)
             yield GaugeMetricFamily("colibri:expert_streams_open", "ForwardStream calls open.",
                                     value=self.streams_open)
+            yield GaugeMetricFamily("colibri:expert_local_connections_open", "Same-host socket connections open "
+                                    "(a router on this host sends its layers there, not over ForwardStream).",
+                                    value=self.local_open())
         if self.cache is not None:
             yield from self._cache_families()
         pages = self.checkpoint_pages()

@@ -354,6 +354,7 @@ def serve_expert(opts: ExpertOptions) -> int:
         # socket was named took gRPC for the worker's life
         local = LocalServer(opts.local_socket, servicer.answer_frame, limit, opts.max_streams)
         servicer.local_socket = str(local.path)
+        servicer.metrics.local_open = lambda: local.open_connections
         log.info("Forward also on the local socket %s", local.path)
     servicer.holding.install(built, 0, assigned=bool(opts.shard))     # without --shard: nothing until assigned
     if opts.metrics_port is not None:

@@ -23,7 +23,7 @@ from colibri_common.checkpoint import Checkpoint, checkpoint_id
 from colibri_common.frames import HEADER, recv_frame, send_frame
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.placement import held_digest
-from tests.conftest import argv_of, colibri_popen, fleet
+from tests.conftest import argv_of, colibri_popen, fleet, metrics
 
 PROMPTS = [[1, 2, 3, 4], [9, 8, 7], [5, 17, 33, 2, 11]]
 
@@ -47,11 +47,13 @@ def test_a_fleet_sends_its_layers_over_local_sockets_with_the_tokens_of_grpc_str
     oracle = oracles["qwen3_moe"]
     with fleet(oracle.path, 2, ["--transport", "stream"]) as (addr, _):
         over_grpc = [Client(addr).generate(p, 12).token_ids for p in PROMPTS]
-    with fleet(oracle.path, 2) as (addr, proc):
+    with fleet(oracle.path, 2, ["--metrics-port", "0"]) as (addr, proc):
         local = [Client(addr).generate(p, 12).token_ids for p in PROMPTS]
         workers = [c for c in psutil.Process(proc.pid).children() if "expert" in argv_of(c)]
         paths = [socket_of(w) for w in workers]
         for w, path in zip(workers, paths, strict=True):
+            mport = int(next(a for a in argv_of(w) if a.startswith("--metrics-port=")).split("=")[1])
+            assert metrics(mport)["colibri:expert_local_connections_open"] >= 1     # the router's, counted
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, "only the fleet's user may connect"
             assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
             conns = [c for c in w.net_connections(kind="unix") if c.laddr == str(path)]
