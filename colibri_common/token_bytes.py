@@ -18,7 +18,7 @@ import tokenizers
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map, the alphabet of the ByteLevel pre-tokenizer and decoder."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     out = {b: chr(b) for b in printable}
@@ -30,7 +30,7 @@ def _byte_to_unicode() -> dict[int, str]:
     return out
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in byte_to_unicode().items()}
 
 
 def _decoders(spec: dict | None) -> list[dict]:

@@ -10,17 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, the alphabet of `pre_tokenizers.ByteLevel`."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
+from colibri_common.token_bytes import byte_to_unicode
 
 
 def byte_level_tokenizer() -> Tokenizer:
