@@ -1,5 +1,5 @@
-"""The sampling a checkpoint's authors recommend: `generation_config.json`'s temperature, top_p, top_k, min_p and
-repetition_penalty (Qwen3's: temperature 0.6, top_p 0.95, top_k 20).
+"""The sampling a checkpoint's authors recommend: `generation_config.json`'s temperature, top_p, top_k, min_p,
+repetition_penalty and max_new_tokens (as max_tokens) (Qwen3's: temperature 0.6, top_p 0.95, top_k 20).
 
 As vLLM's default `--generation-config auto`, the HTTP front gives them to requests that leave those fields out
 (`colibri openai --generation-config vllm`: OpenAI's defaults instead). The router reads them at start and hands
@@ -15,7 +15,7 @@ from pathlib import Path
 
 log = logging.getLogger("colibri")
 GENERATION_CONFIG = "generation_config.json"
-FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def _ok(name: str, value: object) -> bool:
@@ -29,6 +29,8 @@ def _ok(name: str, value: object) -> bool:
         return float(value).is_integer() and -1 <= value < 2**31
     if name == "min_p":
         return 0 <= value <= 1
+    if name == "max_new_tokens":
+        return float(value).is_integer() and 1 <= value < 2**31
     return 0 < value <= 100                    # repetition_penalty
 
 
@@ -52,5 +54,5 @@ def sampling_defaults(model_dir: str | Path) -> dict[str, float]:
             log.warning("%s: %s %r is not a value a request may carry; left out of the sampling defaults",
                         path, name, raw[name])
             continue
-        out[name] = float(raw[name])
+        out["max_tokens" if name == "max_new_tokens" else name] = float(raw[name])
     return out

@@ -86,6 +86,10 @@ class Detokenizer:
     decode of a window of at most 2 * MAX_PENDING ids (the ids behind the last chunk plus those held
     since), never a re-decode of the whole output; `Tokenizer.decode` is not called for valid text.
 
+    A prompt that ends in the first bytes of a character (a generation cut inside one by max_tokens, sent
+    back as the prompt) has them held as if pushed, so the output's first bytes complete that character, as
+    vLLM's primed stream does (nothing is said of them if none does).
+
     For valid text, the concatenation of all pushes equals what the ids add to the prompt's text,
     `decode(prompt + ids)[len(decode(prompt)):]`, as vLLM's and transformers' pipelines return it: the
     stream is primed with the prompt's last ids (the shortest suffix of at least PRIME ids whose text is
@@ -115,10 +119,37 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Tokenizer | None, prompt: list[int] | tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
-        self._context: list[int] = self._prime(list(prompt))  # ids behind the last emitted text: the context
+        prompt = list(prompt)
+        tail = self._unfinished(prompt)    # the first bytes of a character the output may finish
+        self._context: list[int] = self._prime(prompt[:len(prompt) - len(tail)])  # ids behind the last emitted
         self._stream = DecodeStream(ids=self._context, skip_special_tokens=True) if self._context else \
             DecodeStream(skip_special_tokens=True)
         self._pending: list[int] = []  # ids pushed since the last emitted text
+        self._from_prompt: list[int] = []
+        if tail and tokenizer is not None and all(self._stream.step(tokenizer.hf, i) is None for i in tail):
+            self._pending = self._from_prompt = tail    # held as a character's first bytes: the output completes it
+        elif tail:                         # (not held after all: as without a prompt)
+            self._context, self._stream = [], DecodeStream(skip_special_tokens=True)
+
+    def _unfinished(self, prompt: list[int]) -> list[int]:
+        """The prompt's last ids when their bytes are exactly the start of a UTF-8 character (a generation cut by
+        max_tokens inside one, sent back as the prompt), so the output's first bytes complete it as vLLM's
+        primed stream does; [] otherwise."""
+        tok = self.tokenizer
+        if tok is None:
+            return []
+        raw = b""
+        for k in range(1, min(3, len(prompt)) + 1):
+            raw = tok.token_bytes(prompt[-k]) + raw
+            if not raw or len(raw) > 3:
+                return []
+            lead = raw[0]
+            need = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
+            if need and len(raw) < need and all(0x80 <= b <= 0xBF for b in raw[1:]):
+                return prompt[-k:]
+            if lead < 0x80 or lead > 0xBF and not need:          # an ASCII or invalid byte: no character starts
+                return []
+        return []
 
     def _prime(self, prompt: list[int]) -> list[int]:
         """The prompt's shortest suffix of at least PRIME ids (all of a shorter prompt) whose text is not empty and
@@ -156,14 +187,15 @@ class Detokenizer:
                     out.append(self._force(self.KEEP))
             else:
                 self._context = [*self._pending, i]
+                self._from_prompt = []
                 self._pending = []
                 out.append(text)
         return "".join(out)
 
     def finish(self) -> str:
         """The text still held back (an unfinished or invalid tail, shown as '\\ufffd'); call once at the end."""
-        if self.tokenizer is None or not self._pending:
-            return ""
+        if self.tokenizer is None or not self._pending or self._pending == self._from_prompt:
+            return ""                      # (the prompt's own unfinished bytes, which no output completed)
         return self._force(0)
 
     def _force(self, keep: int) -> str:
@@ -177,6 +209,6 @@ class Detokenizer:
         text = full[len(prefix):] if full.startswith(prefix) else tok.decode(emit)
         # Restart after `emit` with the last emitted ids as context (a Metaspace "▁" keeps its space). Not
         # with `emit` itself: DecodeStream(ids=...) would re-emit a prefix that ends in '\ufffd'.
-        self._pending = []
+        self._pending, self._from_prompt = [], []
         self._stream = DecodeStream(ids=self._context, skip_special_tokens=True)
         return text + self.push(rest)

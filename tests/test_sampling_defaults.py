@@ -23,6 +23,8 @@ QWEN3 = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature":
 def test_the_fields_a_request_may_carry_are_read_and_others_said(tmp_path, caplog):
     (tmp_path / "generation_config.json").write_text(json.dumps(QWEN3))
     assert sampling_defaults(tmp_path) == {"temperature": 0.6, "top_k": 20.0, "top_p": 0.95}
+    (tmp_path / "generation_config.json").write_text(json.dumps({**QWEN3, "max_new_tokens": 300}))
+    assert sampling_defaults(tmp_path)["max_tokens"] == 300
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 7, "top_p": 0, "min_p": 0.1,
                                                                  "top_k": 2.5, "repetition_penalty": True}))
     with caplog.at_level(logging.WARNING):
@@ -41,6 +43,11 @@ def test_only_the_fields_a_request_leaves_out_take_the_defaults(parse):
     assert sp.repetition_penalty == 1.0
     assert parse(body).with_defaults({"top_k": -1.0}).sampling.top_k == 0          # -1: off, as 0 on the wire
     assert parse(body).with_defaults({}).sampling == parse(body).sampling
+    # generation_config's max_new_tokens: chat's "as many as fit" becomes it; completions' 16 at most it
+    assert parse(body).with_defaults({"max_tokens": 7.0}).sampling.max_tokens == 7
+    assert parse(body).with_defaults({"max_tokens": 100.0}).sampling.max_tokens == (100 if parse is parse_chat
+                                                                                     else 16)
+    assert parse({**body, "max_tokens": 50}).with_defaults({"max_tokens": 7.0}).sampling.max_tokens == 50
 
 
 def test_the_front_gives_the_checkpoints_sampling_to_requests_that_leave_it_out(tmp_path):

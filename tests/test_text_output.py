@@ -94,6 +94,9 @@ def test_stop_strings_end_nothing_before_min_tokens(tok: Tokenizer) -> None:
     pieces = [choice.push([i]) for i in ids[:5]]
     assert [p.stop for p in pieces] == [None, None, None, None, "ab"]   # the "ab" of tokens 1-2 is text
     assert "".join(p.text for p in pieces) == "ab "
+    # as vLLM and the engine's stop tokens: a stop string may end it from token min_tokens + 1 on
+    choice = ChoiceText(tok, ("ab",), min_tokens=2)
+    assert [choice.push([i]).stop for i in b"abab"] == [None, None, None, "ab"]
 
 
 def test_finish_flushes_the_held_tail_and_can_still_match(tok: Tokenizer) -> None:
@@ -115,3 +118,6 @@ def test_a_stop_string_with_the_first_tokens_space_matches_after_the_prompt() ->
     assert (piece.text, piece.stop) == ("", " world")
     choice = ChoiceText(tok, ("!",), min_tokens=0, prompt=[1])
     assert choice.push([2, 2]).text == " world world"
+    # log-probabilities' token texts are the tokens' own, space included: they join to the text
+    assert [choice.token_text(i) for i in (2, 2)] == [" world", " world"]
+    assert [choice.token_text(i) for i in (5, 8)] == ["\ufffd", "</s>"]

@@ -234,11 +234,15 @@ def test_primed_with_the_prompt_the_stream_is_what_the_ids_add_to_it() -> None:
         assert text == added(prompt, ids), (prompt, ids)
     assert stream(Detokenizer(tok, [1]), [2, 3]) == [" world", "!"]
     assert stream(Detokenizer(tok), [2, 3]) == ["world", "!"]              # no prompt: decode(ids), as before
-    # a prompt that ends inside a character (or in invalid bytes) has no whole suffix: the ids' own text, as
-    # without a prompt
-    for prompt in ([1, 5], [7] * 30):
-        detok = Detokenizer(tok, prompt)
-        assert "".join(stream(detok, [6, 2])) + detok.finish() == tok.decode([6, 2]) == "\ufffd world"
+    # a prompt that ends in a character's first bytes (a generation cut inside one, sent back): the output's
+    # first bytes complete it, as vLLM's primed stream has it
+    detok = Detokenizer(tok, [1, 5])
+    assert "".join(stream(detok, [6, 2])) + detok.finish() == "é world"
+    detok = Detokenizer(tok, [1, 5])                         # ... and none that does not: nothing of the prompt's
+    assert detok.push([8]) + detok.finish() == ""
+    # a prompt that ends in invalid bytes has no whole suffix: the ids' own text, as without a prompt
+    detok = Detokenizer(tok, [7] * 30)
+    assert "".join(stream(detok, [6, 2])) + detok.finish() == tok.decode([6, 2]) == "\ufffd world"
 
 
 
@@ -248,6 +252,12 @@ def test_priming_holds_for_byte_level_text_too(tok: Tokenizer) -> None:
         ids = tok.encode(text)
         assert "".join(stream(Detokenizer(tok, prompt), ids)) == text
         assert "".join(stream(Detokenizer(tok, prompt[:2]), ids)) == text    # a prompt shorter than PRIME
+    # a generation cut by max_tokens inside a character and sent back as the prompt: the rest completes it
+    for text, cut in (("Un café ok", 7), ("Emoji: 😀 d", 9), ("Emoji: 😀 d", 10), ("日本", 1), ("日本", 2)):
+        ids = tok.encode(text)
+        detok = Detokenizer(tok, ids[:cut])
+        done = tok.decode(ids[:cut]).rstrip("\ufffd")
+        assert "".join(stream(detok, ids[cut:])) + detok.finish() == text[len(done):], (text, cut)
 
 
 def test_token_bytes_are_each_tokens_own_bytes(tok: Tokenizer) -> None:

@@ -45,10 +45,11 @@ class OpenAIOptions:
                                                   "preflights answered; '*' = any. Default none: no CORS headers "
                                                   "and every preflight refused (403)",
                                               metavar="ORIGIN[,ORIGIN...]")
-    generation_config: str = option("auto", "auto: requests that leave temperature, top_p, top_k, min_p or "
-                                            "repetition_penalty out take the checkpoint's generation_config.json "
-                                            "values (its authors' recommendation, as vLLM's default); vllm: "
-                                            "OpenAI's defaults (temperature 1, no top-k/top-p)",
+    generation_config: str = option("auto", "auto: requests that leave temperature, top_p, top_k, min_p, "
+                                            "repetition_penalty or max_tokens out take the checkpoint's "
+                                            "generation_config.json values (its authors' recommendation, as "
+                                            "vLLM's default; max_tokens from max_new_tokens); vllm: OpenAI's "
+                                            "defaults (temperature 1, no top-k/top-p)",
                                     choices=("auto", "vllm"))
     access_log: bool = option(False, "log every HTTP request")
     log_level: str = option("INFO", "log level", choices=LOG_LEVELS, type=upper)

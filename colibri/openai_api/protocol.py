@@ -50,18 +50,24 @@ class Parsed:
         sp = pb.SamplingParams()
         sp.CopyFrom(self.sampling)
         for name, value in given.items():
-            setattr(sp, name, int(value) if name == "top_k" else value)
+            if name == "max_tokens":                  # chat's 0 (as many as fit), completions' 16: at most it
+                sp.max_tokens = int(value) if not sp.max_tokens else min(sp.max_tokens, int(value))
+            else:
+                setattr(sp, name, int(value) if name == "top_k" else value)
         if sp.top_k < 0:                                           # HF and vLLM: -1 = off, as 0 on the wire
             sp.top_k = 0
         return dataclasses.replace(self, sampling=sp)
 
 
 # the sampling fields a checkpoint's generation_config.json may give defaults for (colibri_common.sampling_defaults)
-DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 
 def _omitted(body: dict[str, Any]) -> frozenset[str]:
-    return frozenset(name for name in DEFAULTED if body.get(name) is None)
+    left = {name for name in DEFAULTED if body.get(name) is None}
+    if body.get("max_completion_tokens") is not None:      # chat's newer name for it
+        left.discard("max_tokens")
+    return frozenset(left)
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:

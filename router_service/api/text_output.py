@@ -72,22 +72,24 @@ class ChoiceText:
         vLLM leaves it (a special token has none anyway)."""
         self.num_tokens += len(token_ids)
         text = self.detok.push(token_ids[:-1] if stop_token else token_ids)
-        text, stop = self.stops.push(text, may_stop=self.num_tokens >= self.min_tokens)
+        text, stop = self.stops.push(text, may_stop=self.num_tokens > self.min_tokens)
         if stop is not None:
             self.done = True
         return TextPiece(text, stop)
 
     def finish(self) -> TextPiece:
         """The text still held at the end (an unfinished character; a tail that began no stop string)."""
-        text, stop = self.stops.push(self.detok.finish(), may_stop=self.num_tokens >= self.min_tokens)
+        text, stop = self.stops.push(self.detok.finish(), may_stop=self.num_tokens > self.min_tokens)
         self.done = True
         return TextPiece(text if stop is not None else text + self.stops.flush(), stop)
 
     def token_text(self, token_id: int) -> str:
-        """One token's own text for log-probabilities (special tokens included); "" without a tokenizer."""
+        """One token's own text for log-probabilities (special tokens included; part of a character is U+FFFD):
+        its own bytes as text, so a SentencePiece "▁Hello" is " Hello" as in the output, and the tokens' texts
+        join to it (a decode of the id alone strips that space); "" without a tokenizer."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.hf.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", "replace")
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes for log-probabilities (a part of a character too); b"" without a tokenizer."""
