@@ -61,7 +61,7 @@ def _openai(opts: OpenAIOptions) -> int:
 def _validate(opts: ValidateOptions) -> int:
     from colibri.validate import validate
 
-    for line in validate(opts.model, opts.workers, opts.replicas, opts.quantize, opts.cpu_forms):
+    for line in validate(opts.model, opts.workers, opts.replicas, opts.quantize, opts.cpu_forms, opts.dtype):
         print(line)
     print("ok")
     return 0

@@ -12,13 +12,13 @@ import sys
 from dataclasses import dataclass
 
 from colibri.cores import split_threads
-from colibri_common.options import DTYPES, QUANTIZE, option
+from colibri_common.options import DTYPE_CHOICES, QUANTIZE, option, serving_dtype
 
 
 @dataclass(frozen=True)
 class TuneOptions:
     model: str = option("", "Hugging Face checkpoint directory", required=True, metavar="DIR")
-    dtype: str = option("float32", "compute dtype, as for serve", choices=DTYPES)
+    dtype: str = option("auto", "compute dtype, as for serve (auto = as the checkpoint)", choices=DTYPE_CHOICES)
     workers: int = option(2, "measure for this many workers (it decides each process's thread count)")
     threads: int = option(0, "cores to split between the router and the workers, as for serve (0 = all)")
     cpu_forms: str = option("auto", "where to write the forms ('auto' = where the services look)",
@@ -47,11 +47,12 @@ def run_tune(opts: TuneOptions) -> int:
 
     cfg = ModelConfig.from_dir(opts.model)
     router_threads, worker_threads = split_threads(opts.threads or len(os.sched_getaffinity(0)), opts.workers)
-    router_dtype = compute_dtype(getattr(torch, opts.dtype))
+    dtype = getattr(torch, serving_dtype(opts.dtype, cfg.torch_dtype))
+    router_dtype = compute_dtype(dtype)
     ckpt = Checkpoint(opts.model)
     weights = RouterWeights.load(ckpt, cfg, router_dtype)
     ckpt.close()
-    expert_kind = weight_kind(opts.quantize, getattr(torch, opts.dtype))
+    expert_kind = weight_kind(opts.quantize, dtype)
     jobs = [("router", router_threads, weights.linear_shapes(router_dtype), []),
             ("expert worker", worker_threads, expert_linear_shapes(cfg, expert_kind),
              [expert_moe_shape(cfg, opts.workers, expert_kind)])]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from colibri_common.options import QUANTIZE, option
+from colibri_common.options import DTYPE_CHOICES, QUANTIZE, option, serving_dtype
 
 if TYPE_CHECKING:   # the CLI builds its parser from ValidateOptions without importing torch
     from colibri_common.checkpoint import Checkpoint
@@ -17,6 +17,8 @@ if TYPE_CHECKING:   # the CLI builds its parser from ValidateOptions without imp
 class ValidateOptions:
     model: str = option("", "checkpoint directory", required=True, metavar="DIR")
     workers: int = option(2, "size the shards for this many workers")
+    dtype: str = option("auto", "size the weights as serve --dtype would hold them (auto = as the checkpoint)",
+                        choices=DTYPE_CHOICES)
     replicas: int = option(1, "every expert on this many workers (as for serve --replicas)")
     quantize: str | None = option(None, "size the shards as serve --quantize would hold them: int8 (weight-only) "
                                         "or w8a8, a byte a weight and a float32 scale a row", choices=QUANTIZE)
@@ -30,31 +32,31 @@ class ValidateOptions:
             raise ValueError(f"--replicas {self.replicas}: need 1 <= R <= --workers ({self.workers})")
 
 
-HELD_ITEMSIZE = 2     # an FP8 weight is held dequantised: sized at bf16, the usual compute dtype
+FLOATS = ("F32", "BF16", "F16")
 
 
-def held_bytes(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> int:
-    """What a tensor takes once loaded: its stored bytes, or an FP8 or MXFP4 weight's dequantised (bf16) size
-    (MXFP4: two values a byte of its blocks; its scales are folded in)."""
+def held_bytes(ckpt: Checkpoint, name: str, shape: tuple[int, ...], itemsize: int = 2) -> int:
+    """What a tensor takes once loaded in a compute dtype of `itemsize` bytes: a float weight at that size, an
+    FP8 or MXFP4 weight dequantised to it (MXFP4: two values a byte of its blocks; its scales are folded in)."""
     e = ckpt.check(name, shape)
     if e.dtype == "F8_E4M3":
         ckpt.check_fp8(name)
-        return _numel(e.shape) * HELD_ITEMSIZE
+        return _numel(e.shape) * itemsize
     if e.dtype == "U8" and name.endswith("_blocks"):
-        return 2 * _numel(e.shape) * HELD_ITEMSIZE
+        return 2 * _numel(e.shape) * itemsize
     if e.dtype == "U8" and name.endswith("_scales"):
         return 0
-    return e.nbytes
+    return _numel(e.shape) * itemsize if e.dtype in FLOATS else e.nbytes
 
 
-def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> int:
+def expert_bytes(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int, itemsize: int = 2) -> int:
     from colibri_common.tensors import expert_bias_tensors, stored_expert_tensors
 
     layout, specs = stored_expert_tensors(cfg, layer, expert, ckpt)
     per_layer = [*expert_bias_tensors(cfg, layer).values()] + ([] if layout == "per_expert" else [*specs.values()])
     own = [] if layout != "per_expert" else [*specs.values()]
-    return sum(held_bytes(ckpt, n, s) for n, s in own) + \
-        sum(held_bytes(ckpt, n, s) // cfg.num_experts for n, s in per_layer)
+    return sum(held_bytes(ckpt, n, s, itemsize) for n, s in own) + \
+        sum(held_bytes(ckpt, n, s, itemsize) // cfg.num_experts for n, s in per_layer)
 
 
 def quantized_expert_bytes(cfg: ModelConfig) -> int:
@@ -64,7 +66,7 @@ def quantized_expert_bytes(cfg: ModelConfig) -> int:
 
 
 def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | None = None,
-             cpu_forms: str = "off") -> list[str]:
+             cpu_forms: str = "off", dtype: str = "auto") -> list[str]:
     """Returns the summary lines; raises ColibriError naming the first problem."""
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
@@ -79,8 +81,10 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
         raise ConfigError(native.refused_override())
     cfg = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)
-    router_bytes = sum(held_bytes(ckpt, n, s) for n, s in router_tensors(cfg))
-    per_expert = {(layer, e): quantized_expert_bytes(cfg) if quantize else expert_bytes(ckpt, cfg, layer, e)
+    held = serving_dtype(dtype, cfg.torch_dtype)                  # what serve computes in: its weights' size
+    itemsize = 4 if held == "float32" else 2
+    router_bytes = sum(held_bytes(ckpt, n, s, itemsize) for n, s in router_tensors(cfg))
+    per_expert = {(layer, e): quantized_expert_bytes(cfg) if quantize else expert_bytes(ckpt, cfg, layer, e, itemsize)
                   for layer in cfg.moe_layers for e in range(cfg.num_experts)}
     total_bytes = sum(e.nbytes for e in ckpt.entries.values())
     params = sum(_params(name, e.dtype, e.shape) for name, e in ckpt.entries.items())
@@ -93,7 +97,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
     lines = [
         f"architecture     {cfg.architecture}",
         f"parameters       {params / 1e6:.1f}M ({total_bytes / 2**20:.1f} MiB on disk, {len(ckpt.entries)} tensors)",
-        f"stored dtype     {cfg.torch_dtype} (config.json)",
+        f"stored dtype     {cfg.torch_dtype} (config.json); sized as served in {held} (--dtype {dtype})",
         "quantisation     " + ("; ".join(f"{k} ({n} tensors), dequantised to the compute dtype as they are read"
                                          for k, n in ckpt.quantized().items()) or "none"),
         f"layers           {cfg.num_layers} ({len(cfg.moe_layers)} with routed experts)",

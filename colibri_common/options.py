@@ -24,6 +24,16 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
+DTYPE_CHOICES = ("auto", *DTYPES)       # --dtype: auto = as the checkpoint (serving_dtype)
+
+
+def serving_dtype(asked: str, checkpoint_dtype: str) -> str:
+    """The compute dtype a --dtype means for a checkpoint whose config.json says `checkpoint_dtype`: `auto` is
+    float32 for a float32 checkpoint and bfloat16 for the others (bfloat16, float16, and FP8 or MXFP4 ones,
+    which say bfloat16): its weights held at their size, as vLLM's --dtype auto, not upcast to twice it."""
+    if asked != "auto":
+        return asked
+    return "float32" if checkpoint_dtype in ("float32", "float") else "bfloat16"
 QUANTIZE = ("int8", "w8a8")         # as kernels.formats.int8.QUANTIZE_MODES (this module stays torch-free)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEVICE_SYNTAX = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -90,7 +100,10 @@ class ServiceOptions:
                         metavar="DIR")
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(0, "port; 0 picks a free one")
-    dtype: str = option("float32", "compute dtype", choices=DTYPES)
+    dtype: str = option("auto", "compute dtype: auto = the checkpoint's (config.json's torch_dtype): float32 for "
+                                "a float32 checkpoint, bfloat16 for bfloat16, float16, FP8 and MXFP4 ones; "
+                                "float32 on a bfloat16 checkpoint holds its weights at twice their size",
+                        choices=DTYPE_CHOICES)
     threads: int = option(0, "torch threads for this process (0 = all cores)")
     log_level: str = option("INFO", "log level", choices=LOG_LEVELS, type=upper)
     quantize: str | None = option(None, "the routed experts as symmetric per-output-channel int8 weights with "
@@ -117,6 +130,10 @@ class ServiceOptions:
                                     "$XDG_CACHE_HOME/colibri or ~/.cache/colibri; 'off' = built-in defaults, no "
                                     "measurement)",
                             metavar="PATH|auto|off")
+
+    def dtype_for(self, checkpoint_dtype: str) -> str:
+        """The compute dtype's name for a checkpoint whose config.json says `checkpoint_dtype` (--dtype auto)."""
+        return serving_dtype(self.dtype, checkpoint_dtype)
 
     def __post_init__(self) -> None:
         if self.threads < 0:

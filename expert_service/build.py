@@ -85,9 +85,9 @@ def build_shard(opts: ExpertOptions, device: torch.device | None = None,
     t0 = time.perf_counter()
     shard, num_shards = (opts.shard_index, opts.num_shards) if opts.shard else (0, 0)
     set_batch_invariant(opts.batch_invariant)
-    dtype = getattr(torch, opts.dtype)
     device = open_device(opts.device) if device is None else device
     cfg = ModelConfig.from_dir(opts.model)
+    dtype = getattr(torch, opts.dtype_for(cfg.torch_dtype))
     ckpt = Checkpoint(opts.model)
     c = opts.cache
     kept = kept_format(cfg, ckpt, device, c.quantized_experts, opts.quantize)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -39,6 +40,35 @@ def test_validate_accepts_a_good_checkpoint(ckpt):
         return float(next(line for line in text.splitlines() if line.startswith("worker 2/3")).split()[-2])
 
     assert shard_mib(q8.stdout) < 0.3 * shard_mib(out.stdout)           # int8 + scales vs the stored float32
+
+
+def test_dtype_auto_serves_a_bf16_checkpoint_at_its_size_and_validate_says_so(tmp_path):
+    """The default --dtype is the checkpoint's (as vLLM's auto): a bfloat16 checkpoint was served in float32 by
+    default, its experts packed at twice their size, while validate printed the stored size."""
+    import torch
+
+    from colibri_common.options import serving_dtype
+    from expert_service.build import build_shard
+    from expert_service.options import ExpertOptions
+    from tests.models import build_model, save_checkpoint, small_config
+
+    path = save_checkpoint(build_model(small_config("qwen3_moe"), seed=5).to(torch.bfloat16), tmp_path / "bf16")
+    assert serving_dtype("auto", "bfloat16") == "bfloat16" and serving_dtype("auto", "float32") == "float32"
+    assert serving_dtype("auto", "float16") == "bfloat16" and serving_dtype("float32", "bfloat16") == "float32"
+
+    def shard_mib(*extra: str) -> float:
+        out = run("validate", "--model", str(path), "--workers", "2", *extra)
+        assert out.returncode == 0, out.stderr
+        return float(next(line for line in out.stdout.splitlines() if line.startswith("worker 1/2")).split()[-2])
+
+    assert shard_mib("--dtype", "float32") == pytest.approx(2 * shard_mib(), rel=0.01)
+    built = build_shard(ExpertOptions(model=str(path), shard="1/2", cache=dataclasses.replace(
+        ExpertOptions().cache, experts_in_place="off")), torch.device("cpu"))
+    try:
+        assert built.experts.dtype == torch.bfloat16                 # the default: as the checkpoint
+        assert built.experts.packed_bytes / 2**20 == pytest.approx(shard_mib(), rel=0.05)
+    finally:
+        built.close()
 
 
 def test_a_step_whose_moe_sums_would_not_fit_a_message_is_refused_at_start(ckpt):

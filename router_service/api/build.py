@@ -92,10 +92,10 @@ def compute_dtype(requested: torch.dtype, device: torch.device | None = None) ->
 
 def remote_experts(opts: RouterOptions, workers: tuple[str, ...] = ()) -> ExpertsFactory:
     """The workers' experts client: `workers` (default `opts.workers`) as the first set."""
-    wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype)
     tls = TlsFiles.of(opts.tls_cert, opts.tls_key, opts.tls_ca)
 
     def connect(cfg: ModelConfig, device: torch.device) -> RemoteExperts:
+        wire_dtype = getattr(torch, opts.wire_dtype or opts.dtype_for(cfg.torch_dtype))
         rows = max(opts.sched.max_num_tokens, opts.sched.max_batch_size)
         if rows * cfg.hidden_size * 8 > MAX_MESSAGE_BYTES:       # a worker's float64 sums for a whole step
             raise ConfigError(f"--max-num-tokens {rows}: a step's MoE sums from one worker ({rows} x hidden "
@@ -114,7 +114,7 @@ def remote_experts(opts: RouterOptions, workers: tuple[str, ...] = ()) -> Expert
 def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     cfg = ModelConfig.from_dir(opts.model)
     device = open_device(opts.device)
-    dtype = compute_dtype(getattr(torch, opts.dtype), device)
+    dtype = compute_dtype(getattr(torch, opts.dtype_for(cfg.torch_dtype)), device)
     tokenizer = Tokenizer.from_dir(opts.model)
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"{opts.model}/tokenizer.json has {tokenizer.vocab_size} tokens but config.json "
@@ -123,7 +123,7 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO), device=device,
                                  in_place=opts.weights_in_place == "auto")
     if opts.quantize_dense:
-        asked = getattr(torch, opts.dtype)
+        asked = getattr(torch, opts.dtype_for(cfg.torch_dtype))
         weights.quantize_int8(w8a8=opts.quantize == "w8a8", act_dtype=asked if asked != dtype else None)
     ckpt.close(keep=weights.mapped.values())     # the files of weights used in place stay mapped, and watched
     mapped = FileWatch(sorted(set(weights.mapped.values())), ckpt.stamps) if weights.mapped else None

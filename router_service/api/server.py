@@ -207,7 +207,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return pb.ModelInfoResponse(
             model_path=Path(r.opts.model).resolve().name, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             num_layers=cfg.num_layers, num_experts=cfg.num_experts, experts_per_token=cfg.top_k,
-            dtype=r.opts.dtype, max_model_len=r.max_model_len,
+            dtype=r.opts.dtype_for(cfg.torch_dtype), max_model_len=r.max_model_len,
             eos_token_ids=list(cfg.eos_token_ids), has_tokenizer=r.tokenizer is not None,
             chat_template=r.chat_template or "", special_tokens=r.special_tokens,
             max_waiting=r.engine.limits.max_waiting, sampling_defaults=r.sampling_defaults)
