@@ -131,6 +131,11 @@ def run_workers(opts: WorkersOptions) -> int:
             change = _patiently(call, request, opts.timeout)
         except grpc.RpcError as exc:
             print(f"{opts.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                where = "is set here" if fleet_token() else "is not set here"
+                print(f"$COLIBRI_FLEET_TOKEN {where}: give this command the fleet's token. A `colibri serve` makes "
+                      f"a token of its own unless the variable is exported before it starts (start it so to "
+                      f"manage its workers)", file=sys.stderr)
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and opts.action != "show":
                 print(f"the router did not answer within --timeout {opts.timeout:g} s: a change whose turn had "
                       f"not come is dropped, one under way goes on; `colibri workers show` and the router's log say "

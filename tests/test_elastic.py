@@ -202,6 +202,9 @@ def test_admin_takes_only_the_fleet_token_and_checks_addresses(model):
         with pytest.raises(grpc.RpcError) as err:
             admin(r).SetWorkers(admin_pb2.SetWorkersRequest(workers=["no-port"]), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        env = {k: v for k, v in ENV.items() if k != "COLIBRI_FLEET_TOKEN"}
+        res = colibri_run(["workers", "--target", r, "show"], env=env, timeout=60)   # says what to do about it
+        assert res.returncode == 1 and "$COLIBRI_FLEET_TOKEN is not set here" in res.stderr, res.stderr
         out = admin(r).SetWorkers(admin_pb2.SetWorkersRequest(workers=[a]), timeout=10)
         assert not out.changed and "changes nothing" in out.message
         res = workers_cli(r, "remove", a)                    # the last worker cannot go

@@ -136,7 +136,7 @@ class Front:
         check_model(parsed, name)
         if self.opts.generation_config == "auto":
             parsed = parsed.with_defaults(dict(info.sampling_defaults))
-        prompts = [self._render(parsed)] if chat else parsed.prompts
+        prompts = [self._render(parsed, info.has_tokenizer)] if chat else parsed.prompts
         if any(isinstance(p, str) for p in prompts) and not info.has_tokenizer:
             raise bad("this model has no tokenizer.json: send the prompt as token ids", "prompt")
         n = parsed.sampling.n or 1
@@ -206,10 +206,12 @@ class Front:
         if self.metrics.finished(reply, outcome) and outcome == "abort" and not quiet:   # a stream left mid-way
             log.info("%s: the client went away mid-stream; its request was cancelled on the router", reply.id)
 
-    def _render(self, parsed: Parsed) -> str:
+    def _render(self, parsed: Parsed, has_tokenizer: bool) -> str:
         if self._template is None:
             raise bad("this model has no chat template (its tokenizer_config.json or chat_template.jinja has "
-                      "none): use /v1/completions with the prompt as text", "messages")
+                      "none): use /v1/completions with the prompt as " + ("text" if has_tokenizer else
+                      "token ids (it has no tokenizer.json either: the text of its answers is empty, and "
+                      "logprobs name its tokens by id)"), "messages")
         try:
             text = self._template.render(parsed.messages, parsed.add_generation_prompt, **parsed.template_kwargs)
         except TemplateError as exc:
