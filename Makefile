@@ -14,7 +14,7 @@ setup: $(STAMP) $(PB_STAMP) native
 # The native CPU kernels (kernels/native/, g++): rebuilt when their sources change; without a compiler, or if
 # the build fails, it says so and the torch forms run.
 native: $(STAMP)
-	$(PY) -m kernels.native_build
+	$(PY) -c 'import sys; from kernels import native_build; native_build.build(force="--force" in sys.argv)' 
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -65,7 +65,7 @@ def build_demo_model(out: Path, steps: int = TRAIN_STEPS) -> Path:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
     bar = tqdm(range(1, steps + 1), desc="training the demo MoE (cached after this run)", unit="step",
-               mininterval=1.0)
+               mininterval=1.0, disable=None)      # a bar on a terminal, not into a log file
     for step in bar:
         batch = corpus_batch(tok, rng, 24)
         loss = model(input_ids=batch, labels=batch).loss

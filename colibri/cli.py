@@ -9,6 +9,7 @@ a command runs, so `--help` and `--version` are instant.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -161,7 +162,12 @@ def command_options(ap: argparse.ArgumentParser, args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args, left = ap.parse_known_args(argv)
+    if left:                                   # said by the command's own parser, with the flag it resembles
+        known = [s for a in ap.commands[args.cmd]._actions for s in a.option_strings]  # type: ignore[attr-defined]
+        near = difflib.get_close_matches(left[0].split("=")[0], known, n=1)
+        ap.commands[args.cmd].error(f"unrecognized arguments: {' '.join(left)}"  # type: ignore[attr-defined]
+                                    + (f" (did you mean {near[0]}?)" if near else ""))
     opts = command_options(ap, args)
     try:
         return COMMANDS[args.cmd].run(opts)

@@ -50,12 +50,13 @@ class WorkersOptions:
 
 
 def _table(resp) -> str:
-    rows = [("WORKER", "STATE", "EXPERTS", "TOKENS", "PAIRS (WINDOW)", "LOAD", "RESTARTS")]
+    rows = [("WORKER", "STATE", "HELD", "TOKENS", "PAIRS (WINDOW)", "LOAD", "RESTARTS")]
     for w in resp.workers:
         rows.append((w.address, w.state, str(w.experts), str(w.token_rows), str(w.pairs_window),
                      f"{100 * w.load_share:.1f}%", str(w.restarts)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(n) for c, n in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.append("HELD: (layer, expert) pairs the worker holds (every layer's experts counted)")
     lines.append(f"placement epoch {resp.epoch}; balance {resp.balance:.3f} (mean/max pairs over the last "
                  f"{resp.placement_window} steps); {resp.replicas} replica(s), {resp.redundant_experts} redundant "
                  f"expert(s) a layer; {resp.rebalances} change(s) since start")

@@ -162,7 +162,11 @@ class Checkpoint:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             weight_map = {}
         if not files:
-            raise CheckpointError(f"{self.dir}: no *.safetensors files found")
+            bins = sorted(p.name for p in self.dir.glob("*.bin"))[:2]
+            raise CheckpointError(f"{self.dir}: no *.safetensors files found" + (
+                f" ({', '.join(bins)}: PyTorch pickles, which are not mapped; convert them once with transformers: "
+                f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True))"
+                if bins else ""))
         for fname in files:
             path = self.dir / fname
             if not path.is_file():

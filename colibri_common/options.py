@@ -189,6 +189,8 @@ def check_target(flag: str, value: str) -> None:
     found = re.fullmatch(r"(.*):(\d+)", value)
     if found and not 0 < int(found.group(2)) < 65536:
         raise ValueError(f"{flag} {value}: the port must be in 1..65535")
+    if value and not found and ":" not in value:   # gRPC dialled a bare host on port 443
+        raise ValueError(f"{flag} {value}: give HOST:PORT (the port the router's or serve's `ready` line names)")
 
 
 class Parser(argparse.ArgumentParser):

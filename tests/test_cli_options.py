@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 import subprocess
 import sys
@@ -289,3 +290,27 @@ def test_keyword_options_are_checked_and_converted_as_their_flags_are():
                                ({"dtype": "BFLOAT16"}, ValueError, "dtype='BFLOAT16' is not one of")]:
         with pytest.raises(error, match=needle):
             check_values(RouterOptions, bad, "LLM")
+
+
+def test_a_mistyped_flag_is_named_by_its_command_with_the_flag_it_resembles():
+    """It was the top-level parser's error, pointing at `colibri --help`, with no suggestion."""
+    out = subprocess.run([COLIBRI, "serve", "--model", "x", "--openai-prot", "8000"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "colibri serve: error: unrecognized arguments: --openai-prot 8000" in out.stderr
+    assert "did you mean --openai-port?" in out.stderr and "see 'colibri serve --help'" in out.stderr
+
+
+def test_a_target_without_a_port_is_refused_before_dialling():
+    """gRPC dialled `localhost` on port 443 and failed with its own words."""
+    out = subprocess.run([COLIBRI, "generate", "--target", "localhost", "--prompt-ids", "1"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--target localhost: give HOST:PORT" in out.stderr, out.stderr
+
+
+def test_an_empty_api_key_variable_is_said(caplog):
+    from colibri.openai_api.options import OpenAIOptions
+    from colibri.openai_api.policy import api_key
+
+    with caplog.at_level(logging.WARNING):
+        assert api_key(OpenAIOptions(target="r:1"), {"COLIBRI_API_KEY": " "}) == ("", "")
+    assert "is set but empty" in caplog.text

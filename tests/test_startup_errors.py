@@ -278,3 +278,15 @@ def test_a_cache_budget_under_one_expert_is_one_line(ckpt):
     out = run("serve", "--model", str(ckpt), "--workers", "1", "--port", "0", "--expert-cache-capacity", "100B")
     assert out.returncode != 0 and "--expert-cache-capacity 100B holds no expert: one takes" in out.stderr
     assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_serve_refuses_a_checkpoint_without_safetensors_before_it_starts_any_child(ckpt, tmp_path):
+    """serve checked config.json first but forked its whole fleet for a checkpoint of PyTorch pickles: every child
+    then said the same line. Now one line, naming the conversion, and nothing started."""
+    only_bin = tmp_path / "bin"
+    only_bin.mkdir()
+    shutil.copy(ckpt / "config.json", only_bin)
+    (only_bin / "pytorch_model.bin").write_bytes(b"\0" * 64)
+    out = run("serve", "--model", str(only_bin), "--workers", "2")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.count("no *.safetensors files found") == 1 and "safe_serialization=True" in out.stderr
