@@ -126,8 +126,10 @@ class Detokenizer:
             DecodeStream(skip_special_tokens=True)
         self._pending: list[int] = []  # ids pushed since the last emitted text
         self._from_prompt: list[int] = []
+        self._prompt_text = ""             # the held prompt bytes' own text (U+FFFD), if no output completes them
         if tail and tokenizer is not None and all(self._stream.step(tokenizer.hf, i) is None for i in tail):
-            self._pending = self._from_prompt = tail    # held as a character's first bytes: the output completes it
+            self._pending, self._from_prompt = list(tail), list(tail)   # held as a character's first bytes
+            self._prompt_text = tokenizer.decode(self._context + tail)[len(tokenizer.decode(self._context)):]
         elif tail:                         # (not held after all: as without a prompt)
             self._context, self._stream = [], DecodeStream(skip_special_tokens=True)
 
@@ -187,10 +189,17 @@ class Detokenizer:
                     out.append(self._force(self.KEEP))
             else:
                 self._context = [*self._pending, i]
-                self._from_prompt = []
+                out.append(self._without_prompt(text))
                 self._pending = []
-                out.append(text)
         return "".join(out)
+
+    def _without_prompt(self, text: str) -> str:
+        """`text` less the held prompt bytes' own U+FFFD where the output did not complete their character (the
+        prompt's text has it already: decode(prompt + ids) less decode(prompt) holds none of it)."""
+        if self._from_prompt and self._prompt_text and text.startswith(self._prompt_text):
+            text = text[len(self._prompt_text):]
+        self._from_prompt = []
+        return text
 
     def finish(self) -> str:
         """The text still held back (an unfinished or invalid tail, shown as '\\ufffd'); call once at the end."""
@@ -209,6 +218,7 @@ class Detokenizer:
         text = full[len(prefix):] if full.startswith(prefix) else tok.decode(emit)
         # Restart after `emit` with the last emitted ids as context (a Metaspace "▁" keeps its space). Not
         # with `emit` itself: DecodeStream(ids=...) would re-emit a prefix that ends in '\ufffd'.
+        text = self._without_prompt(text) if emit[:len(self._from_prompt)] == self._from_prompt else text
         self._pending, self._from_prompt = [], []
         self._stream = DecodeStream(ids=self._context, skip_special_tokens=True)
         return text + self.push(rest)

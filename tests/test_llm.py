@@ -64,7 +64,8 @@ def test_bad_input_is_a_clear_error_and_the_llm_goes_on(model):
     with pytest.raises(ValueError, match="workers"):
         LLM(path, -1)
     # keyword options are checked as their flags are: types and choices, before anything loads
-    for kw, error, match in [({"dtype": "BFLOAT16"}, ValueError, "dtype='BFLOAT16' is not one of float32, bfloat16"),
+    for kw, error, match in [({"dtype": "BFLOAT16"}, ValueError,
+                              "dtype='BFLOAT16' is not one of auto, float32, bfloat16"),
                              ({"dtype": "float16"}, ValueError, "not one of"), ({"dtype": 3}, TypeError, "dtype"),
                              ({"threads": "two"}, TypeError, "threads must be int"),
                              ({"kv_cache_mb": "100"}, TypeError, "kv_cache_mb must be int")]:

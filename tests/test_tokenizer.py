@@ -240,6 +240,8 @@ def test_primed_with_the_prompt_the_stream_is_what_the_ids_add_to_it() -> None:
     assert "".join(stream(detok, [6, 2])) + detok.finish() == "é world"
     detok = Detokenizer(tok, [1, 5])                         # ... and none that does not: nothing of the prompt's
     assert detok.push([8]) + detok.finish() == ""
+    detok = Detokenizer(tok, [1, 5])                         # nor output that does not complete it
+    assert "".join(stream(detok, [2, 3])) + detok.finish() == tok.decode([1, 5, 2, 3])[len(tok.decode([1, 5])):]
     # a prompt that ends in invalid bytes has no whole suffix: the ids' own text, as without a prompt
     detok = Detokenizer(tok, [7] * 30)
     assert "".join(stream(detok, [6, 2])) + detok.finish() == tok.decode([6, 2]) == "\ufffd world"
@@ -258,6 +260,14 @@ def test_priming_holds_for_byte_level_text_too(tok: Tokenizer) -> None:
         detok = Detokenizer(tok, ids[:cut])
         done = tok.decode(ids[:cut]).rstrip("\ufffd")
         assert "".join(stream(detok, ids[cut:])) + detok.finish() == text[len(done):], (text, cut)
+    # a prompt that ends in a character's first byte, and an output that does not complete it: the output's own
+    # text, as decode(prompt + ids) less decode(prompt)
+    for start in ([0xC3], [0xE6, 0x97], [0xF0, 0x9F, 0x98]):
+        for out in (list(b"1 ok"), list("é ok".encode()), [0xC3] * 9 + [49]):
+            prompt = tok.encode("ab") + start
+            detok = Detokenizer(tok, prompt)
+            got = "".join(stream(detok, out)) + detok.finish()
+            assert got == tok.decode(prompt + out)[len(tok.decode(prompt)):], (start, out, got)
 
 
 def test_token_bytes_are_each_tokens_own_bytes(tok: Tokenizer) -> None:
@@ -272,3 +282,18 @@ def test_token_bytes_are_each_tokens_own_bytes(tok: Tokenizer) -> None:
     assert [sp.token_bytes(i) for i in (1, 2, 3, 5, 6, 7, 8)] == [b" Hello", b" world", b"!", b"\xc3", b"\xa9",
                                                                   b"\xff", b"</s>"]
     assert b"".join(sp.token_bytes(i) for i in (1, 5, 6)).decode() == " Hello\u00e9"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_outputs_after_a_whole_prompt_are_what_they_add_to_its_text(tok: Tokenizer, seed: int) -> None:
+    """Any bytes (characters, split characters, invalid bytes) generated after a prompt of whole characters: the
+    pushes and finish() are decode(prompt + ids) less decode(prompt), whatever the push sizes."""
+    rng = random.Random(seed)
+    pieces = [b"a", b" ", "é".encode(), "€".encode(), "😀".encode(), b"\xff", b"\xc3", b"\x80", b"\n"]
+    for _ in range(50):
+        prompt = tok.encode("".join(rng.choice(["x", " y", "é", "日本", "😀"]) for _ in range(rng.randint(1, 6))))
+        ids = list(b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 14))))
+        sizes = [rng.randint(1, 4) for _ in ids]
+        detok = Detokenizer(tok, prompt)
+        got = "".join(stream(detok, ids, sizes)) + detok.finish()
+        assert got == tok.decode(prompt + ids)[len(tok.decode(prompt)):], (prompt, ids)
