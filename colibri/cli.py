@@ -163,6 +163,10 @@ def command_options(ap: argparse.ArgumentParser, args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args, left = ap.parse_known_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    if left and left[0] in words and args.cmd in words and words.index(left[0]) < words.index(args.cmd):
+        # before the command: colibri's own
+        ap.error(f"unrecognized arguments: {' '.join(left)}")
     if left:                                   # said by the command's own parser, with the flag it resembles
         known = [s for a in ap.commands[args.cmd]._actions for s in a.option_strings]  # type: ignore[attr-defined]
         near = difflib.get_close_matches(left[0].split("=")[0], known, n=1)

@@ -24,7 +24,6 @@ from colibri.cores import split_threads
 from colibri.fleet import Child, Fleet, exit_reason, free_ports
 from colibri.fork import FRONT_MODULES, SERVICE_MODULES, Entry, preload
 from colibri.serve_options import ServeOptions
-from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import ConfigError
 from colibri_common.file_watch import EXIT_RESTART, files_settled
@@ -81,6 +80,8 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (nohup's ignore stays)
         signal.signal(signal.SIGHUP, on_signal)   # its terminal closed: the ordered stop (it died, children and all)
     cfg = ModelConfig.from_dir(opts.router.model)   # an unusable config.json fails here, before any child starts
+    from colibri_common.checkpoint import Checkpoint  # (torch: not when this module loads)
+
     Checkpoint(opts.router.model).close()           # so do missing or truncated weight files (one line, not one
     #                                                 a child)
     if n > cfg.num_experts:                      # as would more workers than experts: one line, not one per child

@@ -120,38 +120,36 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer | None, prompt: list[int] | tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         prompt = list(prompt)
-        tail = self._unfinished(prompt)    # the first bytes of a character the output may finish
+        tail, whole = self._unfinished(prompt)   # the first bytes of a character the output may finish
         self._context: list[int] = self._prime(prompt[:len(prompt) - len(tail)])  # ids behind the last emitted
         self._stream = DecodeStream(ids=self._context, skip_special_tokens=True) if self._context else \
             DecodeStream(skip_special_tokens=True)
         self._pending: list[int] = []  # ids pushed since the last emitted text
         self._from_prompt: list[int] = []
-        self._prompt_text = ""             # the held prompt bytes' own text (U+FFFD), if no output completes them
+        self._prompt_text = ""             # the held prompt ids' own text (theirs U+FFFD), if no output completes it
+        self._prompt_whole = whole         # ... and of their whole characters, the prompt's, said either way
         if tail and tokenizer is not None and all(self._stream.step(tokenizer.hf, i) is None for i in tail):
             self._pending, self._from_prompt = list(tail), list(tail)   # held as a character's first bytes
             self._prompt_text = tokenizer.decode(self._context + tail)[len(tokenizer.decode(self._context)):]
         elif tail:                         # (not held after all: as without a prompt)
             self._context, self._stream = [], DecodeStream(skip_special_tokens=True)
 
-    def _unfinished(self, prompt: list[int]) -> list[int]:
-        """The prompt's last ids when their bytes are exactly the start of a UTF-8 character (a generation cut by
-        max_tokens inside one, sent back as the prompt), so the output's first bytes complete it as vLLM's
-        primed stream does; [] otherwise."""
+    def _unfinished(self, prompt: list[int]) -> tuple[list[int], str]:
+        """(the prompt's last ids that hold the first bytes of an unfinished UTF-8 character, the text of the
+        whole characters those ids hold before it): a generation cut by max_tokens inside a character and sent
+        back as the prompt, whose output's first bytes complete it, as vLLM's primed stream has it; ([], "")
+        otherwise."""
         tok = self.tokenizer
-        if tok is None:
-            return []
-        raw = b""
-        for k in range(1, min(3, len(prompt)) + 1):
-            raw = tok.token_bytes(prompt[-k]) + raw
-            if not raw or len(raw) > 3:
-                return []
-            lead = raw[0]
-            need = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
-            if need and len(raw) < need and all(0x80 <= b <= 0xBF for b in raw[1:]):
-                return prompt[-k:]
-            if lead < 0x80 or lead > 0xBF and not need:          # an ASCII or invalid byte: no character starts
-                return []
-        return []
+        if tok is None or not prompt:
+            return [], ""
+        raws = [tok.token_bytes(i) for i in prompt[-3:]]
+        cut = _incomplete_tail(b"".join(raws))
+        total = 0
+        for k in range(1, len(raws) + 1):
+            total += len(raws[-k])
+            if cut and total >= cut:
+                return prompt[-k:], b"".join(raws[-k:])[:-cut].decode("utf-8", "replace")
+        return [], ""
 
     def _prime(self, prompt: list[int]) -> list[int]:
         """The prompt's shortest suffix of at least PRIME ids (all of a shorter prompt) whose text is not empty and
@@ -198,6 +196,8 @@ class Detokenizer:
         prompt's text has it already: decode(prompt + ids) less decode(prompt) holds none of it)."""
         if self._from_prompt and self._prompt_text and text.startswith(self._prompt_text):
             text = text[len(self._prompt_text):]
+        elif self._from_prompt and text.startswith(self._prompt_whole):
+            text = text[len(self._prompt_whole):]
         self._from_prompt = []
         return text
 
@@ -222,3 +222,14 @@ class Detokenizer:
         self._pending, self._from_prompt = [], []
         self._stream = DecodeStream(ids=self._context, skip_special_tokens=True)
         return text + self.push(rest)
+
+
+def _incomplete_tail(raw: bytes) -> int:
+    """How many of `raw`'s last bytes are the start of a UTF-8 character it does not finish (0: none)."""
+    for i in range(1, min(3, len(raw)) + 1):
+        c = raw[-i]
+        if 0x80 <= c <= 0xBF:                  # a continuation byte: its lead is further back
+            continue
+        need = 2 if 0xC2 <= c <= 0xDF else 3 if 0xE0 <= c <= 0xEF else 4 if 0xF0 <= c <= 0xF4 else 0
+        return i if need > i else 0
+    return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import re
 import subprocess
 import sys
@@ -307,10 +306,12 @@ def test_a_target_without_a_port_is_refused_before_dialling():
     assert out.returncode == 2 and "--target localhost: give HOST:PORT" in out.stderr, out.stderr
 
 
-def test_an_empty_api_key_variable_is_said(caplog):
+def test_an_empty_api_key_variable_is_refused():
+    """An empty Secret behind $COLIBRI_API_KEY started an open front: a key was meant, so it is refused, as an
+    empty --api-key is."""
     from colibri.openai_api.options import OpenAIOptions
     from colibri.openai_api.policy import api_key
 
-    with caplog.at_level(logging.WARNING):
-        assert api_key(OpenAIOptions(target="r:1"), {"COLIBRI_API_KEY": " "}) == ("", "")
-    assert "is set but empty" in caplog.text
+    with pytest.raises(ValueError, match="COLIBRI_API_KEY is set but empty"):
+        api_key(OpenAIOptions(target="r:1"), {"COLIBRI_API_KEY": " "})
+    assert api_key(OpenAIOptions(target="r:1"), {}) == ("", "")

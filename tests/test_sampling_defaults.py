@@ -43,10 +43,13 @@ def test_only_the_fields_a_request_leaves_out_take_the_defaults(parse):
     assert sp.repetition_penalty == 1.0
     assert parse(body).with_defaults({"top_k": -1.0}).sampling.top_k == 0          # -1: off, as 0 on the wire
     assert parse(body).with_defaults({}).sampling == parse(body).sampling
-    # generation_config's max_new_tokens: chat's "as many as fit" becomes it; completions' 16 at most it
-    assert parse(body).with_defaults({"max_tokens": 7.0}).sampling.max_tokens == 7
-    assert parse(body).with_defaults({"max_tokens": 100.0}).sampling.max_tokens == (100 if parse is parse_chat
-                                                                                     else 16)
+    # generation_config's max_new_tokens: chat's "as many as fit" is capped at it by the router (which knows the
+    # prompt's length: a default over what fits must not refuse the request); completions' 16 at most it
+    chat = parse is parse_chat
+    sp = parse(body).with_defaults({"max_tokens": 7.0}).sampling
+    assert (sp.max_tokens, sp.default_max_tokens) == ((0, 7) if chat else (7, 0))
+    sp = parse(body).with_defaults({"max_tokens": 100.0}).sampling
+    assert (sp.max_tokens, sp.default_max_tokens) == ((0, 100) if chat else (16, 0))
     assert parse({**body, "max_tokens": 50}).with_defaults({"max_tokens": 7.0}).sampling.max_tokens == 50
 
 
@@ -64,6 +67,12 @@ def test_the_front_gives_the_checkpoints_sampling_to_requests_that_leave_it_out(
     with fleet(path, 1, ["--openai-port", "0"]) as (addr, proc):
         with Client(addr) as client:
             assert dict(client.model_info().sampling_defaults) == {"top_k": 1.0}
+            # a default max_tokens caps "as many as fit" on the router, and one over what fits refuses nothing
+            fit = client.model_info().max_model_len - 3
+            assert len(client.generate([1, 2, 3], 0, ignore_eos=True, default_max_tokens=4).token_ids) == 4
+            assert len(client.generate([1, 2, 3], 0, ignore_eos=True, default_max_tokens=10**6).token_ids) == fit
+            assert len(client.generate([1, 2, 3], 0, ignore_eos=True, default_max_tokens=2,
+                                       min_tokens=5).token_ids) == 5
         with front(addr) as (_, _, api):
             assert api.completions.create(**kw).choices[0].text == greedy
             sampled = api.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "top_k": 0}})

@@ -286,8 +286,10 @@ def test_token_bytes_are_each_tokens_own_bytes(tok: Tokenizer) -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_outputs_after_a_whole_prompt_are_what_they_add_to_its_text(tok: Tokenizer, seed: int) -> None:
-    """Any bytes (characters, split characters, invalid bytes) generated after a prompt of whole characters: the
-    pushes and finish() are decode(prompt + ids) less decode(prompt), whatever the push sizes."""
+    """Random runs of these pieces (characters, split characters, invalid bytes) generated after a prompt of whole
+    characters: the pushes and finish() are decode(prompt + ids) less decode(prompt), whatever the push sizes.
+    (Some longer runs of invalid bytes are cut apart by the forced flush of MAX_PENDING held ids, and say a
+    U+FFFD more than a whole decode would.)"""
     rng = random.Random(seed)
     pieces = [b"a", b" ", "é".encode(), "€".encode(), "😀".encode(), b"\xff", b"\xc3", b"\x80", b"\n"]
     for _ in range(50):
@@ -297,3 +299,22 @@ def test_random_outputs_after_a_whole_prompt_are_what_they_add_to_its_text(tok: 
         detok = Detokenizer(tok, prompt)
         got = "".join(stream(detok, ids, sizes)) + detok.finish()
         assert got == tok.decode(prompt + ids)[len(tok.decode(prompt)):], (prompt, ids)
+
+
+def test_a_character_cut_inside_a_merged_token_is_completed_too() -> None:
+    """Byte-level vocabularies merge a space (or a whole character) with a character's first byte (" \\xe4"): the
+    prompt's last token holds whole text and a character's start; the output completes the character and says
+    none of the prompt's own text."""
+    from tests.tokenizer_fixtures import byte_to_unicode
+
+    mapping = byte_to_unicode()
+    vocab = {ch: b for b, ch in mapping.items()}
+    vocab[mapping[0x20] + mapping[0xE4]] = 256
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[(mapping[0x20], mapping[0xE4])]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    tok = Tokenizer(hf)
+    assert tok.token_bytes(256) == b" \xe4" and tok.encode(" 你") == [256, 0xBD, 0xA0]
+    for out, want in (([0xBD, 0xA0, ord("!")], "你!"), ([ord("!")], "!")):
+        detok = Detokenizer(tok, [ord("x"), 256])
+        assert "".join(stream(detok, out)) + detok.finish() == want, out

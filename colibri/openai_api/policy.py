@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import logging
 import os
 import re
 import socket
@@ -15,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-log = logging.getLogger("colibri.openai")
 API_KEY_ENV = "COLIBRI_API_KEY"
 ANY = "*"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -104,9 +102,9 @@ def api_key(opts: GuardOptions, env: Mapping[str, str] = os.environ) -> tuple[st
     if opts.api_key is not None:
         return opts.api_key, "--api-key"
     key = env.get(API_KEY_ENV, "").strip()
-    if not key and API_KEY_ENV in env:        # set, but to nothing (an empty Secret, a typo'd variable): said
-        log.warning("$%s is set but empty: the front takes no API key (unset it to say so, or give the key)",
-                    API_KEY_ENV)
+    if not key and API_KEY_ENV in env:        # set, but to nothing (an empty Secret): a key was meant
+        raise ValueError(f"${API_KEY_ENV} is set but empty (an empty Secret?): give the key, or unset the variable "
+                         f"for a front without one")
     return (check_key(key, f"${API_KEY_ENV}"), f"${API_KEY_ENV}") if key else ("", "")
 
 

@@ -50,8 +50,11 @@ class Parsed:
         sp = pb.SamplingParams()
         sp.CopyFrom(self.sampling)
         for name, value in given.items():
-            if name == "max_tokens":                  # chat's 0 (as many as fit), completions' 16: at most it
-                sp.max_tokens = int(value) if not sp.max_tokens else min(sp.max_tokens, int(value))
+            if name == "max_tokens":                  # chat's 0 (as many as fit, the router caps it at the
+                if sp.max_tokens:                     # default there), completions' 16: at most it
+                    sp.max_tokens = min(sp.max_tokens, int(value))
+                else:
+                    sp.default_max_tokens = int(value)
             else:
                 setattr(sp, name, int(value) if name == "top_k" else value)
         if sp.top_k < 0:                                           # HF and vLLM: -1 = off, as 0 on the wire

@@ -120,6 +120,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if p.max_tokens < 0:
             raise ValueError(f"max_tokens must be > 0 (or 0 = as many as fit), got {p.max_tokens}")
         max_tokens = p.max_tokens or limit - prompt_len            # 0: what the model's length leaves
+        if not p.max_tokens and p.default_max_tokens > 0:          # ... or less, as a checkpoint recommends
+            max_tokens = max(min(max_tokens, p.default_max_tokens), min(p.min_tokens, max_tokens))
         if max_tokens <= 0:
             raise ValueError(context_length_exceeded(limit, prompt_len, 1))
         seed = p.seed if p.HasField("seed") else None
