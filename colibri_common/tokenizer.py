@@ -144,12 +144,8 @@ class Detokenizer:
             return [], ""
         raws = [tok.token_bytes(i) for i in prompt[-3:]]
         cut = _incomplete_tail(b"".join(raws))
-        total = 0
-        for k in range(1, len(raws) + 1):
-            total += len(raws[-k])
-            if cut and total >= cut:
-                return prompt[-k:], b"".join(raws[-k:])[:-cut].decode("utf-8", "replace")
-        return [], ""
+        k = next((k for k in range(1, len(raws) + 1) if cut and sum(map(len, raws[-k:])) >= cut), 0)
+        return (prompt[-k:], b"".join(raws[-k:])[:-cut].decode("utf-8", "replace")) if k else ([], "")
 
     def _prime(self, prompt: list[int]) -> list[int]:
         """The prompt's shortest suffix of at least PRIME ids (all of a shorter prompt) whose text is not empty and

@@ -359,13 +359,14 @@ class Engine:
         """The gauges of what the engine holds (KV blocks, requests), the same wherever they are refreshed: at
         start, after each step and when a request leaves (a cancel or an abort between steps included)."""
         total, free = self.scheduler.kv_blocks()
+        paused = sum(s.paused for s in self.scheduler.running)
         return {"kv_cache_blocks_total": total, "kv_cache_blocks_free": free, "kv_cache_usage_perc": 1 - free / total,
-                "num_requests_running": sum(not s.paused for s in self.scheduler.running),
-                "num_requests_paused": sum(s.paused for s in self.scheduler.running),
+                "num_requests_running": len(self.scheduler.running) - paused, "num_requests_paused": paused,
                 "num_requests_waiting": len(self.scheduler.waiting)}
 
     def _update_metrics(self, step: Step, seconds: float) -> None:
         m, sch, batch = self.metrics, self.scheduler, step.scheduled
+        tokens = sum(s.num_new for s in batch)
         with m.lock:
             m.steps += 1
             m.step_seconds += seconds
@@ -374,11 +375,11 @@ class Engine:
             m.micro_batch_overlaps = self.model.overlaps
             m.prefetch_predicted, m.prefetch_right = self.model.predicted, self.model.predicted_right
             m.graph_replays = self.graphs.replays if self.graphs is not None else 0
-            m.gauges.update(self._occupancy(), batch_size=len(batch), batch_tokens=sum(s.num_new for s in batch))
+            m.gauges.update(self._occupancy(), batch_size=len(batch), batch_tokens=tokens)
             m.phases = dict(self.phase, **self.experts.timers)
             for name in ("batch_size", "batch_tokens"):
                 m.gauges[name + "_max"] = max(m.gauges.get(name + "_max", 0), m.gauges[name])
-        m.iteration_tokens.observe(sum(s.num_new for s in batch))
+        m.iteration_tokens.observe(tokens)
         self._say_preemptions()
 
     def _say_preemptions(self) -> None:

@@ -15,7 +15,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router_service.moe.worker_watch import WORKER_SERVICE
+from router_service.moe.worker_watch import WORKER_SERVICE, WorkerWatch
 
 LOAD_SILENCE_S = 10.0       # a worker to load a placement that answers no health check this long is given up
 # no answer at all: the peer's process is not there or does not run (any status, even an error, is an answer)
@@ -23,7 +23,7 @@ _SILENT = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.
 
 
 class Heartbeat:
-    DEADLINE_S = 0.75
+    DEADLINE_S = WorkerWatch.DEADLINE_S      # a check's deadline, as the health watch's
 
     def __init__(self, channel: grpc.Channel) -> None:
         self.stub = health_pb2_grpc.HealthStub(channel)
