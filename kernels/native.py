@@ -42,8 +42,8 @@ LIBRARY = Path(__file__).resolve().parent / "native" / "_build" / "colibri_nativ
 SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}     # colibri::topk_route's codes
 GROUP_SCORE_CODES = {"max": 0, "top2": 1}
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
-OPS = ("linear", "moe_", "moe_sum_", "decode_attention", "rms_norm", "rope", "attention_block", "topk_route",
-       "moe_route", "isa", "use_isa", "rest", "exit_on_sigbus")
+OPS = ("linear", "expert_blocks", "expert_blocks_free", "moe_blocks_", "moe_sum_", "decode_attention", "rms_norm",
+       "rope", "attention_block", "topk_route", "moe_route", "isa", "use_isa", "rest", "exit_on_sigbus")
 
 
 def _load() -> str | None:
@@ -154,7 +154,7 @@ def int8_tiles() -> bool:
     return available() and isa() in TILE_LEVELS
 
 
-X16_LEVELS = ("avx2",)      # the levels whose weight-only int8 linear takes bf16 x as int16 (gemm.h CK_X16)
+X16_LEVELS = ("avx2", "avx512", "avx512bf16")   # whose weight-only int8 linear takes bf16 x as int16 (gemm.h CK_X16)
 
 
 def int8_x16() -> bool:
@@ -169,7 +169,24 @@ def linear_int8_tiles(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
 
 _NO_MAP = torch.empty(0, dtype=torch.long)
-_SPLIT: dict[tuple, tuple[tuple[torch.Tensor, ...], ...]] = {}     # a packed stack's per-expert views, made once
+class _Blocks:
+    """One projection's experts registered with the kernel (`colibri::expert_blocks`: every expert's row blocks in
+    order, the blocks per expert, the int8 scales per expert or none) under a number that `moe_blocks_` takes; freed
+    with this object (the registry holds the tensors until then)."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, blocks: list[torch.Tensor], parts: int, scales: list[torch.Tensor]) -> None:
+        self.id = torch.ops.colibri.expert_blocks(blocks, parts, scales)
+
+    def __del__(self) -> None:
+        try:
+            torch.ops.colibri.expert_blocks_free(self.id)
+        except Exception:                          # interpreter shutdown: the registry goes with the process
+            pass
+
+
+_BLOCKS: dict[tuple, _Blocks] = {}     # a packed stack's per-expert views, registered once
 
 
 def forget(weights: list[object]) -> None:
@@ -177,23 +194,27 @@ def forget(weights: list[object]) -> None:
     would keep their memory alive."""
     ptrs = {t.data_ptr() for w in weights for t in ((w.q,) if isinstance(w, Int8Weight) else (w,))
             if isinstance(t, torch.Tensor)}
-    for key in [k for k in _SPLIT if k[0] in ptrs]:
-        del _SPLIT[key]
+    for key in [k for k in _BLOCKS if k[0] in ptrs]:
+        del _BLOCKS[key]
 
 
-def _per_expert(w: torch.Tensor | Int8Weight | ExpertRows) -> tuple[tuple[torch.Tensor, ...], int, tuple[torch.Tensor,
-                                                                                                      ...]]:
-    """(row blocks of every expert in order, blocks per expert, int8 scales per expert or ()) for the kernel."""
+def _blocks(w: torch.Tensor | Int8Weight | ExpertRows) -> int:
+    """The number of one projection's experts registered with the kernel, registering them the first time: in-place
+    experts keep theirs on the ExpertRows object, packed stacks in a small cache keyed by their storage."""
     if isinstance(w, ExpertRows):
-        return w.flat, w.parts, ()
+        made = w.__dict__.get("_native_blocks")          # as cached_property stores (the dataclass is frozen)
+        if made is None:
+            made = w.__dict__["_native_blocks"] = _Blocks(list(w.flat), w.parts, [])
+        return made.id
     t = w.q if isinstance(w, Int8Weight) else w
     key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-    views = _SPLIT.get(key)
-    if views is None:
-        if len(_SPLIT) >= 64:                      # stacks come and go (tests, cache tiers): keep the cache small
-            _SPLIT.clear()
-        views = _SPLIT[key] = (t.unbind(0), w.scale.unbind(0) if isinstance(w, Int8Weight) else ())
-    return views[0], 1, views[1]
+    made = _BLOCKS.get(key)
+    if made is None:
+        if len(_BLOCKS) >= 64:                      # stacks come and go (tests, cache tiers): keep the cache small
+            _BLOCKS.clear()
+        scales = list(w.scale.unbind(0)) if isinstance(w, Int8Weight) else []
+        made = _BLOCKS[key] = _Blocks(list(t.unbind(0)), 1, scales)
+    return made.id
 
 
 def moe_(acc: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -203,11 +224,9 @@ def moe_(acc: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
     """acc [T, H] float64 += Σ_k weights[t, k] · FFN_e(x[t]) (e = expert_map[ids[t, k]], -1 = not here): the sort,
     the gather, the expert FFN, the routed weights and the sum in one native call; the bits of
     `fused_moe_cpu`'s native form step by step. Returns acc."""
-    b13_, parts, s13 = _per_expert(w13)
-    b2_, _, s2 = _per_expert(w2)
-    torch.ops.colibri.moe_(acc, x, ids, weights, _NO_MAP if expert_map is None else expert_map, b13_, parts, b2_,
-                           s13, s2, b13, b2, act.alpha, act.limit, act.up_offset,
-                           isinstance(w13, Int8Weight) and w13.w8a8)
+    torch.ops.colibri.moe_blocks_(acc, x, ids, weights, _NO_MAP if expert_map is None else expert_map, _blocks(w13),
+                                  _blocks(w2), b13, b2, act.alpha, act.limit, act.up_offset,
+                                  isinstance(w13, Int8Weight) and w13.w8a8)
     return acc
 
 

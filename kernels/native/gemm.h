@@ -253,7 +253,8 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
     }
 }
 
-// Weight-only int8 against bf16 x on AVX2 (the avx2 level; CK_X16; the entry point's wdtype 3): x's rows are quantised
+// Weight-only int8 against bf16 x on AVX2 and AVX-512 (every level but generic and amx; CK_X16; the entry point's
+// wdtype 3): x's rows are quantised
 // to int16 in blocks of QB = 256 along K (a float32 scale a block, amax / 32767; q = round-half-even(x * (32767 /
 // amax)) in float32 arithmetic, a block below 2^-64 scaled up by 2^64 first) and multiplied by the int8 weights with
 // vpmaddwd (16 int16 x int16 products a step, pairs summed into int32 lanes: 16 multiply-adds an instruction against 8
@@ -266,12 +267,62 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
 // `python -m benchmarks.gemm_ab --base e729f39 --level avx2 --kinds int8b`). Its x is within half a step, 1/65534 of
 // the block's largest |x|, of the bf16 x (a value within 2^-7 of that largest is exact): far below the int8 weights'
 // own error (up to 1/254 of a row's largest |w|). Float32 x (wdtype 2) keeps the float32 form. A block holding inf or
-// NaN gives NaN (its scale is NaN).
-#if defined(__AVX2__) && !defined(__AVX512F__)
+// NaN gives NaN (its scale is NaN). On a 2-core AMD EPYC with AVX512-BF16 and VNNI (Zen 4), where the float32 form's
+// 16-lane FMAs run as two 8-lane halves, the same form on 32 pairs a step (vpdpwssd) ... (docs/performance.md). The
+// amx level keeps the float32 form (its own tiles take bf16 x against int8 weights widened to bf16).
+#if defined(__AVX2__) && !defined(__AMX_TILE__)
 #define CK_X16 1
-constexpr int QB = 256;                              // elements of K one scale of x covers (16 steps of 16)
+constexpr int QB = 256;                              // elements of K one scale of x covers
 
-// x [M, K] float32 -> q [M, Kp] int16 (Kp = K rounded up to 16, zero-padded) and scales s [M, nb] (nb = blocks of
+// The int16 step's vectors: AVX2's 16 pairs (vpmaddwd, then an add), or on the AVX-512 levels 32 (vpdpwssd where
+// there is VNNI: the multiply and the add in one instruction; else vpmaddwd and an add). A block's int32 sums are exact
+// either way (QB / 2 pair sums of at most 2 * 32767 * 127 a lane at most, far inside int32), so only the lanes they
+// land in and the float sums after differ between the widths.
+#if defined(__AVX512BW__) && CK_WIDTH == 16
+constexpr int X16_STEP = 32;                         // int16 elements of K a step takes
+typedef __m512i x16_ivec;
+typedef __m512 x16_fvec;
+static inline x16_ivec x16_w(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+static inline x16_ivec x16_w_tail(const int8_t* p, int n) {         // n < 32 bytes, the rest zero (masked: no fault)
+    return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8((__mmask32)((1u << n) - 1), p));
+}
+static inline x16_ivec x16_x(const int16_t* p) { return _mm512_loadu_si512(p); }
+static inline x16_ivec x16_zero() { return _mm512_setzero_si512(); }
+static inline x16_ivec x16_dot(x16_ivec acc, x16_ivec x, x16_ivec w) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, x, w);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w));
+#endif
+}
+static inline x16_fvec x16_fzero() { return _mm512_setzero_ps(); }
+static inline x16_fvec x16_scale(x16_ivec sums, float s, x16_fvec acc) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(s), acc);
+}
+#else
+constexpr int X16_STEP = 16;
+typedef __m256i x16_ivec;
+typedef __m256 x16_fvec;
+static inline x16_ivec x16_w(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+static inline x16_ivec x16_w_tail(const int8_t* p, int n) {         // n < 16 bytes, the rest zero
+    alignas(16) int8_t tail[16] = {};
+    std::memcpy(tail, p, n);
+    return _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i*)tail));
+}
+static inline x16_ivec x16_x(const int16_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+static inline x16_ivec x16_zero() { return _mm256_setzero_si256(); }
+static inline x16_ivec x16_dot(x16_ivec acc, x16_ivec x, x16_ivec w) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w));
+}
+static inline x16_fvec x16_fzero() { return _mm256_setzero_ps(); }
+static inline x16_fvec x16_scale(x16_ivec sums, float s, x16_fvec acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(s), acc);
+}
+#endif
+static_assert(QB % X16_STEP == 0, "a block is whole steps");
+static_assert(sizeof(x16_fvec) == sizeof(fvec), "the float sums are the level's vectors (lanes_sum)");
+
+// x [M, K] float32 -> q [M, Kp] int16 (Kp = K rounded up to X16_STEP, zero-padded) and scales s [M, nb] (nb = blocks of
 // QB). Vector and scalar forms are the same IEEE multiply and round-half-even, so every element gets the same bits.
 static void quantize_x16(const float* x, int M, int K, int16_t* q, int Kp, float* s, int nb) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -324,16 +375,15 @@ static void quantize_x16(const float* x, int M, int K, int16_t* q, int Kp, float
     }
 }
 
-// One step of 16 along K in tile_x16: acc[i][j] += pairs of x row i (int16) times W row j (int8 widened to int16).
+// One step of X16_STEP along K in tile_x16: acc[i][j] += pairs of x row i (int16) times W row j (int8 widened to
+// int16).
 #define CK_STEP_X16                                                                                                  \
     {                                                                                                                \
-        __m256i wv[OT];                                                                                              \
-        _Pragma("GCC unroll 8") for (int j = 0; j < OT; ++j)                                                        \
-            wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + (int64_t)j * K + k)));                 \
+        x16_ivec wv[OT];                                                                                             \
+        _Pragma("GCC unroll 8") for (int j = 0; j < OT; ++j) wv[j] = x16_w(w + (int64_t)j * K + k);                  \
         _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) {                                                      \
-            const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + (int64_t)i * Kp + k));                        \
-            _Pragma("GCC unroll 8") for (int j = 0; j < OT; ++j)                                                    \
-                acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv, wv[j]));                               \
+            const x16_ivec xv = x16_x(x + (int64_t)i * Kp + k);                                                      \
+            _Pragma("GCC unroll 8") for (int j = 0; j < OT; ++j) acc[i][j] = x16_dot(acc[i][j], xv, wv[j]);          \
         }                                                                                                            \
     }
 
@@ -342,54 +392,49 @@ template <int MT, int OT>
 static inline void tile_x16(const int16_t* x, int Kp, const float* xs, int nb, int K, const int8_t* w,
                             const float* ws, float* y, int ldy, Ahead& ahead_) {
     Ahead ahead = ahead_;                          // in registers for the loop
-    constexpr int earn = OT * 16;                  // the bytes of the block a step reads
-    __m256 accf[MT][OT];
+    constexpr int earn = OT * X16_STEP;            // the bytes of the block a step reads
+    x16_fvec accf[MT][OT];
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i)
 #pragma GCC unroll 8
-        for (int j = 0; j < OT; ++j) accf[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < OT; ++j) accf[i][j] = x16_fzero();
     for (int b = 0; b < nb; ++b) {
         const int k0 = b * QB, k1 = std::min(K, k0 + QB);
-        __m256i acc[MT][OT];
+        x16_ivec acc[MT][OT];
 #pragma GCC unroll 8
         for (int i = 0; i < MT; ++i)
 #pragma GCC unroll 8
-            for (int j = 0; j < OT; ++j) acc[i][j] = _mm256_setzero_si256();
+            for (int j = 0; j < OT; ++j) acc[i][j] = x16_zero();
         int k = k0;
         if constexpr (MT == 1) {                   // one row: bound by memory, its prefetch paced step by step (a
-            for (; k + 16 <= k1; k += 16) {        // block's lines requested at once read 0.86x as fast: gemm_ab)
-                ahead.step(earn);
+            for (; k + X16_STEP <= k1; k += X16_STEP) {   // block's lines requested at once read 0.86x as fast:
+                ahead.step(earn);                  // gemm_ab)
                 CK_STEP_X16
             }
         } else {                                   // bound by the multiply-adds: the prefetch a block at a time (a
-            ahead.step(earn * ((k1 - k0) / 16));  // check a step cost a fifth from the caches), a whole block's
-            const int steps = (k1 - k0) / 16;      // 16 steps unrolled (a loop of 8 a block ran no faster than
-                                                   // the float32 tile from the caches)
+            const int steps = (k1 - k0) / X16_STEP;   // check a step cost a fifth from the caches), a whole block's
+            ahead.step(earn * steps);              // steps unrolled (a loop of 8 a block ran no faster than the
+                                                   // float32 tile from the caches)
 #pragma GCC unroll 16
-            for (int u = 0; u < (steps == QB / 16 ? QB / 16 : steps); ++u, k += 16) CK_STEP_X16
+            for (int u = 0; u < (steps == QB / X16_STEP ? QB / X16_STEP : steps); ++u, k += X16_STEP) CK_STEP_X16
         }
         if (k < k1) {                              // the last partial step: each row's rest, zero-padded
             ahead.step(earn);
-            alignas(16) int8_t tail[16];
-            __m256i wv[OT];
+            x16_ivec wv[OT];
 #pragma GCC unroll 8
-            for (int j = 0; j < OT; ++j) {
-                std::memset(tail, 0, sizeof tail);
-                std::memcpy(tail, w + (int64_t)j * K + k, k1 - k);
-                wv[j] = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i*)tail));
-            }
+            for (int j = 0; j < OT; ++j) wv[j] = x16_w_tail(w + (int64_t)j * K + k, k1 - k);
 #pragma GCC unroll 8
             for (int i = 0; i < MT; ++i) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + (int64_t)i * Kp + k));
+                const x16_ivec xv = x16_x(x + (int64_t)i * Kp + k);
 #pragma GCC unroll 8
-                for (int j = 0; j < OT; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv, wv[j]));
+                for (int j = 0; j < OT; ++j) acc[i][j] = x16_dot(acc[i][j], xv, wv[j]);
             }
         }
 #pragma GCC unroll 8
         for (int i = 0; i < MT; ++i) {
-            const __m256 sv = _mm256_set1_ps(xs[(int64_t)i * nb + b]);
+            const float sx = xs[(int64_t)i * nb + b];
 #pragma GCC unroll 8
-            for (int j = 0; j < OT; ++j) accf[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), sv, accf[i][j]);
+            for (int j = 0; j < OT; ++j) accf[i][j] = x16_scale(acc[i][j], sx, accf[i][j]);
         }
     }
     ahead_ = ahead;
@@ -404,7 +449,7 @@ static inline void tile_x16(const int16_t* x, int Kp, const float* xs, int nb, i
 template <int MT>
 static inline void rows_x16(const int16_t* x, int Kp, const float* xs, int nb, int K, const int8_t* w,
                             const float* ws, int n, float* y, int ldy, Ahead& ahead) {
-    constexpr int OT = MT == 1 ? 4 : MT == 2 ? 3 : 2;
+    constexpr int OT = X16_STEP == 32 ? (MT <= 2 ? 4 : 3) : MT == 1 ? 4 : MT == 2 ? 3 : 2;   // AVX-512: 32 registers
     int o = 0;
     for (; o + OT <= n; o += OT) tile_x16<MT, OT>(x, Kp, xs, nb, K, w + (int64_t)o * K, ws + o, y + o, ldy, ahead);
     for (; o < n; ++o) tile_x16<MT, 1>(x, Kp, xs, nb, K, w + (int64_t)o * K, ws + o, y + o, ldy, ahead);
@@ -417,7 +462,7 @@ constexpr int PASS_ROWS_X16 = 4;                     // the most rows of x a pas
 static void linear_block_x16(const float* x, int M, int K, const int8_t* w, const float* ws, int o0, int o1,
                              float* y, int ldy, Ahead after) {
     constexpr int OB = 32;
-    const int Kp = (K + 15) / 16 * 16, nb = (K + QB - 1) / QB;
+    const int Kp = (K + X16_STEP - 1) / X16_STEP * X16_STEP, nb = (K + QB - 1) / QB;
     thread_local std::vector<int16_t> q;
     thread_local std::vector<float> s;
     q.resize((size_t)M * Kp);

@@ -1,12 +1,14 @@
-// colibri::moe_ and colibri::moe_sum_: the expert side of a layer, over the small-M linear of the ISA level in
+// colibri::moe_blocks_ and colibri::moe_sum_: the expert side of a layer, over the small-M linear of the ISA level in
 // force (ops.cpp picks it, gemm.h computes it).
 //
-//   moe_(acc [T, H] float64, x [T, H], ids [T, K], weights [T, K], local [E_global], w13 [blocks], parts13,
-//        w2 [blocks], s13 [scales], s2 [scales], b13?, b2?, alpha, limit, up_offset): the whole expert side of a
+//   moe_blocks_(acc [T, H] float64, x [T, H], ids [T, K], weights [T, K], local [E_global], w13, w2, b13?, b2?, alpha,
+//        limit, up_offset) with w13 and w2 registered by expert_blocks (below): the whole expert side of a
 //        layer in one call: the pairs sorted by expert, x's rows gathered, each expert's FFN (gate/up, the gated
 //        activation, down, in float32, biases included; every weight byte read once per call), the routed
 //        weights and the float64 sum. Expert e's weights are row blocks (a packed stack's expert, or a mapped
 //        checkpoint's gate, up and down tensors where they lie)
+//   expert_blocks(blocks [E * parts], parts, scales [E] or []) -> id; expert_blocks_free(id): one projection's row
+//        blocks (and int8 row scales) registered once, named by the id moe_blocks_ takes
 //   moe_sum_(acc [T, H] float64, ys [P, H] float32, rows [P], weights [P]): acc[rows[p]] += ys[p] * weights[p]
 
 #include <ATen/ATen.h>
@@ -18,6 +20,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -346,16 +351,69 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
     add_weighted(acc.data_ptr<double>(), ys.data_ptr<float>(), P, H, token.data(), pair_weight.data());
 }
 
+// One projection of a layer's experts (every expert's gate/up blocks, or every expert's down), handed to the kernel
+// once and named by a number: a call then passes two integers where it passed lists of 128-192 tensors, each list
+// unboxed and every tensor checked and reference-counted at every call (8% of a one-stream decode step in-process:
+// py-spy, the bench model, an AMD EPYC; a torch custom class instead costs a C++ exception a call, thrown by torch's
+// __torch_function__ probe of the object). The registry holds the tensors, so their memory lives until the number is
+// freed (kernels/native.py frees it with the Python object that owns it).
+struct ExpertBlocks {
+    std::vector<at::Tensor> blocks, scales;    // parts row blocks per expert, in order; int8 row scales per expert
+    int64_t parts;
+};
+
+std::mutex registry_lock;
+std::unordered_map<int64_t, std::shared_ptr<const ExpertBlocks>> registry;
+int64_t registry_next = 1;
+
+int64_t expert_blocks(at::TensorList blocks, int64_t parts, at::TensorList scales) {
+    TORCH_CHECK(parts >= 1 && !blocks.empty() && int64_t(blocks.size()) % parts == 0, "colibri::expert_blocks: need ",
+                "parts >= 1 row blocks per expert, got ", blocks.size(), " blocks in parts of ", parts);
+    TORCH_CHECK(scales.empty() || int64_t(scales.size()) * parts == int64_t(blocks.size()),
+                "colibri::expert_blocks: one scale vector per expert, or none");
+    auto made = std::make_shared<const ExpertBlocks>(
+        ExpertBlocks{std::vector<at::Tensor>(blocks.begin(), blocks.end()),
+                     std::vector<at::Tensor>(scales.begin(), scales.end()), parts});
+    std::lock_guard<std::mutex> hold(registry_lock);
+    registry[registry_next] = std::move(made);
+    return registry_next++;
+}
+
+void expert_blocks_free(int64_t id) {
+    std::lock_guard<std::mutex> hold(registry_lock);
+    registry.erase(id);
+}
+
+std::shared_ptr<const ExpertBlocks> blocks_of(int64_t id) {
+    std::lock_guard<std::mutex> hold(registry_lock);
+    auto it = registry.find(id);
+    TORCH_CHECK(it != registry.end(), "colibri::moe_blocks_: no expert blocks numbered ", id, " (freed, or never "
+                "made by colibri::expert_blocks)");
+    return it->second;
+}
+
+// moe_ over registered blocks: w13's are gate/up (its parts per expert), w2's the downs (one block each).
+void moe_blocks_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                 const at::Tensor& local, int64_t w13_id, int64_t w2_id, const c10::optional<at::Tensor>& b13,
+                 const c10::optional<at::Tensor>& b2, double alpha, c10::optional<double> limit, double up_offset,
+                 bool w8a8) {
+    const auto w13 = blocks_of(w13_id), w2 = blocks_of(w2_id);
+    TORCH_CHECK(w2->parts == 1, "colibri::moe_blocks_: each expert's down is one block");
+    moe_(acc, x, ids, weights, local, w13->blocks, w13->parts, w2->blocks, w13->scales, w2->scales, b13, b2, alpha,
+         limit, up_offset, w8a8);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
-    m.def("moe_(Tensor(a!) acc, Tensor x, Tensor ids, Tensor weights, Tensor local, Tensor[] w13, int parts13, "
-          "Tensor[] w2, Tensor[] s13, Tensor[] s2, Tensor? b13, Tensor? b2, float alpha, float? limit, "
-          "float up_offset, bool w8a8=False) -> ()");
+    m.def("expert_blocks(Tensor[] blocks, int parts, Tensor[] scales) -> int", &expert_blocks);
+    m.def("expert_blocks_free(int id) -> ()", &expert_blocks_free);
+    m.def("moe_blocks_(Tensor(a!) acc, Tensor x, Tensor ids, Tensor weights, Tensor local, "
+          "int w13, int w2, Tensor? b13, Tensor? b2, float alpha, float? limit, float up_offset, bool w8a8=False) -> ()");
     m.def("moe_sum_(Tensor(a!) acc, Tensor ys, Tensor rows, Tensor weights) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {
     m.impl("moe_sum_", &moe_sum_);
-    m.impl("moe_", &moe_);
+    m.impl("moe_blocks_", &moe_blocks_);
 }

@@ -55,6 +55,8 @@ void colibri_linear_avx512(const float*, int, int, const void*, int, const float
                            const void*, int64_t);
 void colibri_linear_avx512bf16(const float*, int, int, const void*, int, const float*, int, int, float*, int,
                                const void*, int64_t);
+void colibri_linear_bf16_avx512bf16(const uint16_t*, int, int, const uint16_t*, int, int, float*, int, const void*,
+                                    int64_t);
 void colibri_quantize_row_amx(const float*, int64_t, int8_t*, float*);
 CK_DECLARE_ATT(colibri_decode_attention_amx)
 CK_DECLARE_I8(colibri_linear_i8_tiles_amx)
@@ -80,7 +82,7 @@ struct Level {
     attention_fn attention;                    // decode attention over the paged KV cache
     quantize_fn quantize_row;                  // W8A8: one activation row to int8 and its scale
     bool (*supported)();
-    linear_bf16_fn linear_bf16 = nullptr;      // bf16 x bf16 products on tiles, where the level has them
+    linear_bf16_fn linear_bf16 = nullptr;      // bf16 x bf16 products (AMX tiles, AVX512-BF16 dot products)
     linear_i8w_bf16_fn linear_i8w_bf16 = nullptr;   // bf16 x against int8 weights widened to bf16, on tiles
 };
 
@@ -118,7 +120,7 @@ const Level LEVELS[] = {                      // best last
     {"avx512", colibri_linear_avx512, colibri_linear_i8_avx512, colibri_decode_attention_avx512,
      colibri_quantize_row_avx512, has_avx512},
     {"avx512bf16", colibri_linear_avx512bf16, colibri_linear_i8_avx512bf16, colibri_decode_attention_avx512bf16,
-     colibri_quantize_row_avx512bf16, has_avx512bf16},
+     colibri_quantize_row_avx512bf16, has_avx512bf16, colibri_linear_bf16_avx512bf16},
     {"amx", colibri_linear_amx, colibri_linear_i8_tiles_amx, colibri_decode_attention_amx, colibri_quantize_row_amx,
      has_amx, colibri_linear_bf16_amx, colibri_linear_i8w_bf16_amx},
 #endif

@@ -5,9 +5,11 @@ and clear errors for bad inputs and for an override the CPU cannot honour."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -62,14 +64,16 @@ def weight(dout: int, din: int, kind: str, g: torch.Generator) -> tuple[torch.Te
     return wk, wk.double()
 
 
+BF16_DOT_LEVELS = ("avx512bf16", "amx")                               # bf16 x bf16 products of their own
 SHAPES = [(1, 1), (37, 19), (100, 72), (33, 257), (70, 1030)]     # tails of every vector width and block
 ROWS = [1, 2, 3, 4, 5, 7, 33, 67]                                   # the register path, the panel path, tails
 
 
 def on_tiles(level: str, kind: str, x_dtype: torch.dtype) -> bool:
-    """Whether `level` multiplies x of `x_dtype` by weights of `kind` on AMX tiles (bf16 x against bf16 weights:
-    float32 sums of exact products in the tiles' own order), not the float32 path."""
-    return level == "amx" and kind == "bfloat16" and x_dtype == torch.bfloat16
+    """Whether `level` multiplies x of `x_dtype` by weights of `kind` with bf16 products (bf16 x against bf16 weights
+    on AMX tiles or AVX512-BF16 dot products: float32 sums of exact products in their own order), not the float32
+    path."""
+    return level in BF16_DOT_LEVELS and kind == "bfloat16" and x_dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
@@ -118,10 +122,10 @@ def as_multiplied(x: torch.Tensor, x16: bool) -> torch.Tensor:
 
 
 def test_int8_on_int16_x_stays_within_half_a_step_of_bf16_x(level):
-    """Where weight-only int8 meets bf16 x quantised to int16 (the avx2 level), the result is within float32's error
-    of the exact product plus half a step of each block's scale times |w|; an outlier costs only its own block
-    precision; rows of tiny values (blocks below 2^-64) stay right; a zero row gives zeros, a row holding inf or NaN
-    NaN. Float32 x keeps the float32 form everywhere."""
+    """Where weight-only int8 meets bf16 x quantised to int16 (the avx2 and avx512* levels), the result is within
+    float32's error of the exact product plus half a step of each block's scale times |w|; an outlier costs only its
+    own block precision; rows of tiny values (blocks below 2^-64) stay right; a zero row gives zeros, a row holding
+    inf or NaN NaN. Float32 x keeps the float32 form everywhere."""
     g = torch.Generator().manual_seed(11)
     w, wd = weight(70, 3 * X16_BLOCK + 37, "int8", g)
     x = torch.randn(5, wd.shape[1], generator=g).to(torch.bfloat16)                      # [5, Din]
@@ -169,6 +173,20 @@ def test_bf16_outputs_round_as_torch_does(level):
     nan = values.isnan().expand(5, n)
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]), (got[0], want[0])
+
+
+def test_bf16_x_against_bf16_weights_takes_the_levels_bf16_products(level):
+    """Where the level has bf16 products (AMX tiles, AVX512-BF16's VDPBF16PS), bf16 x against bf16 weights runs on
+    them and nowhere else: their rule flushes a denormal input to zero, where the float32 path multiplies it (so
+    this fails if the level's bf16 form is not taken, or taken where it does not exist). Rows 1-7 and a K tail."""
+    w = torch.ones(40, 37, dtype=torch.bfloat16)                                      # [40, 37]
+    for m in (1, 2, 5, 7):
+        x = torch.zeros(m, 37, dtype=torch.bfloat16)                                  # [m, 37]
+        x[:, 33] = 2.0**-130                                                           # a bf16 denormal, in the tail
+        float_path = native.linear(x.float(), w)                                       # [m, 40] float32
+        assert bool((float_path != 0).all())
+        got = native.linear(x, w)
+        assert bool((got == 0).all()) == (level in BF16_DOT_LEVELS), f"{level}, {m} rows"
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
@@ -459,10 +477,15 @@ def test_moe_sum_is_torchs_scatter_to_the_bit(T, H, P):
         torch.set_num_threads(threads)
 
 
-def _moe(x, w13, w2, ids=None, local=None):
+def _moe(x, w13, w2, ids=None, local=None, s13=(), s2=()):
     ids = torch.zeros(x.shape[0], 2, dtype=torch.long) if ids is None else ids
-    torch.ops.colibri.moe_(torch.zeros(x.shape, dtype=torch.float64), x, ids, torch.ones(ids.shape), torch.empty(0)
-                           if local is None else local, w13, 1, w2, [], [], None, None, 1.0, None, 0.0)
+    a, b = torch.ops.colibri.expert_blocks(w13, 1, list(s13)), torch.ops.colibri.expert_blocks(w2, 1, list(s2))
+    try:
+        torch.ops.colibri.moe_blocks_(torch.zeros(x.shape, dtype=torch.float64), x, ids, torch.ones(ids.shape),
+                                      torch.empty(0) if local is None else local, a, b, None, None, 1.0, None, 0.0)
+    finally:
+        torch.ops.colibri.expert_blocks_free(a)
+        torch.ops.colibri.expert_blocks_free(b)
 
 
 @needs_native
@@ -487,10 +510,40 @@ def _moe(x, w13, w2, ids=None, local=None):
      "need x [T, H], ids and weights [T, K]"),
     (lambda: _moe(torch.ones(3, 8), [torch.ones(10, 8)], [torch.ones(8, 5)], local=torch.tensor([3])),
      "expert map sends id 0 to row 3 of 1"),
+    (lambda: torch.ops.colibri.expert_blocks([torch.ones(10, 8)] * 3, 2, []), "3 blocks in parts of 2"),
+    (lambda: torch.ops.colibri.expert_blocks([torch.ones(10, 8)] * 2, 1, [torch.ones(10)]),
+     "one scale vector per expert, or none"),
+    (lambda: torch.ops.colibri.moe_blocks_(torch.zeros(1, 8, dtype=torch.float64), torch.ones(1, 8),
+                                           torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), torch.empty(0),
+                                           -5, -5, None, None, 1.0, None, 0.0), "no expert blocks numbered -5"),
 ])
 def test_bad_inputs_are_clear_errors(call, message):
     with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
         call()
+
+
+@needs_native
+def test_expert_blocks_are_registered_once_and_freed_with_their_weights():
+    """A layer's experts are handed to the kernel once (a number per projection, not lists of tensors each call);
+    the registry lets go of them, and their memory, with the Python object that owns them."""
+    g = torch.Generator().manual_seed(9)
+    w13, w2, _, _ = expert_weights(3, 8, 16, "bfloat16", g)
+    rows13, rows2 = in_place(w13, w2, split=True)
+    x = torch.randn(2, 16, generator=g).to(torch.bfloat16)
+    ids, weights = torch.tensor([[0, 2], [1, 0]]), torch.rand(2, 2, generator=g)
+    want = native.moe_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, None, w13, w2)
+    got = native.moe_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, None, rows13, rows2)
+    assert torch.equal(got, want)
+    first = native._blocks(rows13)
+    native.moe_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, None, rows13, rows2)
+    assert native._blocks(rows13) == first                                          # made once
+    block = weakref.ref(rows13.blocks[0][0])
+    del rows13
+    gc.collect()
+    assert block() is None                                                          # the registry let go
+    with pytest.raises(RuntimeError, match=f"no expert blocks numbered {first}"):
+        torch.ops.colibri.moe_blocks_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, torch.empty(0),
+                                      first, native._blocks(rows2), None, None, 1.0, None, 0.0)
 
 
 def _child(env: dict[str, str]) -> str:
