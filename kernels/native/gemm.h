@@ -267,8 +267,11 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
 // `python -m benchmarks.gemm_ab --base e729f39 --level avx2 --kinds int8b`). Its x is within half a step, 1/65534 of
 // the block's largest |x|, of the bf16 x (a value within 2^-7 of that largest is exact): far below the int8 weights'
 // own error (up to 1/254 of a row's largest |w|). Float32 x (wdtype 2) keeps the float32 form. A block holding inf or
-// NaN gives NaN (its scale is NaN). On a 2-core AMD EPYC with AVX512-BF16 and VNNI (Zen 4), where the float32 form's
-// 16-lane FMAs run as two 8-lane halves, the same form on 32 pairs a step (vpdpwssd) ... (docs/performance.md). The
+// NaN gives NaN (its scale is NaN). The AVX-512 levels take 32 pairs a step (vpdpwssd where there is VNNI), 4 weight
+// rows a tile to 2 rows of x and 3 from 3 rows (the int32 and float32 accumulators of 4 x 4 spilled): on a 2-core AMD
+// EPYC with AVX512-BF16 and VNNI (Zen 4, whose 16-lane FMAs run as two 8-lane halves) a MoE layer's int8 experts at
+// 4 / 8 / 32 rows each ran 1.20x / 1.38x / 1.47x as fast as the float32 form and lm_head 1.32-1.47x, 0.91-0.96x at
+// 1-2 rows (`python -m benchmarks.gemm_ab --base 75d2d3b --kinds int8b --rows 1,2,4,8,32 --level avx512bf16`). The
 // amx level keeps the float32 form (its own tiles take bf16 x against int8 weights widened to bf16).
 #if defined(__AVX2__) && !defined(__AMX_TILE__)
 #define CK_X16 1
