@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernels.omp_policy import users_environment
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PEER = ROOT.parent / "shared" / "tools" / "llamacpp-peer"
 QUANTS = ("bf16", "q8_0")
@@ -116,7 +118,8 @@ def find_peer(bin_dir: str | None = None, ggufs: str | None = None, script: str 
 
 def _run(cmd: list[str], what: str, timeout: float) -> str:
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                             env=users_environment())   # llama.cpp as its users run it: not Colibri's OpenMP policy
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"{what} ran past {timeout:.0f} s") from exc
     if out.returncode != 0:

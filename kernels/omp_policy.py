@@ -14,4 +14,18 @@ import os
 import sys
 
 SPINNING = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Set where the user set none, and marked as ours (colibri/__init__.py does the same, as it may run first): other
+# programs run from this process (llama.cpp in `make bench`, whose OpenMP threads would sleep between its graph's
+# ops, at up to 0.6x its speed at one stream) get the environment the user gave us (`users_environment`).
+MARK = "COLIBRI_SET_OMP_WAIT_POLICY"
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ[MARK] = "1"
+
+
+def users_environment() -> dict[str, str]:
+    """This process's environment less the OMP_WAIT_POLICY that Colibri set (not one the user set)."""
+    env = dict(os.environ)
+    if env.pop(MARK, None) is not None:
+        env.pop("OMP_WAIT_POLICY", None)
+    return env

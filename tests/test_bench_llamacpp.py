@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.llamacpp import Peer, find_peer, parse_batched_bench, parse_ggufs
+from benchmarks.llamacpp import Peer, find_peer, measure, parse_batched_bench, parse_ggufs
+from kernels.omp_policy import MARK, users_environment
 
 # The tail of a real `llama-batched-bench -npp 16 -ntg 64 -npl 1,8,32 -t 2` run on the bench model (bf16, an AVX2
 # EPYC), log lines included.
@@ -72,3 +73,31 @@ def test_the_environment_points_at_a_build(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ValueError, match="not an executable"):
         find_peer()
     assert os.access(exe, os.X_OK)
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_llamacpp_runs_with_the_users_openmp_policy_not_colibris(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 ours: bool) -> None:
+    """Colibri sets OMP_WAIT_POLICY=PASSIVE for itself (kernels/omp_policy.py); llama.cpp, an OpenMP program, slept
+    between its graph's ops under it (0.55-0.65x its one-stream speed on an AVX-512 EPYC). The peer runs with the
+    policy the user gave, or none."""
+    seen = tmp_path / "policy"
+    exe = tmp_path / "llama-batched-bench"
+    exe.write_text(f"#!/bin/sh\necho \"${{OMP_WAIT_POLICY:-unset}}\" > {seen}\ncat <<'TABLE'\n{REAL}TABLE\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    if ours:
+        monkeypatch.setenv(MARK, "1")
+    else:
+        monkeypatch.delenv(MARK, raising=False)
+    got = measure(Peer(bin_dir=tmp_path, ggufs={"bf16": tmp_path / "m.gguf"}), tmp_path, [1, 8, 32], 16, 64, 2)
+    assert got["bf16"]["rows"][8].streams == 8
+    assert seen.read_text().strip() == ("unset" if ours else "PASSIVE")
+
+
+def test_colibri_marks_the_policy_it_sets() -> None:
+    """Where the user set no policy, the one in force here is Colibri's and marked so (this test process imported
+    colibri and kernels without one, under `make test`, or with the user's, unmarked)."""
+    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"
+    assert ("OMP_WAIT_POLICY" in users_environment()) == (MARK not in os.environ)
