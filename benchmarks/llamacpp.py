@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels.omp_policy import users_environment
+from kernels import users_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PEER = ROOT.parent / "shared" / "tools" / "llamacpp-peer"

@@ -20,8 +20,8 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 # import LLM` loads torch before `kernels` would set it. Where torch is loaded already it is too late: left unset,
 # so kernels.omp_policy.SPINNING tells and the LLM warns.
 if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    os.environ["COLIBRI_SET_OMP_WAIT_POLICY"] = "1"      # ours, not the user's (kernels.omp_policy.MARK)
+    # marked as Colibri's, not the user's: kernels.omp_policy.MARK (not imported here: it would load torch)
+    os.environ["OMP_WAIT_POLICY"] = os.environ["COLIBRI_SET_OMP_WAIT_POLICY"] = "PASSIVE"
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 _OFFLINE = ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-from kernels import omp_policy  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads libgomp)
+from kernels.omp_policy import users_environment  # first: it sets OMP_WAIT_POLICY before torch loads libgomp
 
 import torch
 
@@ -192,4 +192,6 @@ __all__ = [
     "int8", "fp8", "mxfp4", "Int8Weight", "Fp8Weight", "Mxfp4Weight", "quantize_int8", "QUANTIZE_MODES",
     # the C++ ops
     "native", "native_build",
+    # the environment the user gave (less the OpenMP policy Colibri set for itself)
+    "users_environment",
 ]

@@ -29,6 +29,8 @@ Shapes: x [n, K], w [Dout, K]; P token-expert pairs sorted by expert, H hidden s
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -169,10 +171,15 @@ def linear_int8_tiles(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
 
 _NO_MAP = torch.empty(0, dtype=torch.long)
+def _no_blocks() -> None:
+    return None
+
+
 class _Blocks:
     """One projection's experts registered with the kernel (`colibri::expert_blocks`: every expert's row blocks in
     order, the blocks per expert, the int8 scales per expert or none) under a number that `moe_blocks_` takes; freed
-    with this object (the registry holds the tensors until then)."""
+    with this object (the registry holds the tensors until then). A caller holds the object across the op that
+    takes its number. A deep copy or a pickle of the weights that hold one is not registered (it gets its own)."""
 
     __slots__ = ("id",)
 
@@ -182,39 +189,58 @@ class _Blocks:
     def __del__(self) -> None:
         try:
             torch.ops.colibri.expert_blocks_free(self.id)
-        except Exception:                          # interpreter shutdown: the registry goes with the process
+        except Exception:                          # interpreter shutdown, or __init__ failed: nothing to free
             pass
 
+    def __deepcopy__(self, memo: dict) -> None:   # the copy's tensors are not these: it registers its own
+        return None
 
-_BLOCKS: dict[tuple, _Blocks] = {}     # a packed stack's per-expert views, registered once
+    def __reduce__(self) -> tuple:                 # a number means nothing in another process
+        return _no_blocks, ()
+
+
+# packed stacks' registrations, keyed by their storage (a worker's stacks are often fresh views of one storage per
+# call), least recently used first; a model's every MoE layer has two stacks, so the cap is far above a plan's
+_BLOCKS: OrderedDict[tuple, _Blocks] = OrderedDict()
+_BLOCKS_CAP = 1024
+_BLOCKS_LOCK = threading.Lock()
 
 
 def forget(weights: list[object]) -> None:
-    """Drop the per-expert views made for these packed stacks (a worker releasing a plan's experts): the cache
+    """Drop the registrations made for these packed stacks (a worker releasing a plan's experts): the cache
     would keep their memory alive."""
     ptrs = {t.data_ptr() for w in weights for t in ((w.q,) if isinstance(w, Int8Weight) else (w,))
             if isinstance(t, torch.Tensor)}
-    for key in [k for k in _BLOCKS if k[0] in ptrs]:
-        del _BLOCKS[key]
+    with _BLOCKS_LOCK:
+        for key in [k for k in _BLOCKS if k[0] in ptrs]:
+            del _BLOCKS[key]
 
 
-def _blocks(w: torch.Tensor | Int8Weight | ExpertRows) -> int:
-    """The number of one projection's experts registered with the kernel, registering them the first time: in-place
-    experts keep theirs on the ExpertRows object, packed stacks in a small cache keyed by their storage."""
+def _blocks(w: torch.Tensor | Int8Weight | ExpertRows) -> _Blocks:
+    """One projection's experts registered with the kernel, registering them the first time: in-place experts keep
+    theirs on the ExpertRows object, packed stacks in a cache keyed by their storage. The caller holds the result
+    while the op runs (a concurrent eviction or forget then frees nothing it uses)."""
     if isinstance(w, ExpertRows):
         made = w.__dict__.get("_native_blocks")          # as cached_property stores (the dataclass is frozen)
         if made is None:
-            made = w.__dict__["_native_blocks"] = _Blocks(list(w.flat), w.parts, [])
-        return made.id
+            with _BLOCKS_LOCK:
+                made = w.__dict__.get("_native_blocks")
+                if made is None:
+                    made = w.__dict__["_native_blocks"] = _Blocks(list(w.flat), w.parts, [])
+        return made
     t = w.q if isinstance(w, Int8Weight) else w
-    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-    made = _BLOCKS.get(key)
-    if made is None:
-        if len(_BLOCKS) >= 64:                      # stacks come and go (tests, cache tiers): keep the cache small
-            _BLOCKS.clear()
-        scales = list(w.scale.unbind(0)) if isinstance(w, Int8Weight) else []
-        made = _BLOCKS[key] = _Blocks(list(t.unbind(0)), 1, scales)
-    return made.id
+    scale = w.scale.data_ptr() if isinstance(w, Int8Weight) else 0
+    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, scale)
+    with _BLOCKS_LOCK:
+        made = _BLOCKS.get(key)
+        if made is None:
+            scales = list(w.scale.unbind(0)) if isinstance(w, Int8Weight) else []
+            made = _BLOCKS[key] = _Blocks(list(t.unbind(0)), 1, scales)
+            while len(_BLOCKS) > _BLOCKS_CAP:
+                _BLOCKS.popitem(last=False)
+        else:
+            _BLOCKS.move_to_end(key)
+        return made
 
 
 def moe_(acc: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -224,8 +250,9 @@ def moe_(acc: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
     """acc [T, H] float64 += Σ_k weights[t, k] · FFN_e(x[t]) (e = expert_map[ids[t, k]], -1 = not here): the sort,
     the gather, the expert FFN, the routed weights and the sum in one native call; the bits of
     `fused_moe_cpu`'s native form step by step. Returns acc."""
-    torch.ops.colibri.moe_blocks_(acc, x, ids, weights, _NO_MAP if expert_map is None else expert_map, _blocks(w13),
-                                  _blocks(w2), b13, b2, act.alpha, act.limit, act.up_offset,
+    a, b = _blocks(w13), _blocks(w2)                # held across the call: their numbers stay registered
+    torch.ops.colibri.moe_blocks_(acc, x, ids, weights, _NO_MAP if expert_map is None else expert_map, a.id, b.id,
+                                  b13, b2, act.alpha, act.limit, act.up_offset,
                                   isinstance(w13, Int8Weight) and w13.w8a8)
     return acc
 

@@ -17,15 +17,15 @@ SPINNING = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 # Set where the user set none, and marked as ours (colibri/__init__.py does the same, as it may run first): other
 # programs run from this process (llama.cpp in `make bench`, whose OpenMP threads would sleep between its graph's
 # ops, at up to 0.6x its speed at one stream) get the environment the user gave us (`users_environment`).
-MARK = "COLIBRI_SET_OMP_WAIT_POLICY"
+MARK = "COLIBRI_SET_OMP_WAIT_POLICY"     # holds the value Colibri set (colibri/__init__.py writes the same)
 if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    os.environ[MARK] = "1"
+    os.environ["OMP_WAIT_POLICY"] = os.environ[MARK] = "PASSIVE"
 
 
 def users_environment() -> dict[str, str]:
-    """This process's environment less the OMP_WAIT_POLICY that Colibri set (not one the user set)."""
+    """This process's environment less the OMP_WAIT_POLICY that Colibri set: left where the user set one, or set
+    another since (the mark holds the value Colibri set, so a changed value is the user's)."""
     env = dict(os.environ)
-    if env.pop(MARK, None) is not None:
+    if env.pop(MARK, None) == env.get("OMP_WAIT_POLICY"):
         env.pop("OMP_WAIT_POLICY", None)
     return env

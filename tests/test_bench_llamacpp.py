@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks.llamacpp import Peer, find_peer, measure, parse_batched_bench, parse_ggufs
-from kernels.omp_policy import MARK, users_environment
+from kernels.omp_policy import MARK
 
 # The tail of a real `llama-batched-bench -npp 16 -ntg 64 -npl 1,8,32 -t 2` run on the bench model (bf16, an AVX2
 # EPYC), log lines included.
@@ -88,7 +90,7 @@ def test_llamacpp_runs_with_the_users_openmp_policy_not_colibris(tmp_path: Path,
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     if ours:
-        monkeypatch.setenv(MARK, "1")
+        monkeypatch.setenv(MARK, "PASSIVE")
     else:
         monkeypatch.delenv(MARK, raising=False)
     got = measure(Peer(bin_dir=tmp_path, ggufs={"bf16": tmp_path / "m.gguf"}), tmp_path, [1, 8, 32], 16, 64, 2)
@@ -96,8 +98,21 @@ def test_llamacpp_runs_with_the_users_openmp_policy_not_colibris(tmp_path: Path,
     assert seen.read_text().strip() == ("unset" if ours else "PASSIVE")
 
 
-def test_colibri_marks_the_policy_it_sets() -> None:
-    """Where the user set no policy, the one in force here is Colibri's and marked so (this test process imported
-    colibri and kernels without one, under `make test`, or with the user's, unmarked)."""
-    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"
-    assert ("OMP_WAIT_POLICY" in users_environment()) == (MARK not in os.environ)
+@pytest.mark.parametrize("module", ["kernels", "colibri"])
+@pytest.mark.parametrize("policy", [None, "ACTIVE"])
+def test_colibri_marks_only_the_policy_it_sets(module: str, policy: str | None) -> None:
+    """`import kernels` (or `import colibri`, which may run first) sets PASSIVE where the user set no policy, and
+    marks it as Colibri's; the peer's environment then has none. A user's policy is left unmarked and passed on, and
+    so is one the user sets later."""
+    code = (f"import os, {module}\nfrom kernels import users_environment\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), users_environment().get('OMP_WAIT_POLICY'))\n"
+            "os.environ['OMP_WAIT_POLICY'] = 'ACTIVE'\nprint(users_environment().get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", MARK)}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    first, later = out.stdout.splitlines()
+    assert first == ("ACTIVE ACTIVE" if policy else "PASSIVE None")
+    assert later == "ACTIVE"

@@ -4,7 +4,7 @@
 //
 // Bandwidth first: the weight is streamed from memory once per call, a block of 32 rows at a time, converted to
 // float32 in registers (bf16: a 16-bit shift; int8: a widening convert, its row scale applied once at the end; on the
-// avx2 level int8 weights meet x quantised to int16 instead: see CK_X16 below);
+// avx2 and avx512* levels int8 weights meet bf16 x quantised to int16 instead: see CK_X16 below);
 // up to 6 rows of x share each pass over the block, and further passes go over it again from the caches.
 //
 // Fixed numerics: every output element y[m, o] is one vector accumulator over k in steps of CK_WIDTH lanes
@@ -254,12 +254,12 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
 }
 
 // Weight-only int8 against bf16 x on AVX2 and AVX-512 (every level but generic and amx; CK_X16; the entry point's
-// wdtype 3): x's rows are quantised
-// to int16 in blocks of QB = 256 along K (a float32 scale a block, amax / 32767; q = round-half-even(x * (32767 /
-// amax)) in float32 arithmetic, a block below 2^-64 scaled up by 2^64 first) and multiplied by the int8 weights with
-// vpmaddwd (16 int16 x int16 products a step, pairs summed into int32 lanes: 16 multiply-adds an instruction against 8
-// for an FMA, and the weights widen with one instruction per 16 where float32 takes two per 8). A block's int32 sums
-// are exact (16 pair sums of at most 2 * 32767 * 127 a lane), then converted and scaled into float32 lanes, so every
+// wdtype 3): x's rows are quantised to int16 in blocks of QB = 256 along K (a float32 scale a block, amax / 32767;
+// q = round-half-even(x * (32767 / amax)) in float32 arithmetic, a block below 2^-64 scaled up by 2^64 first) and
+// multiplied by the int8 weights with vpmaddwd on AVX2 (16 int16 x int16 products a step, pairs summed into int32
+// lanes: 16 multiply-adds an instruction against 8 for an FMA, and the weights widen with one instruction per 16
+// where float32 takes two per 8). A block's int32 sums are exact (at most 16 pair sums of at most 2 * 32767 * 127 a
+// lane, 8 on AVX-512), then converted and scaled into float32 lanes, so every
 // output is, whatever the tile or thread, the same fixed sequence: one int32 vector a block, the same float adds, the
 // same pairwise lane sum, times the weight row's scale. The float32 form's 4-row tile is bound by its FMAs (9.6 G
 // weights/s a core on an AVX2 EPYC, ~19 GB/s of int8 on two cores, below the read rate); the int16 form read a MoE
@@ -279,8 +279,8 @@ constexpr int QB = 256;                              // elements of K one scale 
 
 // The int16 step's vectors: AVX2's 16 pairs (vpmaddwd, then an add), or on the AVX-512 levels 32 (vpdpwssd where
 // there is VNNI: the multiply and the add in one instruction; else vpmaddwd and an add). A block's int32 sums are exact
-// either way (QB / 2 pair sums of at most 2 * 32767 * 127 a lane at most, far inside int32), so only the lanes they
-// land in and the float sums after differ between the widths.
+// either way (at most 16 pair sums of at most 2 * 32767 * 127 a lane, far inside int32), so only the lanes they land
+// in and the float sums after differ between the widths.
 #if defined(__AVX512BW__) && CK_WIDTH == 16
 constexpr int X16_STEP = 32;                         // int16 elements of K a step takes
 typedef __m512i x16_ivec;

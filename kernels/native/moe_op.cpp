@@ -48,7 +48,8 @@ struct Task {
 
 // One projection of every expert with work: out[pairs of a] = in[pairs of a] @ (a's blocks stacked).T (float32);
 // counts[a] pairs of active expert a, its blocks srcs[a]; `in` [n, K] float32. kind 3 (W8A8): in's rows are quantised
-// first. `inb`, where given, is the rows as bf16 instead (bf16 weights on the level's tiles, AMX; `in` is null then).
+// first. `inb`, where given, is the rows as bf16 instead (bf16 weights on the level's bf16 products: AMX tiles or
+// VDPBF16PS; `in` is null then).
 void project(const float* in, const uint16_t* inb, int64_t n, const std::vector<int64_t>& counts,
              const std::vector<std::vector<Src>>& srcs, int kind, int64_t K, int64_t esize, at::Tensor& out) {
     const int64_t Dout = out.size(1);
@@ -73,7 +74,7 @@ void project(const float* in, const uint16_t* inb, int64_t n, const std::vector<
     colibri_ops::parallel_for(0, int64_t(todo.size()), grain(mean_rows, K), [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0, u; t < t1; t = u) {
             // this thread's consecutive blocks of one source for the same rows are one call (each output is still
-            // one tile; the rows are packed once for the AMX tiles, and the call prefetches its own next block)
+            // one tile; the rows are packed once for AMX's tiles, and the call prefetches its own next block)
             Task j = todo[t];
             for (u = t + 1; u < t1 && todo[u].w == j.w && todo[u].row == j.row && todo[u].o0 == j.o1; ++u)
                 j.o1 = todo[u].o1;
@@ -117,8 +118,8 @@ at::Tensor ffn(const at::Tensor& xs, const std::vector<int64_t>& counts, const s
                const std::vector<std::vector<Src>>& s13, const std::vector<std::vector<Src>>& s2, int kind,
                int64_t esize, int64_t I, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                double alpha, c10::optional<double> limit, double up_offset, const at::Tensor& xb) {
-    // the pairs' rows: float32 `xs`, or (bf16 weights on a level with tiles) bf16 `xb` instead, which gate/up
-    // multiply on the tiles (AMX); down's input, the float32 activation, keeps the float path
+    // the pairs' rows: float32 `xs`, or (bf16 weights on a level with bf16 products) bf16 `xb` instead, which
+    // gate/up multiply with them (AMX tiles, VDPBF16PS); down's input, the float32 activation, keeps the float path
     const at::Tensor& rows_in = xb.defined() ? xb : xs;
     const int64_t P = rows_in.size(0), H = rows_in.size(1), I2 = 2 * I;
     const float* xp = xb.defined() ? nullptr : xs.data_ptr<float>();
@@ -254,7 +255,7 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
           const at::Tensor& local, at::TensorList w13, int64_t parts13, at::TensorList w2, at::TensorList s13,
           at::TensorList s2, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,
           c10::optional<double> limit, double up_offset, bool w8a8) {
-    const char* op = "colibri::moe_";
+    const char* op = "colibri::moe_blocks_";
     TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0), op,
                 ": need x [T, H], ids and weights [T, K]");
     TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kDouble && acc.is_contiguous() && acc.sizes() == x.sizes(),
@@ -292,13 +293,13 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
     for (int64_t f = 0; f < T * K; ++f)
         if (le[f] >= 0) order[fill[le[f]]++] = f;
     // x's rows for the pairs (rounded to the weights' float dtype first, as the packed path's cast), gathered once,
-    // in the dtype they are multiplied in: bf16 where gate/up run on tiles (bf16 weights on a level with bf16
-    // tiles), else float32. Weight-only int8 experts keep the float path at every row count: widened to bf16 on
+    // in the dtype they are multiplied in: bf16 where gate/up take the level's bf16 products (bf16 weights on AMX
+    // tiles or VDPBF16PS), else float32. Weight-only int8 experts keep the float path at every row count: widened to bf16 on
     // tiles (as the dense layers' native_int8_tiles form) they were faster from 32 tokens but slower at 1 and 8
     // (docs/performance.md), and a pair's result must not depend on how many pairs share its expert
     at::Tensor xw = (kind != 2 && x.scalar_type() != dt) ? x.to(dt) : x;
-    const bool on_tiles = kind == 1 && colibri_ops::linear_bf16_kernel() != nullptr;
-    at::Tensor src = on_tiles ? xw.contiguous() : xw.to(at::kFloat).contiguous();   // [T, H]
+    const bool bf16_products = kind == 1 && colibri_ops::linear_bf16_kernel() != nullptr;
+    at::Tensor src = bf16_products ? xw.contiguous() : xw.to(at::kFloat).contiguous();   // [T, H]
     at::Tensor xs = at::empty({P, H}, src.options());                                // [P, H]
     const char* sp = static_cast<const char*>(src.data_ptr());
     char* xsp = static_cast<char*>(xs.data_ptr());
@@ -338,8 +339,8 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
     TORCH_CHECK(!w8a8 || kind == 2, op, ": W8A8 takes int8 weights");
     // kind 3: W8A8; 4: weight-only int8 against bf16 x (the linear's wdtype 3: the int16 form where the level has it)
     const int ffn_kind = w8a8 ? 3 : kind == 2 && x.scalar_type() == at::kBFloat16 ? 4 : kind;
-    at::Tensor ys = ffn(on_tiles ? at::Tensor() : xs, counts, rows, src13, src2, ffn_kind, esize, I, b13, b2,
-                        alpha, limit, up_offset, on_tiles ? xs : at::Tensor());                                                                     // [P, H]
+    at::Tensor ys = ffn(bf16_products ? at::Tensor() : xs, counts, rows, src13, src2, ffn_kind, esize, I, b13, b2,
+                        alpha, limit, up_offset, bf16_products ? xs : at::Tensor());                                                                     // [P, H]
     at::Tensor wf = weights.to(at::kFloat).contiguous();
     const float* wp = wf.data_ptr<float>();
     std::vector<int64_t> token(P);                                              // each pair's row of acc
@@ -380,8 +381,12 @@ int64_t expert_blocks(at::TensorList blocks, int64_t parts, at::TensorList scale
 }
 
 void expert_blocks_free(int64_t id) {
+    std::shared_ptr<const ExpertBlocks> gone;   // its tensors released after the lock (a deleter may take the GIL)
     std::lock_guard<std::mutex> hold(registry_lock);
-    registry.erase(id);
+    auto it = registry.find(id);
+    if (it == registry.end()) return;
+    gone = std::move(it->second);
+    registry.erase(it);
 }
 
 std::shared_ptr<const ExpertBlocks> blocks_of(int64_t id) {

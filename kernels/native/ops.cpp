@@ -5,11 +5,12 @@
 //
 //   linear(x [M, K], w [Dout, K], scale [Dout]?) -> [M, Dout] bf16 for bf16 x (one rounding), else float32
 //                                                                            (w float32 | bf16 | int8)
-//     bf16 x against bf16 w takes the level's bf16 tiles where it has them (AMX); with `tiles`, bf16 x against
-//     weight-only int8 w too (widened to bf16 per block; the tiles' order of sums, so a form of its own)
+//     bf16 x against bf16 w takes the level's bf16 products where it has them (AMX tiles; AVX512-BF16's
+//     VDPBF16PS, dpbf16.h); with `tiles`, bf16 x against weight-only int8 w too where the level has AMX tiles
+//     (widened to bf16 per block; the tiles' order of sums, so a form of its own)
 //   isa() -> str; use_isa(str) -> str (the level now in force)
 //
-// The expert side of a layer (moe_, moe_sum_) is moe_op.cpp's, over the kernels of the level picked here.
+// The expert side of a layer (expert_blocks, moe_blocks_, moe_sum_) is moe_op.cpp's, over the kernels of the level picked here.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

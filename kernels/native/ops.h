@@ -13,7 +13,8 @@ typedef void (*linear_fn)(const float*, int, int, const void*, int, const float*
                           const void*, int64_t);
 typedef void (*linear_i8_fn)(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int, float*,
                              int, const void*, int64_t);
-// colibri_linear_bf16_amx (amx.h, the amx level only): bf16 x [M, K] against bf16 w on tiles, rows o0..o1
+// colibri_linear_bf16_<ISA> (amx.h at the amx level, dpbf16.h at avx512bf16; none below): bf16 x [M, K] against bf16
+// w with the level's bf16 products, rows o0..o1
 typedef void (*linear_bf16_fn)(const uint16_t*, int, int, const uint16_t*, int, int, float*, int, const void*, int64_t);
 // colibri_linear_i8w_bf16_amx (amx.h, the amx level only): bf16 x [M, K] against weight-only int8 w (row scales)
 // widened to bf16 on tiles, rows o0..o1
@@ -30,7 +31,7 @@ namespace colibri_ops {
 attention_fn attention_kernel();   // the level in force's decode attention
 linear_fn linear_kernel();         // its small-M linear (float32, bf16, int8 weights)
 linear_i8_fn linear_i8_kernel();   // its W8A8 linear
-linear_bf16_fn linear_bf16_kernel();   // its bf16 x bf16 linear on tiles, or null where it has no tiles
+linear_bf16_fn linear_bf16_kernel();   // its bf16 x bf16 linear (bf16 products), or null where it has none
 
 constexpr int64_t BLOCK = 32;      // output rows a task computes (gemm.h streams its weight bytes once)
 int64_t grain(int64_t rows, int64_t k);   // blocks a task takes: at least ~256K multiply-adds

@@ -5,10 +5,12 @@ and clear errors for bad inputs and for an override the CPU cannot honour."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import subprocess
 import sys
+import threading
 import weakref
 
 import pytest
@@ -534,16 +536,110 @@ def test_expert_blocks_are_registered_once_and_freed_with_their_weights():
     want = native.moe_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, None, w13, w2)
     got = native.moe_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, None, rows13, rows2)
     assert torch.equal(got, want)
-    first = native._blocks(rows13)
+    first = native._blocks(rows13).id
     native.moe_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, None, rows13, rows2)
-    assert native._blocks(rows13) == first                                          # made once
+    assert native._blocks(rows13).id == first                                       # made once
     block = weakref.ref(rows13.blocks[0][0])
     del rows13
     gc.collect()
     assert block() is None                                                          # the registry let go
     with pytest.raises(RuntimeError, match=f"no expert blocks numbered {first}"):
         torch.ops.colibri.moe_blocks_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, torch.empty(0),
-                                      first, native._blocks(rows2), None, None, 1.0, None, 0.0)
+                                      first, native._blocks(rows2).id, None, None, 1.0, None, 0.0)
+
+
+@needs_native
+def test_a_full_cache_of_stacks_frees_nothing_a_call_uses(monkeypatch):
+    """Registering w2 may evict w13's stack from the cache (or another thread may forget it) between the lookups and
+    the op: the call holds both registrations, so it still computes (it once failed with "no expert blocks
+    numbered"), and the cache stays within its cap."""
+    monkeypatch.setattr(native, "_BLOCKS_CAP", 1)                                   # w2's registration evicts w13's
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 16, generator=g).to(torch.bfloat16)
+    ids, weights = torch.tensor([[0, 1], [1, 2]]), torch.rand(2, 2, generator=g)
+    for _ in range(3):
+        w13, w2, _, _ = expert_weights(3, 8, 16, "bfloat16", g)
+        want = native.moe_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, None, *in_place(w13, w2, False))
+        native.moe_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, None, w13, w2)       # two new stacks
+        assert len(native._BLOCKS) <= 1
+        got = native.moe_(torch.zeros(2, 16, dtype=torch.float64), x, ids, weights, None, w13, w2)
+        assert torch.equal(got, want)
+
+
+@needs_native
+def test_threads_registering_and_forgetting_stacks_never_lose_a_call(monkeypatch):
+    """Four threads call the expert op on fresh stacks while another forgets them and the cache evicts: every call
+    computes its own experts' result."""
+    monkeypatch.setattr(native, "_BLOCKS_CAP", 3)
+    g = torch.Generator().manual_seed(6)
+    layers = [expert_weights(4, 8, 16, "bfloat16", g)[:2] for _ in range(6)]
+    x = torch.randn(3, 16, generator=g).to(torch.bfloat16)
+    ids, weights = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2, generator=g)
+    want = [native.moe_(torch.zeros(3, 16, dtype=torch.float64), x, ids, weights, None, *in_place(a, b, False))
+            for a, b in layers]
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def call(k: int) -> None:
+        for i in range(60):
+            j = (i + k) % len(layers)
+            try:
+                got = native.moe_(torch.zeros(3, 16, dtype=torch.float64), x, ids, weights, None, *layers[j])
+            except RuntimeError as exc:
+                errors.append(f"thread {k} call {i}: {exc}")
+                continue
+            if not torch.equal(got, want[j]):
+                errors.append(f"thread {k} call {i}: other bits")
+
+    def forget() -> None:
+        while not stop.is_set():
+            native.forget([w for pair in layers for w in pair])
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+        f = threading.Thread(target=forget)
+        for t in (*threads, f):
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        f.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:5]
+
+
+@needs_native
+def test_a_deep_copy_of_experts_registers_its_own():
+    """A deep copy of in-place experts is other tensors: it registers its own (a copied number would compute the
+    original's bytes, and be freed with the original)."""
+    g = torch.Generator().manual_seed(8)
+    w13, w2, _, _ = expert_weights(2, 8, 16, "bfloat16", g)
+    rows13, rows2 = in_place(w13, w2, split=False)
+    x = torch.randn(1, 16, generator=g).to(torch.bfloat16)
+    ids, weights = torch.tensor([[0, 1]]), torch.ones(1, 2)
+    first = native.moe_(torch.zeros(1, 16, dtype=torch.float64), x, ids, weights, None, rows13, rows2)
+    copy13 = copy.deepcopy(rows13)
+    assert native._blocks(copy13).id != native._blocks(rows13).id
+    del rows13
+    gc.collect()
+    assert torch.equal(native.moe_(torch.zeros(1, 16, dtype=torch.float64), x, ids, weights, None, copy13, rows2),
+                       first)
+
+
+def test_gate_and_up_take_the_levels_bf16_products(level):
+    """The expert op's gate/up multiply bf16 x by bf16 weights with the level's bf16 products where it has them
+    (AMX tiles, VDPBF16PS), the float path elsewhere: a denormal x is flushed there and multiplied here (GPT-OSS's
+    activation passes a gate's tiny value on: h = gate·σ(α·gate)·(up + 1))."""
+    x = torch.zeros(1, 40, dtype=torch.bfloat16)
+    x[0, 37] = 2.0**-130                                                              # a bf16 denormal, in a K tail
+    w13 = torch.ones(2, 16, 40, dtype=torch.bfloat16)                                 # [E, 2I, H]
+    w2 = torch.ones(2, 40, 8, dtype=torch.bfloat16)                                   # [E, H, I]
+    out = native.moe_(torch.zeros(1, 40, dtype=torch.float64), x, torch.tensor([[0, 1]]), torch.ones(1, 2), None,
+                      w13, w2, GPT_OSS)
+    assert bool((out == 0).all()) == (level in BF16_DOT_LEVELS), level
 
 
 def _child(env: dict[str, str]) -> str:
