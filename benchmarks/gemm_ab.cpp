@@ -10,7 +10,8 @@
 //                                            cycling through copies of it (over 4x a 32 MiB L3 in all)
 //
 // KIND: bf16 | int8 (weight-only, float32 rows) | int8b (weight-only, rows that were bf16: the entry point's wdtype
-// 3, the int16 form on the avx2 and avx512* levels) | w8a8 (int8 rows). The weights lie on 2 MiB pages (anonymous
+// 3, the int16 form on the avx2 and avx512* levels) | w8a8 (int8 rows) | bf16dp (bf16 rows on dpbf16.h's
+// colibri_linear_bf16_A/B, linked where gemm_ab.py compiled dpbf16.h in; a layer's down keeps the float path). The weights lie on 2 MiB pages (anonymous
 // memory advised MADV_HUGEPAGE, the share the kernel granted printed as huge_kb), as in-place experts over a page
 // cache of 2 MiB folios; every call reads them from memory (576 MiB of bf16 experts across the 3 layers, 192 MiB a
 // layer; lm_head 62.5 MiB in bf16, 31 in int8, in copies of at least 128 MiB together). Output: "A|B best_ms mean_ms GB/s", "same_bits 0|1", "huge_kb N".
@@ -41,6 +42,12 @@ extern "C" void colibri_linear_i8_A(const int8_t*, const float*, int, int, int, 
                                     float*, int, const void*, int64_t);
 extern "C" void colibri_linear_i8_B(const int8_t*, const float*, int, int, int, const int8_t*, const float*, int, int,
                                     float*, int, const void*, int64_t);
+typedef void (*linear_bf16_fn)(const uint16_t*, int, int, const uint16_t*, int, int, float*, int, const void*, int64_t);
+// dpbf16.h's, present only where the builds include it (weak: null otherwise, and bf16dp is refused)
+extern "C" __attribute__((weak)) void colibri_linear_bf16_A(const uint16_t*, int, int, const uint16_t*, int, int,
+                                                            float*, int, const void*, int64_t);
+extern "C" __attribute__((weak)) void colibri_linear_bf16_B(const uint16_t*, int, int, const uint16_t*, int, int,
+                                                            float*, int, const void*, int64_t);
 
 namespace {
 
@@ -86,12 +93,14 @@ char* weights(size_t bytes, bool bf16) {
 
 struct Bench {
     std::string mode;
-    int kind = 1;                       // the entry point's wdtype: 1 bf16, 2 int8, 4 = wdtype 3; 3 = W8A8 (linear_i8)
+    int kind = 1;                       // the entry point's wdtype: 1 bf16, 2 int8, 4 = wdtype 3; 3 = W8A8 (linear_i8);
+                                        // 5 = bf16 rows on linear_bf16 (x's; h keeps the float path)
     int rows = 1;
     size_t esize = 2;
     char* w = nullptr;
     std::vector<float> x, h, scale, xs, y;
     std::vector<int8_t> xq, hq;
+    std::vector<uint16_t> xb;           // x as bf16 (bf16dp)
     std::vector<int> picks;             // the experts of each call, TOPK a call
     int calls = 0;
     int copies = 1;                     // linear: copies of the matrix the calls cycle through
@@ -104,14 +113,17 @@ struct Bench {
     // bytes [next, next + next_bytes) told
     void project(bool b, const float* in, const int8_t* inq, int K, const char* W, int o0, int o1, float* out,
                  int ldy, const char* next, int64_t next_bytes) const {
-        if (kind == 3) {
+        if (kind == 5 && in == x.data()) {
+            linear_bf16_fn f = b ? colibri_linear_bf16_B : colibri_linear_bf16_A;
+            f(xb.data(), rows, K, reinterpret_cast<const uint16_t*>(W), o0, o1, out, ldy, next, next_bytes);
+        } else if (kind == 3) {
             linear_i8_fn f = b ? colibri_linear_i8_B : colibri_linear_i8_A;
             f(inq, xs.data(), rows, K, K, reinterpret_cast<const int8_t*>(W), scale.data(), o0, o1, out, ldy, next,
               next_bytes);
         } else {
             linear_fn f = b ? colibri_linear_B : colibri_linear_A;
-            f(in, rows, K, W, kind == 4 ? 3 : kind, kind != 1 ? scale.data() : nullptr, o0, o1, out, ldy, next,
-              next_bytes);
+            const int wd = kind == 4 ? 3 : kind == 5 ? 1 : kind;
+            f(in, rows, K, W, wd, wd != 1 ? scale.data() : nullptr, o0, o1, out, ldy, next, next_bytes);
         }
     }
 
@@ -149,7 +161,7 @@ struct Bench {
 
 int main(int argc, char** argv) {
     if (argc != 6) {
-        std::fprintf(stderr, "usage: gemm_ab layer|linear bf16|int8|int8b|w8a8 ROWS THREADS ROUNDS\n");
+        std::fprintf(stderr, "usage: gemm_ab layer|linear bf16|int8|int8b|w8a8|bf16dp ROWS THREADS ROUNDS\n");
         return 2;
     }
     Bench bench;
@@ -157,19 +169,26 @@ int main(int argc, char** argv) {
     const std::string kind = argv[2];
     bench.rows = std::atoi(argv[3]);
     const int threads = std::atoi(argv[4]), rounds = std::atoi(argv[5]);
-    if ((bench.mode != "layer" && bench.mode != "linear") || (kind != "bf16" && kind != "int8" && kind != "int8b" && kind != "w8a8") ||
-        bench.rows < 1 || bench.rows > 64 || threads < 1 || rounds < 1) {
-        std::fprintf(stderr, "gemm_ab: bad arguments (layer|linear, bf16|int8|int8b|w8a8, rows 1-64, threads, rounds)\n");
+    const bool bf16 = kind == "bf16" || kind == "bf16dp";
+    if ((bench.mode != "layer" && bench.mode != "linear") ||
+        (!bf16 && kind != "int8" && kind != "int8b" && kind != "w8a8") || bench.rows < 1 || bench.rows > 64 ||
+        threads < 1 || rounds < 1) {
+        std::fprintf(stderr, "gemm_ab: bad arguments (layer|linear, bf16|int8|int8b|w8a8|bf16dp, rows 1-64, threads, "
+                     "rounds)\n");
         return 2;
     }
-    bench.kind = kind == "bf16" ? 1 : kind == "int8" ? 2 : kind == "int8b" ? 4 : 3;
-    bench.esize = kind == "bf16" ? 2 : 1;
+    if (kind == "bf16dp" && (!colibri_linear_bf16_A || !colibri_linear_bf16_B)) {
+        std::fprintf(stderr, "gemm_ab: bf16dp needs both builds with dpbf16.h (gemm_ab.py --kinds bf16dp)\n");
+        return 2;
+    }
+    bench.kind = kind == "bf16" ? 1 : kind == "bf16dp" ? 5 : kind == "int8" ? 2 : kind == "int8b" ? 4 : 3;
+    bench.esize = bf16 ? 2 : 1;
     omp_set_num_threads(threads);
     if (bench.mode == "linear")
         bench.copies = int((size_t(128) << 20) / bench.matrix_bytes()) + 1;
     const size_t total = bench.mode == "layer" ? size_t(LAYERS) * E * bench.expert_bytes()
                                                : size_t(bench.copies) * bench.matrix_bytes();
-    bench.w = weights(total, kind == "bf16");
+    bench.w = weights(total, bf16);
     std::mt19937 rng(11);
     std::uniform_real_distribution<float> uni(-1.f, 1.f);
     const int R = bench.rows;
@@ -177,6 +196,14 @@ int main(int argc, char** argv) {
     bench.h.resize(size_t(R) * I);
     for (float& v : bench.x) v = uni(rng);
     for (float& v : bench.h) v = uni(rng);
+    bench.xb.resize(bench.x.size());
+    for (size_t i = 0; i < bench.x.size(); ++i) {              // x rounded to bf16 (nearest even), and x made those
+        uint32_t u;                                            // values, so both kinds multiply the same rows
+        std::memcpy(&u, &bench.x[i], 4);
+        u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
+        std::memcpy(&bench.x[i], &u, 4);
+        bench.xb[i] = uint16_t(u >> 16);
+    }
     bench.xq.resize(size_t(R) * H);
     bench.hq.resize(size_t(R) * I);
     for (int8_t& v : bench.xq) v = int8_t(int(rng() % 255) - 127);

@@ -7,6 +7,10 @@ kernel changes do, so a change is judged by such alternating rounds, never by tw
     python -m benchmarks.gemm_ab [--base HEAD] [--modes layer,linear] [--kinds bf16,int8,int8b,w8a8] [--rows 1,8]
                                  [--threads 2] [--rounds 5] [--level avx2]
 
+`--kinds bf16dp` (levels with AVX512-BF16: avx512bf16, amx) times `kernels/native/dpbf16.h` instead, bf16 rows
+against bf16 weights on VDPBF16PS as the dense linears and the experts' gate/up run them there (a layer's down keeps
+the float path, as in `moe_`); both revisions need the file.
+
 - layer: a MoE layer of the bench shapes (8 of 64 experts, H 1024, I 512; fresh experts every call over 3
   layers), whole experts per thread as `moe_` runs them at few rows per expert, every expert `ROWS` rows;
 - linear: lm_head [32000, 1024], its rows split over the threads, the calls cycling through copies of it.
@@ -28,9 +32,11 @@ from kernels import native_build
 
 ROOT = Path(__file__).resolve().parent.parent
 GEMM = "kernels/native/gemm.h"
+DPBF16 = "kernels/native/dpbf16.h"             # the avx512bf16 level's bf16 products (its `linear_bf16`)
 DRIVER = Path(__file__).resolve().parent / "gemm_ab.cpp"
 MODES = ("layer", "linear")
-KINDS = ("bf16", "int8", "int8b", "w8a8")   # int8b: weight-only int8 against rows that were bf16 (wdtype 3)
+KINDS = ("bf16", "int8", "int8b", "w8a8", "bf16dp")   # int8b: weight-only int8 against rows that were bf16
+#                                                     (wdtype 3); bf16dp: bf16 rows on VDPBF16PS (dpbf16.h)
 
 
 def git(*args: str) -> str:
@@ -40,12 +46,12 @@ def git(*args: str) -> str:
         raise SystemExit("gemm_ab: git is not installed (build A is read from a git revision)") from None
 
 
-def source_at(base: str) -> str:
-    """gemm.h as it is at git revision `base`."""
+def source_at(base: str, path: str = GEMM) -> str:
+    """A kernel source (gemm.h unless told) as it is at git revision `base`."""
     try:
-        return git("show", f"{base}:{GEMM}")
+        return git("show", f"{base}:{path}")
     except subprocess.CalledProcessError as exc:
-        raise SystemExit(f"gemm_ab: cannot read {GEMM} at {base!r}: {exc.stderr.strip()}") from None
+        raise SystemExit(f"gemm_ab: cannot read {path} at {base!r}: {exc.stderr.strip()}") from None
 
 
 def working_tree() -> str:
@@ -67,16 +73,22 @@ def lanes(level: str) -> int:
     return int(found.group(1))
 
 
-def build(a: str, b: str, level: str, cxx: str, work: Path) -> Path:
-    """The driver linked against two texts of gemm.h (A and B), both compiled with `level`'s flags and lanes."""
+def build(a: str, b: str, level: str, cxx: str, work: Path, dp: tuple[str, str] | None = None) -> Path:
+    """The driver linked against two texts of gemm.h (A and B), both compiled with `level`'s flags and lanes; with
+    `dp`, two texts of dpbf16.h too (after gemm.h, as isa_avx512bf16.cpp includes it), for the bf16dp kind."""
     flags = ["-std=gnu++20", "-O3", "-fno-math-errno", *native_build.levels()[level]]
+    if dp is not None and "-mavx512bf16" not in flags:
+        raise SystemExit(f"gemm_ab: bf16dp needs a level with AVX512-BF16 (avx512bf16, amx), not {level}")
     objects, jobs = [], []
-    for name, text in (("a", a), ("b", b)):                 # the two compiled at once
+    for i, (name, text) in enumerate((("a", a), ("b", b))):   # the two compiled at once
         (work / name).mkdir(parents=True)
         (work / name / "gemm.h").write_text(text)
+        if dp is not None:
+            (work / name / "dpbf16.h").write_text(dp[i])
         unit = work / name / "unit.cpp"
         unit.write_text(f'#define CK_WIDTH {lanes(level)}\n'
-                        f'#define CK_NAME {name.upper()}\n#include "gemm.h"\n')
+                        f'#define CK_NAME {name.upper()}\n#include "gemm.h"\n'
+                        + ('#include "dpbf16.h"\n' if dp is not None else ""))
         obj = work / f"{name}.o"
         jobs.append(subprocess.Popen([cxx, *flags, "-c", str(unit), "-o", str(obj)]))
         objects.append(str(obj))
@@ -112,7 +124,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD", help="the git revision of build A (default: %(default)s)")
     ap.add_argument("--modes", default=",".join(MODES), help="layer, linear (default: %(default)s)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="bf16, int8, int8b, w8a8 (default: %(default)s)")
+    ap.add_argument("--kinds", default=",".join(KINDS[:4]),
+                    help="bf16, int8, int8b, w8a8, bf16dp (AVX512-BF16 levels) (default: %(default)s)")
     ap.add_argument("--rows", default="1,8", help="rows of x (each expert's, in a layer) (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="OpenMP threads (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default: %(default)s)")
@@ -136,7 +149,8 @@ def main() -> int:
         raise SystemExit("gemm_ab: no C++ compiler (g++, c++ or $CXX) found")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build(source_at(args.base), (ROOT / GEMM).read_text(), args.level, cxx, Path(tmp))
+        dp = (source_at(args.base, DPBF16), (ROOT / DPBF16).read_text()) if "bf16dp" in kinds else None
+        exe = build(source_at(args.base), (ROOT / GEMM).read_text(), args.level, cxx, Path(tmp), dp)
         for mode in modes:
             for kind in kinds:
                 for m in row_counts:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,3 +57,23 @@ def test_each_level_is_compiled_with_the_lanes_of_its_own_unit():
     for level, flags in levels().items():
         assert gemm_ab.lanes(level) == (16 if "-mavx512f" in flags else 8), level
     assert gemm_ab.lanes("amx") == 16
+
+
+def test_bf16_products_are_timed_where_the_level_has_them(tmp_path):
+    """`--kinds bf16dp` links dpbf16.h's VDPBF16PS linear into both builds: the same text gives the same bits, a
+    changed one does not; a level without AVX512-BF16 is refused before anything is compiled."""
+    text = (gemm_ab.ROOT / gemm_ab.GEMM).read_text()
+    dp = (gemm_ab.ROOT / gemm_ab.DPBF16).read_text()
+    with pytest.raises(SystemExit, match="bf16dp needs a level with AVX512-BF16"):
+        gemm_ab.build(text, text, "avx2", compiler(), tmp_path / "refused", (dp, dp))
+    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX512-BF16")
+    changed = dp.replace("lanes_sum((fvec)acc[i][j]);", "lanes_sum((fvec)acc[i][j]) * 1.0000002f;")
+    assert changed != dp
+    same = gemm_ab.build(text, text, "avx512bf16", compiler(), tmp_path / "same", (dp, dp))
+    other = gemm_ab.build(text, text, "avx512bf16", compiler(), tmp_path / "other", (dp, changed))
+    for exe, want in ((same, True), (other, False)):
+        for mode in ("linear", "layer"):
+            got = gemm_ab.run(exe, mode, "bf16dp", 3, 2, 1)
+            assert got["same"] is want, mode
+            assert 0 < got["B"][0] <= got["B"][1]
