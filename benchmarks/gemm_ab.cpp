@@ -11,10 +11,11 @@
 //
 // KIND: bf16 | int8 (weight-only, float32 rows) | int8b (weight-only, rows that were bf16: the entry point's wdtype
 // 3, the int16 form on the avx2 and avx512* levels) | w8a8 (int8 rows) | bf16dp (bf16 rows on dpbf16.h's
-// colibri_linear_bf16_A/B, linked where gemm_ab.py compiled dpbf16.h in; a layer's down keeps the float path). The weights lie on 2 MiB pages (anonymous
-// memory advised MADV_HUGEPAGE, the share the kernel granted printed as huge_kb), as in-place experts over a page
-// cache of 2 MiB folios; every call reads them from memory (576 MiB of bf16 experts across the 3 layers, 192 MiB a
-// layer; lm_head 62.5 MiB in bf16, 31 in int8, in copies of at least 128 MiB together). Output: "A|B best_ms mean_ms GB/s", "same_bits 0|1", "huge_kb N".
+// colibri_linear_bf16_A/B, linked where gemm_ab.py compiled dpbf16.h in; a layer's down keeps the float path).
+// The weights lie on 2 MiB pages (anonymous memory advised MADV_HUGEPAGE, the share the kernel granted printed as
+// huge_kb), as in-place experts over a page cache of 2 MiB folios; every call reads them from memory (576 MiB of bf16
+// experts across the 3 layers, 192 MiB a layer; lm_head 62.5 MiB in bf16, 31 in int8, in copies of at least 128 MiB
+// together). Output: "A|B best_ms mean_ms GB/s", "same_bits 0|1", "huge_kb N".
 
 #include <omp.h>
 #include <sys/mman.h>

@@ -171,7 +171,10 @@ def linear_int8_tiles(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
 
 _NO_MAP = torch.empty(0, dtype=torch.long)
+
+
 def _no_blocks() -> None:
+    """What a pickled `_Blocks` becomes: nothing (the unpickled weights register their own)."""
     return None
 
 

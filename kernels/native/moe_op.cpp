@@ -1,5 +1,5 @@
-// colibri::moe_blocks_ and colibri::moe_sum_: the expert side of a layer, over the small-M linear of the ISA level in
-// force (ops.cpp picks it, gemm.h computes it).
+// colibri::moe_blocks_ and colibri::moe_sum_: the expert side of a layer, over the small-M linear of the ISA level
+// in force (ops.cpp picks it, gemm.h computes it).
 //
 //   moe_blocks_(acc [T, H] float64, x [T, H], ids [T, K], weights [T, K], local [E_global], w13, w2, b13?, b2?, alpha,
 //        limit, up_offset) with w13 and w2 registered by expert_blocks (below): the whole expert side of a
@@ -294,9 +294,9 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
         if (le[f] >= 0) order[fill[le[f]]++] = f;
     // x's rows for the pairs (rounded to the weights' float dtype first, as the packed path's cast), gathered once,
     // in the dtype they are multiplied in: bf16 where gate/up take the level's bf16 products (bf16 weights on AMX
-    // tiles or VDPBF16PS), else float32. Weight-only int8 experts keep the float path at every row count: widened to bf16 on
-    // tiles (as the dense layers' native_int8_tiles form) they were faster from 32 tokens but slower at 1 and 8
-    // (docs/performance.md), and a pair's result must not depend on how many pairs share its expert
+    // tiles or VDPBF16PS), else float32. Weight-only int8 experts keep the linear's own form (not the tiles) at every
+    // row count: widened to bf16 on tiles (as the dense layers' native_int8_tiles form) they were faster from 32 tokens but slower at 1 and
+    // 8 (docs/performance.md), and a pair's result must not depend on how many pairs share its expert
     at::Tensor xw = (kind != 2 && x.scalar_type() != dt) ? x.to(dt) : x;
     const bool bf16_products = kind == 1 && colibri_ops::linear_bf16_kernel() != nullptr;
     at::Tensor src = bf16_products ? xw.contiguous() : xw.to(at::kFloat).contiguous();   // [T, H]
@@ -340,7 +340,7 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
     // kind 3: W8A8; 4: weight-only int8 against bf16 x (the linear's wdtype 3: the int16 form where the level has it)
     const int ffn_kind = w8a8 ? 3 : kind == 2 && x.scalar_type() == at::kBFloat16 ? 4 : kind;
     at::Tensor ys = ffn(bf16_products ? at::Tensor() : xs, counts, rows, src13, src2, ffn_kind, esize, I, b13, b2,
-                        alpha, limit, up_offset, bf16_products ? xs : at::Tensor());                                                                     // [P, H]
+                        alpha, limit, up_offset, bf16_products ? xs : at::Tensor());                      // [P, H]
     at::Tensor wf = weights.to(at::kFloat).contiguous();
     const float* wp = wf.data_ptr<float>();
     std::vector<int64_t> token(P);                                              // each pair's row of acc
@@ -414,7 +414,8 @@ TORCH_LIBRARY_FRAGMENT(colibri, m) {
     m.def("expert_blocks(Tensor[] blocks, int parts, Tensor[] scales) -> int", &expert_blocks);
     m.def("expert_blocks_free(int id) -> ()", &expert_blocks_free);
     m.def("moe_blocks_(Tensor(a!) acc, Tensor x, Tensor ids, Tensor weights, Tensor local, "
-          "int w13, int w2, Tensor? b13, Tensor? b2, float alpha, float? limit, float up_offset, bool w8a8=False) -> ()");
+          "int w13, int w2, Tensor? b13, Tensor? b2, float alpha, float? limit, float up_offset, "
+          "bool w8a8=False) -> ()");
     m.def("moe_sum_(Tensor(a!) acc, Tensor ys, Tensor rows, Tensor weights) -> ()");
 }
 

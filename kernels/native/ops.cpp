@@ -10,7 +10,8 @@
 //     (widened to bf16 per block; the tiles' order of sums, so a form of its own)
 //   isa() -> str; use_isa(str) -> str (the level now in force)
 //
-// The expert side of a layer (expert_blocks, moe_blocks_, moe_sum_) is moe_op.cpp's, over the kernels of the level picked here.
+// The expert side of a layer (expert_blocks, moe_blocks_, moe_sum_) is moe_op.cpp's, over the kernels of the level
+// picked here.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
