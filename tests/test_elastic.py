@@ -220,9 +220,11 @@ def test_a_restarted_worker_is_assigned_its_experts_again_and_replicas_keep_the_
     want = model.greedy_many(PROMPTS, N_LONG)
     with ExitStack() as stack:
         (a, _), (b, pb) = stack.enter_context(worker(model.path)), stack.enter_context(worker(model.path))
-        # a restart, then the re-sync, outlast 300 tokens of these streams since the router's row gathers stopped
-        # starting OpenMP regions: the longest streams the model allows
-        r, _ = stack.enter_context(router(model.path, [a, b], "--expert-replicas", "2", "--max-model-len", "512"))
+        # the streams must outlast a restart and its re-sync (0.15-0.4 s, seconds when the VM stalls): at 500 tokens,
+        # the longest the model allows, 8 at once ended 2-3 s after it and once before it; 2 at a time run 4 waves
+        # (9 s after it), and the in-flight ones still cross the kill
+        r, _ = stack.enter_context(router(model.path, [a, b], "--expert-replicas", "2", "--max-model-len", "512",
+                                          "--max-batch-size", "2"))
         assert held(a) == held(b) == 2 * 60                  # every expert on both
 
         def kill_and_restart():
