@@ -42,3 +42,70 @@ def test_the_fused_attention_block_has_the_bits_of_the_op_by_op_path(oracles, mo
     n = calls[0]
     assert logits(oracles[arch].path, dtype, False) == fused
     assert calls[0] == n                                 # and the other run never did
+
+
+def op_by_op(h, ln1, w_qkv, q_norm, k_norm, cos, sin, kc, vc, write, slots, lens, w_o, heads, kv_heads, eps):
+    """The block from the native ops one at a time (the Python path's order), caches written with index_copy_."""
+    T, D = h.shape[0], kc.shape[2]
+    qkv = native.linear(native.rms_norm(h, ln1, eps), w_qkv)
+    q, k, v = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+    q, k, v = q.reshape(T, heads, D), k.reshape(T, kv_heads, D), v.reshape(T, kv_heads, D)
+    if q_norm is not None:
+        q, k = native.rms_norm(q, q_norm, eps), native.rms_norm(k, k_norm, eps)
+    q, k = native.rope(q, cos, sin), native.rope(k, cos, sin)
+    kc.index_copy_(0, write, k)
+    vc.index_copy_(0, write, v)
+    out = native.decode_attention(q, kc, vc, slots, lens, None, D ** -0.5)
+    return native.linear(out.reshape(T, heads * D), w_o)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("rotary", ["whole", "partial"])
+@pytest.mark.parametrize("dtype,norms", [("float32", None), ("float32", "float32"), ("bfloat16", None),
+                                         ("bfloat16", "bfloat16"), ("bfloat16", "float32")])
+def test_the_fused_heads_pass_has_the_bits_of_the_ops(T, rotary, dtype, norms):
+    """The block's fused pass over the heads (norm, rope, the cache writes in one loop) against the ops it replaces,
+    on shapes the suite's models do not all reach: rotary dims short of the head (partial rotary), float32 per-head
+    norms on bf16 activations, odd sizes."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(T + 10 * len(rotary) + (norms or "").__len__())
+    heads, kv_heads, D, H, S, eps = 6, 2, 24, 40, 64, 1e-6
+    R = D if rotary == "whole" else 10
+
+    def rand(*shape, dtype=dt):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    h, ln1 = rand(T, H), rand(H)
+    w_qkv, w_o = rand((heads + 2 * kv_heads) * D, H) * 0.2, rand(H, heads * D) * 0.2
+    q_norm = None if norms is None else rand(D, dtype=getattr(torch, norms))
+    k_norm = None if norms is None else rand(D, dtype=getattr(torch, norms))
+    cos, sin = rand(T, R), rand(T, R)
+    caches = rand(S, kv_heads, D), rand(S, kv_heads, D)
+    write = torch.tensor([7 + 11 * t for t in range(T)])
+    lens = torch.tensor([5 + 3 * t for t in range(T)])
+    C = int(lens.max())
+    slots = torch.stack([torch.cat([torch.arange(40, 39 + n), write[t:t + 1], torch.zeros(C - n, dtype=torch.long)])
+                         for t, n in enumerate(lens.tolist())])                 # [T, C] context, then its own
+    want_k, want_v = caches[0].clone(), caches[1].clone()
+    want = op_by_op(h, ln1, w_qkv, q_norm, k_norm, cos, sin, want_k, want_v, write, slots, lens, w_o, heads,
+                    kv_heads, eps)
+    got_k, got_v = caches[0].clone(), caches[1].clone()
+    got = native.attention_block(h, ln1, w_qkv, None, q_norm, k_norm, False, cos, sin, got_k, got_v, write, slots,
+                                 lens, None, w_o, None, heads, kv_heads, eps)
+    assert torch.equal(got, want)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written():
+    import torch
+
+    heads, kv_heads, D, H = 2, 1, 8, 16
+    kc, vc = torch.zeros(4, kv_heads, D), torch.zeros(4, kv_heads, D)
+    with pytest.raises(RuntimeError, match="write slot 4 is outside the cache's 4 slots"):
+        native.attention_block(torch.randn(1, H), torch.ones(H), torch.randn((heads + 2 * kv_heads) * D, H), None,
+                               torch.ones(D), torch.ones(D), False, torch.randn(1, D), torch.randn(1, D), kc, vc,
+                               torch.tensor([4]), torch.tensor([[0]]), torch.tensor([1]), None,
+                               torch.randn(H, heads * D), None, heads, kv_heads, 1e-6)
+    assert not kc.any() and not vc.any()

@@ -17,10 +17,115 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #include "ops.h"
+#include "pool.h"
+#include "rows.h"
 
 namespace {
+
+// The heads' pass, fused (per-head norms or none): each row's query heads normalised by q_norm and rotated into q
+// [T, Hq, D]; its key heads likewise, written straight to k_cache at write[t]; its value heads copied to v_cache
+// there. The row loops of rms_norm and rope (rows.h), so the bits of those ops and index_copy_ one after the other,
+// without their tensors and dispatches (4 ops and 2 copies cost ~35 us a layer at one row, the arithmetic ~1).
+template <typename XD, typename WD>
+void head_rows(const typename XD::T* qkv, int64_t ldq, const typename WD::T* qn, const typename WD::T* kn,
+               const typename XD::T* cs, const typename XD::T* sn, int64_t R, typename XD::T* q,
+               typename XD::T* kc, int64_t kc0, int64_t kc1, typename XD::T* vc, int64_t vc0, int64_t vc1,
+               const int64_t* write, int64_t t0, int64_t t1, int64_t Hq, int64_t Hkv, int64_t D, float eps) {
+    using T = typename XD::T;
+    std::vector<T> normed(static_cast<size_t>(D));
+    auto head = [&](const T* src, const typename WD::T* w, const T* c, const T* s, T* dst) {
+        if (w != nullptr) {
+            colibri_rows::norm_row<XD, WD>(src, w, normed.data(), D, eps);
+            src = normed.data();
+        }
+        colibri_rows::rotate_head<XD>(src, c, s, dst, R / 2);
+        for (int64_t i = R; i < D; ++i) dst[i] = src[i];
+    };
+    for (int64_t t = t0; t < t1; ++t) {
+        const T* row = qkv + t * ldq;
+        const T* c = cs + t * R;
+        const T* s = sn + t * R;
+        for (int64_t h = 0; h < Hq; ++h) head(row + h * D, qn, c, s, q + (t * Hq + h) * D);
+        const int64_t slot = write[t];
+        for (int64_t h = 0; h < Hkv; ++h) {
+            head(row + (Hq + h) * D, kn, c, s, kc + slot * kc0 + h * kc1);
+            std::memcpy(vc + slot * vc0 + h * vc1, row + (Hq + Hkv + h) * D, size_t(D) * sizeof(T));
+        }
+    }
+}
+
+// q [T, Hq, D] from qkv [T, (Hq + 2 Hkv) D] (contiguous), k and v written to the caches: head_rows by dtype
+at::Tensor heads_pass(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
+                      const c10::optional<at::Tensor>& k_norm, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& write, int64_t heads,
+                      int64_t kv_heads, double eps) {
+    const int64_t T = qkv.size(0), D = k_cache.size(2), R = cos.size(1);
+    at::Tensor c = cos.contiguous(), s = sin.contiguous();
+    at::Tensor slots = write.to(at::kLong).contiguous();
+    const int64_t S = k_cache.size(0), *ws = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t)                 // as index_copy_ checks
+        TORCH_CHECK(ws[t] >= 0 && ws[t] < S && ws[t] < v_cache.size(0), "colibri::attention_block: write slot ",
+                    ws[t], " is outside the cache's ", S, " slots");
+    at::Tensor q = at::empty({T, heads, D}, qkv.options());
+    const bool bf = qkv.scalar_type() == at::kBFloat16;
+    const bool wf = q_norm.has_value() && q_norm->scalar_type() == at::kFloat;
+    at::Tensor qn = q_norm.has_value() ? q_norm->contiguous() : at::Tensor();
+    at::Tensor kn = k_norm.has_value() ? k_norm->contiguous() : at::Tensor();
+    const int64_t rows_per_chunk = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, (heads + kv_heads) * D));
+    colibri_ops::parallel_for(0, T, rows_per_chunk, [&](int64_t t0, int64_t t1) {
+        const int64_t* w = slots.data_ptr<int64_t>();
+        const float e = float(eps);
+        if (!bf) {
+            using X = colibri_rows::F32;
+            head_rows<X, X>(qkv.data_ptr<float>(), qkv.stride(0), qn.defined() ? qn.data_ptr<float>() : nullptr,
+                            kn.defined() ? kn.data_ptr<float>() : nullptr, c.data_ptr<float>(), s.data_ptr<float>(),
+                            R, q.data_ptr<float>(), k_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1),
+                            v_cache.data_ptr<float>(), v_cache.stride(0), v_cache.stride(1), w, t0, t1, heads,
+                            kv_heads, D, e);
+            return;
+        }
+        using X = colibri_rows::BF16;
+        auto u16 = [](const at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); };
+        auto* cc = u16(c);
+        auto* ss = u16(s);
+        if (wf)
+            head_rows<X, colibri_rows::F32>(u16(qkv), qkv.stride(0), qn.data_ptr<float>(), kn.data_ptr<float>(), cc,
+                                            ss, R, u16(q), u16(k_cache), k_cache.stride(0), k_cache.stride(1),
+                                            u16(v_cache), v_cache.stride(0), v_cache.stride(1), w, t0, t1, heads,
+                                            kv_heads, D, e);
+        else
+            head_rows<X, X>(u16(qkv), qkv.stride(0), qn.defined() ? u16(qn) : nullptr,
+                            kn.defined() ? u16(kn) : nullptr, cc, ss, R, u16(q), u16(k_cache), k_cache.stride(0),
+                            k_cache.stride(1), u16(v_cache), v_cache.stride(0), v_cache.stride(1), w, t0, t1, heads,
+                            kv_heads, D, e);
+    });
+    return q;
+}
+
+// Whether the fused heads' pass takes this block: per-head norms (or none) of x's dtype or float32 (both or neither),
+// cos / sin in x's dtype, rotary dims even and within the head, caches of x's dtype with contiguous heads.
+bool heads_fusable(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
+                   const c10::optional<at::Tensor>& k_norm, bool full_qk_norm, const at::Tensor& cos,
+                   const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+    const auto xt = qkv.scalar_type();
+    if ((xt != at::kFloat && xt != at::kBFloat16) || !qkv.is_contiguous() || cos.scalar_type() != xt ||
+        sin.scalar_type() != xt || cos.dim() != 2 || sin.sizes() != cos.sizes() || cos.size(0) != qkv.size(0) ||
+        k_cache.scalar_type() != xt || v_cache.scalar_type() != xt || k_cache.stride(2) != 1 ||
+        v_cache.stride(2) != 1 || v_cache.size(2) != k_cache.size(2) || v_cache.size(1) != k_cache.size(1))
+        return false;
+    const int64_t D = k_cache.size(2), R = cos.size(1);
+    if (R > D || R % 2 != 0) return false;
+    if (!q_norm.has_value()) return true;
+    if (full_qk_norm || q_norm->dim() != 1 || q_norm->size(0) != D || k_norm->dim() != 1 || k_norm->size(0) != D ||
+        q_norm->scalar_type() != k_norm->scalar_type())
+        return false;
+    const auto wt = q_norm->scalar_type();
+    return wt == xt || wt == at::kFloat;
+}
 
 at::Tensor with_bias(const at::Tensor& y, const c10::optional<at::Tensor>& b) {   // as torch's `y + bias`
     return b.has_value() ? at::add(y, *b) : y;
@@ -45,6 +150,12 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& ln1, const at:
     at::Tensor x = colibri_ops::rms_norm(h, ln1, eps);                                        // [T, H]
     at::Tensor qkv = with_bias(colibri_ops::linear(x, w_qkv, c10::nullopt, false), b_qkv);   // [T, (Hq + 2Hkv) D]
     const int64_t qs = heads * D, ks = kv_heads * D;
+    if (heads_fusable(qkv, q_norm, k_norm, full_qk_norm, cos, sin, k_cache, v_cache)) {
+        at::Tensor q = heads_pass(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, write, heads, kv_heads, eps);
+        at::Tensor out = colibri_ops::decode_attention(q, k_cache, v_cache, slots, lens, sinks,
+                                                       std::pow(double(D), -0.5));           // [T, Hq, D]
+        return with_bias(colibri_ops::linear(out.reshape({T, heads * D}), w_o, c10::nullopt, false), b_o);
+    }
     at::Tensor q = qkv.narrow(1, 0, qs), k = qkv.narrow(1, qs, ks), v = qkv.narrow(1, qs + ks, ks);
     if (q_norm.has_value() && full_qk_norm) {
         q = colibri_ops::rms_norm(q, *q_norm, eps);

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "rows.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -23,57 +24,14 @@
 
 namespace {
 
-// A dtype's loads and stores: float32 as it is, bf16 as raw bits (bf16.h: c10's rounding, branch-free, so that the
-// element loops below vectorise)
-struct F32 {
-    using T = float;
-    static constexpr bool bf16 = false;
-    static float ld(float v) { return v; }
-    static float st(float v) { return v; }
-};
-struct BF16 {
-    using T = uint16_t;
-    static constexpr bool bf16 = true;
-    static float ld(uint16_t v) { return colibri_bf16::to_float(v); }
-    static uint16_t st(float v) { return colibri_bf16::bits(v); }
-};
-
-// One row's scaled output, from its 1 / rms (restrict parameters, so that the loop vectorises)
-template <typename XD, typename WD>
-inline void scale_row(const typename XD::T* __restrict__ x, const typename WD::T* __restrict__ w,
-                      typename XD::T* __restrict__ o, int64_t H, float inv) {
-    for (int64_t h = 0; h < H; ++h) {
-        float n = XD::ld(x[h]) * inv;
-        if constexpr (XD::bf16 && WD::bf16) n = colibri_bf16::round(n);   // transformers: the cast, then the scale
-        o[h] = XD::st(WD::ld(w[h]) * n);
-    }
-}
-
-// One row's sum of squares in float64: 8 running sums (one chain of float64 adds took 4 cycles a value), element h
-// into sum h % 8, added in one fixed order
-template <typename XD>
-inline double sum_squares(const typename XD::T* __restrict__ x, int64_t H) {
-    double part[8] = {};
-    int64_t h = 0;
-    for (; h + 8 <= H; h += 8)
-        for (int j = 0; j < 8; ++j) {
-            const double v = XD::ld(x[h + j]);
-            part[j] += v * v;
-        }
-    for (int j = 0; h < H; ++h, ++j) {
-        const double v = XD::ld(x[h]);
-        part[j] += v * v;
-    }
-    return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
-}
+using colibri_rows::BF16;
+using colibri_rows::F32;
 
 template <typename XD, typename WD>
 void rows(const typename XD::T* x, const typename WD::T* w, typename XD::T* out, int64_t r0, int64_t r1, int64_t H,
           float eps) {
     for (int64_t r = r0; r < r1; ++r) {
-        const double ss = sum_squares<XD>(x + r * H, H);
-        const float inv = 1.0f / std::sqrt(float(ss / double(H)) + eps);
-        scale_row<XD, WD>(x + r * H, w, out + r * H, H, inv);
+        colibri_rows::norm_row<XD, WD>(x + r * H, w, out + r * H, H, eps);
     }
 }
 

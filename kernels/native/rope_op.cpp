@@ -11,37 +11,15 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "rows.h"
 #include "ops.h"
 #include "pool.h"
 
 namespace {
 
-// A dtype's loads, roundings and stores: float32 as it is, bf16 as raw bits (bf16.h, c10's rounding branch-free so
-// that the pair loop below vectorises)
-struct F32 {
-    using T = float;
-    static float ld(float v) { return v; }
-    static float rnd(float v) { return v; }
-    static float st(float v) { return v; }
-};
-struct BF16 {
-    using T = uint16_t;
-    static float ld(uint16_t v) { return colibri_bf16::to_float(v); }
-    static float rnd(float v) { return colibri_bf16::round(v); }
-    static uint16_t st(float v) { return colibri_bf16::bits(v); }
-};
-
-// One head's rotated pairs: i < half pairs with i + half (restrict parameters and one output half a loop, so that
-// each loop vectorises)
-template <typename D_>
-inline void rotate_head(const typename D_::T* __restrict__ x, const typename D_::T* __restrict__ c,
-                        const typename D_::T* __restrict__ s, typename D_::T* __restrict__ o, int64_t half) {
-    for (int64_t i = 0; i < half; ++i)
-        o[i] = D_::st(D_::rnd(D_::ld(x[i]) * D_::ld(c[i])) + D_::rnd(-D_::ld(x[i + half]) * D_::ld(s[i])));
-    for (int64_t i = 0; i < half; ++i)
-        o[half + i] = D_::st(D_::rnd(D_::ld(x[half + i]) * D_::ld(c[half + i])) +
-                             D_::rnd(D_::ld(x[i]) * D_::ld(s[half + i])));
-}
+using colibri_rows::BF16;
+using colibri_rows::F32;
+using colibri_rows::rotate_head;
 
 template <typename D_>
 void rotate(const typename D_::T* x, int64_t sx0, int64_t sx1, const typename D_::T* cs, const typename D_::T* sn,
