@@ -49,6 +49,7 @@ from kernels import (
     fused_moe,
     native,
     native_serves,
+    pick_moe,
     weight_kind,
 )
 
@@ -149,6 +150,7 @@ class ExpertShard:
             self.expert_maps[layer] = m.to(self.device)
             self.held_or_none[layer] = np.concatenate(([True], m.numpy() >= 0))
         self.w13: dict[int, Weight | ExpertRows] = {}
+        self._native_layers: dict[tuple[int, torch.dtype], tuple[object, object, native.LayerExperts | None]] = {}
         self.w2: dict[int, Weight | ExpertRows] = {}
         self.cache: ExpertCache | None = None
         self.watch: FileWatch | None = None      # the mapped files, while experts are read through them (build.py)
@@ -349,16 +351,40 @@ class ExpertShard:
         if self.cache is not None:
             self.cache.hint(layer, experts)
 
+    def _guard(self, layer: int) -> None:
+        """MappingChanged where the files this layer's experts are read from (in place) changed since they were
+        mapped: its pages may be gone, and reading them would be SIGBUS."""
+        if self.watch is not None and self.in_place and (reason := self.watch.stale(self.layer_files[layer])):
+            raise MappingChanged(reason)
+        if self.watch is not None and self.watch.reason is not None:     # seen by the watch's thread
+            raise MappingChanged(self.watch.reason)
+
+    def native_layer(self, layer: int, hidden: torch.Tensor) -> native.LayerExperts | None:
+        """This MoE layer's experts as one native decoder-layer call takes them (kernels.native.decoder_layer), for
+        hidden [T, H] of the shard's dtype on its device: where `forward` would run the native expert FFN on them
+        (no expert cache, the layer's experts held here); None where `forward` must run. Checks the mapping as
+        `forward` does."""
+        if (self.cache is not None or layer not in self.cfg.moe_layers or not self.held[layer]
+                or hidden.device != self.device or hidden.dtype != self.dtype or hidden.device.type != "cpu"
+                or backend_for(hidden.device) == "triton"):
+            return None
+        self._guard(layer)
+        w13, w2 = self.w13[layer], self.w2[layer]
+        made = self._native_layers.get((layer, hidden.dtype))
+        if made is None or made[0] is not w13 or made[1] is not w2:     # made once per layer's weights and dtype
+            b13, b2 = self.biases.get(layer, (None, None))
+            moe = None if pick_moe(hidden, w13) != "native" else \
+                native.LayerExperts(w13, w2, self.expert_maps[layer], self.act, b13, b2)
+            made = self._native_layers[(layer, hidden.dtype)] = (w13, w2, moe)
+        return made[2]
+
     def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
         """hidden [n, H], ids [n, K] global ids (others' experts ignored), weights [n, K] -> the weighted sum over
         the experts held here, float64 [n, H], unrounded: the router adds the workers' sums and rounds once."""
         if layer not in self.cfg.moe_layers:
             raise KeyError(f"layer {layer} has no routed experts (MoE layers: {list(self.cfg.moe_layers)})")
-        if self.watch is not None and self.in_place and (reason := self.watch.stale(self.layer_files[layer])):
-            raise MappingChanged(reason)                    # its pages may be gone: reading them would be SIGBUS
-        if self.watch is not None and self.watch.reason is not None:     # seen by the watch's thread
-            raise MappingChanged(self.watch.reason)
+        self._guard(layer)
         x = hidden.to(self.device, self.dtype)                                             # [n, H]
         ids, weights = ids.to(self.device), weights.to(self.device)                       # [n, K]
         b13, b2 = self.biases.get(layer, (None, None))

@@ -33,7 +33,7 @@ from kernels.cpu_forms import BUCKETS, FORMS, Weight, batch_invariant, pick_rows
 from kernels.cpu_forms import describe as describe_forms
 from kernels.cpu_forms import kind as form_kind
 from kernels.cpu_linear import cpu_has_fast_bf16, linear
-from kernels.cpu_moe import fused_moe_cpu, native_serves
+from kernels.cpu_moe import fused_moe_cpu, native_serves, pick_moe
 from kernels.cpu_tune import CANDIDATES, MoeShape, tune
 from kernels.expert_rows import ExpertRows
 from kernels.formats import fp8, int8, mxfp4
@@ -184,7 +184,7 @@ __all__ = [
     # fused MoE and routing
     "fused_moe", "route", "topk_route", "topk_route_torch", "backend_for", "describe_backend",
     "describe_expert_kernels", "BACKENDS", "Routing", "GatedAct", "SILU", "paged_decode_attention", "graph_safe",
-    "ExpertRows", "native_serves", "fused_moe_cpu",
+    "ExpertRows", "native_serves", "fused_moe_cpu", "pick_moe",
     # the router's linear and the CPU forms
     "linear", "cpu_has_fast_bf16", "pick_rows", "Weight", "weight_kind", "form_kind", "describe_forms", "FORMS",
     "BUCKETS", "CANDIDATES", "MoeShape", "tune", "set_batch_invariant", "batch_invariant",

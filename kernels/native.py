@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -258,6 +259,34 @@ def moe_(acc: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
                                   b13, b2, act.alpha, act.limit, act.up_offset,
                                   isinstance(w13, Int8Weight) and w13.w8a8)
     return acc
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """One MoE layer's experts as `decoder_layer` takes them (expert_service.shard.ExpertShard.native_layer): the
+    stacks (or rows in place), the map from global ids to their rows (-1 = not held), the activation, biases."""
+
+    w13: torch.Tensor | Int8Weight | ExpertRows      # [E, 2I, H]
+    w2: torch.Tensor | Int8Weight | ExpertRows       # [E, H, I]
+    expert_map: torch.Tensor | None                  # [E_global] int32
+    act: GatedAct
+    b13: torch.Tensor | None                         # [E, 2I]
+    b2: torch.Tensor | None                          # [E, H]
+
+
+def decoder_layer(h: torch.Tensor, attention: tuple, ln2: torch.Tensor, gate: torch.Tensor, eps: float,
+                  routing: Routing, gate_bias: torch.Tensor | None, experts: LayerExperts
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's MoE decoder layer in one call, with the bits of the calls the router makes one by one:
+    h [T, H] -> (h + attn + moe [T, H], the routed ids [T, k]). `attention`: attention_block's arguments after h
+    (ln1 .. eps, in its order); then moe_route's (ln2, gate, eps, routing, gate_bias) and moe_'s (`experts`)."""
+    a, b = _blocks(experts.w13), _blocks(experts.w2)       # held across the call: their numbers stay registered
+    act = experts.act
+    return torch.ops.colibri.decoder_layer(
+        h, *attention, ln2, gate, gate_bias, routing.top_k, SCORING_CODES[routing.scoring], routing.renormalize,
+        routing.num_groups, routing.topk_groups, GROUP_SCORE_CODES[routing.group_score], routing.scaling,
+        _NO_MAP if experts.expert_map is None else experts.expert_map, a.id, b.id, experts.b13, experts.b2,
+        act.alpha, act.limit, act.up_offset, isinstance(experts.w13, Int8Weight) and experts.w13.w8a8)
 
 
 def moe_sum_(acc: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

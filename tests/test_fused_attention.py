@@ -15,10 +15,11 @@ from tests.inprocess import InProcess
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.UNAVAILABLE}")
 
 
-def logits(path, dtype: str, fused: bool) -> list[bytes]:
+def logits(path, dtype: str, fused: bool, layers: bool = True) -> list[bytes]:
     prompts = [[random.Random(70 + i).randrange(256) for _ in range(3 + 4 * i)] for i in range(4)]
     with InProcess(path, dtype=dtype, cpu_forms="off") as engine:
         engine.engine.model.fused_attention = fused
+        engine.engine.model.fused_layers = layers
         runs = [engine.submit(p, 7, return_logits=True) for p in prompts]
         results = [engine.collect(r) for r in runs]
     return [b"".join(x.numpy().tobytes() for x in r.logits) + repr(r.token_ids).encode() for r in results]
@@ -27,21 +28,33 @@ def logits(path, dtype: str, fused: bool) -> list[bytes]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss", "mixtral"])
 def test_the_fused_attention_block_has_the_bits_of_the_op_by_op_path(oracles, monkeypatch, arch, dtype):
-    calls = [0]
-    real = native.attention_block
+    """Three runs alike to the bit: each MoE layer of a decode step in one native call (kernels.native.decoder_layer:
+    the attention block, the routing and the in-process experts), the attention block alone in one call, and
+    every op on its own."""
+    calls = {"attention_block": 0, "decoder_layer": 0}
 
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
+    def counting(name):
+        real = getattr(native, name)
 
-    monkeypatch.setattr(native, "attention_block", counted)
+        def counted(*args):
+            calls[name] += 1
+            return real(*args)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(native, name, counting(name))
     monkeypatch.setattr(cpu_forms, "_TABLE", {})         # the defaults (native), not forms earlier tests measured
     monkeypatch.setattr(cpu_forms, "_REJECTED", set())
-    fused = logits(oracles[arch].path, dtype, True)
-    assert calls[0] > 0                                  # the decode steps really took the one-call path
-    n = calls[0]
-    assert logits(oracles[arch].path, dtype, False) == fused
-    assert calls[0] == n                                 # and the other run never did
+    whole = logits(oracles[arch].path, dtype, True)
+    n_layer = calls["decoder_layer"]
+    if arch not in ("qwen2_moe", "gpt_oss"):             # (shared experts, a gate's bias: call by call)
+        assert n_layer > 0                               # the decode steps' MoE layers took the one-call path
+    n = calls["attention_block"]
+    assert logits(oracles[arch].path, dtype, True, layers=False) == whole
+    assert calls["decoder_layer"] == n_layer and calls["attention_block"] > n   # the attention block alone now
+    n = calls["attention_block"]
+    assert logits(oracles[arch].path, dtype, False) == whole
+    assert calls["attention_block"] == n and calls["decoder_layer"] == n_layer  # and the last run took neither
 
 
 def op_by_op(h, ln1, w_qkv, q_norm, k_norm, cos, sin, kc, vc, write, slots, lens, w_o, heads, kv_heads, eps):

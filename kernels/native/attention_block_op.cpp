@@ -131,6 +131,10 @@ at::Tensor with_bias(const at::Tensor& y, const c10::optional<at::Tensor>& b) { 
     return b.has_value() ? at::add(y, *b) : y;
 }
 
+}  // namespace
+
+namespace colibri_ops {
+
 at::Tensor attention_block(const at::Tensor& h, const at::Tensor& ln1, const at::Tensor& w_qkv,
                            const c10::optional<at::Tensor>& b_qkv, const c10::optional<at::Tensor>& q_norm,
                            const c10::optional<at::Tensor>& k_norm, bool full_qk_norm, const at::Tensor& cos,
@@ -177,7 +181,7 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& ln1, const at:
     return with_bias(colibri_ops::linear(out.reshape({T, heads * D}), w_o, c10::nullopt, false), b_o);   // [T, H]
 }
 
-}  // namespace
+}  // namespace colibri_ops
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
     m.def("attention_block(Tensor h, Tensor ln1, Tensor w_qkv, Tensor? b_qkv, Tensor? q_norm, Tensor? k_norm, "
@@ -186,4 +190,4 @@ TORCH_LIBRARY_FRAGMENT(colibri, m) {
           "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("attention_block", &attention_block); }
+TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("attention_block", &colibri_ops::attention_block); }

@@ -397,6 +397,10 @@ std::shared_ptr<const ExpertBlocks> blocks_of(int64_t id) {
     return it->second;
 }
 
+}  // namespace
+
+namespace colibri_ops {
+
 // moe_ over registered blocks: w13's are gate/up (its parts per expert), w2's the downs (one block each).
 void moe_blocks_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                  const at::Tensor& local, int64_t w13_id, int64_t w2_id, const c10::optional<at::Tensor>& b13,
@@ -408,7 +412,7 @@ void moe_blocks_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, co
          limit, up_offset, w8a8);
 }
 
-}  // namespace
+}  // namespace colibri_ops
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
     m.def("expert_blocks(Tensor[] blocks, int parts, Tensor[] scales) -> int", &expert_blocks);
@@ -421,5 +425,5 @@ TORCH_LIBRARY_FRAGMENT(colibri, m) {
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {
     m.impl("moe_sum_", &moe_sum_);
-    m.impl("moe_blocks_", &moe_blocks_);
+    m.impl("moe_blocks_", &colibri_ops::moe_blocks_);
 }

@@ -58,4 +58,20 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                             const at::Tensor& lens, const c10::optional<at::Tensor>& sinks, double scale);
+at::Tensor attention_block(const at::Tensor& h, const at::Tensor& ln1, const at::Tensor& w_qkv,
+                           const c10::optional<at::Tensor>& b_qkv, const c10::optional<at::Tensor>& q_norm,
+                           const c10::optional<at::Tensor>& k_norm, bool full_qk_norm, const at::Tensor& cos,
+                           const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& write,
+                           const at::Tensor& slots, const at::Tensor& lens, const c10::optional<at::Tensor>& sinks,
+                           const at::Tensor& w_o, const c10::optional<at::Tensor>& b_o, int64_t heads,
+                           int64_t kv_heads, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tensor& ln,
+                                                       const at::Tensor& gate, double eps,
+                                                       const c10::optional<at::Tensor>& bias, int64_t k, int64_t scoring,
+                                                       bool renormalize, int64_t num_groups, int64_t topk_groups,
+                                                       int64_t group_score, double scaling);
+void moe_blocks_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                 const at::Tensor& local, int64_t w13_id, int64_t w2_id, const c10::optional<at::Tensor>& b13,
+                 const c10::optional<at::Tensor>& b2, double alpha, c10::optional<double> limit, double up_offset,
+                 bool w8a8);
 }  // namespace colibri_ops

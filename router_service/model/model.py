@@ -73,6 +73,8 @@ class RouterModel:
         self.track_routing = False
         self.batch_invariant = False   # every row alone (`by_row`), attention per query: see `rows`
         self.fused_attention = True    # decode steps' attention blocks in one native call where they may (_fusable)
+        self.fused_layers = True       # and whole MoE layers, where the experts are in this process (_whole_layer)
+        self._weights_fuse: dict[tuple[int, int, torch.dtype], bool] = {}    # _fusable's weight checks, by row count
         self.mapped: FileWatch | None = None   # the files of the weights used in place (build.py), checked by guard
         self.last_routing: list[list[torch.Tensor]] = []      # per micro-batch: ids [T, K] per MoE layer
         self.predicted = self.predicted_right = 0            # prefetch: experts predicted, and then routed to
@@ -159,6 +161,11 @@ class RouterModel:
         cos, sin = rows(lambda p: self.rope.cos_sin(p, self.dtype), step.positions)   # [T, R] rotary dims
         guess: set[int] | None = None                                        # prefetch: this layer's prediction
         for i, lw in enumerate(self.w.layers):
+            if (fused := self._whole_layer(i, lw, h, cos, sin, step, kv, experts)) is not None:
+                h, ids = fused                                               # the layer in one native call
+                if self.track_routing:
+                    routes.append(ids)
+                continue
             h = h + self._attention(i, lw, h, cos, sin, step, kv)
             if lw.gate is None:
                 h = h + rows(partial(self._dense_mlp, lw), h)
@@ -236,16 +243,38 @@ class RouterModel:
                                 self.batch_invariant)
             return rows(lambda o: linear(o, lw.o, lw.o_bias), out)          # [T, H]
         if self._fusable(lw, h, cos, step, kv):                           # decode rows only: one native call
-            slots, lens = (step.decode_window_slots, step.decode_window_lens) if layer in self.sliding else \
-                (step.decode_slots, step.decode_lens)                        # [Bd, C], [Bd]
-            qk = cfg.qk_norm != "none"
-            return native.attention_block(h, lw.ln1, lw.qkv, lw.qkv_bias, lw.q_norm if qk else None,
-                                          lw.k_norm if qk else None, cfg.qk_norm == "full", cos, sin, kv.k[layer],
-                                          kv.v[layer], step.slots, slots, lens, lw.sinks, lw.o, lw.o_bias,
-                                          cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)   # [T, H]
+            return native.attention_block(h, *self._block_args(layer, lw, cos, sin, step, kv))   # [T, H]
         q, k, v = rows(lambda h, cos, sin: self._qkv(lw, h, cos, sin), h, cos, sin)
         out = attention(layer, q, k, v, step, kv, layer in self.sliding, lw.sinks, self.batch_invariant)
         return rows(lambda o: linear(o.reshape(o.shape[0], -1), lw.o, lw.o_bias), out)   # [T, H]
+
+    def _block_args(self, layer: int, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs,
+                    kv: KVCache) -> tuple:
+        """kernels.native.attention_block's arguments after h, for this layer of a decode step."""
+        cfg = self.cfg
+        slots, lens = (step.decode_window_slots, step.decode_window_lens) if layer in self.sliding else \
+            (step.decode_slots, step.decode_lens)                            # [Bd, C], [Bd]
+        qk = cfg.qk_norm != "none"
+        return (lw.ln1, lw.qkv, lw.qkv_bias, lw.q_norm if qk else None, lw.k_norm if qk else None,
+                cfg.qk_norm == "full", cos, sin, kv.k[layer], kv.v[layer], step.slots, slots, lens, lw.sinks, lw.o,
+                lw.o_bias, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
+
+    def _whole_layer(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     step: StepInputs, kv: KVCache, experts: Experts) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A MoE layer of a decode step in one native call (kernels.native.decoder_layer: the attention block, the
+        routing and the experts, with the bits of the three calls), where the experts are in this process on the
+        native expert FFN (`experts.native_layer`): (h after the layer [T, H], the routed ids [T, K]); None where the
+        layer runs call by call (prefills, shared experts, the prefetch's guesses, latent attention, experts
+        elsewhere)."""
+        if (not self.fused_layers or lw.gate is None or lw.mla is not None or lw.mlp_gate_up is not None
+                or self.prefetch
+                or not self._fusable(lw, h, cos, step, kv) or not self._routes_natively(lw, h.dtype, h.device)):
+            return None
+        moe = experts.native_layer(layer, h)
+        if moe is None:
+            return None
+        return native.decoder_layer(h, self._block_args(layer, lw, cos, sin, step, kv), lw.ln2, lw.gate,
+                                    self.cfg.rms_norm_eps, self.routing, lw.gate_correction, moe)
 
     def _fusable(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs, kv: KVCache) -> bool:
         """Whether this layer's attention block may run as one native call (kernels.native.attention_block, the
@@ -259,10 +288,14 @@ class RouterModel:
                 and self.cfg.clip_qkv is None and cos.dtype == dtype and kv.k.dtype == dtype
                 and kv.v.shape[-1] == self.cfg.head_dim and dtype in (torch.float32, torch.bfloat16)):
             return False
-        norms = [w for w in (lw.ln1, lw.q_norm, lw.k_norm) if w is not None]
-        return (isinstance(lw.qkv, torch.Tensor) and isinstance(lw.o, torch.Tensor) and lw.qkv.dtype == dtype
+        key = (id(lw), T, dtype)             # the weights' part, the same every step: looked up once
+        if (ok := self._weights_fuse.get(key)) is None:
+            norms = [w for w in (lw.ln1, lw.q_norm, lw.k_norm) if w is not None]
+            ok = self._weights_fuse[key] = (
+                isinstance(lw.qkv, torch.Tensor) and isinstance(lw.o, torch.Tensor) and lw.qkv.dtype == dtype
                 and lw.o.dtype == dtype and all(w.dtype in (dtype, torch.float32) for w in norms)
                 and pick_rows(T, dtype, lw.qkv) is native.linear and pick_rows(T, dtype, lw.o) is native.linear)
+        return ok
 
     def _qkv(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,6 +18,8 @@ from typing import Protocol
 import torch
 from prometheus_client.core import Metric
 
+from kernels import native
+
 
 class Handle(Protocol):
     def result(self) -> torch.Tensor: ...
@@ -47,6 +49,13 @@ class Experts(Protocol):
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                prefetch: Prefetch | None = None) -> Handle: ...
 
+    def native_layer(self, layer: int, hidden: torch.Tensor) -> native.LayerExperts | None:
+        """The layer's experts as one native call of the whole decoder layer takes them (in this process, on the
+        CPU, the native expert FFN: `kernels.native.decoder_layer`), for hidden [T, H]; None where `submit` must
+        run: remote experts, an expert cache, torch's forms, or a wrapper whose `submit` does something on the
+        host (as for `capturable`, it must say None)."""
+        ...
+
     def metric_families(self) -> Iterator[Metric]:
         """Their own Prometheus families (per worker: rows, liveness, bans); none in-process."""
         ...
@@ -69,6 +78,8 @@ class Shard(Protocol):
                 ) -> torch.Tensor: ...
 
     def hint(self, layer: int, experts: list[int]) -> None: ...
+
+    def native_layer(self, layer: int, hidden: torch.Tensor) -> native.LayerExperts | None: ...
 
     @property
     def capturable(self) -> bool: ...
@@ -105,6 +116,9 @@ class LocalExperts:
         if prefetch is not None:
             self.shard.hint(*prefetch)
         return Ready(out)
+
+    def native_layer(self, layer: int, hidden: torch.Tensor) -> native.LayerExperts | None:
+        return self.shard.native_layer(layer, hidden)
 
     def metric_families(self) -> Iterator[Metric]:
         return iter(())

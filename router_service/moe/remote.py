@@ -298,6 +298,10 @@ class RemoteExperts:
         self.timers["dispatch"] += time.perf_counter() - t0
         return InFlight(self, table, layer, hidden, keep(x), ids_kept, keep(w32), parts)
 
+    def native_layer(self, layer: int, hidden: torch.Tensor) -> None:
+        """Never: the experts are computed by the workers."""
+        return None
+
     def send(self, table: Table, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
              pairs: int, ahead: expert_pb2.Prefetch | None = None) -> Reply:
         """Worker w's share of a layer, already cut to its rows ([n, H], [n, K] with -1 for pairs computed
