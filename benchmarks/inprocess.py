@@ -8,8 +8,8 @@ import time
 
 T_START = time.perf_counter()
 
+from colibri import LLM  # noqa: E402, I001  (first: it sets the OpenMP policy before benchmarks.common loads torch)
 from benchmarks.common import engine_args, finish  # noqa: E402
-from colibri import LLM  # noqa: E402
 from colibri.loadgen import measure, random_prompts  # noqa: E402
 from router_service.engine.events import Failed, Finished, Tokens  # noqa: E402
 from router_service.engine.sequence import Sampling, Sequence  # noqa: E402
@@ -17,10 +17,14 @@ from router_service.engine.sequence import Sampling, Sequence  # noqa: E402
 
 def main() -> None:
     args = engine_args([("--micro-batches", {"type": int, "default": 1}),
-                        ("--enforce-eager", {"action": "store_true", "help": "no CUDA graphs (GPU)"})])
+                        ("--enforce-eager", {"action": "store_true", "help": "no CUDA graphs (GPU)"}),
+                        ("--no-fused-layers", {"action": "store_true",
+                                               "help": "each decode layer call by call (attention block, routing, "
+                                                       "experts), not one native call: the A/B of decoder_layer"})])
     llm = LLM(args.model, 0, dtype=args.dtype, micro_batches=args.micro_batches, device=args.device,
               enforce_eager=args.enforce_eager)
     engine = llm.engine
+    engine.model.fused_layers = not args.no_fused_layers
     cold = time.perf_counter() - T_START
 
     def stream(prompt: list[int], max_tokens: int, rid: str):

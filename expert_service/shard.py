@@ -150,7 +150,7 @@ class ExpertShard:
             self.expert_maps[layer] = m.to(self.device)
             self.held_or_none[layer] = np.concatenate(([True], m.numpy() >= 0))
         self.w13: dict[int, Weight | ExpertRows] = {}
-        self._native_layers: dict[tuple[int, torch.dtype], tuple[object, object, native.LayerExperts | None]] = {}
+        self._native_layers: dict[tuple[int, torch.dtype], tuple[object, ...]] = {}   # native_layer's, by layer
         self.w2: dict[int, Weight | ExpertRows] = {}
         self.cache: ExpertCache | None = None
         self.watch: FileWatch | None = None      # the mapped files, while experts are read through them (build.py)
@@ -290,6 +290,7 @@ class ExpertShard:
             log.warning("experts packed: %s", self.in_place_refusal)
             self.w13.clear()
             self.w2.clear()
+            self._native_layers.clear()
             self._pack_all(False)
         if self.cache is None:
             self.ckpt.close()
@@ -304,6 +305,7 @@ class ExpertShard:
         native.forget(stacks)
         self.w13.clear()                     # views over the mapping go before it
         self.w2.clear()
+        self._native_layers.clear()
         self.ckpt.close()
 
     def linear_shapes(self) -> list[tuple[int, int, str]]:
@@ -369,14 +371,13 @@ class ExpertShard:
                 or backend_for(hidden.device) == "triton"):
             return None
         self._guard(layer)
-        w13, w2 = self.w13[layer], self.w2[layer]
+        w13, w2, emap = self.w13[layer], self.w2[layer], self.expert_maps[layer]
         made = self._native_layers.get((layer, hidden.dtype))
-        if made is None or made[0] is not w13 or made[1] is not w2:     # made once per layer's weights and dtype
-            b13, b2 = self.biases.get(layer, (None, None))
-            moe = None if pick_moe(hidden, w13) != "native" else \
-                native.LayerExperts(w13, w2, self.expert_maps[layer], self.act, b13, b2)
-            made = self._native_layers[(layer, hidden.dtype)] = (w13, w2, moe)
-        return made[2]
+        if made is None or made[0] is not w13 or made[1] is not w2 or made[2] is not emap:   # once per layer's
+            b13, b2 = self.biases.get(layer, (None, None))                                   # weights and dtype
+            moe = None if pick_moe(hidden, w13) != "native" else native.LayerExperts(w13, w2, emap, self.act, b13, b2)
+            made = self._native_layers[(layer, hidden.dtype)] = (w13, w2, emap, moe)
+        return made[3]
 
     def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:

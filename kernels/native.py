@@ -274,12 +274,12 @@ class LayerExperts:
     b2: torch.Tensor | None                          # [E, H]
 
 
-def decoder_layer(h: torch.Tensor, attention: tuple, ln2: torch.Tensor, gate: torch.Tensor, eps: float,
-                  routing: Routing, gate_bias: torch.Tensor | None, experts: LayerExperts
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def decoder_layer(h: torch.Tensor, attention: tuple, ln2: torch.Tensor, gate: torch.Tensor, routing: Routing,
+                  gate_bias: torch.Tensor | None, experts: LayerExperts) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's MoE decoder layer in one call, with the bits of the calls the router makes one by one:
     h [T, H] -> (h + attn + moe [T, H], the routed ids [T, k]). `attention`: attention_block's arguments after h
-    (ln1 .. eps, in its order); then moe_route's (ln2, gate, eps, routing, gate_bias) and moe_'s (`experts`)."""
+    (ln1 .. eps, in its order; moe_route's norm takes the same eps, as every model's two norms do); then moe_route's
+    (ln2, gate, routing, gate_bias) and moe_'s (`experts`)."""
     a, b = _blocks(experts.w13), _blocks(experts.w2)       # held across the call: their numbers stay registered
     act = experts.act
     return torch.ops.colibri.decoder_layer(

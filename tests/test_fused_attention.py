@@ -122,3 +122,19 @@ def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written():
                                torch.tensor([4]), torch.tensor([[0]]), torch.tensor([1]), None,
                                torch.randn(H, heads * D), None, heads, kv_heads, 1e-6)
     assert not kc.any() and not vc.any()
+
+
+def test_a_cache_of_other_heads_than_the_block_is_refused_without_writing_past_it():
+    """A cache with fewer heads than kv_heads: the block refuses it (as index_copy_ does), and nothing is written
+    outside the cache's view, here the buffer's last slot that the view leaves out."""
+    import torch
+
+    heads, kv_heads, D, H = 2, 2, 8, 16
+    buf = torch.zeros(5, 1, D)
+    kc, vc = buf[:4], torch.zeros(4, 1, D)                   # [4, 1, D]: one head where the block has two
+    with pytest.raises(RuntimeError):
+        native.attention_block(torch.randn(1, H), torch.ones(H), torch.randn((heads + 2 * kv_heads) * D, H), None,
+                               torch.ones(D), torch.ones(D), False, torch.randn(1, D), torch.randn(1, D), kc, vc,
+                               torch.tensor([3]), torch.tensor([[3]]), torch.tensor([1]), None,
+                               torch.randn(H, heads * D), None, heads, kv_heads, 1e-6)
+    assert not buf[4].any()

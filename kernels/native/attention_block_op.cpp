@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -65,11 +66,11 @@ at::Tensor heads_pass(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_
                       int64_t kv_heads, double eps) {
     const int64_t T = qkv.size(0), D = k_cache.size(2), R = cos.size(1);
     at::Tensor c = cos.contiguous(), s = sin.contiguous();
-    at::Tensor slots = write.to(at::kLong).contiguous();
-    const int64_t S = k_cache.size(0), *ws = slots.data_ptr<int64_t>();
+    at::Tensor slots = write.contiguous();
+    const int64_t S = std::min(k_cache.size(0), v_cache.size(0)), *ws = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t)                 // as index_copy_ checks
-        TORCH_CHECK(ws[t] >= 0 && ws[t] < S && ws[t] < v_cache.size(0), "colibri::attention_block: write slot ",
-                    ws[t], " is outside the cache's ", S, " slots");
+        TORCH_CHECK(ws[t] >= 0 && ws[t] < S, "colibri::attention_block: write slot ", ws[t],
+                    " is outside the cache's ", S, " slots");
     at::Tensor q = at::empty({T, heads, D}, qkv.options());
     const bool bf = qkv.scalar_type() == at::kBFloat16;
     const bool wf = q_norm.has_value() && q_norm->scalar_type() == at::kFloat;
@@ -110,13 +111,16 @@ at::Tensor heads_pass(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_
 // cos / sin in x's dtype, rotary dims even and within the head, caches of x's dtype with contiguous heads.
 bool heads_fusable(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
                    const c10::optional<at::Tensor>& k_norm, bool full_qk_norm, const at::Tensor& cos,
-                   const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+                   const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& write, int64_t kv_heads) {
     const auto xt = qkv.scalar_type();
     if ((xt != at::kFloat && xt != at::kBFloat16) || !qkv.is_contiguous() || cos.scalar_type() != xt ||
         sin.scalar_type() != xt || cos.dim() != 2 || sin.sizes() != cos.sizes() || cos.size(0) != qkv.size(0) ||
-        k_cache.scalar_type() != xt || v_cache.scalar_type() != xt || k_cache.stride(2) != 1 ||
-        v_cache.stride(2) != 1 || v_cache.size(2) != k_cache.size(2) || v_cache.size(1) != k_cache.size(1))
-        return false;
+        write.scalar_type() != at::kLong || k_cache.scalar_type() != xt || v_cache.scalar_type() != xt ||
+        v_cache.dim() != 3 || k_cache.size(1) != kv_heads || v_cache.size(1) != kv_heads ||
+        v_cache.size(2) != k_cache.size(2) || k_cache.stride(2) != 1 || v_cache.stride(2) != 1 ||
+        !k_cache.is_non_overlapping_and_dense() || !v_cache.is_non_overlapping_and_dense())
+        return false;                               // (index_copy_ checks and refuses what these rule out)
     const int64_t D = k_cache.size(2), R = cos.size(1);
     if (R > D || R % 2 != 0) return false;
     if (!q_norm.has_value()) return true;
@@ -154,7 +158,7 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& ln1, const at:
     at::Tensor x = colibri_ops::rms_norm(h, ln1, eps);                                        // [T, H]
     at::Tensor qkv = with_bias(colibri_ops::linear(x, w_qkv, c10::nullopt, false), b_qkv);   // [T, (Hq + 2Hkv) D]
     const int64_t qs = heads * D, ks = kv_heads * D;
-    if (heads_fusable(qkv, q_norm, k_norm, full_qk_norm, cos, sin, k_cache, v_cache)) {
+    if (heads_fusable(qkv, q_norm, k_norm, full_qk_norm, cos, sin, k_cache, v_cache, write, kv_heads)) {
         at::Tensor q = heads_pass(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, write, heads, kv_heads, eps);
         at::Tensor out = colibri_ops::decode_attention(q, k_cache, v_cache, slots, lens, sinks,
                                                        std::pow(double(D), -0.5));           // [T, Hq, D]

@@ -274,7 +274,7 @@ class RouterModel:
         if moe is None:
             return None
         return native.decoder_layer(h, self._block_args(layer, lw, cos, sin, step, kv), lw.ln2, lw.gate,
-                                    self.cfg.rms_norm_eps, self.routing, lw.gate_correction, moe)
+                                    self.routing, lw.gate_correction, moe)
 
     def _fusable(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs, kv: KVCache) -> bool:
         """Whether this layer's attention block may run as one native call (kernels.native.attention_block, the
