@@ -113,9 +113,6 @@ class FailOnce(LocalExperts):
 
     capturable = False                             # the fault is raised on the host: never a CUDA graph
 
-    def native_layer(self, layer, hidden):         # nor one native call per layer: submit must run
-        return None
-
     def __init__(self, inner: LocalExperts, exc: Exception) -> None:
         super().__init__(inner.shard)
         self.inner, self.exc, self.armed = inner, exc, threading.Event()

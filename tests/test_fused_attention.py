@@ -83,7 +83,7 @@ def test_the_fused_heads_pass_has_the_bits_of_the_ops(T, rotary, dtype, norms):
     import torch
 
     dt = getattr(torch, dtype)
-    g = torch.Generator().manual_seed(T + 10 * len(rotary) + (norms or "").__len__())
+    g = torch.Generator().manual_seed(T + 10 * len(rotary) + len(norms or ""))
     heads, kv_heads, D, H, S, eps = 6, 2, 24, 40, 64, 1e-6
     R = D if rotary == "whole" else 10
 
@@ -138,3 +138,21 @@ def test_a_cache_of_other_heads_than_the_block_is_refused_without_writing_past_i
                                torch.tensor([3]), torch.tensor([[3]]), torch.tensor([1]), None,
                                torch.randn(H, heads * D), None, heads, kv_heads, 1e-6)
     assert not buf[4].any()
+
+
+def test_experts_whose_submit_is_their_own_get_no_whole_layer_call(oracles):
+    """A LocalExperts subclass with a submit of its own (fault injection, counting) keeps every decode layer call
+    by call, so that its submit runs; the plain class hands the layer to the one native call."""
+    import torch
+
+    from router_service.moe.experts import LocalExperts
+
+    class Counting(LocalExperts):
+        def submit(self, layer, hidden, ids, weights, prefetch=None):
+            return super().submit(layer, hidden, ids, weights, prefetch)
+
+    with InProcess(oracles["qwen3_moe"].path, dtype="bfloat16", cpu_forms="off") as engine:
+        shard = engine.engine.experts.shard
+        h = torch.zeros(1, engine.engine.model.cfg.hidden_size, dtype=torch.bfloat16)
+        assert LocalExperts(shard).native_layer(0, h) is not None
+        assert Counting(shard).native_layer(0, h) is None

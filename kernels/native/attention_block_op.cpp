@@ -131,6 +131,32 @@ bool heads_fusable(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_nor
     return wt == xt || wt == at::kFloat;
 }
 
+// The same op by op (full-width q/k norms, and what heads_fusable leaves out): q [T, Hq, D], the caches written by
+// index_copy_ (which checks them).
+at::Tensor heads_ops(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
+                     const c10::optional<at::Tensor>& k_norm, bool full_qk_norm, const at::Tensor& cos,
+                     const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& write,
+                     int64_t heads, int64_t kv_heads, double eps) {
+    const int64_t T = qkv.size(0), D = k_cache.size(2), qs = heads * D, ks = kv_heads * D;
+    at::Tensor q = qkv.narrow(1, 0, qs), k = qkv.narrow(1, qs, ks), v = qkv.narrow(1, qs + ks, ks);
+    if (q_norm.has_value() && full_qk_norm) {
+        q = colibri_ops::rms_norm(q, *q_norm, eps);
+        k = colibri_ops::rms_norm(k, *k_norm, eps);
+    }
+    q = q.reshape({T, heads, D});                                                            // [T, Hq, D]
+    k = k.reshape({T, kv_heads, D});                                                         // [T, Hkv, D]
+    v = v.reshape({T, kv_heads, D});
+    if (q_norm.has_value() && !full_qk_norm) {
+        q = colibri_ops::rms_norm(q, *q_norm, eps);
+        k = colibri_ops::rms_norm(k, *k_norm, eps);
+    }
+    q = colibri_ops::rope(q, cos, sin);
+    k = colibri_ops::rope(k, cos, sin);
+    k_cache.index_copy_(0, write, k);
+    v_cache.index_copy_(0, write, v);
+    return q;
+}
+
 at::Tensor with_bias(const at::Tensor& y, const c10::optional<at::Tensor>& b) {   // as torch's `y + bias`
     return b.has_value() ? at::add(y, *b) : y;
 }
@@ -157,29 +183,10 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& ln1, const at:
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), op, ": q_norm and k_norm come together");
     at::Tensor x = colibri_ops::rms_norm(h, ln1, eps);                                        // [T, H]
     at::Tensor qkv = with_bias(colibri_ops::linear(x, w_qkv, c10::nullopt, false), b_qkv);   // [T, (Hq + 2Hkv) D]
-    const int64_t qs = heads * D, ks = kv_heads * D;
-    if (heads_fusable(qkv, q_norm, k_norm, full_qk_norm, cos, sin, k_cache, v_cache, write, kv_heads)) {
-        at::Tensor q = heads_pass(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, write, heads, kv_heads, eps);
-        at::Tensor out = colibri_ops::decode_attention(q, k_cache, v_cache, slots, lens, sinks,
-                                                       std::pow(double(D), -0.5));           // [T, Hq, D]
-        return with_bias(colibri_ops::linear(out.reshape({T, heads * D}), w_o, c10::nullopt, false), b_o);
-    }
-    at::Tensor q = qkv.narrow(1, 0, qs), k = qkv.narrow(1, qs, ks), v = qkv.narrow(1, qs + ks, ks);
-    if (q_norm.has_value() && full_qk_norm) {
-        q = colibri_ops::rms_norm(q, *q_norm, eps);
-        k = colibri_ops::rms_norm(k, *k_norm, eps);
-    }
-    q = q.reshape({T, heads, D});                                                            // [T, Hq, D]
-    k = k.reshape({T, kv_heads, D});                                                         // [T, Hkv, D]
-    v = v.reshape({T, kv_heads, D});
-    if (q_norm.has_value() && !full_qk_norm) {
-        q = colibri_ops::rms_norm(q, *q_norm, eps);
-        k = colibri_ops::rms_norm(k, *k_norm, eps);
-    }
-    q = colibri_ops::rope(q, cos, sin);
-    k = colibri_ops::rope(k, cos, sin);
-    k_cache.index_copy_(0, write, k);
-    v_cache.index_copy_(0, write, v);
+    at::Tensor q = heads_fusable(qkv, q_norm, k_norm, full_qk_norm, cos, sin, k_cache, v_cache, write, kv_heads)
+                       ? heads_pass(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, write, heads, kv_heads, eps)
+                       : heads_ops(qkv, q_norm, k_norm, full_qk_norm, cos, sin, k_cache, v_cache, write, heads,
+                                   kv_heads, eps);                                           // [T, Hq, D]
     at::Tensor out = colibri_ops::decode_attention(q, k_cache, v_cache, slots, lens, sinks,
                                                    std::pow(double(D), -0.5));               // [T, Hq, D]
     return with_bias(colibri_ops::linear(out.reshape({T, heads * D}), w_o, c10::nullopt, false), b_o);   // [T, H]

@@ -267,11 +267,11 @@ class RouterModel:
         layer runs call by call (prefills, shared experts, the prefetch's guesses, latent attention, experts
         elsewhere)."""
         if (not self.fused_layers or lw.gate is None or lw.mla is not None or lw.mlp_gate_up is not None
-                or self.prefetch
-                or not self._fusable(lw, h, cos, step, kv) or not self._routes_natively(lw, h.dtype, h.device)):
+                or self.prefetch):
             return None
-        moe = experts.native_layer(layer, h)
-        if moe is None:
+        moe = experts.native_layer(layer, h)      # first: None at once for workers, so the fleet's router does not
+        if (moe is None or not self._fusable(lw, h, cos, step, kv)   # make the checks below twice a layer
+                or not self._routes_natively(lw, h.dtype, h.device)):
             return None
         return native.decoder_layer(h, self._block_args(layer, lw, cos, sin, step, kv), lw.ln2, lw.gate,
                                     self.routing, lw.gate_correction, moe)
