@@ -146,6 +146,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metrics_port(workers: int) -> int:
+    """A port P for `serve --metrics-port P` whose run P .. P + workers is free on loopback now: serve gives its
+    workers P + 1 .. P + workers, which a free P alone does not make free (a parallel test's server held P + 1 once)."""
+    import socket
+
+    for _ in range(100):
+        p = free_port()
+        if p + workers > 65535:
+            continue
+        socks = [socket.socket() for _ in range(workers + 1)]
+        try:
+            for q, sock in zip(range(p, p + workers + 1), socks, strict=True):
+                sock.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {workers + 1} free ports on loopback")
+
+
 @pytest.fixture(scope="session")
 def oracles(tmp_path_factory) -> dict[str, Oracle]:
     from tests.models import Oracle, build_model, save_checkpoint, small_config

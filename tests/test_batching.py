@@ -11,7 +11,7 @@ import grpc
 
 from colibri.client import Client, make_request
 from colibri_common.pb import generation_pb2 as pb
-from tests.conftest import fleet, free_port, metrics
+from tests.conftest import fleet, metrics, metrics_port
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -24,7 +24,7 @@ def test_staggered_concurrent_requests_with_overlapped_micro_batches_match_alone
     oracle = oracles["qwen3_moe"]
     ps = prompts(16)
     lengths = [6 + i % 7 for i in range(16)]
-    port = free_port()
+    port = metrics_port(2)
     with fleet(oracle.path, 2, ["--micro-batches", "2", "--metrics-port", str(port)]) as (addr, _):
         client = Client(addr)
         before = metrics(port)["colibri:micro_batch_overlaps_total"]
@@ -44,7 +44,7 @@ def test_staggered_concurrent_requests_with_overlapped_micro_batches_match_alone
 
 
 def test_cancellation_frees_the_kv_cache_at_once(oracles):
-    port = free_port()
+    port = metrics_port(1)
     with fleet(oracles["mixtral"].path, 1, ["--metrics-port", str(port)]) as (addr, _):
         client = Client(addr)
         total = metrics(port)

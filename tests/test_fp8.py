@@ -100,10 +100,10 @@ def test_a_worker_keeps_the_experts_fp8_for_the_triton_kernels(fp8_model):
     float32 bytes, plus scales), and the Triton kernels (run by the interpreter on CPU tensors, as a GPU would
     run them) scale each tile as they load it: transformers' tokens on the dequantised model."""
     from colibri.client import Client
-    from tests.conftest import free_port, metrics
+    from tests.conftest import metrics, metrics_port
 
     env = {"COLIBRI_MOE_BACKEND": "triton", "TRITON_INTERPRET": "1"}
-    port = free_port()
+    port = metrics_port(1)
     with fleet(fp8_model.path, 1, ["--quantized-experts", "keep", "--metrics-port", str(port)], env=env) as (addr, _):
         prompt = [3, 17, 42, 99, 5, 8]
         res = Client(addr).generate(prompt, 6, return_logits=True)

@@ -100,10 +100,10 @@ def test_a_worker_keeps_the_mxfp4_experts_for_the_triton_kernels(mxfp4_oracle):
     Triton kernels (the interpreter on CPU tensors, as a GPU runs them) decode each tile as they load it:
     transformers' tokens on the dequantised model."""
     from colibri.client import Client
-    from tests.conftest import fleet, free_port, metrics
+    from tests.conftest import fleet, metrics, metrics_port
 
     oracle = mxfp4_oracle[0]
-    port = free_port()
+    port = metrics_port(1)
     env = {"COLIBRI_MOE_BACKEND": "triton", "TRITON_INTERPRET": "1"}
     extra = ["--quantized-experts", "keep", "--metrics-port", str(port)]
     with fleet(oracle.path, 1, extra, env=env) as (addr, _):

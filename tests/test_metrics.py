@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from colibri.client import Client, GenerationError
-from tests.conftest import fleet, free_port
+from tests.conftest import fleet, metrics_port
 
 
 def scrape(port: int) -> dict[str, object]:
@@ -24,9 +24,7 @@ def value(family, name: str, **labels: str) -> float:
 
 def test_router_and_worker_metrics_move_with_the_traffic(oracles):
     oracle = oracles["qwen3_moe"]
-    port = free_port()
-    while free_port() in (port + 1, port + 2):      # the workers take P + 1 and P + 2
-        port = free_port()
+    port = metrics_port(2)                          # the workers take P + 1 and P + 2
     with fleet(oracle.path, 2, ["--metrics-port", str(port), "--expert-metrics"]) as (addr, _):
         before = scrape(port)
         client = Client(addr)

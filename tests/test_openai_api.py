@@ -30,11 +30,11 @@ from colibri_common.pb import generation_pb2, generation_pb2_grpc
 from colibri_common.token_gate import with_token
 from colibri_common.tokenizer import Tokenizer
 from tests.chat_fixtures import chat_checkpoint
-from tests.conftest import colibri_popen, fleet, free_port, metrics
+from tests.conftest import colibri_popen, fleet, free_port, metrics, metrics_port
 from tests.test_moe_transport import FakeRpcError
 from tests.test_replicas import port_of, workers_of
 
-METRICS_PORT = free_port()
+METRICS_PORT = metrics_port(1)
 MAX_LEN = 96
 EXPERT_METHODS = {"Describe", "Forward", "ForwardStream", "Assign"}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "  Say hi.  "}]
@@ -683,7 +683,7 @@ def test_an_http_client_that_stops_reading_is_cancelled_by_the_stall_timeout(tmp
     freed. The front's socket grew to megabytes and gRPC's window with it, and such a request generated on to
     its end into the buffers."""
     oracle, _ = chat_checkpoint(tmp_path / "chatty")
-    mport = free_port()
+    mport = metrics_port(1)
     extra = ["--openai-port", "0", "--max-model-len", "512", "--stream-stall-timeout", "2", "--metrics-port",
              str(mport)]
     with fleet(oracle.path, 1, extra) as (_, proc):

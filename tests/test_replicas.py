@@ -17,7 +17,7 @@ import torch
 from colibri.client import Client
 from colibri_common.placement import replica_experts
 from router_service.moe.partition import assign, split_pairs
-from tests.conftest import argv_of, fleet, free_port, metrics
+from tests.conftest import argv_of, fleet, metrics, metrics_port
 from tests.models import Oracle, save_checkpoint
 
 STREAMS = [[(5 * i + j) % 200 + 1 for j in range(5)] for i in range(16)]
@@ -93,9 +93,7 @@ def test_with_two_replicas_a_lost_worker_changes_no_token(oracles):
     lost worker is banned, and re-admitted within 5 s of being back. The frozen worker's layers go to the replicas
     once its health checks fail (about 2 s), not after --worker-timeout (60 s here)."""
     oracle = oracles["qwen3_moe"]
-    port = free_port()
-    while free_port() in range(port + 1, port + 5):
-        port = free_port()
+    port = metrics_port(4)
     with fleet(oracle.path, 4, ["--replicas", "2", "--worker-timeout", "60", "--metrics-port", str(port)]) \
             as (addr, proc):
         workers = workers_of(proc)

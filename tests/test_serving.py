@@ -17,11 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from colibri.client import Client
 from colibri_common.tokenizer import Tokenizer
-from tests.conftest import colibri_popen, colibri_run, fleet, free_port, metrics
+from tests.conftest import colibri_popen, colibri_run, fleet, free_port, metrics, metrics_port
 from tests.models import build_model, save_checkpoint, small_config
 from tests.tokenizer_fixtures import save_tokenizer
 
-METRICS_PORT = free_port()
+METRICS_PORT = metrics_port(2)
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +129,9 @@ def test_worker_death_is_unavailable_then_the_worker_is_restarted_and_sigterm_st
     start at 0)."""
     model = build_model(small_config("olmoe"), seed=5)
     path = save_checkpoint(model, tmp_path / "m")
-    metrics_port = free_port()
+    port_m = metrics_port(2)
     token = {"COLIBRI_FLEET_TOKEN": "serving-test-token"}
-    with fleet(path, 2, ["--metrics-port", str(metrics_port)], env=token) as (addr, proc):
+    with fleet(path, 2, ["--metrics-port", str(port_m)], env=token) as (addr, proc):
         cmdlines = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(recursive=True)]
         assert sum("colibri expert --model" in c and "--shard" in c for c in cmdlines) == 2
         assert sum("colibri router --model" in c for c in cmdlines) == 1
@@ -172,7 +172,7 @@ def test_worker_death_is_unavailable_then_the_worker_is_restarted_and_sigterm_st
             assert time.monotonic() < deadline, "the worker was not restarted"
             time.sleep(0.1)
         assert client.generate([1, 2, 3], 4, timeout=60).token_ids == model_tokens
-        restarts = {k: v for k, v in metrics(metrics_port).items() if k.startswith("colibri:worker_restarts_total")}
+        restarts = {k: v for k, v in metrics(port_m).items() if k.startswith("colibri:worker_restarts_total")}
         assert len(restarts) == 2 and sum(restarts.values()) == 2, restarts
         shown = colibri_run(["workers", "show", "--target", addr], timeout=60, env={**os.environ, **token})
         assert shown.returncode == 0 and "RESTARTS" in shown.stdout.splitlines()[0], shown.stdout + shown.stderr
