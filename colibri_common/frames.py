@@ -19,7 +19,7 @@ class FrameError(ConnectionError):
     """The peer closed the connection, or sent a frame that breaks the format or the size limit."""
 
 
-def send_frame(sock: socket.socket, status: int, payload: bytes) -> None:
+def send_frame(sock: socket.socket, status: int, payload: bytes | bytearray | memoryview) -> None:
     sock.sendall(HEADER.pack(len(payload), status) + payload if len(payload) < 65536 else HEADER.pack(
         len(payload), status))
     if len(payload) >= 65536:                  # large payloads: no copy to prepend the header

@@ -28,7 +28,7 @@ from colibri_common.errors import ColibriError
 from colibri_common.frames import FrameError, recv_frame, send_frame
 
 log = logging.getLogger("colibri.expert")
-Answer = Callable[[bytes | bytearray], tuple[int, bytes]]   # request payload -> (status, reply payload or message)
+Answer = Callable[[bytes | bytearray], tuple[int, bytes | memoryview]]   # request payload -> (status, reply or message)
 
 
 class LocalServer:

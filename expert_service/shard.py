@@ -366,17 +366,26 @@ class ExpertShard:
         hidden [T, H] of the shard's dtype on its device: where `forward` would run the native expert FFN on them
         (no expert cache, the layer's experts held here); None where `forward` must run. Checks the mapping as
         `forward` does."""
+        if hidden.device != self.device or hidden.dtype != self.dtype:
+            return None
+        return self.answer_plan(layer)
+
+    def answer_plan(self, layer: int) -> native.LayerExperts | None:
+        """This MoE layer's experts as the native calls take them (a decoder layer's, a worker's whole answer:
+        expert_service/fast_answer.py) for hidden states in the shard's dtype: where `forward` would run the native
+        expert FFN (no expert cache, on the CPU, the layer's experts held here); else None. Checks the mapping as
+        `forward` does (MappingChanged)."""
         if (self.cache is not None or layer not in self.cfg.moe_layers or not self.held[layer]
-                or hidden.device != self.device or hidden.dtype != self.dtype or hidden.device.type != "cpu"
-                or backend_for(hidden.device) == "triton"):
+                or self.device.type != "cpu" or backend_for(self.device) == "triton"):
             return None
         self._guard(layer)
         w13, w2, emap = self.w13[layer], self.w2[layer], self.expert_maps[layer]
-        made = self._native_layers.get((layer, hidden.dtype))
+        made = self._native_layers.get((layer, self.dtype))
         if made is None or made[0] is not w13 or made[1] is not w2 or made[2] is not emap:   # once per layer's
-            b13, b2 = self.biases.get(layer, (None, None))                                   # weights and dtype
-            moe = None if pick_moe(hidden, w13) != "native" else native.LayerExperts(w13, w2, emap, self.act, b13, b2)
-            made = self._native_layers[(layer, hidden.dtype)] = (w13, w2, emap, moe)
+            b13, b2 = self.biases.get(layer, (None, None))                                   # weights
+            probe = torch.empty(0, w13.shape[2], dtype=self.dtype)                          # [0, H] its dtype
+            moe = None if pick_moe(probe, w13) != "native" else native.LayerExperts(w13, w2, emap, self.act, b13, b2)
+            made = self._native_layers[(layer, self.dtype)] = (w13, w2, emap, moe)
         return made[3]
 
     def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

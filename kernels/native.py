@@ -289,6 +289,29 @@ def decoder_layer(h: torch.Tensor, attention: tuple, ln2: torch.Tensor, gate: to
         act.alpha, act.limit, act.up_offset, isinstance(experts.w13, Int8Weight) and experts.w13.w8a8)
 
 
+_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # colibri::expert_answer's codes
+
+
+def expert_answer(payload: bytes | bytearray, experts: LayerExperts, dtype: torch.dtype, hidden_size: int,
+                  num_experts: int, explicit: bool, instance: str) -> tuple[torch.Tensor, int, float] | None:
+    """An expert worker's whole answer to one ForwardRequest's bytes (kernels/native/expert_answer_op.cpp): its
+    tensors read in place, checked, the experts' float64 sum (moe_blocks_), finite, as a ForwardResponse's bytes ->
+    (reply uint8 [R], token rows, seconds); None where the Python path must answer (hidden states not in `dtype`,
+    ids or weights in other dtypes, shapes that disagree, an id out of range, an `explicit` pair of an expert not
+    held, a sum not finite). `dtype` is the experts' compute dtype (float32 or bfloat16)."""
+    code = _X_DTYPES.get(dtype)
+    emap = experts.expert_map
+    if code is None or not payload or emap is None or emap.numel() != num_experts:
+        return None
+    a, b = _blocks(experts.w13), _blocks(experts.w2)       # held across the call: their numbers stay registered
+    act = experts.act
+    reply, rows, seconds = torch.ops.colibri.expert_answer(
+        torch.frombuffer(payload, dtype=torch.uint8), code, hidden_size, num_experts, explicit, emap.long(), a.id,
+        b.id, experts.b13, experts.b2, act.alpha, act.limit, act.up_offset,
+        isinstance(experts.w13, Int8Weight) and experts.w13.w8a8, instance)
+    return (reply, rows, seconds) if reply.numel() else None
+
+
 def moe_sum_(acc: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """acc [T, H] float64 += ys [P, H] float32 times weights [P] (the product in float32) at rows [P]; returns acc.
     The same bits as `acc.index_add_(0, rows, (ys * weights[:, None]).double())`, without its serial scatter."""

@@ -16,6 +16,7 @@ from colibri_common.rope_scaling import RopeScaling
 from kernels import linear, native
 
 RowMap = Callable[..., Any]     # (fn, *tensors with T rows) -> fn's result for all T rows
+TABLE_POSITIONS = 1 << 16       # positions a Rope's table covers at most (2 x 64Ki x R values); beyond, computed
 
 
 def whole(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
@@ -82,7 +83,25 @@ class Rope:
             inv_freq, self.attention_scaling = _yarn(dim, theta, s)
         self.inv_freq = inv_freq.to(device)
 
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}   # dtype -> cos, sin [N, R]
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, R] of `positions` [T] in `dtype`. On the CPU, rows of a table of positions 0..N-1 made by the
+        same elementwise ops (so the same values; grown as positions come, up to TABLE_POSITIONS): torch's `cos`
+        and `sin` of a few hundred values go through MKL's VML, ~50 µs each on an AMD EPYC, ~0.2 ms of every step
+        from 8 rows on, ~0.7 ms in a busy router."""
+        if positions.device.type != "cpu" or not positions.numel():
+            return self._computed(positions, dtype)
+        top = int(positions.max())
+        if top >= TABLE_POSITIONS:
+            return self._computed(positions, dtype)
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] <= top:
+            table = self._computed(torch.arange(min(TABLE_POSITIONS, max(256, 2 << top.bit_length()))), dtype)
+            self._tables[dtype] = table                                 # [N, R] each
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)   # [T, R] each
+
+    def _computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]   # [T, R/2]
         emb = torch.cat((freqs, freqs), dim=-1)                         # [T, R]
         a = self.attention_scaling
