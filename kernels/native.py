@@ -46,7 +46,8 @@ SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}     # colibri::t
 GROUP_SCORE_CODES = {"max": 0, "top2": 1}
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
 OPS = ("linear", "expert_blocks", "expert_blocks_free", "moe_blocks_", "moe_sum_", "decode_attention", "rms_norm",
-       "rope", "attention_block", "topk_route", "moe_route", "isa", "use_isa", "rest", "exit_on_sigbus")
+       "rope", "attention_block", "decoder_layer", "topk_route", "moe_route", "expert_answer", "combine_replies",
+       "forward_request", "isa", "use_isa", "rest", "exit_on_sigbus")
 
 
 def _load() -> str | None:
@@ -287,6 +288,43 @@ def decoder_layer(h: torch.Tensor, attention: tuple, ln2: torch.Tensor, gate: to
         routing.num_groups, routing.topk_groups, GROUP_SCORE_CODES[routing.group_score], routing.scaling,
         _NO_MAP if experts.expert_map is None else experts.expert_map, a.id, b.id, experts.b13, experts.b2,
         act.alpha, act.limit, act.up_offset, isinstance(experts.w13, Int8Weight) and experts.w13.w8a8)
+
+
+def combine_replies(payloads: list[bytes | bytearray], rows: list[torch.Tensor | None], num_tokens: int,
+                    hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[float], list[str]] | None:
+    """One MoE layer's sum from the workers' ForwardResponse bytes (kernels/native/combine_op.cpp): each reply's
+    float64 sums over its `rows` (int64 [n], None = every row) added in order in float64 and rounded once to
+    `dtype`, the bits of router_service/moe/combine.py -> (out [T, H], each reply's compute_ms, each one's instance);
+    None where the Python path must parse them (a reply that is not a float64 [n, H] sum of its rows)."""
+    if not available() or not all(payloads):
+        return None
+    out, ms, spans = torch.ops.colibri.combine_replies(
+        [torch.frombuffer(p, dtype=torch.uint8) for p in payloads], [_NO_ROWS if r is None else r for r in rows],
+        num_tokens, hidden_size, dtype)
+    if not out.numel():
+        return None
+    try:
+        instances = [bytes(p[a:a + n]).decode() for p, (a, n) in zip(payloads, spans.tolist(), strict=True)]
+    except UnicodeDecodeError:
+        return None                                    # protobuf's parse says what is wrong
+    return out, ms.tolist(), instances
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
+def forward_request(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int, step: int, epoch: int,
+                    holds: int, checkpoint: int, explicit: bool) -> torch.Tensor:
+    """One layer's ForwardRequest (exact_sum set, no prefetch) serialized from hidden [n, H], ids [n, K] int32 and
+    weights [n, K] float32 (kernels/native/request_op.cpp): the bytes protobuf writes for that message, uint8 [B].
+    `holds` and `checkpoint` are unsigned 64-bit."""
+    return torch.ops.colibri.forward_request(hidden, ids, weights, layer, step, epoch, _signed64(holds),
+                                             _signed64(checkpoint), explicit)
+
+
+def _signed64(v: int) -> int:
+    """An unsigned 64-bit value's bits as int64 (a torch op's int)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # colibri::expert_answer's codes

@@ -447,7 +447,9 @@ def test_a_static_worker_restarted_holding_more_experts_is_not_counted_twice(mod
             client = Client(r)
             assert [client.generate(p, 8, ignore_eos=True, timeout=60).token_ids for p in PROMPTS[:2]] == want
         stack.enter_context(worker(model.path, "--shard", "1/2", "--replicas", "2", port=b_port))
-        assert held(b) == 2 * 60                              # both ranges: every expert of its 2 MoE layers
+        # both ranges (every expert of its 2 MoE layers), or already its own range: the router's health checks see
+        # it back within ~0.25 s and may re-sync it before this Describe (CI saw that once)
+        assert held(b) in (2 * 60, 60)
         deadline = time.monotonic() + 60
         while {w.address: w.state for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(),
                                                                   timeout=10).workers}[b] != "serving":

@@ -25,6 +25,14 @@ from tests.models import build_model, save_checkpoint, small_config
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels are not built here")
 
 
+def encode_varint(v: int) -> bytes:
+    out = bytearray()
+    while v >= 0x80:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    return bytes(out + bytes([v]))
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("fast")
@@ -77,23 +85,36 @@ CASES = [("qwen3_moe", "float32", True, None), ("qwen3_moe", "bfloat16", True, N
          ("gpt_oss", "bfloat16", False, None)]
 
 
+@pytest.fixture
+def natively(monkeypatch) -> list[bool]:
+    """Whether each native answer was a reply (True) or declined (False), in order."""
+    seen: list[bool] = []
+    real = native.expert_answer
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native, "expert_answer", spy)
+    return seen
+
+
 @pytest.mark.parametrize(("arch", "dtype", "in_place", "quantize"), CASES,
                          ids=["-".join(str(v) for v in c) for c in CASES])
-def test_the_native_answer_has_the_python_paths_bytes(checkpoints, arch, dtype, in_place, quantize):
+def test_the_native_answer_has_the_python_paths_bytes(checkpoints, natively, arch, dtype, in_place, quantize):
     s, built = worker(checkpoints[arch], dtype, in_place, quantize)
     try:
-        assert built.experts.answer_plan(built.experts.cfg.moe_layers[0]) is not None     # the native way is taken
         g = torch.Generator().manual_seed(3)
-        for T in (1, 2, 7, 33):
+        for T in (1, 2, 7, 33, 100):                      # 100 rows: a reply over 64 KiB (send_frame's other way)
             for explicit in (False, True):
                 req = request(s, T, g, explicit, getattr(torch, dtype))
                 calls = s.metrics.tokens
                 (status, fast), slow = both_ways(s, req)
+                assert natively[-1] is True                       # the socket's answer was the native one
                 assert status == 0 and s.metrics.tokens == calls + 2 * T   # counted once each way
                 same_reply(fast, slow, s.instance)
-                assert native.expert_answer(req.SerializeToString(), built.experts.answer_plan(req.layer),
-                                            built.experts.dtype, built.experts.cfg.hidden_size,
-                                            built.experts.cfg.num_experts, explicit, s.instance) is not None
+        assert len(natively) == 10
     finally:
         built.close()
 
@@ -158,8 +179,33 @@ def test_calls_it_declines_are_answered_by_the_python_path(checkpoints):
         payload = base.SerializeToString()
         twice = payload + expert_pb2.ForwardRequest(hidden=base.hidden).SerializeToString()
         assert native_answer(twice) is None
-        for cut in range(0, len(payload), 7):
-            assert native_answer(payload[:cut]) is None
+        tensors_end = len(expert_pb2.ForwardRequest(layer=base.layer, hidden=base.hidden, topk_ids=base.topk_ids,
+                                                     topk_weights=base.topk_weights).SerializeToString())
+        for cut in range(len(payload)):       # within the tensors (serialized first): declined; after: any answer
+            out = native_answer(payload[:cut])
+            assert out is None or cut >= tensors_end, cut
+        # a shape one by one (not packed) and a field this version does not know: protobuf reads both
+        t = base.hidden
+        hidden = (b"\x0a" + bytes([len(t.dtype)]) + t.dtype.encode() + b"".join(b"\x10" + bytes([d]) for d in t.shape)
+                  + b"\x1a" + encode_varint(len(t.data)) + t.data)
+        rest = expert_pb2.ForwardRequest()
+        rest.CopyFrom(base)
+        rest.ClearField("hidden")
+        odd = rest.SerializeToString() + b"\x12" + encode_varint(len(hidden)) + hidden + b"\xf8\x06\x07"  # + field 111
+        assert expert_pb2.ForwardRequest.FromString(odd).hidden == base.hidden
+        assert native_answer(odd) is not None
+        status, reply = s.answer_frame(bytearray(odd))
+        assert status == 0 and expert_pb2.ForwardResponse.FromString(bytes(reply)).output == s._respond(base).output
+        # a Tensor field given twice inside the tensor (protobuf: the last wins): declined
+        doubled = rest.SerializeToString() + b"\x12" + encode_varint(len(hidden) + 10) + hidden + b"\x0a\x08bfloat16"
+        assert native_answer(doubled) is None
+        # an id of -2: out of range, INVALID_ARGUMENT
+        req = expert_pb2.ForwardRequest()
+        req.CopyFrom(base)
+        req.topk_ids.CopyFrom(wire.encode(wire.decode(base.topk_ids).clone().fill_(-2)))
+        assert native_answer(req) is None
+        status, message = s.answer_frame(bytearray(req.SerializeToString()))
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"expert ids must be in" in bytes(message)
         # other calls: the sum in the hidden states' dtype, a prefetch hint, another layer's kind
         for change in ({"exact_sum": False}, {"prefetch": expert_pb2.Prefetch(layer=1, experts=[0])}):
             req = expert_pb2.ForwardRequest()
@@ -173,5 +219,29 @@ def test_calls_it_declines_are_answered_by_the_python_path(checkpoints):
             assert status == 0
             out = expert_pb2.ForwardResponse.FromString(bytes(reply)).output
             assert out == s._respond(req).output and out.dtype == ("float64" if req.exact_sum else "bfloat16")
+    finally:
+        built.close()
+
+
+def test_refusals_before_the_tensors_are_the_python_paths(checkpoints, natively):
+    """A wrong epoch, another set of experts than the router planned, another checkpoint, a layer without experts:
+    the same statuses and messages whichever way the call is answered."""
+    s, built = worker(checkpoints["qwen3_moe"], "float32")
+    try:
+        g = torch.Generator().manual_seed(9)
+        base = request(s, 2, g, False, torch.float32)
+        s.checkpoint_id = 1234
+        for change, code, words in (({"epoch": 7}, grpc.StatusCode.FAILED_PRECONDITION, b"placement epoch 7"),
+                                    ({"holds": 99}, grpc.StatusCode.FAILED_PRECONDITION, b"other experts"),
+                                    ({"checkpoint": 4321}, grpc.StatusCode.FAILED_PRECONDITION, b"checkpoint"),
+                                    ({"layer": 77}, grpc.StatusCode.INVALID_ARGUMENT, b"no routed experts")):
+            req = expert_pb2.ForwardRequest()
+            req.CopyFrom(base)
+            for k, v in change.items():
+                setattr(req, k, v)
+            status, message = s.answer_frame(bytearray(req.SerializeToString()))
+            assert status == code.value[0] and words in bytes(message), (change, bytes(message))
+        assert natively == []                                 # refused before any native call
+        assert s.answer_frame(bytearray(base.SerializeToString()))[0] == 0 and natively == [True]
     finally:
         built.close()

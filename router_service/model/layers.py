@@ -85,15 +85,13 @@ class Rope:
 
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}   # dtype -> cos, sin [N, R]
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, R] of `positions` [T] in `dtype`. On the CPU, rows of a table of positions 0..N-1 made by the
-        same elementwise ops (so the same values; grown as positions come, up to TABLE_POSITIONS): torch's `cos`
-        and `sin` of a few hundred values go through MKL's VML, ~50 µs each on an AMD EPYC, ~0.2 ms of every step
-        from 8 rows on, ~0.7 ms in a busy router."""
-        if positions.device.type != "cpu" or not positions.numel():
-            return self._computed(positions, dtype)
-        top = int(positions.max())
-        if top >= TABLE_POSITIONS:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, top: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, R] of `positions` [T] in `dtype`. On the CPU, with `top` >= every position (known on the host:
+        nothing is read back), rows of a table of positions 0..N-1 made by the same elementwise ops (so the same
+        values; grown as positions come, up to TABLE_POSITIONS): torch's `cos` and `sin` of a few hundred values go
+        through MKL's VML, ~50 µs each on an AMD EPYC, ~0.2 ms of every step from 8 rows on, ~0.7 ms in a busy
+        router. Else computed."""
+        if positions.device.type != "cpu" or not 0 <= top < TABLE_POSITIONS:
             return self._computed(positions, dtype)
         table = self._tables.get(dtype)
         if table is None or table[0].shape[0] <= top:

@@ -158,7 +158,7 @@ class RouterModel:
         assert not self.sliding or step.window == cfg.sliding_window, "sliding layers need the window's masks"
         self.guard()
         h = self.w.embed.index_select(0, step.token_ids)                     # [T, H] (no OpenMP region)
-        cos, sin = rows(lambda p: self.rope.cos_sin(p, self.dtype), step.positions)   # [T, R] rotary dims
+        cos, sin = rows(lambda p: self.rope.cos_sin(p, self.dtype, step.max_position), step.positions)   # [T, R]
         guess: set[int] | None = None                                        # prefetch: this layer's prediction
         for i, lw in enumerate(self.w.layers):
             if (fused := self._whole_layer(i, lw, h, cos, sin, step, kv, experts)) is not None:

@@ -41,6 +41,7 @@ class StepInputs:
     decode_table: torch.Tensor | None = None         # [Bd, NB] each decode sequence's blocks (0-padded), as the
                                                      # paged kernel reads them with decode_lens (a sliding layer:
                                                      # the last `window` of them)
+    max_position: int = -1                           # the largest of `positions`, known on the host (-1: not)
 
     def to(self, device: torch.device) -> StepInputs:
         """These inputs on `device` (asynchronous copies on a GPU; the same object on the CPU)."""
@@ -57,7 +58,8 @@ class StepInputs:
             sample_rows=move(self.sample_rows), window=self.window,
             decode_window_slots=move(self.decode_window_slots), decode_window_mask=move(self.decode_window_mask),
             prefill_windows=[(lo, move(m)) for lo, m in self.prefill_windows], decode_lens=move(self.decode_lens),
-            decode_window_lens=move(self.decode_window_lens), decode_table=move(self.decode_table))
+            decode_window_lens=move(self.decode_window_lens), decode_table=move(self.decode_table),
+            max_position=self.max_position)
 
     @staticmethod
     def build(seqs: list[SeqSlice], token_ids: list[int], block_size: int, window: int = 0) -> StepInputs:
@@ -125,4 +127,5 @@ class StepInputs:
             window=window, decode_window_slots=wslots if window else None,
             decode_window_mask=wmask if window else None, prefill_windows=windows,
             decode_lens=lens, decode_window_lens=wlens if window else None, decode_table=table,
+            max_position=max(positions, default=-1),
         )

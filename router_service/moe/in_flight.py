@@ -14,6 +14,7 @@ import torch
 from prometheus_client import Histogram
 
 from colibri_common import wire
+from colibri_common.pb import expert_pb2
 from kernels import native
 from router_service.moe.combine import combine
 from router_service.moe.experts import ExpertsUnavailable
@@ -113,14 +114,13 @@ class InFlight:
         t_start, waited, computed = time.perf_counter(), 0.0, 0.0
         if not self.done():
             native.rest()   # this process waits now: its kernel threads leave the cores to the workers
-        decoded = []
+        got: list[tuple[int, torch.Tensor | None, bytes | bytearray | expert_pb2.ForwardResponse]] = []
         todo = list(self.parts)
         while todo:
             part = todo.pop(0)
-            worker, rows = part.worker, part.rows
             t0 = time.perf_counter()
             try:
-                resp = part.reply.get()
+                answer = part.reply.get_bytes() or part.reply.get()      # bytes off a same-host socket, or parsed
             except WorkerError as exc:
                 waited += time.perf_counter() - t0
                 if not exc.retryable:
@@ -128,12 +128,31 @@ class InFlight:
                 todo += self._failover(part, exc)
                 continue
             waited += time.perf_counter() - t0
-            address = self.owner.addresses[worker]
-            self.owner.saw(address, resp.instance, self.layer)
-            self.owner.dispatch_seconds.labels(address).observe(time.perf_counter() - self.sent)
-            computed += resp.compute_ms / 1e3
-            decoded.append((rows, wire.decode(resp.output)))                  # [n, H]
-        out = combine(self.num_tokens, self.hidden_size, self.dtype, decoded).to(self.device)  # [T, H]
+            self.owner.dispatch_seconds.labels(self.owner.addresses[part.worker]).observe(time.perf_counter() -
+                                                                                           self.sent)
+            got.append((part.worker, part.rows, answer))
+        out, computed = self._combine(got)
         self.owner.count(wait=waited, expert_compute=computed,
                          dispatch=time.perf_counter() - t_start - waited)
-        return out
+        return out.to(self.device)                                                            # [T, H]
+
+    def _combine(self, got: list[tuple[int, torch.Tensor | None, bytes | bytearray | expert_pb2.ForwardResponse]]
+                 ) -> tuple[torch.Tensor, float]:
+        """The answers' sum [T, H] (in the order they came, the bits of `combine`) and their compute seconds: read
+        natively where every answer is bytes (kernels/native/combine_op.cpp), else parsed and decoded here."""
+        raw = [a for _, _, a in got if not isinstance(a, expert_pb2.ForwardResponse)]
+        native_sum = native.combine_replies(raw, [rows for _, rows, _ in got], self.num_tokens, self.hidden_size,
+                                            self.dtype) if len(raw) == len(got) else None
+        if native_sum is not None:
+            out, ms, instances = native_sum
+            for (worker, _, _), instance in zip(got, instances, strict=True):
+                self.owner.saw(self.owner.addresses[worker], instance, self.layer)
+            return out, sum(ms) / 1e3
+        decoded, computed = [], 0.0
+        for worker, rows, answer in got:
+            resp = answer if isinstance(answer, expert_pb2.ForwardResponse) else \
+                expert_pb2.ForwardResponse.FromString(answer)
+            self.owner.saw(self.owner.addresses[worker], resp.instance, self.layer)
+            computed += resp.compute_ms / 1e3
+            decoded.append((rows, wire.decode(resp.output)))                                 # [n, H]
+        return combine(self.num_tokens, self.hidden_size, self.dtype, decoded), computed

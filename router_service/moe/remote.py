@@ -284,15 +284,18 @@ class RemoteExperts:
         else:
             whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
             for wr in partition(table.owner[layer], ids32, W):
-                if wr.rows is None:
-                    whole = whole or (wire.encode(x), wire.encode(ids32), wire.encode(w32))
-                    enc = whole
-                else:
-                    # index_select, never x[rows]: advanced indexing of a few rows starts an OpenMP region,
-                    # ~0.07 ms on an idle CPU and ~1 ms while the workers hold the cores
-                    enc = tuple(wire.encode(t.index_select(0, wr.rows)) for t in (x, ids32, w32))
-                req = self._request(table, layer, *enc, ahead, holds=table.digests[wr.worker])
-                parts.append(Part(wr.worker, wr.rows, self.links.links[wr.worker].send(req), None))
+                # index_select, never x[rows]: advanced indexing of a few rows starts an OpenMP region, ~0.07 ms on
+                # an idle CPU and ~1 ms while the workers hold the cores
+                rows = (x, ids32, w32) if wr.rows is None else \
+                    tuple(t.index_select(0, wr.rows) for t in (x, ids32, w32))
+                reply = self._send_serialized(table, layer, wr.worker, rows) if ahead is None else None
+                if reply is None:                                            # a gRPC link, or a prefetch hint
+                    if wr.rows is None:
+                        whole = whole or tuple(wire.encode(t) for t in rows)
+                    enc = whole if wr.rows is None else tuple(wire.encode(t) for t in rows)
+                    reply = self.links.links[wr.worker].send(self._request(table, layer, *enc, ahead,
+                                                                           holds=table.digests[wr.worker]))
+                parts.append(Part(wr.worker, wr.rows, reply, None))
                 self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
                 self.window.computed(self.addresses[wr.worker], wr.pairs)
         self.timers["dispatch"] += time.perf_counter() - t0
@@ -309,6 +312,17 @@ class RemoteExperts:
         re-send carries none)."""
         req = self._request(table, layer, wire.encode(x), wire.encode(ids), wire.encode(weights), ahead)
         return self._send(w, req, x.shape[0], pairs)
+
+    def _send_serialized(self, table: Table, layer: int, w: int, rows: tuple[torch.Tensor, ...]) -> Reply | None:
+        """Worker w's share of a static plan's layer (hidden [n, H], ids [n, K] int32, weights [n, K]: the whole top-k
+        of its rows) serialized natively, where its link sends bytes (the same-host socket); None where it does not
+        (then the message, as `_request` makes it)."""
+        link = self.links.links[w]
+        if not link.local or not native.available():
+            return None
+        payload = native.forward_request(*rows, layer, self.step, table.epoch, table.digests[w], self.checkpoint_id,
+                                         False)
+        return link.send_bytes(memoryview(payload.numpy()), layer)
 
     def _request(self, table: Table, layer: int, hidden: expert_pb2.Tensor, ids: expert_pb2.Tensor,
                  weights: expert_pb2.Tensor, ahead: expert_pb2.Prefetch | None,

@@ -63,8 +63,13 @@ class LocalLink(StreamLink):
     def send(self, request: expert_pb2.ForwardRequest) -> Reply:
         if self.socket_path is None:
             return super().send(request)
-        reply = StreamReply(self, request.layer)
-        payload = request.SerializeToString()
+        return self._send_frame(request.SerializeToString(), request.layer)
+
+    def send_bytes(self, payload: bytes | memoryview, layer: int) -> Reply | None:
+        return None if self.socket_path is None else self._send_frame(payload, layer)
+
+    def _send_frame(self, payload: bytes | memoryview, layer: int) -> Reply:
+        reply = StreamReply(self, layer)
         for fresh in ((False, True) if self._sock is not None else (True,)):
             try:
                 if fresh:
@@ -93,7 +98,18 @@ class LocalLink(StreamLink):
     def receive(self, reply: StreamReply) -> expert_pb2.ForwardResponse:
         if self.socket_path is None:
             return super().receive(reply)
-        while reply.response is None:
+        if reply.response is None:
+            reply.response = expert_pb2.ForwardResponse.FromString(self._await(reply))
+        return reply.response
+
+    def receive_bytes(self, reply: StreamReply) -> bytes | bytearray | None:
+        if self.socket_path is None:
+            return super().receive_bytes(reply)
+        return self._await(reply) if reply.response is None else None
+
+    def _await(self, reply: StreamReply) -> bytes | bytearray:
+        """Read answers in order until `reply`'s is here (the earlier ones filed unparsed); its bytes."""
+        while reply.payload is None:
             sock = self._sock
             if reply.error is not None or sock is None:
                 raise WorkerError(reply.error or f"expert worker {self.address}: its local connection was reset",
@@ -112,7 +128,7 @@ class LocalLink(StreamLink):
                 self._waiting_since = None
             answered = self._pending.popleft()
             if status == 0:
-                answered.response = expert_pb2.ForwardResponse.FromString(payload)
+                answered.payload = payload                # parsed by its reader: natively, or by `receive`
                 continue
             code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
             answered.error = f"expert worker {self.address} failed on layer {answered.layer}: {code.name}: " \
@@ -120,7 +136,7 @@ class LocalLink(StreamLink):
             answered.unsynced = code == grpc.StatusCode.FAILED_PRECONDITION
             if answered is reply:
                 raise WorkerError(answered.error, retryable=code not in NOT_RETRYABLE, unsynced=answered.unsynced)
-        return reply.response
+        return reply.payload
 
     def check_deadline(self) -> None:
         super().check_deadline()

@@ -80,6 +80,12 @@ class Reply:
     def get(self) -> expert_pb2.ForwardResponse:
         raise NotImplementedError
 
+    def get_bytes(self) -> bytes | bytearray | None:
+        """As `get`, but the answer's ForwardResponse bytes where its link reads them unparsed (the same-host socket:
+        the router's combine reads them natively); None where it comes parsed (gRPC): then `get` returns it."""
+        self.get()
+        return None
+
     def done(self) -> bool:
         """Whether the answer is here (get() would not wait)."""
         raise NotImplementedError
@@ -104,14 +110,18 @@ class StreamReply(Reply):
     def __init__(self, link: StreamLink, layer: int) -> None:
         self.link, self.layer = link, layer
         self.response: expert_pb2.ForwardResponse | None = None
+        self.payload: bytes | bytearray | None = None   # its bytes, unparsed (a same-host socket's answer)
         self.error: str | None = None            # set when its stream was reset before it was answered
         self.unsynced = False                    # its error is the worker's "not under that plan"
 
     def done(self) -> bool:
-        return self.response is not None or self.error is not None
+        return self.response is not None or self.payload is not None or self.error is not None
 
     def get(self) -> expert_pb2.ForwardResponse:
         return self.link.receive(self)
+
+    def get_bytes(self) -> bytes | bytearray | None:
+        return self.link.receive_bytes(self)
 
 
 def fail_in_flight(replies: collections.deque[StreamReply], why: str, unsynced: bool = False) -> None:
@@ -227,6 +237,11 @@ class WorkerLink:
     def send(self, request: expert_pb2.ForwardRequest) -> Reply:
         raise NotImplementedError
 
+    def send_bytes(self, payload: bytes | memoryview, layer: int) -> Reply | None:
+        """A ForwardRequest of `layer` already serialized (kernels.native.forward_request), where this link sends
+        bytes as they are (`local`: the same-host socket); None where it sends messages (then `send`)."""
+        return None
+
     @property
     def local(self) -> bool:
         """Whether the layers go over the worker's same-host socket (same_host.py) rather than gRPC."""
@@ -311,6 +326,11 @@ class StreamLink(WorkerLink):
                 stream.waiting_since = None
             self._awaiting.popleft().response = resp
         return reply.response
+
+    def receive_bytes(self, reply: StreamReply) -> bytes | bytearray | None:
+        """`reply`'s bytes where this link reads them unparsed; a gRPC stream parses them: None once received."""
+        self.receive(reply)
+        return None
 
     def check_deadline(self) -> None:
         stream = self._stream                       # one read: the stream this check may cancel

@@ -24,20 +24,21 @@ def test_table_rows_are_the_values_of_the_steps_own_positions(dim, dtype, yarn):
         top = top * 3 + T
         positions = torch.randint(0, top, (T,), generator=g)
         positions[-1] = top
-        cos, sin = rope.cos_sin(positions, dtype)
+        cos, sin = rope.cos_sin(positions, dtype, top)
         want_cos, want_sin = rope._computed(positions, dtype)
         assert cos.dtype == sin.dtype == dtype and cos.shape == (T, dim)
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), (T, top)
     assert rope._tables[dtype][0].shape[0] > top         # grown, not computed past it
 
 
-def test_positions_past_the_table_are_computed(monkeypatch):
+def test_positions_past_the_table_or_of_unknown_range_are_computed(monkeypatch):
     monkeypatch.setattr(layers, "TABLE_POSITIONS", 512)
     rope = Rope(64, 10000.0)
     positions = torch.tensor([5, 511, 512, 90000])
-    cos, sin = rope.cos_sin(positions, torch.float32)
-    want_cos, want_sin = rope._computed(positions, torch.float32)
-    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    for top in (90000, -1):                              # past the table; not known on the host
+        cos, sin = rope.cos_sin(positions, torch.float32, top)
+        want_cos, want_sin = rope._computed(positions, torch.float32)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert torch.float32 not in rope._tables             # no table of 90001 positions was made
-    rope.cos_sin(positions[:2], torch.float32)
+    rope.cos_sin(positions[:2], torch.float32, 511)
     assert rope._tables[torch.float32][0].shape[0] == 512

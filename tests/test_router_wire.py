@@ -1,0 +1,101 @@
+"""The router's native side of the same-host wire: a layer's ForwardRequest serialized straight from its tensors
+(colibri::forward_request, kernels/native/request_op.cpp) is protobuf's own bytes for that message; and the sum of
+the workers' answers read from their ForwardResponse bytes (colibri::combine_replies, combine_op.cpp) has the bits of
+the Python path (protobuf's parse, wire.decode, moe/combine.py) for every rows layout (every row, subsets, both),
+signed zeros, bf16 and float32, with each reply's compute_ms and instance; a reply it cannot read (another dtype or
+shape, rows out of range, a field twice, cut short) is declined, so that the Python path parses it and says what is
+wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colibri_common import wire
+from colibri_common.pb import expert_pb2
+from kernels import native
+from router_service.moe.combine import combine
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels are not built here")
+T, H = 13, 40
+
+
+def reply(sums: torch.Tensor, ms: float = 1.5, instance: str = "a1b2") -> bytes:
+    return expert_pb2.ForwardResponse(output=wire.encode(sums), compute_ms=ms, instance=instance).SerializeToString()
+
+
+def parts_of(layout: list[int | None], g: torch.Generator) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """One part per entry: None = every row, n = n distinct rows ascending; sums with exact zeros of both signs."""
+    out = []
+    for n in layout:
+        rows = None if n is None else torch.randperm(T, generator=g)[:n].sort().values
+        sums = torch.randn(T if n is None else n, H, dtype=torch.float64, generator=g) * 10 ** torch.randint(
+            -3, 4, (1,), generator=g).item()
+        sums[0, :4] = torch.tensor([0.0, -0.0, -0.0, 1e-300])
+        out.append((rows, sums))
+    return out
+
+
+@pytest.mark.parametrize("layout", [[None], [None, None], [None, None, None], [5], [None, 7], [3, None, 13],
+                                    [4, 4, 9]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_native_sum_has_the_python_paths_bits(layout, dtype):
+    g = torch.Generator().manual_seed(len(layout) * 7 + (layout[0] or 0))
+    parts = parts_of(layout, g)
+    payloads = [bytearray(reply(sums, ms=i + 0.25, instance=f"w{i}")) for i, (_, sums) in enumerate(parts)]
+    got = native.combine_replies(payloads, [rows for rows, _ in parts], T, H, dtype)
+    assert got is not None
+    out, ms, instances = got
+    want = combine(T, H, dtype, [(rows, wire.decode(expert_pb2.ForwardResponse.FromString(bytes(p)).output))
+                                 for (rows, _), p in zip(parts, payloads, strict=True)])
+    assert out.dtype == dtype and out.shape == (T, H)
+    assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))   # bits, signed zeros too
+    assert ms == [i + 0.25 for i in range(len(parts))] and instances == [f"w{i}" for i in range(len(parts))]
+
+
+def test_replies_it_cannot_read_are_declined():
+    g = torch.Generator().manual_seed(1)
+    good = torch.randn(T, H, dtype=torch.float64, generator=g)
+    ok = reply(good)
+    assert native.combine_replies([ok], [None], T, H, torch.bfloat16) is not None
+    rows = torch.tensor([0, 3, 5])
+    bad = {
+        "float32 sums": ([reply(good.float())], [None]),
+        "one row short": ([reply(good[:-1])], [None]),
+        "another width": ([reply(good[:, :-1])], [None]),
+        "rows disagree": ([reply(good[:2])], [rows]),
+        "a row past T": ([reply(good[:3])], [torch.tensor([0, 3, T])]),
+        "a negative row": ([reply(good[:3])], [torch.tensor([-1, 3, 5])]),
+        "output twice": ([ok + expert_pb2.ForwardResponse(output=wire.encode(good)).SerializeToString()], [None]),
+        "no output": ([expert_pb2.ForwardResponse(compute_ms=1.0).SerializeToString()], [None]),
+        "empty": ([b""], [None]),
+        "one good, one bad": ([ok, reply(good.float())], [None, None]),
+    }
+    for why, (payloads, rs) in bad.items():
+        assert native.combine_replies(payloads, rs, T, H, torch.bfloat16) is None, why
+    for cut in range(len(ok)):                         # cut anywhere before the sums end: declined, never read past
+        out = native.combine_replies([ok[:cut]], [None], T, H, torch.bfloat16)
+        assert out is None or cut > len(ok) - 20, cut
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_serialized_request_is_protobufs_bytes(dtype):
+    g = torch.Generator().manual_seed(2)
+    for n, layer, step, epoch, holds, checkpoint, explicit in (
+            (1, 0, 0, 0, 0, 0, False), (3, 5, 1, 2, (1 << 64) - 1, 1 << 63, True), (33, 127, 300, 1 << 40, 12345, 7,
+                                                                                    False),
+            (200, 1, 2**63 - 1, 1, 0, (1 << 64) - 3, False)):
+        x = torch.randn(n, H, generator=g).to(dtype)
+        ids = torch.randint(-1, 64, (n, 8), generator=g, dtype=torch.int32)
+        w = torch.rand(n, 8, generator=g)
+        got = native.forward_request(x, ids, w, layer, step, epoch, holds, checkpoint, explicit)
+        want = expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(x), topk_ids=wire.encode(ids),
+                                         topk_weights=wire.encode(w), step=step, exact_sum=True, epoch=epoch,
+                                         holds=holds, checkpoint=checkpoint, explicit=explicit).SerializeToString()
+        assert got.dtype == torch.uint8 and bytes(got.numpy()) == want, (n, layer)
+    x = torch.randn(6, H, generator=g).to(dtype)
+    strided = x.t().contiguous().t()[1:3]             # not contiguous: serialized from a contiguous copy
+    assert not strided.is_contiguous()
+    got = native.forward_request(strided, ids[:2], w[:2], 1, 1, 1, 1, 1, False)
+    assert expert_pb2.ForwardRequest.FromString(bytes(got.numpy())).hidden == wire.encode(x[1:3])
