@@ -146,6 +146,25 @@ def test_a_form_that_crashes_is_caught_in_a_forked_child_and_marked_unusable(for
     assert raised.why.startswith("raised ZeroDivisionError") and not raised.lasting
 
 
+def test_a_probe_that_crashes_once_and_not_on_the_same_inputs_again_passes(tmp_path, caplog):
+    """Both children run the same inputs in a copy of the same memory: a form's own crash repeats, a crash of the
+    probe's moment does not, and is not kept against the form."""
+    import ctypes
+
+    marker = tmp_path / "crashed-once"
+
+    def once() -> None:
+        if not marker.exists():
+            marker.touch()
+            ctypes.string_at(0)                                      # a read of address 0
+        return None
+
+    with caplog.at_level(logging.WARNING, logger="colibri.kernels"):
+        assert isolated(once) is None
+    assert any("crashed (SIGSEGV) once" in r.getMessage() for r in caplog.records)
+    assert isolated(lambda: ctypes.string_at(0)) == Verdict("crashed (SIGSEGV)")     # every time: the form's
+
+
 def test_a_reject_read_from_the_file_keeps_its_form_out_of_the_defaults_and_the_table(torch_forms):
     """A forms file that rejects this shape's default form (as another start on this machine found it wrong):
     the default falls back to the plain GEMM, and a winner naming it is dropped and measured again."""
