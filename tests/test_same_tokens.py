@@ -78,9 +78,10 @@ def one_worker(near_ties) -> Run:
     (2, []),
     (3, []),
     (3, ["--replicas", "2"]),
+    (2, ["--replicas", "2"]),                # every worker holds every expert: each layer split by distinct experts
     (2, ["--transport", "unary"]),
     (2, ["--expert-cache-capacity", "25%"]),
-], ids=["2-workers", "3-workers", "3-workers-2-replicas", "unary", "cache-25pct"])
+], ids=["2-workers", "3-workers", "3-workers-2-replicas", "2-workers-2-replicas", "unary", "cache-25pct"])
 def test_bf16_tokens_do_not_depend_on_the_fleets_shape(near_ties, one_worker, workers, extra):
     got = serve(near_ties, workers, extra)
     assert all(len(t) == TOKENS for t, _ in got)

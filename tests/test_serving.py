@@ -361,7 +361,8 @@ def test_a_second_signal_to_serve_stops_the_fleet_now_not_after_the_grace_period
             streams = [pool.submit(lambda: list(client.stream_text([1, 2, 3], 500, ignore_eos=True)))
                        for _ in range(32)]
             time.sleep(1.0)
-            assert not any(s.done() for s in streams), "the streams ended before the signals: make them longer"
+            # one at a time, the first may be done (the tiny model decodes ~500 tokens a second): most are not
+            assert sum(s.done() for s in streams) <= 2, "the streams ended before the signals: make them longer"
             proc.send_signal(signal.SIGINT)                # a drain of up to 60 s begins
             time.sleep(1.0)
             t0 = time.monotonic()
