@@ -179,6 +179,7 @@ def test_calls_it_declines_are_answered_by_the_python_path(checkpoints):
         payload = base.SerializeToString()
         twice = payload + expert_pb2.ForwardRequest(hidden=base.hidden).SerializeToString()
         assert native_answer(twice) is None
+        assert native_answer(payload + b"\x00\x01") is None              # a field number protobuf refuses
         tensors_end = len(expert_pb2.ForwardRequest(layer=base.layer, hidden=base.hidden, topk_ids=base.topk_ids,
                                                      topk_weights=base.topk_weights).SerializeToString())
         for cut in range(len(payload)):       # within the tensors (serialized first): declined; after: any answer

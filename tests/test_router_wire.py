@@ -71,9 +71,12 @@ def test_replies_it_cannot_read_are_declined():
         "no output": ([expert_pb2.ForwardResponse(compute_ms=1.0).SerializeToString()], [None]),
         "empty": ([b""], [None]),
         "one good, one bad": ([ok, reply(good.float())], [None, None]),
+        "field number 0": ([ok + b"\x00\x01"], [None]),                    # protobuf refuses it too
+        "field number 2^29": ([ok + b"\x80\x80\x80\x80\x10\x01"], [None]),
     }
     for why, (payloads, rs) in bad.items():
         assert native.combine_replies(payloads, rs, T, H, torch.bfloat16) is None, why
+    assert native.combine_replies([], [], 0, H, torch.bfloat16) is None          # a layer without tokens
     for cut in range(len(ok)):                         # cut anywhere before the sums end: declined, never read past
         out = native.combine_replies([ok[:cut]], [None], T, H, torch.bfloat16)
         assert out is None or cut > len(ok) - 20, cut

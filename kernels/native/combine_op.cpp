@@ -40,10 +40,9 @@ struct Reply {
 bool parse_reply(const uint8_t* s, uint64_t n, Reply& r) {
     Cursor c{s, s + n};
     while (c.p < c.end) {
-        uint64_t key;
-        if (!c.varint(key)) return false;
-        const uint64_t field = key >> 3;
-        const int wire_type = int(key & 7);
+        uint64_t key, field;
+        int wire_type;
+        if (!c.varint(key) || !colibri_wire::field_of(key, field, wire_type)) return false;
         const uint8_t* b;
         uint64_t m;
         if (field == 1) {

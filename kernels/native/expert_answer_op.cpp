@@ -43,10 +43,9 @@ using colibri_wire::varint_size;
 bool parse_request(const uint8_t* s, uint64_t n, Field& hidden, Field& ids, Field& weights) {
     Cursor c{s, s + n};
     while (c.p < c.end) {
-        uint64_t key;
-        if (!c.varint(key)) return false;
-        const uint64_t field = key >> 3;
-        const int wire_type = int(key & 7);
+        uint64_t key, field;
+        int wire_type;
+        if (!c.varint(key) || !colibri_wire::field_of(key, field, wire_type)) return false;
         if (field >= 2 && field <= 4) {
             Field& t = field == 2 ? hidden : field == 3 ? ids : weights;
             const uint8_t* b;

@@ -44,6 +44,13 @@ struct Cursor {
     }
 };
 
+// a field's number and wire type from its key; false for the numbers protobuf refuses (0, and 2^29 and above)
+inline bool field_of(uint64_t key, uint64_t& field, int& wire_type) {
+    field = key >> 3;
+    wire_type = int(key & 7);
+    return field != 0 && field < (uint64_t(1) << 29);
+}
+
 constexpr size_t MAX_DIMS = 8;             // a shape of more dimensions is declined (as wire.decode refuses it)
 
 struct Field {                            // one Tensor message: dtype, shape, data
@@ -58,10 +65,9 @@ inline bool parse_tensor(const uint8_t* s, uint64_t n, Field& t) {
     Cursor c{s, s + n};
     bool dtype = false, data = false;
     while (c.p < c.end) {
-        uint64_t key;
-        if (!c.varint(key)) return false;
-        const uint64_t field = key >> 3;
-        const int wire_type = int(key & 7);
+        uint64_t key, field;
+        int wire_type;
+        if (!c.varint(key) || !field_of(key, field, wire_type)) return false;
         const uint8_t* b;
         uint64_t m;
         if (field == 1) {                                                   // string dtype

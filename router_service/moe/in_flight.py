@@ -123,6 +123,7 @@ class InFlight:
                 answer = part.reply.get_bytes() or part.reply.get()      # bytes off a same-host socket, or parsed
             except WorkerError as exc:
                 waited += time.perf_counter() - t0
+                self._saw(got)       # restarts seen before the ban, which records the process it bans
                 if not exc.retryable:
                     raise
                 todo += self._failover(part, exc)
@@ -135,6 +136,13 @@ class InFlight:
         self.owner.count(wait=waited, expert_compute=computed,
                          dispatch=time.perf_counter() - t_start - waited)
         return out.to(self.device)                                                            # [T, H]
+
+    def _saw(self, got: list[tuple[int, torch.Tensor | None, bytes | bytearray | expert_pb2.ForwardResponse]]) -> None:
+        """Tell the owner which process answered each reply so far (a failover's path: the bytes parsed here)."""
+        for worker, _, answer in got:
+            resp = answer if isinstance(answer, expert_pb2.ForwardResponse) else \
+                expert_pb2.ForwardResponse.FromString(answer)
+            self.owner.saw(self.owner.addresses[worker], resp.instance, self.layer)
 
     def _combine(self, got: list[tuple[int, torch.Tensor | None, bytes | bytearray | expert_pb2.ForwardResponse]]
                  ) -> tuple[torch.Tensor, float]:

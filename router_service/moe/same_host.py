@@ -96,14 +96,14 @@ class LocalLink(StreamLink):
         self._sock, self._cut = sock, None
 
     def receive(self, reply: StreamReply) -> expert_pb2.ForwardResponse:
-        if self.socket_path is None:
-            return super().receive(reply)
+        if reply.payload is None and self.socket_path is None:    # (an answer filed unparsed is read from its bytes
+            return super().receive(reply)                          # even if a re-sync has since lost the socket)
         if reply.response is None:
             reply.response = expert_pb2.ForwardResponse.FromString(self._await(reply))
         return reply.response
 
     def receive_bytes(self, reply: StreamReply) -> bytes | bytearray | None:
-        if self.socket_path is None:
+        if reply.payload is None and self.socket_path is None:
             return super().receive_bytes(reply)
         return self._await(reply) if reply.response is None else None
 
