@@ -150,7 +150,7 @@ class ExpertShard:
             self.expert_maps[layer] = m.to(self.device)
             self.held_or_none[layer] = np.concatenate(([True], m.numpy() >= 0))
         self.w13: dict[int, Weight | ExpertRows] = {}
-        self._native_layers: dict[tuple[int, torch.dtype], tuple[object, ...]] = {}   # native_layer's, by layer
+        self._native_layers: dict[int, tuple[object, ...]] = {}   # answer_plan's, by layer
         self.w2: dict[int, Weight | ExpertRows] = {}
         self.cache: ExpertCache | None = None
         self.watch: FileWatch | None = None      # the mapped files, while experts are read through them (build.py)
@@ -380,12 +380,12 @@ class ExpertShard:
             return None
         self._guard(layer)
         w13, w2, emap = self.w13[layer], self.w2[layer], self.expert_maps[layer]
-        made = self._native_layers.get((layer, self.dtype))
+        made = self._native_layers.get(layer)
         if made is None or made[0] is not w13 or made[1] is not w2 or made[2] is not emap:   # once per layer's
             b13, b2 = self.biases.get(layer, (None, None))                                   # weights
             probe = torch.empty(0, w13.shape[2], dtype=self.dtype)                          # [0, H] its dtype
             moe = None if pick_moe(probe, w13) != "native" else native.LayerExperts(w13, w2, emap, self.act, b13, b2)
-            made = self._native_layers[(layer, self.dtype)] = (w13, w2, emap, moe)
+            made = self._native_layers[layer] = (w13, w2, emap, moe)
         return made[3]
 
     def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

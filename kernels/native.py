@@ -172,7 +172,7 @@ def linear_int8_tiles(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return linear(x, w, tiles=True)
 
 
-_NO_MAP = torch.empty(0, dtype=torch.long)
+_NO_MAP = torch.empty(0, dtype=torch.long)      # an empty int64 tensor: no expert map (also: every row, combine)
 
 
 def _no_blocks() -> None:
@@ -299,7 +299,7 @@ def combine_replies(payloads: list[bytes | bytearray], rows: list[torch.Tensor |
     if not available() or not payloads or not all(payloads) or num_tokens <= 0 or hidden_size <= 0:
         return None
     out, ms, spans = torch.ops.colibri.combine_replies(
-        [torch.frombuffer(p, dtype=torch.uint8) for p in payloads], [_NO_ROWS if r is None else r for r in rows],
+        [torch.frombuffer(p, dtype=torch.uint8) for p in payloads], [_NO_MAP if r is None else r for r in rows],
         num_tokens, hidden_size, dtype)
     if not out.numel():
         return None
@@ -308,9 +308,6 @@ def combine_replies(payloads: list[bytes | bytearray], rows: list[torch.Tensor |
     except UnicodeDecodeError:
         return None                                    # protobuf's parse says what is wrong
     return out, ms.tolist(), instances
-
-
-_NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
 def forward_request(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int, step: int, epoch: int,

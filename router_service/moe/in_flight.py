@@ -23,6 +23,9 @@ from router_service.moe.partition import Placement, place
 from router_service.moe.table import Table
 from router_service.moe.transport import Reply, WorkerError
 
+# one worker's answer to a layer: (worker, its rows or None for all, the reply's bytes or the parsed reply)
+Answer = tuple[int, torch.Tensor | None, bytes | bytearray | expert_pb2.ForwardResponse]
+
 
 class Sender(Protocol):
     """What a layer in flight needs of the experts client that sent it (remote.RemoteExperts)."""
@@ -114,7 +117,7 @@ class InFlight:
         t_start, waited, computed = time.perf_counter(), 0.0, 0.0
         if not self.done():
             native.rest()   # this process waits now: its kernel threads leave the cores to the workers
-        got: list[tuple[int, torch.Tensor | None, bytes | bytearray | expert_pb2.ForwardResponse]] = []
+        got: list[Answer] = []
         todo = list(self.parts)
         while todo:
             part = todo.pop(0)
@@ -137,15 +140,12 @@ class InFlight:
                          dispatch=time.perf_counter() - t_start - waited)
         return out.to(self.device)                                                            # [T, H]
 
-    def _saw(self, got: list[tuple[int, torch.Tensor | None, bytes | bytearray | expert_pb2.ForwardResponse]]) -> None:
+    def _saw(self, got: list[Answer]) -> None:
         """Tell the owner which process answered each reply so far (a failover's path: the bytes parsed here)."""
         for worker, _, answer in got:
-            resp = answer if isinstance(answer, expert_pb2.ForwardResponse) else \
-                expert_pb2.ForwardResponse.FromString(answer)
-            self.owner.saw(self.owner.addresses[worker], resp.instance, self.layer)
+            self.owner.saw(self.owner.addresses[worker], _response(answer).instance, self.layer)
 
-    def _combine(self, got: list[tuple[int, torch.Tensor | None, bytes | bytearray | expert_pb2.ForwardResponse]]
-                 ) -> tuple[torch.Tensor, float]:
+    def _combine(self, got: list[Answer]) -> tuple[torch.Tensor, float]:
         """The answers' sum [T, H] (in the order they came, the bits of `combine`) and their compute seconds: read
         natively where every answer is bytes (kernels/native/combine_op.cpp), else parsed and decoded here."""
         raw = [a for _, _, a in got if not isinstance(a, expert_pb2.ForwardResponse)]
@@ -156,11 +156,12 @@ class InFlight:
             for (worker, _, _), instance in zip(got, instances, strict=True):
                 self.owner.saw(self.owner.addresses[worker], instance, self.layer)
             return out, sum(ms) / 1e3
-        decoded, computed = [], 0.0
-        for worker, rows, answer in got:
-            resp = answer if isinstance(answer, expert_pb2.ForwardResponse) else \
-                expert_pb2.ForwardResponse.FromString(answer)
-            self.owner.saw(self.owner.addresses[worker], resp.instance, self.layer)
-            computed += resp.compute_ms / 1e3
-            decoded.append((rows, wire.decode(resp.output)))                                 # [n, H]
-        return combine(self.num_tokens, self.hidden_size, self.dtype, decoded), computed
+        parsed = [(worker, rows, _response(answer)) for worker, rows, answer in got]
+        self._saw(parsed)
+        return (combine(self.num_tokens, self.hidden_size, self.dtype,
+                        [(rows, wire.decode(resp.output)) for _, rows, resp in parsed]),          # [n, H] each
+                sum(resp.compute_ms for _, _, resp in parsed) / 1e3)
+
+
+def _response(answer: bytes | bytearray | expert_pb2.ForwardResponse) -> expert_pb2.ForwardResponse:
+    return answer if isinstance(answer, expert_pb2.ForwardResponse) else expert_pb2.ForwardResponse.FromString(answer)
