@@ -20,6 +20,7 @@ from colibri_common.repeated_log import RepeatedLog
 from router_service.engine.batch import Step
 from router_service.engine.events import Event, Failed, FailureCode, Finished, Outputs, Tokens
 from router_service.engine.metrics import Metrics
+from router_service.engine.outbox import Outbox
 from router_service.engine.sampler import SampleError, Sampler
 from router_service.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from router_service.engine.sequence import FinishReason, Sequence
@@ -57,6 +58,7 @@ class Engine:
         self.eos = frozenset(eos_token_ids)
         self.sampler = Sampler(self.eos)
         self.outputs: dict[int, Outputs] = {}     # by Sequence.uid (a request's choices share one)
+        self._outbox = Outbox()                   # their events, delivered while the engine waits (outbox.py)
         self.seqs: dict[int, Sequence] = {}
         self.by_request_id: dict[str, list[Sequence]] = {}        # the clients' ids of the open requests
         self._forks: dict[int, list[Sequence]] = {}               # by the first choice's uid: the choices that
@@ -81,7 +83,8 @@ class Engine:
             self.draining = True
             while self.seqs and time.monotonic() < deadline:
                 self._cv.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
-            return not self.seqs
+        self._outbox.flush()          # the finished requests' last events, before the server stops
+        return not self.seqs
 
     def stop(self) -> None:
         """Stop stepping; every request still open gets an error instead of waiting forever."""
@@ -92,6 +95,7 @@ class Engine:
         with self._cv:
             for seq in list(self.seqs.values()):
                 self._fail(seq, FailureCode.UNAVAILABLE, "the router is shutting down; retry on another replica")
+        self._outbox.flush()
 
     # -- called from gRPC threads ---------------------------------------------------------------
     @property
@@ -191,6 +195,7 @@ class Engine:
         except BaseException as exc:                   # a bug outside a step (scheduling, aborts): no client waits
             log.exception("the engine thread stopped on an error outside a step; failing every open request")
             why = f"the engine stopped on an internal error ({exc!r}); retry on another replica"
+            self._outbox.flush()                       # what the steps before it sent comes first
             with self._cv:
                 self.stopped = why
                 self._stop = True
@@ -201,13 +206,15 @@ class Engine:
                         self.seqs.pop(seq.uid, None)
                         q = self.outputs.pop(seq.uid, None)
                         if q is not None:
-                            q.put(Failed(FailureCode.INTERNAL, why, seq.index))
+                            self._outbox.put(q, Failed(FailureCode.INTERNAL, why, seq.index))
+            self._outbox.flush()
             if self.on_stopped is not None:           # a router without its engine serves nothing: it stops, to
                 self.on_stopped(why)                  # be restarted (readiness alone left it up, unready, for good)
 
     def _steps(self) -> None:
         while (step := self._schedule()) is not None:
             if not step.micro_batches:
+                self._outbox.flush()
                 with self.metrics.lock:    # what the engine holds, while it cannot step (dashboards, KEDA)
                     self.metrics.gauges.update(self._occupancy())
                 time.sleep(0.001)     # work is waiting but nothing fits yet (KV cache full)
@@ -243,6 +250,7 @@ class Engine:
             self._stop = True
             for seq in list(self.seqs.values()):
                 self._fail(seq, FailureCode.UNAVAILABLE, message)
+        self._outbox.flush()
         if self.on_damage is not None:
             self.on_damage(why)
 
@@ -250,8 +258,10 @@ class Engine:
         """Wait for work, apply aborts, pick this step's batch; None when the engine stops."""
         with self._cv:
             while not self._stop and not self._aborts and not self.scheduler.has_work():
+                self._outbox.flush()                   # idle: the last step's events go now
                 self._cv.wait()
             if self._stop:
+                self._outbox.flush()
                 return None
             for uid, reason in self._aborts:
                 if uid in self.seqs:
@@ -278,15 +288,18 @@ class Engine:
                 tokens.extend(seq.token(i) for i in range(seq.num_cached, seq.num_cached + s.num_new))
             batches.append((slices, tokens))
         graphs = self.graphs
+        # the last step's events go out while this step waits on its workers (outbox.py), or when it ends
+        flush = self._outbox.flush
         if graphs is not None and len(batches) == 1 and graphs.fits(batches[0][0]):
             t1 = time.perf_counter()
-            with self.experts.stepping():
+            with self.experts.stepping(flush):
                 logits = graphs.run(*batches[0])                              # [B, V] a CUDA graph replayed
         else:
             inputs = [StepInputs.build(slices, tokens, self.kv.block_size, self.window) for slices, tokens in batches]
             t1 = time.perf_counter()
-            with self.experts.stepping():                                     # placement switches between steps
+            with self.experts.stepping(flush):                                # placement switches between steps
                 logits = self.model.forward(inputs, self.kv, self.experts)   # [B, V]
+        flush()
         self.phase["prepare"] += t1 - t0
         self.phase["forward"] += time.perf_counter() - t1
         return logits
@@ -321,7 +334,7 @@ class Engine:
                 lps = (out,) if seq.sampling.wants_logprobs else ()
                 reason = seq.append_token(tok, self.eos, self.scheduler.cfg.max_model_len)
                 q = self.outputs[seq.uid]
-                q.put(Tokens([tok], raw, seq.index, lps, stop_token=reason is FinishReason.STOP))
+                self._outbox.put(q, Tokens([tok], raw, seq.index, lps, stop_token=reason is FinishReason.STOP))
                 if q.pause_if_full():                    # its reader is behind: no more steps until it reads
                     for member in self.by_request_id.get(seq.request_id, ()):
                         if self.outputs.get(member.uid) is q:    # (not a new request that took a cancelled id)
@@ -432,7 +445,7 @@ class Engine:
         with self.metrics.lock:
             self.metrics.requests[reason.value] += 1
             self.metrics.gauges.update(self._occupancy())
-        self.outputs.pop(seq.uid).put(last)
+        self._outbox.put(self.outputs.pop(seq.uid), last)
         del self.seqs[seq.uid]
         group = self.by_request_id.get(seq.request_id)
         if group is not None and seq in group:

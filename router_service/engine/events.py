@@ -62,9 +62,18 @@ class Outputs:
         self.paused = False                 # the engine paused this request's sequences
 
     def put(self, ev: Event) -> None:
+        self.count(ev)
+        self.deliver(ev)
+
+    def count(self, ev: Event) -> None:
+        """The first half of `put`: a token event counts as unread from now on (the engine's outbox delivers it
+        later, in order)."""
         if isinstance(ev, Tokens):
             with self._lock:
                 self.unread += 1
+
+    def deliver(self, ev: Event) -> None:
+        """The second half of `put`: the reader's `get` returns it."""
         self._q.put(ev)
 
     def pause_if_full(self) -> bool:

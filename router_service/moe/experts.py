@@ -64,8 +64,11 @@ class Experts(Protocol):
         """Call on_change(ok) whenever every expert gains (ok) or loses a live holder; in-process never."""
         ...
 
-    def stepping(self) -> contextlib.AbstractContextManager[None]:
-        """Held by the engine around each step's forward: placement changes happen only between steps."""
+    def stepping(self, while_waiting: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
+        """Held by the engine around each step's forward: placement changes happen only between steps.
+        `while_waiting` is called when the step is first about to block on experts computed elsewhere (a
+        worker's reply), and at once where it never will: the engine delivers the last step's events then, so
+        the stream handlers' Python runs while its thread holds no GIL (router_service/engine/outbox.py)."""
         ...
 
     def close(self) -> None: ...
@@ -128,7 +131,8 @@ class LocalExperts:
     def watch(self, on_change: Callable[[bool], None]) -> None:
         pass                                       # every expert is here: readiness never changes
 
-    def stepping(self) -> contextlib.AbstractContextManager[None]:
+    def stepping(self, while_waiting: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
+        while_waiting()                            # nothing is ever waited for here: the events go now
         return contextlib.nullcontext()            # placement never changes in-process
 
     def close(self) -> None:

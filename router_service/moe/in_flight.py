@@ -45,6 +45,8 @@ class Sender(Protocol):
 
     def count(self, **seconds: float) -> None: ...
 
+    def waiting(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class Part:
@@ -117,6 +119,7 @@ class InFlight:
         t_start, waited, computed = time.perf_counter(), 0.0, 0.0
         if not self.done():
             native.rest()   # this process waits now: its kernel threads leave the cores to the workers
+            self.owner.waiting()     # ... and its stream handlers may have the GIL (the engine's outbox)
         got: list[Answer] = []
         todo = list(self.parts)
         while todo:

@@ -78,6 +78,7 @@ class RemoteExperts:
         self._step_lock = threading.Lock()
         self._pending: Table | None = None
         self._switched = threading.Event()
+        self._while_waiting: Callable[[], None] | None = None   # the engine's, for the step it holds (stepping)
         # metrics: a layer's send → answer per worker; token rows sent per worker; optionally the tokens
         # routed to each (layer, expert), for finding hot experts
         self.dispatch_seconds = Histogram("colibri:worker_dispatch_seconds", "One MoE layer's send to answer, "
@@ -151,13 +152,24 @@ class RemoteExperts:
         return False                               # gRPC calls: the host is in every layer
 
     @contextlib.contextmanager
-    def stepping(self) -> Iterator[None]:
-        """Held by the engine around one step: a new placement is switched to here, between two steps."""
+    def stepping(self, while_waiting: Callable[[], None]) -> Iterator[None]:
+        """Held by the engine around one step: a new placement is switched to here, between two steps. A layer
+        about to wait on its replies calls `while_waiting` (InFlight.result), once a step."""
         with self._step_lock:
             if self._pending is not None:
                 self._apply()
-            yield
+            self._while_waiting = while_waiting
+            try:
+                yield
+            finally:
+                self._while_waiting = None
         self.window.close_step()
+
+    def waiting(self) -> None:
+        """A layer of the step is about to block on its replies: the engine's `while_waiting`, the first time."""
+        call, self._while_waiting = self._while_waiting, None
+        if call is not None:
+            call()
 
     def _apply(self) -> None:
         assert self._pending is not None
