@@ -20,7 +20,7 @@ from colibri_common.repeated_log import RepeatedLog
 from router_service.engine.batch import Step
 from router_service.engine.events import Event, Failed, FailureCode, Finished, Outputs, Tokens
 from router_service.engine.metrics import Metrics
-from router_service.engine.outbox import Outbox
+from router_service.engine.outbox import HOLD_FROM, Outbox
 from router_service.engine.sampler import SampleError, Sampler
 from router_service.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from router_service.engine.sequence import FinishReason, Sequence
@@ -341,6 +341,8 @@ class Engine:
                             member.paused = True
                 if reason is not None:
                     self._finish(seq, reason)
+        if len(self._outbox) < HOLD_FROM:    # a few handlers go at once, beside the engine's own Python (outbox.py)
+            self._outbox.flush()
         self.phase["postprocess"] += time.perf_counter() - t0
 
     def _fork(self, first: Sequence) -> None:

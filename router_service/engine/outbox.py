@@ -7,6 +7,7 @@ model at 32 streams over `serve --workers 2`, `prepare` took 4.4 ms a step for 0
 here, they are delivered when the engine next blocks with the GIL released (its first wait on a worker's
 reply: `Experts.stepping`'s `while_waiting`), or else when the step's forward ends, or before the engine
 goes idle or stops: no event waits longer than one forward, and the handlers' Python overlaps the workers.
+A step with fewer than HOLD_FROM events sends them at once.
 
 Order is kept: events are delivered in the order they were put, one queue's as every other's (a request's
 `Finished` after its last `Tokens`). Token events count as unread when put (`Outputs.count`), so the
@@ -18,6 +19,12 @@ from __future__ import annotations
 import threading
 
 from router_service.engine.events import Event, Outputs
+
+# A step with fewer events than this sends them at once (Engine._postprocess): a handler or two cost the engine little
+# there, and held they would take the cores from the workers instead. Measured on the small model (output tok/s,
+# alternating runs, docs/performance.md): held or not, 83.8 / 85.5 at one stream and 129.2 / 132.3 at two (within
+# the spread), but held 222.7 / 216.1 against 210.9 / 201.8 at four.
+HOLD_FROM = 4
 
 
 class Outbox:
