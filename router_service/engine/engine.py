@@ -290,16 +290,19 @@ class Engine:
         graphs = self.graphs
         # the last step's events go out while this step waits on its workers (outbox.py), or when it ends
         flush = self._outbox.flush
-        if graphs is not None and len(batches) == 1 and graphs.fits(batches[0][0]):
-            t1 = time.perf_counter()
-            with self.experts.stepping(flush):
-                logits = graphs.run(*batches[0])                              # [B, V] a CUDA graph replayed
-        else:
-            inputs = [StepInputs.build(slices, tokens, self.kv.block_size, self.window) for slices, tokens in batches]
-            t1 = time.perf_counter()
-            with self.experts.stepping(flush):                                # placement switches between steps
-                logits = self.model.forward(inputs, self.kv, self.experts)   # [B, V]
-        flush()
+        try:
+            if graphs is not None and len(batches) == 1 and graphs.fits(batches[0][0]):
+                t1 = time.perf_counter()
+                with self.experts.stepping(flush):
+                    logits = graphs.run(*batches[0])                          # [B, V] a CUDA graph replayed
+            else:
+                inputs = [StepInputs.build(slices, tokens, self.kv.block_size, self.window)
+                          for slices, tokens in batches]
+                t1 = time.perf_counter()
+                with self.experts.stepping(flush):                            # placement switches between steps
+                    logits = self.model.forward(inputs, self.kv, self.experts)   # [B, V]
+        finally:
+            flush()                                    # a failed step too: what it held goes before its failures
         self.phase["prepare"] += t1 - t0
         self.phase["forward"] += time.perf_counter() - t1
         return logits

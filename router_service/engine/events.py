@@ -61,19 +61,15 @@ class Outputs:
         self.on_room = on_room
         self.paused = False                 # the engine paused this request's sequences
 
-    def put(self, ev: Event) -> None:
-        self.count(ev)
-        self.deliver(ev)
-
     def count(self, ev: Event) -> None:
-        """The first half of `put`: a token event counts as unread from now on (the engine's outbox delivers it
-        later, in order)."""
+        """An event on its way (the engine's outbox, which alone puts events here): a token event counts as
+        unread from now on, delivered or not."""
         if isinstance(ev, Tokens):
             with self._lock:
                 self.unread += 1
 
     def deliver(self, ev: Event) -> None:
-        """The second half of `put`: the reader's `get` returns it."""
+        """The outbox's flush: the reader's `get` returns it (counted before, by `count`)."""
         self._q.put(ev)
 
     def pause_if_full(self) -> bool:
