@@ -4,7 +4,7 @@ the workers' answers read from their ForwardResponse bytes (colibri::combine_rep
 the Python path (protobuf's parse, wire.decode, moe/combine.py) for every rows layout (every row, subsets, both),
 signed zeros, bf16 and float32, with each reply's compute_ms and instance; a reply it cannot read (another dtype or
 shape, rows out of range, a field twice, cut short) is declined, so that the Python path parses it and says what is
-wrong."""
+wrong. Over a real fleet's same-host sockets, a router takes both ops (spied) and gets the Python path's bits."""
 
 from __future__ import annotations
 
@@ -102,3 +102,56 @@ def test_a_serialized_request_is_protobufs_bytes(dtype):
     assert not strided.is_contiguous()
     got = native.forward_request(strided, ids[:2], w[:2], 1, 1, 1, 1, 1, False)
     assert expert_pb2.ForwardRequest.FromString(bytes(got.numpy())).hidden == wire.encode(x[1:3])
+
+
+def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_paths_bits(oracles, monkeypatch):
+    """Over a real 2-worker fleet's same-host sockets (bf16): each layer's requests are serialized natively and its
+    replies summed natively (spies count what the ops returned), and the sum has the bits that the Python path
+    (protobuf's messages, the Python combine) gives for the same layer."""
+    from colibri_common.config import ModelConfig
+    from colibri_common.fleet_token import ENV, new_token
+    from router_service.moe.remote import RemoteExperts
+    from tests.conftest import fleet
+    from tests.test_worker_auth import workers_of
+
+    oracle = oracles["qwen3_moe"]
+    cfg = ModelConfig.from_dir(oracle.path)
+    token = new_token()
+    calls = {"forward_request": 0, "combine_replies": 0}
+
+    def spy(name):
+        real = getattr(native, name)
+
+        def counted(*args, **kwargs):
+            out = real(*args, **kwargs)
+            calls[name] += out is not None
+            return out
+        return counted
+
+    with fleet(oracle.path, 2, ["--dtype", "bfloat16"], env={ENV: token}) as (_, proc):
+        experts = RemoteExperts(cfg, tuple(a for a, _ in workers_of(proc)), torch.bfloat16, connect_timeout_s=30,
+                                token=token)
+        try:
+            assert all(link.local for link in experts.links.links)           # the same-host sockets
+            g = torch.Generator().manual_seed(3)
+            T = 9
+            x = torch.randn(T, cfg.hidden_size, generator=g).bfloat16()       # [T, H]
+            ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.top_k] for _ in range(T)])
+            w = torch.rand(T, cfg.top_k, generator=g)                         # [T, K]
+
+            def layer() -> torch.Tensor:
+                with experts.stepping(lambda: None):
+                    return experts.submit(cfg.moe_layers[0], x, ids, w).result()
+
+            with monkeypatch.context() as m:
+                for name in calls:
+                    m.setattr(native, name, spy(name))
+                fast = layer()
+            assert calls == {"forward_request": 2, "combine_replies": 1}      # both workers, one sum
+            with monkeypatch.context() as m:                                  # the Python path, for the same layer
+                m.setattr(experts, "_send_serialized", lambda *a: None)
+                m.setattr(native, "combine_replies", lambda *a: None)
+                slow = layer()
+            assert fast.dtype == torch.bfloat16 and torch.equal(fast.view(torch.int16), slow.view(torch.int16))
+        finally:
+            experts.close()
