@@ -67,6 +67,9 @@ def test_replies_it_cannot_read_are_declined():
         "rows disagree": ([reply(good[:2])], [rows]),
         "a row past T": ([reply(good[:3])], [torch.tensor([0, 3, T])]),
         "a negative row": ([reply(good[:3])], [torch.tensor([-1, 3, 5])]),
+        "int32 rows": ([reply(good[:3])], [rows.int()]),                  # the op takes int64 rows only
+        "strided rows": ([reply(good[:3])], [torch.tensor([0, 9, 3, 9, 5])[::2]]),
+        "rows of two dims": ([reply(good[:3])], [rows[None]]),
         "output twice": ([ok + expert_pb2.ForwardResponse(output=wire.encode(good)).SerializeToString()], [None]),
         "no output": ([expert_pb2.ForwardResponse(compute_ms=1.0).SerializeToString()], [None]),
         "empty": ([b""], [None]),
