@@ -7,7 +7,8 @@ llama.cpp: bf16 and q8_0 through `llama-batched-bench` whenever a build is at ha
 where one comes from), with the ratios of every Colibri row to it.
 Output tok/s at 1, 8 and 32 concurrent streams (16-token prompts, 64 new tokens), TTFT and inter-token
 latency p50/p99, cold start (process start → ready / loaded), peak RSS of every process, % of the
-memory-bandwidth roofline, and the engine's time split. Writes benchmarks/results/serving.md.
+memory-bandwidth roofline, the engine's time split, and where a llama.cpp build was at hand the verdict on each
+serving target of the native-kernels issue (benchmarks/targets.py). Writes benchmarks/results/serving.md.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from benchmarks.bench_model import SIZES, ensure_bench_model
 from benchmarks.common import ReadProbe, finish, machine, page_state, publish, table
 from benchmarks.llamacpp import add_peer_args, find_peer
 from benchmarks.llamacpp import measure as measure_llamacpp
+from benchmarks.targets import orchestration, targets_section
 from colibri.fleet import colibri_command
 from colibri.loadgen import run_load
 from colibri_common.config import ModelConfig
@@ -238,11 +240,10 @@ def main() -> int:
     for name in [n for n in results if n.startswith("colibri") and n != "colibri in-process"]:
         for c in streams:
             ph = results[name]["rows"][c]["phases"]
-            total = ph.get("schedule", 0) + ph.get("prepare", 0) + ph.get("forward", 0) + ph.get("postprocess", 0)
-            if total <= 0:
+            if (orch := orchestration(ph)) is None:
                 continue
-            orch = ph.get("schedule", 0) + ph.get("prepare", 0) + ph.get("postprocess", 0) + ph.get("dispatch", 0)
-            split.append([name, str(c), f"{100 * orch / total:.1f}%", f"{100 * ph.get('wait', 0) / total:.0f}%",
+            total = sum(ph.get(k, 0) for k in ("schedule", "prepare", "forward", "postprocess"))
+            split.append([name, str(c), f"{100 * orch:.1f}%", f"{100 * ph.get('wait', 0) / total:.0f}%",
                           f"{100 * ph.get('expert_compute', 0) / total:.0f}%"])
     vs_llama = llamacpp_section(llama, results, streams)
     text = "\n".join([
@@ -263,6 +264,7 @@ def main() -> int:
         "transformers' "
         "TTFT/ITL are per static batch (no p99).",
         *vs_llama,
+        *(targets_section(llama, results, args.size, args.dtype) if llama else []),
         "", "## Cold start and memory", "",
         table(["engine", "start → ready", "vs transformers", "peak RSS per process"], cold),
         "", "## Where a Colibri decode step goes (engine phase counters)", "",
