@@ -13,7 +13,8 @@ class HealthOptions:
     target: str = option("", "service address HOST:PORT", required=True)
     service: str = option("", "'' = liveness (the default); colibri.v1.Generation (a router) or "
                                    "colibri.v1.ExpertWorker (a worker) = readiness")
-    timeout: float = option(10.0, "seconds")
+    timeout: float = option(10.0, "seconds the health call may take (its gRPC deadline) before the check "
+                                        "counts as failed")
     tls_ca: str | None = option(None, "PEM CA of a TLS service (TLS when given)", metavar="PATH")
     tls_cert: str | None = option(None, "PEM client certificate, for a service that requires one", metavar="PATH")
     tls_key: str | None = option(None, "PEM key of --tls-cert", metavar="PATH")

@@ -41,8 +41,10 @@ class ServeOptions:
     served_model_name: str = option("", "with --openai-port: the model's name in the HTTP API (default: the "
                                         "checkpoint directory's name)")
     allowed_hosts: tuple[str, ...] = option((), "with --openai-port: the Host names the front answers (a Service, "
-                                                "an ingress, a proxy name), in place of its defaults localhost, "
-                                                "127.0.0.1 and [::1]: list those too to keep them; '*' = any",
+                                                "an ingress, a proxy name), in place of its defaults (the --host "
+                                                "address, localhost, 127.0.0.1 and [::1]; on 0.0.0.0 or :: also "
+                                                "this machine's addresses and host name): list those you keep; "
+                                                "'*' = any",
                                             metavar="H[,H...]")
     allowed_origins: tuple[str, ...] = option((), "with --openai-port: web origins whose pages may call the front "
                                                   "(CORS); default none", metavar="O[,O...]")

@@ -24,7 +24,8 @@ ACTIONS = ("show", "set", "add", "remove", "rebalance")
 
 @dataclass(frozen=True)
 class WorkersOptions:
-    action: str = option("show", "show | set ADDRS | add ADDR | remove ADDR | rebalance", flag="action",
+    action: str = option("show", "show (the default when left out) | set ADDRS | add ADDR | remove ADDR | "
+                                 "rebalance", flag="action",
                          choices=ACTIONS)
     addresses: tuple[str, ...] = option((), "HOST:PORT[,HOST:PORT...] for set, add and remove", flag="addresses",
                                         metavar="ADDRS", type=lambda t: tuple(comma_list(t)))

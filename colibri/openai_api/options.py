@@ -23,7 +23,7 @@ class OpenAIOptions:
     host: str = option("127.0.0.1", "address to listen on (0.0.0.0 in a container)")
     port: int = option(8000, "HTTP port; 0 picks a free one")
     served_model_name: str = option("", "the model's name in /v1/models and in requests' 'model' (default: the "
-                                        "checkpoint directory's name)")
+                                        "name of the checkpoint directory the router serves, from its ModelInfo)")
     request_timeout: float = option(600.0, "seconds one request may take before it ends with 504")
     max_body_bytes: int = option(4 << 20, "largest request body (413 beyond it, before it is parsed)")
     grace_period: float = option(30.0, "on SIGTERM: seconds open requests get to finish")

@@ -33,7 +33,7 @@ class RouterOptions(ServiceOptions):
     worker_timeout: float = option(10.0, "seconds a worker may take to answer one layer before its call is "
                                          "cancelled and the step goes to replicas or fails UNAVAILABLE (a worker "
                                          "down by its health checks whose every expert has a live replica is cut "
-                                         "off at once)")
+                                         "off sooner: after two failed checks, about 1.5 s)")
     grace_period: float = option(30.0, "on SIGTERM: seconds the open requests get to finish (new ones are "
                                        "refused UNAVAILABLE, readiness is NOT_SERVING) before the router exits")
     max_prompt_bytes: int = option(1 << 20, "largest text prompt in bytes, refused before tokenizing")
