@@ -11,7 +11,7 @@ helpers (`raise_exception`, a `tojson` that does not escape HTML, `strftime_now`
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -78,16 +78,17 @@ class ChatTemplate:
     _compiled: Any = field(default=None, compare=False, repr=False)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               **extra: Any) -> str:
-        """The prompt text for `messages`; TemplateError when the template refuses them."""
+               extra: Mapping[str, Any] | None = None) -> str:
+        """The prompt text for `messages`, with `extra` (a request's chat_template_kwargs) among the template's
+        variables; TemplateError when the template refuses them."""
         import jinja2
 
         try:
             if self._compiled is None:
                 self._compiled = _environment().from_string(self.source)
-            return self._compiled.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **{**self.special_tokens, **extra})
+            # one dict, not keywords: a variable may be named as render's own parameters ('self')
+            return self._compiled.render({**self.special_tokens, **(extra or {}), "messages": messages, "tools": None,
+                                          "documents": None, "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the model's chat template refused the messages: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 (a template is code: any error in it is about these messages)

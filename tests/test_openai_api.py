@@ -338,13 +338,14 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
     *_, url, api = served
     with pytest.raises(openai.NotFoundError):
         api.chat.completions.create(model="gpt-4", messages=MESSAGES)
-    for body, needle in ((b"{not json", "not valid JSON"), (b"[" * 100_000, "not valid JSON"),
-                         (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    for body, needle in ((b"{not json", "not valid JSON"), (b"[" * 100_000, "nests arrays or objects too deep"),
+                         (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "more than 4300 digits"),
                          (b"[1, 2]", "JSON object"),
                          (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "lone surrogate"),   # UTF-8 cannot carry
                          (b'{"model": "\\ud800", "prompt": "x"}', "'model' holds a character")):   # was a 500
         status, err = raw(url, "POST", "/v1/completions", body)
         assert status == 400 and needle in err["error"]["message"], (status, err)
+        assert "sys." not in err["error"]["message"] and "recursion" not in err["error"]["message"]  # not Python's
     # more sequences than the router ever queues (8 prompts x n=64 > its 256): 429 'retry later' on an idle server
     status, err = raw(url, "POST", "/v1/completions",
                       json.dumps({"prompt": [[1, 2]] * 8, "n": 64, "max_tokens": 1}).encode())
@@ -357,6 +358,12 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
                       ({"messages": [{"role": "banana", "content": "x"}]}, "messages[0].role")):
         status, err = raw(url, "POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, **kw}).encode())
         assert (status, err["error"]["param"]) == (400, param), err
+    # a template variable named as one of render's own parameters ('self' was a 500): just a variable
+    plain = api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=3, temperature=0)
+    for kw in ({"self": 1}, {"extra": 2, "add_generation_prompt_": 3}):
+        got = api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=3, temperature=0,
+                                          extra_body={"chat_template_kwargs": kw})
+        assert got.choices[0].message.content == plain.choices[0].message.content
     status, err = raw(url, "GET", "/v1/embeddings")
     assert status == 404 and "/v1/chat/completions" in err["error"]["message"]
     status, err = raw(url, "GET", "/v1/completions")

@@ -213,7 +213,7 @@ class Front:
                       "token ids (it has no tokenizer.json either: the text of its answers is empty, and "
                       "logprobs name its tokens by id)"), "messages")
         try:
-            text = self._template.render(parsed.messages, parsed.add_generation_prompt, **parsed.template_kwargs)
+            text = self._template.render(parsed.messages, parsed.add_generation_prompt, parsed.template_kwargs)
         except TemplateError as exc:
             raise bad(str(exc), "messages") from None
         return check_text(text, "messages")
@@ -363,8 +363,11 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise ApiError(CLIENT_GONE, "the client went away while sending its request") from None
     try:
         return json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as exc:     # bad JSON or UTF-8, nesting too deep, a 5000-digit integer
-        raise bad(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad("the request body is not valid JSON here: it nests arrays or objects too deep") from None
+    except ValueError as exc:                       # bad JSON or UTF-8, a 5000-digit integer
+        why = "an integer of more than 4300 digits" if "integer string conversion" in str(exc) else str(exc)
+        raise bad(f"the request body is not valid JSON: {why}") from None
 
 
 def build_app(front: Front, policy: Policy) -> Starlette:
