@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from colibri.openai_api.options import OpenAIOptions
+from colibri.openai_api.policy import host_entry, origin_entry
 from colibri_common.options import option, shared_fields
 from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.api.options import RouterOptions
@@ -78,6 +79,41 @@ class ServeOptions:
             raise ValueError(f"--spawn must be one of {', '.join(SPAWNS)}, got {self.spawn!r}")
         if self.spawn == "fork" and self.on_gpus:
             raise ValueError("--spawn fork is for CPU fleets: a CUDA context cannot cross a fork (use exec)")
+        self._check_front()
+        self._check_ports()
+
+    def _check_front(self) -> None:
+        """The HTTP front's flags, checked here rather than once the fleet has loaded."""
+        given = [flag for flag, v in (("--served-model-name", self.served_model_name),
+                                      ("--allowed-hosts", self.allowed_hosts),
+                                      ("--allowed-origins", self.allowed_origins)) if v]
+        if given and self.openai_port is None:
+            raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the HTTP front: give "
+                             f"--openai-port too, or leave {'it' if len(given) == 1 else 'them'} out")
+        for entry in self.allowed_hosts:
+            host_entry(entry)
+        for entry in self.allowed_origins:
+            origin_entry(entry)
+
+    def _check_ports(self) -> None:
+        """Every port serve binds that is fixed (not 0): in range and distinct, before anything starts."""
+        mport = self.router.metrics_port
+        if mport and mport + self.workers > 65535:
+            raise ValueError(f"--metrics-port {mport}: worker i's metrics go on {mport} + 1 + i, up to "
+                             f"{mport + self.workers} for {self.workers} workers, past 65535: give at most "
+                             f"{65535 - self.workers}")
+        fixed = [("--port", self.router.port), ("--openai-port", self.openai_port)]
+        if mport:
+            fixed += [("--metrics-port", mport)] + [(f"worker {i}'s metrics port (--metrics-port + {1 + i})",
+                                                    mport + 1 + i) for i in range(self.workers)]
+        seen: dict[int, str] = {}
+        for what, port in fixed:
+            if not port:
+                continue
+            if port in seen:
+                raise ValueError(f"{what} and {seen[port]} are both {port}: give each its own port (or 0 for a "
+                                 f"free one)")
+            seen[port] = what
 
     @property
     def on_gpus(self) -> bool:

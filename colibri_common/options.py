@@ -144,6 +144,8 @@ class ServiceOptions:
                              f"{cores} (0 = all of them)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("give --tls-cert and --tls-key together (this service's certificate and its key)")
         if not DEVICE_SYNTAX.match(self.device):
             raise ValueError(f"--device '{self.device}' is not a device; use cpu, cuda or cuda:N")
         if self.quantize is not None and self.device != "cpu":
@@ -182,7 +184,8 @@ class ClientTls:
             "--tls-key)"
 
 
-def check_target(flag: str, value: str) -> None:
+def check_target(flag: str, value: str,
+                 what: str = "the port the router's or serve's `ready` line names") -> None:
     """A gRPC address a client dials: a HOST:PORT's port in 1..65535 (gRPC dialled 99999 as 34463); other gRPC
     target forms (unix:PATH, dns:///...) pass as they are. An empty one (an unset variable: gRPC failed with its
     internal trace) is refused by `from_args`, as every required flag given empty."""
@@ -190,7 +193,7 @@ def check_target(flag: str, value: str) -> None:
     if found and not 0 < int(found.group(2)) < 65536:
         raise ValueError(f"{flag} {value}: the port must be in 1..65535")
     if value and not found and ":" not in value:   # gRPC dialled a bare host on port 443
-        raise ValueError(f"{flag} {value}: give HOST:PORT (the port the router's or serve's `ready` line names)")
+        raise ValueError(f"{flag} {value}: give HOST:PORT ({what})")
 
 
 class Parser(argparse.ArgumentParser):

@@ -167,6 +167,22 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["health", "--target", "127.0.0.1:99999"], "--target 127.0.0.1:99999: the port must be in 1..65535"),
     (["workers", "--target", "h:0"], "the port must be in 1..65535"),
     (["health", "--target", "127.0.0.1:1", "--timeout", "-1"], "--timeout must be positive"),
+    # serve's own ports and the front's flags, checked before anything is forked (they were tracebacks, or
+    # "Address already in use" from a child once the fleet had loaded)
+    (["serve", "--model", "m", "--metrics-port", "65534"], "up to 65536 for 2 workers, past 65535: give at most 65533"),
+    (["serve", "--model", "m", "--port", "50400", "--metrics-port", "50400"], "--metrics-port and --port are both"),
+    (["serve", "--model", "m", "--port", "50401", "--metrics-port", "50400"],
+     "worker 0's metrics port (--metrics-port + 1) and --port are both 50401"),
+    (["serve", "--model", "m", "--openai-port", "50402", "--metrics-port", "50400"],
+     "worker 1's metrics port (--metrics-port + 2) and --openai-port are both 50402"),
+    (["serve", "--model", "m", "--port", "8000", "--openai-port", "8000"], "--openai-port and --port are both 8000"),
+    (["serve", "--model", "m", "--openai-port", "0", "--allowed-origins", "not a url"], "is not a web origin"),
+    (["serve", "--model", "m", "--openai-port", "0", "--allowed-hosts", "http://x/y"], "is not a host name"),
+    (["serve", "--model", "m", "--allowed-origins", "https://a.example"], "--allowed-origins is for the HTTP front"),
+    (["serve", "--model", "m", "--served-model-name", "x", "--allowed-hosts", "h"],
+     "--served-model-name, --allowed-hosts are for the HTTP front: give --openai-port too"),
+    (["serve", "--model", "m", "--tls-cert", "c.pem"], "give --tls-cert and --tls-key together"),
+    (["router", "--model", "m", "--workers", "a:1,garbage"], "--workers garbage: give HOST:PORT (each expert worker"),
 ])
 def test_bad_flags_are_one_clear_line_and_exit_2(argv, needle):
     out = subprocess.run([COLIBRI, *argv], capture_output=True, text=True, timeout=60)
