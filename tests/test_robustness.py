@@ -360,3 +360,11 @@ def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_at_start(oracles):
                        "--cpu-forms", "off", "--kv-cache-blocks", "4", "--block-size", "8", "--max-model-len", "512"])
     assert out.returncode != 0
     assert "--max-model-len 512 needs 64 KV blocks of 8 tokens, but the KV cache holds 4" in out.stderr, out.stderr
+
+
+def test_a_kv_cache_larger_than_the_machine_can_map_is_one_line_at_start(oracles):
+    # a terabyte-sized budget: the anonymous map fails (ENOMEM) -- was the router's traceback
+    out = colibri_run(["router", "--model", str(oracles["olmoe"].path), "--workers", "127.0.0.1:1", "--port", "0",
+                       "--cpu-forms", "off", "--kv-cache-mb", str(1 << 40)])
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "cannot be allocated on cpu" in out.stderr and "lower --kv-cache-mb" in out.stderr, out.stderr

@@ -139,7 +139,13 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     per_block = KVCache.bytes_per_block(cfg.num_layers, opts.block_size, kv_heads, k_dim, dtype, v_dim)
     num_blocks = opts.kv_cache_blocks or max(1, opts.kv_cache_mb * 2**20 // per_block)
     spare = 1 if device.type == "cuda" else 0       # CUDA graphs' padding rows write there (decode_graphs.py)
-    kv = KVCache(cfg.num_layers, num_blocks + spare, opts.block_size, kv_heads, k_dim, dtype, device, v_dim)
+    try:
+        kv = KVCache(cfg.num_layers, num_blocks + spare, opts.block_size, kv_heads, k_dim, dtype, device, v_dim)
+    except (OSError, RuntimeError) as exc:          # ENOMEM from the map, or torch's out-of-memory on a GPU
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise ConfigError(f"the KV cache ({num_blocks + spare} blocks of {opts.block_size} tokens, "
+                          f"{(num_blocks + spare) * per_block / 2**20:.0f} MiB) cannot be allocated on {device}: "
+                          f"{why}; lower --kv-cache-mb / --kv-cache-blocks") from None
     sched = dataclasses.replace(opts.sched, max_model_len=min(opts.sched.max_model_len, cfg.max_position_embeddings))
     if -(-sched.max_model_len // opts.block_size) > num_blocks:
         raise ConfigError(f"--max-model-len {sched.max_model_len} needs {-(-sched.max_model_len // opts.block_size)} "
