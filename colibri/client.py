@@ -172,7 +172,15 @@ def _why(exc: Exception) -> str:
     return str(exc).splitlines()[0]
 
 
-DEFAULT = -1.0                              # a call's `timeout` when it takes the client's
+class _ClientsTimeout(float):
+    """The default of a call's `timeout`: the client's own. Told apart by identity, so no number a caller passes
+    (-1 had meant this one) takes its place."""
+
+    def __repr__(self) -> str:
+        return "the client's timeout"
+
+
+DEFAULT = _ClientsTimeout(-1.0)
 
 
 def _seconds(value: object, name: str) -> float | None:
@@ -214,6 +222,8 @@ def request_of(prompt: str | list[int], sampling: pb.SamplingParams, request_id:
     """A GenerateRequest of a text or token-id prompt with these SamplingParams (ValueError, naming it, for a value
     a request cannot carry: token ids past int32, text that is not Unicode). `add_special_tokens`: whether a text
     prompt's tokenizing adds the tokenizer's special tokens (a BOS), as transformers' tokenizer(text) does."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):     # iterable ints: it was sent as token ids
+        raise TypeError("the prompt must be text (str) or token ids (a list of int), got bytes: decode them first")
     if isinstance(prompt, str):
         check_utf8(prompt)
         return _message(pb.GenerateRequest, {"request_id": request_id, "text": prompt, "sampling": sampling,
@@ -241,7 +251,7 @@ class _Calls:
     closed: bool
 
     def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout == DEFAULT else _seconds(timeout, "timeout")
+        return self.timeout if timeout is DEFAULT else _seconds(timeout, "timeout")
 
     def _check_open(self) -> None:
         if self.closed:                              # a ValueError, as a closed file's (gRPC's: "Channel closed!")

@@ -25,10 +25,13 @@ CONTEXT_LENGTH_MARK = "This model's maximum context length is"
 
 
 def context_length_exceeded(limit: int, prompt: int, completion: int | None) -> str:
-    """The message for a prompt of `prompt` tokens (plus `completion` asked for, None: the prompt alone) over
-    `limit`."""
+    """The message for a prompt of `prompt` tokens (plus `completion` asked for, None: the prompt alone, 0: as many as
+    fit, and none does) over `limit`."""
     if completion is None:
         return (f"{CONTEXT_LENGTH_MARK} {limit} tokens. However, the prompt is {prompt} tokens; send a shorter "
                 f"prompt")
+    if completion == 0:             # max_tokens 0 (as many as fit), and none fit
+        return (f"{CONTEXT_LENGTH_MARK} {limit} tokens. However, the prompt is {prompt} tokens, which leaves no "
+                f"room for a new token (max_tokens 0: as many as fit); send a shorter prompt")
     return (f"{CONTEXT_LENGTH_MARK} {limit} tokens. However, you requested {prompt + completion} tokens ({prompt} "
             f"in the prompt, {completion} for max_tokens); send a shorter prompt or a lower max_tokens")

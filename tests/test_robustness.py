@@ -109,9 +109,12 @@ def test_a_client_checks_its_target_and_deadlines_and_says_when_it_is_closed(ser
     with pytest.raises(ValueError, match="timeout must be seconds > 0"):
         Client(addr, timeout=0)
     client = Client(addr)
-    for timeout, error in [(-5, ValueError), (math.nan, ValueError), ("5", TypeError)]:
+    for timeout, error in [(-5, ValueError), (-1, ValueError), (-1.0, ValueError), (math.nan, ValueError),
+                           ("5", TypeError)]:                        # -1 was the client's default's sentinel
         with pytest.raises(error, match="timeout"):
             client.generate([1, 2, 3], 4, timeout=timeout)
+    with pytest.raises(TypeError, match="got bytes: decode them first"):   # were token ids [104, 105]
+        client.generate(b"hi", 4)
     assert client.generate([1, 2, 3], 4, timeout=None).token_ids == oracle.greedy([1, 2, 3], 4)
     assert client.generate([1, 2, 3], 4, timeout=math.inf).token_ids == oracle.greedy([1, 2, 3], 4)   # none
     client.close()
@@ -131,6 +134,12 @@ def test_limits_are_checked_before_work_and_say_what_to_fix(served):
         ([1, 2], {"stop_token_ids": [5, 10**6]}, grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
         ([1] * 300, {"max_tokens": 300}, grpc.StatusCode.INVALID_ARGUMENT,
          "you requested 600 tokens (300 in the prompt, 300 for max_tokens)"),
+        ([1] * 512, {"max_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT,        # was "1 for max_tokens"
+         "the prompt is 512 tokens, which leaves no room for a new token (max_tokens 0: as many as fit)"),
+        ([1, 2], {"stop": ["a", "b" * 1025]}, grpc.StatusCode.INVALID_ARGUMENT,  # was "at most ...; got 2"
+         "stop string 1 has 1025 characters; at most 1024"),
+        ([1, 2], {"default_max_tokens": -1}, grpc.StatusCode.INVALID_ARGUMENT,  # ran to the model's length
+         "default_max_tokens must be >= 0 (0 = none), got -1"),
     ]:
         with pytest.raises(grpc.RpcError) as err:
             client.generate(prompt, kw.pop("max_tokens", 4), **kw)

@@ -102,9 +102,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if len(p.stop_token_ids) > opts.max_stop_token_ids:
             raise ValueError(f"{len(p.stop_token_ids)} stop_token_ids, over the router's --max-stop-token-ids "
                              f"{opts.max_stop_token_ids}")
-        if len(p.stop) > opts.max_stop_strings or any(len(s) > MAX_STOP_CHARS for s in p.stop):
-            raise ValueError(f"at most {opts.max_stop_strings} stop strings (--max-stop-strings) of at most "
-                             f"{MAX_STOP_CHARS} characters each; got {len(p.stop)}")
+        if len(p.stop) > opts.max_stop_strings:
+            raise ValueError(f"{len(p.stop)} stop strings, over the router's --max-stop-strings "
+                             f"{opts.max_stop_strings}")
+        if long := [i for i, s in enumerate(p.stop) if len(s) > MAX_STOP_CHARS]:
+            raise ValueError(f"stop string {long[0]} has {len(p.stop[long[0]])} characters; at most {MAX_STOP_CHARS}")
         if p.stop and self.built.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer.json; this model has none (use stop_token_ids)")
         vocab = self.built.cfg.vocab_size
@@ -119,11 +121,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         limit = self.built.max_model_len
         if p.max_tokens < 0:
             raise ValueError(f"max_tokens must be > 0 (or 0 = as many as fit), got {p.max_tokens}")
+        if p.default_max_tokens < 0:
+            raise ValueError(f"default_max_tokens must be >= 0 (0 = none), got {p.default_max_tokens}")
         max_tokens = p.max_tokens or limit - prompt_len            # 0: what the model's length leaves
         if not p.max_tokens and p.default_max_tokens > 0:          # ... or less, as a checkpoint recommends
             max_tokens = max(min(max_tokens, p.default_max_tokens), min(p.min_tokens, max_tokens))
-        if max_tokens <= 0:
-            raise ValueError(context_length_exceeded(limit, prompt_len, 1))
+        if max_tokens <= 0:                                        # max_tokens 0, and the prompt fills the model
+            raise ValueError(context_length_exceeded(limit, prompt_len, 0))
         seed = p.seed if p.HasField("seed") else None
         base = Sampling(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p,
                         max_tokens=max_tokens, min_tokens=p.min_tokens, presence_penalty=p.presence_penalty,
