@@ -215,6 +215,13 @@ def test_post_bodies_must_be_declared_json(guarded, kind, ok):
         assert status == 415 and "Content-Type: application/json" in error_of(body)["message"]
 
 
+def test_a_second_content_type_header_is_refused(guarded):
+    *_, port, _ = guarded          # the first alone was checked: 'application/json' then 'text/plain' was a 200
+    status, _, body = exchange(port, "POST", "/v1/completions", [("Content-Type", "text/plain")],
+                               json.dumps(COMPLETION).encode())
+    assert status == 400 and "2 Content-Type headers; send one" in error_of(body)["message"], body
+
+
 def test_no_cors_without_allowed_origins(guarded):
     *_, port, _ = guarded
     status, headers, _ = exchange(port, "GET", "/v1/models", {"Origin": PAGE})

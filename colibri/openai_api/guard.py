@@ -65,6 +65,8 @@ def refusal(scope: Scope, headers: dict[bytes, list[bytes]], policy: Policy) -> 
             return ApiError(401, "the API key is not valid: send 'Authorization: Bearer KEY' with the front's key",
                             code="invalid_api_key")
     if scope["method"] == "POST":
+        if len(kinds := headers.get(b"content-type", [])) > 1:   # the first alone was checked: a second passed
+            return ApiError(400, f"the request has {len(kinds)} Content-Type headers; send one")
         kind = headers.get(b"content-type", [b""])[0]
         media, *params = (p.strip().lower() for p in _text(kind).split(";"))
         charset = next((p.partition("=")[2].strip('"') for p in params if p.startswith("charset=")), "utf-8")
