@@ -358,6 +358,13 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
                       ({"messages": [{"role": "banana", "content": "x"}]}, "messages[0].role")):
         status, err = raw(url, "POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, **kw}).encode())
         assert (status, err["error"]["param"]) == (400, param), err
+    # the router's refusals name the field (OpenAI's `param`), and which of several prompts it refused
+    for body, param, needle in (
+            ({"prompt": [[1, 2, 3], [4, 5, 6], [10**6]]}, "prompt", "prompt 2: token ids [1000000]"),
+            ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids", "stop_token_ids [1000000] are outside"),
+            ({"prompt": "x", "min_tokens": 10**6}, "min_tokens", "min_tokens")):
+        status, err = raw(url, "POST", "/v1/completions", json.dumps({"max_tokens": 2, **body}).encode())
+        assert (status, err["error"]["param"]) == (400, param) and err["error"]["message"].startswith(needle), err
     # a template variable named as one of render's own parameters ('self' was a 500): just a variable
     plain = api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=3, temperature=0)
     for kw in ({"self": 1}, {"extra": 2, "add_generation_prompt_": 3}):

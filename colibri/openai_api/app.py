@@ -175,7 +175,16 @@ class Front:
                                      self.opts.request_timeout)
                   for i, p in enumerate(prompts)]
         streams = [aiter(call) for call in calls]
-        firsts = asyncio.ensure_future(asyncio.gather(*(anext(it) for it in streams)))
+
+        async def first(i: int, it: AsyncIterator) -> Any:
+            try:
+                return await anext(it)
+            except grpc.RpcError:
+                failed.append(i)            # which prompt the router refused, for its message
+                raise
+
+        failed: list[int] = []
+        firsts = asyncio.ensure_future(asyncio.gather(*(first(i, it) for i, it in enumerate(streams))))
         # read whatever it ends with, so a gather cancelled when the client left (it then holds CancelledError or
         # the cancelled calls' error) is not logged as "exception was never retrieved" with a traceback
         firsts.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -194,6 +203,8 @@ class Front:
             return firsts.result(), streams
         except grpc.RpcError as exc:
             err = ApiError.of_grpc(exc, self.hide, "messages" if reply.chat else "prompt")
+            if len(prompts) > 1 and failed and err.param == "prompt":     # which of the prompts
+                err = ApiError(err.status, f"prompt {failed[0]}: {err.message}", err.param, err.code)
             self._close(reply, calls, str(err.status))
             raise err from None
         except StopAsyncIteration:

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from colibri_common.errors import CONTEXT_LENGTH_MARK, TOO_LARGE_HINT, TOO_LARGE_MARK
+from colibri_common.pb import generation_pb2 as pb
 
 HTTP_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -86,6 +87,8 @@ class ApiError(Exception):
         if code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith(CONTEXT_LENGTH_MARK):
             return ApiError(400, details, prompt_param, "context_length_exceeded")
         status = HTTP_OF.get(code, 500)
+        if code is grpc.StatusCode.INVALID_ARGUMENT:
+            return ApiError(400, details or code.name, param_of(details, prompt_param), code=code.name.lower())
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE_MARK in details:
             status = 413         # gRPC's message-size limit: the request is too big, retrying cannot help
             details += TOO_LARGE_HINT
@@ -94,6 +97,22 @@ class ApiError(Exception):
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:     # gRPC's own text was "Stream removed (Deadline Exceeded)"
             details = f"the request did not finish within the front's --request-timeout ({details or code.name})"
         return ApiError(status, details or code.name, code=code.name.lower())
+
+
+SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
+def param_of(details: str, prompt_param: str | None) -> str | None:
+    """The request field a router's INVALID_ARGUMENT is about (OpenAI's `param`), read from its message, which names
+    the field first: the prompt's token ids, the stop strings or token ids, or a sampling field."""
+    if details.startswith(("token ids", "the prompt", "prompt token ids")):
+        return prompt_param
+    if "stop_token_ids" in details:
+        return "stop_token_ids"
+    if "stop string" in details:
+        return "stop"
+    first = details.split(" ", 1)[0]
+    return first if first in SAMPLING_FIELDS else None
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
