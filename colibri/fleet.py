@@ -63,6 +63,22 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def check_ports_free(wanted: list[tuple[str, str, int]]) -> None:
+    """Each (flag, host, port) free to listen on now, else a ConfigError naming the flag: before any child starts
+    (a router's port in use failed after the workers were forked, the front's once the whole fleet had loaded)."""
+    from colibri_common.errors import ConfigError
+
+    for flag, host, port in wanted:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the servers bind: TIME_WAIT is no owner
+            try:
+                s.bind((host.strip("[]"), port))
+            except OSError as exc:
+                raise ConfigError(f"{flag} {port}: {host}:{port} cannot be listened on ({exc.strerror or exc}); "
+                                  f"another process holds it? give another port, or 0 for a free one") from None
+
+
 def child_argv(command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> list[str]:
     """The one way `serve` hands options to a child: the flags that rebuild `opts` there."""
     return [command, *to_argv(opts)]

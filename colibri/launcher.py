@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from colibri.cores import split_threads
-from colibri.fleet import Child, Fleet, exit_reason, free_ports
+from colibri.fleet import Child, Fleet, check_ports_free, exit_reason, free_ports
 from colibri.fork import FRONT_MODULES, SERVICE_MODULES, Entry, preload
 from colibri.serve_options import ServeOptions
 from colibri_common.config import ModelConfig
@@ -84,6 +84,12 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
 
     Checkpoint(opts.router.model).close()           # so do missing or truncated weight files (one line, not one
     #                                                 a child)
+    r, mport = opts.router, opts.router.metrics_port
+    check_ports_free([(flag, host, port) for flag, host, port in (
+        ("--port", r.host, r.port), ("--openai-port", r.host, opts.openai_port or 0),
+        ("--metrics-port", r.host, mport or 0),
+        *((f"--metrics-port (worker {i}'s, P + {1 + i})", "127.0.0.1", mport + 1 + i if mport else 0)
+          for i in range(n))) if port])
     if n > cfg.num_experts:                      # as would more workers than experts: one line, not one per child
         raise ConfigError(f"--workers {n}: {cfg.num_experts} experts a layer leave workers without any; give at "
                           f"most {cfg.num_experts}")

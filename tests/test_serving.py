@@ -347,6 +347,18 @@ def test_a_local_socket_or_metrics_port_that_cannot_be_bound_is_one_line(oracles
                           timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out
     assert f"error: cannot serve metrics on 127.0.0.1:{port}: Address already in use (--metrics-port)" in out.stderr
+    # serve checks its own fixed ports before it forks anything (the router's failed after the workers were up,
+    # the front's once the whole fleet had loaded, in a line that did not name --openai-port)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flags in (["--port", str(port)], ["--port", "0", "--openai-port", str(port)]):
+            out = colibri_run(["serve", "--model", path, "--workers", "2", *flags], timeout=60)
+            assert out.returncode == 2 and "Traceback" not in out.stderr, out
+            assert f"error: {flags[-2]} {port}: 127.0.0.1:{port} cannot be listened on (Address already in use)" \
+                in out.stderr, out.stderr
+            assert "forking" not in out.stderr and "expert worker" not in out.stderr, out.stderr
 
 
 def test_a_second_signal_to_serve_stops_the_fleet_now_not_after_the_grace_period(oracles):
