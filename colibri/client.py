@@ -220,7 +220,8 @@ def check_utf8(prompt: str) -> str:
 def request_of(prompt: str | list[int], sampling: pb.SamplingParams, request_id: str = "",
                add_special_tokens: bool = True) -> pb.GenerateRequest:
     """A GenerateRequest of a text or token-id prompt with these SamplingParams (ValueError, naming it, for a value
-    a request cannot carry: token ids past int32, text that is not Unicode). `add_special_tokens`: whether a text
+    a request cannot carry: token ids past int32, text that is not Unicode; TypeError for bytes, which are neither).
+    `add_special_tokens`: whether a text
     prompt's tokenizing adds the tokenizer's special tokens (a BOS), as transformers' tokenizer(text) does."""
     if isinstance(prompt, (bytes, bytearray, memoryview)):     # iterable ints: it was sent as token ids
         raise TypeError("the prompt must be text (str) or token ids (a list of int), got bytes: decode them first")

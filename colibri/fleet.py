@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -20,9 +21,11 @@ from typing import TypeVar
 from colibri.fork import Entry, ForkedChild, die_with_parent, fork_command
 from colibri.openai_api.options import OpenAIOptions
 from colibri.openai_api.policy import API_KEY_ENV
+from colibri_common.errors import ConfigError
 from colibri_common.file_watch import EXIT_RESTART
 from colibri_common.fleet_token import ENV as FLEET_ENV
 from colibri_common.options import to_argv
+from colibri_common.serving import bind_error
 from expert_service.options import ExpertOptions
 from router_service.api.options import RouterOptions
 
@@ -51,32 +54,34 @@ def exit_reason(code: int | None) -> str:
     return f" ({name}{': ' + why if why else ''})"
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct ports free on loopback now (all held open while choosing, so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
+def free_ports(n: int, avoid: frozenset[int] = frozenset()) -> list[int]:
+    """n distinct ports free on loopback now (all held open while choosing, so none repeats), none of `avoid` (the
+    ports the flags fix, which their processes have not bound yet)."""
+    socks: list[socket.socket] = []
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        while sum(s.getsockname()[1] not in avoid for s in socks) < n:
+            socks.append(socket.socket())
+            socks[-1].bind(("127.0.0.1", 0))
+        return [p for p in (s.getsockname()[1] for s in socks) if p not in avoid][:n]
     finally:
         for s in socks:
             s.close()
 
 
 def check_ports_free(wanted: list[tuple[str, str, int]]) -> None:
-    """Each (flag, host, port) free to listen on now, else a ConfigError naming the flag: before any child starts
-    (a router's port in use failed after the workers were forked, the front's once the whole fleet had loaded)."""
-    from colibri_common.errors import ConfigError
-
-    for flag, host, port in wanted:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the servers bind: TIME_WAIT is no owner
-            try:
-                s.bind((host.strip("[]"), port))
-            except OSError as exc:
-                raise ConfigError(f"{flag} {port}: {host}:{port} cannot be listened on ({exc.strerror or exc}); "
-                                  f"another process holds it? give another port, or 0 for a free one") from None
+    """Each (what, host, port) free to listen on now, else a ConfigError naming the flag: checked before any child
+    starts (a router's port in use failed after the workers were forked, the front's once the fleet had loaded)."""
+    for what, host, port in wanted:
+        if (exc := bind_error(host, port)) is None:
+            continue
+        shown = f"[{host.strip('[]')}]" if ":" in host else host
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{what} {port}: {shown}:{port} is in use (another process listens there); give "
+                              f"another port, or 0 for a free one")
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host {host}: not an address of this machine ({exc.strerror}); give one of its "
+                              f"addresses, 127.0.0.1 or 0.0.0.0")
+        raise ConfigError(f"{what} {port}: {shown}:{port} cannot be listened on ({exc.strerror or exc})")
 
 
 def child_argv(command: str, opts: RouterOptions | ExpertOptions | OpenAIOptions) -> list[str]:

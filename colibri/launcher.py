@@ -84,12 +84,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
 
     Checkpoint(opts.router.model).close()           # so do missing or truncated weight files (one line, not one
     #                                                 a child)
-    r, mport = opts.router, opts.router.metrics_port
-    check_ports_free([(flag, host, port) for flag, host, port in (
-        ("--port", r.host, r.port), ("--openai-port", r.host, opts.openai_port or 0),
-        ("--metrics-port", r.host, mport or 0),
-        *((f"--metrics-port (worker {i}'s, P + {1 + i})", "127.0.0.1", mport + 1 + i if mport else 0)
-          for i in range(n))) if port])
+    check_ports_free(opts.fixed_ports())
     if n > cfg.num_experts:                      # as would more workers than experts: one line, not one per child
         raise ConfigError(f"--workers {n}: {cfg.num_experts} experts a layer leave workers without any; give at "
                           f"most {cfg.num_experts}")
@@ -117,14 +112,13 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         # --metrics-port 0: the metrics ports are chosen here too (all at once: none repeats), so a child started
         # again serves its metrics where it did
         any_metrics = opts.router.metrics_port == 0
-        chosen = free_ports(2 * n + 1 if any_metrics else n)
+        chosen = free_ports(2 * n + 1 if any_metrics else n, frozenset(p for _, _, p in opts.fixed_ports()))
         ports, mports = chosen[:n], [*chosen[n:]] if any_metrics else [None] * (n + 1)
-        if any_metrics:
-            opts = replace(opts, router=replace(opts.router, metrics_port=mports[n]))
+        # (not put into opts: its port checks read P + 1 + i as the workers' ports, which these are not)
         procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i], sockets, mports[i]))
                  for i in range(n)]
         workers = tuple(f"127.0.0.1:{port}" for port in ports)
-        router = fleet.spawn("router", opts.router_options(workers, router_threads))
+        router = fleet.spawn("router", opts.router_options(workers, router_threads, mports[n]))
         addrs, ready_s = [], []
         for i, p in enumerate(procs):
             addrs.append(fleet.wait_ready(p, f"expert worker {i}/{n}"))
@@ -198,7 +192,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         return fleet.spawn("expert", opts.expert(i, worker_threads, port_of(addrs[i]), sockets, mports[i]))
 
     def respawn_router() -> Child:
-        current["router"] = fleet.spawn("router", replace(opts.router_options(workers, router_threads),
+        current["router"] = fleet.spawn("router", replace(opts.router_options(workers, router_threads, mports[n]),
                                                           port=port_of(addr)))
         return current["router"]
 

@@ -13,6 +13,7 @@ from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.api.options import RouterOptions
 
 SPAWNS = ("auto", "fork", "exec")
+WORKER_HOST = "127.0.0.1"        # serve's workers listen on loopback: only its router calls them
 
 
 @dataclass(frozen=True)
@@ -95,21 +96,25 @@ class ServeOptions:
         for entry in self.allowed_origins:
             origin_entry(entry)
 
+    def fixed_ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every port serve's processes listen on that the flags fix (0: chosen at start)."""
+        r, mport = self.router, self.router.metrics_port
+        ports = [("--port", r.host, r.port), ("--openai-port", r.host, self.openai_port or 0),
+                 ("--metrics-port", r.host, mport or 0)]
+        if mport:
+            ports += [(f"worker {i}'s metrics port (--metrics-port + {1 + i})", WORKER_HOST, mport + 1 + i)
+                      for i in range(self.workers)]
+        return [p for p in ports if p[2]]
+
     def _check_ports(self) -> None:
-        """Every port serve binds that is fixed (not 0): in range and distinct, before anything starts."""
+        """The fixed ports in range and distinct, before anything starts."""
         mport = self.router.metrics_port
         if mport and mport + self.workers > 65535:
             raise ValueError(f"--metrics-port {mport}: worker i's metrics go on {mport} + 1 + i, up to "
                              f"{mport + self.workers} for {self.workers} workers, past 65535: give at most "
                              f"{65535 - self.workers}")
-        fixed = [("--port", self.router.port), ("--openai-port", self.openai_port)]
-        if mport:
-            fixed += [("--metrics-port", mport)] + [(f"worker {i}'s metrics port (--metrics-port + {1 + i})",
-                                                    mport + 1 + i) for i in range(self.workers)]
         seen: dict[int, str] = {}
-        for what, port in fixed:
-            if not port:
-                continue
+        for what, _, port in self.fixed_ports():
             if port in seen:
                 raise ValueError(f"{what} and {seen[port]} are both {port}: give each its own port (or 0 for a "
                                  f"free one)")
@@ -133,7 +138,7 @@ class ServeOptions:
                metrics_port: int | None = None) -> ExpertOptions:
         """Worker `shard`'s options: the service options it shares with the router, on loopback; with `sockets`
         (a directory only this user enters) its same-host socket there; `metrics_port` overrides P + 1 + shard."""
-        common = dict(shared_fields(self.router), host="127.0.0.1", port=port, threads=threads,
+        common = dict(shared_fields(self.router), host=WORKER_HOST, port=port, threads=threads,
                       device=self.device(shard))
         mport = self.router.metrics_port                 # the router's port P; worker i gets P + 1 + i
         if metrics_port is None and mport is not None:   # (`metrics_port`: the one serve chose, for P = 0)
@@ -144,9 +149,11 @@ class ServeOptions:
                              metrics_port=metrics_port,
                              local_socket="" if sockets is None else str(sockets / f"worker-{shard}.sock"))
 
-    def router_options(self, workers: tuple[str, ...], threads: int) -> RouterOptions:
+    def router_options(self, workers: tuple[str, ...], threads: int, metrics_port: int | None = None) -> RouterOptions:
+        """The router's options, with `metrics_port` where serve chose it (--metrics-port 0)."""
         return replace(self.router, workers=workers, threads=threads, device=self.device(None),
-                       expert_replicas=self.replicas)     # a resize keeps the replicas serve was asked for
+                       expert_replicas=self.replicas,     # a resize keeps the replicas serve was asked for
+                       metrics_port=self.router.metrics_port if metrics_port is None else metrics_port)
 
     def front(self, router: str) -> OpenAIOptions:
         """The HTTP front's options: on the router's host, a client of the router (its CA when TLS)."""

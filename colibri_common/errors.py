@@ -32,6 +32,6 @@ def context_length_exceeded(limit: int, prompt: int, completion: int | None) -> 
                 f"prompt")
     if completion == 0:             # max_tokens 0 (as many as fit), and none fit
         return (f"{CONTEXT_LENGTH_MARK} {limit} tokens. However, the prompt is {prompt} tokens, which leaves no "
-                f"room for a new token (max_tokens 0: as many as fit); send a shorter prompt")
+                f"room for a new token (max_tokens 0 or not given: as many as fit); send a shorter prompt")
     return (f"{CONTEXT_LENGTH_MARK} {limit} tokens. However, you requested {prompt + completion} tokens ({prompt} "
             f"in the prompt, {completion} for max_tokens); send a shorter prompt or a lower max_tokens")

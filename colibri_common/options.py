@@ -184,8 +184,16 @@ class ClientTls:
             "--tls-key)"
 
 
-def check_target(flag: str, value: str,
-                 what: str = "the port the router's or serve's `ready` line names") -> None:
+def is_address(text: str) -> bool:
+    """HOST:PORT with a host and a port in 1..65535 ([v6]:PORT too, bracketed: ::1 alone would read as host ':'):
+    an expert worker's address."""
+    host, _, port = text.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+    return bool(host) and (bracketed or ":" not in host and "[" not in host) and port.isdigit() and \
+        0 < int(port) < 65536
+
+
+def check_target(flag: str, value: str) -> None:
     """A gRPC address a client dials: a HOST:PORT's port in 1..65535 (gRPC dialled 99999 as 34463); other gRPC
     target forms (unix:PATH, dns:///...) pass as they are. An empty one (an unset variable: gRPC failed with its
     internal trace) is refused by `from_args`, as every required flag given empty."""
@@ -193,7 +201,7 @@ def check_target(flag: str, value: str,
     if found and not 0 < int(found.group(2)) < 65536:
         raise ValueError(f"{flag} {value}: the port must be in 1..65535")
     if value and not found and ":" not in value:   # gRPC dialled a bare host on port 443
-        raise ValueError(f"{flag} {value}: give HOST:PORT ({what})")
+        raise ValueError(f"{flag} {value}: give HOST:PORT (the port the router's or serve's `ready` line names)")
 
 
 class Parser(argparse.ArgumentParser):

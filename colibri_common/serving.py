@@ -52,19 +52,28 @@ WAKE_POLL_S = 1.0       # the main thread's longest sleep between looks at the s
 log = logging.getLogger("colibri")
 
 
-def why_not_bound(host: str, port: int) -> str:
-    """Why an address cannot be listened on, as the OS says it (gRPC does not)."""
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why HOST:PORT cannot be listened on now, as the OS says it, or None where it can (bound as the services bind:
+    SO_REUSEADDR, so a closed connection's TIME_WAIT is no owner)."""
     try:
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         with socket.socket(family) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host.strip("[]"), port))
-    except OverflowError:
-        return "the port must be 0-65535"
     except OSError as exc:
-        hint = " (another service listens there; --port 0 picks a free port)" if exc.errno == errno.EADDRINUSE else ""
-        return f"{exc.strerror or exc}{hint}"
-    return "gRPC could not bind it"
+        return exc
+    return None
+
+
+def why_not_bound(host: str, port: int) -> str:
+    """Why an address cannot be listened on, as the OS says it (gRPC does not)."""
+    if not 0 <= port <= 65535:
+        return "the port must be 0-65535"
+    exc = bind_error(host, port)
+    if exc is None:
+        return "gRPC could not bind it"
+    hint = " (another service listens there; --port 0 picks a free port)" if exc.errno == errno.EADDRINUSE else ""
+    return f"{exc.strerror or exc}{hint}"
 
 
 def setup_logging(role: str, level: str = "INFO") -> None:

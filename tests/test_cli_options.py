@@ -17,6 +17,7 @@ from colibri.cli import COMMANDS, build_parser
 from colibri.fleet import child_argv
 from colibri.openai_api.options import OpenAIOptions
 from colibri.serve_options import ServeOptions
+from colibri_common.errors import ConfigError
 from colibri_common.options import Parser, _flags, add_options, from_args, option, to_argv
 from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.api.options import RouterOptions
@@ -182,7 +183,10 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["serve", "--model", "m", "--served-model-name", "x", "--allowed-hosts", "h"],
      "--served-model-name, --allowed-hosts are for the HTTP front: give --openai-port too"),
     (["serve", "--model", "m", "--tls-cert", "c.pem"], "give --tls-cert and --tls-key together"),
-    (["router", "--model", "m", "--workers", "a:1,garbage"], "--workers garbage: give HOST:PORT (each expert worker"),
+    (["router", "--model", "m", "--workers", "a:1,garbage"], "--workers garbage: give each expert worker as HOST:PORT"),
+    (["router", "--model", "m", "--workers", "::1"], "--workers ::1: give each expert worker as HOST:PORT"),
+    (["router", "--model", "m", "--workers", "[::1]"], "--workers [::1]: give each"),
+    (["router", "--model", "m", "--workers", "h:"], "--workers h:: give each"),
 ])
 def test_bad_flags_are_one_clear_line_and_exit_2(argv, needle):
     out = subprocess.run([COLIBRI, *argv], capture_output=True, text=True, timeout=60)
@@ -190,6 +194,29 @@ def test_bad_flags_are_one_clear_line_and_exit_2(argv, needle):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle.replace("_", "-") in lines[0].replace("_", "-"), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_worker_addresses_as_kubernetes_and_ipv6_give_them_are_taken():
+    for address in ("w-0.w.llm.svc.cluster.local:50061", "[::1]:50061", "10.0.0.5:1", "localhost:65535"):
+        assert parse(RouterOptions, ["--model", "m", "--workers", address]).workers == (address,)
+
+
+def test_serve_knows_its_fixed_ports_and_chooses_none_of_them():
+    from colibri.fleet import check_ports_free, free_ports
+
+    opts = parse(ServeOptions, ["--model", "m", "--workers", "3", "--port", "50051", "--metrics-port", "9300",
+                                "--openai-port", "0"], ServeOptions.EXCLUDED)
+    assert [p for _, _, p in opts.fixed_ports()] == [50051, 9300, 9301, 9302, 9303]     # 0: chosen at start
+    assert {h for _, h, _ in opts.fixed_ports()} == {"127.0.0.1"}
+    # --metrics-port 0: the router's chosen port reaches it without the P + 1 + i check (it was put into the options,
+    # whose check then read the chosen port as P and could refuse it)
+    chosen = parse(ServeOptions, ["--model", "m", "--metrics-port", "0"], ServeOptions.EXCLUDED)
+    assert chosen.router_options(("127.0.0.1:1",), 1, 65535).metrics_port == 65535
+    taken = free_ports(4)
+    assert not set(free_ports(6, frozenset(taken))) & set(taken)
+    check_ports_free([("--port", host, 0) for host in ("0.0.0.0", "127.0.0.1")])      # port 0: any free one
+    with pytest.raises(ConfigError, match="--host 192.0.2.1: not an address of this machine"):   # TEST-NET-1
+        check_ports_free([("--port", "192.0.2.1", 0)])
 
 
 def test_stop_strings_are_kept_as_typed_with_escapes():

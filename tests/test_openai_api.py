@@ -119,6 +119,35 @@ def test_chat_template_is_rendered_as_transformers_renders_it(served):
         ChatTemplate(template, special).render(bad)
 
 
+def test_a_requests_template_variables_override_the_special_tokens_and_may_be_named_self():
+    template = ChatTemplate("{{ bos_token }}|{{ flavour }}|{{ messages[0]['content'] }}|{{ add_generation_prompt }}",
+                            {"bos_token": "<s>"})
+    assert template.render(MESSAGES[1:], True) == "<s>||  Say hi.  |True"
+    assert template.render(MESSAGES[1:], False, {"flavour": "F", "bos_token": "B"}) == "B|F|  Say hi.  |False"
+    # 'self' (jinja's own name for the template, which a variable does not replace) is no error: it was a 500
+    assert template.render(MESSAGES[1:], True, {"self": 1}) == "<s>||  Say hi.  |True"
+
+
+def test_the_routers_refusals_are_about_the_field_their_message_names():
+    """OpenAI's `param` from the router's INVALID_ARGUMENT messages (router_service/api/server.py's words)."""
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    for details, param in [
+        ("token ids [32000] are outside the vocabulary [0, 32000)", "prompt"),
+        ("the text prompt has 2000000 bytes, over the router's --max-prompt-bytes 1048576", "prompt"),
+        ("the prompt is empty; send text or at least one token id", "prompt"),
+        ("17 stop strings, over the router's --max-stop-strings 16", "stop"),
+        ("stop string 1 has 1025 characters; at most 1024", "stop"),
+        ("stop strings need the model's tokenizer.json; this model has none (use stop_token_ids)", "stop"),
+        ("40 stop_token_ids, over the router's --max-stop-token-ids 32", "stop_token_ids"),
+        ("stop_token_ids [1000000] are outside the vocabulary [0, 258)", "stop_token_ids"),
+        ("min_tokens must be in [0, max_tokens]", "min_tokens"),
+        ("top_p must be in (0, 1], got 1.5", "top_p"),
+        ("default_max_tokens must be >= 0 (0 = none), got -1", None),      # the front's own field, not the client's
+        ("something else entirely", None),
+    ]:
+        assert ApiError.of_grpc(FakeRpcError(code, details), prompt_param="prompt").param == param, details
+
+
 def test_chat_greedy_equals_transformers_on_the_templated_prompt(served):
     oracle, hf_tok, _, _, api = served
     tok = Tokenizer.from_dir(oracle.path)
@@ -360,14 +389,20 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
         assert (status, err["error"]["param"]) == (400, param), err
     # the router's refusals name the field (OpenAI's `param`), and which of several prompts it refused
     for body, param, needle in (
-            ({"prompt": [[1, 2, 3], [4, 5, 6], [10**6]]}, "prompt", "prompt 2: token ids [1000000]"),
+            ({"prompt": [[1, 2, 3], [4, 5, 6], [10**6]]}, "prompt", "token ids [1000000]"),
             ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids", "stop_token_ids [1000000] are outside"),
             ({"prompt": "x", "min_tokens": 10**6}, "min_tokens", "min_tokens")):
         status, err = raw(url, "POST", "/v1/completions", json.dumps({"max_tokens": 2, **body}).encode())
         assert (status, err["error"]["param"]) == (400, param) and err["error"]["message"].startswith(needle), err
+        assert ("(prompt 2 of 3, from 0)" in err["error"]["message"]) == (len(body["prompt"]) == 3), err
+    long = json.dumps({"prompt": [[1], [1] * 20000], "max_tokens": 2}).encode()
+    status, err = raw(url, "POST", "/v1/completions", long)
+    assert (status, err["error"]["param"], err["error"]["code"]) == (400, "prompt", "context_length_exceeded"), err
+    assert err["error"]["message"].startswith("This model's maximum context length is"), err    # OpenAI's opening
+    assert err["error"]["message"].endswith("(prompt 1 of 2, from 0)"), err
     # a template variable named as one of render's own parameters ('self' was a 500): just a variable
     plain = api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=3, temperature=0)
-    for kw in ({"self": 1}, {"extra": 2, "add_generation_prompt_": 3}):
+    for kw in ({"self": 1},):
         got = api.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=3, temperature=0,
                                           extra_body={"chat_template_kwargs": kw})
         assert got.choices[0].message.content == plain.choices[0].message.content

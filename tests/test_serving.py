@@ -356,7 +356,7 @@ def test_a_local_socket_or_metrics_port_that_cannot_be_bound_is_one_line(oracles
         for flags in (["--port", str(port)], ["--port", "0", "--openai-port", str(port)]):
             out = colibri_run(["serve", "--model", path, "--workers", "2", *flags], timeout=60)
             assert out.returncode == 2 and "Traceback" not in out.stderr, out
-            assert f"error: {flags[-2]} {port}: 127.0.0.1:{port} cannot be listened on (Address already in use)" \
+            assert f"error: {flags[-2]} {port}: 127.0.0.1:{port} is in use (another process listens there)" \
                 in out.stderr, out.stderr
             assert "forking" not in out.stderr and "expert worker" not in out.stderr, out.stderr
 

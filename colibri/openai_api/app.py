@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -175,15 +176,15 @@ class Front:
                                      self.opts.request_timeout)
                   for i, p in enumerate(prompts)]
         streams = [aiter(call) for call in calls]
+        failed: list[int] = []          # the prompts the router refused, in the order their refusals came
 
-        async def first(i: int, it: AsyncIterator) -> Any:
+        async def first(i: int, it: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateResponse:
             try:
                 return await anext(it)
             except grpc.RpcError:
-                failed.append(i)            # which prompt the router refused, for its message
+                failed.append(i)        # before gather sees it: the first refusal gather raises is failed[0]
                 raise
 
-        failed: list[int] = []
         firsts = asyncio.ensure_future(asyncio.gather(*(first(i, it) for i, it in enumerate(streams))))
         # read whatever it ends with, so a gather cancelled when the client left (it then holds CancelledError or
         # the cancelled calls' error) is not logged as "exception was never retrieved" with a traceback
@@ -203,8 +204,9 @@ class Front:
             return firsts.result(), streams
         except grpc.RpcError as exc:
             err = ApiError.of_grpc(exc, self.hide, "messages" if reply.chat else "prompt")
-            if len(prompts) > 1 and failed and err.param == "prompt":     # which of the prompts
-                err = ApiError(err.status, f"prompt {failed[0]}: {err.message}", err.param, err.code)
+            if len(prompts) > 1 and failed and err.param == "prompt":     # which of the prompts (at the end: a
+                err = ApiError(err.status, f"{err.message} (prompt {failed[0]} of {len(prompts)}, from 0)",  # context
+                               err.param, err.code)                 # length's message keeps OpenAI's opening)
             self._close(reply, calls, str(err.status))
             raise err from None
         except StopAsyncIteration:
@@ -377,7 +379,8 @@ async def _read_json(request: Request, limit: int) -> Any:
     except RecursionError:
         raise bad("the request body is not valid JSON here: it nests arrays or objects too deep") from None
     except ValueError as exc:                       # bad JSON or UTF-8, a 5000-digit integer
-        why = "an integer of more than 4300 digits" if "integer string conversion" in str(exc) else str(exc)
+        why = f"an integer of more than {sys.get_int_max_str_digits()} digits" \
+            if "integer string conversion" in str(exc) else str(exc)
         raise bad(f"the request body is not valid JSON: {why}") from None
 
 

@@ -99,18 +99,19 @@ class ApiError(Exception):
         return ApiError(status, details or code.name, code=code.name.lower())
 
 
-SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+# the sampling fields a client sends (default_max_tokens is the front's own, from generation_config.json)
+SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name) - {"default_max_tokens"}
 
 
 def param_of(details: str, prompt_param: str | None) -> str | None:
     """The request field a router's INVALID_ARGUMENT is about (OpenAI's `param`), read from its message, which names
-    the field first: the prompt's token ids, the stop strings or token ids, or a sampling field."""
-    if details.startswith(("token ids", "the prompt", "prompt token ids")):
+    it first: the prompt (its token ids, its text, its length), the stop strings, or a sampling field by name."""
+    if details.startswith(("token ids", "the prompt", "the text prompt", CONTEXT_LENGTH_MARK)):
         return prompt_param
+    if details.startswith(("stop string", "stop strings")) or " stop strings, over " in details:
+        return "stop"
     if "stop_token_ids" in details:
         return "stop_token_ids"
-    if "stop string" in details:
-        return "stop"
     first = details.split(" ", 1)[0]
     return first if first in SAMPLING_FIELDS else None
 

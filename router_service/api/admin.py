@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from colibri_common.options import is_address
 from colibri_common.pb import admin_pb2, admin_pb2_grpc
 from router_service.moe.remote import RemoteExperts
 from router_service.moe.resize import Outcome, Placement, ResizeFailed
@@ -19,12 +20,6 @@ GUARDED = (f"/{SERVICE}/",)
 
 
 MAX_ADDRESSES = 1024
-
-
-def is_address(text: str) -> bool:
-    """HOST:PORT with a host and a port in 1..65535 ([v6]:PORT too)."""
-    host, _, port = text.rpartition(":")
-    return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
 
 
 def worker_states(remote: RemoteExperts) -> list[admin_pb2.WorkerState]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from colibri_common.options import DTYPES, ServiceOptions, check_target, option
+from colibri_common.options import DTYPES, ServiceOptions, is_address, option
 from router_service.engine.scheduler import SchedulerConfig
 
 TRANSPORTS = ("auto", "stream", "unary")
@@ -93,7 +93,9 @@ class RouterOptions(ServiceOptions):
             raise ValueError("--quantize-dense is the CPU path (int8 CPU kernels); on a GPU keep the dense "
                              "layers in the compute dtype")
         for address in self.workers:     # a bare name was dialled for minutes ("Domain name not found")
-            check_target("--workers", address, "each expert worker's address: the port of its `colibri expert`")
+            if not is_address(address):
+                raise ValueError(f"--workers {address}: give each expert worker as HOST:PORT (the port of its "
+                                 f"`colibri expert`; an IPv6 host in brackets: [::1]:50061)")
         if self.workers and self.follow_workers:
             raise ValueError("give the expert workers as --workers HOST:PORT[,...] or --follow-workers NAME:PORT, "
                              "not both")
