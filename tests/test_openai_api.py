@@ -417,6 +417,23 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
     assert 'colibri_openai:refused_total{status="405"}' in counted      # counted as the other refusals (it was not)
 
 
+def test_a_large_body_is_parsed_and_templated_off_the_event_loop_with_the_same_answers(served):
+    """Bodies over OFF_LOOP_BYTES go through a worker thread (app._call): the same answers and refusals."""
+    *_, url, api = served
+    from colibri.openai_api.app import OFF_LOOP_BYTES
+
+    pad = "y" * OFF_LOOP_BYTES                                       # an unknown field: ignored, but parsed
+    plain = api.completions.create(model="chatty", prompt="Hi", max_tokens=3, temperature=0)
+    status, got = raw(url, "POST", "/v1/completions", json.dumps({"model": "chatty", "prompt": "Hi", "max_tokens": 3,
+                                                                  "temperature": 0, "pad": pad}).encode())
+    assert status == 200 and got["choices"][0]["text"] == plain.choices[0].text, got
+    chat = [{"role": "user", "content": "z" * 64}] * (OFF_LOOP_BYTES // 64)     # templated on the thread too
+    status, err = raw(url, "POST", "/v1/chat/completions", json.dumps({"model": "chatty", "messages": chat}).encode())
+    assert status == 400 and err["error"]["param"] == "messages", err
+    status, err = raw(url, "POST", "/v1/completions", b'{"prompt": "x", "pad": "' + pad.encode() + b'"')
+    assert status == 400 and "not valid JSON" in err["error"]["message"], err
+
+
 def test_health_and_metrics(served):
     *_, url, api = served
     api.completions.create(model="chatty", prompt="Hi", max_tokens=2)   # counted here (worksteal runs tests apart)

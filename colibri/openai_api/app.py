@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from starlette.applications import Starlette
@@ -128,8 +128,11 @@ class Front:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        body = await _read_json(request, self.opts.max_body_bytes)
-        parsed = parse_chat(body) if chat else parse_completion(body)
+        body, size = await _read_json(request, self.opts.max_body_bytes)
+        # a large body's parse and chat template run off the event loop: 120k messages held every other request
+        # (and /health) for ~1 s
+        off_loop = size > OFF_LOOP_BYTES
+        parsed = await _call(off_loop, parse_chat if chat else parse_completion, body)
         if parsed.stream and request.scope["http_version"] == "1.0":     # uvicorn would answer it chunked
             raise bad(HTTP10_STREAM, "stream")
         info = await self.info()
@@ -137,7 +140,7 @@ class Front:
         check_model(parsed, name)
         if self.opts.generation_config == "auto":
             parsed = parsed.with_defaults(dict(info.sampling_defaults))
-        prompts = [self._render(parsed, info.has_tokenizer)] if chat else parsed.prompts
+        prompts = [await _call(off_loop, self._render, parsed, info.has_tokenizer)] if chat else parsed.prompts
         if any(isinstance(p, str) for p in prompts) and not info.has_tokenizer:
             raise bad("this model has no tokenizer.json: send the prompt as token ids", "prompt")
         n = parsed.sampling.n or 1
@@ -360,8 +363,17 @@ class _Stream(StreamingResponse):
             self.on_close()
 
 
-async def _read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, read up to `limit` bytes (413 beyond it, before anything is parsed)."""
+T = TypeVar("T")
+OFF_LOOP_BYTES = 256 << 10      # bodies above this are decoded, parsed and templated on a worker thread
+
+
+async def _call(off_loop: bool, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), on a worker thread where `off_loop` (a large request's CPU work), else right here."""
+    return await asyncio.to_thread(fn, *args) if off_loop else fn(*args)
+
+
+async def _read_json(request: Request, limit: int) -> tuple[Any, int]:
+    """(the body as JSON, its bytes), read up to `limit` bytes (413 beyond it, before anything is parsed)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"the request body has {length} bytes, over the front's --max-body-bytes {limit}")
@@ -374,8 +386,9 @@ async def _read_json(request: Request, limit: int) -> Any:
             chunks.append(chunk)
     except ClientDisconnect:
         raise ApiError(CLIENT_GONE, "the client went away while sending its request") from None
+    data = b"".join(chunks)
     try:
-        return json.loads(b"".join(chunks))
+        return await _call(size > OFF_LOOP_BYTES, json.loads, data), size
     except RecursionError:
         raise bad("the request body is not valid JSON here: it nests arrays or objects too deep") from None
     except ValueError as exc:                       # bad JSON or UTF-8, a 5000-digit integer
