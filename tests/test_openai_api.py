@@ -384,7 +384,10 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
     status, err = raw(url, "POST", "/v1/completions", json.dumps({"prompt": "x" * (5 << 20)}).encode())
     assert status == 413 and "--max-body-bytes" in err["error"]["message"]
     for kw, param in (({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-                      ({"messages": [{"role": "banana", "content": "x"}]}, "messages[0].role")):
+                      ({"messages": [{"role": "banana", "content": "x"}]}, "messages[0].role"),
+                      ({"messages": [{"role": "user"}]}, "messages[0].content"),             # were accepted
+                      ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+                      ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name")):
         status, err = raw(url, "POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, **kw}).encode())
         assert (status, err["error"]["param"]) == (400, param), err
     # the router's refusals name the field (OpenAI's `param`), and which of several prompts it refused

@@ -25,6 +25,7 @@ MAX_PROMPTS = 64            # prompts in one completions request (each is its ow
 MAX_ID = 2**31 - 1          # token ids travel as int32
 RESERVED_TEMPLATE_KEYS = ("messages", "tools", "documents", "add_generation_prompt")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+NEED_CONTENT = ("system", "developer", "user")           # roles whose message is its content
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             content = "\n".join(texts)               # as vLLM joins them
         elif content is not None and not isinstance(content, str):
             raise bad(f"{where}.content must be a string, a list of text parts or null", f"{where}.content")
+        if content is None and m["role"] in NEED_CONTENT:   # null is for an assistant's tool call (as OpenAI's)
+            raise bad(f"{where} ({m['role']}) needs a 'content'", f"{where}.content")
+        if "name" in m and not isinstance(m["name"], str):
+            raise bad(f"{where}.name must be a string, got {m['name']!r}", f"{where}.name")
         msg = {k: v for k, v in m.items() if k != "content"}
         msg["content"] = content if content is not None else ""
         out.append(msg)
