@@ -207,9 +207,10 @@ class Front:
             return firsts.result(), streams
         except grpc.RpcError as exc:
             err = ApiError.of_grpc(exc, self.hide, "messages" if reply.chat else "prompt")
-            if len(prompts) > 1 and failed and err.param == "prompt":     # which of the prompts (at the end: a
-                err = ApiError(err.status, f"{err.message} (prompt {failed[0]} of {len(prompts)}, from 0)",  # context
-                               err.param, err.code)                 # length's message keeps OpenAI's opening)
+            if len(prompts) > 1 and failed and err.param == "prompt":
+                # which of the prompts, said at the end: a context length's message keeps OpenAI's opening
+                err = ApiError(err.status, f"{err.message} (prompt {failed[0]} of {len(prompts)}, from 0)",
+                               err.param, err.code)
             self._close(reply, calls, str(err.status))
             raise err from None
         except StopAsyncIteration:
