@@ -39,6 +39,7 @@ from router_service.api.build import BuiltEngine, build_engine
 from router_service.api.choices import ChoiceFailed, Choices, Done, Piece
 from router_service.api.options import RouterOptions
 from router_service.engine.engine import Engine
+from router_service.engine.scheduler import SchedulerConfig
 from router_service.engine.sequence import Sampling
 from router_service.engine.sequence import Sequence as EngineSequence
 from router_service.moe.experts import Experts, LocalExperts
@@ -47,6 +48,7 @@ log = logging.getLogger("colibri")
 
 _ROUTER = {f.name for f in dataclasses.fields(RouterOptions)} - {"model", "workers"}
 _CACHE = {f.name for f in dataclasses.fields(ExpertCacheOptions)}
+_SCHED = {f.name for f in dataclasses.fields(SchedulerConfig)}     # serve's --max-batch-size etc., as keywords
 _SERVE = {f.name for f in dataclasses.fields(ServeOptions)} - {"router", "workers", "cache"}
 
 
@@ -66,10 +68,15 @@ class LLM:
         """`wrap_experts` (in-process only) wraps the experts the engine calls: fault injection in tests."""
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ValueError(f"LLM: workers must be 0 (in this process) or the number of workers, got {workers!r}")
-        unknown = set(options) - _ROUTER - _CACHE - (_SERVE if workers else set())
+        unknown = set(options) - _ROUTER - _CACHE - _SCHED - (_SERVE if workers else set())
         if unknown:
-            valid = sorted(_ROUTER | _CACHE | (_SERVE if workers else set()))
+            valid = sorted(_ROUTER - {"sched"} | _CACHE | _SCHED | (_SERVE if workers else set()))
             raise TypeError(f"LLM: unknown option(s) {sorted(unknown)}; the options are {', '.join(valid)}")
+        if not isinstance(options.get("sched", SchedulerConfig()), SchedulerConfig):
+            raise TypeError(f"LLM: sched must be a router_service.engine.scheduler.SchedulerConfig, got "
+                            f"{options['sched']!r:.80} (or give its fields as keywords: max_batch_size=8)")
+        if sched := check_values(SchedulerConfig, {k: options.pop(k) for k in _SCHED & set(options)}, "LLM"):
+            options["sched"] = dataclasses.replace(options.get("sched", SchedulerConfig()), **sched)
         if workers and wrap_experts is not None:
             raise ValueError("LLM: wrap_experts wraps in-process experts; it needs workers=0")
         self.model = str(model)
@@ -176,6 +183,9 @@ class LLM:
             if len(ids) + sp.max_tokens > b.max_model_len:
                 raise ValueError(context_length_exceeded(b.max_model_len, len(ids), sp.max_tokens))
             check_stop_ids(sp, b.cfg.vocab_size)
+            if sp.stop and b.tokenizer is None:     # as the router refuses them (they were silently never matched)
+                raise ValueError("stop strings need the model's tokenizer.json; this model has none (use "
+                                 "stop_token_ids)")
             if sp.n > min(limits.max_batch_size, limits.max_waiting):
                 raise ValueError(f"n = {sp.n} is more than the engine runs at once ({limits.max_batch_size}); "
                                  f"raise max_batch_size")

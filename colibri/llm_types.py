@@ -55,9 +55,12 @@ class RequestOutput:
 
 def token_ids(prompt: object) -> list[int]:
     try:
-        return [operator.index(t) for t in prompt]               # type: ignore[union-attr]
+        ids = [operator.index(t) for t in prompt]               # type: ignore[union-attr]
     except TypeError:
         raise TypeError(f"a prompt is a str or a list of int token ids, got {prompt!r:.80}") from None
+    if any(isinstance(t, bool) for t in prompt):                  # type: ignore[union-attr]  (True was id 1)
+        raise TypeError(f"a prompt's token ids are ints, not bools: got {prompt!r:.80}")
+    return ids
 
 
 def check_stop_ids(sp: SamplingParams, vocab: int) -> None:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from colibri.cores import split_threads
-from colibri_common.options import DTYPE_CHOICES, QUANTIZE, option, serving_dtype
+from colibri_common.options import DTYPE_CHOICES, QUANTIZE, check_threads, option, serving_dtype
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,9 @@ class TuneOptions:
                                   choices=QUANTIZE)
 
     def __post_init__(self) -> None:
-        if self.workers <= 0 or self.threads < 0 or self.max_rows <= 0:
-            raise ValueError("--workers and --max-rows must be positive, --threads >= 0")
+        if self.workers <= 0 or self.max_rows <= 0:
+            raise ValueError("--workers and --max-rows must be positive")
+        check_threads(self.threads)
         if self.cpu_forms == "off":
             raise ValueError("--cpu-forms off measures nothing; give a path or 'auto'")
 

@@ -136,12 +136,7 @@ class ServiceOptions:
         return serving_dtype(self.dtype, checkpoint_dtype)
 
     def __post_init__(self) -> None:
-        if self.threads < 0:
-            raise ValueError(f"--threads must be >= 0, got {self.threads}")
-        cores = os.cpu_count() or 1
-        if self.threads > 4 * cores:             # each is a kernel thread; 100000 exhausted the machine's threads
-            raise ValueError(f"--threads {self.threads} is more than 4 x this machine's {cores} cores; give at most "
-                             f"{cores} (0 = all of them)")
+        check_threads(self.threads)
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -182,6 +177,16 @@ class ClientTls:
             return " (does the router serve TLS? give its CA with --tls-ca)"
         return "" if self.tls_cert else " (does the router require a client certificate? give --tls-cert and " \
             "--tls-key)"
+
+
+def check_threads(threads: int) -> None:
+    """--threads: 0 (all cores) or a count this machine can run; a ValueError that says so otherwise."""
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {threads}")
+    cores = os.cpu_count() or 1
+    if threads > 4 * cores:                      # each is a kernel thread; 100000 exhausted the machine's threads
+        raise ValueError(f"--threads {threads} is more than 4 x this machine's {cores} cores; give at most {cores} "
+                         f"(0 = all of them)")
 
 
 def is_address(text: str) -> bool:

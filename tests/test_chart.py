@@ -1190,6 +1190,7 @@ def test_values_that_conflict_fail_the_render_naming_them(values, message):
     ({"experts": {"shards": 2000}}, "/experts/shards"),             # its --workers= would pass Linux's 128 KiB
     ({"podLabels": {"team": "a b"}}, "/podLabels/team"),
     ({"podLabels": {"app.kubernetes.io/component": "x"}}, ""),       # the selector's own labels
+    ({"podAnnotations": {"a": 5}}, "/podAnnotations/a"),             # rendered `a: 5`, which the API server refuses
 ])
 def test_the_schema_refuses_values_the_services_or_the_api_server_would(values, where):
     with pytest.raises(helm.HelmError, match=f"(?s)schema.*at '{where}'"):

@@ -143,6 +143,7 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["serve", "--model", "m", "--workers", "0"], "--workers must be positive"),
     (["serve", "--model", "m", "--threads", "-1"], "--threads must be >= 0"),
     (["serve", "--model", "m", "--threads", "100000"], "--threads 100000 is more than 4 x this machine's"),
+    (["tune", "--model", "m", "--threads", "999"], "--threads 999 is more than 4 x this machine's"),   # was taken
     (["serve", "--model", "m", "--metrics-port", "99999"], "--metrics-port must be in 0..65535"),
     (["expert", "--model", "m", "--shard", "0/1", "--metrics-port", "-2"], "--metrics-port must be in 0..65535"),
     (["serve", "--model", "m", "--spawn", "fork", "--gpus", "0"], "--spawn fork is for CPU fleets"),

@@ -211,6 +211,8 @@ def test_admin_takes_only_the_fleet_token_and_checks_addresses(model):
         assert res.returncode == 1 and "at least one worker" in res.stderr
         res = workers_cli(r, "remove", "127.0.0.1:1")
         assert res.returncode == 1 and "not among the router's workers" in res.stderr
+        res = workers_cli(r, "add", a)                       # it re-planned the same workers, as a rebalance
+        assert res.returncode == 1 and "already among the router's workers" in res.stderr, res.stderr
         res = workers_cli(r, "add", "127.0.0.1:1")          # nothing listens: said so, not "Deadline Exceeded" alone
         assert res.returncode == 1 and "Connection refused" in res.stderr and "Deadline" not in res.stderr, res.stderr
         assert Client(r).generate([1, 2, 3], 4, ignore_eos=True, timeout=60).token_ids == model.greedy([1, 2, 3], 4)

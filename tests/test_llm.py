@@ -68,7 +68,9 @@ def test_bad_input_is_a_clear_error_and_the_llm_goes_on(model):
                               "dtype='BFLOAT16' is not one of auto, float32, bfloat16"),
                              ({"dtype": "float16"}, ValueError, "not one of"), ({"dtype": 3}, TypeError, "dtype"),
                              ({"threads": "two"}, TypeError, "threads must be int"),
-                             ({"kv_cache_mb": "100"}, TypeError, "kv_cache_mb must be int")]:
+                             ({"kv_cache_mb": "100"}, TypeError, "kv_cache_mb must be int"),
+                             ({"max_batch_size": "8"}, TypeError, "max_batch_size must be int"),
+                             ({"sched": {"max_batch_size": 8}}, TypeError, "sched must be a .*SchedulerConfig")]:
         with pytest.raises(error, match=match):
             LLM(path, 0, **kw)
     # what one request carries: a value past it failed the engine step of every request beside it
@@ -76,7 +78,8 @@ def test_bad_input_is_a_clear_error_and_the_llm_goes_on(model):
                        ({"top_k": 2**64}, "top_k must be at most"), ({"stop_token_ids": (-1,)}, "stop_token_ids")]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**bad)
-    with LLM(path, 0, expert_cache_heat="off") as llm:
+    with LLM(path, 0, expert_cache_heat="off", max_batch_size=16) as llm:   # serve's scheduler flags as keywords
+        assert llm.built.engine.limits.max_batch_size == 16
         limit = llm.built.max_model_len
         for prompts, params, match in [
             ([[]], None, "empty"),
@@ -90,8 +93,13 @@ def test_bad_input_is_a_clear_error_and_the_llm_goes_on(model):
                 llm.generate(prompts, params)
         with pytest.raises(ValueError, match="max_tokens must be > 0"):
             SamplingParams(max_tokens=0)
+        with pytest.raises(TypeError, match="token ids are ints, not bools"):        # True ran as token id 1
+            llm.generate([[True, 3]], _greedy())
         assert llm.generate([PROMPTS[0]], _greedy())[0].outputs[0].token_ids == oracle.greedy(PROMPTS[0], NEW_TOKENS)
         assert llm.generate([], _greedy()) == []
+    with LLM(oracle.path, 0, expert_cache_heat="off") as bare:         # no tokenizer.json: as the router refuses them
+        with pytest.raises(ValueError, match="stop strings need the model's tokenizer.json"):   # (never matched)
+            bare.generate([PROMPTS[0]], _greedy(stop=("x",)))
 
 
 def test_a_local_fleet_gives_the_same_tokens_as_in_process(model):

@@ -131,10 +131,14 @@ class Placement:
                 unknown = [a for a in remove if a not in old]
                 if unknown:
                     raise ResizeFailed(f"{', '.join(unknown)}: not among the router's workers ({', '.join(old)})")
+                known = [a for a in add if a in old]        # adding one again re-planned the same workers
+                if known:
+                    raise ResizeFailed(f"{', '.join(known)}: already among the router's workers ({', '.join(old)}); "
+                                       f"`colibri workers rebalance` re-plans from the load")
                 addresses = tuple(a for a in (*old, *add) if a not in remove)
                 addresses = tuple(dict.fromkeys(addresses))
             if not addresses:
-                raise ResizeFailed("a router serves with at least one worker: give HOST:PORT addresses")
+                raise ResizeFailed("a router serves with at least one worker: this change would leave it none")
             if len(set(addresses)) != len(addresses):
                 raise ResizeFailed(f"a worker is listed twice: {', '.join(addresses)}")
             out = self._change_to(tuple(addresses), "resize")
