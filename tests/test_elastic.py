@@ -370,13 +370,15 @@ def test_a_worker_down_for_good_is_planned_out_and_the_others_serve_its_experts(
 
 
 def test_adding_a_worker_to_a_static_fleet_mid_stream_changes_no_token(model):
-    want = model.greedy_many(PROMPTS, 300)
+    want = model.greedy_many(PROMPTS, N_LONG)
     with ExitStack() as stack:
         a, _ = stack.enter_context(worker(model.path, "--shard", "0/2"))
         b, _ = stack.enter_context(worker(model.path, "--shard", "1/2"))
         c, _ = stack.enter_context(worker(model.path))
-        r, rp = stack.enter_context(router(model.path, [a, b]))
-        got, res = streams(r, 300, lambda: workers_cli(r, "add", c))
+        # the longest streams, 2 a step (4 waves): on a fast moment of the VM, 300 tokens for all 8 at once ended
+        # before the CLI (a process start and a resize) had made its change, so the test's precondition failed
+        r, rp = stack.enter_context(router(model.path, [a, b], "--max-model-len", "512", "--max-batch-size", "2"))
+        got, res = streams(r, N_LONG, lambda: workers_cli(r, "add", c))
         assert res.returncode == 0, res.stderr
         for g, w in zip(got, want, strict=True):
             assert g.token_ids == w
