@@ -32,7 +32,7 @@ from benchmarks.bench_model import SIZES, ensure_bench_model
 from benchmarks.common import ReadProbe, finish, machine, page_state, publish, table
 from benchmarks.llamacpp import add_peer_args, find_peer
 from benchmarks.llamacpp import measure as measure_llamacpp
-from benchmarks.targets import orchestration, targets_section
+from benchmarks.targets import orchestration, step_seconds, targets_section
 from colibri.fleet import colibri_command
 from colibri.loadgen import run_load
 from colibri_common.config import ModelConfig
@@ -242,7 +242,7 @@ def main() -> int:
             ph = results[name]["rows"][c]["phases"]
             if (orch := orchestration(ph)) is None:
                 continue
-            total = sum(ph.get(k, 0) for k in ("schedule", "prepare", "forward", "postprocess"))
+            total = step_seconds(ph)
             split.append([name, str(c), f"{100 * orch:.1f}%", f"{100 * ph.get('wait', 0) / total:.0f}%",
                           f"{100 * ph.get('expert_compute', 0) / total:.0f}%"])
     vs_llama = llamacpp_section(llama, results, streams)

@@ -33,10 +33,14 @@ ORCHESTRATION_MAX = 0.15     # of a one-stream fleet step: schedule, prepare, po
 READY_MAX_S = 1.0            # `serve` start → its ready line, bench model, bf16, warm page cache
 
 
+def step_seconds(phases: dict[str, float]) -> float:
+    """A fleet's steps in all, from the engine's phase counters (dispatch, wait and compute lie inside forward)."""
+    return sum(phases.get(k, 0.0) for k in ("schedule", "prepare", "forward", "postprocess"))
+
+
 def orchestration(phases: dict[str, float]) -> float | None:
     """The share of a fleet's steps spent orchestrating (the engine's phase counters), None without steps."""
-    total = sum(phases.get(k, 0.0) for k in ("schedule", "prepare", "forward", "postprocess"))
-    if total <= 0:
+    if (total := step_seconds(phases)) <= 0:
         return None
     return sum(phases.get(k, 0.0) for k in ("schedule", "prepare", "postprocess", "dispatch")) / total
 

@@ -31,7 +31,7 @@ from colibri.client import check_utf8
 from colibri.llm_fleet import LocalFleet
 from colibri.llm_types import CompletionOutput, Prompt, RequestOutput, SamplingParams, check_stop_ids, token_ids
 from colibri.serve_options import ServeOptions
-from colibri_common.errors import context_length_exceeded
+from colibri_common.errors import STOP_NEEDS_TOKENIZER, context_length_exceeded
 from colibri_common.options import check_values
 from expert_service.build import BuiltShard, build_shard
 from expert_service.options import ExpertCacheOptions, ExpertOptions
@@ -184,8 +184,7 @@ class LLM:
                 raise ValueError(context_length_exceeded(b.max_model_len, len(ids), sp.max_tokens))
             check_stop_ids(sp, b.cfg.vocab_size)
             if sp.stop and b.tokenizer is None:     # as the router refuses them (they were silently never matched)
-                raise ValueError("stop strings need the model's tokenizer.json; this model has none (use "
-                                 "stop_token_ids)")
+                raise ValueError(STOP_NEEDS_TOKENIZER)
             if sp.n > min(limits.max_batch_size, limits.max_waiting):
                 raise ValueError(f"n = {sp.n} is more than the engine runs at once ({limits.max_batch_size}); "
                                  f"raise max_batch_size")

@@ -55,11 +55,12 @@ class RequestOutput:
 
 def token_ids(prompt: object) -> list[int]:
     try:
-        ids = [operator.index(t) for t in prompt]               # type: ignore[union-attr]
+        items = list(prompt)                                     # type: ignore[call-overload]  (iterated once)
+        ids = [operator.index(t) for t in items]
     except TypeError:
         raise TypeError(f"a prompt is a str or a list of int token ids, got {prompt!r:.80}") from None
-    if any(isinstance(t, bool) for t in prompt):                  # type: ignore[union-attr]  (True was id 1)
-        raise TypeError(f"a prompt's token ids are ints, not bools: got {prompt!r:.80}")
+    if any(isinstance(t, bool) for t in items):                  # True was token id 1
+        raise TypeError(f"a prompt's token ids are ints, not bools: got {items!r:.80}")
     return ids
 
 

@@ -16,6 +16,8 @@ class ConfigError(ColibriError):
 # gRPC's own answer to a message over the receiver's limit says "larger than max (N vs. M)" and nothing of the
 # flag that sets M; what prints it (the CLI, the HTTP front) adds this.
 TOO_LARGE_MARK = "larger than max"
+# stop strings are matched in the detokenized text: a model without a tokenizer.json has none
+STOP_NEEDS_TOKENIZER = "stop strings need the model's tokenizer.json; this model has none (use stop_token_ids)"
 TOO_LARGE_HINT = ("; the router takes requests up to its --max-request-bytes, and prompts up to its "
                   "--max-prompt-bytes")
 

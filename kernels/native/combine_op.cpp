@@ -9,8 +9,8 @@
 //   every part's rows None: acc = part 0, acc += part 1, ...      else: acc = 0, then part by part acc[rows] += part
 //   out = acc.to(dtype)                                           (torch's rounding, once)
 //
-// An empty `out` means "not this way": a reply that is not a float64 [n, H] sum of its rows, a row out of range or
-// a field it does not expect goes to the Python path, which parses and says what is wrong. What it saves is a reply's
+// An empty `out` means "not this way": a reply that is not a float64 [n, H] sum of its rows, a row out of range, rows
+// that are not a contiguous int64 [n] tensor, or a field it does not expect goes to the Python path, which parses and says what is wrong. What it saves is a reply's
 // three copies (protobuf's parse, the bytes field's read, the float64 add's new tensor) and the Python between them:
 // at 32 rows a reply is 256 KiB, on caches the workers' weights have just flushed.
 
@@ -82,8 +82,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> combine_replies(at::TensorList pa
         const at::Tensor& r = rows[p];
         const bool all = r.numel() == 0;
         if (!all) {
-            TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 1 && r.is_contiguous(),
-                        "colibri::combine_replies: rows are contiguous int64 [n] tensors");
+            if (r.scalar_type() != at::kLong || r.dim() != 1 || !r.is_contiguous()) return none;   // Python's to sum
             const int64_t* rp = r.data_ptr<int64_t>();
             for (int64_t i = 0; i < r.numel(); ++i)
                 if (rp[i] < 0 || rp[i] >= T) return none;

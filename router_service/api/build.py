@@ -142,8 +142,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     try:
         kv = KVCache(cfg.num_layers, num_blocks + spare, opts.block_size, kv_heads, k_dim, dtype, device, v_dim)
     except (OSError, MemoryError, torch.OutOfMemoryError) as exc:   # ENOMEM from the map, or a GPU's out-of-memory
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0] if str(exc) \
-            else type(exc).__name__
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+            (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"the KV cache ({num_blocks + spare} blocks of {opts.block_size} tokens, "
                           f"{(num_blocks + spare) * per_block / 2**20:.0f} MiB) cannot be allocated on {device}: "
                           f"{why}; lower --kv-cache-mb / --kv-cache-blocks") from None

@@ -13,7 +13,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 import torch
 
-from colibri_common.errors import ColibriError, context_length_exceeded
+from colibri_common.errors import STOP_NEEDS_TOKENIZER, ColibriError, context_length_exceeded
 from colibri_common.file_watch import EXIT_RESTART
 from colibri_common.fleet_token import fleet_token
 from colibri_common.handlers import add_servicer
@@ -108,7 +108,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if long := [i for i, s in enumerate(p.stop) if len(s) > MAX_STOP_CHARS]:
             raise ValueError(f"stop string {long[0]} has {len(p.stop[long[0]])} characters; at most {MAX_STOP_CHARS}")
         if p.stop and self.built.tokenizer is None:
-            raise ValueError("stop strings need the model's tokenizer.json; this model has none (use stop_token_ids)")
+            raise ValueError(STOP_NEEDS_TOKENIZER)
         vocab = self.built.cfg.vocab_size
         bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
         if bad:
