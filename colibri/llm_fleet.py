@@ -5,9 +5,11 @@ others when one fails."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -24,6 +26,7 @@ from colibri_common.options import to_argv
 from colibri_common.tokenizer import Tokenizer
 
 log = logging.getLogger("colibri")
+LOG_TAIL = 20                                     # the fleet's last log lines kept, for the error of a failed start
 
 
 class LocalFleet:
@@ -35,8 +38,11 @@ class LocalFleet:
         self.client: Client | None = None
         argv = [*colibri_command(), "serve", *to_argv(serve, ServeOptions.EXCLUDED)]
         log.info("starting a local fleet: colibri serve --workers %d", serve.workers)
-        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                        preexec_fn=die_with_parent)          # its logs go to our stderr
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                        text=True, errors="replace", preexec_fn=die_with_parent)
+        self._log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL)
+        relay = threading.Thread(target=self._relay_log, name="fleet-stderr", daemon=True)
+        relay.start()
         try:
             assert self.process.stdout is not None
             for line in self.process.stdout:
@@ -45,8 +51,10 @@ class LocalFleet:
                     break
             else:
                 code = self.process.wait()
-                raise RuntimeError(f"colibri serve exited with code {code} before it was ready (its log above says "
-                                   f"why)")
+                relay.join(timeout=5)                    # its last lines read
+                last = next((ln for ln in reversed(self._log_tail) if ln.strip()), "")
+                raise RuntimeError(f"colibri serve exited with code {code} before it was ready"
+                                   + (f": {last.strip()}" if last else " (it wrote no log)"))
             threading.Thread(target=self.process.stdout.read, name="fleet-stdout", daemon=True).start()
             self.client = Client(addr)
             self.tokenizer = Tokenizer.from_dir(model)
@@ -55,6 +63,13 @@ class LocalFleet:
         except BaseException:
             self.close()
             raise
+
+    def _relay_log(self) -> None:
+        """The fleet's log onto this process's stderr, as it comes, its last lines kept for a failed start."""
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self._log_tail.append(line)
+            sys.stderr.write(line)
 
     def generate(self, prompts: list[Prompt], params: list[SamplingParams], rids: list[str]) -> list[RequestOutput]:
         if self.closed or self.client is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from colibri.openai_api.options import OpenAIOptions
+from colibri.openai_api.options import OpenAIOptions, check_model_name
 from colibri.openai_api.policy import host_entry, origin_entry
 from colibri_common.options import option, shared_fields
 from expert_service.options import ExpertCacheOptions, ExpertOptions
@@ -40,8 +40,8 @@ class ServeOptions:
     cache: ExpertCacheOptions = ExpertCacheOptions()
     openai_port: int | None = option(None, "also start the OpenAI-compatible HTTP front (`colibri openai`) on "
                                            "this port of the router's host (0 = any free port)")
-    served_model_name: str = option("", "with --openai-port: the model's name in the HTTP API (default: the "
-                                        "checkpoint directory's name)")
+    served_model_name: str | None = option(None, "with --openai-port: the model's name in the HTTP API (default: "
+                                                 "the checkpoint directory's name)")
     allowed_hosts: tuple[str, ...] = option((), "with --openai-port: the Host names the front answers (a Service, "
                                                 "an ingress, a proxy name), in place of its defaults (the --host "
                                                 "address, localhost, 127.0.0.1 and [::1]; on 0.0.0.0 or :: also "
@@ -87,10 +87,11 @@ class ServeOptions:
         """The HTTP front's flags, checked here rather than once the fleet has loaded."""
         given = [flag for flag, v in (("--served-model-name", self.served_model_name),
                                       ("--allowed-hosts", self.allowed_hosts),
-                                      ("--allowed-origins", self.allowed_origins)) if v]
+                                      ("--allowed-origins", self.allowed_origins)) if v is not None and v != ()]
         if given and self.openai_port is None:
             raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the HTTP front: give "
                              f"--openai-port too, or leave {'it' if len(given) == 1 else 'them'} out")
+        check_model_name(self.served_model_name)
         for entry in self.allowed_hosts:
             host_entry(entry)
         for entry in self.allowed_origins:

@@ -30,7 +30,8 @@ class WorkersOptions:
     addresses: tuple[str, ...] = option((), "HOST:PORT[,HOST:PORT...] for set, add and remove", flag="addresses",
                                         metavar="ADDRS", type=lambda t: tuple(comma_list(t)))
     target: str = option("", "the router's address HOST:PORT", required=True)
-    json: bool = option(False, "show: one JSON document instead of a table")
+    json: bool = option(False, "one JSON document instead of text: show's table, or a change's outcome (changed, "
+                               "epoch, seconds, balance before/after, message)")
     timeout: float = option(900.0, "seconds to wait for a change (loading the new experts included)")
     tls_ca: str | None = option(None, "PEM CA of a TLS router (TLS when given)", metavar="PATH")
     tls_cert: str | None = option(None, "PEM client certificate, for a router that requires one", metavar="PATH")
@@ -143,5 +144,8 @@ def run_workers(opts: WorkersOptions) -> int:
                       f"not come is dropped, one under way goes on; `colibri workers show` and the router's log say "
                       f"which", file=sys.stderr)
             return 1
-    print(change.message if change.changed else f"no change: {change.message}")
+    if opts.json:
+        print(json.dumps(_plain(change), indent=2))
+    else:
+        print(change.message if change.changed else f"no change: {change.message}")
     return 0

@@ -236,7 +236,11 @@ def _parser_of(tp: Any) -> Any:
         item = typing.get_args(tp)[0]
 
         def parse(text: str) -> tuple[Any, ...]:
-            return tuple(item(part) for part in comma_list(text))
+            parts = comma_list(text)
+            if not parts:                               # `--flag "$UNSET"` would silently mean the default
+                raise argparse.ArgumentTypeError(f"{text!r} lists nothing (an unset variable?): give at least one "
+                                                 f"item, or leave the flag out for its default")
+            return tuple(item(part) for part in parts)
 
         parse.__name__ = f"comma-separated {item.__name__}"     # argparse names it in its error message
         return parse

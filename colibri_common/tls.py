@@ -79,19 +79,9 @@ def check_pem(cert: str, key: str, ca: str | None) -> None:
     """The files gRPC would take, checked with Python's ssl first: gRPC reported a key that is not the
     certificate's, or a CA that is not PEM, as a port it could not bind. A certificate outside its validity
     period is a warning (every peer will refuse it)."""
-    import ssl
-
-    try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")   # no TTY prompt
-    except ssl.SSLError as exc:
-        what = "is not the key of --tls-cert" if "MISMATCH" in str(exc).upper() else \
-            "and --tls-cert are not a PEM certificate and its PEM key"
-        raise ConfigError(f"--tls-key {key} {what} ({exc.reason or exc})") from None
+    _check_pair(cert, key)
     if ca is not None:
-        try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=ca)
-        except ssl.SSLError as exc:
-            raise ConfigError(f"--tls-ca {ca} holds no PEM certificate ({exc.reason or exc})") from None
+        _check_ca(ca)
     try:
         from cryptography import x509
 
@@ -102,6 +92,26 @@ def check_pem(cert: str, key: str, ca: str | None) -> None:
     if not pem.not_valid_before_utc <= now <= pem.not_valid_after_utc:
         log.warning("--tls-cert %s is valid from %s to %s only, not now: its peers will refuse it", cert,
                     pem.not_valid_before_utc, pem.not_valid_after_utc)
+
+
+def _check_pair(cert: str, key: str) -> None:
+    import ssl
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")   # no TTY prompt
+    except ssl.SSLError as exc:
+        what = "is not the key of --tls-cert" if "MISMATCH" in str(exc).upper() else \
+            "and --tls-cert are not a PEM certificate and its PEM key"
+        raise ConfigError(f"--tls-key {key} {what} ({exc.reason or exc})") from None
+
+
+def _check_ca(ca: str) -> None:
+    import ssl
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=ca)
+    except ssl.SSLError as exc:
+        raise ConfigError(f"--tls-ca {ca} holds no PEM certificate ({exc.reason or exc})") from None
 
 
 def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials:
@@ -119,8 +129,12 @@ def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> gr
         except OSError as exc:
             raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from None
 
-    return grpc.ssl_channel_credentials(root_certificates=read("--tls-ca", ca), private_key=read("--tls-key", key),
-                                        certificate_chain=read("--tls-cert", cert))
+    creds = read("--tls-ca", ca), read("--tls-key", key), read("--tls-cert", cert)     # each readable, then PEM:
+    if ca:                                       # gRPC took any bytes and failed each handshake instead
+        _check_ca(ca)
+    if cert and key:
+        _check_pair(cert, key)
+    return grpc.ssl_channel_credentials(root_certificates=creds[0], private_key=creds[1], certificate_chain=creds[2])
 
 
 def client_channel(target: str, options: list, ca: str | None = None, cert: str | None = None,

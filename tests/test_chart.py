@@ -1191,6 +1191,18 @@ def test_values_that_conflict_fail_the_render_naming_them(values, message):
     ({"podLabels": {"team": "a b"}}, "/podLabels/team"),
     ({"podLabels": {"app.kubernetes.io/component": "x"}}, ""),       # the selector's own labels
     ({"podAnnotations": {"a": 5}}, "/podAnnotations/a"),             # rendered `a: 5`, which the API server refuses
+    # names the API server, the kubelet or the operator refuse at install (they rendered)
+    ({"image": {"tag": "1.0 rc"}}, "/image/tag"),                    # the kubelet cannot pull it
+    ({"image": {"repository": "GHCR.io/Org/Colibri"}}, "/image/repository"),
+    ({"model": {"source": "pvc", "pvc": {"claimName": "Models"}}}, "/model/pvc/claimName"),
+    ({"model": {"source": "init", "init": {"source": "s3://b/m", "image": "a b"}}}, "/model/init/image"),
+    ({"openai": {"enabled": True, "apiKey": {"existingSecret": "My_Key"}}}, "/openai/apiKey/existingSecret"),
+    ({"fleetToken": {"existingSecret": "Fleet"}}, "/fleetToken/existingSecret"),
+    ({"fleetToken": {"secretKey": "a key"}}, "/fleetToken/secretKey"),
+    ({"tls": {"existingSecret": "tls_secret"}}, "/tls/existingSecret"),
+    ({"tls": {"certManager": {"enabled": True, "issuerRef": {"name": "My Issuer", "kind": "Issuer"}}}},
+     "/tls/certManager/issuerRef/name"),
+    ({"serviceMonitor": {"enabled": True, "interval": "often"}}, "/serviceMonitor/interval"),
 ])
 def test_the_schema_refuses_values_the_services_or_the_api_server_would(values, where):
     with pytest.raises(helm.HelmError, match=f"(?s)schema.*at '{where}'"):

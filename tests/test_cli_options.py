@@ -184,6 +184,12 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["serve", "--model", "m", "--served-model-name", "x", "--allowed-hosts", "h"],
      "--served-model-name, --allowed-hosts are for the HTTP front: give --openai-port too"),
     (["serve", "--model", "m", "--tls-cert", "c.pem"], "give --tls-cert and --tls-key together"),
+    # an empty value (`--flag "$UNSET"`) is not taken as the default without a word
+    (["serve", "--model", "m", "--openai-port", "0", "--served-model-name", " "], "--served-model-name ' ' is blank"),
+    (["openai", "--target", "h:1", "--served-model-name", ""], "--served-model-name '' is blank"),
+    (["serve", "--model", "m", "--openai-port", "0", "--allowed-hosts", ""], "--allowed-hosts: '' lists nothing"),
+    (["openai", "--target", "h:1", "--allowed-origins", " , "], "--allowed-origins: ' , ' lists nothing"),
+    (["router", "--model", "m", "--workers", ""], "--workers: '' lists nothing"),
     (["router", "--model", "m", "--workers", "a:1,garbage"], "--workers garbage: give each expert worker as HOST:PORT"),
     (["router", "--model", "m", "--workers", "::1"], "--workers ::1: give each expert worker as HOST:PORT"),
     (["router", "--model", "m", "--workers", "[::1]"], "--workers [::1]: give each"),

@@ -503,8 +503,11 @@ def test_a_budget_holds_the_plan_not_the_switch(model):
         client = Client(r)
         for p in PROMPTS:
             assert client.generate(p, 16, ignore_eos=True, timeout=60).token_ids == model.greedy(p, 16)
-        res = workers_cli(r, "rebalance")
+        res = workers_cli(r, "rebalance", "--json")              # a change's outcome as JSON (it printed text)
         assert res.returncode == 0, res.stderr
+        change = json.loads(res.stdout)
+        assert change["changed"] is True and change["epoch"] == 2 and change["seconds"] > 0, change
+        assert 0 < change["balance_before"] <= 1 and 0 < change["balance_after"] <= 1 and change["message"], change
         shown = admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10)
         assert all(0 < len(le.experts) <= 32 for w in shown.workers for le in w.layers)
         for p in PROMPTS:

@@ -4,6 +4,7 @@ text prompts, stop strings, one sampling per prompt; bad input is a clear error 
 from __future__ import annotations
 
 import shutil
+import socket
 import time
 
 import pytest
@@ -132,6 +133,20 @@ def test_a_local_fleet_gives_the_same_tokens_as_in_process(model):
     assert text.prompt_token_ids == list(b"Colibri")
     assert text.outputs[0].token_ids == oracle.greedy(list(b"Colibri"), NEW_TOKENS)
     assert torch.equal(torch.tensor(here[1].token_ids), torch.tensor(there[1].token_ids))   # seeded sampling too
+
+
+def test_a_fleet_that_cannot_start_says_why_in_the_error(model, capfd):
+    """The child's own line is the error's (it said "its log above says why"), and its log still reaches
+    stderr; nothing is left running."""
+    _, path = model
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"exited with code 2 before it was ready: .*--metrics-port {port}: "
+                                               rf"127\.0\.0\.1:{port} is in use"):
+            LLM(path, 2, metrics_port=port, expert_cache_heat="off")
+    assert f"127.0.0.1:{port} is in use" in capfd.readouterr().err
 
 
 def test_n_completions_top_logprobs_and_wrong_types(model):

@@ -78,6 +78,24 @@ def test_tls_flags_that_cannot_work_are_refused_at_start(oracles, tmp_path, caps
     assert exited.value.code == 2 and "give --tls-cert and --tls-key together" in capsys.readouterr().err
 
 
+def test_a_client_given_files_that_are_not_pem_says_so_before_dialling(tmp_path):
+    """A CA that is not PEM, or a client certificate and a key that are not a pair, were taken by gRPC and failed
+    every handshake with its own words; now one ConfigError names the flag and the file, and the command-line
+    clients print it as one line (exit 2)."""
+    tls, other = self_signed(tmp_path / "a"), self_signed(tmp_path / "b")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    with pytest.raises(ConfigError, match=f"--tls-ca {junk} holds no PEM certificate"):
+        Client("127.0.0.1:1", tls_ca=str(junk))
+    with pytest.raises(ConfigError, match="is not the key of --tls-cert"):
+        Client("127.0.0.1:1", tls_ca=tls.ca, tls_cert=tls.cert, tls_key=other.key)
+    for argv in (["health", "--target", "127.0.0.1:1"], ["workers", "--target", "127.0.0.1:1"]):
+        out = colibri_run([*argv, "--tls-ca", str(junk)], timeout=60)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.strip().splitlines()[-1].endswith(f"--tls-ca {junk} holds no PEM certificate "
+                                                            f"(NO_CERTIFICATE_OR_CRL_FOUND)"), out.stderr
+
+
 def test_a_self_signed_fleet_serves_the_same_tokens_over_tls(oracles):
     oracle = oracles["qwen3_moe"]
     with fleet(oracle.path, 2, ["--tls-self-signed", "--tls-client-auth", "--openai-port", "0"]) as (addr, proc):

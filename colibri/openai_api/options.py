@@ -17,13 +17,22 @@ def secret_option(help: str, metavar: str) -> Any:
     return dataclasses.field(default=None, repr=False, metadata={"cli": meta})
 
 
+def check_model_name(name: str | None) -> None:
+    """--served-model-name: None is "not given" (the checkpoint directory's name); a blank one is refused, as
+    `--served-model-name "$UNSET"` would otherwise fall back to the default without a word."""
+    if name is not None and not name.strip():
+        raise ValueError(f"--served-model-name {name!r} is blank (an unset variable?): give the name clients "
+                         f"send as 'model', or leave the flag out for the checkpoint directory's name")
+
+
 @dataclass(frozen=True)
 class OpenAIOptions:
     target: str = option("", "the router's gRPC address HOST:PORT", required=True)
     host: str = option("127.0.0.1", "address to listen on (0.0.0.0 in a container)")
     port: int = option(8000, "HTTP port; 0 picks a free one")
-    served_model_name: str = option("", "the model's name in /v1/models and in requests' 'model' (default: the "
-                                        "name of the checkpoint directory the router serves, from its ModelInfo)")
+    served_model_name: str | None = option(None, "the model's name in /v1/models and in requests' 'model' "
+                                                 "(default: the name of the checkpoint directory the router "
+                                                 "serves, from its ModelInfo)")
     request_timeout: float = option(600.0, "seconds one request may take before it ends with 504")
     max_body_bytes: int = option(4 << 20, "largest request body (413 beyond it, before it is parsed)")
     grace_period: float = option(30.0, "on SIGTERM: seconds open requests get to finish")
@@ -74,6 +83,7 @@ class OpenAIOptions:
                 raise ValueError("--api-key is empty (an unset variable?): give the key, or leave the flag out "
                                  f"to take ${API_KEY_ENV} (no key when that is unset too)")
             check_key(self.api_key, "--api-key")
+        check_model_name(self.served_model_name)
         for entry in self.allowed_hosts:
             host_entry(entry)
         for entry in self.allowed_origins:
