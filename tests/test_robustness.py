@@ -18,7 +18,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from colibri.client import Client, make_request
+from colibri.client import Client, Result, make_request
 from colibri.openai_api.errors import ApiError
 from colibri_common import wire
 from colibri_common.config import ModelConfig
@@ -46,12 +46,26 @@ def health(addr: str, service: str = "colibri.v1.Generation", timeout: float = 2
 
 
 def streams_beside(addr: str, bad, n: int = N, still_open: bool = False) -> tuple[list, object]:
-    """8 greedy streams of n tokens, and `bad()` while they run: (their results, what bad returned).
+    """8 greedy streams of n tokens, and `bad()` once each has its first token (on a loaded machine a stream's
+    request had not yet been sent 0.3 s after its thread began): (their results, what bad returned).
     still_open: assert that none of them has finished when `bad` starts."""
     client = Client(addr)
+    started = [threading.Event() for _ in PROMPTS]
+
+    def one(prompt: list[int], first: threading.Event) -> Result:
+        res = Result()
+        for msg in client.stream(make_request(prompt, n, ignore_eos=True)):
+            res.add(msg)
+            first.set()
+        return res
+
     with ThreadPoolExecutor(8) as pool:
-        futs = [pool.submit(client.generate, p, n, ignore_eos=True) for p in PROMPTS]
-        time.sleep(0.3)
+        futs = [pool.submit(one, p, e) for p, e in zip(PROMPTS, started, strict=True)]
+        deadline = time.monotonic() + 120
+        while not all(e.is_set() for e in started) and time.monotonic() < deadline:
+            if failed := [f for f in futs if f.done() and f.exception() is not None]:
+                raise failed[0].exception()
+            time.sleep(0.01)
         if still_open:
             assert not [f for f in futs if f.done()], "a stream ended before bad() began"
         out = bad()
