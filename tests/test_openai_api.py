@@ -421,9 +421,9 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
 
 
 def test_a_large_body_is_parsed_and_templated_off_the_event_loop_with_the_same_answers(served):
-    """Bodies over OFF_LOOP_BYTES go through a worker thread (app._call): the same answers and refusals."""
+    """Bodies over OFF_LOOP_BYTES go through a worker thread (http_io.off_loop_if): the same answers and refusals."""
     *_, url, api = served
-    from colibri.openai_api.app import OFF_LOOP_BYTES
+    from colibri.openai_api.http_io import OFF_LOOP_BYTES
 
     pad = "y" * OFF_LOOP_BYTES                                       # an unknown field: ignored, but parsed
     plain = api.completions.create(model="chatty", prompt="Hi", max_tokens=3, temperature=0)

@@ -13,25 +13,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
-import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
 
 import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from colibri.client import AsyncClient, request_of
 from colibri.openai_api.errors import ApiError, bad, without_addresses
 from colibri.openai_api.guard import Guard
+from colibri.openai_api.http_io import (
+    CLIENT_GONE,
+    OFF_LOOP_BYTES,
+    EventStream,
+    disconnected,
+    merge,
+    off_loop_if,
+    read_json,
+)
 from colibri.openai_api.metrics import FrontMetrics
 from colibri.openai_api.options import OpenAIOptions
 from colibri.openai_api.policy import Policy
@@ -44,7 +50,6 @@ from colibri_common.repeated_log import RepeatedLog
 log = logging.getLogger("colibri.openai")
 ROUTER_SERVICE = "colibri.v1.Generation"
 DONE = "[DONE]"
-CLIENT_GONE = 499          # nginx's "client closed request": nobody reads it, the metrics count it
 HTTP10_STREAM = ("streaming needs HTTP/1.1 (server-sent events in chunked transfer encoding) and this request came "
                  "as HTTP/1.0: send it as HTTP/1.1 (behind nginx: proxy_http_version 1.1) or with \"stream\": false")
 
@@ -128,11 +133,11 @@ class Front:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        body, size = await _read_json(request, self.opts.max_body_bytes)
+        body, size = await read_json(request, self.opts.max_body_bytes)
         # a large body's parse and chat template run off the event loop: 120k messages held every other request
         # (and /health) for ~1 s
         off_loop = size > OFF_LOOP_BYTES
-        parsed = await _call(off_loop, parse_chat if chat else parse_completion, body)
+        parsed = await off_loop_if(off_loop, parse_chat if chat else parse_completion, body)
         if parsed.stream and request.scope["http_version"] == "1.0":     # uvicorn would answer it chunked
             raise bad(HTTP10_STREAM, "stream")
         info = await self.info()
@@ -140,7 +145,7 @@ class Front:
         check_model(parsed, name)
         if self.opts.generation_config == "auto":
             parsed = parsed.with_defaults(dict(info.sampling_defaults))
-        prompts = [await _call(off_loop, self._render, parsed, info.has_tokenizer)] if chat else parsed.prompts
+        prompts = [await off_loop_if(off_loop, self._render, parsed, info.has_tokenizer)] if chat else parsed.prompts
         if any(isinstance(p, str) for p in prompts) and not info.has_tokenizer:
             raise bad("this model has no tokenizer.json: send the prompt as token ids", "prompt")
         n = parsed.sampling.n or 1
@@ -160,9 +165,9 @@ class Front:
         if first is None:                       # the client left before its first token
             log.info("%s: the client went away before the first token; cancelled on the router", reply.id)
             return Response(status_code=499)
-        messages = _merge(streams, first)
+        messages = merge(streams, first)
         if parsed.stream:
-            return _Stream(self._events(reply, messages, parsed.include_usage),
+            return EventStream(self._events(reply, messages, parsed.include_usage),
                            on_close=lambda: self._close(reply, calls, "abort"))
         try:
             return await self._whole(request, reply, messages, calls)
@@ -192,7 +197,7 @@ class Front:
         # read whatever it ends with, so a gather cancelled when the client left (it then holds CancelledError or
         # the cancelled calls' error) is not logged as "exception was never retrieved" with a traceback
         firsts.add_done_callback(lambda f: f.cancelled() or f.exception())
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({firsts, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -244,7 +249,7 @@ class Front:
                 self._fold(reply, prompt, msg)
 
         work = asyncio.ensure_future(collect())
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -275,7 +280,7 @@ class Front:
     async def _events(self, reply: Reply, messages: AsyncIterator[tuple[int, pb.GenerateResponse]],
                       include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE stream. A client that leaves cancels this generator (CancelledError) or the response before
-        it starts; `_Stream` then cancels the router calls, and the router frees the request's KV blocks."""
+        it starts; `EventStream` then cancels the router calls, and the router frees the request's KV blocks."""
         try:
             async for prompt, msg in messages:
                 chunk = reply.chunk(*self._fold(reply, prompt, msg), include_usage)
@@ -303,99 +308,6 @@ class Front:
 def _cancel(calls: list) -> None:
     for call in calls:
         call.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes its connection (the body was read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
-    """(prompt index, message) from every call as they come, each call's first message first; one call is read
-    directly. The queue is bounded, so a slow HTTP client slows the router's streams (its stall watch sees it)."""
-    for i, msg in enumerate(firsts):
-        yield i, msg
-    if len(streams) == 1:
-        async for msg in streams[0]:
-            yield 0, msg
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=4 * len(streams))
-    end = object()
-
-    async def pump(i: int, stream: Any) -> None:
-        try:
-            async for msg in stream:
-                await queue.put((i, msg))
-            await queue.put((i, end))
-        except grpc.RpcError as exc:
-            await queue.put((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(streams)]
-    left = len(streams)
-    try:
-        while left:
-            i, item = await queue.get()
-            if item is end:
-                left -= 1
-            elif isinstance(item, grpc.RpcError):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-class _Stream(StreamingResponse):
-    """A StreamingResponse that runs `on_close` however it ends: done, failed, or cancelled by a client that
-    left (even before the body iterator started, when the generator's own `finally` would never run)."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-T = TypeVar("T")
-OFF_LOOP_BYTES = 256 << 10      # bodies above this are decoded, parsed and templated on a worker thread
-
-
-async def _call(off_loop: bool, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args), on a worker thread where `off_loop` (a large request's CPU work), else right here."""
-    return await asyncio.to_thread(fn, *args) if off_loop else fn(*args)
-
-
-async def _read_json(request: Request, limit: int) -> tuple[Any, int]:
-    """(the body as JSON, its bytes), read up to `limit` bytes (413 beyond it, before anything is parsed)."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"the request body has {length} bytes, over the front's --max-body-bytes {limit}")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body is over the front's --max-body-bytes {limit}")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ApiError(CLIENT_GONE, "the client went away while sending its request") from None
-    data = b"".join(chunks)
-    try:
-        return await _call(size > OFF_LOOP_BYTES, json.loads, data), size
-    except RecursionError:
-        raise bad("the request body is not valid JSON here: it nests arrays or objects too deep") from None
-    except ValueError as exc:                       # bad JSON or UTF-8, a 5000-digit integer
-        why = f"an integer of more than {sys.get_int_max_str_digits()} digits" \
-            if "integer string conversion" in str(exc) else str(exc)
-        raise bad(f"the request body is not valid JSON: {why}") from None
 
 
 def build_app(front: Front, policy: Policy) -> Starlette:

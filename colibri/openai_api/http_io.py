@@ -1,0 +1,113 @@
+"""The front's HTTP plumbing, below the routes: a request's JSON body read within its limit (parsed on a worker
+thread when large), the router's streams of one request merged, a streamed response that always runs its cleanup,
+and the wait for a client that leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import StreamingResponse
+
+from colibri.openai_api.errors import ApiError, bad
+from colibri_common.pb import generation_pb2 as pb
+
+CLIENT_GONE = 499          # nginx's "client closed request": nobody reads it, the metrics count it
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """(prompt index, message) from every call as they come, each call's first message first; one call is read
+    directly. The queue is bounded, so a slow HTTP client slows the router's streams (its stall watch sees it)."""
+    for i, msg in enumerate(firsts):
+        yield i, msg
+    if len(streams) == 1:
+        async for msg in streams[0]:
+            yield 0, msg
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=4 * len(streams))
+    end = object()
+
+    async def pump(i: int, stream: Any) -> None:
+        try:
+            async for msg in stream:
+                await queue.put((i, msg))
+            await queue.put((i, end))
+        except grpc.RpcError as exc:
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(streams)]
+    left = len(streams)
+    try:
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, grpc.RpcError):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class EventStream(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends: done, failed, or cancelled by a client that
+    left (even before the body iterator started, when the generator's own `finally` would never run)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+T = TypeVar("T")
+OFF_LOOP_BYTES = 256 << 10      # bodies above this are decoded, parsed and templated on a worker thread
+
+
+async def off_loop_if(off_loop: bool, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), on a worker thread where `off_loop` (a large request's CPU work), else right here."""
+    return await asyncio.to_thread(fn, *args) if off_loop else fn(*args)
+
+
+async def read_json(request: Request, limit: int) -> tuple[Any, int]:
+    """(the body as JSON, its bytes), read up to `limit` bytes (413 beyond it, before anything is parsed)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body has {length} bytes, over the front's --max-body-bytes {limit}")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over the front's --max-body-bytes {limit}")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(CLIENT_GONE, "the client went away while sending its request") from None
+    data = b"".join(chunks)
+    try:
+        return await off_loop_if(size > OFF_LOOP_BYTES, json.loads, data), size
+    except RecursionError:
+        raise bad("the request body is not valid JSON here: it nests arrays or objects too deep") from None
+    except ValueError as exc:                       # bad JSON or UTF-8, a 5000-digit integer
+        why = f"an integer of more than {sys.get_int_max_str_digits()} digits" \
+            if "integer string conversion" in str(exc) else str(exc)
+        raise bad(f"the request body is not valid JSON: {why}") from None
