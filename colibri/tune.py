@@ -41,7 +41,7 @@ def run_tune(opts: TuneOptions) -> int:
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
     from colibri_common.forms_file import tune_forms
-    from expert_service.shard import expert_linear_shapes, expert_moe_shape
+    from expert_service.sizing import expert_linear_shapes, expert_moe_shape
     from kernels import describe_forms, weight_kind
     from router_service.api.build import compute_dtype
     from router_service.model.weights import RouterWeights

@@ -29,7 +29,8 @@ from expert_service.heat_file import load as load_heat
 from expert_service.heat_file import save as save_heat
 from expert_service.kept_format import kept_format
 from expert_service.options import ExpertOptions
-from expert_service.shard import ExpertShard, cache_setting
+from expert_service.shard import ExpertShard
+from expert_service.sizing import cache_setting
 from kernels import describe_expert_kernels, native, set_batch_invariant
 
 log = logging.getLogger("colibri.expert")

@@ -13,7 +13,8 @@ from expert_service.expert_cache import ExpertCache
 from expert_service.heat_file import heat_path
 from expert_service.heat_file import load as load_heat
 from expert_service.heat_file import save as save_heat
-from expert_service.shard import CacheSetting, ExpertShard, cache_setting
+from expert_service.shard import ExpertShard
+from expert_service.sizing import CacheSetting, cache_setting
 from router_service.engine.scheduler import SchedulerConfig
 from tests.conftest import ARCHS
 from tests.inprocess import InProcess
