@@ -26,8 +26,8 @@ from colibri.tune import TuneOptions
 from colibri.validate import ValidateOptions
 from colibri.workers import WorkersOptions
 from colibri_common.errors import ColibriError
+from colibri_common.flags import Parser, add_options, from_args
 from colibri_common.heap import importing, skip_exit_collection
-from colibri_common.options import Parser, add_options, from_args
 from expert_service.options import ExpertOptions
 from router_service.api.options import RouterOptions
 

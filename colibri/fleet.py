@@ -23,8 +23,8 @@ from colibri.openai_api.options import OpenAIOptions
 from colibri.openai_api.policy import API_KEY_ENV
 from colibri_common.errors import ConfigError
 from colibri_common.file_watch import EXIT_RESTART
+from colibri_common.flags import to_argv
 from colibri_common.fleet_token import ENV as FLEET_ENV
-from colibri_common.options import to_argv
 from colibri_common.serving import bind_error
 from expert_service.options import ExpertOptions
 from router_service.api.options import RouterOptions

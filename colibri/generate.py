@@ -8,7 +8,8 @@ import sys
 from dataclasses import dataclass
 
 from colibri_common.errors import TOO_LARGE_HINT, TOO_LARGE_MARK
-from colibri_common.options import ClientTls, check_target, option
+from colibri_common.flags import option
+from colibri_common.options import ClientTls, check_target
 from router_service.engine.sequence import Sampling
 
 

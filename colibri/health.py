@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from colibri_common.options import check_target, option
+from colibri_common.flags import option
+from colibri_common.options import check_target
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from colibri.llm_fleet import LocalFleet
 from colibri.llm_types import CompletionOutput, Prompt, RequestOutput, SamplingParams, check_stop_ids, token_ids
 from colibri.serve_options import ServeOptions
 from colibri_common.errors import STOP_NEEDS_TOKENIZER, context_length_exceeded
-from colibri_common.options import check_values
+from colibri_common.flags import check_values
 from expert_service.build import BuiltShard, build_shard
 from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.api.build import BuiltEngine, build_engine

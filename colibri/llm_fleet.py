@@ -22,7 +22,7 @@ from colibri.fork import die_with_parent
 from colibri.llm_types import CompletionOutput, Prompt, RequestOutput, SamplingParams, check_stop_ids, token_ids
 from colibri.serve_options import ServeOptions
 from colibri_common.config import ModelConfig
-from colibri_common.options import to_argv
+from colibri_common.flags import to_argv
 from colibri_common.tokenizer import Tokenizer
 
 log = logging.getLogger("colibri")

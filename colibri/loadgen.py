@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-from colibri_common.options import ClientTls, check_target, option
+from colibri_common.flags import option
+from colibri_common.options import ClientTls, check_target
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from colibri.openai_api.options import OpenAIOptions, check_model_name
 from colibri.openai_api.policy import host_entry, origin_entry
-from colibri_common.options import option, shared_fields
+from colibri_common.flags import option
+from colibri_common.options import shared_fields
 from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.api.options import RouterOptions
 

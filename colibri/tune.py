@@ -12,7 +12,8 @@ import sys
 from dataclasses import dataclass
 
 from colibri.cores import split_threads
-from colibri_common.options import DTYPE_CHOICES, QUANTIZE, check_threads, option, serving_dtype
+from colibri_common.flags import option
+from colibri_common.options import DTYPE_CHOICES, QUANTIZE, check_threads, serving_dtype
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from colibri_common.options import DTYPE_CHOICES, QUANTIZE, option, serving_dtype
+from colibri_common.flags import option
+from colibri_common.options import DTYPE_CHOICES, QUANTIZE, serving_dtype
 
 if TYPE_CHECKING:   # the CLI builds its parser from ValidateOptions without importing torch
     from colibri_common.checkpoint import Checkpoint

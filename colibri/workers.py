@@ -17,7 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from colibri_common.options import check_target, comma_list, option
+from colibri_common.flags import comma_list, option
+from colibri_common.options import check_target
 
 ACTIONS = ("show", "set", "add", "remove", "rebalance")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from colibri_common.options import ServiceOptions, option
+from colibri_common.flags import option
+from colibri_common.options import ServiceOptions
 from colibri_common.placement import parse_shard
 from expert_service.cache_capacity import check_capacity
 from expert_service.cache_policy import POLICIES

@@ -18,7 +18,7 @@ from colibri.fleet import child_argv
 from colibri.openai_api.options import OpenAIOptions
 from colibri.serve_options import ServeOptions
 from colibri_common.errors import ConfigError
-from colibri_common.options import Parser, _flags, add_options, from_args, option, to_argv
+from colibri_common.flags import Parser, _flags, add_options, from_args, option, to_argv
 from expert_service.options import ExpertCacheOptions, ExpertOptions
 from router_service.api.options import RouterOptions
 from router_service.engine.scheduler import SchedulerConfig
@@ -327,7 +327,7 @@ def test_keyword_options_are_checked_and_converted_as_their_flags_are():
     as a user means them; a string for a number, a bool for a count and a value outside the choices are not."""
     import numpy as np
 
-    from colibri_common.options import check_values
+    from colibri_common.flags import check_values
 
     got = check_values(RouterOptions, {"cpu_forms": Path("/tmp/f.json"), "batch_invariant": 1,
                                        "threads": np.int64(2), "workers": ["a:1", "b:2"]}, "LLM")

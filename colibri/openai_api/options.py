@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from colibri.openai_api.policy import API_KEY_ENV, check_key, host_entry, origin_entry
-from colibri_common.options import LOG_LEVELS, check_target, option, upper
+from colibri_common.flags import option, upper
+from colibri_common.options import LOG_LEVELS, check_target
 
 
 def secret_option(help: str, metavar: str) -> Any:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from colibri_common.options import DTYPES, ServiceOptions, is_address, option
+from colibri_common.flags import option
+from colibri_common.options import DTYPES, ServiceOptions, is_address
 from router_service.engine.scheduler import SchedulerConfig
 
 TRANSPORTS = ("auto", "stream", "unary")

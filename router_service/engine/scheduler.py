@@ -18,7 +18,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from colibri_common.options import option
+from colibri_common.flags import option
 from router_service.engine.block_allocator import BlockAllocator, OutOfBlocks
 from router_service.engine.sequence import Sequence, Status
 

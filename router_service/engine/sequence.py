@@ -8,7 +8,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from colibri_common.options import escaped_list, option
+from colibri_common.flags import escaped_list, option
 
 _NUMBER = (int, float)
 INT32_MAX = 2**31 - 1
