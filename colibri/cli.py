@@ -47,7 +47,7 @@ def _router(opts: RouterOptions) -> int:
 
 def _expert(opts: ExpertOptions) -> int:
     with importing():
-        from expert_service.server import serve_expert
+        from expert_service.main import serve_expert
 
     return serve_expert(opts)
 
