@@ -40,7 +40,7 @@ def _serve(opts: ServeOptions) -> int:
 
 def _router(opts: RouterOptions) -> int:
     with importing():
-        from router_service.api.server import serve_router
+        from router_service.api.main import serve_router
 
     return serve_router(opts)
 

@@ -29,7 +29,7 @@ from colibri_common.heap import importing
 PR_SET_PDEATHSIG = 1
 # What a service child runs, imported once in the parent. Triton stays out: TRITON_INTERPRET is read when
 # a kernel is defined, so each child imports it under its own environment.
-SERVICE_MODULES = ("router_service.api.server", "expert_service.main")
+SERVICE_MODULES = ("router_service.api.main", "expert_service.main")
 FRONT_MODULES = ("colibri.openai_api.server",)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
 
