@@ -1,4 +1,5 @@
-"""Safetensors checkpoints read through mmap: headers parsed here, tensors as views over the mapping.
+"""Safetensors checkpoints read through mmap: headers parsed by safetensors_header.py, tensors as views over the
+mapping.
 
 A tensor view touches no bytes until it is used, so an expert worker's resident memory tracks the
 experts it reads, not the files it maps. Every problem names the tensor and the file.
@@ -7,13 +8,10 @@ experts it reads, not the files it maps. Every problem names the tensor and the 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import mmap
 import os
-import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,122 +20,13 @@ from colibri_common import page_cache
 from colibri_common.errors import CheckpointError
 from colibri_common.file_watch import Stamp
 from colibri_common.fp8 import Fp8Format
+from colibri_common.safetensors_header import INTEGER_DTYPES, TensorEntry, read_header, read_index
 from kernels import fp8, mxfp4
 
-_ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F32": (torch.float32, 4),
-    "BF16": (torch.bfloat16, 2),
-    "F16": (torch.float16, 2),
-    "F64": (torch.float64, 8),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "U8": (torch.uint8, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
+_ST_DTYPES: dict[str, torch.dtype] = {          # the header's dtype codes (safetensors_header.ITEM_BYTES) in torch
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn,
 }
-
-INTEGER_DTYPES = ("I64", "I32", "U8")
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    file: Path
-    dtype: str            # safetensors dtype code, e.g. "BF16"
-    shape: tuple[int, ...]
-    start: int            # absolute byte offset in the file
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-
-def _read_header(path: Path) -> dict[str, TensorEntry]:
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file (no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 * 2**20:
-            raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}; file truncated?")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    base = 8 + n
-    out: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype, shape, (lo, hi) = _header_entry(path, name, info)
-        if dtype not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {dtype}")
-        if not 0 <= lo <= hi:
-            raise CheckpointError(f"{path}: tensor '{name}' has byte range {lo}..{hi}, outside the data section; "
-                                  f"the file is corrupt, export it again")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if hi - lo != numel * _ST_DTYPES[dtype][1]:
-            raise CheckpointError(f"{path}: tensor '{name}' shape {list(shape)} {dtype} does not match its "
-                                  f"byte range {lo}..{hi}")
-        if base + hi > size:
-            raise CheckpointError(f"{path}: tensor '{name}' ends at byte {base + hi} but the file has only "
-                                  f"{size} bytes; the file is truncated, download it again")
-        out[name] = TensorEntry(name, path, dtype, shape, base + lo, base + hi)
-    _check_layout(path, out, base, size)
-    return out
-
-
-def _header_entry(path: Path, name: str, info: object) -> tuple[str, tuple[int, ...], tuple[int, int]]:
-    """A header entry's dtype, shape and data offsets, their types checked."""
-    try:
-        dtype, shape, offsets = info["dtype"], tuple(info["shape"]), tuple(info["data_offsets"])  # type: ignore[index]
-    except (TypeError, KeyError) as exc:
-        raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry {info!r}") from exc
-    ints = lambda xs: all(type(x) is int for x in xs)       # noqa: E731  (bool is no size)
-    if not isinstance(dtype, str) or not ints(shape) or any(d < 0 for d in shape) or len(offsets) != 2 \
-            or not ints(offsets):
-        raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry {info!r}")
-    return dtype, shape, (offsets[0], offsets[1])
-
-
-def _check_layout(path: Path, entries: dict[str, TensorEntry], base: int, size: int) -> None:
-    """The safetensors library's rule: the tensors, in offset order, tile the data section exactly (no byte
-    shared by two tensors, none that belongs to no tensor). A file that breaks it is refused, naming the tensors."""
-    corrupt = "the file is corrupt (the safetensors library refuses it too), export it again"
-    end, prev = base, "the start of the data section"
-    for e in sorted(entries.values(), key=lambda e: (e.start, e.end, e.name)):
-        span = f"tensor '{e.name}' (data bytes {e.start - base}..{e.end - base})"
-        if e.start < end:
-            raise CheckpointError(f"{path}: {prev} and {span} overlap; {corrupt}")
-        if e.start > end:
-            raise CheckpointError(f"{path}: {e.start - end} bytes between {prev} and {span} belong to no tensor; "
-                                  f"{corrupt}")
-        end, prev = e.end, span
-    if end != size:
-        raise CheckpointError(f"{path}: {size - end} bytes after {prev} to the end of the file belong to no tensor; "
-                              f"{corrupt}")
-
-
-def _weight_map(index: Path) -> dict[str, str]:
-    """model.safetensors.index.json's tensor -> file map, or a CheckpointError naming the index and what is wrong
-    (garbage was a JSONDecodeError, a missing key a KeyError, a list a TypeError)."""
-    try:
-        doc = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{index}: not a readable JSON index ({str(exc).splitlines()[0]})") from None
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
-                                                   for k, v in weight_map.items()):
-        raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor names to file names (strings)")
-    if any("/" in v or v in (".", "..") for v in weight_map.values()):
-        raise CheckpointError(f"{index}: 'weight_map' names files outside the checkpoint directory; give plain "
-                              f"file names")
-    return weight_map
 
 
 def checkpoint_id(fingerprint: str) -> int:
@@ -156,7 +45,7 @@ class Checkpoint:
         self.stamps: dict[Path, Stamp] = {}           # each mapped file's identity when it was mapped
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = _weight_map(index)
+            weight_map = read_index(index)
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
@@ -173,7 +62,7 @@ class Checkpoint:
                 raise CheckpointError(f"{index}: names {fname}, which is missing from {self.dir}"
                                       if weight_map and not (path.exists() or path.is_symlink()) else
                                       f"{path}: not a regular file (a directory, or a link to nothing)")
-            self.entries.update(_read_header(path))
+            self.entries.update(read_header(path))
         for name, fname in weight_map.items():
             if name not in self.entries:
                 raise CheckpointError(f"{index}: tensor '{name}' is listed in {fname} but not stored there")
@@ -246,7 +135,7 @@ class Checkpoint:
     def view(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """A zero-copy tensor over the mapped bytes (no page is read until used)."""
         e = self.check(name, shape) if shape is not None else self.entry(name)
-        dtype, _ = _ST_DTYPES[e.dtype]
+        dtype = _ST_DTYPES[e.dtype]
         if e.nbytes == 0:
             return torch.empty(e.shape, dtype=dtype)
         buf = self._map(e.file)
