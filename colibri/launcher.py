@@ -20,6 +20,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from colibri import leftovers
 from colibri.cores import split_threads
 from colibri.fleet import Child, Fleet, check_ports_free, exit_reason, free_ports
 from colibri.fork import FRONT_MODULES, SERVICE_MODULES, Entry, preload
@@ -36,7 +37,7 @@ log = logging.getLogger("colibri.serve")
 def serve(opts: ServeOptions, entry: Entry) -> int:
     """Run the fleet until a signal (or a fatal failure); its workers' same-host sockets live in a directory of
     their own (mode 0700), removed when the fleet stops. `entry` is what forked children run (colibri.cli.main)."""
-    sockets = Path(tempfile.mkdtemp(prefix="colibri-fleet-"))
+    sockets = Path(tempfile.mkdtemp(prefix=leftovers.fleet_prefix()))
     on_exit: list[Callable[[], None]] = []
     try:
         return _serve(opts, sockets, entry, on_exit)
@@ -50,6 +51,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
     from colibri_common.serving import setup_logging
 
     setup_logging("serve", opts.router.log_level)
+    leftovers.sweep(Path(tempfile.gettempdir()), Path(os.environ.get("COLIBRI_CACHE_DIR") or tempfile.gettempdir()))
     n = opts.workers
     cores = opts.router.threads or len(os.sched_getaffinity(0))
     router_threads, worker_threads = split_threads(cores, n)
@@ -100,8 +102,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
     if opts.tls_self_signed:
         from colibri_common.tls import self_signed
 
-        base = os.environ.get("COLIBRI_CACHE_DIR") or tempfile.gettempdir()
-        tls = self_signed(Path(base) / f"tls-{os.getpid()}")
+        tls = self_signed(Path(os.environ.get("COLIBRI_CACHE_DIR") or tempfile.gettempdir()) / leftovers.tls_name())
         on_exit.append(tls.remove)
         opts = replace(opts, router=replace(opts.router, tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca))
         log.info("TLS: a throw-away CA at %s (clients: --tls-ca %s)", tls.ca, tls.ca)

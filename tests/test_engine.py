@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -86,6 +87,11 @@ def test_seeded_sampling_in_a_batch_matches_alone(oracles):
         events = [engine.submit(p, 10, seed=i, temperature=1.5) for i, p in enumerate(prompts)]
         together = [engine.collect(e).token_ids for e in events]
         assert engine.metrics()["colibri:batch_size_max"] == 6    # all six shared steps
+        deadline = time.monotonic() + 10
+        while engine.metrics()["colibri:batch_size"] and time.monotonic() < deadline:
+            time.sleep(0.01)                                        # the engine is idle once its queue is empty
+        m = engine.metrics()                                        # (it kept the last step's batch: a dashboard
+        assert m["colibri:batch_size"] == 0 and m["colibri:batch_tokens"] == 0, m   # showed an idle router busy)
     assert together == alone
 
 

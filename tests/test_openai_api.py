@@ -515,6 +515,30 @@ def front(target: str, *extra: str):
         assert p.wait(timeout=30) == 0                 # SIGTERM: a clean stop, exit 0
 
 
+def test_a_stream_without_text_to_send_gets_keepalive_comments(oracles):
+    """A model without a tokenizer streams tokens with no text: the front sent nothing between the headers and the
+    end, so an idle timeout on the way (nginx's 60 s) cut a healthy long stream. Now an SSE comment goes every
+    --sse-keepalive seconds, which OpenAI's client skips."""
+    oracle = oracles["qwen3_moe"]
+    with fleet(oracle.path, 1) as (addr, _), front(addr, "--sse-keepalive", "0.05") as (host, port, api):
+        body = {"model": oracle.path.name, "prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        res = conn.getresponse()
+        assert res.status == 200
+        lines = [ln for ln in res.read().decode().split("\n") if ln]
+        assert lines.count(": keep-alive") >= 2, lines[:8]
+        data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" and data[-1]["choices"][0]["finish_reason"] == "length", lines[-3:]
+        sdk = {k: v for k, v in body.items() if k != "ignore_eos"}
+        got = list(api.completions.create(**sdk, extra_body={"ignore_eos": True}))      # the SDK skips them
+        assert got and got[-1].choices[0].finish_reason == "length"
+        got = list(api.completions.create(**sdk, extra_body={"ignore_eos": True}, logprobs=0))   # ids as text
+        ids = [int(t.split(":")[1]) for c in got if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert ids == oracle.greedy([1, 2, 3], 200)
+
+
 def test_a_front_without_a_router_answers_503_and_says_not_ready():
     target = f"127.0.0.1:{free_port()}"
     with front(target) as (host, port, api):

@@ -173,6 +173,28 @@ def steered(oracles, tmp_path_factory):
     return model, path
 
 
+def test_with_one_replica_a_worker_paused_for_seconds_changes_no_token(oracles):
+    """A worker frozen for 4 s (SIGSTOP, then SIGCONT), past its health checks' ~2 s but within --worker-timeout
+    (10 s), and holding its experts alone: the layer waits for it, and the streams go on with transformers' tokens.
+    They all failed UNAVAILABLE at the moment it came back: its checks still had it down when the next layer was
+    sent, though it had just answered the one before."""
+    oracle = oracles["qwen3_moe"]
+    with fleet(oracle.path, 2, ["--max-batch-size", "8"]) as (addr, proc):
+        victim = workers_of(proc)[1]
+
+        def pause() -> None:
+            victim.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(4.0)
+            finally:
+                victim.send_signal(signal.SIGCONT)
+
+        results = run_streams(addr, STREAMS[:8], LONG, pause)
+        for r, want in zip(results, oracle.greedy_many(STREAMS[:8], LONG), strict=True):
+            assert not isinstance(r, Exception), r
+            assert (r.finish_reason, r.token_ids) == ("length", want)
+
+
 def test_with_one_replica_only_the_requests_that_need_the_dead_worker_fail(steered):
     model, path = steered
     oracle = Oracle(model, path)

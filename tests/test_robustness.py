@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -392,3 +394,26 @@ def test_a_kv_cache_larger_than_the_machine_can_map_is_one_line_at_start(oracles
                        "--cpu-forms", "off", "--kv-cache-mb", str(1 << 40)])
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert "cannot be allocated on cpu" in out.stderr and "lower --kv-cache-mb" in out.stderr, out.stderr
+
+
+def test_what_a_serve_killed_with_sigkill_left_the_next_serve_removes(oracles):
+    """SIGKILL gives serve no chance to remove its workers' socket directory (/tmp/colibri-fleet-PID-*, mode 0700)
+    or its throw-away TLS files (tls-PID in the cache dir): each crash left them behind. The next serve removes
+    those of serve processes that are gone, and keeps its own."""
+    path = str(oracles["qwen3_moe"].path)
+    argv = ["serve", "--model", path, "--workers", "1", "--port", "0", "--tls-self-signed", "--log-level", "WARNING"]
+    p = colibri_popen(argv, stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().startswith("ready ")
+        children = psutil.Process(p.pid).children()
+    finally:
+        p.kill()
+        p.wait()
+    psutil.wait_procs(children, timeout=30)                    # they follow it (PDEATHSIG)
+    cache = Path(os.environ["COLIBRI_CACHE_DIR"])
+    left = [*Path(tempfile.gettempdir()).glob(f"colibri-fleet-{p.pid}-*"), cache / f"tls-{p.pid}"]
+    assert len(left) == 2 and all(d.is_dir() for d in left), left
+    with fleet(path, 1, ["--tls-self-signed"]) as (addr, proc):
+        assert not any(d.exists() for d in left), left
+        assert [*Path(tempfile.gettempdir()).glob(f"colibri-fleet-{proc.pid}-*")]          # its own, kept
+        assert (cache / f"tls-{proc.pid}").is_dir()

@@ -50,6 +50,7 @@ from colibri_common.repeated_log import RepeatedLog
 log = logging.getLogger("colibri.openai")
 ROUTER_SERVICE = "colibri.v1.Generation"
 DONE = "[DONE]"
+KEEPALIVE = b": keep-alive\n\n"   # an SSE comment: clients skip it (OpenAI's SDK, EventSource)
 HTTP10_STREAM = ("streaming needs HTTP/1.1 (server-sent events in chunked transfer encoding) and this request came "
                  "as HTTP/1.0: send it as HTTP/1.1 (behind nginx: proxy_http_version 1.1) or with \"stream\": false")
 
@@ -281,11 +282,20 @@ class Front:
                       include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE stream. A client that leaves cancels this generator (CancelledError) or the response before
         it starts; `EventStream` then cancels the router calls, and the router frees the request's KV blocks."""
+        every, quiet_since = self.opts.sse_keepalive, None
         try:
             async for prompt, msg in messages:
                 chunk = reply.chunk(*self._fold(reply, prompt, msg), include_usage)
                 if chunk is not None:
                     yield sse(chunk)
+                    quiet_since = None
+                elif every:                           # tokens with no text to send yet (a model without a
+                    now = time.monotonic()            # tokenizer, a stop string's prefix held back): a comment
+                    if quiet_since is None:           # line now and then keeps idle timeouts on the way from
+                        quiet_since = now             # cutting a healthy stream
+                    elif now - quiet_since >= every:
+                        yield KEEPALIVE
+                        quiet_since = now
             if include_usage:
                 yield sse(reply.usage_chunk())
             self.metrics.finished(reply, "ok")

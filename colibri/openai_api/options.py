@@ -61,6 +61,11 @@ class OpenAIOptions:
                                             "vLLM's default; max_tokens from max_new_tokens); vllm: OpenAI's "
                                             "defaults (temperature 1, no top-k/top-p)",
                                     choices=("auto", "vllm"))
+    sse_keepalive: float = option(15.0, "a streamed response whose tokens have no text to send for this many "
+                                        "seconds (a model without a tokenizer, a stop string's prefix held back) "
+                                        "gets an SSE comment line, so proxies and clients with idle timeouts "
+                                        "(nginx's proxy_read_timeout, 60 s) keep it; 0 = never",
+                                  metavar="SECONDS")
     access_log: bool = option(False, "log every HTTP request")
     log_level: str = option("INFO", "log level", choices=LOG_LEVELS, type=upper)
 
@@ -72,6 +77,8 @@ class OpenAIOptions:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
+        if not self.sse_keepalive >= 0:
+            raise ValueError(f"--sse-keepalive must be >= 0 (0 = never), got {self.sse_keepalive}")
         for name in ("request_timeout", "grace_period"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

@@ -34,9 +34,9 @@ GAUGE_HELP = {
     "kv_cache_usage_perc": "Share of KV cache blocks in use (0-1).",
     "kv_cache_blocks_total": "KV cache blocks.",
     "kv_cache_blocks_free": "KV cache blocks free.",
-    "batch_size": "Sequences in the last step.",
+    "batch_size": "Sequences in the last step (0 once the engine is idle).",
     "batch_size_max": "Most sequences in one step since start.",
-    "batch_tokens": "Tokens (prefill + decode) in the last step.",
+    "batch_tokens": "Tokens (prefill + decode) in the last step (0 once the engine is idle).",
     "batch_tokens_max": "Most tokens in one step since start.",
 }
 

@@ -134,6 +134,9 @@ class StepLoop:
         with self._cv:
             while not self._stop and not self._aborts and not self.scheduler.has_work():
                 self._outbox.flush()                   # idle: the last step's events go now
+                if self.metrics.gauges.get("batch_size"):
+                    with self.metrics.lock:            # an idle engine's batch is empty (it read the last step's)
+                        self.metrics.gauges.update(batch_size=0, batch_tokens=0)
                 self._cv.wait()
             if self._stop:
                 self._outbox.flush()

@@ -135,6 +135,8 @@ class InFlight:
                 todo += self._failover(part, exc)
                 continue
             waited += time.perf_counter() - t0
+            if not self.owner.liveness.healthy[part.worker]:     # it answers, whatever its checks said
+                self.owner.liveness.answered(part.worker)
             self.owner.dispatch_seconds.labels(self.owner.addresses[part.worker]).observe(time.perf_counter() -
                                                                                            self.sent)
             got.append((part.worker, part.rows, answer))

@@ -3,13 +3,16 @@
 A worker whose call fails is banned at once, for a backoff that doubles on each failure (0.5 s up to 30 s)
 and resets after a minute without one; it is re-admitted when the ban has passed and its health checks say
 SERVING again (log line, `colibri:worker_readmissions_total`), or as soon as another process at its address holds
-the plan (`restarted`: the ban is on the process that failed). Plain Python; the health checks are
+the plan (`restarted`: the ban is on the process that failed). A worker down by its checks that still answers
+a call (paused, then resumed) is alive: a layer that needs its experts alone waits for the checks to see it back
+(`answering`, `await_live`) rather than failing its requests. Plain Python; the health checks are
 `worker_watch.WorkerWatch`'s.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -20,6 +23,7 @@ class Liveness:
     FIRST_BAN_S = 0.5
     MAX_BAN_S = 30.0
     FORGIVE_S = 60.0
+    ANSWERED_RECENTLY_S = 1.0      # a down worker that answered a call this recently is waited for (answering)
 
     def __init__(self, addresses: tuple[str, ...]) -> None:
         self.addresses = addresses
@@ -32,6 +36,7 @@ class Liveness:
         self._was_live = [True] * len(addresses)
         self.synced = [True] * len(addresses)         # holds the router's current plan (elastic placement)
         self.banned_process = [""] * len(addresses)   # the worker process (its instance) the ban is on
+        self.answered_at: dict[int, float] = {}       # when a worker down by its checks last answered a call
         self._lock = threading.Lock()
 
     def add(self, address: str) -> None:
@@ -93,6 +98,29 @@ class Liveness:
             self.banned_until[w] = 0.0
         log.info("expert worker %s restarted (a new process holds its experts): its ban is lifted",
                  self.addresses[w])
+
+    def answered(self, w: int) -> None:
+        """Worker w answered a call while its health checks had it down: it is alive (it was paused, swapping or
+        too busy to answer them), and the checks will see it back within a round or two."""
+        self.answered_at[w] = time.monotonic()
+
+    def answering(self, live: list[bool]) -> list[int]:
+        """The workers not live in `live` that answered a call within ANSWERED_RECENTLY_S."""
+        now = time.monotonic()
+        return [w for w, ok in enumerate(live) if not ok and now - self.answered_at.get(w, -math.inf) <
+                self.ANSWERED_RECENTLY_S]
+
+    def await_live(self, workers: list[int], timeout_s: float) -> bool:
+        """Whether every one of `workers` is live within `timeout_s` (polled: the health checks' thread and the
+        re-sync set what `live` reads)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = self.live()
+            if all(live[w] for w in workers):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
 
     def set_healthy(self, up: dict[int, bool]) -> None:
         """Health by worker index (the workers the watch checks; others keep theirs)."""

@@ -279,6 +279,12 @@ class RemoteExperts:
             # each pair to one live holder of its expert, least-loaded first; tokens no live worker can
             # serve fail here, without a call
             placed = place(table.holders[layer], ids32, live, holding=table.holding[layer])
+            back = self.liveness.answering(live) if placed.unplaced else []
+            if back and self.liveness.await_live(back, self.sync_wait_s):
+                # down by its health checks, yet it answered the layer before (paused, then resumed): the checks
+                # see it back in a round or two, and its requests go on rather than fail as it returns
+                live = self.liveness.live()[:W]
+                placed = place(table.holders[layer], ids32, live, holding=table.holding[layer])
             if placed.unplaced:
                 down = [a for a, ok in zip(self.addresses, live, strict=False) if not ok]
                 raise ExpertsUnavailable(f"the experts some tokens need have no live worker (down: "
