@@ -166,5 +166,6 @@ class ServeOptions:
                              tls_ca=r.tls_ca if r.tls_cert else None,
                              tls_cert=r.tls_cert if r.tls_client_auth else None,
                              tls_key=r.tls_key if r.tls_client_auth else None, log_level=r.log_level,
-                             grace_period=r.grace_period, allowed_hosts=self.allowed_hosts,
+                             grace_period=r.grace_period, stream_stall_timeout=r.stream_stall_timeout,
+                             allowed_hosts=self.allowed_hosts,
                              allowed_origins=self.allowed_origins, generation_config=self.generation_config)

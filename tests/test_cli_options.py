@@ -77,7 +77,7 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
                       max_body_bytes=1000,
                       grace_period=2.5, tls_ca="/ca.pem", tls_cert="/c.pem", tls_key="/k.pem", access_log=True,
                       log_level="DEBUG", api_key="k", allowed_hosts=("h",), allowed_origins=("https://o.example",),
-                      generation_config="vllm")
+                      generation_config="vllm", sse_keepalive=2.0, stream_stall_timeout=7.5)
     assert all(getattr(o, f.name) != getattr(OpenAIOptions(), f.name) for f in dataclasses.fields(o))
     assert parse(OpenAIOptions, child_argv("openai", o)[1:]) == o
 
@@ -88,6 +88,9 @@ def test_serve_starts_the_openai_front_as_a_client_of_its_router():
     front = s.front("127.0.0.1:5000")
     assert (front.target, front.port, front.served_model_name, front.tls_ca) == ("127.0.0.1:5000", 8080, "qwen",
                                                                                  "/ca")
+    stalls = parse(ServeOptions, ["--model", "/m", "--openai-port", "0", "--stream-stall-timeout", "9"],
+                   ServeOptions.EXCLUDED)
+    assert stalls.front("h:1").stream_stall_timeout == 9.0          # the front drops a stuck stream as the router
     assert front.tls_cert is None and front.log_level == "WARNING"      # no client auth: no client certificate
     with pytest.raises(ValueError, match="--openai-port"):
         parse(ServeOptions, ["--model", "/m", "--openai-port", "70000"], ServeOptions.EXCLUDED)

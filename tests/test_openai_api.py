@@ -539,6 +539,35 @@ def test_a_stream_without_text_to_send_gets_keepalive_comments(oracles):
         assert ids == oracle.greedy([1, 2, 3], 200)
 
 
+def test_a_stream_whose_client_reads_nothing_is_dropped_after_the_stall_timeout(oracles):
+    """A client that stops reading fills its socket's buffers and the front's write waits: the router's stall
+    watch cancelled the request, but the front's handler waited on that write for as long as the client kept its
+    connection (in flight for good on /metrics). The front's own --stream-stall-timeout now ends it."""
+    oracle = oracles["qwen3_moe"]
+    with fleet(oracle.path, 1, ["--stream-stall-timeout", "120"]) as (addr, _), \
+            front(addr, "--stream-stall-timeout", "1") as (host, port, api):
+        body = json.dumps({"model": oracle.path.name, "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True,
+                           "stream": True, "logprobs": 20}).encode()
+        with socket.socket() as stuck:
+            stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stuck.connect((host, port))
+            stuck.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            t0 = time.monotonic()
+
+            def in_flight() -> float:
+                return metrics(port)["colibri_openai:requests_in_flight"]
+
+            while in_flight() < 1 and time.monotonic() - t0 < 30:
+                time.sleep(0.05)
+            while in_flight() > 0:                             # never read, never closed: dropped all the same
+                assert time.monotonic() - t0 < 30, "the front still holds the stream of a client that reads nothing"
+                time.sleep(0.1)
+            got = api.completions.create(model=oracle.path.name, prompt=[1, 2, 3], max_tokens=8, temperature=0,
+                                         logprobs=0)          # the front and the router serve on
+            assert [int(t.split(":")[1]) for t in got.choices[0].logprobs.tokens] == oracle.greedy([1, 2, 3], 8)
+
+
 def test_a_front_without_a_router_answers_503_and_says_not_ready():
     target = f"127.0.0.1:{free_port()}"
     with front(target) as (host, port, api):

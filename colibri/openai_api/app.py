@@ -168,8 +168,13 @@ class Front:
             return Response(status_code=499)
         messages = merge(streams, first)
         if parsed.stream:
-            return EventStream(self._events(reply, messages, parsed.include_usage),
-                           on_close=lambda: self._close(reply, calls, "abort"))
+            stream = EventStream(self._events(reply, messages, parsed.include_usage),
+                                 on_close=lambda: self._close(reply, calls, "abort", quiet=stream.stalled),
+                                 stall_s=self.opts.stream_stall_timeout, on_stall=lambda: log.warning(
+                                     "%s: the client has read nothing of its stream for %gs: dropped, and its "
+                                     "request cancelled on the router (--stream-stall-timeout)", reply.id,
+                                     self.opts.stream_stall_timeout))
+            return stream
         try:
             return await self._whole(request, reply, messages, calls)
         finally:

@@ -66,16 +66,52 @@ async def merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, pb.Gene
 
 class EventStream(StreamingResponse):
     """A StreamingResponse that runs `on_close` however it ends: done, failed, or cancelled by a client that
-    left (even before the body iterator started, when the generator's own `finally` would never run)."""
+    left (even before the body iterator started, when the generator's own `finally` would never run). A write
+    that waits `stall_s` on a client that reads nothing (its socket's buffers full) ends the response: `on_stall`
+    says so, and `on_close` cancels its request on the router (the handler waited on that write for good)."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], stall_s: float = 0.0,
+                 on_stall: Callable[[], None] = lambda: None) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.on_close = on_close
+        self.on_close, self.stall_s, self.on_stall = on_close, stall_s, on_stall
+        self._writing_since: float | None = None      # loop time of the write under way
+        self.stalled = False                          # ended by `stall_s`
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        async def timed(message: Any) -> None:
+            self._writing_since = loop.time()
+            try:
+                await send(message)
+            finally:
+                self._writing_since = None
+
+        watch: asyncio.TimerHandle | None = None
+
+        def check() -> None:                            # a timer, not a timeout per write (a task per event)
+            nonlocal watch
+            since = self._writing_since
+            if since is not None and loop.time() - since >= self.stall_s:
+                self.stalled = True
+                task.cancel()
+            else:
+                watch = loop.call_later(min(1.0, self.stall_s / 4), check)
+
+        if self.stall_s > 0:
+            watch = loop.call_later(min(1.0, self.stall_s / 4), check)
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed)
+        except asyncio.CancelledError:
+            if not self.stalled:
+                raise
+            task.uncancel()
+            self.on_stall()
         finally:
+            if watch is not None:
+                watch.cancel()
             self.on_close()
 
 

@@ -61,6 +61,10 @@ class OpenAIOptions:
                                             "vLLM's default; max_tokens from max_new_tokens); vllm: OpenAI's "
                                             "defaults (temperature 1, no top-k/top-p)",
                                     choices=("auto", "vllm"))
+    stream_stall_timeout: float = option(30.0, "seconds a streamed response may wait on a client that reads "
+                                               "nothing (its socket's buffers full) before the front drops the "
+                                               "connection's response and cancels its request on the router; 0 = "
+                                               "never", metavar="SECONDS")
     sse_keepalive: float = option(15.0, "a streamed response whose tokens have no text to send for this many "
                                         "seconds (a model without a tokenizer, a stop string's prefix held back) "
                                         "gets an SSE comment line, so proxies and clients with idle timeouts "
@@ -77,6 +81,8 @@ class OpenAIOptions:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
+        if not self.stream_stall_timeout >= 0:
+            raise ValueError(f"--stream-stall-timeout must be >= 0 (0 = never), got {self.stream_stall_timeout}")
         if not self.sse_keepalive >= 0:
             raise ValueError(f"--sse-keepalive must be >= 0 (0 = never), got {self.sse_keepalive}")
         for name in ("request_timeout", "grace_period"):

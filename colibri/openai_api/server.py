@@ -20,6 +20,14 @@ log = logging.getLogger("colibri.openai")
 SEND_BUFFER = 64 * 1024      # bytes a connection's socket holds for its client (the kernel doubles it for its books)
 
 
+class _StalledFilter(logging.Filter):
+    """uvicorn's ERROR for a response the app ended unfinished: only a stream dropped for a client that read
+    nothing does that here, and its WARNING (app.py) has said so with the request's id."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing response."
+
+
 def run_front(opts: OpenAIOptions) -> int:
     import uvicorn
 
@@ -34,6 +42,7 @@ def run_front(opts: OpenAIOptions) -> int:
             yield
 
     setup_logging("openai", opts.log_level)
+    logging.getLogger("uvicorn.error").addFilter(_StalledFilter())
     try:
         key, key_from = api_key(opts)
     except ValueError as exc:
