@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
+from colibri.results import RETRYABLE as RETRYABLE  # noqa: PLC0414 (re-exported: callers import them from here)
+from colibri.results import Choice as Choice  # noqa: PLC0414
 from colibri.results import Delta, GenerationError, Result
 from colibri_common.options import check_target
 from colibri_common.pb import generation_pb2 as pb

@@ -41,8 +41,8 @@ class LocalFleet:
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                         text=True, errors="replace", preexec_fn=die_with_parent)
         self._log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL)
-        relay = threading.Thread(target=self._relay_log, name="fleet-stderr", daemon=True)
-        relay.start()
+        self._relay = threading.Thread(target=self._relay_log, name="fleet-stderr", daemon=True)
+        self._relay.start()
         try:
             assert self.process.stdout is not None
             for line in self.process.stdout:
@@ -51,7 +51,7 @@ class LocalFleet:
                     break
             else:
                 code = self.process.wait()
-                relay.join(timeout=5)                    # its last lines read
+                self._relay.join(timeout=5)              # its last lines read
                 last = next((ln for ln in reversed(self._log_tail) if ln.strip()), "")
                 raise RuntimeError(f"colibri serve exited with code {code} before it was ready"
                                    + (f": {last.strip()}" if last else " (it wrote no log)"))
@@ -65,11 +65,16 @@ class LocalFleet:
             raise
 
     def _relay_log(self) -> None:
-        """The fleet's log onto this process's stderr, as it comes, its last lines kept for a failed start."""
+        """The fleet's log onto this process's stderr, as it comes, its last lines kept for a failed start. It reads
+        to the end whatever happens to the writes: serve and its children share the pipe, and a pipe nobody reads
+        would block every one of them at their next log line."""
         assert self.process.stderr is not None
         for line in self.process.stderr:
             self._log_tail.append(line)
-            sys.stderr.write(line)
+            try:
+                (sys.stderr or sys.__stderr__).write(line)      # type: ignore[union-attr]
+            except (OSError, ValueError, AttributeError):      # closed, replaced by None (pythonw), detached
+                pass
 
     def generate(self, prompts: list[Prompt], params: list[SamplingParams], rids: list[str]) -> list[RequestOutput]:
         if self.closed or self.client is None:
@@ -171,3 +176,4 @@ class LocalFleet:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self._relay.join(timeout=5)                      # the fleet's last lines (its drain) written

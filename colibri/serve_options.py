@@ -33,9 +33,9 @@ class ServeOptions:
     workers: int = option(2, "number of expert workers (shards) to start")
     replicas: int = option(1, "every expert on this many distinct workers: with 2, a dead worker's tokens go "
                               "to the others and no stream notices")
-    tls_self_signed: bool = option(False, "make a throw-away CA and certificate (in $COLIBRI_CACHE_DIR/tls-PID or "
-                                          "a temp dir; logged) and serve with mutual TLS between router and "
-                                          "workers and TLS to clients")
+    tls_self_signed: bool = option(False, "make a throw-away CA and certificate (in $COLIBRI_CACHE_DIR/"
+                                          "tls-SCOPE-PID or a temp dir; logged) and serve with mutual TLS between "
+                                          "router and workers and TLS to clients")
     gpus: tuple[int, ...] = option((), "GPUs to place the fleet on: the router on the first, worker i on GPU "
                                        "i mod the count (each child gets --device cuda:N)", metavar="N[,N...]")
     cache: ExpertCacheOptions = ExpertCacheOptions()

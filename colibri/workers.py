@@ -134,6 +134,9 @@ def run_workers(opts: WorkersOptions) -> int:
                 call = stub.SetWorkers
             change = _patiently(call, request, opts.timeout)
         except grpc.RpcError as exc:
+            if opts.json:                        # a script reads one document either way
+                print(json.dumps({"changed": False, "error": {"code": exc.code().name, "message": exc.details()}},
+                                 indent=2))
             print(f"{opts.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 where = "is set here" if fleet_token() else "is not set here"

@@ -1203,10 +1203,21 @@ def test_values_that_conflict_fail_the_render_naming_them(values, message):
     ({"tls": {"certManager": {"enabled": True, "issuerRef": {"name": "My Issuer", "kind": "Issuer"}}}},
      "/tls/certManager/issuerRef/name"),
     ({"serviceMonitor": {"enabled": True, "interval": "often"}}, "/serviceMonitor/interval"),
+    ({"openai": {"enabled": True, "servedModelName": " qwen"}}, "/openai/servedModelName"),   # the front refuses it
 ])
 def test_the_schema_refuses_values_the_services_or_the_api_server_would(values, where):
     with pytest.raises(helm.HelmError, match=f"(?s)schema.*at '{where}'"):
         render(values)
+
+
+def test_real_world_image_references_are_taken():
+    """The schema's image patterns refuse what no registry takes, not what users write: a digest pin in the tag, a
+    registry host in capitals or as an IPv6 address."""
+    digest = "sha256:" + "0f" * 32
+    for image in ({"repository": "Registry.Example.com/org/colibri", "tag": f"1.2.3@{digest}"},
+                  {"repository": "[fd00::1]:5000/colibri", "tag": "v1_2.3-rc1"}):
+        (sts,) = by_kind(render({"image": image}), "StatefulSet")
+        assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == f"{image['repository']}:{image['tag']}"
 
 
 def test_long_release_names_keep_the_expert_pods_makeable_and_the_front_drains_in_its_grace():

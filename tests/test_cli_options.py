@@ -190,6 +190,7 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     # an empty value (`--flag "$UNSET"`) is not taken as the default without a word
     (["serve", "--model", "m", "--openai-port", "0", "--served-model-name", " "], "--served-model-name ' ' is blank"),
     (["openai", "--target", "h:1", "--served-model-name", ""], "--served-model-name '' is blank"),
+    (["openai", "--target", "h:1", "--served-model-name", "qwen "], "starts or ends with white space"),
     (["serve", "--model", "m", "--openai-port", "0", "--allowed-hosts", ""], "--allowed-hosts: '' lists nothing"),
     (["openai", "--target", "h:1", "--allowed-origins", " , "], "--allowed-origins: ' , ' lists nothing"),
     (["router", "--model", "m", "--workers", ""], "--workers: '' lists nothing"),

@@ -209,6 +209,10 @@ def test_admin_takes_only_the_fleet_token_and_checks_addresses(model):
         assert not out.changed and "changes nothing" in out.message
         res = workers_cli(r, "remove", a)                    # the last worker cannot go
         assert res.returncode == 1 and "at least one worker" in res.stderr
+        res = workers_cli(r, "remove", a, "--json")          # a script reads one document, refusals too
+        refused = json.loads(res.stdout)
+        assert res.returncode == 1 and refused["changed"] is False and "at least one worker" in \
+            refused["error"]["message"] and refused["error"]["code"] == "FAILED_PRECONDITION", res.stdout
         res = workers_cli(r, "remove", "127.0.0.1:1")
         assert res.returncode == 1 and "not among the router's workers" in res.stderr
         res = workers_cli(r, "add", a)                       # it re-planned the same workers, as a rebalance

@@ -397,9 +397,10 @@ def test_a_kv_cache_larger_than_the_machine_can_map_is_one_line_at_start(oracles
 
 
 def test_what_a_serve_killed_with_sigkill_left_the_next_serve_removes(oracles):
-    """SIGKILL gives serve no chance to remove its workers' socket directory (/tmp/colibri-fleet-PID-*, mode 0700)
-    or its throw-away TLS files (tls-PID in the cache dir): each crash left them behind. The next serve removes
-    those of serve processes that are gone, and keeps its own."""
+    """SIGKILL gives serve no chance to remove its workers' socket directory (/tmp/colibri-fleet-SCOPE-PID-*, mode
+    0700) or its throw-away TLS files (tls-SCOPE-PID in the cache dir): each crash left them behind. The next serve
+    removes those of serve processes that are gone, and keeps its own and those of another scope (a host or PID
+    namespace sharing the directory, where the pid means nothing)."""
     path = str(oracles["qwen3_moe"].path)
     argv = ["serve", "--model", path, "--workers", "1", "--port", "0", "--tls-self-signed", "--log-level", "WARNING"]
     p = colibri_popen(argv, stdout=subprocess.PIPE)
@@ -410,10 +411,15 @@ def test_what_a_serve_killed_with_sigkill_left_the_next_serve_removes(oracles):
         p.kill()
         p.wait()
     psutil.wait_procs(children, timeout=30)                    # they follow it (PDEATHSIG)
-    cache = Path(os.environ["COLIBRI_CACHE_DIR"])
-    left = [*Path(tempfile.gettempdir()).glob(f"colibri-fleet-{p.pid}-*"), cache / f"tls-{p.pid}"]
+    cache, tmp = Path(os.environ["COLIBRI_CACHE_DIR"]), Path(tempfile.gettempdir())
+    left = [*tmp.glob(f"colibri-fleet-*-{p.pid}-*"), *cache.glob(f"tls-*-{p.pid}")]
     assert len(left) == 2 and all(d.is_dir() for d in left), left
-    with fleet(path, 1, ["--tls-self-signed"]) as (addr, proc):
-        assert not any(d.exists() for d in left), left
-        assert [*Path(tempfile.gettempdir()).glob(f"colibri-fleet-{proc.pid}-*")]          # its own, kept
-        assert (cache / f"tls-{proc.pid}").is_dir()
+    elsewhere = tmp / f"colibri-fleet-00000000-{p.pid}-x"     # the same dead pid, seen from another scope
+    elsewhere.mkdir(mode=0o700)
+    try:
+        with fleet(path, 1, ["--tls-self-signed"]) as (addr, proc):
+            assert not any(d.exists() for d in left), left
+            assert [*tmp.glob(f"colibri-fleet-*-{proc.pid}-*")] and [*cache.glob(f"tls-*-{proc.pid}")]  # its own
+            assert elsewhere.is_dir()
+    finally:
+        elsewhere.rmdir()

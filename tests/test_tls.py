@@ -99,7 +99,7 @@ def test_a_client_given_files_that_are_not_pem_says_so_before_dialling(tmp_path)
 def test_a_self_signed_fleet_serves_the_same_tokens_over_tls(oracles):
     oracle = oracles["qwen3_moe"]
     with fleet(oracle.path, 2, ["--tls-self-signed", "--tls-client-auth", "--openai-port", "0"]) as (addr, proc):
-        d = Path(os.environ["COLIBRI_CACHE_DIR"]) / f"tls-{proc.pid}"
+        (d,) = Path(os.environ["COLIBRI_CACHE_DIR"]).glob(f"tls-*-{proc.pid}")
         ca, cert, key = (str(d / f) for f in ("ca.pem", "cert.pem", "key.pem"))
         client = Client(addr, tls_ca=ca, tls_cert=cert, tls_key=key)
         assert client.generate([1, 2, 3], 8).token_ids == oracle.greedy([1, 2, 3], 8)

@@ -20,6 +20,26 @@ from colibri_common.pb import generation_pb2 as pb
 CLIENT_GONE = 499          # nginx's "client closed request": nobody reads it, the metrics count it
 
 
+class _Unfinished:
+    """Responses ended unfinished on purpose (a stalled client's), for server.py's filter of uvicorn's ERROR: that
+    many of its lines are ours; any other is a bug's and is logged."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+
+    def add(self) -> None:
+        self.pending += 1
+
+    def take(self) -> bool:
+        if self.pending <= 0:
+            return False
+        self.pending -= 1
+        return True
+
+
+UNFINISHED = _Unfinished()                     # one event loop: no lock
+
+
 async def disconnected(request: Request) -> None:
     """Returns when the client closes its connection (the body was read already)."""
     while True:
@@ -108,6 +128,7 @@ class EventStream(StreamingResponse):
             if not self.stalled:
                 raise
             task.uncancel()
+            UNFINISHED.add()                            # uvicorn's "returned without completing response" is ours
             self.on_stall()
         finally:
             if watch is not None:

@@ -24,6 +24,9 @@ def check_model_name(name: str | None) -> None:
     if name is not None and not name.strip():
         raise ValueError(f"--served-model-name {name!r} is blank (an unset variable?): give the name clients "
                          f"send as 'model', or leave the flag out for the checkpoint directory's name")
+    if name is not None and name != name.strip():
+        raise ValueError(f"--served-model-name {name!r} starts or ends with white space, which no client sends "
+                         f"as 'model': give it without")
 
 
 @dataclass(frozen=True)

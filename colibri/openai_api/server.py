@@ -11,6 +11,7 @@ import socket
 from collections.abc import Iterator
 
 from colibri.openai_api.app import Front, build_app
+from colibri.openai_api.http_io import UNFINISHED
 from colibri.openai_api.options import OpenAIOptions
 from colibri.openai_api.policy import LOOPBACK_NAMES, Policy, api_key
 from colibri_common.errors import ColibriError
@@ -21,11 +22,12 @@ SEND_BUFFER = 64 * 1024      # bytes a connection's socket holds for its client 
 
 
 class _StalledFilter(logging.Filter):
-    """uvicorn's ERROR for a response the app ended unfinished: only a stream dropped for a client that read
-    nothing does that here, and its WARNING (app.py) has said so with the request's id."""
+    """uvicorn's ERROR for a response the app ended unfinished, when a stream was dropped for a client that read
+    nothing (http_io.UNFINISHED counts them): its WARNING (app.py) has said so with the request's id."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "ASGI callable returned without completing response."
+        return record.getMessage() != "ASGI callable returned without completing response." or \
+            not UNFINISHED.take()
 
 
 def run_front(opts: OpenAIOptions) -> int:

@@ -91,7 +91,7 @@ class StepLoop:
             if not step.micro_batches:
                 self._outbox.flush()
                 with self.metrics.lock:    # what the engine holds, while it cannot step (dashboards, KEDA)
-                    self.metrics.gauges.update(occupancy(self.scheduler))
+                    self.metrics.gauges.update(occupancy(self.scheduler), batch_size=0, batch_tokens=0)
                 time.sleep(0.001)     # work is waiting but nothing fits yet (KV cache full)
                 continue
             t0 = time.perf_counter()

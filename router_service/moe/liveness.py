@@ -37,6 +37,7 @@ class Liveness:
         self.synced = [True] * len(addresses)         # holds the router's current plan (elastic placement)
         self.banned_process = [""] * len(addresses)   # the worker process (its instance) the ban is on
         self.answered_at: dict[int, float] = {}       # when a worker down by its checks last answered a call
+        self.down_why: dict[int, str] = {}            # why a worker's checks last failed (worker_watch.WorkerWatch)
         self._lock = threading.Lock()
 
     def add(self, address: str) -> None:
@@ -73,6 +74,7 @@ class Liveness:
         """Worker w failed a call; `process`: the worker process (its instance) that was answering it."""
         now = time.monotonic()
         with self._lock:
+            self.answered_at.pop(w, None)        # it answered before; now it fails: not waited for
             if now < self.banned_until[w]:       # the same incident (every reply in flight on it fails)
                 return
             self.banned_process[w] = process
@@ -105,10 +107,14 @@ class Liveness:
         self.answered_at[w] = time.monotonic()
 
     def answering(self, live: list[bool]) -> list[int]:
-        """The workers not live in `live` that answered a call within ANSWERED_RECENTLY_S."""
+        """The workers not live in `live` that answered a call within ANSWERED_RECENTLY_S, are not banned (a failed
+        call forgets the answer) and are down because their checks timed out: a worker that says NOT_SERVING
+        (draining, stopping) is not waited for."""
         now = time.monotonic()
-        return [w for w, ok in enumerate(live) if not ok and now - self.answered_at.get(w, -math.inf) <
-                self.ANSWERED_RECENTLY_S]
+        with self._lock:
+            return [w for w, ok in enumerate(live) if not ok and now - self.answered_at.get(w, -math.inf) <
+                    self.ANSWERED_RECENTLY_S and now >= self.banned_until[w] and self.down_why.get(w, "")
+                    .startswith("DEADLINE_EXCEEDED")]
 
     def await_live(self, workers: list[int], timeout_s: float) -> bool:
         """Whether every one of `workers` is live within `timeout_s` (polled: the health checks' thread and the
@@ -122,8 +128,10 @@ class Liveness:
                 return False
             time.sleep(0.005)
 
-    def set_healthy(self, up: dict[int, bool]) -> None:
-        """Health by worker index (the workers the watch checks; others keep theirs)."""
+    def set_healthy(self, up: dict[int, bool], why: dict[int, str] | None = None) -> None:
+        """Health by worker index (the workers the watch checks; others keep theirs), and why the checks of those
+        down failed."""
         with self._lock:
             for w, ok in up.items():
                 self.healthy[w] = ok
+            self.down_why.update(why or {})

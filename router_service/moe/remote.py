@@ -279,10 +279,7 @@ class RemoteExperts:
             # each pair to one live holder of its expert, least-loaded first; tokens no live worker can
             # serve fail here, without a call
             placed = place(table.holders[layer], ids32, live, holding=table.holding[layer])
-            back = self.liveness.answering(live) if placed.unplaced else []
-            if back and self.liveness.await_live(back, self.sync_wait_s):
-                # down by its health checks, yet it answered the layer before (paused, then resumed): the checks
-                # see it back in a round or two, and its requests go on rather than fail as it returns
+            if placed.unplaced and self._await_answering(table, layer, ids32, placed.unplaced, live):
                 live = self.liveness.live()[:W]
                 placed = place(table.holders[layer], ids32, live, holding=table.holding[layer])
             if placed.unplaced:
@@ -318,6 +315,24 @@ class RemoteExperts:
                 self.window.computed(self.addresses[wr.worker], wr.pairs)
         self.timers["dispatch"] += time.perf_counter() - t0
         return InFlight(self, table, layer, hidden, keep(x), ids_kept, keep(w32), parts)
+
+    def _await_answering(self, table: Table, layer: int, ids32: torch.Tensor, unplaced: list[int],
+                         live: list[bool]) -> bool:
+        """Whether the workers that hold the experts no live worker holds for `unplaced` rows, and that are down by
+        their health checks' timeouts yet answered a call this past second (paused, then resumed), are live again
+        within 3 s (--worker-timeout if shorter): the checks see them back in a round or two, and their requests go
+        on rather than fail as they return. Not while a placement change waits for this step, nor for a worker a
+        re-sync found refusing."""
+        if self._pending is not None:
+            return False
+        ids = ids32.index_select(0, torch.tensor(unplaced)).flatten().long()                  # [u * K]
+        holders = table.holders[layer][ids[ids >= 0]]                                           # [n, W]
+        lost = holders[~(holders & torch.tensor(live, dtype=torch.bool)).any(dim=1)].any(dim=0)  # [W]
+        back = [w for w in self.liveness.answering(live) if w < lost.numel() and lost[w] and w not in self.kept_out]
+        if not back:
+            return False
+        self.waiting()                                 # the last step's events go out meanwhile
+        return self.liveness.await_live(back, self.sync_wait_s)
 
     def native_layer(self, layer: int, hidden: torch.Tensor) -> None:
         """Never: the experts are computed by the workers."""
@@ -376,7 +391,8 @@ class RemoteExperts:
         def changed(up: list[bool], why: list[str]) -> None:   # every round: a ban can end between health changes
             was = self.liveness.healthy
             back = [w for w, ok in zip(checked, up, strict=True) if ok and not was[w]]
-            self.liveness.set_healthy(dict(zip(checked, up, strict=True)))
+            self.liveness.set_healthy(dict(zip(checked, up, strict=True)),
+                                      {w: reason for w, ok, reason in zip(checked, up, why, strict=True) if not ok})
             for w in back:                                # it may have restarted: described before it is sent tokens
                 if self.on_back is not None:
                     self.on_back(w)

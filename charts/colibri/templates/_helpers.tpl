@@ -108,7 +108,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- if eq .Values.model.source "init" }}
 initContainers:
   - name: fetch-model
-    image: {{ .Values.model.init.image }}
+    image: {{ .Values.model.init.image | quote }}
     command: {{ toJson .Values.model.init.command }}
     env:
       - name: MODEL_SOURCE
