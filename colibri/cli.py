@@ -12,6 +12,7 @@ import argparse
 import difflib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:                  # Ctrl-C in a tool (tune, validate, bench): one line, not a traceback
         print(f"colibri {args.cmd}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:                    # `colibri workers show | head`: the reader left, as for any tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush must not fail again)
+        return 128 + signal.SIGPIPE
 
 
 SERVICES = ("serve", "router", "expert", "openai")

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 
 from colibri_common.flags import option
-from colibri_common.options import check_target
+from colibri_common.options import ClientTls, check_target
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ def run_health(opts: HealthOptions) -> int:
             elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:   # gRPC says "Deadline Exceeded" alone
                 why = (f"no answer within --timeout {opts.timeout:g}s (a process that is frozen, overloaded or "
                        f"swapping, or a port that drops packets)")
+            elif exc.code() == grpc.StatusCode.UNAVAILABLE:        # TLS spoken one way only: "Socket closed"
+                why += ClientTls(opts.tls_ca, opts.tls_cert, opts.tls_key).hint(why)
             print(f"{opts.target}: {exc.code().name}: {why}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -115,9 +115,8 @@ class ClientTls:
         if not ("socket closed" in text or "ssl" in text or "handshake" in text or "certificate" in text):
             return ""
         if not self.tls_ca:
-            return " (does the router serve TLS? give its CA with --tls-ca)"
-        return "" if self.tls_cert else " (does the router require a client certificate? give --tls-cert and " \
-            "--tls-key)"
+            return " (does it serve TLS? give its CA with --tls-ca)"
+        return "" if self.tls_cert else " (does it require a client certificate? give --tls-cert and --tls-key)"
 
 
 def check_threads(threads: int) -> None:

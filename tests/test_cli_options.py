@@ -369,3 +369,12 @@ def test_an_empty_api_key_variable_is_refused():
     with pytest.raises(ValueError, match="COLIBRI_API_KEY is set but empty"):
         api_key(OpenAIOptions(target="r:1"), {"COLIBRI_API_KEY": " "})
     assert api_key(OpenAIOptions(target="r:1"), {}) == ("", "")
+
+
+def test_a_reader_that_leaves_early_is_no_traceback(oracles):
+    """`colibri workers show | head -n 4` printed a BrokenPipeError traceback when head left first."""
+    p = subprocess.Popen([COLIBRI, "validate", "--model", str(oracles["qwen3_moe"].path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()                                   # the reader is gone before the first line is written
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -314,6 +314,9 @@ def test_follow_workers_serves_with_what_the_name_resolves_to(model):
             assert [w.address for w in shown.workers] == [a] and shown.workers[0].experts == 2 * 60
             assert Client(r).generate([5, 6, 7], 8, ignore_eos=True, timeout=60).token_ids == model.greedy([5, 6, 7],
                                                                                                            8)
+            # a worker the name lacks is refused: the next poll took it out again, after `add` had said it was done
+            res = workers_cli(r, "add", "127.0.0.1:1")
+            assert res.returncode == 1 and f"this router follows {a} (--follow-workers)" in res.stderr, res.stderr
         finally:
             stop(p)
 

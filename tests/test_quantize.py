@@ -128,6 +128,19 @@ def test_int8_experts_give_the_greedy_tokens_of_transformers_fp32(separated, arc
     assert kept >= (6 if quantize == "int8" else 5), kept
 
 
+def test_a_router_refuses_workers_that_compute_in_another_dtype(separated):
+    """A float32 worker added to a bf16 router was taken without a word, and every stream's tokens changed."""
+    oracle, _ = separated["qwen3_moe"]
+    token = new_token()
+    with fleet(oracle.path, 1, ["--dtype", "bfloat16"], env={FLEET_ENV: token}) as (_, proc):
+        workers = tuple(port_of(w) for w in workers_of(proc))
+        cfg = ModelConfig.from_dir(oracle.path)
+        with pytest.raises(WorkerError, match="computes its experts in bfloat16 but this router in float32"):
+            RemoteExperts(cfg, workers, torch.float32, connect_timeout_s=5, token=token, expect_dtype="float32")
+        RemoteExperts(cfg, workers, torch.bfloat16, connect_timeout_s=5, token=token,
+                      expect_dtype="bfloat16").close()                   # the same dtype is taken
+
+
 def test_a_fleet_serves_int8_experts_and_the_router_refuses_mismatched_workers_then(separated):
     oracle, data = separated["qwen3_moe"]
     prompt = data[5, :8].tolist()

@@ -124,6 +124,9 @@ def test_a_self_signed_fleet_serves_the_same_tokens_over_tls(oracles):
         no_cert = colibri_run(["generate", "--target", addr, "--prompt-ids", "1,2,3", "--max-tokens", "2",
                                "--tls-ca", ca], timeout=60)
         assert no_cert.returncode == 1 and "require a client certificate" in no_cert.stderr, no_cert.stderr
+        for extra, hint in (([], "give its CA with --tls-ca"), (["--tls-ca", ca], "give --tls-cert and --tls-key")):
+            probe = colibri_run(["health", "--target", addr, *extra], timeout=60)   # said "Socket closed" alone
+            assert probe.returncode == 1 and hint in probe.stderr, probe.stderr
         # The HTTP front `serve` started is the router's TLS client (with the client certificate it requires);
         # a model without a tokenizer takes token ids, and its log-probabilities name tokens by id.
         api = openai.OpenAI(base_url=proc.openai, api_key="x", max_retries=0, timeout=60)

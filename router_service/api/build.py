@@ -106,7 +106,8 @@ def remote_experts(opts: RouterOptions, workers: tuple[str, ...] = ()) -> Expert
                              expect_quantize=opts.quantize, device=device, track_routing=opts.expert_metrics, tls=tls,
                              batch_invariant=opts.batch_invariant, token=fleet_token(), step_tokens=rows,
                              replicas=opts.expert_replicas, window_steps=opts.placement_window,
-                             checkpoint=Checkpoint(opts.model).fingerprint(), load_timeout_s=opts.worker_load_timeout)
+                             checkpoint=Checkpoint(opts.model).fingerprint(), load_timeout_s=opts.worker_load_timeout,
+                             expect_dtype=opts.dtype_for(cfg.torch_dtype))
 
     return connect
 

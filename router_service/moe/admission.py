@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from colibri_common.config import ModelConfig
+from colibri_common.options import DTYPES
 from colibri_common.options import QUANTIZE as QUANTIZE_NAMES
 from colibri_common.pb import expert_pb2
 from colibri_common.placement import held_digest
@@ -47,6 +48,7 @@ class Expected:
     batch_invariant: bool = False
     step_tokens: int = 0             # the most token rows one step sends a worker
     checkpoint: str = ""             # Checkpoint.fingerprint() of --model ("" = unchecked)
+    dtype: str = ""                  # the experts' compute dtype --dtype means here, "float32" / "bfloat16" ("" = any)
 
 
 def check(d: expert_pb2.DescribeResponse, address: str, want: Expected) -> None:
@@ -67,6 +69,10 @@ def check(d: expert_pb2.DescribeResponse, address: str, want: Expected) -> None:
         raise WorkerError(f"expert worker {address} serves {d.dtype} experts but the router expects "
                           f"{want.quantize or 'float'} ones; start router and workers with the same --quantize",
                           retryable=False)
+    if want.dtype and served is None and d.dtype in DTYPES and d.dtype != want.dtype:
+        raise WorkerError(f"expert worker {address} computes its experts in {d.dtype} but this router in "
+                          f"{want.dtype} (the sums, and so the tokens, would differ); start router and workers with "
+                          f"the same --dtype", retryable=False)
     if d.batch_invariant != want.batch_invariant:
         raise WorkerError(f"expert worker {address} runs {'with' if d.batch_invariant else 'without'} "
                           f"--batch-invariant and the router {'with' if want.batch_invariant else 'without'}"

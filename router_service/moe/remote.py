@@ -55,7 +55,7 @@ class RemoteExperts:
                  expect_quantize: str | None = None, device: torch.device | None = None,
                  track_routing: bool = False, tls: TlsFiles | None = None, batch_invariant: bool = False,
                  token: str | None = None, step_tokens: int = 0, replicas: int = 1, window_steps: int = 256,
-                 checkpoint: str = "", load_timeout_s: float = 600.0) -> None:
+                 checkpoint: str = "", load_timeout_s: float = 600.0, expect_dtype: str = "") -> None:
         if len(set(addresses)) != len(addresses):
             raise ConfigError(f"--workers names a worker twice: {', '.join(addresses)}")
         self.cfg, self.wire_dtype = cfg, wire_dtype
@@ -63,7 +63,7 @@ class RemoteExperts:
         self.index = {a: w for w, a in enumerate(addresses)}
         self.liveness = Liveness(addresses)
         self.staging = HostStaging(device or torch.device("cpu"))   # the wire's pinned buffers on a GPU
-        self.expected = Expected(cfg, expect_quantize, batch_invariant, step_tokens, checkpoint)
+        self.expected = Expected(cfg, expect_quantize, batch_invariant, step_tokens, checkpoint, expect_dtype)
         self.checkpoint_id = checkpoint_id(checkpoint)       # what every ForwardRequest carries of it
         self.sync_wait_s = min(timeout_s, 3.0)               # a layer's wait for a worker being re-synced
         self.kept_out: set[int] = set()                      # workers a re-sync found refusing (upkeep.py)
@@ -325,9 +325,7 @@ class RemoteExperts:
         re-sync found refusing."""
         if self._pending is not None:
             return False
-        ids = ids32.index_select(0, torch.tensor(unplaced)).flatten().long()                  # [u * K]
-        holders = table.holders[layer][ids[ids >= 0]]                                           # [n, W]
-        lost = holders[~(holders & torch.tensor(live, dtype=torch.bool)).any(dim=1)].any(dim=0)  # [W]
+        lost = table.holders_of_lost(layer, ids32.index_select(0, torch.tensor(unplaced)), live)   # [W]
         back = [w for w in self.liveness.answering(live) if w < lost.numel() and lost[w] and w not in self.kept_out]
         if not back:
             return False

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from colibri_common.errors import ConfigError
 from router_service.moe.admission import WorkerInfo
-from router_service.moe.follow import Follower
+from router_service.moe.follow import Follower, resolve
 from router_service.moe.heartbeat import LOAD_SILENCE_S
 from router_service.moe.plan import Held, Plan, ResizeFailed, balance, load_plan, sticky_plan, union
 from router_service.moe.remote import RemoteExperts
@@ -124,6 +124,8 @@ class Placement:
         if max(len(addresses), len(add)) > self.cfg.num_experts:
             raise ResizeFailed(f"more workers than the {self.cfg.num_experts} experts a layer: every worker needs "
                                f"at least one")
+        if by_operator and self.follower is not None:
+            self._check_followed((*addresses, *add))
         with self.change_lock:
             _still(wanted)
             old = self.remote.table.plan.workers
@@ -145,6 +147,18 @@ class Placement:
             if by_operator:
                 self.cordoned = (self.cordoned | {a for a in old if a not in addresses}) - set(addresses)
             return out
+
+    def _check_followed(self, asked: tuple[str, ...]) -> None:
+        """A router that follows a name serves what it resolves to: an operator may take workers out (cordon them)
+        but not bring in one the name lacks, which the next poll took out again (the change had said it was done)."""
+        assert self.follower is not None
+        named = resolve(self.follower.target)
+        alien = [a for a in asked if a not in named and a not in self.remote.table.plan.workers]
+        if alien:
+            raise ResizeFailed(f"{', '.join(alien)}: this router follows {self.follower.target} (--follow-workers) "
+                               f"and serves what it resolves to ({', '.join(named) or 'nothing now'}); put the "
+                               f"worker behind that name (scale the StatefulSet), or start the router with "
+                               f"--workers to choose them by hand")
 
     def follow(self, target: str, interval_s: float = 5.0) -> None:
         """Serve with the workers `target` (NAME:PORT) resolves to, re-planning when they change."""

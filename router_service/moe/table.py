@@ -61,6 +61,12 @@ class Table:
         mine = self.holders[:, :, w]                                              # [L, E]
         return not bool((mine & ~self.holders[:, :, others].any(dim=2)).any())
 
+    def holders_of_lost(self, layer: int, ids: torch.Tensor, live: list[bool]) -> torch.Tensor:
+        """[W] bool: the workers that hold an expert among `ids` (any shape, -1 = none) that no live worker holds."""
+        ids = ids.flatten().long()
+        holders = self.holders[layer][ids[ids >= 0]]                                            # [n, W]
+        return holders[~(holders & torch.tensor(live, dtype=torch.bool)).any(dim=1)].any(dim=0)  # [W]
+
     def in_plan(self, w: int) -> bool:
         """Whether worker w holds anything in this plan."""
         return w < self.holders.shape[2] and bool(self.holders[:, :, w].any())
