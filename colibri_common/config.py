@@ -131,6 +131,11 @@ class ModelConfig:
             raise ConfigError(f"{path}: must hold a JSON object (a model's config), not a {type(raw).__name__}")
         try:
             cfg = ModelConfig.from_dict(raw, source=str(path))
+        except ConfigError as exc:                     # the checks' "config.json: ...", with the file's directory
+            message = str(exc)
+            if not message.startswith("config.json:"):
+                raise
+            raise ConfigError(f"{path}{message.removeprefix('config.json')}") from None
         except (ValueError, TypeError, AttributeError, KeyError) as exc:   # a value of the wrong type or form
             raise ConfigError(f"{path}: a value of the wrong type or form ({type(exc).__name__}: {exc}); is it a "
                               f"Hugging Face config.json?") from None

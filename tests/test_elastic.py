@@ -20,7 +20,7 @@ from colibri.client import Client
 from colibri.health import is_serving
 from colibri_common.pb import admin_pb2, admin_pb2_grpc, expert_pb2, expert_pb2_grpc
 from colibri_common.token_gate import with_token
-from tests.conftest import colibri_popen, colibri_run, free_port
+from tests.conftest import colibri_popen, colibri_run, free_port, metrics
 
 TOKEN = "elastic-test-token"
 ENV = dict(os.environ, COLIBRI_FLEET_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
@@ -115,7 +115,8 @@ def test_resize_mid_stream_3_to_4_to_2_changes_no_token(model):
         ws = [stack.enter_context(worker(model.path)) for _ in range(4)]
         addrs = [a for a, _ in ws]
         assert all(held(a) == 0 for a in addrs)               # nothing until a router assigns it
-        r, _ = stack.enter_context(router(model.path, addrs[:3]))
+        mport = free_port()
+        r, _ = stack.enter_context(router(model.path, addrs[:3], "--metrics-port", str(mport)))
         assert [held(a) for a in addrs] == [2 * 20] * 3 + [0]  # the router's even plan: 60 / 3 per layer, 2 layers
 
         def resize():
@@ -135,6 +136,9 @@ def test_resize_mid_stream_3_to_4_to_2_changes_no_token(model):
         assert shown["epoch"] == 3 and shown["rebalances"] == 2           # numbers, not protobuf JSON's strings
         assert all(le["layer"] == i for w in shown["workers"] for i, le in enumerate(w["layers"]))   # layer 0 too
         assert held(addrs[0]) == 0 and held(addrs[3]) == 0   # the removed workers hold no experts
+        families = [k for k in metrics(mport) if 'worker="' in k and k.startswith(("colibri:worker_dispatch_seconds",
+                                                                                    "colibri:worker_up"))]
+        assert families and not [k for k in families if addrs[0] in k or addrs[3] in k], families   # theirs gone
         table = workers_cli(r, "show").stdout
         assert addrs[1] in table and addrs[0] not in table and "balance" in table
 

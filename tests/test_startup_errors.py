@@ -160,6 +160,7 @@ def test_a_routing_or_rope_config_that_cannot_work_names_the_field(oracles, tmp_
     (dst / "config.json").write_text(json.dumps({**cfg, **change}))
     out = run("validate", "--model", str(dst))
     assert out.returncode != 0 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert str(dst / "config.json") in out.stderr, out.stderr          # which checkpoint, not "config.json:" alone
 
 
 @pytest.mark.parametrize(("arch", "change", "needle"), [

@@ -32,9 +32,12 @@ class FleetView(Protocol):
 
 
 def fleet_families(remote: FleetView) -> Iterator[Metric]:
-    yield from remote.dispatch_seconds.collect()
     table = remote.table
     current = [w for w in range(len(remote.addresses)) if table.in_plan(w)]
+    names = {remote.addresses[w] for w in current}
+    for family in remote.dispatch_seconds.collect():   # the current workers' only, as every per-worker family here
+        family.samples = [s for s in family.samples if s.labels.get("worker") in names]    # (a removed one's
+        yield family                                                                        # stayed for good)
     rows = CounterMetricFamily("colibri:worker_tokens", "Token rows sent to each worker.", labels=["worker"])
     for w in current:
         rows.add_metric([remote.addresses[w]], remote.worker_rows[w])
