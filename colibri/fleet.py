@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -54,12 +55,47 @@ def exit_reason(code: int | None) -> str:
     return f" ({name}{': ' + why if why else ''})"
 
 
+CHOSEN_FROM = 20000       # the lowest port free_ports picks
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral ports (net.ipv4.ip_local_port_range): those of outgoing connections and of bind(0)."""
+    try:
+        lo, hi = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(n: int, avoid: frozenset[int] = frozenset()) -> list[int]:
     """n distinct ports free on loopback now (all held open while choosing, so none repeats), none of `avoid` (the
-    ports the flags fix, which their processes have not bound yet)."""
+    ports the flags fix, which their processes have not bound yet). Picked at random below the kernel's ephemeral
+    range: a child binds its port a moment later, and meanwhile a port of that range can become another socket's
+    (every outgoing connection takes one, and a worker then failed to start with "Address already in use"), where
+    one below it is taken only by a process that asks for that number. Where that range leaves too few ports below
+    it, the kernel's choice (bind to port 0)."""
+    lo, _ = ephemeral_range()
+    rng = random.SystemRandom()
     socks: list[socket.socket] = []
+
+    def held() -> set[int]:
+        return {s.getsockname()[1] for s in socks}
+
     try:
-        while sum(s.getsockname()[1] not in avoid for s in socks) < n:
+        for _ in range(100 * n if lo - CHOSEN_FROM >= 1000 else 0):
+            if len(socks) == n:
+                break
+            port = rng.randrange(CHOSEN_FROM, lo)
+            if port in avoid or port in held():
+                continue
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            socks.append(sock)
+        while sum(p not in avoid for p in held()) < n:
             socks.append(socket.socket())
             socks[-1].bind(("127.0.0.1", 0))
         return [p for p in (s.getsockname()[1] for s in socks) if p not in avoid][:n]

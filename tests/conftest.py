@@ -139,11 +139,10 @@ def metrics(port: int) -> dict[str, float]:
 
 
 def free_port() -> int:
-    import socket
+    """A port free on loopback now, below the ephemeral range (serve's choice: colibri/fleet.py `free_ports`)."""
+    from colibri.fleet import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def metrics_port(workers: int) -> int:

@@ -213,7 +213,7 @@ def test_worker_addresses_as_kubernetes_and_ipv6_give_them_are_taken():
 
 
 def test_serve_knows_its_fixed_ports_and_chooses_none_of_them():
-    from colibri.fleet import check_ports_free, free_ports
+    from colibri.fleet import CHOSEN_FROM, check_ports_free, ephemeral_range, free_ports
 
     opts = parse(ServeOptions, ["--model", "m", "--workers", "3", "--port", "50051", "--metrics-port", "9300",
                                 "--openai-port", "0"], ServeOptions.EXCLUDED)
@@ -225,6 +225,8 @@ def test_serve_knows_its_fixed_ports_and_chooses_none_of_them():
     assert chosen.router_options(("127.0.0.1:1",), 1, 65535).metrics_port == 65535
     taken = free_ports(4)
     assert not set(free_ports(6, frozenset(taken))) & set(taken)
+    if ephemeral_range()[0] - CHOSEN_FROM >= 1000:     # below the range that outgoing connections take ports from
+        assert all(CHOSEN_FROM <= p < ephemeral_range()[0] for p in taken)
     check_ports_free([("--port", host, 0) for host in ("0.0.0.0", "127.0.0.1")])      # port 0: any free one
     with pytest.raises(ConfigError, match="--host 192.0.2.1: not an address of this machine"):   # TEST-NET-1
         check_ports_free([("--port", "192.0.2.1", 0)])
