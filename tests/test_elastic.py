@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -65,10 +66,11 @@ def worker(model, *extra: str, port: int = 0):
 
 
 @contextmanager
-def router(model, workers: list[str], *extra: str):
+def router(model, workers: list[str], *extra: str, stderr=None):
     port = free_port()
     p = colibri_popen(["router", "--model", str(model), "--workers", ",".join(workers), "--port", str(port),
-                       "--threads", "1", "--log-level", "WARNING", "--max-model-len", "400", *extra], env=ENV)
+                       "--threads", "1", "--log-level", "WARNING", "--max-model-len", "400", *extra], env=ENV,
+                      stderr=stderr)
     try:
         address = f"127.0.0.1:{port}"
         wait_serving(address, "colibri.v1.Generation", p)
@@ -505,6 +507,32 @@ def test_a_removed_dead_worker_started_again_and_added_back_serves(model):
             assert time.monotonic() < deadline
             time.sleep(0.2)
         assert Client(r).generate([4, 5, 6], 8, ignore_eos=True, timeout=60).token_ids == model.greedy([4, 5, 6], 8)
+
+
+def test_a_frozen_worker_removed_is_out_of_the_plan_and_the_log_says_its_release_is_unconfirmed(model):
+    """`workers remove` of a worker that answers nothing (SIGSTOP) goes through: the others take its experts and
+    serve the same tokens. Its release cannot be confirmed: the router's log said "released (drained, no experts
+    held)" all the same; it says that the worker may still hold its experts' memory."""
+    lines: list[str] = []
+    with ExitStack() as stack:
+        ws = [stack.enter_context(worker(model.path)) for _ in range(3)]
+        addrs = [a for a, _ in ws]
+        r, rp = stack.enter_context(router(model.path, addrs, "--log-level", "INFO", stderr=subprocess.PIPE))
+        reader = threading.Thread(target=lambda: lines.extend(rp.stderr), daemon=True)
+        reader.start()                                       # drained as it goes: a full pipe would stall the router
+        frozen = ws[2][1]
+        frozen.send_signal(signal.SIGSTOP)
+        stack.callback(frozen.send_signal, signal.SIGCONT)   # (before the workers are stopped)
+        res = workers_cli(r, "remove", addrs[2])
+        assert res.returncode == 0, res.stderr
+        shown = admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10)
+        assert [w.address for w in shown.workers] == addrs[:2]
+        assert Client(r).generate(PROMPTS[0], 8, ignore_eos=True, timeout=60).token_ids == \
+            model.greedy(PROMPTS[0], 8)
+    reader.join(timeout=30)
+    said = "".join(lines)
+    assert f"worker {addrs[2]} is out of the plan (drained) but did not confirm its release" in said, said
+    assert "released (drained, no experts held)" not in said and "placement epoch 2:" in said, said
 
 
 def test_a_budget_holds_the_plan_not_the_switch(model):

@@ -276,6 +276,7 @@ class Placement:
             remote.liveness.set_synced(remote.index[a], True)
         # 4. release: exactly the new experts; removed workers none (they may be gone: no waiting for them)
         release = (*addresses, *(a for a in old.workers if a not in addresses))
+        unanswered: dict[str, str] = {}
         with ThreadPoolExecutor(len(release)) as pool:
             futures = {a: pool.submit(remote.assign, a, plan.of(a), epoch, RELEASE_TIMEOUT_S, (), False, False,
                                       self.opts.load_silence) for a in release}
@@ -283,11 +284,17 @@ class Placement:
                 try:
                     f.result()
                 except WorkerError as exc:     # it holds more than it needs (harmless) or it is gone
-                    log.warning("placement epoch %d: %s kept its previous experts: %s", epoch, a, exc)
+                    unanswered[a] = str(exc)
+                    if a in addresses:
+                        log.warning("placement epoch %d: %s kept its previous experts: %s", epoch, a, exc)
         for a in old.workers:
             if a not in addresses:
                 self._drop_link(a)
-                log.info("worker %s released (drained, no experts held)", a)
+                if a in unanswered:            # out of the plan all the same: no step sends it anything
+                    log.warning("worker %s is out of the plan (drained) but did not confirm its release, so it may "
+                                "still hold its experts' memory until it answers or restarts: %s", a, unanswered[a])
+                else:
+                    log.info("worker %s released (drained, no experts held)", a)
         message = (f"placement epoch {epoch}: {len(addresses)} workers, switched {seconds:.2f}s after the {what} "
                    f"began; expected balance {before:.3f} -> {after:.3f}")
         log.info(message)
