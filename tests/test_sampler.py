@@ -144,6 +144,21 @@ def test_greedy_never_samples_even_on_nearly_flat_logits() -> None:
     assert {s.tokens(logits, rows([("g", Sampling(seed=5))]))[0] for _ in range(200)} == {1}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_takes_the_first_of_equal_maxima_and_fails_only_non_finite_rows(dtype: torch.dtype) -> None:
+    """float32 logits on the CPU are reduced by numpy, the others by torch: the same first-of-ties token, the same
+    rows failed (any NaN, inf or -inf), and a row of large finite values whose sum overflows is not failed."""
+    big = torch.finfo(dtype).max
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0],
+                           [-math.inf, -1.0, -1.0, -3.0, -2.0, -1.0],     # -inf too: "non-finite logits"
+                           [0.0, math.nan, 1.0, 1.0, 0.0, 0.0],
+                           [0.0, 1.0, math.inf, 1.0, 0.0, 0.0],
+                           [big, big, 0.0, big, 0.0, 0.0],
+                           [0.0, -math.inf, 0.5, 0.5, 0.0, 0.0]], dtype=dtype)
+    out = Sampler().tokens(logits, rows([(f"r{i}", Sampling()) for i in range(len(logits))]))
+    assert [t if isinstance(t, int) else "error" for t in out] == [1, "error", "error", "error", 0, "error"]
+
+
 # ------------------------------------------------------------------------------------------------ temperature
 
 
