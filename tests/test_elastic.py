@@ -525,6 +525,7 @@ def test_a_frozen_worker_removed_is_out_of_the_plan_and_the_log_says_its_release
         stack.callback(frozen.send_signal, signal.SIGCONT)   # (before the workers are stopped)
         res = workers_cli(r, "remove", addrs[2])
         assert res.returncode == 0, res.stderr
+        assert f"the release went unanswered by {addrs[2]} (out of the plan:" in res.stdout, res.stdout
         shown = admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10)
         assert [w.address for w in shown.workers] == addrs[:2]
         assert Client(r).generate(PROMPTS[0], 8, ignore_eos=True, timeout=60).token_ids == \

@@ -297,6 +297,10 @@ class Placement:
                     log.info("worker %s released (drained, no experts held)", a)
         message = (f"placement epoch {epoch}: {len(addresses)} workers, switched {seconds:.2f}s after the {what} "
                    f"began; expected balance {before:.3f} -> {after:.3f}")
+        if unanswered:                            # the operator sees it where the change is reported, not only here
+            said = [f"{a} ({'in the plan' if a in addresses else 'out of the plan'}: {why})"
+                    for a, why in unanswered.items()]
+            message += "; the release went unanswered by " + "; ".join(said)
         log.info(message)
         self.last = Outcome(True, epoch, seconds, before, after, message)
         return self.last
