@@ -78,7 +78,7 @@ class OneOffDifference(UserWarning):
 def agree(a: Run, b: Run, again: Callable[[], tuple[Run, Run]], what: str) -> None:
     """`same(a, b)`; where they differ, both fleets serve the prompts again and must then be the same, and the
     one-off difference is a warning in the run's summary. An open bug (docs/models.md): on a 2-core Intel Xeon VM
-    with AMX, 2 of 8 whole-suite runs saw one fleet here give one prompt other tokens (a near tie taken the other
+    with AMX, 2 of 9 whole-suite runs saw one fleet here give one prompt other tokens (a near tie taken the other
     way), and no run of this module alone did."""
     try:
         same(a, b)
