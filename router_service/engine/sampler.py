@@ -41,8 +41,9 @@ class SampleRow(Protocol):
 def _on_host(x: torch.Tensor) -> np.ndarray | None:
     """x [B, V] as a numpy view where it is a float32 CPU tensor, else None. numpy reduces a step's few rows on the
     calling thread; torch's sum or argmax over [1, 32000] starts an OpenMP region, whose sleeping threads (the
-    native kernels have their own pool) took ~0.1 ms to wake, twice a step: 135-140 µs of sampling per one-stream
-    step of the small bench model in process (5.6 ms), against ~25 µs this way. Both take the first of equal
+    native kernels have their own pool) took ~0.1 ms to wake, twice a step. Sampling a one-stream step of the small
+    bench model in process (5.6 ms a step) took 135-140 µs that way and ~100 µs this way (25 µs in a warm loop: in
+    the engine the sum reads logits the kernel pool's other thread has just written). Both take the first of equal
     maxima."""
     return x.detach().numpy() if x.device.type == "cpu" and x.dtype == torch.float32 else None
 
