@@ -7,9 +7,14 @@ PB := colibri_common/pb
 PROTOS := $(wildcard protos/*.proto)
 PB_STAMP := $(PB)/.generated
 
-.PHONY: setup native demo test test-gpu lint bench bench-kernels bench-cache bench-elastic bench-openai bench-gpu chart-check clean
+.PHONY: setup native bytecode demo test test-gpu lint bench bench-kernels bench-cache bench-elastic bench-openai bench-gpu chart-check clean
 
-setup: $(STAMP) $(PB_STAMP) native
+setup: $(STAMP) $(PB_STAMP) native bytecode
+
+# Our modules' bytecode, compiled ahead (what pip does for an installed package; quick when up to date): where
+# PYTHONDONTWRITEBYTECODE is set, every `colibri` start would compile them again (0.1-0.2 s of start -> ready).
+bytecode: $(PB_STAMP)
+	$(PY) -m compileall -q colibri colibri_common router_service expert_service kernels benchmarks
 
 # The native CPU kernels (kernels/native/, g++): rebuilt when their sources change; without a compiler, or if
 # the build fails, it says so and the torch forms run.

@@ -30,6 +30,7 @@ from colibri_common.errors import ConfigError
 from colibri_common.file_watch import EXIT_RESTART, files_settled
 from colibri_common.fleet_token import ENV as FLEET_ENV
 from colibri_common.fleet_token import fleet_token, new_token
+from colibri_common.heap import importing
 
 log = logging.getLogger("colibri.serve")
 
@@ -48,7 +49,9 @@ def serve(opts: ServeOptions, entry: Entry) -> int:
 
 
 def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callable[[], None]]) -> int:
-    from colibri_common.serving import setup_logging
+    t0 = time.monotonic()
+    with importing():                           # gRPC (and later torch) with the collector off: heap.importing
+        from colibri_common.serving import setup_logging
 
     setup_logging("serve", opts.router.log_level)
     leftovers.sweep(Path(tempfile.gettempdir()), Path(os.environ.get("COLIBRI_CACHE_DIR") or tempfile.gettempdir()))
@@ -82,7 +85,8 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (nohup's ignore stays)
         signal.signal(signal.SIGHUP, on_signal)   # its terminal closed: the ordered stop (it died, children and all)
     cfg = ModelConfig.from_dir(opts.router.model)   # an unusable config.json fails here, before any child starts
-    from colibri_common.checkpoint import Checkpoint  # (torch: not when this module loads)
+    with importing():                               # torch: not when this module loads, and with the collector off
+        from colibri_common.checkpoint import Checkpoint  # (about a million objects: 0.1 s of collections otherwise)
 
     Checkpoint(opts.router.model).close()           # so do missing or truncated weight files (one line, not one
     #                                                 a child)
@@ -96,9 +100,8 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         for name in dict.fromkeys(opts.device(c) for c in (None, *range(n))):
             check_device(name)
     if fleet.forks:
-        t0 = time.monotonic()
         preload(SERVICE_MODULES + (FRONT_MODULES if opts.openai_port is not None else ()))
-        log.info("imported the services in %.1fs; forking the children", time.monotonic() - t0)
+        log.info("imported torch and the services in %.2fs; forking the children", time.monotonic() - t0)
     if opts.tls_self_signed:
         from colibri_common.tls import self_signed
 
@@ -108,7 +111,8 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         log.info("TLS: a throw-away CA at %s (clients: --tls-ca %s)", tls.ca, tls.ca)
     try:
         # Every child starts at once (the router loads its weights while the workers load theirs, and waits
-        # for them): the workers get their ports up front, so the router knows where to find them.
+        # for them): the workers get their ports up front, so the router knows where to find them. The router,
+        # whose start is the longest, is forked first.
         t_start = time.monotonic()
         # --metrics-port 0: the metrics ports are chosen here too (all at once: none repeats), so a child started
         # again serves its metrics where it did
@@ -116,10 +120,10 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         chosen = free_ports(2 * n + 1 if any_metrics else n, frozenset(p for _, _, p in opts.fixed_ports()))
         ports, mports = chosen[:n], [*chosen[n:]] if any_metrics else [None] * (n + 1)
         # (not put into opts: its port checks read P + 1 + i as the workers' ports, which these are not)
-        procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i], sockets, mports[i]))
-                 for i in range(n)]
         workers = tuple(f"127.0.0.1:{port}" for port in ports)
         router = fleet.spawn("router", opts.router_options(workers, router_threads, mports[n]))
+        procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i], sockets, mports[i]))
+                 for i in range(n)]
         addrs, ready_s = [], []
         for i, p in enumerate(procs):
             addrs.append(fleet.wait_ready(p, f"expert worker {i}/{n}"))

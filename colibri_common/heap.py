@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import gc
 import logging
 from collections.abc import Iterator
@@ -21,11 +20,8 @@ log = logging.getLogger(__name__)
 
 def return_free_heap() -> bool:
     """True when the C library trimmed its heap (glibc); False where there is no malloc_trim (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
+    try:                              # the process's own symbols: no `ldconfig -p` child (find_library) at start
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int

@@ -31,8 +31,28 @@ class TensorEntry:
         return self.end - self.start
 
 
+# Headers parsed in this process, by the file's identity when it was read: a process reads a checkpoint's headers
+# several times as it starts (serve checks the files before it forks, the router builds two Checkpoints), and a
+# forked child inherits what its parent parsed. A replaced or rewritten file has another identity and is read again.
+# Bounded: a long-lived process that opens many checkpoints (a test run) keeps the last few.
+_PARSED: dict[tuple[str, int, int, int, int, int], dict[str, TensorEntry]] = {}
+_PARSED_MAX = 16
+
+
 def read_header(path: Path) -> dict[str, TensorEntry]:
-    size = path.stat().st_size
+    """The file's tensors by name (a fresh dict: callers may add to it); every problem raises CheckpointError."""
+    st = path.stat()
+    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    parsed = _PARSED.get(key)
+    if parsed is None:
+        parsed = _parse(path, st.st_size)
+        while len(_PARSED) >= _PARSED_MAX:
+            _PARSED.pop(next(iter(_PARSED)), None)
+        _PARSED[key] = parsed
+    return dict(parsed)
+
+
+def _parse(path: Path, size: int) -> dict[str, TensorEntry]:
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:

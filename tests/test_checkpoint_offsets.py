@@ -103,3 +103,28 @@ def test_validate_and_a_worker_refuse_overlapping_offsets(oracles, tmp_path):
         assert "Traceback" not in out.stderr
         assert str(f) in out.stderr and f"'{a}'" in out.stderr and f"'{b}'" in out.stderr, out.stderr
         assert "overlap" in out.stderr
+
+
+def test_a_header_is_parsed_once_per_file_and_read_again_once_the_file_is_rewritten(tmp_path, monkeypatch):
+    """serve checks the files, the router builds two Checkpoints and a forked child inherits what its parent parsed:
+    one parse per file identity. A file rewritten at the same path (same size, new bytes) is parsed again, and each
+    caller gets a dict of its own."""
+    from colibri_common import safetensors_header
+
+    parses = []
+    real = safetensors_header._parse
+    monkeypatch.setattr(safetensors_header, "_parse", lambda path, size: parses.append(path) or real(path, size))
+    data = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    f = write(tmp_path / "model.safetensors", {"a": f32(0, 8, 2), "b": f32(8, 16, 2)}, data)
+    first = safetensors_header.read_header(f)
+    first.pop("a")                                              # the caller's own dict: the next one is whole
+    assert sorted(safetensors_header.read_header(f)) == ["a", "b"] and len(parses) == 1
+    f.unlink()                                                  # a new file at the path: b before a, same size
+    write(f, {"b": f32(0, 8, 2), "a": f32(8, 16, 2)}, data)
+    again = Checkpoint(tmp_path)
+    assert len(parses) == 2 and again.entries["b"].start < again.entries["a"].start
+    assert torch.equal(again.load("a"), torch.tensor([2.0, 3.0]))
+    again.close()
+    write(f, {"a": f32(0, 8, 2), "b": f32(8, 12, 1)}, data)   # rewritten in place, smaller: refused, not reused
+    with pytest.raises(CheckpointError, match="to the end of the file|does not match"):
+        Checkpoint(tmp_path)
