@@ -34,7 +34,8 @@ from router_service.api.options import RouterOptions
 
 
 def _serve(opts: ServeOptions) -> int:
-    from colibri.launcher import serve
+    with importing():                          # (gRPC) the collector off: heap.importing
+        from colibri.launcher import serve
 
     return serve(opts, main)                   # the children run `main` too (forked: colibri/fork.py)
 

@@ -49,10 +49,9 @@ def serve(opts: ServeOptions, entry: Entry) -> int:
 
 
 def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callable[[], None]]) -> int:
-    t0 = time.monotonic()
-    with importing():                           # gRPC (and later torch) with the collector off: heap.importing
-        from colibri_common.serving import setup_logging
+    from colibri_common.serving import setup_logging
 
+    t0 = time.monotonic()
     setup_logging("serve", opts.router.log_level)
     leftovers.sweep(Path(tempfile.gettempdir()), Path(os.environ.get("COLIBRI_CACHE_DIR") or tempfile.gettempdir()))
     n = opts.workers
@@ -111,8 +110,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         log.info("TLS: a throw-away CA at %s (clients: --tls-ca %s)", tls.ca, tls.ca)
     try:
         # Every child starts at once (the router loads its weights while the workers load theirs, and waits
-        # for them): the workers get their ports up front, so the router knows where to find them. The router,
-        # whose start is the longest, is forked first.
+        # for them): the workers get their ports up front, so the router knows where to find them.
         t_start = time.monotonic()
         # --metrics-port 0: the metrics ports are chosen here too (all at once: none repeats), so a child started
         # again serves its metrics where it did
@@ -120,10 +118,10 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         chosen = free_ports(2 * n + 1 if any_metrics else n, frozenset(p for _, _, p in opts.fixed_ports()))
         ports, mports = chosen[:n], [*chosen[n:]] if any_metrics else [None] * (n + 1)
         # (not put into opts: its port checks read P + 1 + i as the workers' ports, which these are not)
-        workers = tuple(f"127.0.0.1:{port}" for port in ports)
-        router = fleet.spawn("router", opts.router_options(workers, router_threads, mports[n]))
         procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i], sockets, mports[i]))
                  for i in range(n)]
+        workers = tuple(f"127.0.0.1:{port}" for port in ports)
+        router = fleet.spawn("router", opts.router_options(workers, router_threads, mports[n]))
         addrs, ready_s = [], []
         for i, p in enumerate(procs):
             addrs.append(fleet.wait_ready(p, f"expert worker {i}/{n}"))
