@@ -14,6 +14,7 @@ import torch
 from colibri_common import wire
 from colibri_common.pb import expert_pb2
 from kernels import native
+from router_service.moe import dispatch
 from router_service.moe.combine import combine
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels are not built here")
@@ -152,9 +153,12 @@ def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_pat
                 fast = layer()
             assert calls == {"forward_request": 2, "combine_replies": 1}      # both workers, one sum
             with monkeypatch.context() as m:                                  # the Python path, for the same layer
-                m.setattr(experts, "_send_serialized", lambda *a: None)
+                made, request = [], dispatch.request
+                m.setattr(dispatch, "_send_serialized", lambda *a: None)
+                m.setattr(dispatch, "request", lambda *a, **k: made.append(a[2]) or request(*a, **k))
                 m.setattr(native, "combine_replies", lambda *a: None)
                 slow = layer()
+            assert made == [cfg.moe_layers[0]] * 2                             # both workers, as protobuf messages
             assert fast.dtype == torch.bfloat16 and torch.equal(fast.view(torch.int16), slow.view(torch.int16))
         finally:
             experts.close()

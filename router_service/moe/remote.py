@@ -1,6 +1,6 @@
 """The experts on the expert workers: who they are (Describe), the placement the dispatch reads (a `Table`,
-switched only between two steps), and the dispatch of each MoE layer (`submit`: partition → transport; the
-combine waits in `InFlight`). Placement changes are planned in resize.py.
+switched only between two steps), and the dispatch of each MoE layer (`submit`: partition → transport, in
+dispatch.py; the combine waits in `InFlight`). Placement changes are planned in resize.py.
 
 Shapes: T tokens in the step, H hidden size, K experts per token (top-k), E experts per layer, W workers.
 """
@@ -19,7 +19,6 @@ import torch
 from prometheus_client import Histogram
 from prometheus_client.core import Metric
 
-from colibri_common import wire
 from colibri_common.checkpoint import checkpoint_id
 from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging
@@ -27,14 +26,13 @@ from colibri_common.errors import ConfigError
 from colibri_common.metrics_http import TOKEN_BUCKETS
 from colibri_common.pb import expert_pb2
 from colibri_common.tls import TlsFiles
-from kernels import native
+from router_service.moe import dispatch
 from router_service.moe.admission import Expected, WorkerInfo, check, first_plan, info_of
-from router_service.moe.experts import ExpertsUnavailable, Prefetch
+from router_service.moe.experts import Prefetch
 from router_service.moe.heartbeat import LOAD_SILENCE_S
-from router_service.moe.in_flight import InFlight, Part
+from router_service.moe.in_flight import InFlight
 from router_service.moe.liveness import Liveness
 from router_service.moe.load_window import LoadWindow
-from router_service.moe.partition import partition, place
 from router_service.moe.plan import Plan
 from router_service.moe.remote_metrics import fleet_families
 from router_service.moe.same_host import Links
@@ -254,121 +252,27 @@ class RemoteExperts:
         for name, s in seconds.items():
             self.timers[name] += s
 
-    # -- dispatch -----------------------------------------------------------------------------------
+    # -- dispatch (dispatch.py) ---------------------------------------------------------------------------
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                prefetch: Prefetch | None = None) -> InFlight:
         """hidden [T, H], ids [T, K], weights [T, K] float32 -> a handle for Σ_k w_k · FFN_{e_k}(x) [T, H]."""
-        t0 = time.perf_counter()
-        table = self.table
-        ahead = None if prefetch is None else expert_pb2.Prefetch(layer=prefetch[0], experts=prefetch[1])
-        self.step += 1
-        native.rest()       # the workers are about to compute: this process's kernel threads leave them the cores
-        x, ids32, w32 = self.staging.to_host(hidden.to(self.wire_dtype),     # [T, H] on the wire
-                                             ids.to(torch.int32), weights.float())  # [T, K]
-        # a failover re-sends from the host copies, and the window counts ids when the step closes: they must outlive
-        # the (GPU) staging buffers, which the next layer reuses
-        keep = (lambda t: t.clone()) if self.staging.pinned else (lambda t: t)   # noqa: E731
-        ids_kept = keep(ids32)
-        self.window.routed(layer, ids_kept)
-        if self.routed is not None:
-            self.routed[layer] += torch.bincount(ids32.flatten().long(), minlength=self.cfg.num_experts)   # [E]
-        parts: list[Part] = []
-        W = table.holders.shape[2]
-        live = self.liveness.live()[:W]
-        if table.explicit or not all(live):
-            # each pair to one live holder of its expert, least-loaded first; tokens no live worker can
-            # serve fail here, without a call
-            placed = place(table.holders[layer], ids32, live, holding=table.holding[layer])
-            if placed.unplaced and self._await_answering(table, layer, ids32, placed.unplaced, live):
-                live = self.liveness.live()[:W]
-                placed = place(table.holders[layer], ids32, live, holding=table.holding[layer])
-            if placed.unplaced:
-                down = [a for a, ok in zip(self.addresses, live, strict=False) if not ok]
-                raise ExpertsUnavailable(f"the experts some tokens need have no live worker (down: "
-                                         f"{', '.join(down) or 'none'})", torch.tensor(placed.unplaced))
-            every: tuple[expert_pb2.Tensor, expert_pb2.Tensor] | None = None   # x, weights: once for all rows
-            for wp in placed.parts:
-                if wp.rows is None:
-                    every = every or (wire.encode(x), wire.encode(w32))
-                    hx, hw = every
-                else:
-                    hx, hw = wire.encode(x.index_select(0, wp.rows)), wire.encode(w32.index_select(0, wp.rows))
-                req = self._request(table, layer, hx, wire.encode(wp.ids), hw, ahead)
-                reply = self._send(wp.worker, req, wp.ids.shape[0], wp.pairs)
-                parts.append(Part(wp.worker, wp.rows, reply, placed.assigned))
-        else:
-            whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
-            for wr in partition(table.owner[layer], ids32, W):
-                # index_select, never x[rows]: advanced indexing of a few rows starts an OpenMP region, ~0.07 ms on
-                # an idle CPU and ~1 ms while the workers hold the cores
-                rows = (x, ids32, w32) if wr.rows is None else \
-                    tuple(t.index_select(0, wr.rows) for t in (x, ids32, w32))
-                reply = self._send_serialized(table, layer, wr.worker, rows) if ahead is None else None
-                if reply is None:                                            # a gRPC link, or a prefetch hint
-                    if wr.rows is None:
-                        whole = whole or tuple(wire.encode(t) for t in rows)
-                    enc = whole if wr.rows is None else tuple(wire.encode(t) for t in rows)
-                    reply = self.links.links[wr.worker].send(self._request(table, layer, *enc, ahead,
-                                                                           holds=table.digests[wr.worker]))
-                parts.append(Part(wr.worker, wr.rows, reply, None))
-                self.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
-                self.window.computed(self.addresses[wr.worker], wr.pairs)
-        self.timers["dispatch"] += time.perf_counter() - t0
-        return InFlight(self, table, layer, hidden, keep(x), ids_kept, keep(w32), parts)
-
-    def _await_answering(self, table: Table, layer: int, ids32: torch.Tensor, unplaced: list[int],
-                         live: list[bool]) -> bool:
-        """Whether the workers that hold the experts no live worker holds for `unplaced` rows, and that are down by
-        their health checks' timeouts yet answered a call this past second (paused, then resumed), are live again
-        within 3 s (--worker-timeout if shorter): the checks see them back in a round or two, and their requests go
-        on rather than fail as they return. Not while a placement change waits for this step, nor for a worker a
-        re-sync found refusing."""
-        if self._pending is not None:
-            return False
-        lost = table.holders_of_lost(layer, ids32.index_select(0, torch.tensor(unplaced)), live)   # [W]
-        back = [w for w in self.liveness.answering(live) if w < lost.numel() and lost[w] and w not in self.kept_out]
-        if not back:
-            return False
-        self.waiting()                                 # the last step's events go out meanwhile
-        return self.liveness.await_live(back, self.sync_wait_s)
-
-    def native_layer(self, layer: int, hidden: torch.Tensor) -> None:
-        """Never: the experts are computed by the workers."""
-        return None
+        return dispatch.submit(self, layer, hidden, ids, weights, prefetch)
 
     def send(self, table: Table, w: int, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
              pairs: int, ahead: expert_pb2.Prefetch | None = None) -> Reply:
         """Worker w's share of a layer, already cut to its rows ([n, H], [n, K] with -1 for pairs computed
         elsewhere, [n, K]), `pairs` of them (ids >= 0); `ahead` the next layer's predicted experts (a failover
         re-send carries none)."""
-        req = self._request(table, layer, wire.encode(x), wire.encode(ids), wire.encode(weights), ahead)
-        return self._send(w, req, x.shape[0], pairs)
+        return dispatch.send(self, table, w, layer, x, ids, weights, pairs, ahead)
 
-    def _send_serialized(self, table: Table, layer: int, w: int, rows: tuple[torch.Tensor, ...]) -> Reply | None:
-        """Worker w's share of a static plan's layer (hidden [n, H], ids [n, K] int32, weights [n, K]: the whole top-k
-        of its rows) serialized natively, where its link sends bytes (the same-host socket); None where it does not
-        (then the message, as `_request` makes it)."""
-        link = self.links.links[w]
-        if not link.local or not native.available():
-            return None
-        payload = native.forward_request(*rows, layer, self.step, table.epoch, table.digests[w], self.checkpoint_id,
-                                         False)
-        return link.send_bytes(memoryview(payload.numpy()), layer)
+    @property
+    def switch_pending(self) -> bool:
+        """A placement change waits for the step in flight to end (its layers wait on no worker's return)."""
+        return self._pending is not None
 
-    def _request(self, table: Table, layer: int, hidden: expert_pb2.Tensor, ids: expert_pb2.Tensor,
-                 weights: expert_pb2.Tensor, ahead: expert_pb2.Prefetch | None,
-                 holds: int | None = None) -> expert_pb2.ForwardRequest:
-        """One layer's message: explicit pairs (others' ids -1), or with `holds` (the digest of the experts planned
-        on that worker) the whole top-k of a static plan."""
-        return expert_pb2.ForwardRequest(layer=layer, hidden=hidden, topk_ids=ids, topk_weights=weights,
-                                         step=self.step, prefetch=ahead, exact_sum=True, epoch=table.epoch,
-                                         checkpoint=self.checkpoint_id, explicit=holds is None, holds=holds or 0)
-
-    def _send(self, w: int, req: expert_pb2.ForwardRequest, rows: int, pairs: int) -> Reply:
-        """Send worker w its request of `rows` token rows and `pairs` token-expert pairs, counted as sent."""
-        self.worker_rows[w] += rows
-        self.window.computed(self.addresses[w], pairs)
-        return self.links.links[w].send(req)
+    def native_layer(self, layer: int, hidden: torch.Tensor) -> None:
+        """Never: the experts are computed by the workers."""
+        return None
 
     def covered(self) -> bool:
         """Whether every expert of every MoE layer has a live worker."""
