@@ -28,6 +28,11 @@ class GenerateOptions:
         check_target("--target", self.target)
         if (self.prompt is None) == (self.prompt_ids is None):
             raise ValueError("give exactly one of --prompt TEXT and --prompt-ids 1,2,3")
+        if self.prompt_ids is not None and min(self.prompt_ids) < 0:
+            raise ValueError(f"--prompt-ids: token ids are 0 or more, got {min(self.prompt_ids)}")
+        if self.sampling.top_p == 0.0:          # the wire's "unset" (off), which no one typing 0 means
+            raise ValueError("--top-p must be in (0, 1] (1 = off), got 0: for near-greedy sampling give a small "
+                             "value, for greedy --temperature 0")
 
 
 def run_generate(opts: GenerateOptions) -> int:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
+from colibri_common.errors import ColibriError
 from colibri_common.flags import option
 from colibri_common.options import ClientTls, check_target
 
@@ -56,6 +57,16 @@ class BenchResult:
     itl_p50_ms: float
     itl_p99_ms: float
     errors: list[str]
+    refused: str = ""            # the router refused the run's requests (INVALID_ARGUMENT): the run stopped there
+
+    def as_json(self) -> str:
+        """One JSON object; a percentile of no values is null (NaN is no JSON)."""
+        return json.dumps({k: None if isinstance(v, float) and v != v else v for k, v in asdict(self).items()},
+                          allow_nan=False)
+
+
+class RunRefused(ColibriError):
+    """The run's settings cannot be served by this router (one `error:` line and exit 2, from the CLI)."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -78,6 +89,7 @@ def measure(stream: StreamFn, prompts: list[list[int]], concurrency: int, max_to
     itls: list[float] = []
     tokens = [0]
     errors: list[str] = []
+    refused: list[str] = []
 
     def worker() -> None:
         while True:
@@ -102,6 +114,10 @@ def measure(stream: StreamFn, prompts: list[list[int]], concurrency: int, max_to
                 msg = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else repr(exc)
                 with lock:
                     errors.append(msg)
+                    # every request of a run has one shape: one refused for its arguments, all would be
+                    if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        refused.append(exc.details())
+                        queue_.clear()
                 continue
             with lock:
                 ttfts.append(first * 1e3 if first is not None else float("nan"))
@@ -119,7 +135,7 @@ def measure(stream: StreamFn, prompts: list[list[int]], concurrency: int, max_to
         requests_ok=len(ttfts), requests_failed=len(errors), output_tokens=tokens[0], duration_s=duration,
         output_tokens_per_s=tokens[0] / duration, ttft_p50_ms=percentile(ttfts, 50),
         ttft_p99_ms=percentile(ttfts, 99), itl_p50_ms=percentile(itls, 50), itl_p99_ms=percentile(itls, 99),
-        errors=errors[:5])
+        errors=errors[:5], refused=refused[0] if refused else "")
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -139,8 +155,8 @@ def grpc_stream(client, timeout: float = 600) -> StreamFn:
     return stream
 
 
-def ready_vocab(client, target: str, wait_s: float, say: Callable[[str], None] = lambda line: None) -> int:
-    """The router's vocabulary size, once it answers ModelInfo: while it is UNAVAILABLE (not listening yet, still
+def ready_info(client, target: str, wait_s: float, say: Callable[[str], None] = lambda line: None):
+    """The router's ModelInfoResponse, once it answers ModelInfo: while it is UNAVAILABLE (not listening yet, still
     loading) it is asked again every half second for up to `wait_s` seconds (`say` told once that it waits). Raises
     GenerationError with the last answer when it never becomes ready, or at once on any other error."""
     from colibri.client import GenerationError
@@ -150,7 +166,7 @@ def ready_vocab(client, target: str, wait_s: float, say: Callable[[str], None] =
     while True:
         try:
             left = deadline - time.monotonic()
-            return client.model_info(timeout=30.0 if wait_s <= 0 else max(1.0, min(30.0, left))).vocab_size
+            return client.model_info(timeout=30.0 if wait_s <= 0 else max(1.0, min(30.0, left)))
         except GenerationError as exc:
             if exc.code().name != "UNAVAILABLE" or time.monotonic() >= deadline:
                 raise
@@ -164,13 +180,21 @@ def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, 
              seed: int = 0, timeout: float = 600, vocab_size: int | None = None, ready_s: float = 0.0,
              say: Callable[[str], None] = lambda line: None, tls: ClientTls | None = None) -> BenchResult:
     """Random prompts through a router at `target` (see `measure`); raises GenerationError where the router does
-    not answer ModelInfo (after waiting `ready_s` seconds for it to be ready) and no vocab_size is given."""
+    not answer ModelInfo (after waiting `ready_s` seconds for it to be ready) and no vocab_size is given, and
+    RunRefused before any request where a request of `prompt_len` + `max_tokens` tokens exceeds its context."""
     from colibri.client import Client
 
     tls = tls or ClientTls()
     client = Client(target, tls.tls_ca, tls.tls_cert, tls.tls_key)
     try:
-        vocab = vocab_size or ready_vocab(client, target, ready_s, say)
+        vocab = vocab_size
+        if vocab is None:
+            info = ready_info(client, target, ready_s, say)
+            vocab = info.vocab_size
+            if info.max_model_len and prompt_len + max_tokens > info.max_model_len:
+                raise RunRefused(f"--prompt-len {prompt_len} + --max-tokens {max_tokens} = {prompt_len + max_tokens} "
+                                 f"tokens a request, over the maximum context length of the router at {target} "
+                                 f"({info.max_model_len} tokens): lower them")
         prompts = random_prompts(num_requests, prompt_len, vocab, seed)
         return measure(grpc_stream(client, timeout), prompts, concurrency, max_tokens, tag=f"bench-{seed}")
     finally:
@@ -189,6 +213,10 @@ def run_bench(args: BenchOptions) -> int:
         print(f"error: the router at {args.target} did not answer: {exc.code().name}: {exc.details()}{waited}"
               f"{args.tls.hint(exc.details())}", file=sys.stderr)
         return 2
+    if r.refused:                               # every request would be: one line, as for a router that is down
+        print(f"error: the router at {args.target} refused the run's requests (INVALID_ARGUMENT): {r.refused}",
+              file=sys.stderr)
+        return 2
     print(f"requests      {r.requests_ok} ok, {r.requests_failed} failed, concurrency {args.concurrency}")
     print(f"output        {r.output_tokens} tokens in {r.duration_s:.2f}s = {r.output_tokens_per_s:.1f} tok/s")
     ms = lambda v: "n/a" if v != v else f"{v:.1f} ms"   # noqa: E731  (no request gave a token: NaN)
@@ -197,5 +225,5 @@ def run_bench(args: BenchOptions) -> int:
     for e in r.errors:
         print(f"error         {e}")
     if args.json:
-        print(json.dumps(asdict(r)))
+        print(r.as_json())
     return 0 if r.requests_failed == 0 else 1

@@ -32,7 +32,13 @@ def option(default: Any, help: str, *, flag: str | None = None, choices: tuple[A
 
 
 def comma_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+    """The items of a comma-separated list, stripped; [] for a blank one. An empty item among others ("1,,2",
+    "a:1,$UNSET") is an error, not dropped."""
+    parts = [part.strip() for part in text.split(",")]
+    if any(parts) and not all(parts):
+        raise argparse.ArgumentTypeError(f"{text!r} holds an empty item (an unset variable, or two commas in a "
+                                         f"row?): give each item, or leave the flag out for its default")
+    return [part for part in parts if part]
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", ",": ","}

@@ -194,6 +194,11 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["serve", "--model", "m", "--openai-port", "0", "--allowed-hosts", ""], "--allowed-hosts: '' lists nothing"),
     (["openai", "--target", "h:1", "--allowed-origins", " , "], "--allowed-origins: ' , ' lists nothing"),
     (["router", "--model", "m", "--workers", ""], "--workers: '' lists nothing"),
+    (["router", "--model", "m", "--workers", "a:1,"], "--workers: 'a:1,' holds an empty item"),
+    (["generate", "--target", "h:1", "--prompt-ids", "5,,6"], "--prompt-ids: '5,,6' holds an empty item"),
+    (["generate", "--target", "h:1", "--prompt-ids", "-1"], "--prompt-ids: token ids are 0 or more, got -1"),
+    # 0 is the wire's "unset" (off): a user typing it means near-greedy, and gets told
+    (["generate", "--target", "h:1", "--prompt-ids", "1", "--top-p", "0"], "--top-p must be in (0, 1] (1 = off)"),
     (["router", "--model", "m", "--workers", "a:1,garbage"], "--workers garbage: give each expert worker as HOST:PORT"),
     (["router", "--model", "m", "--workers", "::1"], "--workers ::1: give each expert worker as HOST:PORT"),
     (["router", "--model", "m", "--workers", "[::1]"], "--workers [::1]: give each"),

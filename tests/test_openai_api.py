@@ -371,10 +371,22 @@ def test_unknown_model_is_404_and_bad_bodies_are_400_in_openais_shape(served):
                          (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "more than 4300 digits"),
                          (b"[1, 2]", "JSON object"),
                          (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "lone surrogate"),   # UTF-8 cannot carry
-                         (b'{"model": "\\ud800", "prompt": "x"}', "'model' holds a character")):   # was a 500
+                         (b'{"model": "\\ud800", "prompt": "x"}', "'model' holds a character"),   # was a 500
+                         # bytes json.loads took for UTF-16 ("Expecting value"): the body is not UTF-8
+                         (b'\xff\xfe{"prompt": "x"}', "not UTF-8, which JSON on the wire must be: invalid start "
+                                                         "byte at byte 0")):
         status, err = raw(url, "POST", "/v1/completions", body)
         assert status == 400 and needle in err["error"]["message"], (status, err)
         assert "sys." not in err["error"]["message"] and "recursion" not in err["error"]["message"]  # not Python's
+    status, ok = raw(url, "POST", "/v1/completions", b'\xef\xbb\xbf{"prompt": "x", "max_tokens": 1}')   # UTF-8's BOM
+    assert status == 200 and ok["usage"]["completion_tokens"] == 1, ok
+    status, err = raw(url, "POST", "/v1/completions", json.dumps({"prompt": "x", "stream": True, "stream_options": {
+        "include_usage": "yes"}}).encode())
+    assert (status, err["error"]["param"]) == (400, "stream_options.include_usage"), err     # the field's whole path
+    # min_tokens over a max_tokens the request left out: where that max_tokens came from (completions' 16)
+    status, err = raw(url, "POST", "/v1/completions", json.dumps({"prompt": "x", "min_tokens": 20}).encode())
+    assert (status, err["error"]["param"]) == (400, "min_tokens"), err
+    assert "left out: 16 from the default of 16; send max_tokens of at least 20" in err["error"]["message"], err
     # more sequences than the router ever queues (8 prompts x n=64 > its 256): 429 'retry later' on an idle server
     status, err = raw(url, "POST", "/v1/completions",
                       json.dumps({"prompt": [[1, 2]] * 8, "n": 64, "max_tokens": 1}).encode())

@@ -191,11 +191,13 @@ def test_a_host_it_does_not_answer_to_is_421(guarded, host):
     assert status == 421
 
 
-def test_the_names_of_this_front_and_no_host_header_pass_and_two_host_headers_do_not(guarded):
+def test_the_names_of_this_front_and_no_host_header_in_http_1_0_pass_and_two_host_headers_do_not(guarded):
     *_, port, _ = guarded
     for host in (f"localhost:{port}", "127.0.0.1", f"[::1]:{port}", "LOCALHOST."):
         assert exchange(port, "GET", "/v1/models", {"Host": host})[0] == 200, host
     assert exchange(port, "GET", "/v1/models", {"Host": None}, version="1.0")[0] == 200   # HTTP/1.0: none sent
+    status, _, body = exchange(port, "GET", "/v1/models", {"Host": None})      # HTTP/1.1 without one: RFC 9112's 400
+    assert status == 400 and "an HTTP/1.1 request needs a Host header" in error_of(body)["message"], body
     status, _, body = exchange(port, "GET", "/v1/models", [("Host", "localhost")])   # a second Host header
     assert status == 400 and "Host headers" in error_of(body)["message"]
 

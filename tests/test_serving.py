@@ -204,6 +204,45 @@ def test_bench_cli_json(served):
     assert "8 ok, 0 failed" in out.stdout
 
 
+def test_bench_cli_json_is_strict_json_where_a_percentile_has_no_values(served):
+    """One new token a request: no inter-token gaps, so no ITL percentiles: null, not NaN (which JSON lacks)."""
+    _, addr, _ = served
+    out = colibri_run(["bench", "--target", addr, "--concurrency", "2", "--num-requests", "2", "--prompt-len", "3",
+                       "--max-tokens", "1", "--json"])
+    assert out.returncode == 0, out.stderr
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    last = json.loads(out.stdout.strip().splitlines()[-1], parse_constant=no_constants)
+    assert last["requests_ok"] == 2 and last["itl_p50_ms"] is None and last["itl_p99_ms"] is None
+    assert last["ttft_p50_ms"] > 0
+    assert "inter-token   p50 n/a" in out.stdout
+
+
+def test_bench_cli_refuses_a_run_the_router_cannot_serve_in_one_line(served):
+    """Requests longer than the model's context: one error line and exit 2 before any request is sent, as vLLM's
+    bench does, not one refusal a request."""
+    _, addr, _ = served
+    out = colibri_run(["bench", "--target", addr, "--num-requests", "6", "--prompt-len", "500", "--max-tokens", "100"])
+    assert out.returncode == 2, out
+    assert out.stdout == "" and "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--prompt-len 500 + --max-tokens 100 = 600 tokens" in lines[0], out.stderr
+    assert "maximum context length" in lines[0] and "(512 tokens)" in lines[0], lines
+
+
+def test_a_bench_run_whose_requests_the_router_refuses_stops_at_the_first_refusal(served):
+    """Token ids past the vocabulary (a vocab_size given by the caller, larger than the model's): the router refuses
+    the first requests with INVALID_ARGUMENT, and the run sends no more (every request of a run has one shape)."""
+    from colibri.loadgen import run_load
+
+    _, addr, _ = served
+    r = run_load(addr, 2, 20, 4, 3, seed=1, vocab_size=10**6)
+    assert r.requests_failed <= 2 and r.requests_ok + r.requests_failed < 20, r
+    assert "INVALID_ARGUMENT" in r.errors[0] and r.refused and r.refused in r.errors[0], r
+
+
 def test_bench_cli_without_a_router_is_one_line_error():
     """Nothing listening: it says it waits, then one error line naming the address and the flag, exit 2."""
     port = free_port()

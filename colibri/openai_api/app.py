@@ -41,7 +41,14 @@ from colibri.openai_api.http_io import (
 from colibri.openai_api.metrics import FrontMetrics
 from colibri.openai_api.options import OpenAIOptions
 from colibri.openai_api.policy import Policy
-from colibri.openai_api.protocol import Parsed, check_model, check_text, parse_chat, parse_completion
+from colibri.openai_api.protocol import (
+    COMPLETION_MAX_TOKENS,
+    Parsed,
+    check_model,
+    check_text,
+    parse_chat,
+    parse_completion,
+)
 from colibri.openai_api.responses import Reply, sse
 from colibri_common.chat_template import ChatTemplate, TemplateError
 from colibri_common.pb import generation_pb2 as pb
@@ -146,6 +153,7 @@ class Front:
         check_model(parsed, name)
         if self.opts.generation_config == "auto":
             parsed = parsed.with_defaults(dict(info.sampling_defaults))
+        parsed.check_min_tokens(COMPLETION_MAX_TOKENS)
         prompts = [await off_loop_if(off_loop, self._render, parsed, info.has_tokenizer)] if chat else parsed.prompts
         if any(isinstance(p, str) for p in prompts) and not info.has_tokenizer:
             raise bad("this model has no tokenizer.json: send the prompt as token ids", "prompt")

@@ -44,6 +44,8 @@ def refusal(scope: Scope, headers: dict[bytes, list[bytes]], policy: Policy) -> 
     hosts = headers.get(b"host", [])
     if len(hosts) > 1:
         return ApiError(400, f"the request has {len(hosts)} Host headers; send one")
+    if not hosts and scope.get("http_version") == "1.1":    # RFC 9112: a server answers 400 (as nginx does)
+        return ApiError(400, "an HTTP/1.1 request needs a Host header; send one")
     if hosts and not policy.host_ok(_text(hosts[0])):      # no Host at all (HTTP/1.0): no browser, nothing to rebind
         return ApiError(421, f"this front does not answer to the host name '{_shown(hosts[0])}' (the Host header); "
                              f"if that is its name, start it with --allowed-hosts naming it (or '*' for any)",

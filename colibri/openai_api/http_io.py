@@ -40,6 +40,11 @@ class _Unfinished:
 UNFINISHED = _Unfinished()                     # one event loop: no lock
 
 
+def _json(data: bytes) -> object:
+    """The body as JSON text in UTF-8 (RFC 8259), a leading byte-order mark allowed."""
+    return json.loads(data.decode("utf-8-sig"))
+
+
 async def disconnected(request: Request) -> None:
     """Returns when the client closes its connection (the body was read already)."""
     while True:
@@ -161,7 +166,10 @@ async def read_json(request: Request, limit: int) -> tuple[Any, int]:
         raise ApiError(CLIENT_GONE, "the client went away while sending its request") from None
     data = b"".join(chunks)
     try:
-        return await off_loop_if(size > OFF_LOOP_BYTES, json.loads, data), size
+        return await off_loop_if(size > OFF_LOOP_BYTES, _json, data), size
+    except UnicodeDecodeError as exc:               # (json.loads would guess UTF-16 from some bytes, and say less)
+        raise bad(f"the request body is not UTF-8, which JSON on the wire must be: {exc.reason} at byte "
+                  f"{exc.start}") from None
     except RecursionError:
         raise bad("the request body is not valid JSON here: it nests arrays or objects too deep") from None
     except ValueError as exc:                       # bad JSON or UTF-8, a 5000-digit integer

@@ -23,6 +23,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 64
 MAX_PROMPTS = 64            # prompts in one completions request (each is its own router call)
 MAX_ID = 2**31 - 1          # token ids travel as int32
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when the request leaves it out (OpenAI's and vLLM's)
 RESERVED_TEMPLATE_KEYS = ("messages", "tools", "documents", "add_generation_prompt")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 NEED_CONTENT = ("system", "developer", "user")           # roles whose message is its content
@@ -61,6 +62,16 @@ class Parsed:
         if sp.top_k < 0:                                           # HF and vLLM: -1 = off, as 0 on the wire
             sp.top_k = 0
         return dataclasses.replace(self, sampling=sp)
+
+    def check_min_tokens(self, completions_default: int) -> None:
+        """min_tokens over a max_tokens the request left out says where that max_tokens came from (the router would
+        name only the number)."""
+        sp = self.sampling
+        if "max_tokens" in self.omitted and sp.max_tokens and sp.min_tokens > sp.max_tokens:
+            source = "this model's generation_config.json (max_new_tokens)" if sp.max_tokens != completions_default \
+                else f"the default of {completions_default}"
+            raise bad(f"'min_tokens' {sp.min_tokens} is over max_tokens, which the request left out: {sp.max_tokens} "
+                      f"from {source}; send max_tokens of at least {sp.min_tokens}", "min_tokens")
 
 
 # the sampling fields a checkpoint's generation_config.json may give defaults for (colibri_common.sampling_defaults)
@@ -201,7 +212,11 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
         return False
     if not stream:
         raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
-    return bool(_get(opts, "include_usage", (bool,), False))
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise bad(f"'stream_options.include_usage' must be a boolean, got {type(usage).__name__}",
+                  "stream_options.include_usage")
+    return bool(usage)
 
 
 def _model(body: dict[str, Any]) -> str | None:
@@ -236,7 +251,8 @@ def parse_completion(body: Any) -> Parsed:
             check_text(p, "prompt")
     logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     stream = bool(_get(body, "stream", (bool,), False))
-    return Parsed(prompts, _sampling(body, _int(body, "max_tokens", 16, 1), logprobs is not None, logprobs or 0),
+    return Parsed(prompts, _sampling(body, _int(body, "max_tokens", COMPLETION_MAX_TOKENS, 1), logprobs is not None,
+                                     logprobs or 0),
                   stream, _stream_options(body, stream), _model(body),
                   add_special_tokens=bool(_get(body, "add_special_tokens", (bool,), True)), omitted=_omitted(body))
 
