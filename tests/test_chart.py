@@ -198,12 +198,24 @@ def test_wiring(name):
                 health = command_options(ap, ap.parse_args(cmd[1:]))
                 port, named = int(health.target.rsplit(":", 1)[1]), health.service
             assert port in ports
-            assert named == (service if probe != "livenessProbe" else "")
+            # liveness asks for the process alone; so does the router's startup, whose readiness waits for the
+            # workers (they start apart, on other nodes: a router killed for their slowness would reload for nothing)
+            alone = probe == "livenessProbe" or (probe == "startupProbe" and container is router)
+            assert named == ("" if alone else service)
+            assert container[probe]["timeoutSeconds"] >= 5             # kubelet's 1 s: a busy Python process misses it
         assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 300
+        # --threads 0 would leave torch its default, the node's cores: the container's CPU request instead
+        threads = next(a for a in container["args"] if a.startswith("--threads="))
+        cpu = str(container["resources"].get("requests", {}).get("cpu", ""))
+        want = -(-int(cpu[:-1]) // 1000) if cpu.endswith("m") else -(-float(cpu) // 1) if cpu else 0
+        assert threads == f"--threads={int(want)}", (threads, cpu)
         sc = container["securityContext"]
         assert sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"]
         mounts = {m["name"]: m for m in container["volumeMounts"]}
         assert mounts["model"]["readOnly"] is True and mounts["dshm"]["mountPath"] == "/dev/shm"
+    # the router is Available only once the workers have loaded: a rollout's deadline past the startup budget
+    budget = expert["startupProbe"]["failureThreshold"] * expert["startupProbe"]["periodSeconds"]
+    assert dep["spec"]["progressDeadlineSeconds"] > budget
     for workload in (dep, sts):
         spec = workload["spec"]["template"]["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True
@@ -1080,7 +1092,12 @@ def test_keda_scales_the_router_on_the_requests_waiting():
     assert trigger["type"] == "prometheus"
     meta = trigger["metadata"]
     assert meta == {"serverAddress": "http://prometheus-operated.monitoring.svc:9090",
-                    "query": 'sum(colibri:num_requests_waiting{namespace="llm"})', "threshold": "4"}
+                    "query": 'sum(colibri:num_requests_waiting{namespace="llm",service="prod-colibri-router"})',
+                    "threshold": "4"}
+    # this release's routers alone (the ServiceMonitor's targets carry their Service's name): another release in the
+    # namespace does not scale this one
+    (svc,) = of(docs, "Service", "router")
+    assert svc["metadata"]["name"] == "prod-colibri-router" and svc["metadata"]["name"] == dep["metadata"]["name"]
     assert "num_requests_waiting" in GAUGE_HELP                              # a gauge the router exports
     assert not by_kind(docs, "HorizontalPodAutoscaler")
     assert any(m["metadata"]["name"] == dep["metadata"]["name"] for m in by_kind(docs, "ServiceMonitor"))

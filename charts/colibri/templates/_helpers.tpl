@@ -322,7 +322,25 @@ grpc:
   {{- with .service }}
   service: {{ . }}
   {{- end }}
+timeoutSeconds: 5                    # a Python process on a busy node: more than kubelet's 1 s default
 {{- end }}
+{{- end -}}
+
+{{/* --threads: the value given, or with 0 the container's CPU request rounded up ("2", 2, "1500m"); 0 where it
+     has none. torch's own default is the node's cores, which a container without a CPU limit does not own.
+     dict: threads, resources. */}}
+{{- define "colibri.threads" -}}
+{{- $cpu := "" -}}
+{{- with .resources -}}{{- with .requests -}}{{- $cpu = toString (default "" .cpu) -}}{{- end -}}{{- end -}}
+{{- if gt (int .threads) 0 -}}
+{{- .threads -}}
+{{- else if hasSuffix "m" $cpu -}}
+{{- max 1 (int (ceil (divf (float64 (trimSuffix "m" $cpu)) 1000.0))) -}}
+{{- else if $cpu -}}
+{{- max 1 (int (ceil (float64 $cpu))) -}}
+{{- else -}}
+0
+{{- end -}}
 {{- end -}}
 
 {{/* Checks between values that the schema cannot state: each fails the render naming the values and what to set
