@@ -21,6 +21,10 @@ STOP_NEEDS_TOKENIZER = "stop strings need the model's tokenizer.json; this model
 TOO_LARGE_HINT = ("; the router takes requests up to its --max-request-bytes, and prompts up to its "
                   "--max-prompt-bytes")
 
+# A router that drains refuses new requests UNAVAILABLE with this in the message (router_service/engine/engine.py):
+# a client may send them again on a new connection, which behind a load balancer reaches another router
+DRAINING_MARK = "the router is shutting down (draining)"
+
 # A request longer than the model's length says so in vLLM's and OpenAI's words, which client libraries
 # (LiteLLM, LangChain) recognise for their context-window fallbacks; the HTTP front adds OpenAI's code for it.
 CONTEXT_LENGTH_MARK = "This model's maximum context length is"

@@ -51,6 +51,7 @@ from colibri.openai_api.protocol import (
 )
 from colibri.openai_api.responses import Reply, sse
 from colibri_common.chat_template import ChatTemplate, TemplateError
+from colibri_common.errors import DRAINING_MARK
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.repeated_log import RepeatedLog
 
@@ -66,19 +67,46 @@ HTTP10_STREAM = ("streaming needs HTTP/1.1 (server-sent events in chunked transf
 # grew it to megabytes while a client read fast, so a client that then stopped reading left the router generating
 # into the front's buffers for minutes instead of blocking its stream (its --stream-stall-timeout never fired).
 BOUNDED_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
+# a channel's connections its own: gRPC otherwise shares them between channels of one target, and a new channel
+# would reuse the connection to the router that drains (redial)
+OWN_CONNECTIONS = ("grpc.use_local_subchannel_pool", 1)
+REDIAL_EVERY_S = 1.0     # at most one new connection to the router a second (Front.redial)
+REDIAL_KEEP = 4          # earlier connections left open for their calls; the oldest beyond them is closed
 
 
 class Front:
     def __init__(self, opts: OpenAIOptions) -> None:
         self.opts = opts
-        self.client = AsyncClient(opts.target, opts.tls_ca, opts.tls_cert, opts.tls_key,
-                                  timeout=opts.request_timeout, options=BOUNDED_WINDOW)
+        self.client = self._dial()
+        self._dialled = -REDIAL_EVERY_S            # when it last redialled (the first redial is never held back)
+        self._retired: list[AsyncClient] = []     # earlier connections, left to their open calls (redial)
         self.metrics = FrontMetrics()
         self.hide = (opts.target,)            # the router's address, kept out of what clients read (errors.py)
         self._info: pb.ModelInfoResponse | None = None
         self._unready = RepeatedLog(log, every_s=10.0, level=logging.WARNING)   # where and why, for the operator
         self._template: ChatTemplate | None = None
         self.started = int(time.time())
+
+    # -- the connection to the router ---------------------------------------------------------------------
+    def _dial(self) -> AsyncClient:
+        o = self.opts
+        return AsyncClient(o.target, o.tls_ca, o.tls_cert, o.tls_key, timeout=o.request_timeout,
+                           options=[*BOUNDED_WINDOW, OWN_CONNECTIONS])
+
+    def redial(self, why: str, seen: AsyncClient) -> bool:
+        """A new connection to the router's address for the calls from now on, where `seen` (the connection a call
+        was refused on) is still the current one: a router that drains keeps its HTTP/2 connections until it
+        stops, and behind a Kubernetes Service a new connection reaches a router that serves. The old one is left
+        to its open calls (closed once REDIAL_KEEP of them have followed it). At most one a REDIAL_EVERY_S."""
+        now = time.monotonic()
+        if self.client is not seen or now - self._dialled < REDIAL_EVERY_S:
+            return self.client is not seen                          # another call redialled already
+        self._retired.append(self.client)
+        self.client, self._dialled = self._dial(), now
+        while len(self._retired) > REDIAL_KEEP:
+            asyncio.ensure_future(self._retired.pop(0).close())
+        log.info("a new connection to the router at %s (%s)", self.opts.target, without_addresses(why, self.hide))
+        return True
 
     # -- what the router serves -------------------------------------------------------------------------
     async def info(self) -> pb.ModelInfoResponse:
@@ -112,14 +140,22 @@ class Front:
         return self.opts.served_model_name or os.path.basename(info.model_path.rstrip("/")) or "colibri"
 
     async def health(self) -> bool:
+        """Whether the router serves; where the one this front is connected to does not (draining, say), asked
+        again on a new connection (redial), which behind a Service may reach another."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        try:
-            stub = health_pb2_grpc.HealthStub(self.client.channel)
-            res = await stub.Check(health_pb2.HealthCheckRequest(service=ROUTER_SERVICE), timeout=2)
-        except grpc.RpcError:
-            return False
-        return res.status == health_pb2.HealthCheckResponse.SERVING
+        for _ in range(2):
+            client = self.client
+            try:
+                stub = health_pb2_grpc.HealthStub(client.channel)
+                res = await stub.Check(health_pb2.HealthCheckRequest(service=ROUTER_SERVICE), timeout=2)
+                if res.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            if not self.redial("the router it was connected to was not serving", client):
+                return False
+        return False
 
     # -- routes -----------------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -189,13 +225,15 @@ class Front:
             self._close(reply, calls, "error")
 
     async def _first(self, request: Request, reply: Reply, prompts: list, parsed: Parsed,
-                     calls: list) -> tuple[list | None, list]:
+                     calls: list, retry: bool = True) -> tuple[list | None, list]:
         """Send every prompt to the router (into `calls`) and wait for each call's first message: the router's
         verdict on its prompt (a refusal is a status code, before any byte is sent). (None, streams) when the
         client left first (the calls are cancelled and counted as an abort); a refusal is raised as its ApiError,
-        counted by its status."""
-        calls += [self.client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}", parsed.add_special_tokens),
-                                     self.opts.request_timeout)
+        counted by its status. A router that drains refuses new calls on the connection it keeps: they are sent
+        once more, on a new one (redial)."""
+        client = self.client
+        calls += [client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}", parsed.add_special_tokens),
+                                self.opts.request_timeout)
                   for i, p in enumerate(prompts)]
         streams = [aiter(call) for call in calls]
         failed: list[int] = []          # the prompts the router refused, in the order their refusals came
@@ -225,6 +263,10 @@ class Front:
         try:
             return firsts.result(), streams
         except grpc.RpcError as exc:
+            if retry and _draining(exc) and self.redial(exc.details() or "", client):
+                _cancel(calls)                  # refused before any work: sent again on the new connection
+                calls.clear()
+                return await self._first(request, reply, prompts, parsed, calls, retry=False)
             err = ApiError.of_grpc(exc, self.hide, "messages" if reply.chat else "prompt")
             if len(prompts) > 1 and failed and err.param == "prompt":
                 # which of the prompts, said at the end: a context length's message keeps OpenAI's opening
@@ -326,6 +368,11 @@ class Front:
         if await self.health():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
+
+
+def _draining(exc: grpc.RpcError) -> bool:
+    """A refusal of a router that drains (no work done: the call may go to another router)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and DRAINING_MARK in (exc.details() or "")
 
 
 def _cancel(calls: list) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from colibri_common.device import device_scope
+from colibri_common.errors import DRAINING_MARK
 from colibri_common.file_watch import MappingChanged
 from colibri_common.repeated_log import RepeatedLog
 from router_service.engine.events import FailureCode, Outputs
@@ -113,7 +114,7 @@ class Engine(StepLoop):
             if self.stopped is not None:
                 raise Draining(self.stopped)
             if self.draining or self._stop:
-                raise Draining("the router is shutting down (draining); retry on another replica")
+                raise Draining(f"{DRAINING_MARK}; retry on another replica")
             if seq.request_id in self.by_request_id:
                 raise DuplicateId(f"request_id '{seq.request_id}' belongs to a request still open; use a "
                                   f"unique id (or leave it empty and the router makes one)")
