@@ -370,16 +370,33 @@ def test_a_worker_down_for_good_is_planned_out_and_the_others_serve_its_experts(
     with ExitStack() as stack:
         ws = [stack.enter_context(worker(model.path)) for _ in range(3)]
         addrs = [a for a, _ in ws]
-        r, _ = stack.enter_context(router(model.path, addrs, "--replan-dead-after", "1"))
+        mport = free_port()
+        r, _ = stack.enter_context(router(model.path, addrs, "--replan-dead-after", "1", "--metrics-port", str(mport)))
         ws[2][1].send_signal(signal.SIGKILL)                 # lost for good (no restart)
         ws[2][1].wait()
         deadline = time.monotonic() + 30
-        while [w.address for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).workers] != \
-                addrs[:2]:
+
+        def shown() -> list[tuple[str, str, int]]:
+            return [(w.address, w.state, w.experts)
+                    for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).workers]
+
+        while [a for a, state, _ in shown() if state != "planned-out"] != addrs[:2]:
             assert time.monotonic() < deadline, "the dead worker was not planned out"
             time.sleep(0.2)
         assert held(addrs[0]) + held(addrs[1]) == 2 * 60
         assert Client(r).generate([9, 8, 7], 16, ignore_eos=True, timeout=60).token_ids == want
+        # still shown, and in /metrics (an alert on worker_up == 0 holds), until an operator removes it
+        assert shown()[2] == (addrs[2], "planned-out", 0)
+        m = metrics(mport)
+        assert m[f'colibri:worker_up{{worker="{addrs[2]}"}}'] == 0.0
+        assert m[f'colibri:worker_in_plan{{worker="{addrs[2]}"}}'] == 0.0
+        assert m[f'colibri:worker_in_plan{{worker="{addrs[0]}"}}'] == 1.0
+        assert m[f'colibri:worker_bans_total{{worker="{addrs[2]}"}}'] >= 0
+        assert m["colibri:workers_planned_out_dead_total"] == 1.0
+        out = workers_cli(r, "remove", addrs[2])
+        assert out.returncode == 0 and "forgotten" in out.stdout + out.stderr, out
+        assert [a for a, _, _ in shown()] == addrs[:2]
+        assert f'worker="{addrs[2]}"' not in str(metrics(mport))
 
 
 def test_adding_a_worker_to_a_static_fleet_mid_stream_changes_no_token(model):

@@ -93,6 +93,10 @@ class RemoteExperts:
         self._seen_lock = threading.Lock()                   # saw(): the engine's and the re-sync threads'
         self.budgets: dict[str, int] = {}                    # address -> its --max-experts (0 = none)
         self.on_back: Callable[[int], None] | None = None    # a worker's health checks pass again (resize.py)
+        # workers planned out because they were down (--replan-dead-after), until a plan takes them in again or an
+        # operator sets the workers: still in /metrics and `workers show`, where an SRE's alert looks for them
+        self.lost: dict[str, float] = {}                     # address -> when it was planned out (time.time())
+        self.planned_out_dead = 0                            # workers planned out so, since the router started
         self.table = Table.of(Plan(0, (), {}), {}, cfg.num_layers, cfg.num_experts)   # none until learnt
         try:
             infos = [self.describe(a, time.monotonic() + connect_timeout_s) for a in addresses]
@@ -107,12 +111,12 @@ class RemoteExperts:
         return self.links.links[self.index[address]]
 
     def add_worker(self, address: str) -> None:
-        """Know one more worker (a resize): a link and a liveness slot; a worker known before gets a fresh link."""
+        """Know one more worker (a resize): a link and a liveness slot; a worker known before gets a fresh link (it is
+        healthy again once it answers Describe: resize.py)."""
         if address in self.index:
             w = self.index[address]
             if self.links.links[w].closed:
                 self.links.reconnect(w)
-                self.liveness.set_healthy({w: True})
             return
         self.links.connect(address)
         self.index[address] = len(self.addresses)

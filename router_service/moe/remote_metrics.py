@@ -29,6 +29,9 @@ class FleetView(Protocol):
     liveness: Liveness
     routed: torch.Tensor | None
     restarts: Mapping[str, int]
+    lost: Mapping[str, float]
+    planned_out_dead: int
+    index: Mapping[str, int]
 
 
 def fleet_families(remote: FleetView) -> Iterator[Metric]:
@@ -63,14 +66,21 @@ def fleet_families(remote: FleetView) -> Iterator[Metric]:
                                "re-admitted.", labels=["worker"])
     restarts = CounterMetricFamily("colibri:worker_restarts", "Times a new process answered for the worker (it "
                                    "restarted) since this router started.", labels=["worker"])
+    in_plan = GaugeMetricFamily("colibri:worker_in_plan", "1 for a worker of the placement served now; 0 for one "
+                                "planned out because it was down (--replan-dead-after), until it is planned in again.",
+                                labels=["worker"])
     live = remote.liveness.live()
-    for w in current:
+    lost = [remote.index[a] for a in remote.lost if a in remote.index and remote.index[a] not in current]
+    for w in (*current, *lost):                 # a worker planned out while down stays, so an alert on it holds
         address = remote.addresses[w]
-        up.add_metric([address], float(live[w]))
+        up.add_metric([address], float(live[w]) if w in current else 0.0)    # (no longer checked once out)
         bans.add_metric([address], remote.liveness.bans[w])
         back.add_metric([address], remote.liveness.readmissions[w])
         restarts.add_metric([address], remote.restarts[address])
-    yield from (up, bans, back, restarts)
+        in_plan.add_metric([address], float(w in current))
+    yield from (up, bans, back, restarts, in_plan)
+    yield CounterMetricFamily("colibri:workers_planned_out_dead", "Workers planned out because they were down for "
+                              "--replan-dead-after seconds.", value=remote.planned_out_dead)
     if remote.routed is not None:
         routed = CounterMetricFamily("colibri:moe_tokens_routed", "Tokens routed to each expert of each "
                                      "layer (--expert-metrics).", labels=["layer", "expert"])

@@ -129,6 +129,14 @@ class Placement:
         with self.change_lock:
             _still(wanted)
             old = self.remote.table.plan.workers
+            lost = self.remote.lost
+            if not addresses and by_operator and remove and not add and all(a in lost for a in remove):
+                for a in remove:            # planned out while down: it holds nothing, the router forgets it
+                    del lost[a]
+                b = self.remote.window.balance(old)
+                return Outcome(False, self.remote.table.epoch, 0.0, b, b,
+                               f"{', '.join(remove)}: planned out while down (--replan-dead-after), so it held no "
+                               f"experts; forgotten (no longer shown)")
             if not addresses:
                 unknown = [a for a in remove if a not in old]
                 if unknown:
@@ -144,6 +152,8 @@ class Placement:
             if len(set(addresses)) != len(addresses):
                 raise ResizeFailed(f"a worker is listed twice: {', '.join(addresses)}")
             out = self._change_to(tuple(addresses), "resize")
+            for a in [a for a in lost if a in addresses or (by_operator and not add and not remove)]:
+                del lost[a]                 # planned in again, or the operator has set the workers by hand
             if by_operator:
                 self.cordoned = (self.cordoned | {a for a in old if a not in addresses}) - set(addresses)
             return out
@@ -188,7 +198,9 @@ class Placement:
 
         def one(a: str) -> WorkerInfo:
             remote.add_worker(a)
-            return remote.describe(a, deadline)
+            info = remote.describe(a, deadline)
+            remote.liveness.set_healthy({remote.index[a]: True})    # it answers (one frozen has not got here)
+            return info
 
         fresh = [a for a in addresses if a not in old.workers]
         with ThreadPoolExecutor(max(1, min(32, len(fresh)))) as pool:

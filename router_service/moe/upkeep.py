@@ -205,6 +205,8 @@ class Upkeep:
                 self.placement.set_workers(alive, by_operator=False)
                 for a in dead:
                     down_since.pop(a, None)
+                    remote.lost[a] = time.time()
+                remote.planned_out_dead += len(dead)
             except ResizeFailed as exc:
                 log.warning("planning out %s: %s (trying again in 10s)", ", ".join(dead), exc)
                 not_before = time.monotonic() + 10.0
