@@ -526,10 +526,11 @@ def test_a_removed_dead_worker_started_again_and_added_back_serves(model):
         assert Client(r).generate([4, 5, 6], 8, ignore_eos=True, timeout=60).token_ids == model.greedy([4, 5, 6], 8)
 
 
-def test_a_frozen_worker_removed_is_out_of_the_plan_and_the_log_says_its_release_is_unconfirmed(model):
+def test_a_frozen_worker_removed_is_out_of_the_plan_and_released_once_it_answers_again(model):
     """`workers remove` of a worker that answers nothing (SIGSTOP) goes through: the others take its experts and
     serve the same tokens. Its release cannot be confirmed: the router's log said "released (drained, no experts
-    held)" all the same; it says that the worker may still hold its experts' memory."""
+    held)" all the same; it says that the worker may still hold its experts' memory. Once the worker answers again
+    (SIGCONT), the router's next ask releases it: it held its experts for good before."""
     lines: list[str] = []
     with ExitStack() as stack:
         ws = [stack.enter_context(worker(model.path)) for _ in range(3)]
@@ -547,10 +548,21 @@ def test_a_frozen_worker_removed_is_out_of_the_plan_and_the_log_says_its_release
         assert [w.address for w in shown.workers] == addrs[:2]
         assert Client(r).generate(PROMPTS[0], 8, ignore_eos=True, timeout=60).token_ids == \
             model.greedy(PROMPTS[0], 8)
+        frozen.send_signal(signal.SIGCONT)
+        assert held(addrs[2]) > 0                            # thawed, it holds what it was never told to drop
+        deadline = time.monotonic() + 30
+        while held(addrs[2]):
+            assert time.monotonic() < deadline, "the thawed worker was never asked again to release its experts"
+            time.sleep(0.2)
+        assert [w.address for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).workers] == \
+            addrs[:2]
+        assert Client(r).generate(PROMPTS[1], 8, ignore_eos=True, timeout=60).token_ids == \
+            model.greedy(PROMPTS[1], 8)
     reader.join(timeout=30)
     said = "".join(lines)
     assert f"worker {addrs[2]} is out of the plan (drained) but did not confirm its release" in said, said
     assert "released (drained, no experts held)" not in said and "placement epoch 2:" in said, said
+    assert f"worker {addrs[2]} confirmed its release" in said, said
 
 
 def test_a_budget_holds_the_plan_not_the_switch(model):

@@ -150,6 +150,11 @@ class RemoteExperts:
         return self.link(address).assign(request, timeout_s, wait, silence_s)
 
     @property
+    def worker_access(self) -> tuple[float, Access]:
+        """The timeout and credentials a link to a worker is made with (a late release's own link: release.py)."""
+        return self.links.timeout_s, self.links.access
+
+    @property
     def capturable(self) -> bool:
         return False                               # gRPC calls: the host is in every layer
 

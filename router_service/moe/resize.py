@@ -34,6 +34,8 @@ from router_service.moe.admission import WorkerInfo
 from router_service.moe.follow import Follower, resolve
 from router_service.moe.heartbeat import LOAD_SILENCE_S
 from router_service.moe.plan import Held, Plan, ResizeFailed, balance, load_plan, sticky_plan, union
+from router_service.moe.release import RETRY_S as LATE_RETRY_S
+from router_service.moe.release import LateRelease
 from router_service.moe.remote import RemoteExperts
 from router_service.moe.table import Table
 from router_service.moe.transport import WorkerError
@@ -88,6 +90,7 @@ class Placement:
         self.cordoned: set[str] = set()                 # removed by an operator: --follow-workers leaves them out
         self.follower: Follower | None = None
         self.upkeep = Upkeep(self)                      # re-syncs, periodic rebalances, dead workers planned out
+        self.late = LateRelease(remote)                 # removed workers that did not confirm their release
 
     # -- plans -------------------------------------------------------------------------------------
     def _load(self) -> dict[int, list[float]]:
@@ -304,7 +307,9 @@ class Placement:
                 self._drop_link(a)
                 if a in unanswered:            # out of the plan all the same: no step sends it anything
                     log.warning("worker %s is out of the plan (drained) but did not confirm its release, so it may "
-                                "still hold its experts' memory until it answers or restarts: %s", a, unanswered[a])
+                                "still hold its experts' memory until it answers (asked again every %.0f s) or "
+                                "restarts: %s", a, LATE_RETRY_S, unanswered[a])
+                    self.late.ask_again(a, epoch)
                 else:
                     log.info("worker %s released (drained, no experts held)", a)
         message = (f"placement epoch {epoch}: {len(addresses)} workers, switched {seconds:.2f}s after the {what} "
@@ -336,6 +341,7 @@ class Placement:
 
     def close(self) -> None:
         self.upkeep.close()
+        self.late.close()
         if self.follower is not None:
             self.follower.close()
 
