@@ -25,6 +25,8 @@ from router_service.moe.same_host import Links
 from router_service.moe.table import Table
 from router_service.moe.transport import Reply
 
+REFUSES = "it refuses this router (another checkpoint, or another router's plan)"
+
 
 class Dispatching(Sender, Protocol):
     """What a layer's dispatch needs of the experts client (remote.RemoteExperts)."""
@@ -75,9 +77,10 @@ def submit(ex: Dispatching, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
             live = ex.liveness.live()[:W]
             placed = place(table.holders[layer], ids32, live, holding=table.holding[layer])
         if placed.unplaced:
-            down = [a for a, ok in zip(ex.addresses, live, strict=False) if not ok]
-            raise ExpertsUnavailable(f"the experts some tokens need have no live worker (down: "
-                                     f"{', '.join(down) or 'none'})", torch.tensor(placed.unplaced))
+            out = [f"{a}: {REFUSES if w in ex.kept_out else ex.liveness.why_not_live(w)}"
+                   for w, (a, ok) in enumerate(zip(ex.addresses, live, strict=False)) if not ok]
+            raise ExpertsUnavailable(f"the experts some tokens need have no live worker (not sent to: "
+                                     f"{'; '.join(out) or 'none'})", torch.tensor(placed.unplaced))
         every: tuple[expert_pb2.Tensor, expert_pb2.Tensor] | None = None   # x, weights: once for all rows
         for wp in placed.parts:
             if wp.rows is None:

@@ -58,6 +58,18 @@ class Liveness:
         with self._lock:
             self.synced[w] = ok
 
+    def why_not_live(self, w: int) -> str:
+        """Why worker w is sent nothing now, in a few words (for an error that names it)."""
+        with self._lock:
+            if not self.healthy[w]:
+                why = self.down_why.get(w, "")
+                return "its health checks fail" + (f": {why}" if why else "")
+            if time.monotonic() < self.banned_until[w]:
+                return "a call to it failed just now"
+            if not self.synced[w]:
+                return "it does not hold this router's plan yet (being re-synced)"
+            return "live"
+
     def live(self) -> list[bool]:
         now = time.monotonic()
         with self._lock:
