@@ -668,3 +668,30 @@ def test_a_router_started_after_a_rolled_back_change_adopts_the_plan(model):
         r, _ = stack.enter_context(router(model.path, addrs))
         assert admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).epoch == 2     # adopted
         assert [held(a) for a in addrs] == [2 * 30, 2 * 30]
+
+
+def test_a_worker_back_with_another_checkpoint_is_shown_refused_and_its_replicas_serve(model, skewed):
+    """A worker restarted at its address on another checkpoint answers, and refuses this router's plan: `workers
+    show` says `refused` (it said `syncing`, with the experts it no longer holds), and the replicas serve the same
+    tokens."""
+    want = model.greedy([9, 8, 7], 16)
+    with ExitStack() as stack:
+        ws = [stack.enter_context(worker(model.path)) for _ in range(3)]
+        addrs = [a for a, _ in ws]
+        r, _ = stack.enter_context(router(model.path, addrs, "--expert-replicas", "2"))
+        ws[2][1].send_signal(signal.SIGKILL)
+        ws[2][1].wait()
+        stack.enter_context(worker(skewed.path, port=int(addrs[2].rsplit(":", 1)[1])))
+        client = Client(r)
+        deadline = time.monotonic() + 60
+        while True:
+            # a call it refuses (or its health checks, had they seen it down) sends it to be re-synced
+            assert client.generate([9, 8, 7], 16, ignore_eos=True, timeout=60).token_ids == want
+            states = {w.address: w.state for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(),
+                                                                      timeout=10).workers}
+            if states[addrs[2]] == "refused":
+                break
+            assert time.monotonic() < deadline, f"the worker on another checkpoint was not shown refused: {states}"
+            time.sleep(0.2)
+        assert states[addrs[0]] == states[addrs[1]] == "serving"
+        assert Client(r).generate([9, 8, 7], 16, ignore_eos=True, timeout=60).token_ids == want

@@ -36,8 +36,8 @@ def worker_states(remote: RemoteExperts) -> list[admin_pb2.WorkerState]:
         banned = time.monotonic() < lv.banned_until[w]
         # down first (a frozen worker is re-synced once it answers again), then a ban (a call failed: a worker just
         # killed, before its health checks tell), then a re-sync under way
-        state = ("serving" if live[w] else "down" if not lv.healthy[w] else "syncing" if not (banned or lv.synced[w])
-                 else "banned")
+        state = ("serving" if live[w] else "down" if not lv.healthy[w] else "refused" if w in remote.kept_out
+                 else "syncing" if not (banned or lv.synced[w]) else "banned")
         held = plan.of(address)
         out.append(admin_pb2.WorkerState(
             address=address, state=state, experts=sum(map(len, held.values())),
