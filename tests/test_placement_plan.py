@@ -185,7 +185,7 @@ def test_an_admin_change_whose_caller_gave_up_before_its_turn_changes_nothing():
     p = Placement.__new__(Placement)                  # the change logic alone: no fleet
     p.change_lock, p.cordoned, p.follower = threading.Lock(), set(), None
     p.cfg = SimpleNamespace(num_experts=8)
-    p.remote = SimpleNamespace(table=SimpleNamespace(plan=SimpleNamespace(workers=("a:1", "b:2"))))
+    p.remote = SimpleNamespace(table=SimpleNamespace(plan=SimpleNamespace(workers=("a:1", "b:2"))), lost={})
     done = []
     p._change_to = lambda workers, why: done.append((workers, why)) or why
     with pytest.raises(ResizeFailed, match="the caller gave up"):
