@@ -33,7 +33,8 @@ class WorkersOptions:
     target: str = option("", "the router's address HOST:PORT", required=True)
     json: bool = option(False, "one JSON document instead of text: show's table, or a change's outcome (changed, "
                                "epoch, seconds, balance before/after, message)")
-    timeout: float = option(900.0, "seconds to wait for a change (loading the new experts included)")
+    timeout: float = option(900.0, "seconds to wait for a change (loading the new experts included); for show, "
+                                   "at most 30")
     tls_ca: str | None = option(None, "PEM CA of a TLS router (TLS when given)", metavar="PATH")
     tls_cert: str | None = option(None, "PEM client certificate, for a router that requires one", metavar="PATH")
     tls_key: str | None = option(None, "PEM key of --tls-cert", metavar="PATH")
@@ -84,8 +85,12 @@ def _patiently(call, request, timeout: float):
             if not busy or time.monotonic() + pause > deadline:
                 raise
             # nothing answering (connection refused, no route) is not a busy router: said as it is, once a reason
-            unreachable = (exc.details() or "").startswith("failed to connect")
-            why = "the router cannot be reached" if unreachable else "the router is busy"
+            details = exc.details() or ""
+            unreachable = details.startswith("failed to connect")
+            broke = any(m in details for m in ("Stream removed", "Socket closed", "Connection reset", "GOAWAY"))
+            why = "the router cannot be reached" if unreachable else \
+                "the connection to the router broke during the call (it stopped or restarted?); asking again" \
+                if broke else "the router is busy"
             line = f"{why} ({exc.code().name}: {exc.details()}); trying again for up to {timeout:g} s (--timeout)"
             if why != said:
                 print(line, file=sys.stderr)
@@ -120,7 +125,7 @@ def run_workers(opts: WorkersOptions) -> int:
         stub = admin_pb2_grpc.AdminStub(with_token(raw, fleet_token()))
         try:
             if opts.action == "show":
-                resp = stub.ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=30)
+                resp = stub.ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=min(opts.timeout, 30.0))
                 print(json.dumps(_plain(resp), indent=2) if opts.json else _table(resp))
                 return 0
             if opts.action == "rebalance":
