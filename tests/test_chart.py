@@ -313,6 +313,11 @@ def test_notes_render():
     notes = helm.Chart.load(CHART).render({}, name="prod", namespace="llm", is_install=True)
     text = next(v for k, v in notes.items() if k.endswith("NOTES.txt"))
     assert "prod-colibri-router.llm.svc.cluster.local:50051" in text and "grpcurl" in text
+    # one pod an expert (the default): a restart, an eviction or an upgrade leaves experts without a worker, said
+    assert "Each expert is on one pod (experts.replicas=1)" in text and "set experts.replicas=2" in text
+    notes = helm.Chart.load(CHART).render({"experts": {"shards": 3, "replicas": 2}}, name="prod", namespace="llm",
+                                          is_install=True)
+    assert "Each expert is on one pod" not in next(v for k, v in notes.items() if k.endswith("NOTES.txt"))
 
 
 def test_the_validator_is_not_a_no_op():
