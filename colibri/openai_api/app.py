@@ -71,7 +71,7 @@ BOUNDED_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16
 # would reuse the connection to the router that drains (redial)
 OWN_CONNECTIONS = ("grpc.use_local_subchannel_pool", 1)
 REDIAL_EVERY_S = 1.0     # at most one new connection to the router a second (Front.redial)
-REDIAL_KEEP = 4          # earlier connections left open for their calls; the oldest beyond them is closed
+REDIAL_KEEP = 16         # earlier connections left open for their calls; the oldest beyond them is closed
 
 
 class Front:
