@@ -1279,3 +1279,12 @@ def test_ip_addresses_in_extra_names_become_ip_sans():
     assert not any(n[0].isdigit() or ":" in n for n in sans.get_values_for_type(x509.DNSName))
     managed = by_kind(render({"tls": {"certManager": {"enabled": True}, "extraDnsNames": extra}}), "Certificate")[-1]
     assert managed["spec"]["ipAddresses"] == ["10.0.0.1", "fd00::1"] and "10.0.0.1" not in managed["spec"]["dnsNames"]
+
+
+@pytest.mark.parametrize(("cpu", "threads"), [("1500m", 2), ("0.5", 1), (3, 3), ("250m", 1), ("2", 2)])
+def test_threads_0_is_the_cpu_request_rounded_up_and_a_number_given_is_kept(cpu, threads):
+    docs = render({"router": {"resources": {"requests": {"cpu": cpu, "memory": "8Gi"}}}, "experts": {"threads": 3}})
+    (dep,) = of(docs, "Deployment", "router")
+    (sts,) = by_kind(docs, "StatefulSet")
+    assert f"--threads={threads}" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--threads=3" in sts["spec"]["template"]["spec"]["containers"][0]["args"]

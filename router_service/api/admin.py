@@ -44,7 +44,7 @@ def worker_states(remote: RemoteExperts) -> list[admin_pb2.WorkerState]:
             layers=[admin_pb2.HeldExperts(layer=layer, experts=es) for layer, es in sorted(held.items())],
             token_rows=remote.worker_rows[w], pairs_window=pairs[address],
             load_share=pairs[address] / total if total else 0.0, restarts=remote.restarts[address]))
-    for address in remote.lost:                 # planned out while down: shown until planned in again or removed
+    for address in list(remote.lost):           # planned out while down: shown until planned in again or removed
         if address not in plan.workers:
             out.append(admin_pb2.WorkerState(address=address, state="planned-out", restarts=remote.restarts[address]))
     return out

@@ -70,7 +70,7 @@ def fleet_families(remote: FleetView) -> Iterator[Metric]:
                                 "planned out because it was down (--replan-dead-after), until it is planned in again.",
                                 labels=["worker"])
     live = remote.liveness.live()
-    lost = [remote.index[a] for a in remote.lost if a in remote.index and remote.index[a] not in current]
+    lost = [remote.index[a] for a in list(remote.lost) if a in remote.index and remote.index[a] not in current]
     for w in (*current, *lost):                 # a worker planned out while down stays, so an alert on it holds
         address = remote.addresses[w]
         up.add_metric([address], float(live[w]) if w in current else 0.0)    # (no longer checked once out)

@@ -135,7 +135,7 @@ class Placement:
             lost = self.remote.lost
             if not addresses and by_operator and remove and not add and all(a in lost for a in remove):
                 for a in remove:            # planned out while down: it holds nothing, the router forgets it
-                    del lost[a]
+                    lost.pop(a, None)
                 b = self.remote.window.balance(old)
                 return Outcome(False, self.remote.table.epoch, 0.0, b, b,
                                f"{', '.join(remove)}: planned out while down (--replan-dead-after), so it held no "
@@ -155,8 +155,8 @@ class Placement:
             if len(set(addresses)) != len(addresses):
                 raise ResizeFailed(f"a worker is listed twice: {', '.join(addresses)}")
             out = self._change_to(tuple(addresses), "resize")
-            for a in [a for a in lost if a in addresses or (by_operator and not add and not remove)]:
-                del lost[a]                 # planned in again, or the operator has set the workers by hand
+            for a in [a for a in list(lost) if a in addresses or (by_operator and not add and not remove)]:
+                lost.pop(a, None)           # planned in again, or the operator has set the workers by hand
             if by_operator:
                 self.cordoned = (self.cordoned | {a for a in old if a not in addresses}) - set(addresses)
             return out
