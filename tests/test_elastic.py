@@ -548,8 +548,7 @@ def test_a_frozen_worker_removed_is_out_of_the_plan_and_released_once_it_answers
         assert [w.address for w in shown.workers] == addrs[:2]
         assert Client(r).generate(PROMPTS[0], 8, ignore_eos=True, timeout=60).token_ids == \
             model.greedy(PROMPTS[0], 8)
-        frozen.send_signal(signal.SIGCONT)
-        assert held(addrs[2]) > 0                            # thawed, it holds what it was never told to drop
+        frozen.send_signal(signal.SIGCONT)                   # (an ask in flight is answered as it thaws)
         deadline = time.monotonic() + 30
         while held(addrs[2]):
             assert time.monotonic() < deadline, "the thawed worker was never asked again to release its experts"

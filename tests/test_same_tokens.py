@@ -51,11 +51,7 @@ Run = list[tuple[list[int], bytes]]      # per prompt: its tokens and the float3
 
 
 def serve(path: Path, workers: int, extra: list[str], together: bool = False) -> Run:
-    """The module's fleets keep their CPU forms and expert heat files in a directory of their own (beside the
-    checkpoint), not in the suite's shared one, which every other test's fleets write to (the open bug below)."""
-    cache = path.parent / "colibri-cache"
-    cache.mkdir(exist_ok=True)
-    with fleet(path, workers, ["--dtype", "bfloat16", *extra], env={"COLIBRI_CACHE_DIR": str(cache)}) as (addr, _):
+    with fleet(path, workers, ["--dtype", "bfloat16", *extra]) as (addr, _):
         client = Client(addr)
 
         def one(prompt: list[int]) -> tuple[list[int], bytes]:
@@ -82,7 +78,7 @@ class OneOffDifference(UserWarning):
 def agree(a: Run, b: Run, again: Callable[[], tuple[Run, Run]], what: str) -> None:
     """`same(a, b)`; where they differ, both fleets serve the prompts again and must then be the same, and the
     one-off difference is a warning in the run's summary. An open bug (docs/models.md): on a 2-core Intel Xeon VM
-    with AMX, 3 of 19 whole-suite runs saw fleets here give one prompt other tokens (a near tie taken the other
+    with AMX, 4 of 19 whole-suite runs saw fleets here give one prompt other tokens (a near tie taken the other
     way; once lasting through the retry), and no run of this module alone did."""
     try:
         same(a, b)
