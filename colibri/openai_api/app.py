@@ -80,6 +80,7 @@ class Front:
         self.client = self._dial()
         self._dialled = -REDIAL_EVERY_S            # when it last redialled (the first redial is never held back)
         self._retired: list[AsyncClient] = []     # earlier connections, left to their open calls (redial)
+        self._closing: set[asyncio.Task] = set()   # their closes under way (a task nobody holds may be collected)
         self.metrics = FrontMetrics()
         self.hide = (opts.target,)            # the router's address, kept out of what clients read (errors.py)
         self._info: pb.ModelInfoResponse | None = None
@@ -104,7 +105,9 @@ class Front:
         self._retired.append(self.client)
         self.client, self._dialled = self._dial(), now
         while len(self._retired) > REDIAL_KEEP:
-            asyncio.ensure_future(self._retired.pop(0).close())
+            task = asyncio.ensure_future(self._retired.pop(0).close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         log.info("a new connection to the router at %s (%s)", self.opts.target, without_addresses(why, self.hide))
         return True
 
