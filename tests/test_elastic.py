@@ -548,11 +548,14 @@ def test_a_frozen_worker_removed_is_out_of_the_plan_and_released_once_it_answers
         assert [w.address for w in shown.workers] == addrs[:2]
         assert Client(r).generate(PROMPTS[0], 8, ignore_eos=True, timeout=60).token_ids == \
             model.greedy(PROMPTS[0], 8)
-        frozen.send_signal(signal.SIGCONT)                   # (an ask in flight is answered as it thaws)
+        frozen.send_signal(signal.SIGCONT)
+        # The ask in flight when it froze may release it as it thaws (its deadline passed meanwhile): the router
+        # only knows once its next ask is answered, so the test waits for the router's word, then the worker's.
         deadline = time.monotonic() + 30
-        while held(addrs[2]):
+        while f"worker {addrs[2]} confirmed its release" not in "".join(lines):
             assert time.monotonic() < deadline, "the thawed worker was never asked again to release its experts"
             time.sleep(0.2)
+        assert held(addrs[2]) == 0
         assert [w.address for w in admin(r).ShowWorkers(admin_pb2.ShowWorkersRequest(), timeout=10).workers] == \
             addrs[:2]
         assert Client(r).generate(PROMPTS[1], 8, ignore_eos=True, timeout=60).token_ids == \
