@@ -97,10 +97,10 @@ def argv_of(proc: psutil.Process) -> list[str]:
 
 @contextmanager
 def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = None, timeout: float = 120,
-          env: dict[str, str] | None = None, exec_: bool = False):
-    """`colibri serve` on a free port (with `env` added to the environment); yields (address, launcher process);
-    stops it with SIGTERM. Forked by the fork server, or, with `exec_`, the console script exec'd (`python -m
-    colibri.cli` where none is installed)."""
+          env: dict[str, str] | None = None, exec_: bool = False, stderr=None):
+    """`colibri serve` on a free port (with `env` added to the environment, its log to `stderr` where given);
+    yields (address, launcher process); stops it with SIGTERM. Forked by the fork server, or, with `exec_`, the
+    console script exec'd (`python -m colibri.cli` where none is installed)."""
     argv = ["serve", "--model", str(model_dir), "--workers", str(workers), "--port", "0", "--log-level", "WARNING",
             *(extra or [])]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
@@ -108,9 +108,9 @@ def fleet(model_dir: Path | str, workers: int = 2, extra: list[str] | None = Non
         from colibri.fleet import colibri_command  # the console script, or `python -m colibri.cli`
 
         p = subprocess.Popen([*colibri_command(), *argv], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                             env=full_env)
+                             env=full_env, stderr=stderr)
     else:
-        p = colibri_popen(argv, stdout=subprocess.PIPE, env=full_env)
+        p = colibri_popen(argv, stdout=subprocess.PIPE, stderr=stderr, env=full_env)
     try:
         p.openai = None                  # type: ignore[attr-defined]  (the HTTP front's base URL, when started)
         line = p.stdout.readline()

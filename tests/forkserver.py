@@ -257,7 +257,8 @@ class ForkServer:
 
     def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None, stdout=None, stderr=None,
               text: bool = True, cwd: str | None = None) -> Forked:
-        """`subprocess.Popen(["colibri", *argv], ...)` for stdout / stderr None, PIPE or DEVNULL."""
+        """`subprocess.Popen(["colibri", *argv], ...)` for stdout / stderr None, PIPE, DEVNULL, a descriptor or a
+        file object."""
         self.wait_ready()
         mine, theirs = [], []
         devnull = os.open(os.devnull, os.O_RDWR)
@@ -270,7 +271,8 @@ class ForkServer:
                 fds.append(w)
             else:
                 mine.append(None)
-                fds.append(devnull if spec == DEVNULL else target)
+                fds.append(devnull if spec == DEVNULL else target if spec is None else
+                           spec if isinstance(spec, int) else spec.fileno())
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)

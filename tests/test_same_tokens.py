@@ -17,9 +17,11 @@ here serves the same prompts; their tokens must be identical.
 from __future__ import annotations
 
 import random
+import tempfile
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -47,28 +49,53 @@ def near_ties(tmp_path_factory) -> Path:
     return save_checkpoint(model, tmp_path_factory.mktemp("near-ties") / "qwen3-bf16")
 
 
-Run = list[tuple[list[int], bytes]]      # per prompt: its tokens and the float32 logits they were chosen from
+@dataclass
+class Run:
+    """Per prompt its tokens and the float32 logits of each step they were chosen from; the fleet's INFO log."""
+    tokens: list[list[int]]
+    logits: list[list[bytes]]
+    log: str
 
 
 def serve(path: Path, workers: int, extra: list[str], together: bool = False) -> Run:
-    with fleet(path, workers, ["--dtype", "bfloat16", *extra]) as (addr, _):
-        client = Client(addr)
+    with tempfile.TemporaryFile("w+") as log:
+        with fleet(path, workers, ["--dtype", "bfloat16", "--log-level", "INFO", *extra], stderr=log) as (addr, _):
+            client = Client(addr)
 
-        def one(prompt: list[int]) -> tuple[list[int], bytes]:
-            res = client.generate(prompt, TOKENS, return_logits=True)
-            return res.token_ids, b"".join(x.tobytes() for x in res.logits)
+            def one(prompt: list[int]) -> tuple[list[int], list[bytes]]:
+                res = client.generate(prompt, TOKENS, return_logits=True)
+                return res.token_ids, [x.tobytes() for x in res.logits]
 
-        if not together:
-            return [one(p) for p in PROMPTS]
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            return list(pool.map(one, PROMPTS))
+            if not together:
+                got = [one(p) for p in PROMPTS]
+            else:
+                with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                    got = list(pool.map(one, PROMPTS))
+        log.seek(0)
+        return Run([t for t, _ in got], [lg for _, lg in got], log.read())
 
 
 def same(a: Run, b: Run) -> None:
     """Identical tokens, and the logits behind them identical to the bit (a last-bit difference anywhere in a
     step shows there even where it flips no token)."""
-    assert [t for t, _ in a] == [t for t, _ in b]
-    assert [i for i, ((_, la), (_, lb)) in enumerate(zip(a, b, strict=True)) if la != lb] == []
+    assert a.tokens == b.tokens, where(a, b)
+    assert a.logits == b.logits, where(a, b)
+
+
+def where(a: Run, b: Run) -> str:
+    """Where two runs part: per prompt that differs, the first step whose logits differ (step 0: the prefill's) and
+    by how much, and the first step whose token differs."""
+    said = []
+    for i, (la, lb) in enumerate(zip(a.logits, b.logits, strict=True)):
+        step = next((s for s, (x, y) in enumerate(zip(la, lb, strict=False)) if x != y), None)
+        if step is None:
+            continue
+        diff = float((torch.frombuffer(bytearray(la[step]), dtype=torch.float32)
+                      - torch.frombuffer(bytearray(lb[step]), dtype=torch.float32)).abs().max())
+        token = next((s for s, (x, y) in enumerate(zip(a.tokens[i], b.tokens[i], strict=False)) if x != y), None)
+        tokens = "the same tokens" if token is None else f"tokens from step {token}"
+        said.append(f"prompt {i}: logits from step {step} (largest difference {diff:.3g}), {tokens}")
+    return "; ".join(said) or "the same"
 
 
 class OneOffDifference(UserWarning):
@@ -77,17 +104,24 @@ class OneOffDifference(UserWarning):
 
 def agree(a: Run, b: Run, again: Callable[[], tuple[Run, Run]], what: str) -> None:
     """`same(a, b)`; where they differ, both fleets serve the prompts again and must then be the same, and the
-    one-off difference is a warning in the run's summary. An open bug (docs/models.md): on a 2-core Intel Xeon VM
-    with AMX, 4 of 19 whole-suite runs saw fleets here give one prompt other tokens (a near tie taken the other
-    way; once lasting through the retry), and no run of this module alone did."""
+    one-off difference is a warning in the run's summary, which names a file with both fleets' logs. An open bug
+    (docs/models.md): on a 2-core Intel Xeon VM with AMX, about 1 in 15 whole-suite runs saw fleets here give one
+    prompt other tokens (a near tie taken the other way; once lasting through the retry), and no run of this
+    module alone did."""
     try:
         same(a, b)
         return
-    except AssertionError as exc:
-        first = (str(exc).splitlines() or ["tokens or logits differ"])[0]
+    except AssertionError:
+        first = where(a, b)
+    logs = Path(tempfile.mkstemp(prefix="colibri-near-ties-", suffix=".log")[1])
+    logs.write_text(f"{what}: {first}\n\n--- {what.split(' against ')[0]}\n{a.log}\n--- the other\n{b.log}")
     a2, b2 = again()
-    same(a2, b2)                                       # a lasting difference fails
-    warnings.warn(OneOffDifference(f"{what}: differed once, the same when served again ({first})"), stacklevel=2)
+    try:
+        same(a2, b2)                                   # a lasting difference fails
+    except AssertionError as exc:
+        raise AssertionError(f"{what}: {first}; served again: {where(a2, b2)} (the fleets' logs: {logs})") from exc
+    warnings.warn(OneOffDifference(f"{what}: differed once, the same when served again ({first}; the fleets' "
+                                   f"logs: {logs})"), stacklevel=2)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +139,7 @@ def one_worker(near_ties) -> Run:
 ], ids=["2-workers", "3-workers", "3-workers-2-replicas", "2-workers-2-replicas", "unary", "cache-25pct"])
 def test_bf16_tokens_do_not_depend_on_the_fleets_shape(near_ties, one_worker, workers, extra):
     got = serve(near_ties, workers, extra)
-    assert all(len(t) == TOKENS for t, _ in got)
+    assert all(len(t) == TOKENS for t in got.tokens)
     agree(got, one_worker, lambda: (serve(near_ties, workers, extra), serve(near_ties, 1, [])),
           f"{workers} workers {' '.join(extra)} against one worker")
 
