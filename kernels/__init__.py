@@ -31,6 +31,7 @@ from kernels import native, native_build
 from kernels.activation import SILU, GatedAct
 from kernels.cpu_forms import BUCKETS, FORMS, Weight, batch_invariant, pick_rows, set_batch_invariant, weight_kind
 from kernels.cpu_forms import describe as describe_forms
+from kernels.cpu_forms import in_force as forms_in_force
 from kernels.cpu_forms import kind as form_kind
 from kernels.cpu_linear import cpu_has_fast_bf16, linear
 from kernels.cpu_moe import fused_moe_cpu, native_serves, pick_moe
@@ -187,7 +188,7 @@ __all__ = [
     "ExpertRows", "native_serves", "fused_moe_cpu", "pick_moe",
     # the router's linear and the CPU forms
     "linear", "cpu_has_fast_bf16", "pick_rows", "Weight", "weight_kind", "form_kind", "describe_forms", "FORMS",
-    "BUCKETS", "CANDIDATES", "MoeShape", "tune", "set_batch_invariant", "batch_invariant",
+    "BUCKETS", "CANDIDATES", "MoeShape", "tune", "set_batch_invariant", "batch_invariant", "forms_in_force",
     # weight formats
     "int8", "fp8", "mxfp4", "Int8Weight", "Fp8Weight", "Mxfp4Weight", "quantize_int8", "QUANTIZE_MODES",
     # the C++ ops

@@ -284,12 +284,26 @@ def pick_rows(rows: int, x_dtype: torch.dtype, w: Weight) -> Form:
     """The form for `rows` rows of `x_dtype` times `w` (callers that multiply many weights of one shape and
     kind, such as the experts of a layer, look it up once)."""
     k = kind(w, x_dtype)
-    dout, din = w.shape[0], w.shape[1]
+    name = form_name(rows, k, w.shape[0], w.shape[1])
     if _INVARIANT:
-        name = invariant_form(k, dout, din)
         return _fn(name) if name in FORMS and FORMS[name].invariant else _rowwise(_fn(name))
-    name = _TABLE.get(key(dout, din, k, bucket(rows))) or default_form(k, rows, dout, din)
-    return _fn(name if rows == 1 or name != "mv" else "gemv_t")
+    return _fn(name)
+
+
+def form_name(rows: int, weight_kind_: str, dout: int, din: int) -> str:
+    """The name of the form `pick_rows` runs for `rows` rows against a weight of this kind and shape."""
+    if _INVARIANT:
+        return invariant_form(weight_kind_, dout, din)
+    name = _TABLE.get(key(dout, din, weight_kind_, bucket(rows))) or default_form(weight_kind_, rows, dout, din)
+    return name if rows == 1 or name != "mv" else "gemv_t"
+
+
+def in_force(shapes: list[tuple[int, int, str]], max_rows: int) -> str:
+    """For the start-up log: the form each weight shape runs at each row bucket up to max_rows, in this process
+    (the measured winners, less what was refused here, else the defaults; one form for all under batch
+    invariance)."""
+    return describe({key(dout, din, k, b): form_name(b, k, dout, din)
+                     for dout, din, k in dict.fromkeys(shapes) for b in BUCKETS if b <= bucket(max_rows)})
 
 
 def _fn(name: str) -> Form:

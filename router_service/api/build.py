@@ -26,7 +26,7 @@ from colibri_common.sampling_defaults import sampling_defaults
 from colibri_common.serving import MAX_MESSAGE_BYTES
 from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Tokenizer
-from kernels import cpu_has_fast_bf16, native, set_batch_invariant
+from kernels import cpu_has_fast_bf16, forms_in_force, native, set_batch_invariant
 from router_service.api.options import RouterOptions
 from router_service.engine.block_allocator import BlockAllocator
 from router_service.engine.engine import Engine
@@ -134,6 +134,7 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
         forms, measured = tune_forms(opts.cpu_forms, weights.linear_shapes(dtype), max_rows=rows)
         log.info(forms.summary(measured))
+        log.info("CPU forms in force (shape:kind rows:form): %s", forms_in_force(weights.linear_shapes(dtype), rows))
         check_decoder_ops(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, cfg.hidden_size,
                           cfg.rotary_dim, dtype, routing_of(cfg), cfg.num_experts)
     kv_heads, k_dim, v_dim = cfg.kv_layout          # latent attention: the compressed latent, its real size

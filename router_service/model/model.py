@@ -20,6 +20,7 @@ sequences, C context length (cached + new tokens), n new tokens of one prefill.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator
 from functools import partial
 
@@ -46,6 +47,8 @@ from router_service.model.mla import mla_attention, mla_scale
 from router_service.model.step_inputs import StepInputs
 from router_service.model.weights import LayerWeights, RouterWeights
 from router_service.moe.experts import Experts, ExpertsUnavailable, Handle
+
+log = logging.getLogger("colibri.router")
 
 
 def routing_of(cfg: ModelConfig) -> Routing:
@@ -74,6 +77,7 @@ class RouterModel:
         self.batch_invariant = False   # every row alone (`by_row`), attention per query: see `rows`
         self.fused_attention = True    # decode steps' attention blocks in one native call where they may (_fusable)
         self.fused_layers = True       # and whole MoE layers, where the experts are in this process (_whole_layer)
+        self._said_fused = False
         self._weights_fuse: dict[tuple[int, int, torch.dtype], bool] = {}    # _fusable's weight checks, by row count
         self.mapped: FileWatch | None = None   # the files of the weights used in place (build.py), checked by guard
         self.last_routing: list[list[torch.Tensor]] = []      # per micro-batch: ids [T, K] per MoE layer
@@ -295,6 +299,10 @@ class RouterModel:
                 isinstance(lw.qkv, torch.Tensor) and isinstance(lw.o, torch.Tensor) and lw.qkv.dtype == dtype
                 and lw.o.dtype == dtype and all(w.dtype in (dtype, torch.float32) for w in norms)
                 and pick_rows(T, dtype, lw.qkv) is native.linear and pick_rows(T, dtype, lw.o) is native.linear)
+            if T == 1 and not self._said_fused:       # once: what a one-stream decode step runs (for the logs)
+                self._said_fused = True
+                log.info("decode steps of one row: %s", "each attention block one native call" if ok else
+                         "the attention blocks op by op (their weights' forms at one row are not all native)")
         return ok
 
     def _qkv(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

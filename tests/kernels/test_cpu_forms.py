@@ -392,3 +392,18 @@ def test_where_every_form_is_wrong_the_weight_is_computed_in_float64_and_the_log
     x = torch.randn(3, 40)
     assert wrong(linear(x, w), x, w) is None
 
+
+
+def test_the_forms_in_force_are_what_pick_rows_runs(forms_state):
+    """The start-up log's line of the forms in force: the installed winner where there is one, the default where
+    not, the invariant form at every row count under batch invariance; each the form pick_rows runs."""
+    cpu_forms.install({cpu_forms.key(48, 32, "float32", 2): "linear"})
+    line = cpu_forms.in_force([(48, 32, "float32"), (48, 32, "float32")], max_rows=4)
+    w = torch.empty(48, 32)
+    want = {b: cpu_forms.form_name(b, "float32", 48, 32) for b in (1, 2, 4)}
+    assert line == "48x32:float32 " + " ".join(f"{b}:{form}" for b, form in want.items())
+    assert want[2] == "linear" and want[1] == cpu_forms.default_form("float32", 1, 48, 32)
+    assert all(cpu_forms.pick_rows(b, torch.float32, w) is cpu_forms.FORMS[want[b]].fn for b in want)
+    cpu_forms.set_batch_invariant(True)
+    assert set(cpu_forms.in_force([(48, 32, "float32")], 4).split()[1:]) == \
+        {f"{b}:{cpu_forms.invariant_form('float32', 48, 32)}" for b in (1, 2, 4)}
