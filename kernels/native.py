@@ -158,7 +158,8 @@ def int8_tiles() -> bool:
     return available() and isa() in TILE_LEVELS
 
 
-X16_LEVELS = ("avx2", "avx512", "avx512bf16")   # whose weight-only int8 linear takes bf16 x as int16 (gemm.h CK_X16)
+# the levels whose weight-only int8 linear takes bf16 x as int16 (gemm.h CK_X16): every one but generic
+X16_LEVELS = ("avx2", "avx512", "avx512bf16", "amx")
 
 
 def int8_x16() -> bool:

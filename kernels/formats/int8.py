@@ -88,10 +88,10 @@ X16_BLOCK = 256     # elements of Din one int16 scale of x covers (kernels/nativ
 
 
 def quantize_x16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the native avx2 and avx512* levels' weight-only int8 linear multiplies it (gemm.h, CK_X16): each row in
-    blocks of X16_BLOCK along Din, a block's scale amax / 32767 and q = round-half-even(x * (32767 / amax)), float32
-    arithmetic (a block whose amax is below 2^-64 scaled up by 2^64 first, exactly, so that 32767 / amax stays
-    finite); a zero block has scale 0, a block holding inf or NaN scale NaN (and q 0).
+    """x as the native levels' weight-only int8 linear multiplies it, every level but generic (gemm.h, CK_X16): each
+    row in blocks of X16_BLOCK along Din, a block's scale amax / 32767 and q = round-half-even(x * (32767 / amax)),
+    float32 arithmetic (a block whose amax is below 2^-64 scaled up by 2^64 first, exactly, so that 32767 / amax
+    stays finite); a zero block has scale 0, a block holding inf or NaN scale NaN (and q 0).
     x [n, Din] -> (int16 [n, Din], float32 scale [n, blocks])."""
     xf = x.float()
     n, din = xf.shape

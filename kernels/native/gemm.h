@@ -253,7 +253,7 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
     }
 }
 
-// Weight-only int8 against bf16 x on AVX2 and AVX-512 (every level but generic and amx; CK_X16; the entry point's
+// Weight-only int8 against bf16 x on AVX2 and AVX-512 (every level but generic; CK_X16; the entry point's
 // wdtype 3): x's rows are quantised to int16 in blocks of QB = 256 along K (a float32 scale a block, amax / 32767;
 // q = round-half-even(x * (32767 / amax)) in float32 arithmetic, a block below 2^-64 scaled up by 2^64 first) and
 // multiplied by the int8 weights with vpmaddwd on AVX2 (16 int16 x int16 products a step, pairs summed into int32
@@ -272,8 +272,11 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
 // EPYC with AVX512-BF16 and VNNI (Zen 4, whose 16-lane FMAs run as two 8-lane halves) a MoE layer's int8 experts at
 // 4 / 8 / 32 rows each ran 1.20x / 1.38x / 1.47x as fast as the float32 form and lm_head 1.32-1.47x, 0.91-0.96x at
 // 1-2 rows (`python -m benchmarks.gemm_ab --base 75d2d3b --kinds int8b --rows 1,2,4,8,32 --level avx512bf16`). The
-// amx level keeps the float32 form (its own tiles take bf16 x against int8 weights widened to bf16).
-#if defined(__AVX2__) && !defined(__AMX_TILE__)
+// amx level has it too: its tiles (bf16 x against int8 weights widened to bf16) are a dense layer's other candidate,
+// and the experts, which never take the tiles (a pair's bits must not depend on its expert's rows), take this form;
+// on a 2-core Xeon with AMX a MoE layer's int8 experts ran 1.15x / 1.07x / 1.00x as fast as the float32 form at 1 /
+// 8 / 32 tokens on one thread, 1.15x / 1.11x / 0.97x on two (`python -m benchmarks.int8_x_ab`).
+#if defined(__AVX2__)
 #define CK_X16 1
 constexpr int QB = 256;                              // elements of K one scale of x covers
 
