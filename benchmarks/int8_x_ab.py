@@ -6,7 +6,9 @@ with integer multiply-adds) and as float32 (the float32 form on every level). A 
 the order alternating; the ratio is the median of the rounds' ratios, so a drift of this VM's speed between rounds
 cancels out. On a level without the int16 form both run the float32 form and the ratio is ~1.
 
-    python -m benchmarks.int8_x_ab [--tokens 1,8,32] [--threads 1,2] [--rounds 7] [--seconds 0.6]
+    python -m benchmarks.int8_x_ab [--tokens 1,8,32] [--threads 1,2] [--rounds 7] [--seconds 0.6] [--size bench]
+
+`--size small`: the small bench model's expert shapes instead (E=32, H=768, I=384, top-4; benchmarks/bench_model.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import time
 
 import torch
 
+from benchmarks.bench_model import SIZES
 from benchmarks.common import finish, machine, publish, table
-from benchmarks.native_kernels import Cycle, E, H, I, K, make
+from benchmarks.native_kernels import Cycle, make
 from kernels import fused_moe, native, topk_route
 
 
@@ -39,7 +42,12 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="thread counts (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds (default: %(default)s)")
     ap.add_argument("--seconds", type=float, default=0.6, help="time a form per round (default: %(default)s)")
+    ap.add_argument("--size", choices=sorted(SIZES), default="bench",
+                    help="whose expert shapes (benchmarks/bench_model.py; default: %(default)s)")
     args = ap.parse_args()
+    size = SIZES[args.size]
+    E, H, I, K = (size["num_experts"], size["hidden_size"], size["moe_intermediate_size"],
+                  size["num_experts_per_tok"])
     if not native.available():
         raise SystemExit(f"int8_x_ab: the native kernels are not built ({native.describe()})")
     g = torch.Generator().manual_seed(0)
@@ -70,10 +78,11 @@ def main() -> None:
         f"Machine: {machine()}; native kernels: {native.isa()} (int16 form for bf16 x: "
         f"{'yes' if native.int8_x16() else 'no'}).",
         f"Command: `python -m benchmarks.int8_x_ab --tokens {args.tokens} --threads {args.threads} "
-        f"--rounds {args.rounds} --seconds {args.seconds:g}`. ms: medians over the rounds; bf16 x faster by: the "
+        f"--rounds {args.rounds} --seconds {args.seconds:g} --size {args.size}` (experts E={E}, H={H}, I={I}, "
+        f"top-{K}). ms: medians over the rounds; bf16 x faster by: the "
         "median of the rounds' float32 / bf16 ratios, and their range.", "",
         table(["threads", "tokens", "bf16 x ms", "float32 x ms", "bf16 x faster by", "rounds' range"], rows)]),
-        "int8_x_ab")
+        "int8_x_ab" if args.size == "bench" else f"int8_x_ab-{args.size}")
 
 
 if __name__ == "__main__":
