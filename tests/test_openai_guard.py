@@ -298,3 +298,46 @@ def test_bad_header_values_are_answered_and_never_crash_the_front(guarded, heade
     status, _, body = exchange(port, "POST", "/v1/completions", headers, json.dumps(COMPLETION).encode())
     assert 200 <= status < 500, (status, body)
     assert exchange(port, "GET", "/v1/models")[0] == 200                      # still serving
+
+
+def test_a_head_over_max_header_bytes_is_431_and_counted_and_the_front_goes_on(guarded):
+    """uvicorn's httptools protocol took a head of any size (nginx stops at 32 KiB, h11 at 16 KiB): 100 headers of 1
+    KiB are 431 (OpenAI's shape, the connection closed), 40 of them pass, and the refusal is counted."""
+    *_, port, _ = guarded
+    many = [(f"X-Pad-{i}", "p" * 1024) for i in range(100)]
+    status, headers, body = exchange(port, "GET", "/v1/models", many)
+    assert status == 431 and headers["connection"] == "close", (status, body)
+    err = error_of(body)
+    assert err["code"] == "headers_too_large" and "--max-header-bytes" in err["message"]
+    assert exchange(port, "GET", "/v1/models", many[:40])[0] == 200
+    status, _, counted = exchange(port, "GET", "/metrics")
+    assert status == 200 and 'colibri_openai:refused_total{status="431"}' in counted.decode()
+
+
+def test_a_head_that_never_ends_is_refused_once_past_the_bound_not_held(guarded):
+    """One header value sent on and on with no end of line: answered 431 once ~64 KiB have come, and closed (it was
+    kept, growing, for as long as the client sent)."""
+    *_, port, _ = guarded
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-Endless: ".encode())
+        sent = 0
+        try:
+            while sent < 16 << 20:                   # 16 MiB at most: the front stops it long before
+                s.sendall(b"e" * 65536)
+                sent += 65536
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            while chunk := s.recv(1 << 16):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    assert sent < 16 << 20, "the front read 16 MiB of one header"
+    assert got.startswith(b"HTTP/1.1 431 "), got[:200]
+    assert exchange(port, "GET", "/v1/models")[0] == 200
+
+
+def test_max_header_bytes_below_a_kib_is_refused():
+    with pytest.raises(ValueError, match="--max-header-bytes must be at least 1024"):
+        OpenAIOptions(target="r:1", max_header_bytes=512)

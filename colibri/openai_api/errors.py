@@ -32,7 +32,7 @@ HTTP_OF = {
 TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
            404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
            415: "invalid_request_error",
-           421: "invalid_request_error", 429: "rate_limit_error",
+           421: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error",
            502: "bad_gateway", 503: "service_unavailable",
            504: "timeout"}
 RETRY_AFTER_S = {429: 1, 503: 1}

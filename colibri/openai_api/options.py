@@ -39,6 +39,8 @@ class OpenAIOptions:
                                                  "serves, from its ModelInfo)")
     request_timeout: float = option(600.0, "seconds one request may take before it ends with 504")
     max_body_bytes: int = option(4 << 20, "largest request body (413 beyond it, before it is parsed)")
+    max_header_bytes: int = option(64 << 10, "largest request head, its request line and headers together (431 "
+                                             "beyond it, and the connection closed, before any of it is used)")
     grace_period: float = option(30.0, "on SIGTERM: seconds open requests get to finish")
     tls_ca: str | None = option(None, "PEM CA of the router's certificate: talk TLS to the router", metavar="PATH")
     tls_cert: str | None = option(None, "PEM client certificate, for a router with --tls-client-auth",
@@ -84,6 +86,9 @@ class OpenAIOptions:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"--max-header-bytes must be at least 1024 (a browser's or an SDK's ordinary headers "
+                             f"take several hundred bytes), got {self.max_header_bytes}")
         if not self.stream_stall_timeout >= 0:
             raise ValueError(f"--stream-stall-timeout must be >= 0 (0 = never), got {self.stream_stall_timeout}")
         if not self.sse_keepalive >= 0:
