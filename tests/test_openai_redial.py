@@ -1,6 +1,6 @@
 """A router that drains keeps its HTTP/2 connections (gRPC sends GOAWAY only when it stops) and refuses new calls on
 them: a front connected to it through a load balancer (the chart's router Service) would answer 503 for the whole
-drain. It connects anew instead (app.Front.redial), which reaches a router that serves, and sends the refused
+drain. It connects anew instead (RouterLink.redial), which reaches a router that serves, and sends the refused
 request again there; its /health asks the new connection too."""
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from colibri.client import AsyncClient, request_of
+from colibri.client import request_of
 from colibri.openai_api.errors import ApiError, bad, without_addresses
 from colibri.openai_api.guard import Guard
 from colibri.openai_api.http_io import (
@@ -50,6 +50,7 @@ from colibri.openai_api.protocol import (
     parse_completion,
 )
 from colibri.openai_api.responses import Reply, sse
+from colibri.openai_api.router_link import RouterLink
 from colibri_common.chat_template import ChatTemplate, TemplateError
 from colibri_common.errors import DRAINING_MARK
 from colibri_common.pb import generation_pb2 as pb
@@ -63,60 +64,23 @@ HTTP10_STREAM = ("streaming needs HTTP/1.1 (server-sent events in chunked transf
                  "as HTTP/1.0: send it as HTTP/1.1 (behind nginx: proxy_http_version 1.1) or with \"stream\": false")
 
 
-# The router's answers wait in the front only as far as HTTP/2's initial window (64 KiB a stream): gRPC's BDP probe
-# grew it to megabytes while a client read fast, so a client that then stopped reading left the router generating
-# into the front's buffers for minutes instead of blocking its stream (its --stream-stall-timeout never fired).
-BOUNDED_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
-# a channel's connections its own: gRPC otherwise shares them between channels of one target, and a new channel
-# would reuse the connection to the router that drains (redial)
-OWN_CONNECTIONS = ("grpc.use_local_subchannel_pool", 1)
-REDIAL_EVERY_S = 1.0     # at most one new connection to the router a second (Front.redial)
-REDIAL_KEEP = 16         # earlier connections left open for their calls; the oldest beyond them is closed
-
-
 class Front:
     def __init__(self, opts: OpenAIOptions) -> None:
         self.opts = opts
-        self.client = self._dial()
-        self._dialled = -REDIAL_EVERY_S            # when it last redialled (the first redial is never held back)
-        self._retired: list[AsyncClient] = []     # earlier connections, left to their open calls (redial)
-        self._closing: set[asyncio.Task] = set()   # their closes under way (a task nobody holds may be collected)
+        self.link = RouterLink(opts)          # the connection to the router (and a new one where it drains)
         self.metrics = FrontMetrics()
-        self.hide = (opts.target,)            # the router's address, kept out of what clients read (errors.py)
+        self.hide = self.link.hide            # the router's address, kept out of what clients read (errors.py)
         self._info: pb.ModelInfoResponse | None = None
         self._unready = RepeatedLog(log, every_s=10.0, level=logging.WARNING)   # where and why, for the operator
         self._template: ChatTemplate | None = None
         self.started = int(time.time())
-
-    # -- the connection to the router ---------------------------------------------------------------------
-    def _dial(self) -> AsyncClient:
-        o = self.opts
-        return AsyncClient(o.target, o.tls_ca, o.tls_cert, o.tls_key, timeout=o.request_timeout,
-                           options=[*BOUNDED_WINDOW, OWN_CONNECTIONS])
-
-    def redial(self, why: str, seen: AsyncClient) -> bool:
-        """A new connection to the router's address for the calls from now on, where `seen` (the connection a call
-        was refused on) is still the current one: a router that drains keeps its HTTP/2 connections until it
-        stops, and behind a Kubernetes Service a new connection reaches a router that serves. The old one is left
-        to its open calls (closed once REDIAL_KEEP of them have followed it). At most one a REDIAL_EVERY_S."""
-        now = time.monotonic()
-        if self.client is not seen or now - self._dialled < REDIAL_EVERY_S:
-            return self.client is not seen                          # another call redialled already
-        self._retired.append(self.client)
-        self.client, self._dialled = self._dial(), now
-        while len(self._retired) > REDIAL_KEEP:
-            task = asyncio.ensure_future(self._retired.pop(0).close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-        log.info("a new connection to the router at %s (%s)", self.opts.target, without_addresses(why, self.hide))
-        return True
 
     # -- what the router serves -------------------------------------------------------------------------
     async def info(self) -> pb.ModelInfoResponse:
         """The router's ModelInfo, asked once (a router still loading is a 503 the client retries)."""
         if self._info is None:
             try:
-                info = await self.client.model_info()
+                info = await self.link.client.model_info()
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise ApiError.of_grpc(exc, self.hide) from None
@@ -148,7 +112,7 @@ class Front:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         for _ in range(2):
-            client = self.client
+            client = self.link.client
             try:
                 stub = health_pb2_grpc.HealthStub(client.channel)
                 res = await stub.Check(health_pb2.HealthCheckRequest(service=ROUTER_SERVICE), timeout=2)
@@ -156,7 +120,7 @@ class Front:
                     return True
             except grpc.RpcError:
                 pass
-            if not self.redial("the router it was connected to was not serving", client):
+            if not self.link.redial("the router it was connected to was not serving", client):
                 return False
         return False
 
@@ -234,7 +198,7 @@ class Front:
         client left first (the calls are cancelled and counted as an abort); a refusal is raised as its ApiError,
         counted by its status. A router that drains refuses new calls on the connection it keeps: they are sent
         once more, on a new one (redial)."""
-        client = self.client
+        client = self.link.client
         calls += [client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}", parsed.add_special_tokens),
                                 self.opts.request_timeout)
                   for i, p in enumerate(prompts)]
@@ -266,7 +230,7 @@ class Front:
         try:
             return firsts.result(), streams
         except grpc.RpcError as exc:
-            if retry and _draining(exc) and self.redial(exc.details() or "", client):
+            if retry and _draining(exc) and self.link.redial(exc.details() or "", client):
                 _cancel(calls)                  # refused before any work: sent again on the new connection
                 calls.clear()
                 return await self._first(request, reply, prompts, parsed, calls, retry=False)

@@ -89,7 +89,7 @@ def run_front(opts: OpenAIOptions) -> int:
             await server.serve(sockets=[sock])
         finally:
             task.cancel()
-            await front.client.close()
+            await front.link.close()
 
     asyncio.run(main())
     log.info("stopped")
