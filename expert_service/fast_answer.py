@@ -17,7 +17,7 @@ import torch
 
 from colibri_common.pb import expert_pb2
 from expert_service.holding import Holding
-from kernels import native
+from kernels import native_wire
 
 
 def fast_answer(request: expert_pb2.ForwardRequest, payload: bytes | bytearray, holding: Holding,
@@ -34,5 +34,5 @@ def fast_answer(request: expert_pb2.ForwardRequest, payload: bytes | bytearray, 
         if plan is None:
             return None
         cfg = shard.cfg
-        return native.expert_answer(payload, plan, shard.dtype, cfg.hidden_size, cfg.num_experts, request.explicit,
+        return native_wire.expert_answer(payload, plan, shard.dtype, cfg.hidden_size, cfg.num_experts, request.explicit,
                                     instance)

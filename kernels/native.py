@@ -17,6 +17,8 @@ Python op per kernel, each checked against a float64 reference before it may be 
         attention, o) in one call, with the bits of those ops run one by one
     rest(): the ops' pool threads (kernels/native/pool.h, `colibri-pool`), which spin a moment after each op,
         sleep now: a caller about to block on other processes leaves them the cores
+    The fleet's wire in native calls (a layer's request, the workers' replies combined, a worker's whole answer):
+    kernels/native_wire.py, over the same library.
 
 The ISA level is chosen when the library loads, by CPUID (generic, avx2, avx512, avx512bf16, amx);
 COLIBRI_CPU_ISA=LEVEL overrides it, and `use_isa(LEVEL)` switches it in this process (the tests run every
@@ -289,64 +291,6 @@ def decoder_layer(h: torch.Tensor, attention: tuple, ln2: torch.Tensor, gate: to
         routing.num_groups, routing.topk_groups, GROUP_SCORE_CODES[routing.group_score], routing.scaling,
         _NO_MAP if experts.expert_map is None else experts.expert_map, a.id, b.id, experts.b13, experts.b2,
         act.alpha, act.limit, act.up_offset, isinstance(experts.w13, Int8Weight) and experts.w13.w8a8)
-
-
-def combine_replies(payloads: list[bytes | bytearray], rows: list[torch.Tensor | None], num_tokens: int,
-                    hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[float], list[str]] | None:
-    """One MoE layer's sum from the workers' ForwardResponse bytes (kernels/native/combine_op.cpp): each reply's
-    float64 sums over its `rows` (int64 [n], None = every row) added in order in float64 and rounded once to
-    `dtype`, the bits of router_service/moe/combine.py -> (out [T, H], each reply's compute_ms, each one's instance);
-    None where the Python path must parse them (a reply that is not a float64 [n, H] sum of its rows, rows that are
-    not contiguous int64 [n])."""
-    if not available() or not payloads or not all(payloads) or num_tokens <= 0 or hidden_size <= 0:
-        return None
-    out, ms, spans = torch.ops.colibri.combine_replies(
-        [torch.frombuffer(p, dtype=torch.uint8) for p in payloads], [_NO_MAP if r is None else r for r in rows],
-        num_tokens, hidden_size, dtype)
-    if not out.numel():
-        return None
-    try:
-        instances = [bytes(p[a:a + n]).decode() for p, (a, n) in zip(payloads, spans.tolist(), strict=True)]
-    except UnicodeDecodeError:
-        return None                                    # protobuf's parse says what is wrong
-    return out, ms.tolist(), instances
-
-
-def forward_request(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int, step: int, epoch: int,
-                    holds: int, checkpoint: int, explicit: bool) -> torch.Tensor:
-    """One layer's ForwardRequest (exact_sum set, no prefetch) serialized from hidden [n, H], ids [n, K] int32 and
-    weights [n, K] float32 (kernels/native/request_op.cpp): the bytes protobuf writes for that message, uint8 [B].
-    `holds` and `checkpoint` are unsigned 64-bit."""
-    return torch.ops.colibri.forward_request(hidden, ids, weights, layer, step, epoch, _signed64(holds),
-                                             _signed64(checkpoint), explicit)
-
-
-def _signed64(v: int) -> int:
-    """An unsigned 64-bit value's bits as int64 (a torch op's int)."""
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # colibri::expert_answer's codes
-
-
-def expert_answer(payload: bytes | bytearray, experts: LayerExperts, dtype: torch.dtype, hidden_size: int,
-                  num_experts: int, explicit: bool, instance: str) -> tuple[torch.Tensor, int, float] | None:
-    """An expert worker's whole answer to one ForwardRequest's bytes (kernels/native/expert_answer_op.cpp): its
-    tensors read in place, checked, the experts' float64 sum (moe_blocks_), finite, as a ForwardResponse's bytes ->
-    (reply uint8 [R], token rows, seconds); None where the Python path must answer (hidden states not in `dtype`,
-    ids or weights in other dtypes, shapes that disagree, an id out of range, an `explicit` pair of an expert not
-    held, a sum not finite). `dtype` is the experts' compute dtype (float32 or bfloat16)."""
-    code = _X_DTYPES.get(dtype)
-    emap = experts.expert_map
-    if code is None or not payload or emap is None or emap.numel() != num_experts:
-        return None
-    a, b = _blocks(experts.w13), _blocks(experts.w2)       # held across the call: their numbers stay registered
-    act = experts.act
-    reply, rows, seconds = torch.ops.colibri.expert_answer(
-        torch.frombuffer(payload, dtype=torch.uint8), code, hidden_size, num_experts, explicit, emap.long(), a.id,
-        b.id, experts.b13, experts.b2, act.alpha, act.limit, act.up_offset,
-        isinstance(experts.w13, Int8Weight) and experts.w13.w8a8, instance)
-    return (reply, rows, seconds) if reply.numel() else None
 
 
 def moe_sum_(acc: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from colibri_common.pb import expert_pb2
 from expert_service.build import build_shard
 from expert_service.options import ExpertOptions
 from expert_service.server import ExpertWorkerServicer
-from kernels import native
+from kernels import native, native_wire
 from tests.models import build_model, save_checkpoint, small_config
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels are not built here")
@@ -89,14 +89,14 @@ CASES = [("qwen3_moe", "float32", True, None), ("qwen3_moe", "bfloat16", True, N
 def natively(monkeypatch) -> list[bool]:
     """Whether each native answer was a reply (True) or declined (False), in order."""
     seen: list[bool] = []
-    real = native.expert_answer
+    real = native_wire.expert_answer
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         seen.append(out is not None)
         return out
 
-    monkeypatch.setattr(native, "expert_answer", spy)
+    monkeypatch.setattr(native_wire, "expert_answer", spy)
     return seen
 
 
@@ -128,7 +128,7 @@ def test_calls_it_declines_are_answered_by_the_python_path(checkpoints):
 
     def native_answer(req: expert_pb2.ForwardRequest | bytes, explicit: bool = False):
         payload = req if isinstance(req, bytes) else req.SerializeToString()
-        return native.expert_answer(payload, plan, shard.dtype, cfg.hidden_size, cfg.num_experts, explicit,
+        return native_wire.expert_answer(payload, plan, shard.dtype, cfg.hidden_size, cfg.num_experts, explicit,
                                     s.instance)
 
     try:

@@ -13,7 +13,7 @@ import torch
 
 from colibri_common import wire
 from colibri_common.pb import expert_pb2
-from kernels import native
+from kernels import native, native_wire
 from router_service.moe import dispatch
 from router_service.moe.combine import combine
 
@@ -44,7 +44,7 @@ def test_the_native_sum_has_the_python_paths_bits(layout, dtype):
     g = torch.Generator().manual_seed(len(layout) * 7 + (layout[0] or 0))
     parts = parts_of(layout, g)
     payloads = [bytearray(reply(sums, ms=i + 0.25, instance=f"w{i}")) for i, (_, sums) in enumerate(parts)]
-    got = native.combine_replies(payloads, [rows for rows, _ in parts], T, H, dtype)
+    got = native_wire.combine_replies(payloads, [rows for rows, _ in parts], T, H, dtype)
     assert got is not None
     out, ms, instances = got
     want = combine(T, H, dtype, [(rows, wire.decode(expert_pb2.ForwardResponse.FromString(bytes(p)).output))
@@ -59,7 +59,7 @@ def test_replies_it_cannot_read_are_declined():
     g = torch.Generator().manual_seed(1)
     good = torch.randn(T, H, dtype=torch.float64, generator=g)
     ok = reply(good)
-    assert native.combine_replies([ok], [None], T, H, torch.bfloat16) is not None
+    assert native_wire.combine_replies([ok], [None], T, H, torch.bfloat16) is not None
     rows = torch.tensor([0, 3, 5])
     bad = {
         "float32 sums": ([reply(good.float())], [None]),
@@ -79,10 +79,10 @@ def test_replies_it_cannot_read_are_declined():
         "field number 2^29": ([ok + b"\x80\x80\x80\x80\x10\x01"], [None]),
     }
     for why, (payloads, rs) in bad.items():
-        assert native.combine_replies(payloads, rs, T, H, torch.bfloat16) is None, why
-    assert native.combine_replies([], [], 0, H, torch.bfloat16) is None          # a layer without tokens
+        assert native_wire.combine_replies(payloads, rs, T, H, torch.bfloat16) is None, why
+    assert native_wire.combine_replies([], [], 0, H, torch.bfloat16) is None          # a layer without tokens
     for cut in range(len(ok)):                         # cut anywhere before the sums end: declined, never read past
-        out = native.combine_replies([ok[:cut]], [None], T, H, torch.bfloat16)
+        out = native_wire.combine_replies([ok[:cut]], [None], T, H, torch.bfloat16)
         assert out is None or cut > len(ok) - 20, cut
 
 
@@ -96,7 +96,7 @@ def test_a_serialized_request_is_protobufs_bytes(dtype):
         x = torch.randn(n, H, generator=g).to(dtype)
         ids = torch.randint(-1, 64, (n, 8), generator=g, dtype=torch.int32)
         w = torch.rand(n, 8, generator=g)
-        got = native.forward_request(x, ids, w, layer, step, epoch, holds, checkpoint, explicit)
+        got = native_wire.forward_request(x, ids, w, layer, step, epoch, holds, checkpoint, explicit)
         want = expert_pb2.ForwardRequest(layer=layer, hidden=wire.encode(x), topk_ids=wire.encode(ids),
                                          topk_weights=wire.encode(w), step=step, exact_sum=True, epoch=epoch,
                                          holds=holds, checkpoint=checkpoint, explicit=explicit).SerializeToString()
@@ -104,7 +104,7 @@ def test_a_serialized_request_is_protobufs_bytes(dtype):
     x = torch.randn(6, H, generator=g).to(dtype)
     strided = x.t().contiguous().t()[1:3]             # not contiguous: serialized from a contiguous copy
     assert not strided.is_contiguous()
-    got = native.forward_request(strided, ids[:2], w[:2], 1, 1, 1, 1, 1, False)
+    got = native_wire.forward_request(strided, ids[:2], w[:2], 1, 1, 1, 1, 1, False)
     assert expert_pb2.ForwardRequest.FromString(bytes(got.numpy())).hidden == wire.encode(x[1:3])
 
 
@@ -124,7 +124,7 @@ def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_pat
     calls = {"forward_request": 0, "combine_replies": 0}
 
     def spy(name):
-        real = getattr(native, name)
+        real = getattr(native_wire, name)
 
         def counted(*args, **kwargs):
             out = real(*args, **kwargs)
@@ -149,14 +149,14 @@ def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_pat
 
             with monkeypatch.context() as m:
                 for name in calls:
-                    m.setattr(native, name, spy(name))
+                    m.setattr(native_wire, name, spy(name))
                 fast = layer()
             assert calls == {"forward_request": 2, "combine_replies": 1}      # both workers, one sum
             with monkeypatch.context() as m:                                  # the Python path, for the same layer
                 made, request = [], dispatch.request
                 m.setattr(dispatch, "_send_serialized", lambda *a: None)
                 m.setattr(dispatch, "request", lambda *a, **k: made.append(a[2]) or request(*a, **k))
-                m.setattr(native, "combine_replies", lambda *a: None)
+                m.setattr(native_wire, "combine_replies", lambda *a: None)
                 slow = layer()
             assert made == [cfg.moe_layers[0]] * 2                             # both workers, as protobuf messages
             assert fast.dtype == torch.bfloat16 and torch.equal(fast.view(torch.int16), slow.view(torch.int16))

@@ -16,7 +16,7 @@ from colibri_common import wire
 from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging
 from colibri_common.pb import expert_pb2
-from kernels import native
+from kernels import native, native_wire
 from router_service.moe.experts import ExpertsUnavailable, Prefetch
 from router_service.moe.in_flight import InFlight, Part, Sender
 from router_service.moe.load_window import LoadWindow
@@ -146,7 +146,7 @@ def _send_serialized(ex: Dispatching, table: Table, layer: int, w: int, rows: tu
     link = ex.links.links[w]
     if not link.local or not native.available():
         return None
-    payload = native.forward_request(*rows, layer, ex.step, table.epoch, table.digests[w], ex.checkpoint_id, False)
+    payload = native_wire.forward_request(*rows, layer, ex.step, table.epoch, table.digests[w], ex.checkpoint_id, False)
     return link.send_bytes(memoryview(payload.numpy()), layer)
 
 

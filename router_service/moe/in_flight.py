@@ -15,7 +15,7 @@ from prometheus_client import Histogram
 
 from colibri_common import wire
 from colibri_common.pb import expert_pb2
-from kernels import native
+from kernels import native, native_wire
 from router_service.moe.combine import combine
 from router_service.moe.experts import ExpertsUnavailable
 from router_service.moe.liveness import Liveness
@@ -154,7 +154,7 @@ class InFlight:
         """The answers' sum [T, H] (in the order they came, the bits of `combine`) and their compute seconds: read
         natively where every answer is bytes (kernels/native/combine_op.cpp), else parsed and decoded here."""
         raw = [a for _, _, a in got if not isinstance(a, expert_pb2.ForwardResponse)]
-        native_sum = native.combine_replies(raw, [rows for _, rows, _ in got], self.num_tokens, self.hidden_size,
+        native_sum = native_wire.combine_replies(raw, [rows for _, rows, _ in got], self.num_tokens, self.hidden_size,
                                             self.dtype) if len(raw) == len(got) else None
         if native_sum is not None:
             out, ms, instances = native_sum

@@ -238,7 +238,7 @@ class WorkerLink:
         raise NotImplementedError
 
     def send_bytes(self, payload: bytes | memoryview, layer: int) -> Reply | None:
-        """A ForwardRequest of `layer` already serialized (kernels.native.forward_request), where this link sends
+        """A ForwardRequest of `layer` already serialized (kernels.native_wire.forward_request), where this link sends
         bytes as they are (`local`: the same-host socket); None where it sends messages (then `send`)."""
         return None
 
