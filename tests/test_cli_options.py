@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 from colibri import __version__
@@ -385,3 +386,28 @@ def test_a_reader_that_leaves_early_is_no_traceback(oracles):
     p.stdout.close()                                   # the reader is gone before the first line is written
     err = p.stderr.read()
     assert p.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_ctrl_c_taken_in_by_a_grpc_call_still_ends_the_wait_for_a_router(monkeypatch):
+    """The wait for a router raises KeyboardInterrupt after a call that saw a Ctrl-C and did not raise it (a
+    clean-clone CI run saw `colibri bench` wait out its 60 s --ready-timeout after one)."""
+    import signal
+
+    from colibri.client import GenerationError
+    from colibri.loadgen import ready_info
+
+    class Swallowing:
+        calls = 0
+
+        def model_info(self, timeout: float):
+            Swallowing.calls += 1
+            try:
+                signal.raise_signal(signal.SIGINT)           # Ctrl-C inside the call...
+            except KeyboardInterrupt:
+                pass                                         # ...which the call takes in
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    with pytest.raises(KeyboardInterrupt):
+        ready_info(Swallowing(), "127.0.0.1:1", wait_s=60)
+    assert Swallowing.calls == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler         # put back
