@@ -10,7 +10,7 @@
 //                                            cycling through copies of it (over 4x a 32 MiB L3 in all)
 //
 // KIND: bf16 | int8 (weight-only, float32 rows) | int8b (weight-only, rows that were bf16: the entry point's wdtype
-// 3, the int16 form on the avx2 and avx512* levels) | w8a8 (int8 rows) | bf16dp (bf16 rows on dpbf16.h's
+// 3, the int16 form on every level but generic) | w8a8 (int8 rows) | bf16dp (bf16 rows on dpbf16.h's
 // colibri_linear_bf16_A/B, linked where gemm_ab.py compiled dpbf16.h in; a layer's down keeps the float path).
 // The weights lie on 2 MiB pages (anonymous memory advised MADV_HUGEPAGE, the share the kernel granted printed as
 // huge_kb), as in-place experts over a page cache of 2 MiB folios; every call reads them from memory (576 MiB of bf16

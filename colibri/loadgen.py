@@ -200,8 +200,8 @@ def noted_interrupts() -> Iterator[Callable[[], bool]]:
         else:
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, note)
     try:
+        signal.signal(signal.SIGINT, note)
         yield lambda: bool(seen)
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -299,9 +299,9 @@ def form_name(rows: int, weight_kind_: str, dout: int, din: int) -> str:
 
 
 def in_force(shapes: list[tuple[int, int, str]], max_rows: int) -> str:
-    """For the start-up log: the form each weight shape runs at each row bucket up to max_rows, in this process
-    (the measured winners, less what was refused here, else the defaults; one form for all under batch
-    invariance)."""
+    """For the start-up log: the form each weight shape runs at each row bucket's own row count up to max_rows, in
+    this process (the measured winners, less what was refused here, else the defaults, which at rows between two
+    buckets may differ; under batch invariance one form for all, run a row at a time)."""
     return describe({key(dout, din, k, b): form_name(b, k, dout, din)
                      for dout, din, k in dict.fromkeys(shapes) for b in BUCKETS if b <= bucket(max_rows)})
 

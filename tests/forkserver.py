@@ -258,7 +258,7 @@ class ForkServer:
     def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None, stdout=None, stderr=None,
               text: bool = True, cwd: str | None = None) -> Forked:
         """`subprocess.Popen(["colibri", *argv], ...)` for stdout / stderr None, PIPE, DEVNULL, a descriptor or a
-        file object."""
+        file object (and stderr STDOUT)."""
         self.wait_ready()
         mine, theirs = [], []
         devnull = os.open(os.devnull, os.O_RDWR)
@@ -269,10 +269,13 @@ class ForkServer:
                 mine.append(io.TextIOWrapper(io.FileIO(r, "r")) if text else io.FileIO(r, "r"))
                 theirs.append(w)
                 fds.append(w)
+            elif spec == subprocess.STDOUT and target == 2:
+                mine.append(None)
+                fds.append(fds[1])                       # stderr where stdout goes
             else:
                 mine.append(None)
                 fds.append(devnull if spec == DEVNULL else target if spec is None else
-                           spec if isinstance(spec, int) else spec.fileno())
+                           spec if isinstance(spec, int) and spec >= 0 else spec.fileno())
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 from contextlib import contextmanager
@@ -312,6 +313,23 @@ def test_a_head_over_max_header_bytes_is_431_and_counted_and_the_front_goes_on(g
     assert exchange(port, "GET", "/v1/models", many[:40])[0] == 200
     status, _, counted = exchange(port, "GET", "/metrics")
     assert status == 200 and 'colibri_openai:refused_total{status="431"}' in counted.decode()
+
+
+def test_a_head_over_the_bound_behind_a_pipelined_request_is_answered_after_it_in_order(guarded):
+    """Pipelined on one connection (one write): a request's answer first, then the 431 of the head behind it, and
+    nothing after that is read (the 431 went out first, as the answer to the request before it)."""
+    *_, port, _ = guarded
+    auth = f"Host: 127.0.0.1:{port}\r\nAuthorization: Bearer {KEY}\r\n"
+    pad = "".join(f"X-Pad-{i}: {'p' * 1024}\r\n" for i in range(100))
+    wire = (f"GET /v1/models HTTP/1.1\r\n{auth}\r\n" f"GET /v1/models HTTP/1.1\r\n{auth}{pad}\r\n"
+            f"GET /v1/models HTTP/1.1\r\n{auth}\r\n")
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(wire.encode())
+        while chunk := s.recv(1 << 16):
+            got += chunk
+    statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", got)]
+    assert statuses == [200, 431], got[:300]
 
 
 def test_a_head_that_never_ends_is_refused_once_past_the_bound_not_held(guarded):

@@ -16,6 +16,7 @@ here serves the same prompts; their tokens must be identical.
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
 import warnings
@@ -87,8 +88,12 @@ def where(a: Run, b: Run) -> str:
     by how much, and the first step whose token differs."""
     said = []
     for i, (la, lb) in enumerate(zip(a.logits, b.logits, strict=True)):
-        step = next((s for s, (x, y) in enumerate(zip(la, lb, strict=False)) if x != y), None)
+        step = next((s for s, (x, y) in enumerate(zip(la, lb, strict=False)) if x != y),
+                    None if len(la) == len(lb) else min(len(la), len(lb)))
         if step is None:
+            continue
+        if step >= min(len(la), len(lb)):
+            said.append(f"prompt {i}: {len(la)} steps against {len(lb)}")
             continue
         diff = float((torch.frombuffer(bytearray(la[step]), dtype=torch.float32)
                       - torch.frombuffer(bytearray(lb[step]), dtype=torch.float32)).abs().max())
@@ -113,7 +118,9 @@ def agree(a: Run, b: Run, again: Callable[[], tuple[Run, Run]], what: str) -> No
         return
     except AssertionError:
         first = where(a, b)
-    logs = Path(tempfile.mkstemp(prefix="colibri-near-ties-", suffix=".log")[1])
+    fd, name = tempfile.mkstemp(prefix="colibri-near-ties-", suffix=".log")
+    os.close(fd)
+    logs = Path(name)
     logs.write_text(f"{what}: {first}\n\n--- {what.split(' against ')[0]}\n{a.log}\n--- the other\n{b.log}")
     a2, b2 = again()
     try:

@@ -73,7 +73,7 @@ def run_front(opts: OpenAIOptions) -> int:
         front = Front(opts)                  # its grpc.aio channel belongs to this event loop
         config = uvicorn.Config(build_app(front, policy), http=bounded_protocol(opts.max_header_bytes,
                                                                                 front.metrics.refused),
-                                loop="asyncio", lifespan="off",
+                                ws="none", loop="asyncio", lifespan="off",   # no WebSockets here
                                 log_config=None, access_log=opts.access_log,
                                 timeout_graceful_shutdown=int(opts.grace_period), log_level=opts.log_level.lower())
         server = Server(config)

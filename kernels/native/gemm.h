@@ -4,7 +4,7 @@
 //
 // Bandwidth first: the weight is streamed from memory once per call, a block of 32 rows at a time, converted to
 // float32 in registers (bf16: a 16-bit shift; int8: a widening convert, its row scale applied once at the end; on the
-// avx2 and avx512* levels int8 weights meet bf16 x quantised to int16 instead: see CK_X16 below);
+// levels past generic int8 weights meet bf16 x quantised to int16 instead: see CK_X16 below);
 // up to 6 rows of x share each pass over the block, and further passes go over it again from the caches.
 //
 // Fixed numerics: every output element y[m, o] is one vector accumulator over k in steps of CK_WIDTH lanes

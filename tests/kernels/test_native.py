@@ -124,7 +124,7 @@ def as_multiplied(x: torch.Tensor, x16: bool) -> torch.Tensor:
 
 
 def test_int8_on_int16_x_stays_within_half_a_step_of_bf16_x(level):
-    """Where weight-only int8 meets bf16 x quantised to int16 (the avx2 and avx512* levels), the result is within
+    """Where weight-only int8 meets bf16 x quantised to int16 (every level but generic), the result is within
     float32's error of the exact product plus half a step of each block's scale times |w|; an outlier costs only its
     own block precision; rows of tiny values (blocks below 2^-64) stay right; a zero row gives zeros, a row holding
     inf or NaN NaN. Float32 x keeps the float32 form everywhere."""
