@@ -7,10 +7,8 @@ token and inter-token latency percentiles; --json prints one JSON object on the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
-import signal
 import sys
 import threading
 import time
@@ -165,46 +163,17 @@ def ready_info(client, target: str, wait_s: float, say: Callable[[str], None] = 
 
     deadline = time.monotonic() + wait_s
     told = False
-    with noted_interrupts() as interrupted:
-        while True:
-            try:
-                left = deadline - time.monotonic()
-                return client.model_info(timeout=30.0 if wait_s <= 0 else max(1.0, min(30.0, left)))
-            except GenerationError as exc:
-                if interrupted():                  # a Ctrl-C that gRPC's call took in and did not raise
-                    raise KeyboardInterrupt from None
-                if exc.code().name != "UNAVAILABLE" or time.monotonic() >= deadline:
-                    raise
-                if not told:
-                    say(f"waiting up to {wait_s:g} s for the router at {target} to be ready ({exc.details()})")
-                    told = True
-                time.sleep(0.5)
-
-
-@contextlib.contextmanager
-def noted_interrupts() -> Iterator[Callable[[], bool]]:
-    """Ctrl-C (SIGINT) raised as ever, and noted too: yields whether one came. A KeyboardInterrupt raised while the
-    main thread is inside a gRPC call can be taken in there (a clean-clone CI run saw `colibri bench` wait out its
-    60 s --ready-timeout after a Ctrl-C), so a loop of calls asks this as well. Off the main thread, or where SIGINT
-    is ignored, nothing changes."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
-        yield lambda: False
-        return
-    seen: list[int] = []
-
-    def note(signum: int, frame: object) -> None:
-        seen.append(signum)
-        if callable(previous):
-            previous(signum, frame)                # Python's default: raise KeyboardInterrupt
-        else:
-            raise KeyboardInterrupt
-
-    try:
-        signal.signal(signal.SIGINT, note)
-        yield lambda: bool(seen)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    while True:
+        try:
+            left = deadline - time.monotonic()
+            return client.model_info(timeout=30.0 if wait_s <= 0 else max(1.0, min(30.0, left)))
+        except GenerationError as exc:
+            if exc.code().name != "UNAVAILABLE" or time.monotonic() >= deadline:
+                raise
+            if not told:
+                say(f"waiting up to {wait_s:g} s for the router at {target} to be ready ({exc.details()})")
+                told = True
+            time.sleep(0.5)
 
 
 def run_load(target: str, concurrency: int, num_requests: int, prompt_len: int, max_tokens: int,
