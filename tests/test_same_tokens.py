@@ -125,7 +125,8 @@ def agree(a: Run, b: Run, again: Callable[[], tuple[Run, Run]], what: str) -> No
     fd, name = tempfile.mkstemp(prefix="colibri-near-ties-", suffix=".log")
     os.close(fd)
     logs = Path(name)
-    logs.write_text(f"{what}: {seen[0]}\n\n--- {what.split(' against ')[0]}\n{a.log}\n--- the other\n{b.log}")
+    tried = what.split(" against ")[0]
+    logs.write_text(f"{what}: {seen[0]}\n\n--- {tried}\n{a.log}\n--- the other\n{b.log}")
     for _ in range(AGAIN):
         a, b = again()
         try:
@@ -133,8 +134,7 @@ def agree(a: Run, b: Run, again: Callable[[], tuple[Run, Run]], what: str) -> No
         except AssertionError:
             seen.append(where(a, b))
             with logs.open("a") as f:
-                f.write(f"\n\n=== served again: {seen[-1]}\n--- {what.split(' against ')[0]}\n{a.log}\n--- the other\n"
-                        f"{b.log}")
+                f.write(f"\n\n=== served again: {seen[-1]}\n--- {tried}\n{a.log}\n--- the other\n{b.log}")
             continue
         warnings.warn(OneOffDifference(f"{what}: differed {len(seen)} time(s), the same when served again "
                                        f"({seen[0]}; the fleets' logs: {logs})"), stacklevel=2)

@@ -132,9 +132,10 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
     if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)
-        forms, measured = tune_forms(opts.cpu_forms, weights.linear_shapes(dtype), max_rows=rows)
+        shapes = weights.linear_shapes(dtype)
+        forms, measured = tune_forms(opts.cpu_forms, shapes, max_rows=rows)
         log.info(forms.summary(measured))
-        log.info("CPU forms in force (shape:kind rows:form): %s", forms_in_force(weights.linear_shapes(dtype), rows))
+        log.info("CPU forms in force (shape:kind rows:form): %s", forms_in_force(shapes, rows))
         check_decoder_ops(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, cfg.hidden_size,
                           cfg.rotary_dim, dtype, routing_of(cfg), cfg.num_experts)
     kv_heads, k_dim, v_dim = cfg.kv_layout          # latent attention: the compressed latent, its real size
