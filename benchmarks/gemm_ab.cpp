@@ -19,6 +19,8 @@
 
 #include <omp.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -161,6 +163,9 @@ struct Bench {
 }  // namespace
 
 int main(int argc, char** argv) {
+    // Linux's leave to use AMX tiles (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), for a B built with
+    // gemm_ab.py --x16-tiles; refused (and never needed) elsewhere
+    syscall(SYS_arch_prctl, 0x1023, 18);
     if (argc != 6) {
         std::fprintf(stderr, "usage: gemm_ab layer|linear bf16|int8|int8b|w8a8|bf16dp ROWS THREADS ROUNDS\n");
         return 2;

@@ -11,6 +11,10 @@ kernel changes do, so a change is judged by such alternating rounds, never by tw
 against bf16 weights on VDPBF16PS as the dense linears and the experts' gate/up run them there (a layer's down keeps
 the float path, as in `moe_`); both revisions need the file.
 
+`--x16-tiles` (level amx) builds B as the amx level builds its weight-only int8 against bf16 x (`int8b`): the
+working tree's `amx_x16.h` (AMX int8 tiles from two rows, the int16 form's per-block totals on vectors at one row)
+beside A's int16 form on vectors alone (gemm.h without CK_X16_TILES, as the other AVX-512 levels run it).
+
 - layer: a MoE layer of the bench shapes (8 of 64 experts, H 1024, I 512; fresh experts every call over 3
   layers), whole experts per thread as `moe_` runs them at few rows per expert, every expert `ROWS` rows;
 - linear: lm_head [32000, 1024], its rows split over the threads, the calls cycling through copies of it.
@@ -33,6 +37,7 @@ from kernels import native_build
 ROOT = Path(__file__).resolve().parent.parent
 GEMM = "kernels/native/gemm.h"
 DPBF16 = "kernels/native/dpbf16.h"             # the avx512bf16 level's bf16 products (its `linear_bf16`)
+X16_TILES = ("kernels/native/amx.h", "kernels/native/amx_x16.h")   # the amx level's int8 tiles (--x16-tiles)
 DRIVER = Path(__file__).resolve().parent / "gemm_ab.cpp"
 MODES = ("layer", "linear")
 KINDS = ("bf16", "int8", "int8b", "w8a8", "bf16dp")   # int8b: weight-only int8 against rows that were bf16
@@ -73,22 +78,31 @@ def lanes(level: str) -> int:
     return int(found.group(1))
 
 
-def build(a: str, b: str, level: str, cxx: str, work: Path, dp: tuple[str, str] | None = None) -> Path:
+def build(a: str, b: str, level: str, cxx: str, work: Path, dp: tuple[str, str] | None = None,
+          tiles: bool = False) -> Path:
     """The driver linked against two texts of gemm.h (A and B), both compiled with `level`'s flags and lanes; with
-    `dp`, two texts of dpbf16.h too (after gemm.h, as isa_avx512bf16.cpp includes it), for the bf16dp kind."""
+    `dp`, two texts of dpbf16.h too (after gemm.h, as isa_avx512bf16.cpp includes it), for the bf16dp kind; with
+    `tiles`, B takes the working tree's AMX int8 tiles for wdtype 3 (X16_TILES, as isa_amx.cpp includes them)."""
     flags = ["-std=gnu++20", "-O3", "-fno-math-errno", *native_build.levels()[level]]
     if dp is not None and "-mavx512bf16" not in flags:
         raise SystemExit(f"gemm_ab: bf16dp needs a level with AVX512-BF16 (avx512bf16, amx), not {level}")
+    if tiles and "-mamx-int8" not in flags:
+        raise SystemExit(f"gemm_ab: --x16-tiles needs the amx level, not {level}")
     objects, jobs = [], []
     for i, (name, text) in enumerate((("a", a), ("b", b))):   # the two compiled at once
         (work / name).mkdir(parents=True)
         (work / name / "gemm.h").write_text(text)
         if dp is not None:
             (work / name / "dpbf16.h").write_text(dp[i])
+        on_tiles = tiles and name == "b"
+        for path in X16_TILES if on_tiles else ():
+            (work / name / Path(path).name).write_text((ROOT / path).read_text())
         unit = work / name / "unit.cpp"
         unit.write_text(f'#define CK_WIDTH {lanes(level)}\n'
-                        f'#define CK_NAME {name.upper()}\n#include "gemm.h"\n'
-                        + ('#include "dpbf16.h"\n' if dp is not None else ""))
+                        f'#define CK_NAME {name.upper()}\n'
+                        + ('#define CK_X16_TILES 1\n' if on_tiles else "") + '#include "gemm.h"\n'
+                        + ('#include "dpbf16.h"\n' if dp is not None else "")
+                        + ('#include "amx.h"\n#include "amx_x16.h"\n' if on_tiles else ""))
         obj = work / f"{name}.o"
         jobs.append(subprocess.Popen([cxx, *flags, "-c", str(unit), "-o", str(obj)]))
         objects.append(str(obj))
@@ -131,6 +145,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default: %(default)s)")
     ap.add_argument("--level", default="avx2" if "avx2" in native_build.levels() else "generic",
                     help="the ISA level whose flags both builds take (default: %(default)s)")
+    ap.add_argument("--x16-tiles", action="store_true",
+                    help="level amx: B with the AMX int8 tiles for int8b (amx_x16.h), A with the vector int16 form")
     args = ap.parse_args()
     modes, kinds = args.modes.split(","), args.kinds.split(",")
     bad = [m for m in modes if m not in MODES] + [k for k in kinds if k not in KINDS]
@@ -150,7 +166,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dp = (source_at(args.base, DPBF16), (ROOT / DPBF16).read_text()) if "bf16dp" in kinds else None
-        exe = build(source_at(args.base), (ROOT / GEMM).read_text(), args.level, cxx, Path(tmp), dp)
+        exe = build(source_at(args.base), (ROOT / GEMM).read_text(), args.level, cxx, Path(tmp), dp, args.x16_tiles)
         for mode in modes:
             for kind in kinds:
                 for m in row_counts:
@@ -165,9 +181,11 @@ def main() -> int:
         "# Two builds of the native linear, alternating", "",
         f"Machine: {machine()}; ISA level compiled: {args.level}; {args.threads} thread(s), {args.rounds} rounds.",
         f"Command: `python -m benchmarks.gemm_ab --base {args.base} --modes {args.modes} --kinds {args.kinds} "
-        f"--rows {args.rows} --threads {args.threads} --rounds {args.rounds} --level {args.level}`. A = `{GEMM}` at "
-        f"`{args.base}`, B = {working_tree()}. ms: best / mean of the rounds; B faster by: A's best over B's; GB/s at "
-        "the best; 2 MiB pages: the driver's anonymous memory on them (AnonHugePages), of the weights' "
+        f"--rows {args.rows} --threads {args.threads} --rounds {args.rounds} --level {args.level}"
+        + (" --x16-tiles" if args.x16_tiles else "") + f"`. A = `{GEMM}` at `{args.base}`, B = {working_tree()}"
+        + (" with the AMX int8 tiles for int8b (amx_x16.h)" if args.x16_tiles else "")
+        + ". ms: best / mean of the rounds; B faster by: A's best over B's; GB/s at the best; 2 MiB pages: the "
+        "driver's anonymous memory on them (AnonHugePages), of the weights' "
         "576 MiB (layer, bf16), 288 (layer, int8), 188 or 156 (linear: copies of lm_head over 4x a 32 MiB L3).",
         "", table(["mode", "weights", "rows", "A ms", "B ms", "B faster by", "GB/s A / B", "same bits",
                    "2 MiB pages (MiB)"], rows), ""])

@@ -77,3 +77,21 @@ def test_bf16_products_are_timed_where_the_level_has_them(tmp_path):
             got = gemm_ab.run(exe, mode, "bf16dp", 3, 2, 1)
             assert got["same"] is want, mode
             assert 0 < got["B"][0] <= got["B"][1]
+
+
+def test_the_amx_int8_tiles_are_timed_against_the_lanes_on_vectors(tmp_path):
+    """`--x16-tiles` builds B with the amx level's weight-only int8 against bf16 x (amx_x16.h: AMX int8 tiles, exact
+    block totals), A with the vector int16 form's lanes: both run int8b, and their bits differ (were B built without
+    the tiles, they would not); a level without AMX is refused before anything is compiled."""
+    from kernels import native
+
+    text = (gemm_ab.ROOT / gemm_ab.GEMM).read_text()
+    with pytest.raises(SystemExit, match="--x16-tiles needs the amx level"):
+        gemm_ab.build(text, text, "avx2", compiler(), tmp_path / "refused", tiles=True)
+    if not (native.available() and native.isa() == "amx"):
+        pytest.skip("the native kernels do not run the amx level here")
+    exe = gemm_ab.build(text, text, "amx", compiler(), tmp_path / "tiles", tiles=True)
+    for mode, rows in (("layer", 1), ("layer", 4), ("linear", 3)):
+        got = gemm_ab.run(exe, mode, "int8b", rows, 2, 1)
+        assert got["same"] is False, (mode, rows)
+        assert 0 < got["B"][0] <= got["B"][1]

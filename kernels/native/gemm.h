@@ -272,10 +272,11 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
 // EPYC with AVX512-BF16 and VNNI (Zen 4, whose 16-lane FMAs run as two 8-lane halves) a MoE layer's int8 experts at
 // 4 / 8 / 32 rows each ran 1.20x / 1.38x / 1.47x as fast as the float32 form and lm_head 1.32-1.47x, 0.91-0.96x at
 // 1-2 rows (`python -m benchmarks.gemm_ab --base 75d2d3b --kinds int8b --rows 1,2,4,8,32 --level avx512bf16`). The
-// amx level has it too: its tiles (bf16 x against int8 weights widened to bf16) are a dense layer's other candidate,
-// and the experts, which never take the tiles (a pair's bits must not depend on its expert's rows), take this form;
-// on a 2-core Xeon with AMX a MoE layer's int8 experts ran 1.15x / 1.07x / 1.00x as fast as the float32 form at 1 /
-// 8 / 32 tokens on one thread, 1.15x / 1.11x / 0.97x on two (`python -m benchmarks.int8_x_ab`).
+// amx level (CK_X16_TILES) multiplies this form's x on AMX's int8 tiles from two rows (amx_x16.h: x's two bytes
+// against the weights, exact block totals) and sums each block's lanes to its exact total on vectors too, so both
+// give the same bits (x16_sum below); on a 2-core Xeon with AMX a MoE layer's int8 experts ran 1.37x / 1.68x /
+// 2.77x as fast as the lanes on vectors at 4 / 8 / 32 rows an expert, 0.93x at 2, 1.01x at 1 (one thread;
+// `python -m benchmarks.gemm_ab --level amx --x16-tiles --kinds int8b`).
 #if defined(__AVX2__)
 #define CK_X16 1
 constexpr int QB = 256;                              // elements of K one scale of x covers
@@ -327,6 +328,24 @@ static inline x16_fvec x16_scale(x16_ivec sums, float s, x16_fvec acc) {
 #endif
 static_assert(QB % X16_STEP == 0, "a block is whole steps");
 static_assert(sizeof(x16_fvec) == sizeof(fvec), "the float sums are the level's vectors (lanes_sum)");
+
+// What a block's int32 lanes become. Most levels: float32 lanes (each lane converted, scaled and summed apart, the
+// lanes summed at the end). The amx level (CK_X16_TILES): the block's exact int32 total, converted once, and
+// acc = fma(float(total), scale, acc): the arithmetic of its tiles (amx_x16.h), so a few rows on vectors and many
+// on tiles give the same bits.
+#if defined(CK_X16_TILES)
+typedef float x16_sum;
+static inline x16_sum x16_sum_zero() { return 0.f; }
+static inline x16_sum x16_sum_block(x16_ivec sums, float s, x16_sum acc) {
+    return std::fma(float(_mm512_reduce_add_epi32(sums)), s, acc);
+}
+static inline float x16_sum_value(x16_sum acc) { return acc; }
+#else
+typedef x16_fvec x16_sum;
+static inline x16_sum x16_sum_zero() { return x16_fzero(); }
+static inline x16_sum x16_sum_block(x16_ivec sums, float s, x16_sum acc) { return x16_scale(sums, s, acc); }
+static inline float x16_sum_value(x16_sum acc) { return lanes_sum((fvec)acc); }
+#endif
 
 // x [M, K] float32 -> q [M, Kp] int16 (Kp = K rounded up to X16_STEP, zero-padded) and scales s [M, nb] (nb = blocks of
 // QB). Vector and scalar forms are the same IEEE multiply and round-half-even, so every element gets the same bits.
@@ -399,11 +418,11 @@ static inline void tile_x16(const int16_t* x, int Kp, const float* xs, int nb, i
                             const float* ws, float* y, int ldy, Ahead& ahead_) {
     Ahead ahead = ahead_;                          // in registers for the loop
     constexpr int earn = OT * X16_STEP;            // the bytes of the block a step reads
-    x16_fvec accf[MT][OT];
+    x16_sum accf[MT][OT];
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i)
 #pragma GCC unroll 8
-        for (int j = 0; j < OT; ++j) accf[i][j] = x16_fzero();
+        for (int j = 0; j < OT; ++j) accf[i][j] = x16_sum_zero();
     for (int b = 0; b < nb; ++b) {
         const int k0 = b * QB, k1 = std::min(K, k0 + QB);
         x16_ivec acc[MT][OT];
@@ -440,14 +459,14 @@ static inline void tile_x16(const int16_t* x, int Kp, const float* xs, int nb, i
         for (int i = 0; i < MT; ++i) {
             const float sx = xs[(int64_t)i * nb + b];
 #pragma GCC unroll 8
-            for (int j = 0; j < OT; ++j) accf[i][j] = x16_scale(acc[i][j], sx, accf[i][j]);
+            for (int j = 0; j < OT; ++j) accf[i][j] = x16_sum_block(acc[i][j], sx, accf[i][j]);
         }
     }
     ahead_ = ahead;
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i)
 #pragma GCC unroll 8
-        for (int j = 0; j < OT; ++j) y[(int64_t)i * ldy + j] = lanes_sum((fvec)accf[i][j]) * ws[j];
+        for (int j = 0; j < OT; ++j) y[(int64_t)i * ldy + j] = x16_sum_value(accf[i][j]) * ws[j];
 }
 
 #undef CK_STEP_X16
@@ -651,6 +670,14 @@ static void linear_block_i8(const int8_t* x, const float* xs, int M, int Kp, int
 
 }  // namespace colibri_native
 
+#if defined(CK_X16_TILES)
+namespace colibri_native {
+// amx_x16.h (the amx level includes it after this file): the int16 form on AMX's int8 tiles from a few rows of x.
+static void linear_x16_amx(const float* x, int M, int K, const int8_t* w, const float* ws, int o0, int o1, float* y,
+                           int ldy, Ahead after);
+}  // namespace colibri_native
+#endif
+
 #define CK_CAT2(a, b) a##b
 #define CK_CAT(a, b) CK_CAT2(a, b)
 
@@ -667,7 +694,11 @@ extern "C" void CK_CAT(colibri_linear_, CK_NAME)(const float* x, int M, int K, c
     if (wdtype == 0) linear_block(x, M, K, static_cast<const float*>(w), nullptr, o0, o1, y, ldy, after);
     else if (wdtype == 1) linear_block(x, M, K, static_cast<const uint16_t*>(w), nullptr, o0, o1, y, ldy, after);
 #if defined(CK_X16)
+#if defined(CK_X16_TILES)
+    else if (wdtype == 3) linear_x16_amx(x, M, K, static_cast<const int8_t*>(w), scale, o0, o1, y, ldy, after);
+#else
     else if (wdtype == 3) linear_block_x16(x, M, K, static_cast<const int8_t*>(w), scale, o0, o1, y, ldy, after);
+#endif
 #endif
     else linear_block(x, M, K, static_cast<const int8_t*>(w), scale, o0, o1, y, ldy, after);
 }

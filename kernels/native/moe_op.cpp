@@ -294,9 +294,10 @@ void moe_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, const at:
         if (le[f] >= 0) order[fill[le[f]]++] = f;
     // x's rows for the pairs (rounded to the weights' float dtype first, as the packed path's cast), gathered once,
     // in the dtype they are multiplied in: bf16 where gate/up take the level's bf16 products (bf16 weights on AMX
-    // tiles or VDPBF16PS), else float32. Weight-only int8 experts keep the linear's own form (not the tiles) at every
-    // row count: widened to bf16 on tiles (as the dense layers' native_int8_tiles form) they were faster from 32 tokens but slower at 1 and
-    // 8 (docs/performance.md), and a pair's result must not depend on how many pairs share its expert
+    // tiles or VDPBF16PS), else float32. Weight-only int8 experts take the linear's own form at every row count, not
+    // the widened tiles (native_int8_tiles: slower at 1 and 8 tokens, and bits of their own), since a pair's result
+    // must not depend on how many pairs share its expert; on the amx level that form is itself on AMX's int8 tiles
+    // from two rows, with the bits of one row on vectors (amx_x16.h)
     at::Tensor xw = (kind != 2 && x.scalar_type() != dt) ? x.to(dt) : x;
     const bool bf16_products = kind == 1 && colibri_ops::linear_bf16_kernel() != nullptr;
     at::Tensor src = bf16_products ? xw.contiguous() : xw.to(at::kFloat).contiguous();   // [T, H]
