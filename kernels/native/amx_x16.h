@@ -147,7 +147,8 @@ static void amx_linear_x16(const int16_t* q, const float* xs, int M, int Kp, int
 
 // The calls of at most this many rows of x take gemm.h's vector int16 form (the same bits): at one row it read a MoE
 // layer's int8 experts 1.1x as fast as the tiles (memory-bound either way; a tile multiplies 16 rows in the time of
-// one), from two rows the tiles won (docs/performance.md).
+// one). At two rows the tiles ran 0.93x as fast as the vector form's lanes did before, and the vector form with its
+// exact totals 0.90x, so the tiles take them; from four rows the tiles ran 1.37x and more (docs/performance.md).
 constexpr int X16_VECTOR_ROWS = 1;
 
 static void linear_x16_amx(const float* x, int M, int K, const int8_t* w, const float* ws, int o0, int o1, float* y,
