@@ -63,6 +63,20 @@ struct PendingBlock {
     }
 };
 
+// The weights' chunk NEAR chunks ahead in the block requested into L1 (the block's own lines are in L2 by then, from
+// Ahead): a tile load from L2 waits on its 16 lines. At two rows of x the tiles ran 0.91-0.97x as fast as the vector
+// lanes without this, 0.99-1.02x with it; requesting the next block's first chunks too (lines not yet in L2) ran
+// 0.93-0.96x (C++ drivers over this file, one thread, alternating).
+struct NearAhead {
+    static constexpr int NEAR = 4;
+    inline void step(const int8_t* w, int K, int ob, int o1, int kc, int chunks) const {
+        const int k = kc + NEAR;
+        if (k >= chunks || o1 - ob < 16) return;                      // a partial block's rows are copied anyway
+        const int8_t* p = w + int64_t(ob) * K + int64_t(k) * 64;
+        for (int r = 0; r < 16; ++r) __builtin_prefetch(p + int64_t(r) * K, 0, 3);
+    }
+};
+
 // Tiles for 16 W rows a pass: 0-1 C (hi, lo), 2-3 A (even and odd chunks), 4-5 B (hi, lo, even), 6-7 B (odd).
 static inline void configure_tiles_x16(int N) {
     TileConfig cfg;
@@ -101,6 +115,7 @@ static void amx_linear_x16(const int16_t* q, const float* xs, int M, int Kp, int
     alignas(64) int8_t pad[2][1024];
     alignas(64) float acc[16][16];
     PendingBlock pending;
+    const NearAhead near;
     for (int ob = o0; ob < o1; ob += 16) {
         const int rows = o1 - ob < 16 ? o1 - ob : 16;
         Ahead ahead = ahead_of(w, K, ob, 16, o1, groups, after);            // a pass a group
@@ -115,6 +130,7 @@ static void amx_linear_x16(const int16_t* q, const float* xs, int M, int Kp, int
                 for (int kc = b * CPB; kc < k1; ++kc) {
                     int stride;
                     const int8_t* a = w_tile(w, K, ob, rows, kc * 64, pad[kc & 1], stride);
+                    if (g == 0) near.step(w, K, ob, o1, kc, chunks);
                     ahead.step(512);
                     if (kc & 1) {
                         CK_TILE_LOAD(3, a, stride);
@@ -147,8 +163,8 @@ static void amx_linear_x16(const int16_t* q, const float* xs, int M, int Kp, int
 
 // The calls of at most this many rows of x take gemm.h's vector int16 form (the same bits): at one row it read a MoE
 // layer's int8 experts 1.1x as fast as the tiles (memory-bound either way; a tile multiplies 16 rows in the time of
-// one). At two rows the tiles ran 0.93x as fast as the vector form's lanes did before, and the vector form with its
-// exact totals 0.90x, so the tiles take them; from four rows the tiles ran 1.37x and more (docs/performance.md).
+// one). At two rows the tiles ran 0.97-0.99x as fast as the vector form's lanes did before, and the vector form with
+// its exact totals 0.90x, so the tiles take them; from four rows the tiles ran 1.22x and more (docs/performance.md).
 constexpr int X16_VECTOR_ROWS = 1;
 
 static void linear_x16_amx(const float* x, int M, int K, const int8_t* w, const float* ws, int o0, int o1, float* y,

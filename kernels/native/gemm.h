@@ -274,8 +274,8 @@ static void linear_block(const float* x, int M, int K, const WT* w, const float*
 // 1-2 rows (`python -m benchmarks.gemm_ab --base 75d2d3b --kinds int8b --rows 1,2,4,8,32 --level avx512bf16`). The
 // amx level (CK_X16_TILES) multiplies this form's x on AMX's int8 tiles from two rows (amx_x16.h: x's two bytes
 // against the weights, exact block totals) and sums each block's lanes to its exact total on vectors too, so both
-// give the same bits (x16_sum below); on a 2-core Xeon with AMX a MoE layer's int8 experts ran 1.37x / 1.68x /
-// 2.77x as fast as the lanes on vectors at 4 / 8 / 32 rows an expert, 0.93x at 2, 1.01x at 1 (one thread;
+// give the same bits (x16_sum below); on a 2-core Xeon with AMX a MoE layer's int8 experts ran 1.33x / 1.67x /
+// 2.79x as fast as the lanes on vectors at 4 / 8 / 32 rows an expert, 0.98x at 2, 0.99x at 1 (one thread;
 // `python -m benchmarks.gemm_ab --level amx --x16-tiles --kinds int8b`).
 #if defined(__AVX2__)
 #define CK_X16 1
