@@ -127,6 +127,8 @@ def agree(a: Run, b: Run, again: Callable[[], tuple[Run, Run]], what: str) -> No
     logs = Path(name)
     tried = what.split(" against ")[0]
     logs.write_text(f"{what}: {seen[0]}\n\n--- {tried}\n{a.log}\n--- the other\n{b.log}")
+    first = (a, b)
+    torch.save({"tried": [a.tokens, a.logits], "other": [b.tokens, b.logits]}, logs.with_suffix(".pt"))
     for _ in range(AGAIN):
         a, b = again()
         try:
@@ -136,10 +138,24 @@ def agree(a: Run, b: Run, again: Callable[[], tuple[Run, Run]], what: str) -> No
             with logs.open("a") as f:
                 f.write(f"\n\n=== served again: {seen[-1]}\n--- {tried}\n{a.log}\n--- the other\n{b.log}")
             continue
-        warnings.warn(OneOffDifference(f"{what}: differed {len(seen)} time(s), the same when served again "
-                                       f"({seen[0]}; the fleets' logs: {logs})"), stacklevel=2)
+        odd = odd_one(first, a, tried)
+        with logs.open("a") as f:
+            f.write(f"\n\n=== served again: the same; {odd}\n")
+        warnings.warn(OneOffDifference(f"{what}: differed {len(seen)} time(s), the same when served again; {odd} "
+                                       f"({seen[0]}; the fleets' logs: {logs}, their first tokens and logits: "
+                                       f"{logs.with_suffix('.pt')})"), stacklevel=2)
         return
     raise AssertionError(f"{what}: differed at every try: {' / '.join(seen)} (the fleets' logs: {logs})")
+
+
+def odd_one(first: tuple[Run, Run], again: Run, tried: str) -> str:
+    """Which fleet of a first try that differed computed otherwise: the one whose logits the agreeing retry did not
+    give (the other's it gave to the bit)."""
+    if again.logits == first[1].logits:
+        return f"the first try's {tried} fleet computed otherwise"
+    if again.logits == first[0].logits:
+        return "the first try's other fleet computed otherwise"
+    return "the retry matched neither fleet of the first try"
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +220,22 @@ def test_batch_invariant_float32_logits_are_the_same_bits_alone_and_together(odd
         assert logits_of(path, True) != logits_of(path, False)
     finally:
         native.refuse_decoder_ops(None)
+
+
+def test_a_one_off_difference_names_the_fleet_that_computed_otherwise_and_keeps_its_logits(monkeypatch, tmp_path):
+    """`agree` on made-up runs: a first try whose tried fleet differs, then runs that agree with the other fleet,
+    warns naming the tried fleet and keeps both first tries' logits beside the logs; a lasting difference fails."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))               # the files it writes, here
+
+    def run(value: float) -> Run:
+        return Run([[1, 2]], [[torch.full((4,), value).numpy().tobytes()] * 2], f"log {value}")
+
+    with pytest.warns(OneOffDifference, match="the first try's 2 workers fleet computed otherwise") as caught:
+        agree(run(1.5), run(1.0), lambda: (run(1.0), run(1.0)), "2 workers against one worker")
+    kept = Path(str(caught[0].message).rsplit("their first tokens and logits: ", 1)[1].rstrip(")"))
+    assert kept.parent == tmp_path
+    first = torch.load(kept)
+    assert first["tried"][1] == run(1.5).logits and first["other"][1] == run(1.0).logits
+    assert "=== served again: the same; the first try's 2 workers fleet" in kept.with_suffix(".log").read_text()
+    with pytest.raises(AssertionError, match="differed at every try"):
+        agree(run(1.5), run(1.0), lambda: (run(1.5), run(1.0)), "2 workers against one worker")
