@@ -87,6 +87,18 @@ static inline void configure_tiles_x16(int N) {
     __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
+// One chunk's products into C 0-1 on tile set (A, BH, BL): its A tile (a, stride) and B tiles (hi h, lo l) loaded
+// there, W against hi, then against lo; half the block's prefetch between them.
+template <int A, int BH, int BL>
+static inline void x16_chunk(const int8_t* a, int stride, const uint32_t* h, const uint32_t* l, int N, Ahead& ahead) {
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(a), "r"(int64_t(stride)), "i"(A) : "memory");
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(h), "r"(int64_t(4 * N)), "i"(BH) : "memory");
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(l), "r"(int64_t(4 * N)), "i"(BL) : "memory");
+    __asm__ volatile("tdpbssd %%tmm%c1, %%tmm%c0, %%tmm0" ::"i"(A), "i"(BH));   // GCC's _tile_* name tiles by text
+    ahead.step(512);
+    __asm__ volatile("tdpbsud %%tmm%c1, %%tmm%c0, %%tmm1" ::"i"(A), "i"(BL));
+}
+
 // y[n, o] for x rows [0, M) (quantised: q [M, Kp], scales xs [M, nb]) and W rows [o0, o1) (int8, row scales ws).
 static void amx_linear_x16(const int16_t* q, const float* xs, int M, int Kp, int K, const int8_t* w, const float* ws,
                            int o0, int o1, float* y, int ldy, Ahead after) {
@@ -132,21 +144,9 @@ static void amx_linear_x16(const int16_t* q, const float* xs, int M, int Kp, int
                     const int8_t* a = w_tile(w, K, ob, rows, kc * 64, pad[kc & 1], stride);
                     if (g == 0) near.step(w, K, ob, o1, kc, chunks);
                     ahead.step(512);
-                    if (kc & 1) {
-                        CK_TILE_LOAD(3, a, stride);
-                        CK_TILE_LOAD(6, bh + (int64_t)kc * 16 * N, 4 * N);
-                        CK_TILE_LOAD(7, bl + (int64_t)kc * 16 * N, 4 * N);
-                        _tile_dpbssd(0, 3, 6);
-                        ahead.step(512);
-                        _tile_dpbsud(1, 3, 7);
-                    } else {
-                        CK_TILE_LOAD(2, a, stride);
-                        CK_TILE_LOAD(4, bh + (int64_t)kc * 16 * N, 4 * N);
-                        CK_TILE_LOAD(5, bl + (int64_t)kc * 16 * N, 4 * N);
-                        _tile_dpbssd(0, 2, 4);
-                        ahead.step(512);
-                        _tile_dpbsud(1, 2, 5);
-                    }
+                    const uint32_t *h = bh + (int64_t)kc * 16 * N, *l = bl + (int64_t)kc * 16 * N;
+                    if (kc & 1) x16_chunk<3, 6, 7>(a, stride, h, l, N, ahead);
+                    else x16_chunk<2, 4, 5>(a, stride, h, l, N, ahead);
                     if (kc == b * CPB) pending.flush(acc);           // the last block's sums, beside these products
                 }
                 pending.store(rows, _mm512_loadu_ps(&scales[(size_t(g) * nb + b) * 16]));
@@ -170,14 +170,8 @@ constexpr int X16_VECTOR_ROWS = 1;
 static void linear_x16_amx(const float* x, int M, int K, const int8_t* w, const float* ws, int o0, int o1, float* y,
                            int ldy, Ahead after) {
     if (M <= X16_VECTOR_ROWS) return linear_block_x16(x, M, K, w, ws, o0, o1, y, ldy, after);
-    const int Kp = (K + X16_STEP - 1) / X16_STEP * X16_STEP, nb = (K + QB - 1) / QB;
-    thread_local std::vector<int16_t> q;
-    thread_local std::vector<float> s;
-    q.resize((size_t)M * Kp);
-    s.resize((size_t)M * nb);
-    quantize_x16(x, M, K, q.data(), Kp, s.data(), nb);
-    amx_linear_x16(q.data(), s.data(), M, Kp, K, w, ws, o0, o1, y, ldy, after);
-    if (q.size() > (size_t(1) << 20)) std::vector<int16_t>().swap(q);
+    const X16Rows xq = quantized_x16(x, M, K);
+    amx_linear_x16(xq.q, xq.s, M, xq.Kp, K, w, ws, o0, o1, y, ldy, after);
 }
 
 }  // namespace colibri_native

@@ -482,25 +482,37 @@ static inline void rows_x16(const int16_t* x, int Kp, const float* xs, int nb, i
 
 constexpr int PASS_ROWS_X16 = 4;                     // the most rows of x a pass over a block takes
 
-// linear_block's order (a block of OB weight rows from memory, every pass of x's rows over it from the caches) for
-// weight-only int8 on the int16 form: x quantised first, into this thread's buffer.
-static void linear_block_x16(const float* x, int M, int K, const int8_t* w, const float* ws, int o0, int o1,
-                             float* y, int ldy, Ahead after) {
-    constexpr int OB = 32;
+// x [M, K] quantised (quantize_x16) into this thread's buffers: q [M, Kp] int16, s [M, nb] scales.
+struct X16Rows {
+    const int16_t* q;
+    const float* s;
+    int Kp, nb;
+};
+static X16Rows quantized_x16(const float* x, int M, int K) {
     const int Kp = (K + X16_STEP - 1) / X16_STEP * X16_STEP, nb = (K + QB - 1) / QB;
     thread_local std::vector<int16_t> q;
     thread_local std::vector<float> s;
     q.resize((size_t)M * Kp);
     s.resize((size_t)M * nb);
     quantize_x16(x, M, K, q.data(), Kp, s.data(), nb);
+    return {q.data(), s.data(), Kp, nb};
+}
+
+// linear_block's order (a block of OB weight rows from memory, every pass of x's rows over it from the caches) for
+// weight-only int8 on the int16 form: x quantised first, into this thread's buffer.
+static void linear_block_x16(const float* x, int M, int K, const int8_t* w, const float* ws, int o0, int o1,
+                             float* y, int ldy, Ahead after) {
+    constexpr int OB = 32;
+    const X16Rows xq = quantized_x16(x, M, K);
+    const int Kp = xq.Kp, nb = xq.nb;
     const int passes = (M + PASS_ROWS_X16 - 1) / PASS_ROWS_X16;
     const auto rows_of = [&](int p) { return M / passes + (p < M % passes); };   // split evenly
     for (int ob = o0; ob < o1; ob += OB) {
         int n = (ob + OB < o1 ? ob + OB : o1) - ob;
         Ahead ahead = ahead_of(w, K, ob, OB, o1, passes, after);
         for (int p = 0, m = 0; p < passes; m += rows_of(p), ++p) {
-            const int16_t* xm = q.data() + (int64_t)m * Kp;
-            const float* sm = s.data() + (int64_t)m * nb;
+            const int16_t* xm = xq.q + (int64_t)m * Kp;
+            const float* sm = xq.s + (int64_t)m * nb;
             const int8_t* wb = w + (int64_t)ob * K;
             float* ym = y + (int64_t)m * ldy + ob;
             switch (rows_of(p)) {
