@@ -88,7 +88,7 @@ static inline void configure_tiles_x16(int N) {
 }
 
 // One chunk's products into C 0-1 on tile set (A, BH, BL): its A tile (a, stride) and B tiles (hi h, lo l) loaded
-// there, W against hi, then against lo; half the block's prefetch between them.
+// there, W against hi, then against lo, with the prefetch Ahead earns for half the chunk between them.
 template <int A, int BH, int BL>
 static inline void x16_chunk(const int8_t* a, int stride, const uint32_t* h, const uint32_t* l, int N, Ahead& ahead) {
     __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(a), "r"(int64_t(stride)), "i"(A) : "memory");
