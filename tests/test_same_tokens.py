@@ -39,14 +39,17 @@ PROMPTS = [[random.Random(i).randrange(512) for _ in range(4 + 3 * i)] for i in 
 TOKENS = 32
 
 
+def near_tie_config() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=64, num_experts=24, num_experts_per_tok=4,
+                          moe_intermediate_size=96, intermediate_size=256, norm_topk_prob=True,
+                          max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=None,
+                          bos_token_id=None, pad_token_id=None)
+
+
 @pytest.fixture(scope="module")
 def near_ties(tmp_path_factory) -> Path:
-    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, num_experts=24, num_experts_per_tok=4,
-                         moe_intermediate_size=96, intermediate_size=256, norm_topk_prob=True,
-                         max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=None,
-                         bos_token_id=None, pad_token_id=None)
-    model = build_model(cfg, seed=7, std=0.05, dtype=torch.bfloat16)    # logits close enough to tie often
+    model = build_model(near_tie_config(), seed=7, std=0.05, dtype=torch.bfloat16)   # logits close: ties often
     return save_checkpoint(model, tmp_path_factory.mktemp("near-ties") / "qwen3-bf16")
 
 
@@ -239,3 +242,12 @@ def test_a_one_off_difference_names_the_fleet_that_computed_otherwise_and_keeps_
     assert "=== served again: the same; the first try's 2 workers fleet" in kept.with_suffix(".log").read_text()
     with pytest.raises(AssertionError, match="differed at every try"):
         agree(run(1.5), run(1.0), lambda: (run(1.5), run(1.0)), "2 workers against one worker")
+
+
+def test_the_near_tie_probe_names_its_probes_and_refuses_others(capsys):
+    from tests import near_tie_probe
+
+    assert near_tie_probe.main(["--list"]) == 0
+    assert capsys.readouterr().out.split("\n")[:2] == list(near_tie_probe.PROBES)[:2]
+    assert near_tie_probe.main(["no such probe"]) == 2
+    assert "no probe no such probe; --list names them" in capsys.readouterr().err
