@@ -251,3 +251,8 @@ def test_the_near_tie_probe_names_its_probes_and_refuses_others(capsys):
     assert capsys.readouterr().out.split("\n")[:2] == list(near_tie_probe.PROBES)[:2]
     assert near_tie_probe.main(["no such probe"]) == 2
     assert "no probe no such probe; --list names them" in capsys.readouterr().err
+    assert near_tie_probe.main(["--caught"]) == 2
+    assert "--caught takes the .pt file" in capsys.readouterr().err
+    caught = {"tried": [[[1]], [[b"a", b"b"]]], "other": [[[1]], [[b"a", b"c"]]]}
+    said = near_tie_probe.against(Run([[1]], [[b"a", b"c"]], ""), caught)
+    assert said == "; caught: 1/2 steps those of the fleet that computed otherwise, 2/2 the other's"
