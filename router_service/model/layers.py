@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -88,9 +89,8 @@ class Rope:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, top: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, R] of `positions` [T] in `dtype`. On the CPU, with `top` >= every position (known on the host:
         nothing is read back), rows of a table of positions 0..N-1 made by the same elementwise ops (so the same
-        values; grown as positions come, up to TABLE_POSITIONS): torch's `cos` and `sin` of a few hundred values go
-        through MKL's VML, ~50 µs each on an AMD EPYC, ~0.2 ms of every step from 8 rows on, ~0.7 ms in a busy
-        router. Else computed."""
+        values; grown as positions come, up to TABLE_POSITIONS): cos and sin of a few hundred values each step took
+        ~0.2 ms of every step from 8 rows on, ~0.7 ms in a busy router. Else computed."""
         if positions.device.type != "cpu" or not 0 <= top < TABLE_POSITIONS:
             return self._computed(positions, dtype)
         table = self._tables.get(dtype)
@@ -100,10 +100,23 @@ class Rope:
         return table[0].index_select(0, positions), table[1].index_select(0, positions)   # [T, R] each
 
     def _computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The angles in float32 as transformers makes them; on the CPU their cos and sin in float64 by numpy, rounded
+        to float32 (the correctly rounded values, where torch's float32 ones are within an ulp). torch 2.13's float32
+        `cos` of a few thousand values on two threads came out with errors up to 1.5e-4 in the
+        second thread's share in about a third of the processes on an Intel Xeon (sin was right): a fleet whose
+        router built its table so computed otherwise than the others (docs/models.md)."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]   # [T, R/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                         # [T, R]
+        if freqs.device.type == "cpu":                                  # one thread, into torch's own buffers
+            angles = freqs.double()                                      # (no host tensor made from Python data)
+            cos, sin = torch.empty_like(angles), torch.empty_like(angles)
+            np.cos(angles.numpy(), out=cos.numpy())
+            np.sin(angles.numpy(), out=sin.numpy())
+            cos, sin = cos.float(), sin.float()
+        else:
+            cos, sin = freqs.cos(), freqs.sin()
         a = self.attention_scaling
-        return (emb.cos() * a).to(dtype), (emb.sin() * a).to(dtype)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)   # [T, R]
+        return (cos * a).to(dtype), (sin * a).to(dtype)
 
 
 def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
