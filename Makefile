@@ -42,14 +42,19 @@ demo: setup
 # Then the kernel, forms and oracle tests again under a second ATen kernel level and a second level of the native
 # kernels (tests/other_isa.py: AVX2 on an AVX-512 machine, torch's portable kernels and the generic native build
 # on an AVX2 one), so no test assumes the developer's ISA.
+# The same-token tests (ALONE) run on their own after each parallel pass, ~20 s: their fleets compare logits to the
+# bit on a quiet machine. Beside the rest of the suite a fleet now and then computes its decode steps otherwise, the
+# same other bits whatever its shape (an open bug, docs/models.md), and a CI run once saw that last 4 tries running.
 TEST_WORKERS ?= 2
-ISA_TESTS := tests/kernels tests/test_e2e_oracle.py tests/test_quantize.py \
-	tests/test_same_tokens.py
+ALONE := tests/test_same_tokens.py
+ISA_TESTS := tests/kernels tests/test_e2e_oracle.py tests/test_quantize.py
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --ignore=$(ALONE) tests
+	$(PY) -m pytest -q $(ALONE)
 	levels="$$($(PY) -m tests.other_isa)" && echo "$$levels:" && \
-		env $$levels $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ISA_TESTS)
+		env $$levels $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ISA_TESTS) && \
+		env $$levels $(PY) -m pytest -q $(ALONE)
 
 # The GPU tests (tests/gpu: the Triton kernels against float64 on the GPU, the engine and `serve --gpus 0` against
 # transformers); `make test` skips them where no CUDA GPU is visible. benchmarks/gpu_check.sh runs them with

@@ -116,10 +116,11 @@ AGAIN = 3       # times both fleets serve the prompts again where they differ, b
 def agree(a: Run, b: Run, again: Callable[[], tuple[Run, Run]], what: str) -> None:
     """`same(a, b)`; where they differ, both fleets serve the prompts again, up to AGAIN times, and must then be the
     same: a difference that lasts through every retry fails, one that goes is a warning in the run's summary, which
-    names a file with the fleets' logs. An open bug (docs/models.md): on a 2-core Intel Xeon VM with AMX, whole-suite
-    runs often see a fleet here compute its decode steps otherwise (every prompt's logits parting at the first decode
-    step, a near tie taken the other way), at times through two retries, and no run of this module alone did. A
-    fleet's shape that changed the bits would differ at every try."""
+    names a file with the fleets' logs. An open bug (docs/models.md): on a 2-core Intel Xeon VM with AMX, beside the
+    rest of the suite a fleet here now and then computes its decode steps otherwise (every prompt's logits parting at
+    the first decode step: the same other bits whatever its shape), once through every try of a CI run, and no run of
+    this module alone did, so `make test` runs it alone. A fleet's shape that changed the bits would differ at every
+    try."""
     try:
         same(a, b)
         return
