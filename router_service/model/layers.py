@@ -102,9 +102,9 @@ class Rope:
     def _computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The angles in float32 as transformers makes them; on the CPU their cos and sin in float64 by numpy, rounded
         to float32 (the correctly rounded values, where torch's float32 ones are within an ulp). torch 2.13's float32
-        `cos` of a few thousand values on two threads came out with errors up to 1.5e-4 in the
-        second thread's share in about a third of the processes on an Intel Xeon (sin was right): a fleet whose
-        router built its table so computed otherwise than the others (docs/models.md)."""
+        `cos` of a few thousand values on two threads (MKL's AVX-512 VML) came out with errors up to 1.5e-4 in one
+        thread's half in about a third of the processes on an Intel Xeon (sin was right): a fleet whose router built
+        its table so computed otherwise than the others (docs/models.md)."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]   # [T, R/2]
         if freqs.device.type == "cpu":                                  # one thread, into torch's own buffers
             angles = freqs.double()                                      # (no host tensor made from Python data)
