@@ -16,7 +16,8 @@ Python op per kernel, each checked against a float64 reference before it may be 
     attention_block(h, …): a decode step's whole attention block (norm, qkv, q/k norms, rope, cache write,
         attention, o) in one call, with the bits of those ops run one by one
     rest(): the ops' pool threads (kernels/native/pool.h, `colibri-pool`), which spin a moment after each op,
-        sleep now: a caller about to block on other processes leaves them the cores
+        sleep now: a caller about to block on other processes leaves them the cores; wake(): they get up again
+        for the next op, as that wait ends
     The fleet's wire in native calls (a layer's request, the workers' replies combined, a worker's whole answer):
     kernels/native_wire.py, over the same library.
 
@@ -49,7 +50,7 @@ GROUP_SCORE_CODES = {"max": 0, "top2": 1}
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
 OPS = ("linear", "expert_blocks", "expert_blocks_free", "moe_blocks_", "moe_sum_", "decode_attention", "rms_norm",
        "rope", "attention_block", "decoder_layer", "topk_route", "moe_route", "expert_answer", "combine_replies",
-       "forward_request", "isa", "use_isa", "rest", "exit_on_sigbus")
+       "forward_request", "isa", "use_isa", "rest", "wake", "exit_on_sigbus")
 
 
 def _load() -> str | None:
@@ -124,6 +125,15 @@ def rest() -> None:
     caller about to block on something else, so the cores go to whoever computes meanwhile."""
     if available():
         torch.ops.colibri.rest()
+
+
+def wake() -> None:
+    """The native ops' sleeping pool threads get up and spin for the next op (kernels/native/pool.h): for a caller
+    whose wait is ending, ahead of its next op (a router as the first of a layer's workers answers: the thread takes
+    the core that worker left). A thread woken by the op itself takes 0.1-0.2 ms to run on a VM, longer than a
+    decode step's op, which then runs on the caller's thread alone."""
+    if available():
+        torch.ops.colibri.wake()
 
 
 def exit_on_sigbus(code: int) -> bool:

@@ -5,7 +5,8 @@
 // runs chunk i unless the caller, done with chunk 0, claimed it first; `left` counts the chunks not yet done, and
 // the caller waits for zero. Workers never leave the team between jobs: after one they watch `seq` for
 // COLIBRI_SPIN_US, then sleep on it (futex), counted in `sleepers` so the caller makes the wake-up call only when
-// someone sleeps. A forked child starts a team of its own.
+// someone sleeps; wake() bumps `seq` without a job, so sleepers get up and spin for the next one. A forked child
+// starts a team of its own.
 
 #include "pool.h"
 
@@ -77,7 +78,7 @@ struct Team {
     const int threads;                   // the caller and threads - 1 workers
     const Clock::duration spin;
     std::atomic<uint64_t> job{0};        // the job's number, from 1
-    std::atomic<uint32_t> seq{0};        // its low bits, the futex word (also bumped once to stop)
+    std::atomic<uint32_t> seq{0};        // the futex word: bumped for each job, each wake() and once to stop
     std::atomic<int> sleepers{0};
     std::atomic<int> left{0};            // chunks of the job not yet done
     std::atomic<bool> stop{false};
@@ -206,7 +207,7 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, chunk_fn fn, const 
     for (int64_t i = 0; i < t.threads; ++i)                      // chunk 0 and workers without one: taken
         t.claim[i].store(i == 0 || i >= tasks ? 2 * j + 1 : 2 * j, std::memory_order_relaxed);
     t.job.store(j, std::memory_order_release);
-    t.seq.store(uint32_t(j));                                   // seq_cst: publishes the job, then reads sleepers
+    t.seq.fetch_add(1);                                         // seq_cst: publishes the job, then reads sleepers
     if (t.sleepers.load() > 0) futex_wake_all(&t.seq);
     t.run_chunk(0);
     for (int64_t i = 1; i < tasks; ++i)                          // the chunks no worker has started
@@ -222,6 +223,19 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, chunk_fn fn, const 
 
 void rest() { resting.store(true, std::memory_order_relaxed); }
 
+void wake() {
+    Pool& p = the_pool();
+    std::unique_lock<std::mutex> lock(p.busy, std::try_to_lock);
+    if (!lock.owns_lock() || !p.team) return;                   // a job runs (its workers are up), or no team yet
+    Team& t = *p.team;
+    resting.store(false, std::memory_order_relaxed);
+    t.seq.fetch_add(1);                                         // no job: each worker finds nothing to claim, spins
+    if (t.sleepers.load() > 0) futex_wake_all(&t.seq);
+}
+
 }  // namespace colibri_ops
 
-TORCH_LIBRARY_FRAGMENT(colibri, m) { m.def("rest() -> ()", &colibri_ops::rest); }
+TORCH_LIBRARY_FRAGMENT(colibri, m) {
+    m.def("rest() -> ()", &colibri_ops::rest);
+    m.def("wake() -> ()", &colibri_ops::wake);
+}

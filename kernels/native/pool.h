@@ -11,7 +11,9 @@
 // worker spins for COLIBRI_SPIN_US microseconds (default 300; 0 = sleep at once) so the next op of the same step
 // finds it awake, then waits on a futex; rest() (torch.ops.colibri.rest) sends spinning workers to sleep at once,
 // for a caller about to wait on something else (a router on its expert workers): the cores go to whoever
-// computes. A call from inside a job, or while another thread's job runs, runs inline on the calling thread: the
+// computes; wake() gets them up again ahead of the caller's next op, as that wait ends (a worker woken by the op
+// takes 0.1-0.2 ms to be back on a core of a VM, longer than a decode step's op: meanwhile the caller runs its
+// chunks alone). A call from inside a job, or while another thread's job runs, runs inline on the calling thread: the
 // same chunks' results, since every kernel's output is one tile whoever computes it.
 #pragma once
 
@@ -26,6 +28,7 @@ using chunk_fn = void (*)(const void* ctx, int64_t begin, int64_t end);
 void parallel_run(int64_t begin, int64_t end, int64_t grain, chunk_fn fn, const void* ctx);
 
 void rest();   // spinning workers sleep now; the next job wakes them
+void wake();   // sleeping workers get up and spin (COLIBRI_SPIN_US) for a job about to come; none while one runs
 
 template <class F>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {

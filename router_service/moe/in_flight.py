@@ -117,7 +117,7 @@ class InFlight:
 
     def result(self) -> torch.Tensor:
         t_start, waited, computed = time.perf_counter(), 0.0, 0.0
-        if not self.done():
+        if rested := not self.done():
             native.rest()   # this process waits now: its kernel threads leave the cores to the workers
             self.owner.waiting()     # ... and its stream handlers may have the GIL (the engine's outbox)
         got: list[Answer] = []
@@ -140,6 +140,8 @@ class InFlight:
             self.owner.dispatch_seconds.labels(self.owner.addresses[part.worker]).observe(time.perf_counter() -
                                                                                            self.sent)
             got.append((part.worker, part.rows, answer))
+            if rested and len(got) == 1:
+                native.wake()   # its kernel threads get up on the core this worker left, for the step's next op
         out, computed = self._combine(got)
         self.owner.count(wait=waited, expert_compute=computed,
                          dispatch=time.perf_counter() - t_start - waited)

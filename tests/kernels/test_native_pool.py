@@ -47,14 +47,7 @@ def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
 
 def _pool_threads() -> int:
     """Live threads of this process named by the pool."""
-    n = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                n += f.read().strip() == "colibri-pool"
-        except FileNotFoundError:       # a thread that just left
-            pass
-    return n
+    return len(_pool_states())
 
 
 def test_several_python_threads_calling_at_once_get_the_serial_bits():
@@ -129,3 +122,60 @@ def test_a_forked_child_gets_a_pool_of_its_own():
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"
     finally:
         torch.set_num_threads(threads)
+
+
+def _pool_states() -> list[str]:
+    """The scheduler state (R running, S sleeping, ...) of each of this process's pool threads."""
+    states = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip() != "colibri-pool":
+                    continue
+            with open(f"/proc/self/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:       # a thread that just left
+            pass
+    return states
+
+
+def _until(want: str, seconds: float) -> list[str]:
+    """The one pool thread's state once it is `want` (["R"] or ["S"]), or the states as they are after `seconds`
+    (a thread just started may not have its name yet)."""
+    deadline = time.monotonic() + seconds
+    while (states := _pool_states()) != [want] and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return states
+
+
+def _check_rest_and_wake() -> None:
+    """With spinning long (COLIBRI_SPIN_US=1 s, its most, set by the caller): after an op the worker spins (R);
+    rest() puts it to sleep (S) well before its spin would end, and it stays asleep; wake() gets it spinning again
+    with no op, and the next op's bits are the same."""
+    torch.set_num_threads(2)
+    run = _workload(3)
+    want = run()
+    assert _until("R", 0.5) == ["R"], "the worker does not spin after an op"
+    native.rest()
+    assert _until("S", 0.5) == ["S"], "rest() left the worker spinning"
+    time.sleep(0.2)
+    assert _pool_states() == ["S"], "the worker got up with no op and no wake()"
+    native.wake()
+    assert _until("R", 0.5) == ["R"], "wake() left the worker asleep"
+    assert _same(run(), want), "other bits after wake()"
+    native.rest()
+    assert _until("S", 0.5) == ["S"], "rest() after wake() left the worker spinning"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread states through /proc")
+def test_rest_puts_the_pool_to_sleep_and_wake_gets_it_up_without_an_op():
+    """The router rests the pool as it sends a layer to its workers (the cores go to them) and wakes it as the first
+    reply comes in, so its next op finds the worker on a core: a worker woken only by the op took 0.1-0.2 ms to
+    run, and the op ran on the caller's thread alone meanwhile. In a process of its own (its spin time is read
+    once)."""
+    root = Path(__file__).resolve().parents[2]
+    code = "from tests.kernels.test_native_pool import _check_rest_and_wake; _check_rest_and_wake()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLIBRI_SPIN_US": "1000000", "PYTHONPATH": os.pathsep.join(
+                              p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)})
+    assert done.returncode == 0, done.stderr[-3000:]
