@@ -13,7 +13,9 @@ the float path, as in `moe_`); both revisions need the file.
 
 `--x16-tiles` (level amx) builds B as the amx level builds its weight-only int8 against bf16 x (`int8b`): the
 working tree's `amx_x16.h` (AMX int8 tiles from two rows, the int16 form's per-block totals on vectors at one row)
-beside A's int16 form on vectors alone (gemm.h without CK_X16_TILES, as the other AVX-512 levels run it).
+beside A's int16 form on vectors alone (gemm.h without CK_X16_TILES, as the other AVX-512 levels run it). With
+`--x16-tiles-base` too, A is built the same way from the base revision's tiles (a change to the tiles against the
+tiles before it).
 
 - layer: a MoE layer of the bench shapes (8 of 64 experts, H 1024, I 512; fresh experts every call over 3
   layers), whole experts per thread as `moe_` runs them at few rows per expert, every expert `ROWS` rows;
@@ -38,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GEMM = "kernels/native/gemm.h"
 DPBF16 = "kernels/native/dpbf16.h"             # the avx512bf16 level's bf16 products (its `linear_bf16`)
 X16_TILES = ("kernels/native/amx.h", "kernels/native/amx_x16.h")   # the amx level's int8 tiles (--x16-tiles)
+AMX_ENTRIES = ("colibri_linear_bf16_amx", "colibri_linear_i8_tiles_amx", "colibri_linear_i8w_bf16_amx")  # amx.h's
+#                                                      extern "C" names, one build's apart where both take the tiles
 DRIVER = Path(__file__).resolve().parent / "gemm_ab.cpp"
 MODES = ("layer", "linear")
 KINDS = ("bf16", "int8", "int8b", "w8a8", "bf16dp")   # int8b: weight-only int8 against rows that were bf16
@@ -60,13 +64,14 @@ def source_at(base: str, path: str = GEMM) -> str:
 
 
 def working_tree() -> str:
-    """What build B is, for the results file: the commit, and whether gemm.h differs from it."""
+    """What build B is, for the results file: the commit, and which of its kernel sources differ from it."""
     try:
         head = git("rev-parse", "--short", "HEAD").strip()
-        dirty = git("status", "--porcelain", "--", GEMM).strip()
+        dirty = git("status", "--porcelain", "--", GEMM, DPBF16, *X16_TILES).split("\n")
     except subprocess.CalledProcessError:
         return "the working tree (not a git checkout)"
-    return f"the working tree at {head}" + (f" with {GEMM} changed" if dirty else "")
+    changed = [line[3:] for line in dirty if line.strip()]
+    return f"the working tree at {head}" + (f" with {', '.join(changed)} changed" if changed else "")
 
 
 def lanes(level: str) -> int:
@@ -79,10 +84,11 @@ def lanes(level: str) -> int:
 
 
 def build(a: str, b: str, level: str, cxx: str, work: Path, dp: tuple[str, str] | None = None,
-          tiles: bool = False) -> Path:
+          tiles: bool = False, base_tiles: str | None = None) -> Path:
     """The driver linked against two texts of gemm.h (A and B), both compiled with `level`'s flags and lanes; with
     `dp`, two texts of dpbf16.h too (after gemm.h, as isa_avx512bf16.cpp includes it), for the bf16dp kind; with
-    `tiles`, B takes the working tree's AMX int8 tiles for wdtype 3 (X16_TILES, as isa_amx.cpp includes them)."""
+    `tiles`, B takes the working tree's AMX int8 tiles for wdtype 3 (X16_TILES, as isa_amx.cpp includes them), and
+    with `base_tiles` (a git revision) A those of that revision."""
     flags = ["-std=gnu++20", "-O3", "-fno-math-errno", *native_build.levels()[level]]
     if dp is not None and "-mavx512bf16" not in flags:
         raise SystemExit(f"gemm_ab: bf16dp needs a level with AVX512-BF16 (avx512bf16, amx), not {level}")
@@ -94,12 +100,14 @@ def build(a: str, b: str, level: str, cxx: str, work: Path, dp: tuple[str, str] 
         (work / name / "gemm.h").write_text(text)
         if dp is not None:
             (work / name / "dpbf16.h").write_text(dp[i])
-        on_tiles = tiles and name == "b"
+        on_tiles = tiles and (name == "b" or base_tiles is not None)
         for path in X16_TILES if on_tiles else ():
-            (work / name / Path(path).name).write_text((ROOT / path).read_text())
+            text_of = (ROOT / path).read_text() if name == "b" else source_at(str(base_tiles), path)
+            (work / name / Path(path).name).write_text(text_of)
         unit = work / name / "unit.cpp"
+        rename = "".join(f"#define {sym} {sym}_{name}\n" for sym in AMX_ENTRIES) if on_tiles else ""
         unit.write_text(f'#define CK_WIDTH {lanes(level)}\n'
-                        f'#define CK_NAME {name.upper()}\n'
+                        f'#define CK_NAME {name.upper()}\n' + rename
                         + ('#define CK_X16_TILES 1\n' if on_tiles else "") + '#include "gemm.h"\n'
                         + ('#include "dpbf16.h"\n' if dp is not None else "")
                         + ('#include "amx.h"\n#include "amx_x16.h"\n' if on_tiles else ""))
@@ -147,7 +155,11 @@ def main() -> int:
                     help="the ISA level whose flags both builds take (default: %(default)s)")
     ap.add_argument("--x16-tiles", action="store_true",
                     help="level amx: B with the AMX int8 tiles for int8b (amx_x16.h), A with the vector int16 form")
+    ap.add_argument("--x16-tiles-base", action="store_true",
+                    help="with --x16-tiles: A with the base revision's AMX int8 tiles instead of the vector form")
     args = ap.parse_args()
+    if args.x16_tiles_base and not args.x16_tiles:
+        raise SystemExit("gemm_ab: --x16-tiles-base compares two builds of the tiles; give --x16-tiles too")
     modes, kinds = args.modes.split(","), args.kinds.split(",")
     bad = [m for m in modes if m not in MODES] + [k for k in kinds if k not in KINDS]
     try:
@@ -166,7 +178,8 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dp = (source_at(args.base, DPBF16), (ROOT / DPBF16).read_text()) if "bf16dp" in kinds else None
-        exe = build(source_at(args.base), (ROOT / GEMM).read_text(), args.level, cxx, Path(tmp), dp, args.x16_tiles)
+        exe = build(source_at(args.base), (ROOT / GEMM).read_text(), args.level, cxx, Path(tmp), dp, args.x16_tiles,
+                    args.base if args.x16_tiles_base else None)
         for mode in modes:
             for kind in kinds:
                 for m in row_counts:
@@ -182,8 +195,9 @@ def main() -> int:
         f"Machine: {machine()}; ISA level compiled: {args.level}; {args.threads} thread(s), {args.rounds} rounds.",
         f"Command: `python -m benchmarks.gemm_ab --base {args.base} --modes {args.modes} --kinds {args.kinds} "
         f"--rows {args.rows} --threads {args.threads} --rounds {args.rounds} --level {args.level}"
-        + (" --x16-tiles" if args.x16_tiles else "") + f"`. A = `{GEMM}` at `{args.base}`, B = {working_tree()}"
-        + (" with the AMX int8 tiles for int8b (amx_x16.h)" if args.x16_tiles else "")
+        + (" --x16-tiles" if args.x16_tiles else "") + (" --x16-tiles-base" if args.x16_tiles_base else "")
+        + f"`. A = `{GEMM}` at `{args.base}`" + (" with its AMX int8 tiles" if args.x16_tiles_base else "")
+        + f", B = {working_tree()}" + (" with the AMX int8 tiles for int8b (amx_x16.h)" if args.x16_tiles else "")
         + ". ms: best / mean of the rounds; B faster by: A's best over B's; GB/s at the best; 2 MiB pages: the "
         "driver's anonymous memory on them (AnonHugePages), of the weights' "
         "576 MiB (layer, bf16), 288 (layer, int8), 188 or 156 (linear: copies of lm_head over 4x a 32 MiB L3).",
