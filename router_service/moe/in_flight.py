@@ -140,8 +140,8 @@ class InFlight:
             self.owner.dispatch_seconds.labels(self.owner.addresses[part.worker]).observe(time.perf_counter() -
                                                                                            self.sent)
             got.append((part.worker, part.rows, answer))
-            if rested and len(got) == 1:
-                native.wake()   # its kernel threads get up on the core this worker left, for the step's next op
+            if rested and len(got) == 1 and todo:   # another reply to come: the kernel threads get up on the
+                native.wake()                      # core this worker left, for the step's next op
         out, computed = self._combine(got)
         self.owner.count(wait=waited, expert_compute=computed,
                          dispatch=time.perf_counter() - t_start - waited)
