@@ -134,7 +134,7 @@ def _pool_states() -> list[str]:
                     continue
             with open(f"/proc/self/task/{task}/stat") as f:
                 states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except FileNotFoundError:       # a thread that just left
+        except (FileNotFoundError, ProcessLookupError):   # a thread that left between the listing and the read
             pass
     return states
 
