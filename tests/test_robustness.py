@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -400,26 +401,30 @@ def test_what_a_serve_killed_with_sigkill_left_the_next_serve_removes(oracles):
     """SIGKILL gives serve no chance to remove its workers' socket directory (/tmp/colibri-fleet-SCOPE-PID-*, mode
     0700) or its throw-away TLS files (tls-SCOPE-PID in the cache dir): each crash left them behind. The next serve
     removes those of serve processes that are gone, and keeps its own and those of another scope (a host or PID
-    namespace sharing the directory, where the pid means nothing)."""
+    namespace sharing the directory, where the pid means nothing). Both serves have a temp and a cache directory of
+    their own: any other test's serve starting in between would sweep the dead one's leftovers first."""
     path = str(oracles["qwen3_moe"].path)
-    argv = ["serve", "--model", path, "--workers", "1", "--port", "0", "--tls-self-signed", "--log-level", "WARNING"]
-    p = colibri_popen(argv, stdout=subprocess.PIPE)
+    tmp, cache = Path(tempfile.mkdtemp(prefix="cl-")), Path(tempfile.mkdtemp(prefix="cl-cache-"))  # short: socket paths
+    own = {"TMPDIR": str(tmp), "COLIBRI_CACHE_DIR": str(cache)}
+    argv = ["serve", "--model", path, "--workers", "1", "--port", "0", "--tls-self-signed", "--log-level", "WARNING",
+            "--cpu-forms", "off"]
     try:
-        assert p.stdout.readline().startswith("ready ")
-        children = psutil.Process(p.pid).children()
-    finally:
-        p.kill()
-        p.wait()
-    psutil.wait_procs(children, timeout=30)                    # they follow it (PDEATHSIG)
-    cache, tmp = Path(os.environ["COLIBRI_CACHE_DIR"]), Path(tempfile.gettempdir())
-    left = [*tmp.glob(f"colibri-fleet-*-{p.pid}-*"), *cache.glob(f"tls-*-{p.pid}")]
-    assert len(left) == 2 and all(d.is_dir() for d in left), left
-    elsewhere = tmp / f"colibri-fleet-00000000-{p.pid}-x"     # the same dead pid, seen from another scope
-    elsewhere.mkdir(mode=0o700)
-    try:
-        with fleet(path, 1, ["--tls-self-signed"]) as (addr, proc):
+        p = colibri_popen(argv, stdout=subprocess.PIPE, env={**os.environ, **own})
+        try:
+            assert p.stdout.readline().startswith("ready ")
+            children = psutil.Process(p.pid).children()
+        finally:
+            p.kill()
+            p.wait()
+        psutil.wait_procs(children, timeout=30)                    # they follow it (PDEATHSIG)
+        left = [*tmp.glob(f"colibri-fleet-*-{p.pid}-*"), *cache.glob(f"tls-*-{p.pid}")]
+        assert len(left) == 2 and all(d.is_dir() for d in left), left
+        elsewhere = tmp / f"colibri-fleet-00000000-{p.pid}-x"     # the same dead pid, seen from another scope
+        elsewhere.mkdir(mode=0o700)
+        with fleet(path, 1, ["--tls-self-signed", "--cpu-forms", "off"], env=own) as (addr, proc):
             assert not any(d.exists() for d in left), left
             assert [*tmp.glob(f"colibri-fleet-*-{proc.pid}-*")] and [*cache.glob(f"tls-*-{proc.pid}")]  # its own
             assert elsewhere.is_dir()
     finally:
-        elsewhere.rmdir()
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
