@@ -40,6 +40,8 @@ PROBES: dict[str, tuple[dict[str, str], list[str]]] = {
     "micro-batches 2": ({}, ["--micro-batches", "2"]),
     "transport stream": ({}, ["--transport", "stream"]),
     "max-batch-size 1": ({}, ["--max-batch-size", "1"]),
+    "malloc perturb 0xa5": ({"MALLOC_PERTURB_": "165"}, []),     # glibc fills fresh and freed heap memory: bits
+    "malloc perturb 0x5a": ({"MALLOC_PERTURB_": "90"}, []),      # that move read memory nobody wrote
 }
 
 
