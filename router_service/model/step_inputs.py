@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -76,13 +77,17 @@ class StepInputs:
             num_decode += 1
         decode = seqs[:num_decode]
         if decode:
-            cmax = max(s.num_cached + 1 for s in decode)
+            # numpy, not torch ops: this runs first in a step, on caches the last step's weights have flushed, where
+            # each torch op costs ~100 µs (docs/performance.md, "That Python runs on caches ...")
+            lens_np = np.array([s.num_cached + 1 for s in decode], dtype=np.int64)                # [Bd]
+            cmax = int(lens_np.max())
             nblk = (cmax + block_size - 1) // block_size
-            table = torch.tensor([s.block_table[:nblk] + [0] * (nblk - len(s.block_table[:nblk])) for s in decode])
-            offs = torch.arange(block_size)
-            dslots = (table[:, :, None] * block_size + offs).reshape(len(decode), -1)[:, :cmax]  # [Bd, Cmax]
-            lens = torch.tensor([s.num_cached + 1 for s in decode])
-            dmask = (torch.arange(cmax)[None, :] < lens[:, None])[:, None, None, :]         # [Bd, 1, 1, Cmax]
+            table_np = np.array([s.block_table[:nblk] + [0] * (nblk - len(s.block_table[:nblk])) for s in decode],
+                                dtype=np.int64)                                                   # [Bd, NB]
+            dslots_np = (table_np[:, :, None] * block_size + np.arange(block_size)).reshape(len(decode), -1)
+            table, lens = torch.from_numpy(table_np), torch.from_numpy(lens_np)
+            dslots = torch.from_numpy(dslots_np)[:, :cmax]                                        # [Bd, Cmax]
+            dmask = torch.from_numpy(np.arange(cmax)[None, :] < lens_np[:, None])[:, None, None, :]   # [Bd, 1, 1, Cmax]
             if window:                       # query at position len - 1 sees positions len - W .. len - 1
                 cw = min(window, cmax)
                 pos = (lens - window).clamp(min=0)[:, None] + torch.arange(cw)[None, :]         # [Bd, Cw]
@@ -118,12 +123,11 @@ class StepInputs:
             row += s.num_new
             if s.sample:
                 sample_rows.append(row - 1)
+        rows = torch.from_numpy(np.array([token_ids, positions, slots], dtype=np.int64))         # [3, T]
         return StepInputs(
-            token_ids=torch.tensor(token_ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            slots=torch.tensor(slots, dtype=torch.long),
+            token_ids=rows[0], positions=rows[1], slots=rows[2],
             num_decode=num_decode, decode_slots=dslots, decode_mask=dmask,
-            prefills=prefills, sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            prefills=prefills, sample_rows=torch.from_numpy(np.array(sample_rows, dtype=np.int64)),
             window=window, decode_window_slots=wslots if window else None,
             decode_window_mask=wmask if window else None, prefill_windows=windows,
             decode_lens=lens, decode_window_lens=wlens if window else None, decode_table=table,
