@@ -93,7 +93,7 @@ def submit(ex: Dispatching, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
             parts.append(Part(wp.worker, wp.rows, reply, placed.assigned))
     else:
         whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
-        for wr in partition(table.owner[layer], ids32, W):
+        for wr in partition(table.owner_lists[layer], ids32, W):
             # index_select, never x[rows]: advanced indexing of a few rows starts an OpenMP region, ~0.07 ms on
             # an idle CPU and ~1 ms while the workers hold the cores
             rows = (x, ids32, w32) if wr.rows is None else \

@@ -25,8 +25,9 @@ class WorkerRows:
 SMALL = 8     # token rows up to which partition works in Python (a bench-fleet layer at one row: 44 -> 24 µs)
 
 
-def partition(owner: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerRows]:
-    """owner [E] expert -> worker, topk_ids [T, K] -> one WorkerRows per worker with at least one token.
+def partition(owner: torch.Tensor | Sequence[int], topk_ids: torch.Tensor, num_workers: int) -> list[WorkerRows]:
+    """owner [E] expert -> worker (a tensor, or a list as `Table.owner_lists` keeps it), topk_ids [T, K] -> one
+    WorkerRows per worker with at least one token.
 
     A token goes to every worker that holds one of its K experts (once, whatever how many of them it holds);
     the worker computes the weighted sum over the experts it holds. Workers without tokens are left out.
@@ -37,7 +38,9 @@ def partition(owner: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> 
     if num_workers == 1:
         return [WorkerRows(0, None, topk_ids.numel())]
     if T <= SMALL:                 # a decode step of a few streams: one sync and Python lists, not five torch ops
-        owners = owner[topk_ids].tolist()                                    # [T][K] each pair's worker
+        # a list owner spares the torch ops (each ~50 µs on the caches the attention's weights just flushed)
+        own = owner.tolist() if isinstance(owner, torch.Tensor) else owner   # [E]
+        owners = [[own[e] for e in row] for row in topk_ids.tolist()]       # [T][K] each pair's worker
         out = []
         for w in range(num_workers):
             per_row = [r.count(w) for r in owners]                           # [T] pairs of each row here
@@ -47,6 +50,7 @@ def partition(owner: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> 
             elif rows:
                 out.append(WorkerRows(w, torch.tensor(rows, dtype=torch.long), sum(per_row)))
         return out
+    owner = owner if isinstance(owner, torch.Tensor) else torch.tensor(owner, dtype=torch.long)
     per_row = F.one_hot(owner[topk_ids], num_workers).sum(dim=1)             # [T, W] pairs of row t on worker w
     hits = per_row > 0                                                       # [T, W] token needs worker w
     counts, pairs = torch.stack([hits.sum(dim=0), per_row.sum(dim=0)]).tolist()   # [W] each, one sync

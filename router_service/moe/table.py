@@ -27,6 +27,7 @@ class Table:
     holding: tuple[list[tuple[int, ...]], ...]   # [L][E] each expert's workers, ascending (`holding_of(holders)`)
     digests: tuple[int, ...] = ()      # [W] held_digest of each worker's experts in the plan (0: none), sent with the
                                        # whole top-k so a worker holding another set refuses it
+    owner_lists: tuple[list[int], ...] = ()   # [L][E] `owner` as lists: a few rows' partition reads no tensor
 
     @property
     def epoch(self) -> int:
@@ -49,7 +50,8 @@ class Table:
         for address in plan.workers:
             digests[index[address]] = held_digest(plan.of(address))
         return Table(plan, holders, owner, explicit=replicated or plan.epoch > 0,
-                     holding=tuple(holding_of(h) for h in holders), digests=tuple(digests))
+                     holding=tuple(holding_of(h) for h in holders), digests=tuple(digests),
+                     owner_lists=tuple(owner.tolist()))
 
     def held_elsewhere(self, w: int, live: list[bool]) -> bool:
         """Whether every expert worker w holds has another live holder (live [W']: liveness by worker index), so
