@@ -8,6 +8,8 @@ wrong. Over a real fleet's same-host sockets, a router takes both ops (spied) an
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -33,6 +35,12 @@ def parts_of(layout: list[int | None], g: torch.Generator) -> list[tuple[torch.T
         sums = torch.randn(T if n is None else n, H, dtype=torch.float64, generator=g) * 10 ** torch.randint(
             -3, 4, (1,), generator=g).item()
         sums[0, :4] = torch.tensor([0.0, -0.0, -0.0, 1e-300])
+        # the rounding's edges: infinities, past float32's range, float32's subnormals, bf16's largest, and
+        # 1 + 2^-8 + 2^-30, which rounds to 1 through float32 (torch's way) but up straight from float64 (no NaN: a
+        # worker's sums are finite, and torch's own bits for one depend on where it lies, 0xFFFF in its vector
+        # lanes, 0x7FC0 in the scalar tail)
+        sums[0, 4:11] = torch.tensor([math.inf, -math.inf, 1e39, 1e-40, 3.3895313892515355e38,
+                                      1 + 2 ** -8 + 2 ** -30, -(1 + 2 ** -8 + 2 ** -30)], dtype=torch.float64)
         out.append((rows, sums))
     return out
 

@@ -7,7 +7,7 @@
 //                   each reply's instance string in its payload))
 //
 //   every part's rows None: acc = part 0, acc += part 1, ...      else: acc = 0, then part by part acc[rows] += part
-//   out = acc.to(dtype)                                           (torch's rounding, once)
+//   out = acc.to(dtype)                                           (torch's rounding, once: `rounded`)
 //
 // An empty `out` means "not this way": a reply that is not a float64 [n, H] sum of its rows, a row out of range, rows
 // that are not a contiguous int64 [n] tensor, or a field it does not expect goes to the Python path, which parses and says what is wrong. What it saves is a reply's
@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "bf16.h"
 #include "wire.h"
 
 #include <cstring>
@@ -63,6 +64,25 @@ bool parse_reply(const uint8_t* s, uint64_t n, Reply& r) {
     return r.output.seen;
 }
 
+// acc [T, H] float64 rounded to `dtype` with torch's bits (acc.to(dtype): to float32, then to bfloat16 at nearest
+// even; a NaN, which a worker's finite sums never hold, comes out 0x7FC0, as torch's scalar tail gives and not its
+// vector lanes' 0xFFFF), in a plain loop for the two hidden dtypes rather than `to`'s TensorIterator path, which a
+// decode step's one-row sum runs on caches the workers' weights have just flushed (docs/performance.md).
+at::Tensor rounded(const at::Tensor& acc, at::ScalarType dtype) {
+    if (dtype != at::kBFloat16 && dtype != at::kFloat) return acc.to(dtype);
+    at::Tensor out = at::empty(acc.sizes(), at::TensorOptions().dtype(dtype));
+    const double* a = acc.data_ptr<double>();
+    const int64_t n = acc.numel();
+    if (dtype == at::kFloat) {
+        float* o = out.data_ptr<float>();
+        for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(a[i]);
+    } else {
+        uint16_t* o = static_cast<uint16_t*>(out.data_ptr());
+        for (int64_t i = 0; i < n; ++i) o[i] = colibri_bf16::bits(static_cast<float>(a[i]));
+    }
+    return out;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> combine_replies(at::TensorList payloads, at::TensorList rows, int64_t T,
@@ -70,27 +90,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> combine_replies(at::TensorList pa
     const int64_t P = int64_t(payloads.size());
     TORCH_CHECK(int64_t(rows.size()) == P && P > 0 && T > 0 && H > 0,
                 "colibri::combine_replies: one rows tensor per payload, T and H positive");
-    auto none = std::make_tuple(at::empty({0}, at::TensorOptions().dtype(dtype)), at::empty({0}, at::kDouble),
-                                at::empty({0}, at::kLong));
+    auto none = [&] {                       // made only where the Python path must take the replies
+        return std::make_tuple(at::empty({0}, at::TensorOptions().dtype(dtype)), at::empty({0}, at::kDouble),
+                               at::empty({0}, at::kLong));
+    };
     std::vector<Reply> parts(P);
     bool all_rows = true;
     for (int64_t p = 0; p < P; ++p) {
         const at::Tensor& b = payloads[p];
         TORCH_CHECK(b.scalar_type() == at::kByte && b.dim() == 1 && b.is_contiguous(),
                     "colibri::combine_replies: each payload is a contiguous uint8 [B] tensor");
-        if (!parse_reply(b.data_ptr<uint8_t>(), uint64_t(b.numel()), parts[p])) return none;
+        if (!parse_reply(b.data_ptr<uint8_t>(), uint64_t(b.numel()), parts[p])) return none();
         const at::Tensor& r = rows[p];
         const bool all = r.numel() == 0;
         if (!all) {
-            if (r.scalar_type() != at::kLong || r.dim() != 1 || !r.is_contiguous()) return none;   // Python's to sum
+            if (r.scalar_type() != at::kLong || r.dim() != 1 || !r.is_contiguous()) return none();   // Python's to sum
             const int64_t* rp = r.data_ptr<int64_t>();
             for (int64_t i = 0; i < r.numel(); ++i)
-                if (rp[i] < 0 || rp[i] >= T) return none;
+                if (rp[i] < 0 || rp[i] >= T) return none();
         }
         all_rows = all_rows && all;
         uint64_t n, h;
         if (!matrix(parts[p].output, "float64", 8, n, h) || int64_t(h) != H || int64_t(n) != (all ? T : r.numel()))
-            return none;
+            return none();
     }
     at::Tensor acc = all_rows ? at::empty({T, H}, at::kDouble) : at::zeros({T, H}, at::kDouble);   // [T, H]
     double* a = acc.data_ptr<double>();
@@ -121,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> combine_replies(at::TensorList pa
         inst.data_ptr<int64_t>()[2 * p] = parts[p].instance_at;
         inst.data_ptr<int64_t>()[2 * p + 1] = parts[p].instance_len;
     }
-    return std::make_tuple(acc.to(dtype), ms, inst);
+    return std::make_tuple(rounded(acc, dtype), ms, inst);
 }
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
