@@ -85,9 +85,9 @@ class StepInputs:
             table_np = np.array([s.block_table[:nblk] + [0] * (nblk - len(s.block_table[:nblk])) for s in decode],
                                 dtype=np.int64)                                                   # [Bd, NB]
             dslots_np = (table_np[:, :, None] * block_size + np.arange(block_size)).reshape(len(decode), -1)
-            table, lens = torch.from_numpy(table_np), torch.from_numpy(lens_np)
-            dslots = torch.from_numpy(dslots_np)[:, :cmax]                                        # [Bd, Cmax]
-            dmask = torch.from_numpy(np.arange(cmax)[None, :] < lens_np[:, None])[:, None, None, :]   # [Bd, 1, 1, Cmax]
+            table, lens = torch.from_numpy(table_np), torch.from_numpy(lens_np)   # (views cut in numpy: no op)
+            dslots = torch.from_numpy(dslots_np[:, :cmax])                                        # [Bd, Cmax]
+            dmask = torch.from_numpy((np.arange(cmax)[None, :] < lens_np[:, None])[:, None, None, :])  # [Bd, 1, 1, C]
             if window:                       # query at position len - 1 sees positions len - W .. len - 1
                 cw = min(window, cmax)
                 pos = (lens - window).clamp(min=0)[:, None] + torch.arange(cw)[None, :]         # [Bd, Cw]
@@ -123,9 +123,9 @@ class StepInputs:
             row += s.num_new
             if s.sample:
                 sample_rows.append(row - 1)
-        rows = torch.from_numpy(np.array([token_ids, positions, slots], dtype=np.int64))         # [3, T]
+        rows = np.array([token_ids, positions, slots], dtype=np.int64)                           # [3, T]
         return StepInputs(
-            token_ids=rows[0], positions=rows[1], slots=rows[2],
+            token_ids=torch.from_numpy(rows[0]), positions=torch.from_numpy(rows[1]), slots=torch.from_numpy(rows[2]),
             num_decode=num_decode, decode_slots=dslots, decode_mask=dmask,
             prefills=prefills, sample_rows=torch.from_numpy(np.array(sample_rows, dtype=np.int64)),
             window=window, decode_window_slots=wslots if window else None,
