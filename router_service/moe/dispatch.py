@@ -57,8 +57,11 @@ def submit(ex: Dispatching, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
     ahead = None if prefetch is None else expert_pb2.Prefetch(layer=prefetch[0], experts=prefetch[1])
     ex.step += 1
     native.rest()       # the workers are about to compute: this process's kernel threads leave them the cores
-    x, ids32, w32 = ex.staging.to_host(hidden.to(ex.wire_dtype),       # [T, H] on the wire
-                                       ids.to(torch.int32), weights.float())    # [T, K]
+    # each `to` only where it converts: a no-op one still dispatches, ~1 µs warm and tens on the caches the layer's
+    # attention weights have just flushed
+    x, ids32, w32 = ex.staging.to_host(hidden if hidden.dtype == ex.wire_dtype else hidden.to(ex.wire_dtype),  # [T, H]
+                                       ids if ids.dtype == torch.int32 else ids.to(torch.int32),                # [T, K]
+                                       weights if weights.dtype == torch.float32 else weights.float())          # [T, K]
     # a failover re-sends from the host copies, and the window counts ids when the step closes: they must outlive
     # the (GPU) staging buffers, which the next layer reuses
     keep = (lambda t: t.clone()) if ex.staging.pinned else (lambda t: t)   # noqa: E731

@@ -145,7 +145,7 @@ class InFlight:
         out, computed = self._combine(got)
         self.owner.count(wait=waited, expert_compute=computed,
                          dispatch=time.perf_counter() - t_start - waited)
-        return out.to(self.device)                                                            # [T, H]
+        return out if out.device == self.device else out.to(self.device)                      # [T, H]
 
     def _saw(self, got: list[Answer]) -> None:
         """Tell the owner which process answered each reply so far (a failover's path: the bytes parsed here)."""
