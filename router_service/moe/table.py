@@ -8,7 +8,7 @@ Shapes: L layers of the model (only MoE ones hold experts), E experts per layer,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +27,11 @@ class Table:
     holding: tuple[list[tuple[int, ...]], ...]   # [L][E] each expert's workers, ascending (`holding_of(holders)`)
     digests: tuple[int, ...] = ()      # [W] held_digest of each worker's experts in the plan (0: none), sent with the
                                        # whole top-k so a worker holding another set refuses it
-    owner_lists: tuple[list[int], ...] = ()   # [L][E] `owner` as lists: a few rows' partition reads no tensor
+    # [L][E] `owner` as lists, so that a few rows' partition reads no tensor: derived, never given
+    owner_lists: tuple[list[int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "owner_lists", tuple(self.owner.tolist()))
 
     @property
     def epoch(self) -> int:
@@ -50,8 +54,7 @@ class Table:
         for address in plan.workers:
             digests[index[address]] = held_digest(plan.of(address))
         return Table(plan, holders, owner, explicit=replicated or plan.epoch > 0,
-                     holding=tuple(holding_of(h) for h in holders), digests=tuple(digests),
-                     owner_lists=tuple(owner.tolist()))
+                     holding=tuple(holding_of(h) for h in holders), digests=tuple(digests))
 
     def held_elsewhere(self, w: int, live: list[bool]) -> bool:
         """Whether every expert worker w holds has another live holder (live [W']: liveness by worker index), so
