@@ -21,11 +21,12 @@ from functools import partial
 from pathlib import Path
 
 from colibri import leftovers
-from colibri.cores import split_threads
+from colibri.cores import split_threads, worker_cpus
 from colibri.fleet import Child, Fleet, check_ports_free, exit_reason, free_ports
 from colibri.fork import FRONT_MODULES, SERVICE_MODULES, Entry, preload
 from colibri.serve_options import ServeOptions
 from colibri_common.config import ModelConfig
+from colibri_common.cpus import format_cpu_list
 from colibri_common.errors import ConfigError
 from colibri_common.file_watch import EXIT_RESTART, files_settled
 from colibri_common.fleet_token import ENV as FLEET_ENV
@@ -55,8 +56,10 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
     setup_logging("serve", opts.router.log_level)
     leftovers.sweep(Path(tempfile.gettempdir()), Path(os.environ.get("COLIBRI_CACHE_DIR") or tempfile.gettempdir()))
     n = opts.workers
-    cores = opts.router.threads or len(os.sched_getaffinity(0))
+    allowed = os.sched_getaffinity(0)
+    cores = opts.router.threads or len(allowed)
     router_threads, worker_threads = split_threads(cores, n)
+    cpus = worker_cpus(allowed, cores, n) if opts.worker_cpus == "auto" and not opts.on_gpus else [()] * n
     fleet = Fleet(forks=opts.forks, entry=entry)
     # The worker plane's credential: the user's ($COLIBRI_FLEET_TOKEN) or a fresh one; calls without it are
     # refused by the workers unread. It reaches the children in their environment, never their argv.
@@ -118,7 +121,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         chosen = free_ports(2 * n + 1 if any_metrics else n, frozenset(p for _, _, p in opts.fixed_ports()))
         ports, mports = chosen[:n], [*chosen[n:]] if any_metrics else [None] * (n + 1)
         # (not put into opts: its port checks read P + 1 + i as the workers' ports, which these are not)
-        procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i], sockets, mports[i]))
+        procs = [fleet.spawn("expert", opts.expert(i, worker_threads, ports[i], sockets, mports[i], cpus[i]))
                  for i in range(n)]
         workers = tuple(f"127.0.0.1:{port}" for port in ports)
         router = fleet.spawn("router", opts.router_options(workers, router_threads, mports[n]))
@@ -137,6 +140,9 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         fleet.stop()
         return 1
     cache = opts.cache.expert_cache_capacity
+    if any(cpus):
+        log.info("workers' CPUs: %s (--worker-cpus auto; the router runs on any)",
+                 ", ".join(f"worker {i} on CPU {format_cpu_list(c)}" for i, c in enumerate(cpus)))
     log.info("fleet ready in %.1fs (workers ready after %s s; expert cache: %s)", time.monotonic() - t_start,
              ", ".join(f"{t:.1f}" for t in ready_s), cache if cache != "all" else "every expert held, in place where "
              "the checkpoint allows (each worker's log says)" if opts.cache.experts_in_place == "auto" else
@@ -192,7 +198,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
         return int(address.rsplit(":", 1)[1])
 
     def respawn_worker(i: int) -> Child:
-        return fleet.spawn("expert", opts.expert(i, worker_threads, port_of(addrs[i]), sockets, mports[i]))
+        return fleet.spawn("expert", opts.expert(i, worker_threads, port_of(addrs[i]), sockets, mports[i], cpus[i]))
 
     def respawn_router() -> Child:
         current["router"] = fleet.spawn("router", replace(opts.router_options(workers, router_threads, mports[n]),

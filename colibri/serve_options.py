@@ -8,6 +8,7 @@ from pathlib import Path
 
 from colibri.openai_api.options import OpenAIOptions, check_model_name
 from colibri.openai_api.policy import host_entry, origin_entry
+from colibri_common.cpus import format_cpu_list
 from colibri_common.flags import option
 from colibri_common.options import shared_fields
 from expert_service.options import ExpertCacheOptions, ExpertOptions
@@ -54,6 +55,11 @@ class ServeOptions:
     generation_config: str = option("auto", "with --openai-port: 'auto' gives requests that leave sampling "
                                             "fields out the checkpoint's generation_config.json values (as "
                                             "vLLM); 'vllm': OpenAI's defaults", choices=("auto", "vllm"))
+    worker_cpus: str = option("auto", "auto: where the workers split every CPU this process may use between them "
+                                      "(--threads 0, as many CPUs as workers or a multiple), each runs on a block "
+                                      "of its own (`colibri expert --cpus`; the router runs on any): on 2 cores the "
+                                      "scheduler otherwise often queues a layer's two workers on one core while the "
+                                      "other idles; off: wherever the OS puts them", choices=("auto", "off"))
     spawn: str = option("auto", "how the children start: 'fork' them from serve once it has imported torch and "
                                 "the services (one import for the fleet, pages shared), or 'exec' a fresh "
                                 "`colibri` for each; 'auto' forks on CPUs and execs with GPUs (CUDA cannot "
@@ -77,6 +83,8 @@ class ServeOptions:
         if self.gpus and self.router.batch_invariant:
             raise ValueError("--batch-invariant runs on CPUs (one-row kernels); on GPUs the Triton kernels' tiles "
                              "depend on the batch: serve without it")
+        if self.worker_cpus not in ("auto", "off"):
+            raise ValueError(f"--worker-cpus must be auto or off, got {self.worker_cpus!r}")
         if self.spawn not in SPAWNS:
             raise ValueError(f"--spawn must be one of {', '.join(SPAWNS)}, got {self.spawn!r}")
         if self.spawn == "fork" and self.on_gpus:
@@ -137,11 +145,12 @@ class ServeOptions:
         return f"cuda:{self.gpus[0 if child is None else child % len(self.gpus)]}"
 
     def expert(self, shard: int, threads: int, port: int = 0, sockets: Path | None = None,
-               metrics_port: int | None = None) -> ExpertOptions:
+               metrics_port: int | None = None, cpus: tuple[int, ...] = ()) -> ExpertOptions:
         """Worker `shard`'s options: the service options it shares with the router, on loopback; with `sockets`
-        (a directory only this user enters) its same-host socket there; `metrics_port` overrides P + 1 + shard."""
+        (a directory only this user enters) its same-host socket there; `metrics_port` overrides P + 1 + shard;
+        `cpus` the CPUs it runs on (() = any)."""
         common = dict(shared_fields(self.router), host=WORKER_HOST, port=port, threads=threads,
-                      device=self.device(shard))
+                      device=self.device(shard), cpus=format_cpu_list(cpus))
         mport = self.router.metrics_port                 # the router's port P; worker i gets P + 1 + i
         if metrics_port is None and mport is not None:   # (`metrics_port`: the one serve chose, for P = 0)
             metrics_port = mport and mport + 1 + shard

@@ -11,6 +11,7 @@ import torch
 
 from colibri_common.checkpoint import Checkpoint, checkpoint_id
 from colibri_common.config import ModelConfig
+from colibri_common.cpus import format_cpu_list, parse_cpu_list, pin_process
 from colibri_common.device import HostStaging, open_device
 from colibri_common.errors import ConfigError
 from colibri_common.file_watch import EXIT_RESTART
@@ -44,6 +45,9 @@ def yield_to_router() -> None:
 def serve_expert(opts: ExpertOptions) -> int:
     """Serve until a signal (exit code 0) or until the experts' bytes cannot be trusted (75: restart me)."""
     setup_logging(f"expert[{opts.shard or opts.port}]", opts.log_level)
+    if opts.cpus:                               # before the threads start: each inherits its starter's CPUs
+        pin_process(parse_cpu_list(opts.cpus))
+        log.info("running on CPU %s (--cpus)", format_cpu_list(parse_cpu_list(opts.cpus)))
     native.exit_on_sigbus(EXIT_RESTART)         # a mapped file changed during a read: named, exit 75, not -7
     if opts.local_socket:
         yield_to_router()

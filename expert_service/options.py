@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from colibri_common.cpus import parse_cpu_list
 from colibri_common.flags import option
 from colibri_common.options import ServiceOptions
 from colibri_common.placement import parse_shard
@@ -77,6 +78,9 @@ class ExpertOptions(ServiceOptions):
     local_socket: str = option("", "also answer Forward on this UNIX socket, for a router on the same host (framed "
                                    "messages, no HTTP/2; `colibri serve` gives each worker one in a directory only "
                                    "its user can enter); gRPC stays for everything else", metavar="PATH")
+    cpus: str = option("", "run this worker's threads on these CPUs only, as taskset -c (`serve` gives each worker a "
+                           "block of its own where the workers split the machine: --worker-cpus); default: wherever "
+                           "the OS puts them", metavar="LIST")
     cache: ExpertCacheOptions = ExpertCacheOptions()
 
     def __post_init__(self) -> None:
@@ -86,6 +90,8 @@ class ExpertOptions(ServiceOptions):
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if self.cpus:
+            parse_cpu_list(self.cpus)    # raises ValueError with a message that says what to fix
         if self.max_experts < 0:
             raise ValueError(f"--max-experts must be >= 0 (0 = no limit), got {self.max_experts}")
         if not self.shard:

@@ -151,6 +151,10 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["expert", "--model", "m", "--shard", "0/1", "--metrics-port", "-2"], "--metrics-port must be in 0..65535"),
     (["serve", "--model", "m", "--spawn", "fork", "--gpus", "0"], "--spawn fork is for CPU fleets"),
     (["serve", "--model", "m", "--spawn", "thread"], "invalid choice: 'thread'"),
+    (["serve", "--model", "m", "--worker-cpus", "0,1"], "invalid choice: '0,1'"),
+    (["expert", "--model", "m", "--shard", "0/1", "--cpus", "a-b"], "--cpus 'a-b': give CPU numbers and ranges"),
+    (["expert", "--model", "m", "--shard", "0/1", "--cpus", "3-1"], "'3-1' is not a CPU number or a rising range"),
+    (["expert", "--model", "m", "--shard", "0/1", "--cpus", "0,,1"], "give CPU numbers and ranges"),
     # values a request cannot carry: protobuf's 'Value out of range' was a traceback
     (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1,2", "--max-tokens", "99999999999999999999"],
      "max_tokens must be at most 2147483647, got 99999999999999999999"),

@@ -43,6 +43,14 @@ def policy(thread) -> int | None:
         return None
 
 
+def cpus_of(thread) -> frozenset[int] | None:
+    """The CPUs a thread may run on; None for one that ended since it was listed."""
+    try:
+        return frozenset(os.sched_getaffinity(thread.id))
+    except ProcessLookupError:
+        return None
+
+
 def test_a_fleet_sends_its_layers_over_local_sockets_with_the_tokens_of_grpc_streams(oracles):
     oracle = oracles["qwen3_moe"]
     with fleet(oracle.path, 2, ["--transport", "stream"]) as (addr, _):
@@ -63,6 +71,13 @@ def test_a_fleet_sends_its_layers_over_local_sockets_with_the_tokens_of_grpc_str
         router = next(c for c in psutil.Process(proc.pid).children() if "router" in argv_of(c))
         if hasattr(os, "SCHED_BATCH"):
             assert os.sched_getscheduler(router.pid) == os.SCHED_OTHER
+        allowed = os.sched_getaffinity(0)
+        if len(allowed) % 2 == 0:             # the two workers split the machine: each on a block of its own
+            blocks = [set(map(cpus_of, w.threads())) - {None} for w in workers]          # every thread's CPUs
+            assert all(len(b) == 1 for b in blocks), blocks
+            mine = [next(iter(b)) for b in blocks]
+            assert not mine[0] & mine[1] and mine[0] | mine[1] == allowed, mine
+            assert os.sched_getaffinity(router.pid) == allowed                   # the router runs on any
     assert local == over_grpc and all(len(t) == 12 for t in local)
     assert not paths[0].parent.exists(), "the fleet's socket directory outlived it"
 
