@@ -12,8 +12,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from colibri_common.heap import return_free_heap
@@ -85,10 +83,10 @@ class Holding:
             if self.now is not None:
                 self.now = Served(self.now.built, epoch, also, owner, switching=switching)
 
-    @contextmanager
-    def use(self, epoch: int, holds: int = 0) -> Iterator[ExpertShard]:
-        """The shard a call computes on, if it serves the call's epoch and (`holds` != 0) holds exactly the experts
-        the router planned here; WrongEpoch otherwise."""
+    def use(self, epoch: int, holds: int = 0) -> _Use:
+        """The shard a call computes on (`with holding.use(...) as shard`), if it serves the call's epoch and
+        (`holds` != 0) holds exactly the experts the router planned here; WrongEpoch otherwise. The shard it gives
+        is not closed before the `with` ends, even if a new plan replaces it meanwhile."""
         with self._lock:
             now = self.now
             if now is None:
@@ -104,19 +102,36 @@ class Holding:
                                  f"epoch {epoch} (started with other --shard/--replicas?); the router re-syncs it")
             key = id(now.built)
             self._users[key] = self._users.get(key, 0) + 1
-        try:
-            yield now.built.experts
-        finally:
-            with self._lock:
-                self._users[key] -= 1
-                done = self._retired.pop(key, None) if not self._users[key] else None
-                if not self._users[key]:
-                    del self._users[key]
-            if done is not None:
-                self._close(done)
+        return _Use(self, key, now.built)
+
+    def _release(self, key: int) -> None:
+        """A call's use of the shard `key` ended: the last user of a replaced shard closes it."""
+        with self._lock:
+            self._users[key] -= 1
+            done = self._retired.pop(key, None) if not self._users[key] else None
+            if not self._users[key]:
+                del self._users[key]
+        if done is not None:
+            self._close(done)
 
     @staticmethod
     def _close(built: BuiltShard) -> None:
         built.close()
         return_free_heap()                  # the dropped experts' packed memory back to the OS
         log.info("released the experts of the previous plan")
+
+
+class _Use:
+    """One call's hold on a served shard (`Holding.use`): a plain object, not a generator's context manager: a
+    decode step's every worker call makes one, on caches its last call's weights have just streamed through."""
+
+    __slots__ = ("holding", "key", "built")
+
+    def __init__(self, holding: Holding, key: int, built: BuiltShard) -> None:
+        self.holding, self.key, self.built = holding, key, built
+
+    def __enter__(self) -> ExpertShard:
+        return self.built.experts
+
+    def __exit__(self, *exc: object) -> None:
+        self.holding._release(self.key)

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from colibri_common import page_cache
-from colibri_common.metrics_http import TOKEN_BUCKETS, render, serve_metrics, with_process
+from colibri_common.metrics_http import TOKEN_BUCKETS, QueuedHistogram, render, serve_metrics, with_process
 
 PAGES_EVERY = 30.0        # seconds between two reads of /proc/self/smaps for colibri:checkpoint_resident_bytes
 
@@ -44,8 +44,9 @@ class WorkerMetrics:
         #                                      expert cache's mapped tier; none when all packed)
         self._pages: tuple[float, tuple[int, int] | None] = (float("-inf"), None)   # (when, mapped_pages)
         self.registry = with_process(CollectorRegistry(auto_describe=False))
-        self.compute = Histogram("colibri:expert_compute_seconds", "One Forward's fused-MoE compute.",
-                                 buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.compute = QueuedHistogram(Histogram("colibri:expert_compute_seconds", "One Forward's fused-MoE compute.",
+                                                 buckets=TOKEN_BUCKETS, registry=None))
+        self.registry.register(self.compute)
         self.registry.register(self)
 
     def describe(self) -> list[Metric]:

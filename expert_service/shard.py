@@ -320,12 +320,15 @@ class ExpertShard:
         expert_service/fast_answer.py) for hidden states in the shard's dtype: where `forward` would run the native
         expert FFN (no expert cache, on the CPU, the layer's experts held here); else None. Checks the mapping as
         `forward` does (MappingChanged)."""
-        if (self.cache is not None or layer not in self.cfg.moe_layers or not self.held[layer]
-                or self.device.type != "cpu" or backend_for(self.device) == "triton"):
-            return None
+        # (every call of a decode step's layer comes here: it reads few objects, on caches the last call's weights
+        # have just streamed through)
+        made = self._native_layers.get(layer)
+        if made is None:
+            if (self.cache is not None or layer not in self.cfg.moe_layers or not self.held[layer]
+                    or self.device.type != "cpu" or backend_for(self.device) == "triton"):
+                return None
         self._guard(layer)
         w13, w2, emap = self.w13[layer], self.w2[layer], self.expert_maps[layer]
-        made = self._native_layers.get(layer)
         if made is None or made[0] is not w13 or made[1] is not w2 or made[2] is not emap:   # once per layer's
             b13, b2 = self.biases.get(layer, (None, None))                                   # weights
             probe = torch.empty(0, w13.shape[2], dtype=self.dtype)                          # [0, H] its dtype

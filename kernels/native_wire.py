@@ -66,8 +66,10 @@ def expert_answer(payload: bytes | bytearray, experts: LayerExperts, dtype: torc
         return None
     a, b = _blocks(experts.w13), _blocks(experts.w2)       # held across the call: their numbers stay registered
     act = experts.act
+    emap = emap if emap.dtype == torch.int64 else emap.long()   # (a no-op `long` still dispatches: µs, more on the
+    #                                                             caches the last call's weights have just flushed)
     reply, rows, seconds = torch.ops.colibri.expert_answer(
-        torch.frombuffer(payload, dtype=torch.uint8), code, hidden_size, num_experts, explicit, emap.long(), a.id,
-        b.id, experts.b13, experts.b2, act.alpha, act.limit, act.up_offset,
+        torch.frombuffer(payload, dtype=torch.uint8), code, hidden_size, num_experts, explicit, emap, a.id, b.id,
+        experts.b13, experts.b2, act.alpha, act.limit, act.up_offset,
         isinstance(experts.w13, Int8Weight) and experts.w13.w8a8, instance)
     return (reply, rows, seconds) if reply.numel() else None

@@ -17,6 +17,7 @@ from colibri_common import wire
 from colibri_common.device import HostStaging
 from colibri_common.pb import expert_pb2
 from expert_service.build import build_shard
+from expert_service.holding import WrongEpoch
 from expert_service.options import ExpertOptions
 from expert_service.server import ExpertWorkerServicer
 from kernels import native, native_wire
@@ -246,3 +247,21 @@ def test_refusals_before_the_tensors_are_the_python_paths(checkpoints, natively)
         assert s.answer_frame(bytearray(base.SerializeToString()))[0] == 0 and natively == [True]
     finally:
         built.close()
+
+
+def test_a_shard_replaced_during_a_call_is_closed_when_the_call_ends(checkpoints):
+    """Holding.use: a plan's swap never closes the experts under a running call; the last call closes them."""
+    s, first = worker(checkpoints["qwen3_moe"])
+    second = build_shard(first.opts, torch.device("cpu"), tune=False)
+    layer = first.experts.cfg.moe_layers[0]
+    with s.holding.use(0) as shard:
+        assert shard is first.experts
+        with s.holding.use(0) as again:                    # two calls on it
+            s.holding.install(second, 1)                   # the router's new plan lands meanwhile
+            assert again.w13, "closed under a running call"
+        assert shard.w13 and shard.answer_plan(layer) is not None
+    assert not first.experts.w13                           # the last call out closed it
+    with s.holding.use(1) as shard:
+        assert shard is second.experts and shard.w13
+    with pytest.raises(WrongEpoch, match="placement epoch 0"):
+        s.holding.use(0)

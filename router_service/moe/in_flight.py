@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from prometheus_client import Histogram
 
 from colibri_common import wire
+from colibri_common.metrics_http import QueuedHistogram
 from colibri_common.pb import expert_pb2
 from kernels import native, native_wire
 from router_service.moe.combine import combine
@@ -32,7 +32,7 @@ class Sender(Protocol):
 
     addresses: list[str]
     liveness: Liveness
-    dispatch_seconds: Histogram
+    dispatch_seconds: QueuedHistogram
 
     def failed(self, w: int, why: str, unsynced: bool = False) -> None: ...
 
@@ -137,8 +137,7 @@ class InFlight:
             waited += time.perf_counter() - t0
             if not self.owner.liveness.healthy[part.worker]:     # it answers, whatever its checks said
                 self.owner.liveness.answered(part.worker)
-            self.owner.dispatch_seconds.labels(self.owner.addresses[part.worker]).observe(time.perf_counter() -
-                                                                                           self.sent)
+            self.owner.dispatch_seconds.observe(time.perf_counter() - self.sent, self.owner.addresses[part.worker])
             got.append((part.worker, part.rows, answer))
             if rested and len(got) == 1 and todo:   # another reply to come: the kernel threads get up on the
                 native.wake()                      # core this worker left, for the step's next op

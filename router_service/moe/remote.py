@@ -23,7 +23,7 @@ from colibri_common.checkpoint import checkpoint_id
 from colibri_common.config import ModelConfig
 from colibri_common.device import HostStaging
 from colibri_common.errors import ConfigError
-from colibri_common.metrics_http import TOKEN_BUCKETS
+from colibri_common.metrics_http import TOKEN_BUCKETS, QueuedHistogram
 from colibri_common.pb import expert_pb2
 from colibri_common.tls import TlsFiles
 from router_service.moe import dispatch
@@ -79,8 +79,9 @@ class RemoteExperts:
         self._while_waiting: Callable[[], None] | None = None   # the engine's, for the step it holds (stepping)
         # metrics: a layer's send → answer per worker; token rows sent per worker; optionally the tokens
         # routed to each (layer, expert), for finding hot experts
-        self.dispatch_seconds = Histogram("colibri:worker_dispatch_seconds", "One MoE layer's send to answer, "
-                                          "per worker.", ["worker"], buckets=TOKEN_BUCKETS, registry=None)
+        self.dispatch_seconds = QueuedHistogram(Histogram(
+            "colibri:worker_dispatch_seconds", "One MoE layer's send to answer, per worker.", ["worker"],
+            buckets=TOKEN_BUCKETS, registry=None))
         self.worker_rows = [0] * len(addresses)
         self.routed = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.long) if track_routing else None
         # seconds, for metrics: dispatch = building requests + decoding and combining the partial sums

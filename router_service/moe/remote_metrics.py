@@ -8,9 +8,9 @@ from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 import torch
-from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from colibri_common.metrics_http import QueuedHistogram
 from router_service.moe.liveness import Liveness
 from router_service.moe.load_window import LoadWindow
 from router_service.moe.table import Table
@@ -19,7 +19,7 @@ from router_service.moe.table import Table
 class FleetView(Protocol):
     """What the families are read from (remote.RemoteExperts)."""
 
-    dispatch_seconds: Histogram
+    dispatch_seconds: QueuedHistogram
     table: Table
     addresses: list[str]
     worker_rows: list[int]
