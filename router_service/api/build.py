@@ -129,6 +129,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     ckpt.close(keep=weights.mapped.values())     # the files of weights used in place stay mapped, and watched
     mapped = FileWatch(sorted(set(weights.mapped.values())), ckpt.stamps) if weights.mapped else None
     set_batch_invariant(opts.batch_invariant)   # the process's linears (and its in-process experts)
+    if device.type == "cpu" and (moved := weights.onto_huge_pages()):
+        log.info("router weights on 2 MiB pages: %.1f MiB (transparent huge pages, madvise)", moved / 2**20)
     return_free_heap()                          # conversion scratch back to the OS, so RSS is what is held
     if device.type == "cpu":                    # checked (and timed, with a file) before any form runs
         rows = max(opts.sched.max_batch_size, opts.sched.max_num_tokens)

@@ -7,16 +7,23 @@ I a dense MLP's or the shared expert's width.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
 
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
+from colibri_common.huge_pages import onto_huge_pages
 from colibri_common.tensors import model_tensors, router_layer_tensors
 from kernels import Int8Weight, Weight, form_kind, quantize_int8
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -110,6 +117,23 @@ class RouterWeights:
             if lw.mlp_gate_up is not None:
                 lw.mlp_gate_up, lw.mlp_down = q8(lw.mlp_gate_up), q8(lw.mlp_down)
 
+    def onto_huge_pages(self) -> int:
+        """Move the weights the router holds as copies and reads on every step (every layer's; lm_head where it is
+        not the mapped checkpoint's, tied or not) onto 2 MiB pages, in one mapping (colibri_common/huge_pages.py):
+        the bytes moved, 0 where the platform refuses huge pages. Shared tensors stay shared (a tied lm_head and its
+        embedding are one copy)."""
+        in_place = {id(t) for role, t in (("embed", self.embed), ("lm_head", self.lm_head)) if role in self.mapped}
+        found = {id(t): t for t in itertools.chain.from_iterable(map(_tensors_of, [*self.layers, self.lm_head]))
+                 if id(t) not in in_place and t.device.type == "cpu" and t.is_contiguous() and t.numel()}
+        moved = onto_huge_pages(list(found.values()))
+        if all(a is b for a, b in zip(found.values(), moved, strict=True)):
+            return 0
+        new = {key: t for key, t in zip(found, moved, strict=True)}
+        self.layers = [_swapped(lw, new) for lw in self.layers]
+        self.lm_head = _swapped(self.lm_head, new)
+        self.embed = _swapped(self.embed, new)      # moved only as a tied lm_head: they stay one tensor
+        return sum(t.numel() * t.element_size() for t in moved)
+
     @staticmethod
     def load(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, progress: bool = False,
              device: torch.device | None = None, in_place: bool = False) -> RouterWeights:
@@ -169,3 +193,22 @@ class RouterWeights:
             ))
         return RouterWeights(embed=top["embed"], norm=top["norm"], lm_head=top.get("lm_head", top["embed"]),
                              layers=layers, mapped=mapped)
+
+
+def _tensors_of(obj: object) -> Iterator[torch.Tensor]:
+    """Every tensor in a weight: itself, or the fields of a dataclass of them (Int8Weight, LayerWeights, MlaWeights)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors_of(getattr(obj, f.name))
+
+
+def _swapped(obj: T, new: dict[int, torch.Tensor]) -> T:
+    """`obj` with each tensor whose id is in `new` replaced by its copy (dataclasses rebuilt, frozen ones too)."""
+    if isinstance(obj, torch.Tensor):
+        return new.get(id(obj), obj)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _swapped(getattr(obj, f.name), new)  # type: ignore[type-var]
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj

@@ -1,0 +1,85 @@
+"""The router's copied weights on 2 MiB pages (colibri_common/huge_pages.py, RouterWeights.onto_huge_pages): the
+same bits, shapes and dtypes, laid out in one mapping aligned to 2 MiB that the kernel was asked to back with huge
+pages (its VmFlags say so), shared tensors still shared, the mapped checkpoint's weights left where they lie.
+Served through build_engine, the oracle tests hold the tokens."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.huge_pages import HUGE, onto_huge_pages
+from router_service.model.weights import RouterWeights, _tensors_of
+from tests.models import build_model, save_checkpoint, small_config
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE")
+                           or not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
+                           reason="Linux's transparent huge pages (madvise(MADV_HUGEPAGE))")
+
+
+def advised_huge(address: int) -> bool:
+    """Whether this process's mapping holding `address` carries MADV_HUGEPAGE ("hg" in its smaps VmFlags)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0] and len(head) >= 5:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return "hg" in line.split()[1:]
+    return False
+
+
+@linux
+def test_copies_keep_the_bits_in_one_huge_page_mapping():
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(3, 5, generator=g).to(torch.bfloat16), torch.randn(7, generator=g),
+          torch.randint(-128, 127, (33, 17), dtype=torch.int8, generator=g), torch.tensor(2.5, dtype=torch.float64),
+          torch.tensor([True, False, True]), torch.randn(1, 1001, generator=g).half()]
+    out = onto_huge_pages(ts)
+    assert all(o is not t and o.dtype == t.dtype and o.shape == t.shape and torch.equal(o, t)
+               for o, t in zip(out, ts, strict=True))
+    starts = [o.data_ptr() for o in out]
+    assert starts[0] % HUGE == 0 and all(p % 64 == 0 for p in starts)        # a 2 MiB page's start; cache lines
+    assert starts == sorted(starts) and starts[-1] - starts[0] < HUGE           # one after another, one mapping
+    assert advised_huge(starts[0]) and advised_huge(starts[-1])
+    out[0][0, 0] = 7.0                                                          # copies: the originals unchanged
+    assert ts[0][0, 0] != 7.0
+    assert onto_huge_pages([]) == []
+
+
+@linux
+@pytest.mark.parametrize("quantize_dense, tied, in_place", [(False, False, True), (True, False, True),
+                                                             (False, True, False), (False, True, True)])
+def test_router_weights_move_whole_and_leave_the_mapped_ones(tmp_path, quantize_dense, tied, in_place):
+    cfg_hf = small_config("qwen3_moe")
+    cfg_hf.tie_word_embeddings = tied
+    path = save_checkpoint(build_model(cfg_hf, seed=3), tmp_path / "m")
+    cfg = ModelConfig.from_dir(path)
+    ckpt = Checkpoint(path)
+    w = RouterWeights.load(ckpt, cfg, torch.float32, in_place=in_place)
+    assert ("embed" in w.mapped) == in_place       # the float32 checkpoint's embedding is used where it lies
+    if quantize_dense:
+        w.quantize_int8()
+    before = [t.clone() for lw in w.layers for t in _tensors_of(lw)]
+    head_before = [t.clone() for t in _tensors_of(w.lm_head)]
+    embed, lm_head = w.embed, w.lm_head
+    moved = w.onto_huge_pages()
+    after = [t for lw in w.layers for t in _tensors_of(lw)]
+    assert moved >= sum(t.numel() * t.element_size() for t in after)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(after, before, strict=True))
+    assert all(advised_huge(t.data_ptr()) for t in after if t.numel())
+    assert all(torch.equal(a, b) for a, b in zip(_tensors_of(w.lm_head), head_before, strict=True))
+    if "lm_head" in w.mapped or tied and "embed" in w.mapped:   # the checkpoint's own bytes: left where they lie
+        assert w.lm_head is lm_head and w.embed is embed
+    else:
+        assert all(advised_huge(t.data_ptr()) for t in _tensors_of(w.lm_head))
+    if tied:
+        assert w.lm_head is w.embed                # still one tensor
+    ckpt.close(keep=w.mapped.values())
