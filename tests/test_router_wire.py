@@ -116,10 +116,13 @@ def test_a_serialized_request_is_protobufs_bytes(dtype):
     assert expert_pb2.ForwardRequest.FromString(bytes(got.numpy())).hidden == wire.encode(x[1:3])
 
 
-def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_paths_bits(oracles, monkeypatch):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_paths_bits(oracles, monkeypatch,
+                                                                                         replicas):
     """Over a real 2-worker fleet's same-host sockets (bf16): each layer's requests are serialized natively and its
     replies summed natively (spies count what the ops returned), and the sum has the bits that the Python path
-    (protobuf's messages, the Python combine) gives for the same layer."""
+    (protobuf's messages, the Python combine) gives for the same layer. With replicas the requests carry each
+    worker's pairs (explicit), serialized natively too."""
     from colibri_common.config import ModelConfig
     from colibri_common.fleet_token import ENV, new_token
     from router_service.moe.remote import RemoteExperts
@@ -140,11 +143,12 @@ def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_pat
             return out
         return counted
 
-    with fleet(oracle.path, 2, ["--dtype", "bfloat16"], env={ENV: token}) as (_, proc):
+    with fleet(oracle.path, 2, ["--dtype", "bfloat16", "--replicas", str(replicas)], env={ENV: token}) as (_, proc):
         experts = RemoteExperts(cfg, tuple(a for a, _ in workers_of(proc)), torch.bfloat16, connect_timeout_s=30,
-                                token=token)
+                                token=token, replicas=replicas)
         try:
             assert all(link.local for link in experts.links.links)           # the same-host sockets
+            assert experts.table.explicit == (replicas > 1)
             g = torch.Generator().manual_seed(3)
             T = 9
             x = torch.randn(T, cfg.hidden_size, generator=g).bfloat16()       # [T, H]
@@ -162,7 +166,7 @@ def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_pat
             assert calls == {"forward_request": 2, "combine_replies": 1}      # both workers, one sum
             with monkeypatch.context() as m:                                  # the Python path, for the same layer
                 made, request = [], dispatch.request
-                m.setattr(dispatch, "_send_serialized", lambda *a: None)
+                m.setattr(dispatch, "_send_serialized", lambda *a, **k: None)
                 m.setattr(dispatch, "request", lambda *a, **k: made.append(a[2]) or request(*a, **k))
                 m.setattr(native_wire, "combine_replies", lambda *a: None)
                 slow = layer()

@@ -75,10 +75,10 @@ def submit(ex: Dispatching, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
     if table.explicit or not all(live):
         # each pair to one live holder of its expert, least-loaded first; tokens no live worker can
         # serve fail here, without a call
-        placed = place(table.holders[layer], ids32, live, holding=table.holding[layer])
+        placed = place(table.layer_holders[layer], ids32, live, holding=table.holding[layer])
         if placed.unplaced and _await_answering(ex, table, layer, ids32, placed.unplaced, live):
             live = ex.liveness.live()[:W]
-            placed = place(table.holders[layer], ids32, live, holding=table.holding[layer])
+            placed = place(table.layer_holders[layer], ids32, live, holding=table.holding[layer])
         if placed.unplaced:
             out = [f"{a}: {REFUSES if w in ex.kept_out else ex.liveness.why_not_live(w)}"
                    for w, (a, ok) in enumerate(zip(ex.addresses, live, strict=False)) if not ok]
@@ -86,13 +86,18 @@ def submit(ex: Dispatching, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
                                      f"{'; '.join(out) or 'none'})", torch.tensor(placed.unplaced))
         every: tuple[expert_pb2.Tensor, expert_pb2.Tensor] | None = None   # x, weights: once for all rows
         for wp in placed.parts:
-            if wp.rows is None:
-                every = every or (wire.encode(x), wire.encode(w32))
-                hx, hw = every
+            xr, wts = (x, w32) if wp.rows is None else (x.index_select(0, wp.rows), w32.index_select(0, wp.rows))
+            reply = _send_serialized(ex, table, layer, wp.worker, (xr, wp.ids, wts), explicit=True) \
+                if ahead is None else None
+            if reply is not None:                                        # the same-host socket: serialized natively
+                ex.worker_rows[wp.worker] += wp.ids.shape[0]
+                ex.window.computed(ex.addresses[wp.worker], wp.pairs)
             else:
-                hx, hw = wire.encode(x.index_select(0, wp.rows)), wire.encode(w32.index_select(0, wp.rows))
-            req = request(ex, table, layer, hx, wire.encode(wp.ids), hw, ahead)
-            reply = _send(ex, wp.worker, req, wp.ids.shape[0], wp.pairs)
+                if wp.rows is None:
+                    every = every or (wire.encode(x), wire.encode(w32))
+                hx, hw = every if wp.rows is None else (wire.encode(xr), wire.encode(wts))
+                req = request(ex, table, layer, hx, wire.encode(wp.ids), hw, ahead)
+                reply = _send(ex, wp.worker, req, wp.ids.shape[0], wp.pairs)
             parts.append(Part(wp.worker, wp.rows, reply, placed.assigned))
     else:
         whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
@@ -141,15 +146,16 @@ def send(ex: Dispatching, table: Table, w: int, layer: int, x: torch.Tensor, ids
     return _send(ex, w, req, x.shape[0], pairs)
 
 
-def _send_serialized(ex: Dispatching, table: Table, layer: int, w: int, rows: tuple[torch.Tensor, ...]
-                     ) -> Reply | None:
-    """Worker w's share of a static plan's layer (hidden [n, H], ids [n, K] int32, weights [n, K]: the whole top-k
-    of its rows) serialized natively, where its link sends bytes (the same-host socket); None where it does not
-    (then the message, as `request` makes it)."""
+def _send_serialized(ex: Dispatching, table: Table, layer: int, w: int, rows: tuple[torch.Tensor, ...],
+                     explicit: bool = False) -> Reply | None:
+    """Worker w's share of a layer (hidden [n, H], ids [n, K] int32, weights [n, K]: the whole top-k of its rows
+    under a static plan, or with `explicit` its pairs, others' ids -1) serialized natively, where its link sends
+    bytes (the same-host socket); None where it does not (then the message, as `request` makes it)."""
     link = ex.links.links[w]
     if not link.local or not native.available():
         return None
-    payload = native_wire.forward_request(*rows, layer, ex.step, table.epoch, table.digests[w], ex.checkpoint_id, False)
+    holds = 0 if explicit else table.digests[w]
+    payload = native_wire.forward_request(*rows, layer, ex.step, table.epoch, holds, ex.checkpoint_id, explicit)
     return link.send_bytes(memoryview(payload.numpy()), layer)
 
 

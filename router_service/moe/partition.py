@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -245,12 +246,14 @@ def split_pairs(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) 
 def _split_lists(worker: list[list[int]], ids: list[list[int]], num_workers: int) -> list[WorkerPairs]:
     """`split_pairs` on Python lists: worker [T][K], ids [T][K]."""
     out = []
+    K = len(ids[0]) if ids else 0
     for w in range(num_workers):
         rows = [t for t, row in enumerate(worker) if w in row]
         if rows:
             mine = [[e if o == w else -1 for e, o in zip(ids[t], worker[t], strict=True)] for t in rows]
-            out.append(WorkerPairs(w, None if len(rows) == len(worker) else torch.tensor(rows, dtype=torch.long),
-                                   torch.tensor(mine, dtype=torch.int32).reshape(len(rows), -1),
+            # numpy, then wrapped: no torch op (each is tens of µs on the caches the attention's weights flushed)
+            out.append(WorkerPairs(w, None if len(rows) == len(worker) else torch.from_numpy(np.array(rows, np.int64)),
+                                   torch.from_numpy(np.array(mine, np.int32).reshape(len(rows), K)),
                                    sum(row.count(w) for row in worker)))
     return out
 

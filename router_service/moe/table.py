@@ -29,9 +29,12 @@ class Table:
                                        # whole top-k so a worker holding another set refuses it
     # [L][E] `owner` as lists, so that a few rows' partition reads no tensor: derived, never given
     owner_lists: tuple[list[int], ...] = field(init=False, repr=False, compare=False)
+    # [L] each layer's [E, W] of `holders`, cut once: a layer's dispatch takes its own without an indexing op
+    layer_holders: tuple[torch.Tensor, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "owner_lists", tuple(self.owner.tolist()))
+        object.__setattr__(self, "layer_holders", tuple(self.holders.unbind(0)))
 
     @property
     def epoch(self) -> int:
