@@ -97,6 +97,32 @@ def test_the_load_window_counts_each_step_s_routing_when_it_closes():
     assert torch.equal(w.totals(), torch.tensor([[0] * 5, [0, 0, 2, 1, 0], [0] * 5]))
 
 
+@pytest.mark.parametrize("window", [1, 5, 64, 100, 300])
+def test_the_load_window_counts_closed_steps_late_and_exactly(window):
+    """Closed steps are counted into their rows in batches (FOLD_EVERY) or when the totals are read: at any read the
+    totals are the last `window` steps' routed ids, exactly, however the batches fall against the ring's wrap."""
+    from router_service.moe.load_window import LoadWindow
+
+    L, E = 4, 6
+    g = torch.Generator().manual_seed(window)
+    w = LoadWindow(L, E, steps=window)
+    history: list[torch.Tensor] = []
+    for step in range(700):
+        counts = torch.zeros(L, E, dtype=torch.long)
+        for _ in range(int(torch.randint(0, 3, (1,), generator=g))):             # 0-2 layers' dispatches a step
+            layer = int(torch.randint(0, L, (1,), generator=g))
+            ids = torch.randint(-1, E, (int(torch.randint(1, 4, (1,), generator=g)), 2), generator=g,
+                                dtype=torch.int32)
+            w.routed(layer, ids)
+            for e in ids.flatten().tolist():
+                if e >= 0:
+                    counts[layer, e] += 1
+        w.close_step()
+        history.append(counts)
+        if step % 97 == 0 or step > 690:                                           # reads between batches
+            assert torch.equal(w.totals(), torch.stack(history[-window:]).sum(dim=0)), step
+
+
 def test_the_load_window_counts_what_failed_steps_leave_without_holding_it():
     """A step that raises never closes; its layers' ids are counted into the next closed step, and a long run of
     such steps is folded into counts as it goes instead of growing a list."""
