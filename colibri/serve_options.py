@@ -56,8 +56,9 @@ class ServeOptions:
                                             "fields out the checkpoint's generation_config.json values (as "
                                             "vLLM); 'vllm': OpenAI's defaults", choices=("auto", "vllm"))
     worker_cpus: str = option("auto", "auto: where the workers split every CPU this process may use between them "
-                                      "(--threads 0, as many CPUs as workers or a multiple), each runs on a block "
-                                      "of its own (`colibri expert --cpus`; the router runs on any): on 2 cores the "
+                                      "(--threads 0 or their count, as many CPUs as workers or a multiple), each "
+                                      "runs on a block of its own, a socket's cores and a core's twin threads "
+                                      "together (`colibri expert --cpus`; the router runs on any): on 2 cores the "
                                       "scheduler otherwise often queues a layer's two workers on one core while the "
                                       "other idles; off: wherever the OS puts them", choices=("auto", "off"))
     spawn: str = option("auto", "how the children start: 'fork' them from serve once it has imported torch and "

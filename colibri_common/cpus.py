@@ -53,8 +53,11 @@ def pin_process(cpus: tuple[int, ...]) -> None:
     if outside:
         raise ConfigError(f"--cpus {format_cpu_list(cpus)}: CPU {format_cpu_list(outside)} is not one this process "
                           f"may run on (it may use {format_cpu_list(allowed)})")
-    for tid in sorted(int(t) for t in os.listdir("/proc/self/task")):   # a thread started later inherits its
-        try:                                                            # starter's set
-            os.sched_setaffinity(tid, cpus)
-        except ProcessLookupError:                                      # it ended since the listing
-            pass
+    done: set[int] = set()
+    while todo := {int(t) for t in os.listdir("/proc/self/task")} - done:   # again until no thread is new: one
+        for tid in sorted(todo):                                          # started meanwhile by a thread not yet
+            try:                                                          # moved has its starter's old set (a thread
+                os.sched_setaffinity(tid, cpus)                           # started later inherits the new one)
+            except ProcessLookupError:                                    # it ended since the listing
+                pass
+        done |= todo

@@ -4,16 +4,17 @@ A decode step streams each layer's weights once, on caches that the rest of the 
 on 4 KiB pages every 4 KiB of weight is a page walk of its own, whose page-table entries are cold as well. Torch's
 allocator hands out 4 KiB pages where transparent huge pages are `madvise` (the common default), so the router's
 copied weights (the stacked qkv, o, gates, norms; the mapped embedding and lm_head are the page cache's, advised
-by colibri_common/page_cache.py) sat on them. `onto_huge_pages` copies a set of tensors into one mapping aligned
-to 2 MiB and advised huge; a fault then fills a whole 2 MiB page where the kernel can. Measured on the small
-model's attention block after a 64 MB stream (2 threads, the 2-core Xeon): 356 µs on 4 KiB pages, 315 on 2 MiB
-(docs/performance.md).
+by colibri_common/page_cache.py) sat on them. `onto_huge_pages` copies a set of tensors (the router: a layer's)
+into one mapping aligned to 2 MiB and advised huge; a fault then fills a whole 2 MiB page where the kernel can.
+Measured on the small model's attention block after a 64 MB stream (2 threads, the 2-core Xeon): 356 µs on 4 KiB
+pages, 315 on 2 MiB (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+from pathlib import Path
 
 import torch
 
@@ -21,9 +22,18 @@ HUGE = 2 << 20
 ALIGN = 64                        # each tensor starts on a cache line, as torch's allocator aligns
 
 
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
 def huge_pages_advisable() -> bool:
-    """Whether this platform takes MADV_HUGEPAGE (Linux with transparent huge pages)."""
-    return hasattr(mmap, "MADV_HUGEPAGE")
+    """Whether advising MADV_HUGEPAGE can give huge pages here: Linux with transparent huge pages in `always` or
+    `madvise` mode (under `never`, which an administrator sets to keep them off, the advice is taken and ignored)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        return "[never]" not in THP_MODE.read_text()
+    except OSError:
+        return False
 
 
 def onto_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -7,7 +7,10 @@ scrape-time values come from collectors that read the service's own counters. To
 from __future__ import annotations
 
 import collections
+import os
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -27,36 +30,72 @@ TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 
 class QueuedHistogram:
     """A prometheus `Histogram` (labelled or not, made with registry=None) whose observations a hot path queues, a
-    deque's append and no lock, and which takes them in when it is collected (register this, not the Histogram),
-    or every FOLD_AT of them. For the calls of every MoE layer (a router's per-worker dispatch time, a worker's
-    compute time): the Histogram's own observe takes a lock per bucket and one for the sum, on caches the layer's
-    weights have just streamed through, where it cost 20-30 µs a call (docs/performance.md). The exposition is the
-    Histogram's; a scrape sees every observation queued before it."""
+    deque's append and no lock. They are taken in by a thread of the process's own (`metrics-fold`, every
+    FOLD_EVERY_S, CHUNK at a time with the GIL let go between chunks) and when the histogram is collected (register
+    this, not the Histogram). For the calls of every MoE layer (a router's per-worker dispatch time, a worker's compute
+    time): the Histogram's own observe takes a lock per bucket and one for the sum, on caches the layer's weights have
+    just streamed through, where it cost 20-30 µs a call (docs/performance.md); taken in together, warm, they cost a
+    few µs each, off the calls' path. The exposition is the Histogram's. Where the queue grows past CAP (no thread
+    yet, in a forked child), the hot path takes in a chunk itself."""
 
-    FOLD_AT = 4096
+    FOLD_EVERY_S = 1.0
+    CHUNK = 256
+    CAP = 1 << 16
 
     def __init__(self, histogram: Histogram) -> None:
         self.histogram = histogram
         self._queued: collections.deque[tuple[tuple[str, ...], float]] = collections.deque()
+        _folder.add(self)
 
     def observe(self, value: float, *labels: str) -> None:
         self._queued.append((labels, value))
-        if len(self._queued) >= self.FOLD_AT:
-            self.fold()
+        if len(self._queued) > self.CAP:
+            self.fold(self.CHUNK)
 
-    def fold(self) -> None:
-        """Take the queued observations into the Histogram (popleft is atomic: two folders take each once)."""
+    def fold(self, limit: int | None = None) -> bool:
+        """Take the queued observations (at most `limit`) into the Histogram; whether some are still queued.
+        popleft is atomic: two folders take each observation once."""
         queued, h = self._queued, self.histogram
-        while queued:
+        n = 0
+        while queued and (limit is None or n < limit):
             try:
                 labels, value = queued.popleft()
             except IndexError:
-                return
+                break
             (h.labels(*labels) if labels else h).observe(value)
+            n += 1
+        return bool(queued)
 
     def collect(self) -> Iterator[Metric]:
         self.fold()
         return iter(self.histogram.collect())
+
+
+class _Folder:
+    """The process's `metrics-fold` thread for its QueuedHistograms, started with the first one (again in a forked
+    child, which inherits the list but not the thread)."""
+
+    def __init__(self) -> None:
+        self._all: weakref.WeakSet[QueuedHistogram] = weakref.WeakSet()
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def add(self, h: QueuedHistogram) -> None:
+        with self._lock:
+            self._all.add(h)
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="metrics-fold", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(QueuedHistogram.FOLD_EVERY_S)
+            for h in list(self._all):
+                while h.fold(QueuedHistogram.CHUNK):
+                    time.sleep(0)                    # the GIL to whoever waits for it (a step) between chunks
+
+
+_folder = _Folder()
 
 
 def with_process(registry: CollectorRegistry) -> CollectorRegistry:

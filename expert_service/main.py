@@ -45,14 +45,16 @@ def yield_to_router() -> None:
 def serve_expert(opts: ExpertOptions) -> int:
     """Serve until a signal (exit code 0) or until the experts' bytes cannot be trusted (75: restart me)."""
     setup_logging(f"expert[{opts.shard or opts.port}]", opts.log_level)
-    if opts.cpus:                               # before the threads start: each inherits its starter's CPUs
-        pin_process(parse_cpu_list(opts.cpus))
-        log.info("running on CPU %s (--cpus)", format_cpu_list(parse_cpu_list(opts.cpus)))
+    cpus = parse_cpu_list(opts.cpus) if opts.cpus else ()
+    if cpus:                                    # before the threads start: each inherits its starter's CPUs
+        pin_process(cpus)
+    if opts.threads > 0 or cpus:                # --cpus alone: a thread for each of its CPUs, not each of the machine's
+        torch.set_num_threads(opts.threads or len(cpus))
+    if cpus:
+        log.info("running on CPU %s (--cpus), %d torch thread(s)", format_cpu_list(cpus), torch.get_num_threads())
     native.exit_on_sigbus(EXIT_RESTART)         # a mapped file changed during a read: named, exit 75, not -7
     if opts.local_socket:
         yield_to_router()
-    if opts.threads > 0:
-        torch.set_num_threads(opts.threads)
     device = open_device(opts.device)
     cfg = ModelConfig.from_dir(opts.model)
     token = fleet_token()

@@ -83,3 +83,22 @@ def test_router_weights_move_whole_and_leave_the_mapped_ones(tmp_path, quantize_
     if tied:
         assert w.lm_head is w.embed                # still one tensor
     ckpt.close(keep=w.mapped.values())
+
+
+def test_nothing_is_copied_where_an_administrator_turned_huge_pages_off(tmp_path, monkeypatch):
+    from colibri_common import huge_pages
+
+    mode = tmp_path / "enabled"
+    mode.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "THP_MODE", mode)
+    ts = [torch.randn(4, 4)]
+    assert huge_pages.onto_huge_pages(ts) is ts
+    cfg_hf = small_config("qwen3_moe")
+    path = save_checkpoint(build_model(cfg_hf, seed=1), tmp_path / "m")
+    ckpt = Checkpoint(path)
+    w = RouterWeights.load(ckpt, ModelConfig.from_dir(path), torch.float32, in_place=True)
+    qkv = w.layers[0].qkv
+    assert w.onto_huge_pages() == 0 and w.layers[0].qkv is qkv
+    mode.write_text("always [madvise] never\n")
+    assert huge_pages.huge_pages_advisable() == hasattr(mmap, "MADV_HUGEPAGE")
+    ckpt.close(keep=w.mapped.values())

@@ -123,6 +123,19 @@ def test_the_load_window_counts_closed_steps_late_and_exactly(window):
             assert torch.equal(w.totals(), torch.stack(history[-window:]).sum(dim=0)), step
 
 
+def test_the_load_window_counts_large_steps_at_once():
+    """Steps holding many ids (long prefills) are counted as soon as they reach FOLD_IDS, not held for FOLD_EVERY."""
+    from router_service.moe.load_window import FOLD_IDS, LoadWindow
+
+    w = LoadWindow(2, 8, steps=256)
+    w.routed(0, torch.zeros(FOLD_IDS // 2, 2, dtype=torch.int32))            # FOLD_IDS ids on expert 0
+    w.close_step()
+    assert not w._closed and int(w.ring.sum()) == FOLD_IDS                  # in the ring, without a read
+    w.routed(1, torch.ones(3, 1, dtype=torch.int32))
+    w.close_step()
+    assert len(w._closed) == 1 and int(w.totals()[1, 1]) == 3
+
+
 def test_the_load_window_counts_what_failed_steps_leave_without_holding_it():
     """A step that raises never closes; its layers' ids are counted into the next closed step, and a long run of
     such steps is folded into counts as it goes instead of growing a list."""

@@ -5,6 +5,7 @@ Histogram gives, none lost or counted twice, from any number of threads."""
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
@@ -47,9 +48,9 @@ def test_labelled_observations_go_to_their_label():
     assert any('worker="10.0.0.2:50061"' in line for line in _exposition(queued_reg))
 
 
-def test_a_long_queue_is_taken_in_without_a_scrape_and_threads_lose_nothing():
+def test_threads_lose_nothing_and_the_queue_is_taken_in_without_a_scrape():
     _, _, _, queued = _pair(())
-    per, threads = 3 * QueuedHistogram.FOLD_AT, 4
+    per, threads = 5000, 4
 
     def observe() -> None:
         for _ in range(per):
@@ -60,6 +61,20 @@ def test_a_long_queue_is_taken_in_without_a_scrape_and_threads_lose_nothing():
         t.start()
     for t in ts:
         t.join()
-    assert len(queued._queued) < QueuedHistogram.FOLD_AT * threads     # folded as it grew, not only on scrape
+    deadline = time.monotonic() + 10 * QueuedHistogram.FOLD_EVERY_S
+    while queued._queued and time.monotonic() < deadline:          # the metrics-fold thread takes them in
+        time.sleep(0.05)
+    assert not queued._queued, "no thread took the queue in"
+    assert any(t.name == "metrics-fold" for t in threading.enumerate())
     samples = {s.name: s.value for f in queued.collect() for s in f.samples}
-    assert samples["t_seconds_count"] == per * threads and not queued._queued
+    assert samples["t_seconds_count"] == per * threads
+
+
+def test_past_its_cap_the_queue_is_taken_in_by_the_hot_path(monkeypatch):
+    monkeypatch.setattr(QueuedHistogram, "CAP", 100)
+    monkeypatch.setattr(QueuedHistogram, "FOLD_EVERY_S", 3600.0)   # (a thread already running keeps its period)
+    _, _, _, queued = _pair(())
+    for _ in range(1000):
+        queued.observe(0.5)
+    assert len(queued._queued) <= 100 + QueuedHistogram.CHUNK
+    assert {s.name: s.value for f in queued.collect() for s in f.samples}["t_seconds_count"] == 1000

@@ -32,9 +32,26 @@ def test_a_bad_cpu_list_says_how_to_write_one(text):
 
 
 def test_a_fleet_that_splits_the_machine_gives_each_worker_a_block_of_its_own():
-    assert worker_cpus({0, 1}, 2, 2) == [(0,), (1,)]
-    assert worker_cpus({4, 5, 6, 7, 12, 13, 14, 15}, 8, 2) == [(4, 5, 6, 7), (12, 13, 14, 15)]   # a cpuset's CPUs
-    assert worker_cpus(set(range(6)), 6, 3) == [(0, 1), (2, 3), (4, 5)]
+    flat = lambda c: (0, c)                              # noqa: E731  one socket, one thread a core
+    assert worker_cpus({0, 1}, 2, 2, flat) == [(0,), (1,)]
+    assert worker_cpus({4, 5, 6, 7, 12, 13, 14, 15}, 8, 2, flat) == [(4, 5, 6, 7), (12, 13, 14, 15)]   # a cpuset's
+    assert worker_cpus(set(range(6)), 6, 3, flat) == [(0, 1), (2, 3), (4, 5)]
+    allowed = os.sched_getaffinity(0)                 # this machine's sysfs: every CPU in one block, none twice
+    if len(allowed) % 2 == 0:
+        blocks = worker_cpus(allowed, len(allowed), 2)
+        assert sorted(c for b in blocks for c in b) == sorted(allowed) and all(len(b) == len(allowed) // 2
+                                                                               for b in blocks)
+
+
+def test_blocks_keep_a_core_s_twin_threads_and_a_socket_s_cores_together():
+    # 2 sockets x 4 cores x 2 threads, numbered as Linux does: socket 0's cores 0-3, socket 1's 4-7, then the twins
+    def topology(cpu: int) -> tuple[int, int]:
+        core = cpu % 8
+        return core // 4, core % 4
+    assert worker_cpus(set(range(16)), 16, 2, topology) == [(0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15)]
+    assert worker_cpus(set(range(16)), 16, 4, topology) == [(0, 1, 8, 9), (2, 3, 10, 11), (4, 5, 12, 13),
+                                                            (6, 7, 14, 15)]
+    assert worker_cpus(set(range(16)), 16, 8, topology) == [(c, c + 8) for c in range(8)]   # a core each
 
 
 @pytest.mark.parametrize("allowed, cores, workers", [
@@ -82,3 +99,10 @@ def test_an_expert_started_on_a_cpu_it_may_not_use_exits_with_one_line(tmp_path)
                           "--cpus", str(outside)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert f"CPU {outside} is not one this process may run on" in out.stderr, out.stderr
+
+
+def test_an_expert_on_a_few_cpus_runs_a_thread_for_each_not_for_each_of_the_machine_s(tmp_path):
+    cpu = max(os.sched_getaffinity(0))
+    out = subprocess.run([COLIBRI, "expert", "--model", str(tmp_path), "--shard", "0/1", "--port", "0",
+                          "--cpus", str(cpu)], capture_output=True, text=True, timeout=120)
+    assert f"running on CPU {cpu} (--cpus), 1 torch thread(s)" in out.stderr, out.stderr

@@ -8,7 +8,6 @@ I a dense MLP's or the shared expert's width.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from tqdm import tqdm
 
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
-from colibri_common.huge_pages import onto_huge_pages
+from colibri_common.huge_pages import huge_pages_advisable, onto_huge_pages
 from colibri_common.tensors import model_tensors, router_layer_tensors
 from kernels import Int8Weight, Weight, form_kind, quantize_int8
 
@@ -119,20 +118,30 @@ class RouterWeights:
 
     def onto_huge_pages(self) -> int:
         """Move the weights the router holds as copies and reads on every step (every layer's; lm_head where it is
-        not the mapped checkpoint's, tied or not) onto 2 MiB pages, in one mapping (colibri_common/huge_pages.py):
-        the bytes moved, 0 where the platform refuses huge pages. Shared tensors stay shared (a tied lm_head and its
-        embedding are one copy)."""
-        in_place = {id(t) for role, t in (("embed", self.embed), ("lm_head", self.lm_head)) if role in self.mapped}
-        found = {id(t): t for t in itertools.chain.from_iterable(map(_tensors_of, [*self.layers, self.lm_head]))
-                 if id(t) not in in_place and t.device.type == "cpu" and t.is_contiguous() and t.numel()}
-        moved = onto_huge_pages(list(found.values()))
-        if all(a is b for a, b in zip(found.values(), moved, strict=True)):
+        not the mapped checkpoint's, tied or not) onto 2 MiB pages (colibri_common/huge_pages.py), a mapping a layer
+        (so at most one layer's weights are held twice meanwhile): the bytes moved, 0 where huge pages cannot be
+        had (THP `never`, not Linux). Shared tensors stay shared (a tied lm_head and its embedding are one copy)."""
+        if not huge_pages_advisable():
             return 0
-        new = {key: t for key, t in zip(found, moved, strict=True)}
-        self.layers = [_swapped(lw, new) for lw in self.layers]
-        self.lm_head = _swapped(self.lm_head, new)
-        self.embed = _swapped(self.embed, new)      # moved only as a tied lm_head: they stay one tensor
-        return sum(t.numel() * t.element_size() for t in moved)
+        in_place = {id(t) for role, t in (("embed", self.embed), ("lm_head", self.lm_head)) if role in self.mapped}
+        moved = 0
+
+        def move(root: T) -> T:
+            nonlocal moved
+            found = {id(t): t for t in _tensors_of(root)
+                     if id(t) not in in_place and t.device.type == "cpu" and t.is_contiguous() and t.numel()}
+            copies = onto_huge_pages(list(found.values()))
+            moved += sum(c.numel() * c.element_size() for t, c in zip(found.values(), copies, strict=True)
+                         if c is not t)
+            return _swapped(root, dict(zip(found, copies, strict=True)))
+
+        for i, lw in enumerate(self.layers):
+            self.layers[i] = move(lw)                  # the layer's old tensors go as their last reference does
+        tied = self.lm_head is self.embed
+        self.lm_head = move(self.lm_head)
+        if tied:
+            self.embed = self.lm_head                  # moved only as a tied lm_head: they stay one tensor
+        return moved
 
     @staticmethod
     def load(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, progress: bool = False,

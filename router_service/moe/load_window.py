@@ -16,6 +16,7 @@ import torch
 # Steps closed before their ids are counted, at most: one bincount for all of them. Counting each step as it closed
 # took ~0.1-0.2 ms of a one-stream step (numpy calls per layer, on caches the lm_head's weights had just flushed).
 FOLD_EVERY = 64
+FOLD_IDS = 1 << 16       # ... or fewer, once they hold this many ids (large prefills: memory and a burst bounded)
 
 
 class LoadWindow:
@@ -32,6 +33,7 @@ class LoadWindow:
         self.filled = 0
         self._closed: list[tuple[int, list[tuple[int, torch.Tensor]], torch.Tensor | None]] = []   # (slot, now,
         self._fold_every = max(1, min(FOLD_EVERY, steps))          # folded): closed steps not yet in the ring
+        self._closed_ids = 0                                       # the ids they hold
         self._lock = threading.Lock()
 
     def routed(self, layer: int, ids: torch.Tensor) -> None:
@@ -65,17 +67,18 @@ class LoadWindow:
     def close_step(self) -> None:
         with self._lock:
             self._closed.append((self.at, self.now, self.folded))
+            self._closed_ids += sum(ids.numel() for _, ids in self.now)
             self.pairs[self.at] = self.pairs_now
             self.at = (self.at + 1) % self.steps
             self.filled = min(self.filled + 1, self.steps)
-            if len(self._closed) >= self._fold_every:
+            if len(self._closed) >= self._fold_every or self._closed_ids >= FOLD_IDS:
                 self._fold()
         self.now, self.folded, self.pairs_now = [], None, {}
 
     def _fold(self) -> None:
         """Count the closed steps into their rows of the ring (under the lock; at most `steps` of them, so no two
         share a row)."""
-        closed, self._closed = self._closed, []
+        closed, self._closed, self._closed_ids = self._closed, [], 0
         if not closed:
             return
         counts = self._counts([now for _, now, _ in closed])                                   # [S, L, E]
