@@ -134,6 +134,7 @@ class LLM:
         built = build_engine(router, local)
         self._built.append(built)
         built.engine.start()
+        built.settle()
 
     def _in_process_only(self, what: str) -> None:
         if self._closed:

@@ -102,3 +102,44 @@ def test_nothing_is_copied_where_an_administrator_turned_huge_pages_off(tmp_path
     mode.write_text("always [madvise] never\n")
     assert huge_pages.huge_pages_advisable() == hasattr(mmap, "MADV_HUGEPAGE")
     ckpt.close(keep=w.mapped.values())
+
+
+@linux
+def test_a_serving_engine_moves_its_weights_once_ready_and_its_tokens_do_not_change(tmp_path):
+    """build_engine leaves the move to `settle` (a thread, once the engine serves): the weights go onto 2 MiB pages
+    while steps run, and the greedy tokens are those of an engine whose weights never moved."""
+    import threading
+    import time
+
+    from colibri import LLM, SamplingParams
+    from router_service.api import build
+
+    path = save_checkpoint(build_model(small_config("qwen3_moe"), seed=5), tmp_path / "m")
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, SamplingParams(max_tokens=24))]
+
+    llm = LLM(path, 0, dtype="float32")
+    try:
+        moving = tokens(llm)                                   # (its first steps run beside the move)
+        deadline = time.monotonic() + 60
+        while any(t.name == "router-huge-pages" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        qkv = llm.engine.model.w.layers[0].qkv
+        assert advised_huge(qkv.data_ptr()), "the layers' weights did not move"
+        moved = tokens(llm)
+    finally:
+        llm.close()
+    real = build._onto_huge_pages
+    build._onto_huge_pages = lambda weights: None              # an engine whose weights stay where they were
+    try:
+        still = LLM(path, 0, dtype="float32")
+        try:
+            assert not advised_huge(still.engine.model.w.layers[0].qkv.data_ptr())
+            never = tokens(still)
+        finally:
+            still.close()
+    finally:
+        build._onto_huge_pages = real
+    assert moving == moved == never and all(len(t) == 24 for t in never)

@@ -103,6 +103,7 @@ def serve_router(opts: RouterOptions) -> int:
 
     built.experts.watch(readiness)
     service.ready(opts.host, bound)
+    built.settle()
     closed = threading.Event()
 
     def stop() -> None:
