@@ -246,7 +246,7 @@ class RouterModel:
             out = mla_attention(cfg, lw.mla, layer, x, self.mla_rope, cos, sin, step, kv, self.mla_scale, rows,
                                 self.batch_invariant)
             return rows(lambda o: linear(o, lw.o, lw.o_bias), out)          # [T, H]
-        if self._fusable(lw, h, cos, step, kv):                           # decode rows only: one native call
+        if self._fusable(layer, lw, h, cos, step, kv):                    # decode rows only: one native call
             return native.attention_block(h, *self._block_args(layer, lw, cos, sin, step, kv))   # [T, H]
         q, k, v = rows(lambda h, cos, sin: self._qkv(lw, h, cos, sin), h, cos, sin)
         out = attention(layer, q, k, v, step, kv, layer in self.sliding, lw.sinks, self.batch_invariant)
@@ -274,13 +274,14 @@ class RouterModel:
                 or self.prefetch):
             return None
         moe = experts.native_layer(layer, h)      # first: None at once for workers, so the fleet's router does not
-        if (moe is None or not self._fusable(lw, h, cos, step, kv)   # make the checks below twice a layer
+        if (moe is None or not self._fusable(layer, lw, h, cos, step, kv)   # make the checks below twice a layer
                 or not self._routes_natively(lw, h.dtype, h.device)):
             return None
         return native.decoder_layer(h, self._block_args(layer, lw, cos, sin, step, kv), lw.ln2, lw.gate,
                                     self.routing, lw.gate_correction, moe)
 
-    def _fusable(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs, kv: KVCache) -> bool:
+    def _fusable(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs,
+                 kv: KVCache) -> bool:
         """Whether this layer's attention block may run as one native call (kernels.native.attention_block, the
         bits of the op-by-op path below): a CPU step of decode rows only, not the GPU's path (the Triton backend,
         which the interpreter runs on a CPU in tests), no batch-invariant mode, plain float
@@ -292,7 +293,10 @@ class RouterModel:
                 and self.cfg.clip_qkv is None and cos.dtype == dtype and kv.k.dtype == dtype
                 and kv.v.shape[-1] == self.cfg.head_dim and dtype in (torch.float32, torch.bfloat16)):
             return False
-        key = (id(lw), T, dtype)             # the weights' part, the same every step: looked up once
+        # the weights' part, the same every step: looked up once, by layer (not by the weights' object, which
+        # RouterWeights.onto_huge_pages replaces by a copy of the same weights while it serves; a freed object's
+        # id may come back)
+        key = (layer, T, dtype)
         if (ok := self._weights_fuse.get(key)) is None:
             norms = [w for w in (lw.ln1, lw.q_norm, lw.k_norm) if w is not None]
             ok = self._weights_fuse[key] = (
