@@ -23,9 +23,7 @@ probes' median), so a row's share holds while this VM's bandwidth drifts between
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
-import mmap
 import os
 from pathlib import Path
 
@@ -39,6 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import Beside, ReadProbe, finish, machine, publish, table, time_fn
+from colibri_common.huge_pages import onto_huge_pages
 from kernels import FORMS, Int8Weight, fused_moe, fused_moe_cpu, native, quantize_int8, topk_route
 
 H, I, E, K = 1024, 512, 64, 8
@@ -66,9 +65,6 @@ class Cycle:
         return self.items[self.i]
 
 
-HUGE = 2 * 2**20
-
-
 def anon_huge_bytes() -> int:
     """This process's anonymous memory on 2 MiB pages (AnonHugePages, /proc/self/smaps_rollup); 0 without it."""
     try:
@@ -78,22 +74,12 @@ def anon_huge_bytes() -> int:
     return sum(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("AnonHugePages:"))
 
 
-def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t in anonymous memory aligned to 2 MiB and advised MADV_HUGEPAGE (the tensor keeps the map)."""
-    n = t.numel() * t.element_size()
-    m = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)    # private: shared is shmem's
-    anchor = ctypes.c_char.from_buffer(m)
-    off = -ctypes.addressof(anchor) % HUGE
-    del anchor
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE, off, n - n % mmap.PAGESIZE or mmap.PAGESIZE)
-    out = torch.frombuffer(m, dtype=t.dtype, offset=off, count=t.numel()).view(t.shape)
-    out.copy_(t)
-    return out
-
-
 def huge_copy(w: torch.Tensor | Int8Weight) -> torch.Tensor | Int8Weight:
-    return dataclasses.replace(w, q=on_huge_pages(w.q)) if isinstance(w, Int8Weight) else on_huge_pages(w)
+    """A copy on anonymous memory aligned to 2 MiB and advised MADV_HUGEPAGE (colibri_common/huge_pages.py; the
+    tensor where huge pages cannot be had, which the AnonHugePages line then shows)."""
+    if isinstance(w, Int8Weight):
+        return dataclasses.replace(w, q=onto_huge_pages([w.q])[0])
+    return onto_huge_pages([w])[0]
 
 
 def measured(b: Beside) -> list[str]:
