@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from colibri_common import page_cache
 from colibri_common.checkpoint import Checkpoint
+from colibri_common.huge_pages import huge_pages_advisable
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE")
                            or not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
@@ -131,11 +132,12 @@ def test_the_bench_header_reports_the_page_state(tmp_path):
     assert page_cache.huge_share(tmp_path / "model.safetensors") is None                   # unmapped after
 
 
+@pytest.mark.skipif(not huge_pages_advisable(), reason="transparent huge pages are off here (or not Linux)")
 def test_the_kernels_bench_copies_weights_onto_2mib_aligned_memory():
-    from benchmarks.native_kernels import huge_copy, on_huge_pages
+    from benchmarks.native_kernels import huge_copy
     from kernels import quantize_int8
     t = torch.randn(1024, 1024).bfloat16()                                               # 2 MiB
-    c = on_huge_pages(t)
+    c = huge_copy(t)
     assert torch.equal(c, t) and c.data_ptr() % (2 * 2**20) == 0 and c.data_ptr() != t.data_ptr()
     w = quantize_int8(torch.randn(64, 96))
     h = huge_copy(w)
