@@ -90,8 +90,7 @@ def submit(ex: Dispatching, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
             reply = _send_serialized(ex, table, layer, wp.worker, (xr, wp.ids, wts), explicit=True) \
                 if ahead is None else None
             if reply is not None:                                        # the same-host socket: serialized natively
-                ex.worker_rows[wp.worker] += wp.ids.shape[0]
-                ex.window.computed(ex.addresses[wp.worker], wp.pairs)
+                _count(ex, wp.worker, wp.ids.shape[0], wp.pairs)
             else:
                 if wp.rows is None:
                     every = every or (wire.encode(x), wire.encode(w32))
@@ -114,8 +113,7 @@ def submit(ex: Dispatching, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
                 reply = ex.links.links[wr.worker].send(request(ex, table, layer, *enc, ahead,
                                                                holds=table.digests[wr.worker]))
             parts.append(Part(wr.worker, wr.rows, reply, None))
-            ex.worker_rows[wr.worker] += x.shape[0] if wr.rows is None else wr.rows.numel()
-            ex.window.computed(ex.addresses[wr.worker], wr.pairs)
+            _count(ex, wr.worker, x.shape[0] if wr.rows is None else wr.rows.numel(), wr.pairs)
     ex.timers["dispatch"] += time.perf_counter() - t0
     return InFlight(ex, table, layer, hidden, keep(x), ids_kept, keep(w32), parts)
 
@@ -171,6 +169,11 @@ def request(ex: Dispatching, table: Table, layer: int, hidden: expert_pb2.Tensor
 
 def _send(ex: Dispatching, w: int, req: expert_pb2.ForwardRequest, rows: int, pairs: int) -> Reply:
     """Send worker w its request of `rows` token rows and `pairs` token-expert pairs, counted as sent."""
+    _count(ex, w, rows, pairs)
+    return ex.links.links[w].send(req)
+
+
+def _count(ex: Dispatching, w: int, rows: int, pairs: int) -> None:
+    """Worker w was sent `rows` token rows and `pairs` token-expert pairs (metrics, and the load window)."""
     ex.worker_rows[w] += rows
     ex.window.computed(ex.addresses[w], pairs)
-    return ex.links.links[w].send(req)
