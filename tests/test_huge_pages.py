@@ -14,7 +14,7 @@ import torch
 
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
-from colibri_common.huge_pages import HUGE, onto_huge_pages
+from colibri_common.huge_pages import HUGE, huge_pages_advisable, onto_huge_pages
 from router_service.model.weights import RouterWeights, _tensors_of
 from tests.models import build_model, save_checkpoint, small_config
 
@@ -104,6 +104,37 @@ def test_nothing_is_copied_where_an_administrator_turned_huge_pages_off(tmp_path
     ckpt.close(keep=w.mapped.values())
 
 
+def test_a_move_asked_to_stop_ends_after_the_layer_it_is_moving(tmp_path):
+    """`stop` set before the move: nothing moves; set while it moves (after the first layer): the layers after it
+    stay where they were, with the bits they had."""
+    import threading
+
+    cfg_hf = small_config("qwen3_moe")
+    path = save_checkpoint(build_model(cfg_hf, seed=2), tmp_path / "m")
+    ckpt = Checkpoint(path)
+    w = RouterWeights.load(ckpt, ModelConfig.from_dir(path), torch.float32)
+    stop = threading.Event()
+    stop.set()
+    first = [lw.o for lw in w.layers]
+    assert w.onto_huge_pages(stop) == 0 and [lw.o for lw in w.layers] == first
+    stop.clear()
+    layers = w.layers
+
+    class Once(list):                              # the stop arrives as the first layer is taken to be moved
+        def __iter__(self):
+            for i, lw in enumerate(list.__iter__(self)):
+                yield lw
+                if i == 0:
+                    stop.set()
+
+    w.layers = Once(layers)
+    moved = w.onto_huge_pages(stop)
+    expect = huge_pages_advisable()
+    assert (moved > 0) == expect and (w.layers[0].o is not first[0]) == expect
+    assert all(lw.o is o for lw, o in zip(w.layers[1:], first[1:], strict=True))
+    ckpt.close(keep=w.mapped.values())
+
+
 @linux
 def test_a_serving_engine_moves_its_weights_once_ready_and_its_tokens_do_not_change(tmp_path):
     """build_engine leaves the move to `settle` (a thread, once the engine serves): the weights go onto 2 MiB pages
@@ -131,8 +162,12 @@ def test_a_serving_engine_moves_its_weights_once_ready_and_its_tokens_do_not_cha
         moved = tokens(llm)
     finally:
         llm.close()
+    assert not any(t.name == "router-huge-pages" for t in threading.enumerate())
+    early = LLM(path, 0, dtype="float32")
+    early.close()                                  # at once: the move is stopped and waited for, not left running
+    assert not any(t.name == "router-huge-pages" for t in threading.enumerate())
     real = build._onto_huge_pages
-    build._onto_huge_pages = lambda weights: None              # an engine whose weights stay where they were
+    build._onto_huge_pages = lambda weights, stop: None             # an engine whose weights stay where they were
     try:
         still = LLM(path, 0, dtype="float32")
         try:

@@ -59,6 +59,8 @@ class BuiltEngine:
     chat_template: str | None = None           # the checkpoint's, handed to the OpenAI front in ModelInfo
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
     sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)   # generation_config.json's
+    _settling: threading.Thread | None = dataclasses.field(default=None, init=False, repr=False)
+    _closing: threading.Event = dataclasses.field(default_factory=threading.Event, init=False, repr=False)
 
     @property
     def mapped(self) -> FileWatch | None:
@@ -72,14 +74,21 @@ class BuiltEngine:
     def settle(self) -> None:
         """Once it serves: what start-up leaves for later, in a thread of its own. On a CPU, the router's copied
         weights go onto 2 MiB pages (RouterWeights.onto_huge_pages): fresh 2 MiB pages took 20-270 ms to fault in on
-        the VMs measured, which start → ready should not wait for."""
+        the VMs measured, which start → ready should not wait for. Not a daemon: a daemon thread stopped by the
+        interpreter's exit inside a torch copy aborts the process ("terminate called without an active exception");
+        `close` stops it between layers and waits for it."""
         model = self.engine.model
-        if model.device.type == "cpu":
-            threading.Thread(target=_onto_huge_pages, args=(model.w,), name="router-huge-pages", daemon=True).start()
+        if model.device.type == "cpu" and self._settling is None and not self._closing.is_set():
+            self._settling = threading.Thread(target=_onto_huge_pages, args=(model.w, self._closing),
+                                              name="router-huge-pages")
+            self._settling.start()
 
     def close(self) -> None:
         """Stop the engine (open requests end UNAVAILABLE), then close the connections to the workers; the
         process's batch invariance ends with the engine that set it."""
+        self._closing.set()
+        if self._settling is not None:
+            self._settling.join()                      # the layer being moved, then it stops
         self.engine.stop()
         set_batch_invariant(False)
         self.experts.close()
@@ -196,12 +205,12 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special, sampling_defaults(opts.model))
 
 
-def _onto_huge_pages(weights: RouterWeights) -> None:
+def _onto_huge_pages(weights: RouterWeights, stop: threading.Event) -> None:
     """The router's copied weights onto 2 MiB pages, a layer at a time, while it starts and serves: each copy has the
     same bits, so a step may read a layer's old tensors or its new ones (RouterWeights.onto_huge_pages)."""
     t0 = time.monotonic()
     try:
-        moved = weights.onto_huge_pages()
+        moved = weights.onto_huge_pages(stop)
     except (OSError, MemoryError) as exc:            # no memory for the copies: the weights stay where they are
         log.warning("router weights stay on 4 KiB pages: %s", exc)
         return

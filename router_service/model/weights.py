@@ -8,6 +8,7 @@ I a dense MLP's or the shared expert's width.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,11 +117,12 @@ class RouterWeights:
             if lw.mlp_gate_up is not None:
                 lw.mlp_gate_up, lw.mlp_down = q8(lw.mlp_gate_up), q8(lw.mlp_down)
 
-    def onto_huge_pages(self) -> int:
+    def onto_huge_pages(self, stop: threading.Event | None = None) -> int:
         """Move the weights the router holds as copies and reads on every step (every layer's; lm_head where it is
         not the mapped checkpoint's, tied or not) onto 2 MiB pages (colibri_common/huge_pages.py), a mapping a layer
         (so at most one layer's weights are held twice meanwhile): the bytes moved, 0 where huge pages cannot be
-        had (THP `never`, not Linux). Shared tensors stay shared (a tied lm_head and its embedding are one copy)."""
+        had (THP `never`, not Linux). Shared tensors stay shared (a tied lm_head and its embedding are one copy).
+        `stop` set: it stops after the layer it is moving (the rest stay where they are, as they were)."""
         if not huge_pages_advisable():
             return 0
         in_place = {id(t) for role, t in (("embed", self.embed), ("lm_head", self.lm_head)) if role in self.mapped}
@@ -136,7 +138,11 @@ class RouterWeights:
             return _swapped(root, dict(zip(found, copies, strict=True)))
 
         for i, lw in enumerate(self.layers):
+            if stop is not None and stop.is_set():
+                return moved
             self.layers[i] = move(lw)                  # the layer's old tensors go as their last reference does
+        if stop is not None and stop.is_set():
+            return moved
         tied = self.lm_head is self.embed
         self.lm_head = move(self.lm_head)
         if tied:
