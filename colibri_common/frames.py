@@ -8,8 +8,13 @@ two paths carry the same bytes; this one skips HTTP/2, its flow control and gRPC
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+
+import torch
+
+from kernels import native_wire
 
 HEADER = struct.Struct("<IB3x")
 OK = 0
@@ -46,3 +51,31 @@ def recv_frame(sock: socket.socket, limit: int) -> tuple[int, bytes | bytearray]
     if size > limit:
         raise FrameError(f"a frame of {size} bytes is over the limit of {limit}")
     return status, _read_exactly(sock, size) if size else b""
+
+
+Payload = bytes | bytearray | torch.Tensor      # a frame's payload: read by Python, or natively (uint8 [B])
+
+
+def recv_payload(sock: socket.socket, limit: int) -> tuple[int, Payload]:
+    """`recv_frame` in one native call where the kernels are built (kernels/native_wire.recv_frame): the payload is
+    then a uint8 tensor, which the router's native combine reads as it is (`payload_bytes` for its bytes); the same
+    errors, said the same way."""
+    got = native_wire.recv_frame(sock.fileno(), limit)
+    if got is None:
+        return recv_frame(sock, limit)
+    code, size, payload = got
+    if code >= 0:
+        return code, payload
+    if code == native_wire.FRAME_CLOSED:
+        raise FrameError("the connection was closed")
+    if code == native_wire.FRAME_CUT:
+        raise FrameError("the connection was closed mid-frame")
+    if code == native_wire.FRAME_OVER:
+        raise FrameError(f"a frame of {size} bytes is over the limit of {limit}")
+    raise OSError(-code, os.strerror(-code))
+
+
+def payload_bytes(payload: Payload) -> bytes | bytearray:
+    """A payload's bytes (a copy where it was read natively: for protobuf's parse and error messages, off the hot
+    path)."""
+    return payload.numpy().tobytes() if isinstance(payload, torch.Tensor) else payload

@@ -50,7 +50,7 @@ GROUP_SCORE_CODES = {"max": 0, "top2": 1}
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
 OPS = ("linear", "expert_blocks", "expert_blocks_free", "moe_blocks_", "moe_sum_", "decode_attention", "rms_norm",
        "rope", "attention_block", "decoder_layer", "topk_route", "moe_route", "expert_answer", "combine_replies",
-       "forward_request", "isa", "use_isa", "rest", "wake", "exit_on_sigbus")
+       "forward_request", "forward_send", "recv_frame", "isa", "use_isa", "rest", "wake", "exit_on_sigbus")
 
 
 def _load() -> str | None:

@@ -112,6 +112,50 @@ class CountingTensor:
         return self._data
 
 
+@pytest.mark.parametrize("native_read", [False, True])
+def test_a_frame_read_natively_is_the_frame_python_reads(native_read, monkeypatch):
+    """recv_payload (one native call, the router's read: kernels/native/frame_op.cpp) gives the status and bytes
+    recv_frame gives, in parts or whole, and fails as it does, in the same words: a peer gone before a frame or in
+    the middle of one, a frame over the limit (nothing of it read), a socket that fails."""
+    import errno
+
+    from colibri_common import frames
+    from kernels import native, native_wire
+
+    if native_read and not native.available():
+        pytest.skip("the native kernels are not built here")
+    if not native_read:
+        monkeypatch.setattr(native_wire, "recv_frame", lambda fd, limit: None)     # the Python read
+    a, b = socket.socketpair()
+    try:
+        for status, payload in ((0, b"x" * 70000), (0, b""), (13, "no such layer: é".encode()), (0, b"\x00\x01")):
+            send_frame(a, status, payload)
+            got_status, got = frames.recv_payload(b, 1 << 20)
+            assert got_status == status and bytes(frames.payload_bytes(got)) == payload
+            assert isinstance(got, torch.Tensor) == native_read
+        a.sendall(HEADER.pack(100, 0) + b"abc")
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(frames.FrameError, match="^the connection was closed mid-frame$"):
+            frames.recv_payload(b, 1 << 20)
+        with pytest.raises(frames.FrameError, match="^the connection was closed$"):
+            frames.recv_payload(b, 1 << 20)
+    finally:
+        a.close()
+        b.close()
+    a, b = socket.socketpair()
+    try:
+        a.sendall(HEADER.pack(5000, 0) + b"y" * 5000)
+        with pytest.raises(frames.FrameError, match="^a frame of 5000 bytes is over the limit of 4999$"):
+            frames.recv_payload(b, 4999)
+        assert b.recv(8) == b"y" * 8                       # the payload was left unread
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(OSError) as err:                    # a closed socket
+        frames.recv_payload(b, 1 << 20)
+    assert err.value.errno == errno.EBADF
+
+
 def test_decode_reads_the_payload_once():
     """Each read of a message's bytes field copies the payload (a 512-row prefill's reply: 4 MiB, ~0.2 ms);
     decode checks its length and views it from one read."""

@@ -1,5 +1,6 @@
 """The router's native side of the same-host wire: a layer's ForwardRequest serialized straight from its tensors
-(colibri::forward_request, kernels/native/request_op.cpp) is protobuf's own bytes for that message; and the sum of
+(colibri::forward_request, kernels/native/request_op.cpp) is protobuf's own bytes for that message, written to the
+socket as one frame by colibri::forward_send; and the sum of
 the workers' answers read from their ForwardResponse bytes (colibri::combine_replies, combine_op.cpp) has the bits of
 the Python path (protobuf's parse, wire.decode, moe/combine.py) for every rows layout (every row, subsets, both),
 signed zeros, bf16 and float32, with each reply's compute_ms and instance; a reply it cannot read (another dtype or
@@ -48,14 +49,19 @@ def parts_of(layout: list[int | None], g: torch.Generator) -> list[tuple[torch.T
 @pytest.mark.parametrize("layout", [[None], [None, None], [None, None, None], [5], [None, 7], [3, None, 13],
                                     [4, 4, 9]])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_native_sum_has_the_python_paths_bits(layout, dtype):
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_the_native_sum_has_the_python_paths_bits(layout, dtype, as_tensor):
+    """From the replies' bytes, or from the uint8 tensors a native read (recv_payload) puts them in."""
     g = torch.Generator().manual_seed(len(layout) * 7 + (layout[0] or 0))
     parts = parts_of(layout, g)
     payloads = [bytearray(reply(sums, ms=i + 0.25, instance=f"w{i}")) for i, (_, sums) in enumerate(parts)]
+    if as_tensor:
+        payloads = [torch.frombuffer(p, dtype=torch.uint8) for p in payloads]
     got = native_wire.combine_replies(payloads, [rows for rows, _ in parts], T, H, dtype)
     assert got is not None
     out, ms, instances = got
-    want = combine(T, H, dtype, [(rows, wire.decode(expert_pb2.ForwardResponse.FromString(bytes(p)).output))
+    want = combine(T, H, dtype, [(rows, wire.decode(expert_pb2.ForwardResponse.FromString(
+                                     bytes(p.numpy() if as_tensor else p)).output))
                                  for (rows, _), p in zip(parts, payloads, strict=True)])
     assert out.dtype == dtype and out.shape == (T, H)
     assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
@@ -85,6 +91,8 @@ def test_replies_it_cannot_read_are_declined():
         "one good, one bad": ([ok, reply(good.float())], [None, None]),
         "field number 0": ([ok + b"\x00\x01"], [None]),                    # protobuf refuses it too
         "field number 2^29": ([ok + b"\x80\x80\x80\x80\x10\x01"], [None]),
+        "an instance beyond ASCII": ([reply(good, instance="wé")], [None]),    # Python decodes that UTF-8
+        "an empty tensor": ([torch.empty(0, dtype=torch.uint8)], [None]),
     }
     for why, (payloads, rs) in bad.items():
         assert native_wire.combine_replies(payloads, rs, T, H, torch.bfloat16) is None, why
@@ -116,6 +124,44 @@ def test_a_serialized_request_is_protobufs_bytes(dtype):
     assert expert_pb2.ForwardRequest.FromString(bytes(got.numpy())).hidden == wire.encode(x[1:3])
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_request_written_to_a_socket_is_one_frame_of_protobufs_bytes(blocking):
+    """colibri::forward_send writes forward_request's bytes as one frame (colibri_common/frames.py), whole even
+    where the socket takes them in parts (a message larger than its buffer; a non-blocking socket that is full
+    waits for room); a socket that cannot take it is an OSError with the system's errno, and no frame is kept."""
+    import errno
+    import socket
+    import threading
+
+    from colibri_common.frames import recv_frame
+
+    g = torch.Generator().manual_seed(4)
+    a, b = socket.socketpair()
+    a.setblocking(blocking)
+    try:
+        for n in (1, 7, 3000):                         # 3000 x 4096 bf16: 24 MiB, far over the socket's buffer
+            x = torch.randn(n, 4096, generator=g).bfloat16()
+            ids = torch.randint(-1, 64, (n, 8), generator=g, dtype=torch.int32)
+            w = torch.rand(n, 8, generator=g)
+            got: list[tuple[int, bytes]] = []
+            reader = threading.Thread(target=lambda out=got: out.append(recv_frame(b, 1 << 30)))
+            reader.start()
+            native_wire.forward_send(a.fileno(), x, ids, w, 3, n, 2, (1 << 64) - 1, 5, n == 7)
+            reader.join(timeout=60)
+            want = native_wire.forward_request(x, ids, w, 3, n, 2, (1 << 64) - 1, 5, n == 7)
+            assert got and got[0][0] == 0 and bytes(got[0][1]) == bytes(want.numpy()), n
+        b.close()                                      # the peer is gone: EPIPE (no SIGPIPE), said as an OSError
+        with pytest.raises(OSError) as err:
+            native_wire.forward_send(a.fileno(), x[:1], ids[:1], w[:1], 1, 1, 1, 1, 1, False)
+        assert err.value.errno in (errno.EPIPE, errno.ECONNRESET)
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(OSError) as err:                # a closed descriptor
+        native_wire.forward_send(a.fileno(), x[:1], ids[:1], w[:1], 1, 1, 1, 1, 1, False)
+    assert err.value.errno == errno.EBADF
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_paths_bits(oracles, monkeypatch,
                                                                                          replicas):
@@ -132,14 +178,14 @@ def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_pat
     oracle = oracles["qwen3_moe"]
     cfg = ModelConfig.from_dir(oracle.path)
     token = new_token()
-    calls = {"forward_request": 0, "combine_replies": 0}
+    calls = {"forward_send": 0, "combine_replies": 0}
 
     def spy(name):
         real = getattr(native_wire, name)
 
         def counted(*args, **kwargs):
             out = real(*args, **kwargs)
-            calls[name] += out is not None
+            calls[name] += out is not None or name == "forward_send"     # (None once written)
             return out
         return counted
 
@@ -163,7 +209,7 @@ def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_pat
                 for name in calls:
                     m.setattr(native_wire, name, spy(name))
                 fast = layer()
-            assert calls == {"forward_request": 2, "combine_replies": 1}      # both workers, one sum
+            assert calls == {"forward_send": 2, "combine_replies": 1}         # both workers, one sum
             with monkeypatch.context() as m:                                  # the Python path, for the same layer
                 made, request = [], dispatch.request
                 m.setattr(dispatch, "_send_serialized", lambda *a, **k: None)

@@ -3,14 +3,14 @@
 // (protobuf's parse, wire.decode, router_service/moe/combine.py):
 //
 //   combine_replies(payloads [P] uint8 ForwardResponse bytes, rows [P] (int64 [n_p], or empty = all T rows), T, H,
-//                   dtype) -> (out [T, H] in dtype, compute_ms [P] float64, instance [P, 2] int64 (offset, length of
-//                   each reply's instance string in its payload))
+//                   dtype) -> (out [T, H] in dtype, each reply's compute_ms, each reply's instance)
 //
 //   every part's rows None: acc = part 0, acc += part 1, ...      else: acc = 0, then part by part acc[rows] += part
 //   out = acc.to(dtype)                                           (torch's rounding, once: `rounded`)
 //
 // An empty `out` means "not this way": a reply that is not a float64 [n, H] sum of its rows, a row out of range, rows
-// that are not a contiguous int64 [n] tensor, or a field it does not expect goes to the Python path, which parses and says what is wrong. What it saves is a reply's
+// that are not a contiguous int64 [n] tensor, an instance not in ASCII (Python decodes the rest of UTF-8), or a field
+// it does not expect goes to the Python path, which parses and says what is wrong. What it saves is a reply's
 // three copies (protobuf's parse, the bytes field's read, the float64 add's new tensor) and the Python between them:
 // at 32 rows a reply is 256 KiB, on caches the workers' weights have just flushed.
 
@@ -21,6 +21,7 @@
 #include "wire.h"
 
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -85,14 +86,14 @@ at::Tensor rounded(const at::Tensor& acc, at::ScalarType dtype) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> combine_replies(at::TensorList payloads, at::TensorList rows, int64_t T,
-                                                              int64_t H, at::ScalarType dtype) {
+std::tuple<at::Tensor, std::vector<double>, std::vector<std::string>> combine_replies(
+        at::TensorList payloads, at::TensorList rows, int64_t T, int64_t H, at::ScalarType dtype) {
     const int64_t P = int64_t(payloads.size());
     TORCH_CHECK(int64_t(rows.size()) == P && P > 0 && T > 0 && H > 0,
                 "colibri::combine_replies: one rows tensor per payload, T and H positive");
     auto none = [&] {                       // made only where the Python path must take the replies
-        return std::make_tuple(at::empty({0}, at::TensorOptions().dtype(dtype)), at::empty({0}, at::kDouble),
-                               at::empty({0}, at::kLong));
+        return std::make_tuple(at::empty({0}, at::TensorOptions().dtype(dtype)), std::vector<double>(),
+                               std::vector<std::string>());
     };
     std::vector<Reply> parts(P);
     bool all_rows = true;
@@ -101,6 +102,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> combine_replies(at::TensorList pa
         TORCH_CHECK(b.scalar_type() == at::kByte && b.dim() == 1 && b.is_contiguous(),
                     "colibri::combine_replies: each payload is a contiguous uint8 [B] tensor");
         if (!parse_reply(b.data_ptr<uint8_t>(), uint64_t(b.numel()), parts[p])) return none();
+        const uint8_t* id = b.data_ptr<uint8_t>() + parts[p].instance_at;
+        for (int64_t i = 0; i < parts[p].instance_len; ++i)
+            if (id[i] >= 0x80) return none();                          // UTF-8 beyond ASCII: Python decodes it
         const at::Tensor& r = rows[p];
         const bool all = r.numel() == 0;
         if (!all) {
@@ -136,19 +140,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> combine_replies(at::TensorList pa
             }
         }
     }
-    at::Tensor ms = at::empty({P}, at::kDouble);                                                  // [P]
-    at::Tensor inst = at::empty({P, 2}, at::kLong);                                               // [P, 2]
+    std::vector<double> ms(P);
+    std::vector<std::string> instances(P);
     for (int64_t p = 0; p < P; ++p) {
-        ms.data_ptr<double>()[p] = parts[p].compute_ms;
-        inst.data_ptr<int64_t>()[2 * p] = parts[p].instance_at;
-        inst.data_ptr<int64_t>()[2 * p + 1] = parts[p].instance_len;
+        ms[p] = parts[p].compute_ms;
+        instances[p].assign(reinterpret_cast<const char*>(payloads[p].data_ptr<uint8_t>()) + parts[p].instance_at,
+                            size_t(parts[p].instance_len));
     }
-    return std::make_tuple(rounded(acc, dtype), ms, inst);
+    return std::make_tuple(rounded(acc, dtype), std::move(ms), std::move(instances));
 }
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
     m.def("combine_replies(Tensor[] payloads, Tensor[] rows, int T, int H, ScalarType dtype) "
-          "-> (Tensor, Tensor, Tensor)");
+          "-> (Tensor, float[], str[])");
 }
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("combine_replies", &combine_replies); }

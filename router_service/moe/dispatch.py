@@ -147,14 +147,14 @@ def send(ex: Dispatching, table: Table, w: int, layer: int, x: torch.Tensor, ids
 def _send_serialized(ex: Dispatching, table: Table, layer: int, w: int, rows: tuple[torch.Tensor, ...],
                      explicit: bool = False) -> Reply | None:
     """Worker w's share of a layer (hidden [n, H], ids [n, K] int32, weights [n, K]: the whole top-k of its rows
-    under a static plan, or with `explicit` its pairs, others' ids -1) serialized natively, where its link sends
-    bytes (the same-host socket); None where it does not (then the message, as `request` makes it)."""
+    under a static plan, or with `explicit` its pairs, others' ids -1) serialized and written natively, where its link
+    sends frames (the same-host socket); None where it does not (then the message, as `request` makes it)."""
     link = ex.links.links[w]
     if not link.local or not native.available():
         return None
-    holds = 0 if explicit else table.digests[w]
-    payload = native_wire.forward_request(*rows, layer, ex.step, table.epoch, holds, ex.checkpoint_id, explicit)
-    return link.send_bytes(memoryview(payload.numpy()), layer)
+    holds, step = 0 if explicit else table.digests[w], ex.step
+    return link.send_written(lambda fd: native_wire.forward_send(fd, *rows, layer, step, table.epoch, holds,
+                                                                 ex.checkpoint_id, explicit), layer)
 
 
 def request(ex: Dispatching, table: Table, layer: int, hidden: expert_pb2.Tensor, ids: expert_pb2.Tensor,

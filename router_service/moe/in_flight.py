@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from colibri_common import wire
+from colibri_common.frames import Payload, payload_bytes
 from colibri_common.metrics_http import QueuedHistogram
 from colibri_common.pb import expert_pb2
 from kernels import native, native_wire
@@ -24,7 +25,7 @@ from router_service.moe.table import Table
 from router_service.moe.transport import Reply, WorkerError
 
 # one worker's answer to a layer: (worker, its rows or None for all, the reply's bytes or the parsed reply)
-Answer = tuple[int, torch.Tensor | None, bytes | bytearray | expert_pb2.ForwardResponse]
+Answer = tuple[int, torch.Tensor | None, Payload | expert_pb2.ForwardResponse]
 
 
 class Sender(Protocol):
@@ -126,7 +127,8 @@ class InFlight:
             part = todo.pop(0)
             t0 = time.perf_counter()
             try:
-                answer = part.reply.get_bytes() or part.reply.get()      # bytes off a same-host socket, or parsed
+                if (answer := part.reply.get_bytes()) is None:          # bytes off a same-host socket, or parsed
+                    answer = part.reply.get()
             except WorkerError as exc:
                 waited += time.perf_counter() - t0
                 self._saw(got)       # restarts seen before the ban, which records the process it bans
@@ -169,5 +171,6 @@ class InFlight:
                 sum(resp.compute_ms for _, _, resp in parsed) / 1e3)
 
 
-def _response(answer: bytes | bytearray | expert_pb2.ForwardResponse) -> expert_pb2.ForwardResponse:
-    return answer if isinstance(answer, expert_pb2.ForwardResponse) else expert_pb2.ForwardResponse.FromString(answer)
+def _response(answer: Payload | expert_pb2.ForwardResponse) -> expert_pb2.ForwardResponse:
+    return answer if isinstance(answer, expert_pb2.ForwardResponse) else \
+        expert_pb2.ForwardResponse.FromString(payload_bytes(answer))

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import grpc
 
-from colibri_common.frames import FrameError, recv_frame, send_frame
+from colibri_common.frames import FrameError, Payload, payload_bytes, recv_payload, send_frame
 from colibri_common.pb import expert_pb2
 from colibri_common.serving import MAX_MESSAGE_BYTES
 from router_service.moe.transport import (
     NOT_RETRYABLE,
     OPEN_ACCESS,
     Access,
+    FrameWriter,
     Reply,
     StreamLink,
     StreamReply,
@@ -63,18 +64,19 @@ class LocalLink(StreamLink):
     def send(self, request: expert_pb2.ForwardRequest) -> Reply:
         if self.socket_path is None:
             return super().send(request)
-        return self._send_frame(request.SerializeToString(), request.layer)
+        payload = request.SerializeToString()
+        return self._send_frame(lambda fd: send_frame(self._sock, 0, payload), request.layer)  # type: ignore[arg-type]
 
-    def send_bytes(self, payload: bytes | memoryview, layer: int) -> Reply | None:
-        return None if self.socket_path is None else self._send_frame(payload, layer)
+    def send_written(self, write: FrameWriter, layer: int) -> Reply | None:
+        return None if self.socket_path is None else self._send_frame(write, layer)
 
-    def _send_frame(self, payload: bytes | memoryview, layer: int) -> Reply:
+    def _send_frame(self, write: FrameWriter, layer: int) -> Reply:
         reply = StreamReply(self, layer)
         for fresh in ((False, True) if self._sock is not None else (True,)):
             try:
                 if fresh:
                     self._connect()
-                send_frame(self._sock, 0, payload)  # type: ignore[arg-type]
+                write(self._sock.fileno())  # type: ignore[union-attr]
                 break
             except OSError as exc:
                 # a connection that was up may have died while idle (the worker restarted): one new one
@@ -99,15 +101,15 @@ class LocalLink(StreamLink):
         if reply.payload is None and self.socket_path is None:    # (an answer filed unparsed is read from its bytes
             return super().receive(reply)                          # even if a re-sync has since lost the socket)
         if reply.response is None:
-            reply.response = expert_pb2.ForwardResponse.FromString(self._await(reply))
+            reply.response = expert_pb2.ForwardResponse.FromString(payload_bytes(self._await(reply)))
         return reply.response
 
-    def receive_bytes(self, reply: StreamReply) -> bytes | bytearray | None:
+    def receive_bytes(self, reply: StreamReply) -> Payload | None:
         if reply.payload is None and self.socket_path is None:
             return super().receive_bytes(reply)
         return self._await(reply) if reply.response is None else None
 
-    def _await(self, reply: StreamReply) -> bytes | bytearray:
+    def _await(self, reply: StreamReply) -> Payload:
         """Read answers in order until `reply`'s is here (the earlier ones filed unparsed); its bytes."""
         while reply.payload is None:
             sock = self._sock
@@ -116,7 +118,7 @@ class LocalLink(StreamLink):
                                   unsynced=reply.unsynced)
             self._waiting_since = time.monotonic()
             try:
-                status, payload = recv_frame(sock, MAX_MESSAGE_BYTES)
+                status, payload = recv_payload(sock, MAX_MESSAGE_BYTES)
             except (FrameError, OSError) as exc:
                 cut = self._cut
                 why = cut[1] if cut is not None and cut[0] is sock else f"its local connection broke ({exc})"
@@ -132,7 +134,7 @@ class LocalLink(StreamLink):
                 continue
             code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
             answered.error = f"expert worker {self.address} failed on layer {answered.layer}: {code.name}: " \
-                             f"{payload.decode(errors='replace')}"
+                             f"{payload_bytes(payload).decode(errors='replace')}"
             answered.unsynced = code == grpc.StatusCode.FAILED_PRECONDITION
             if answered is reply:
                 raise WorkerError(answered.error, retryable=code not in NOT_RETRYABLE, unsynced=answered.unsynced)

@@ -20,12 +20,13 @@ import logging
 import queue
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
 
 from colibri_common.errors import ColibriError
+from colibri_common.frames import Payload
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
 from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS, channel_options
 from colibri_common.token_gate import with_token
@@ -51,6 +52,9 @@ def _unreachable(address: str) -> str:
     except OSError as exc:
         return f"; connecting to it: {exc.strerror or exc}"
     return ""
+
+
+FrameWriter = Callable[[int], None]     # writes one whole frame to a connected socket's fd; OSError where it cannot
 
 
 class WorkerError(ColibriError):
@@ -110,7 +114,7 @@ class StreamReply(Reply):
     def __init__(self, link: StreamLink, layer: int) -> None:
         self.link, self.layer = link, layer
         self.response: expert_pb2.ForwardResponse | None = None
-        self.payload: bytes | bytearray | None = None   # its bytes, unparsed (a same-host socket's answer)
+        self.payload: Payload | None = None   # its bytes, unparsed (a same-host socket's answer)
         self.error: str | None = None            # set when its stream was reset before it was answered
         self.unsynced = False                    # its error is the worker's "not under that plan"
 
@@ -120,7 +124,7 @@ class StreamReply(Reply):
     def get(self) -> expert_pb2.ForwardResponse:
         return self.link.receive(self)
 
-    def get_bytes(self) -> bytes | bytearray | None:
+    def get_bytes(self) -> Payload | None:
         return self.link.receive_bytes(self)
 
 
@@ -237,9 +241,10 @@ class WorkerLink:
     def send(self, request: expert_pb2.ForwardRequest) -> Reply:
         raise NotImplementedError
 
-    def send_bytes(self, payload: bytes | memoryview, layer: int) -> Reply | None:
-        """A ForwardRequest of `layer` already serialized (kernels.native_wire.forward_request), where this link sends
-        bytes as they are (`local`: the same-host socket); None where it sends messages (then `send`)."""
+    def send_written(self, write: FrameWriter, layer: int) -> Reply | None:
+        """A ForwardRequest of `layer` that `write` puts on the socket as one whole frame itself
+        (kernels.native_wire.forward_send), where this link sends frames (`local`: the same-host socket); None where
+        it sends messages (then `send`)."""
         return None
 
     @property
@@ -327,7 +332,7 @@ class StreamLink(WorkerLink):
             self._awaiting.popleft().response = resp
         return reply.response
 
-    def receive_bytes(self, reply: StreamReply) -> bytes | bytearray | None:
+    def receive_bytes(self, reply: StreamReply) -> Payload | None:
         """`reply`'s bytes where this link reads them unparsed; a gRPC stream parses them: None once received."""
         self.receive(reply)
         return None
