@@ -57,12 +57,13 @@ def forward_request(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
                                              _signed64(checkpoint), explicit)
 
 
-def forward_send(fd: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int, step: int,
-                 epoch: int, holds: int, checkpoint: int, explicit: bool) -> None:
-    """`forward_request`'s bytes written to the connected socket `fd` as one frame (colibri_common/frames.py's
-    header, then the message), in one native call: OSError where the socket refuses them (a part may have gone:
-    the connection is then unusable)."""
-    if (rc := torch.ops.colibri.forward_send(fd, hidden, ids, weights, layer, step, epoch, _signed64(holds),
+def forward_send(fd: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None,
+                 layer: int, step: int, epoch: int, holds: int, checkpoint: int, explicit: bool) -> None:
+    """`forward_request`'s bytes for `rows` (int64 [n] of hidden [T, H], ids and weights [T, K]; None: all T) written
+    to the connected socket `fd` as one frame (colibri_common/frames.py's header, then the message), in one native
+    call, the rows gathered as they are written: OSError where the socket refuses them (a part may have gone: the
+    connection is then unusable)."""
+    if (rc := torch.ops.colibri.forward_send(fd, hidden, ids, weights, rows, layer, step, epoch, _signed64(holds),
                                              _signed64(checkpoint), explicit)) < 0:
         raise OSError(-rc, os.strerror(-rc))
 

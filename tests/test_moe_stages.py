@@ -22,7 +22,7 @@ def owner_map(num_experts: int, workers: int) -> torch.Tensor:
     return owner
 
 
-@pytest.mark.parametrize("T", [5, 40])       # partition's Python way for a few rows, its tensor way beyond
+@pytest.mark.parametrize("T", [5, 40])       # partition's Python way for a few rows, its numpy way beyond
 def test_partition_sends_each_token_to_exactly_the_workers_of_its_experts(T):
     E, W, K = 10, 3, 3
     owner = owner_map(E, W)                                   # experts 0-3 -> 0, 4-6 -> 1, 7-9 -> 2

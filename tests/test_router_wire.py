@@ -146,19 +146,31 @@ def test_a_request_written_to_a_socket_is_one_frame_of_protobufs_bytes(blocking)
             got: list[tuple[int, bytes]] = []
             reader = threading.Thread(target=lambda out=got: out.append(recv_frame(b, 1 << 30)))
             reader.start()
-            native_wire.forward_send(a.fileno(), x, ids, w, 3, n, 2, (1 << 64) - 1, 5, n == 7)
+            native_wire.forward_send(a.fileno(), x, ids, w, None, 3, n, 2, (1 << 64) - 1, 5, n == 7)
             reader.join(timeout=60)
             want = native_wire.forward_request(x, ids, w, 3, n, 2, (1 << 64) - 1, 5, n == 7)
             assert got and got[0][0] == 0 and bytes(got[0][1]) == bytes(want.numpy()), n
+        for rows in ([0], [6], [1, 2, 5], [0, 1, 2, 3, 4, 5, 6], [], [3, 3]):     # rows gathered as they are written
+            r = torch.tensor(rows, dtype=torch.long)
+            native_wire.forward_send(a.fileno(), x, ids, w, r, 1, 2, 3, 4, 5, False)
+            want = native_wire.forward_request(x.index_select(0, r), ids.index_select(0, r), w.index_select(0, r),
+                                               1, 2, 3, 4, 5, False)
+            assert bytes(recv_frame(b, 1 << 30)[1]) == bytes(want.numpy()), rows
+        for bad in (torch.tensor([x.shape[0]]), torch.tensor([-1]), torch.tensor([0, 1], dtype=torch.int32),
+                    torch.tensor([[0]])):                  # refused before a byte is written
+            with pytest.raises(RuntimeError, match="rows|row"):
+                native_wire.forward_send(a.fileno(), x, ids, w, bad, 1, 2, 3, 4, 5, False)
+        a.sendall(b"end")
+        assert b.recv(16) == b"end"
         b.close()                                      # the peer is gone: EPIPE (no SIGPIPE), said as an OSError
         with pytest.raises(OSError) as err:
-            native_wire.forward_send(a.fileno(), x[:1], ids[:1], w[:1], 1, 1, 1, 1, 1, False)
+            native_wire.forward_send(a.fileno(), x[:1], ids[:1], w[:1], None, 1, 1, 1, 1, 1, False)
         assert err.value.errno in (errno.EPIPE, errno.ECONNRESET)
     finally:
         a.close()
         b.close()
     with pytest.raises(OSError) as err:                # a closed descriptor
-        native_wire.forward_send(a.fileno(), x[:1], ids[:1], w[:1], 1, 1, 1, 1, 1, False)
+        native_wire.forward_send(a.fileno(), x[:1], ids[:1], w[:1], None, 1, 1, 1, 1, 1, False)
     assert err.value.errno == errno.EBADF
 
 

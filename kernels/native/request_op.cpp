@@ -5,9 +5,10 @@
 //   forward_request(hidden [n, H], ids [n, K] int32, weights [n, K] float32, layer, step, epoch, holds, checkpoint,
 //                   explicit) -> uint8 [B]      (exact_sum set; no prefetch: a call with one takes the message path)
 //
-//   forward_send(fd, hidden, ids, weights, layer, step, epoch, holds, checkpoint, explicit) -> int
-//       the same bytes as one frame (colibri_common/frames.py: an 8-byte header, then the message) written to the
-//       connected socket `fd`: 0 once all of it is written, else -errno (the Python side raises OSError)
+//   forward_send(fd, hidden [T, H], ids [T, K], weights [T, K], rows, layer, step, epoch, holds, checkpoint, explicit)
+//       -> int: the message of `rows` (int64 [n]; None: all T) of the three, the bytes forward_request writes for
+//       those rows (their index_select), as one frame (colibri_common/frames.py: an 8-byte header, then the
+//       message) written to the connected socket `fd`: 0 once all of it is written, else -errno (OSError in Python)
 //
 // holds and checkpoint are fixed64 on the wire: their 64 bits come as int64. What it saves is three tensor
 // encodings (each a copy to bytes), the message's construction (another copy) and its serialization (another), and
@@ -22,6 +23,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <poll.h>
 #include <string_view>
 #include <sys/socket.h>
@@ -45,12 +47,13 @@ std::string_view dtype_name(at::ScalarType t) {
     }
 }
 
-// a Tensor message's bytes: dtype (1), shape (2, packed), data (3)
-std::vector<uint8_t> tensor_head(const at::Tensor& t, uint64_t& data) {
+// a Tensor message's bytes for n rows of the 2-D t: dtype (1), shape (2, packed), data (3)
+std::vector<uint8_t> tensor_head(const at::Tensor& t, int64_t n, uint64_t& data) {
     const std::string_view name = dtype_name(t.scalar_type());
+    const int64_t dims[2] = {n, t.size(1)};
     uint64_t shape = 0;
-    for (int64_t d : t.sizes()) shape += varint_size(uint64_t(d));
-    data = uint64_t(t.numel()) * uint64_t(t.element_size());
+    for (int64_t d : dims) shape += varint_size(uint64_t(d));
+    data = uint64_t(n) * uint64_t(t.size(1)) * uint64_t(t.element_size());
     std::vector<uint8_t> h;
     h.push_back(0x0a);
     put_varint(h, name.size());
@@ -58,7 +61,7 @@ std::vector<uint8_t> tensor_head(const at::Tensor& t, uint64_t& data) {
     if (shape) {
         h.push_back(0x12);
         put_varint(h, shape);
-        for (int64_t d : t.sizes()) put_varint(h, uint64_t(d));
+        for (int64_t d : dims) put_varint(h, uint64_t(d));
     }
     if (data) {
         h.push_back(0x1a);
@@ -68,17 +71,30 @@ std::vector<uint8_t> tensor_head(const at::Tensor& t, uint64_t& data) {
 }
 
 // The message's bytes, written where `room(size)` says (a pointer to `size` bytes).
+// `rows` (int64 [n], or undefined: every row): the rows of the three tensors the message carries, in that order.
 template <typename Room>
-void serialize(Room room, const at::Tensor& hidden, const at::Tensor& ids,
-               const at::Tensor& weights, int64_t layer, int64_t step, int64_t epoch, int64_t holds,
-               int64_t checkpoint, bool explicit_pairs) {
+void serialize(Room room, const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
+               const at::Tensor& rows, int64_t layer, int64_t step, int64_t epoch, int64_t holds, int64_t checkpoint,
+               bool explicit_pairs) {
     TORCH_CHECK(hidden.dim() == 2 && ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == hidden.size(0),
-                "colibri::forward_request: need hidden [n, H], ids and weights [n, K]");
+                "colibri::forward_request: need hidden [T, H], ids and weights [T, K]");
     TORCH_CHECK(layer >= 0 && step >= 0 && epoch >= 0, "colibri::forward_request: layer, step and epoch are >= 0");
+    const int64_t T = hidden.size(0);
+    const int64_t* picked = nullptr;
+    int64_t n = T;
+    if (rows.defined()) {
+        TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+                    "colibri::forward_request: rows is a contiguous int64 [n]");
+        picked = rows.data_ptr<int64_t>();
+        n = rows.numel();
+        for (int64_t i = 0; i < n; ++i)
+            TORCH_CHECK(picked[i] >= 0 && picked[i] < T, "colibri::forward_request: row ", picked[i], " is not in [0, ",
+                        T, ")");
+    }
     const at::Tensor ts[3] = {hidden.contiguous(), ids.contiguous(), weights.contiguous()};
     std::vector<uint8_t> head[3];
     uint64_t data[3];
-    for (int i = 0; i < 3; ++i) head[i] = tensor_head(ts[i], data[i]);
+    for (int i = 0; i < 3; ++i) head[i] = tensor_head(ts[i], n, data[i]);
     std::vector<uint8_t> out;                                          // everything but the three tensors' data
     out.reserve(96);
     std::vector<size_t> at(3);                                         // where each tensor's data goes in `out`
@@ -120,8 +136,14 @@ void serialize(Room room, const at::Tensor& hidden, const at::Tensor& ids,
         std::memcpy(p, out.data() + from, at[i] - from);
         p += at[i] - from;
         from = at[i];
-        std::memcpy(p, ts[i].data_ptr(), data[i]);
-        p += data[i];
+        if (picked == nullptr) {
+            std::memcpy(p, ts[i].data_ptr(), data[i]);
+            p += data[i];
+        } else {
+            const size_t row = size_t(ts[i].size(1)) * size_t(ts[i].element_size());
+            const auto* base = static_cast<const uint8_t*>(ts[i].data_ptr());
+            for (int64_t r = 0; r < n; ++r, p += row) std::memcpy(p, base + size_t(picked[r]) * row, row);
+        }
     }
     std::memcpy(p, tail.data(), tail.size());
 }
@@ -132,17 +154,18 @@ at::Tensor forward_request(const at::Tensor& hidden, const at::Tensor& ids, cons
                            int64_t step, int64_t epoch, int64_t holds, int64_t checkpoint, bool explicit_pairs) {
     at::Tensor buf;
     serialize([&](size_t n) { buf = at::empty({int64_t(n)}, at::kByte); return buf.data_ptr<uint8_t>(); },
-              hidden, ids, weights, layer, step, epoch, holds, checkpoint, explicit_pairs);
+              hidden, ids, weights, at::Tensor(), layer, step, epoch, holds, checkpoint, explicit_pairs);
     return buf;
 }
 
 int64_t forward_send(int64_t fd, const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
-                     int64_t layer, int64_t step, int64_t epoch, int64_t holds, int64_t checkpoint,
-                     bool explicit_pairs) {
+                     const std::optional<at::Tensor>& rows, int64_t layer, int64_t step, int64_t epoch, int64_t holds,
+                     int64_t checkpoint, bool explicit_pairs) {
     thread_local std::vector<uint8_t> frame;                           // reused: no allocation a layer
     constexpr size_t HEADER = 8;                                       // u32 size (LE), status 0, three zero bytes
     serialize([&](size_t n) { frame.resize(HEADER + n); return frame.data() + HEADER; },
-              hidden, ids, weights, layer, step, epoch, holds, checkpoint, explicit_pairs);
+              hidden, ids, weights, rows.has_value() ? *rows : at::Tensor(), layer, step, epoch, holds, checkpoint,
+              explicit_pairs);
     const uint64_t size = frame.size() - HEADER;
     TORCH_CHECK(size < (uint64_t(1) << 32), "colibri::forward_send: a message of ", size, " bytes is over a frame's");
     for (int i = 0; i < 4; ++i) frame[i] = uint8_t(size >> (8 * i));
@@ -168,8 +191,8 @@ int64_t forward_send(int64_t fd, const at::Tensor& hidden, const at::Tensor& ids
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
     m.def("forward_request(Tensor hidden, Tensor ids, Tensor weights, int layer, int step, int epoch, int holds, "
           "int checkpoint, bool explicit_pairs) -> Tensor");
-    m.def("forward_send(int fd, Tensor hidden, Tensor ids, Tensor weights, int layer, int step, int epoch, int holds, "
-          "int checkpoint, bool explicit_pairs) -> int");
+    m.def("forward_send(int fd, Tensor hidden, Tensor ids, Tensor weights, Tensor? rows, int layer, int step, "
+          "int epoch, int holds, int checkpoint, bool explicit_pairs) -> int");
 }
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {

@@ -101,12 +101,12 @@ def submit(ex: Dispatching, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
     else:
         whole: tuple[expert_pb2.Tensor, ...] | None = None               # encoded once, sent to all
         for wr in partition(table.owner_lists[layer], ids32, W):
-            # index_select, never x[rows]: advanced indexing of a few rows starts an OpenMP region, ~0.07 ms on
-            # an idle CPU and ~1 ms while the workers hold the cores
-            rows = (x, ids32, w32) if wr.rows is None else \
-                tuple(t.index_select(0, wr.rows) for t in (x, ids32, w32))
-            reply = _send_serialized(ex, table, layer, wr.worker, rows) if ahead is None else None
+            reply = _send_serialized(ex, table, layer, wr.worker, (x, ids32, w32), wr.rows) if ahead is None else None
             if reply is None:                                            # a gRPC link, or a prefetch hint
+                # index_select, never x[rows]: advanced indexing of a few rows starts an OpenMP region, ~0.07 ms
+                # on an idle CPU and ~1 ms while the workers hold the cores
+                rows = (x, ids32, w32) if wr.rows is None else \
+                    tuple(t.index_select(0, wr.rows) for t in (x, ids32, w32))
                 if wr.rows is None:
                     whole = whole or tuple(wire.encode(t) for t in rows)
                 enc = whole if wr.rows is None else tuple(wire.encode(t) for t in rows)
@@ -144,16 +144,17 @@ def send(ex: Dispatching, table: Table, w: int, layer: int, x: torch.Tensor, ids
     return _send(ex, w, req, x.shape[0], pairs)
 
 
-def _send_serialized(ex: Dispatching, table: Table, layer: int, w: int, rows: tuple[torch.Tensor, ...],
-                     explicit: bool = False) -> Reply | None:
-    """Worker w's share of a layer (hidden [n, H], ids [n, K] int32, weights [n, K]: the whole top-k of its rows
-    under a static plan, or with `explicit` its pairs, others' ids -1) serialized and written natively, where its link
-    sends frames (the same-host socket); None where it does not (then the message, as `request` makes it)."""
+def _send_serialized(ex: Dispatching, table: Table, layer: int, w: int, tensors: tuple[torch.Tensor, ...],
+                     rows: torch.Tensor | None = None, explicit: bool = False) -> Reply | None:
+    """Worker w's share of a layer (`rows` of hidden [T, H], ids [T, K] int32 and weights [T, K], None: all T; the
+    whole top-k of its rows under a static plan, or with `explicit` its pairs, others' ids -1) serialized and written
+    natively, the rows gathered as they are written, where its link sends frames (the same-host socket); None where
+    it does not (then the message, as `request` makes it)."""
     link = ex.links.links[w]
     if not link.local or not native.available():
         return None
     holds, step = 0 if explicit else table.digests[w], ex.step
-    return link.send_written(lambda fd: native_wire.forward_send(fd, *rows, layer, step, table.epoch, holds,
+    return link.send_written(lambda fd: native_wire.forward_send(fd, *tensors, rows, layer, step, table.epoch, holds,
                                                                  ex.checkpoint_id, explicit), layer)
 
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -51,16 +50,18 @@ def partition(owner: torch.Tensor | Sequence[int], topk_ids: torch.Tensor, num_w
             elif rows:
                 out.append(WorkerRows(w, torch.tensor(rows, dtype=torch.long), sum(per_row)))
         return out
-    owner = owner if isinstance(owner, torch.Tensor) else torch.tensor(owner, dtype=torch.long)
-    per_row = F.one_hot(owner[topk_ids], num_workers).sum(dim=1)             # [T, W] pairs of row t on worker w
-    hits = per_row > 0                                                       # [T, W] token needs worker w
-    counts, pairs = torch.stack([hits.sum(dim=0), per_row.sum(dim=0)]).tolist()   # [W] each, one sync
+    # numpy, not torch: each torch op lets go of the GIL, which the stream handlers then hold while the engine waits
+    # for it back (at 32 streams this took 187 µs a layer, against 14 at one)
+    own = owner.numpy() if isinstance(owner, torch.Tensor) else np.asarray(owner)     # [E]
+    owners = own[topk_ids.numpy()]                                                     # [T, K] each pair's worker
     out = []
-    for w, n in enumerate(counts):
-        if n == T:
-            out.append(WorkerRows(w, None, pairs[w]))
-        elif n:
-            out.append(WorkerRows(w, hits[:, w].nonzero().flatten(), pairs[w]))      # [n]
+    for w in range(num_workers):
+        per_row = (owners == w).sum(axis=1)                                            # [T] pairs of each row here
+        rows = np.flatnonzero(per_row)                                                 # [n]
+        if rows.size == T:
+            out.append(WorkerRows(w, None, int(per_row.sum())))
+        elif rows.size:
+            out.append(WorkerRows(w, torch.from_numpy(rows.astype(np.int64)), int(per_row.sum())))
     return out
 
 
