@@ -31,13 +31,14 @@ def send_frame(sock: socket.socket, status: int, payload: bytes | bytearray | me
         sock.sendall(payload)
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytearray:
+def _read_exactly(sock: socket.socket, n: int, started: bool = False) -> bytearray:
+    """n bytes; `started`: a frame's header was read already (a close now is mid-frame)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
-            raise FrameError("the connection was closed" + (" mid-frame" if got else ""))
+            raise FrameError("the connection was closed" + (" mid-frame" if got or started else ""))
         got += k
     return buf
 
@@ -50,7 +51,7 @@ def recv_frame(sock: socket.socket, limit: int) -> tuple[int, bytes | bytearray]
     size, status = HEADER.unpack(_read_exactly(sock, HEADER.size))
     if size > limit:
         raise FrameError(f"a frame of {size} bytes is over the limit of {limit}")
-    return status, _read_exactly(sock, size) if size else b""
+    return status, _read_exactly(sock, size, started=True) if size else b""
 
 
 Payload = bytes | bytearray | torch.Tensor      # a frame's payload: read by Python, or natively (uint8 [B])

@@ -163,8 +163,23 @@ def test_a_serving_engine_moves_its_weights_once_ready_and_its_tokens_do_not_cha
     finally:
         llm.close()
     assert not any(t.name == "router-huge-pages" for t in threading.enumerate())
-    early = LLM(path, 0, dtype="float32")
-    early.close()                                  # at once: the move is stopped and waited for, not left running
+    real = build._onto_huge_pages
+    started, saw_stop = threading.Event(), []
+
+    def slow(weights, stop):                       # a move still running when the engine closes
+        started.set()
+        saw_stop.append(stop.wait(60))
+        real(weights, stop)
+
+    build._onto_huge_pages = slow
+    try:
+        early = LLM(path, 0, dtype="float32")
+        assert started.wait(30)
+        t0 = time.monotonic()
+        early.close()                              # the move is told to stop and waited for, not left running
+    finally:
+        build._onto_huge_pages = real
+    assert saw_stop == [True] and time.monotonic() - t0 < 30
     assert not any(t.name == "router-huge-pages" for t in threading.enumerate())
     real = build._onto_huge_pages
     build._onto_huge_pages = lambda weights, stop: None             # an engine whose weights stay where they were

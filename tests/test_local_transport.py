@@ -143,6 +143,15 @@ def test_a_frame_read_natively_is_the_frame_python_reads(native_read, monkeypatc
         a.close()
         b.close()
     a, b = socket.socketpair()
+    try:                                                   # a header, then nothing of its payload: mid-frame too
+        a.sendall(HEADER.pack(100, 0))
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(frames.FrameError, match="^the connection was closed mid-frame$"):
+            frames.recv_payload(b, 1 << 20)
+    finally:
+        a.close()
+        b.close()
+    a, b = socket.socketpair()
     try:
         a.sendall(HEADER.pack(5000, 0) + b"y" * 5000)
         with pytest.raises(frames.FrameError, match="^a frame of 5000 bytes is over the limit of 4999$"):

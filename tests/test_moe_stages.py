@@ -29,9 +29,11 @@ def test_partition_sends_each_token_to_exactly_the_workers_of_its_experts(T):
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])   # [T, K]
     parts = partition(owner, ids, W)
-    same = partition(owner.tolist(), ids, W)                  # the owner as Table.owner_lists keeps it
-    assert [(p.worker, None if p.rows is None else p.rows.tolist(), p.pairs) for p in same] == \
-        [(p.worker, None if p.rows is None else p.rows.tolist(), p.pairs) for p in parts]
+    for same in (partition(owner.tolist(), ids, W),          # the owner as Table.owner_lists keeps it
+                 partition(owner.tolist(), ids.int(), W)):    # and the ids as dispatch has them (int32)
+        assert [(p.worker, None if p.rows is None else p.rows.tolist(), p.pairs) for p in same] == \
+            [(p.worker, None if p.rows is None else p.rows.tolist(), p.pairs) for p in parts]
+        assert all(p.rows is None or p.rows.dtype == torch.int64 for p in same)
     got = {p.worker: set(range(T)) if p.rows is None else set(p.rows.tolist()) for p in parts}
     for w in range(W):
         want = {t for t in range(T) if any(owner[e] == w for e in ids[t].tolist())}

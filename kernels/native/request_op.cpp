@@ -172,20 +172,21 @@ int64_t forward_send(int64_t fd, const at::Tensor& hidden, const at::Tensor& ids
     std::memset(frame.data() + 4, 0, 4);
     const uint8_t* p = frame.data();
     size_t left = frame.size();
-    while (left) {
+    int64_t rc = 0;
+    while (left && !rc) {
         const ssize_t n = ::send(int(fd), p, left, MSG_NOSIGNAL);
         if (n >= 0) {
             p += n;
             left -= size_t(n);
         } else if (errno == EAGAIN || errno == EWOULDBLOCK) {          // a non-blocking socket, full: wait for room
             pollfd w{int(fd), POLLOUT, 0};
-            if (::poll(&w, 1, -1) < 0 && errno != EINTR) return -errno;
+            if (::poll(&w, 1, -1) < 0 && errno != EINTR) rc = -errno;
         } else if (errno != EINTR) {
-            return -errno;
+            rc = -errno;
         }
     }
     if (frame.capacity() > (size_t(1) << 22)) std::vector<uint8_t>().swap(frame);   // a prefill's: not kept
-    return 0;
+    return rc;
 }
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) {

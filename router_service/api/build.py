@@ -87,7 +87,7 @@ class BuiltEngine:
         """Stop the engine (open requests end UNAVAILABLE), then close the connections to the workers; the
         process's batch invariance ends with the engine that set it."""
         self._closing.set()
-        if self._settling is not None:
+        if self._settling is not None and self._settling is not threading.current_thread():
             self._settling.join()                      # the layer being moved, then it stops
         self.engine.stop()
         set_batch_invariant(False)
@@ -214,7 +214,9 @@ def _onto_huge_pages(weights: RouterWeights, stop: threading.Event) -> None:
     except (OSError, MemoryError) as exc:            # no memory for the copies: the weights stay where they are
         log.warning("router weights stay on 4 KiB pages: %s", exc)
         return
-    if moved:
+    if stop.is_set():                                # closed meanwhile: the process is stopping
+        log.info("router weights: %.1f MiB moved onto 2 MiB pages before the router closed", moved / 2**20)
+    elif moved:
         return_free_heap()                           # the 4 KiB pages they left, back to the OS
         log.info("router weights on 2 MiB pages: %.1f MiB in %.2fs (transparent huge pages, madvise)", moved / 2**20,
                  time.monotonic() - t0)
