@@ -22,6 +22,7 @@ from colibri.health import is_serving
 from colibri_common.pb import admin_pb2, admin_pb2_grpc, expert_pb2, expert_pb2_grpc
 from colibri_common.token_gate import with_token
 from tests.conftest import colibri_popen, colibri_run, free_port, metrics
+from tests.streams import under_way
 
 TOKEN = "elastic-test-token"
 ENV = dict(os.environ, COLIBRI_FLEET_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
@@ -95,12 +96,9 @@ def workers_cli(router_address: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def streams(address: str, n: int, during, mid: bool = True) -> tuple[list, object]:
-    """8 greedy streams of n tokens; `during()` runs once they are all under way (`mid`: and ends before them)."""
-    client = Client(address)
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futs = [pool.submit(client.generate, p, n, ignore_eos=True, timeout=600) for p in PROMPTS]
-        time.sleep(1.5)
-        assert not any(f.done() for f in futs), "the streams ended before the change began"
+    """8 greedy streams of n tokens; `during()` runs once they are under way, none ended (`mid`: and ends before
+    them). The first stream's first token is the sign: some routers here batch two at a time."""
+    with under_way(address, PROMPTS, n, timeout=600, first=1) as futs:
         result = during()
         assert not mid or not all(f.done() for f in futs), "the streams ended before the change: not mid-stream"
         return [f.result() for f in futs], result

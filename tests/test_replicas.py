@@ -19,6 +19,7 @@ from colibri_common.placement import replica_experts
 from router_service.moe.partition import assign, split_pairs
 from tests.conftest import argv_of, fleet, metrics, metrics_port
 from tests.models import Oracle, save_checkpoint
+from tests.streams import under_way
 
 STREAMS = [[(5 * i + j) % 200 + 1 for j in range(5)] for i in range(16)]
 LONG = 400      # tokens a stream decodes while a worker is lost a second in (120 were done within the second)
@@ -55,12 +56,9 @@ def test_assign_places_each_pair_on_one_live_holder_least_loaded_first():
 
 
 def run_streams(addr: str, prompts: list[list[int]], n: int, during=None):
-    client = Client(addr)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        futs = [pool.submit(client.generate, p, n, ignore_eos=True, timeout=120) for p in prompts]
-        time.sleep(1.0)
+    """The prompts' streams at once; `during` runs once every stream has its first tokens and none has ended."""
+    with under_way(addr, prompts, n) as futs:
         if during is not None:
-            assert not any(f.done() for f in futs), "the streams ended before the loss: it is not mid-stream"
             during()
         out = []
         for f in futs:

@@ -149,7 +149,11 @@ def _choose(holding: Sequence[Sequence[int]], counts: list[int], live: list[bool
     E, W = len(holding), len(live)
     up = [w for w in range(W) if live[w]]
     used = [e for e in range(E) if counts[e]]
-    holders_of = {e: [w for w in holding[e] if w < W and live[w]] for e in used}     # live holders, ascending
+    if len(up) == W:            # every worker live: an expert's holders are its holders below W (most often all)
+        holders_of = {e: h if not h or h[-1] < W else tuple(w for w in h if w < W)
+                      for e in used for h in (holding[e],)}                    # ascending
+    else:
+        holders_of = {e: tuple(w for w in holding[e] if w < W and live[w]) for e in used}   # live holders, ascending
     load = [0] * W
     choice = [-1] * E
     hot = max(2, sum(counts) // (2 * max(1, len(up))))                          # half a worker's fair share
@@ -163,7 +167,12 @@ def _choose(holding: Sequence[Sequence[int]], counts: list[int], live: list[bool
             for w, n in zip(options, shares, strict=True):
                 load[w] += n
         elif options:
-            w = min(options, key=lambda w: (load[w], w))
+            if len(options) == 1:
+                w = options[0]
+            elif len(options) == 2:                                            # the least loaded, the lower on a tie
+                w = options[0] if load[options[0]] <= load[options[1]] else options[1]
+            else:
+                w = min(options, key=lambda w: (load[w], w))
             choice[e] = w
             load[w] += counts[e]
     return choice, splits
@@ -195,25 +204,23 @@ def _assign_lists(holding: Sequence[Sequence[int]], ids: list[list[int]], live: 
 
 def _assign_tensors(holding: Sequence[Sequence[int]], topk_ids: torch.Tensor, live: list[bool],
                     pairs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`assign` with tensor ops, for many rows."""
+    """`assign` for many rows, in numpy: no torch op, each of which lets go of the GIL that the stream handlers
+    then hold (at 32 rows the tensor form took ~0.4 ms a layer), nor starts an OpenMP region (see `assign`)."""
     E = len(holding)
-    ids = topk_ids.long()
-    todo = (ids >= 0) if pairs is None else pairs & (ids >= 0)                  # [T, K]
-    # the counts and the choices without a masked selection or a gather by index tensor, each of which would start
-    # an OpenMP region (see `assign`); a hot expert's split below still scatters by index
-    counts = torch.bincount(torch.where(todo, ids, E).flatten(), minlength=E + 1)[:E].tolist()   # [E]
+    ids = topk_ids.numpy().astype(np.int64)                                    # [T, K]
+    todo = (ids >= 0) if pairs is None else pairs.numpy() & (ids >= 0)         # [T, K]
+    counts = np.bincount(np.where(todo, ids, E).ravel(), minlength=E + 1)[:E].tolist()   # [E]
     choice, splits = _choose(holding, counts, live)
-    chosen = torch.tensor(choice, dtype=torch.long).index_select(0, ids.clamp(min=0).flatten()).view_as(ids)  # [T, K]
-    worker = torch.where(todo, chosen, torch.full_like(ids, -1))
+    worker = np.where(todo, np.asarray(choice, dtype=np.int64)[np.clip(ids, 0, None)], -1)   # [T, K]
+    flat = worker.reshape(-1)
     for e, parts in splits:                                                    # consecutive runs of e's pairs
-        at = (todo & (ids == e)).flatten().nonzero().flatten()                 # [counts[e]] in (t, k) order
-        flat = worker.view(-1)
+        at = np.flatnonzero(todo & (ids == e))                                 # [counts[e]] in (t, k) order
         start = 0
         for w, n in parts:
             flat[at[start:start + n]] = w
             start += n
-    unplaced = (todo & (worker < 0)).any(dim=1)                                # [T]
-    return worker, unplaced
+    unplaced = (todo & (worker < 0)).any(axis=1)                               # [T]
+    return torch.from_numpy(worker), torch.from_numpy(unplaced)
 
 
 def water_fill(n: int, loads: list[int]) -> list[int]:
@@ -260,18 +267,20 @@ def _split_lists(worker: list[list[int]], ids: list[list[int]], num_workers: int
 
 
 def _split_tensors(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerPairs]:
-    """`split_pairs` with tensor ops (worker [T, K] >= -1, as `assign` gives), for many rows."""
+    """`split_pairs` for many rows (worker [T, K] >= -1, as `assign` gives), in numpy as `_assign_tensors`."""
     out = []
-    present = torch.bincount(worker.flatten() + 1, minlength=num_workers + 1)[1:].tolist()   # [W] pairs each
-    ids32 = topk_ids.to(torch.int32)
+    own = worker.numpy()                                                       # [T, K]
+    ids32 = topk_ids.numpy().astype(np.int32)                                  # [T, K]
+    present = np.bincount(own.ravel() + 1, minlength=num_workers + 1)[1:].tolist()   # [W] pairs each
     for w in range(num_workers):
         if not present[w]:
             continue
-        mine = worker == w                                                     # [T, K]
-        rows = mine.any(dim=1).nonzero().flatten()                             # [n]
-        if rows.numel() == worker.shape[0]:
-            out.append(WorkerPairs(w, None, torch.where(mine, ids32, -1), present[w]))         # every row
+        mine = own == w                                                        # [T, K]
+        rows = np.flatnonzero(mine.any(axis=1))                                # [n]
+        if rows.size == own.shape[0]:
+            out.append(WorkerPairs(w, None, torch.from_numpy(np.where(mine, ids32, -1).astype(np.int32)),
+                                   present[w]))                                # every row
             continue
-        ids = torch.where(mine.index_select(0, rows), ids32.index_select(0, rows), -1)   # [n, K]
-        out.append(WorkerPairs(w, rows, ids, present[w]))
+        ids = np.where(mine[rows], ids32[rows], -1).astype(np.int32)           # [n, K]
+        out.append(WorkerPairs(w, torch.from_numpy(rows.astype(np.int64)), torch.from_numpy(ids), present[w]))
     return out
