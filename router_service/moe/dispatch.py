@@ -154,8 +154,9 @@ def _send_serialized(ex: Dispatching, table: Table, layer: int, w: int, tensors:
     if not link.local or not native.available():
         return None
     holds, step = 0 if explicit else table.digests[w], ex.step
-    return link.send_written(lambda fd: native_wire.forward_send(fd, *tensors, rows, layer, step, table.epoch, holds,
-                                                                 ex.checkpoint_id, explicit), layer)
+    return link.send_written(lambda sock: native_wire.forward_send(sock.fileno(), *tensors, rows, layer, step,
+                                                                   table.epoch, holds, ex.checkpoint_id, explicit),
+                             layer)
 
 
 def request(ex: Dispatching, table: Table, layer: int, hidden: expert_pb2.Tensor, ids: expert_pb2.Tensor,

@@ -65,7 +65,7 @@ class LocalLink(StreamLink):
         if self.socket_path is None:
             return super().send(request)
         payload = request.SerializeToString()
-        return self._send_frame(lambda fd: send_frame(self._sock, 0, payload), request.layer)  # type: ignore[arg-type]
+        return self._send_frame(lambda sock: send_frame(sock, 0, payload), request.layer)
 
     def send_written(self, write: FrameWriter, layer: int) -> Reply | None:
         return None if self.socket_path is None else self._send_frame(write, layer)
@@ -76,7 +76,7 @@ class LocalLink(StreamLink):
             try:
                 if fresh:
                     self._connect()
-                write(self._sock.fileno())  # type: ignore[union-attr]
+                write(self._sock)  # type: ignore[arg-type]
                 break
             except OSError as exc:
                 # a connection that was up may have died while idle (the worker restarted): one new one

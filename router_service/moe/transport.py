@@ -54,7 +54,7 @@ def _unreachable(address: str) -> str:
     return ""
 
 
-FrameWriter = Callable[[int], None]     # writes one whole frame to a connected socket's fd; OSError where it cannot
+FrameWriter = Callable[[socket.socket], None]   # writes one whole frame to a connected socket; OSError if it cannot
 
 
 class WorkerError(ColibriError):
