@@ -38,7 +38,7 @@ def _read_exactly(sock: socket.socket, n: int, started: bool = False) -> bytearr
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
-            raise FrameError("the connection was closed" + (" mid-frame" if got or started else ""))
+            raise _closed(mid=bool(got) or started)
         got += k
     return buf
 
@@ -50,8 +50,16 @@ def recv_frame(sock: socket.socket, limit: int) -> tuple[int, bytes | bytearray]
     copied twice."""
     size, status = HEADER.unpack(_read_exactly(sock, HEADER.size))
     if size > limit:
-        raise FrameError(f"a frame of {size} bytes is over the limit of {limit}")
+        raise _over(size, limit)
     return status, _read_exactly(sock, size, started=True) if size else b""
+
+
+def _closed(mid: bool) -> FrameError:
+    return FrameError("the connection was closed" + (" mid-frame" if mid else ""))
+
+
+def _over(size: int, limit: int) -> FrameError:
+    return FrameError(f"a frame of {size} bytes is over the limit of {limit}")
 
 
 Payload = bytes | bytearray | torch.Tensor      # a frame's payload: read by Python, or natively (uint8 [B])
@@ -67,12 +75,10 @@ def recv_payload(sock: socket.socket, limit: int) -> tuple[int, Payload]:
     code, size, payload = got
     if code >= 0:
         return code, payload
-    if code == native_wire.FRAME_CLOSED:
-        raise FrameError("the connection was closed")
-    if code == native_wire.FRAME_CUT:
-        raise FrameError("the connection was closed mid-frame")
+    if code in (native_wire.FRAME_CLOSED, native_wire.FRAME_CUT):
+        raise _closed(mid=code == native_wire.FRAME_CUT)
     if code == native_wire.FRAME_OVER:
-        raise FrameError(f"a frame of {size} bytes is over the limit of {limit}")
+        raise _over(size, limit)
     raise OSError(-code, os.strerror(-code))
 
 

@@ -110,7 +110,7 @@ def test_assign_and_split_place_every_pair_the_same_in_python_and_with_tensors(T
         holders, ids, live, pairs = random_placement(g, T)
         holding = holding_of(holders)
         listed = stage._assign_lists(holding, ids.tolist(), live, None if pairs is None else pairs.tolist())
-        worker, unplaced = stage._assign_tensors(holding, ids, live, pairs)
+        worker, unplaced = stage._assign_arrays(holding, ids, live, pairs)
         assert worker.tolist() == listed[0] and unplaced.tolist() == listed[1]
         assert torch.equal(assign(holders, ids, live, pairs)[0], worker)              # the entry point, each T
         todo = (ids >= 0) if pairs is None else (ids >= 0) & pairs
@@ -119,7 +119,7 @@ def test_assign_and_split_place_every_pair_the_same_in_python_and_with_tensors(T
         assert all(live[w] for w in worker[placed].tolist())                          # and a live one
         assert torch.equal(unplaced, (todo & (worker < 0)).any(dim=1))
         W = holders.shape[1]
-        a, b = stage._split_lists(worker.tolist(), ids.tolist(), W), stage._split_tensors(worker, ids, W)
+        a, b = stage._split_lists(worker.tolist(), ids.tolist(), W), stage._split_arrays(worker, ids, W)
         assert messages(a, T) == messages(b, T) == messages(split_pairs(worker, ids, W), T)
         for p in a:
             assert p.ids.dtype == torch.int32 and p.pairs == int((p.ids >= 0).sum()) == int((worker == p.worker).sum())

@@ -101,7 +101,7 @@ def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
     Up to SMALL rows the pairs are placed in Python lists from one copy of the ids (the tensor way's masked
     selections and gathers each started an OpenMP region, ~1 ms while the workers hold the cores; with `place`,
     one row of 4 experts on 4 workers takes 28 µs on an idle CPU against 94 before, `python -m
-    benchmarks.placement`); beyond, with tensor ops. Both ways place every pair the same
+    benchmarks.placement`); beyond, in numpy arrays (no torch op). Both ways place every pair the same
     (tests/test_placement_plan.py compares them)."""
     T, K = topk_ids.shape
     live = live[:holders.shape[1]]
@@ -113,7 +113,7 @@ def assign(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool],
                                              None if pairs is None else pairs.tolist())
         return (torch.tensor(worker_l, dtype=torch.long).reshape(T, K),
                 torch.tensor(unplaced_l, dtype=torch.bool).reshape(T))
-    return _assign_tensors(holding, topk_ids, live, pairs)
+    return _assign_arrays(holding, topk_ids, live, pairs)
 
 
 def place(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool], pairs: torch.Tensor | None = None,
@@ -131,9 +131,9 @@ def place(holders: torch.Tensor, topk_ids: torch.Tensor, live: list[bool], pairs
         ids = topk_ids.tolist()
         worker, unplaced = _assign_lists(holding, ids, live, None if pairs is None else pairs.tolist())
         return Placement(_split_lists(worker, ids, W), [t for t, u in enumerate(unplaced) if u], worker)
-    worker_t, unplaced_t = _assign_tensors(holding, topk_ids, live, pairs)
-    missing = unplaced_t.nonzero().flatten().tolist() if bool(unplaced_t.any()) else []
-    return Placement(_split_tensors(worker_t, topk_ids, W), missing, worker_t)
+    worker_t, unplaced_t = _assign_arrays(holding, topk_ids, live, pairs)
+    missing = np.flatnonzero(unplaced_t.numpy()).tolist()                      # (numpy: no torch op, as above)
+    return Placement(_split_arrays(worker_t, topk_ids, W), missing, worker_t)
 
 
 def holding_of(holders: torch.Tensor) -> list[tuple[int, ...]]:
@@ -202,7 +202,7 @@ def _assign_lists(holding: Sequence[Sequence[int]], ids: list[list[int]], live: 
     return worker, unplaced
 
 
-def _assign_tensors(holding: Sequence[Sequence[int]], topk_ids: torch.Tensor, live: list[bool],
+def _assign_arrays(holding: Sequence[Sequence[int]], topk_ids: torch.Tensor, live: list[bool],
                     pairs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`assign` for many rows, in numpy: no torch op, each of which lets go of the GIL that the stream handlers
     then hold (at 32 rows the tensor form took ~0.4 ms a layer), nor starts an OpenMP region (see `assign`)."""
@@ -248,7 +248,7 @@ def split_pairs(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) 
     lists, as `assign`."""
     if worker.shape[0] <= SMALL:
         return _split_lists(worker.tolist(), topk_ids.tolist(), num_workers)
-    return _split_tensors(worker, topk_ids, num_workers)
+    return _split_arrays(worker, topk_ids, num_workers)
 
 
 def _split_lists(worker: list[list[int]], ids: list[list[int]], num_workers: int) -> list[WorkerPairs]:
@@ -266,8 +266,8 @@ def _split_lists(worker: list[list[int]], ids: list[list[int]], num_workers: int
     return out
 
 
-def _split_tensors(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerPairs]:
-    """`split_pairs` for many rows (worker [T, K] >= -1, as `assign` gives), in numpy as `_assign_tensors`."""
+def _split_arrays(worker: torch.Tensor, topk_ids: torch.Tensor, num_workers: int) -> list[WorkerPairs]:
+    """`split_pairs` for many rows (worker [T, K] >= -1, as `assign` gives), in numpy as `_assign_arrays`."""
     out = []
     own = worker.numpy()                                                       # [T, K]
     ids32 = topk_ids.numpy().astype(np.int32)                                  # [T, K]
