@@ -193,14 +193,19 @@ class LLM:
         window = max(1, limits.max_waiting // max(sp.n for _, _, sp in jobs))
         open_runs: deque[tuple[str, Prompt, list[int], list[EngineSequence], Choices]] = deque()
         results = []
+
+        def submit(prompt: Prompt, ids: list[int], sp: SamplingParams) -> None:
+            rid = f"llm-{next(self._ids)}"
+            group = [EngineSequence(rid, ids, s, index=i) for i, s in enumerate(sp.choices())]
+            open_runs.append((rid, prompt, ids, group, Choices(b.engine, group, b.engine.submit(group), b.tokenizer)))
+
         try:
-            for prompt, ids, sp in jobs:
-                if len(open_runs) >= window:          # the waiting queue's bound: collect the oldest first
-                    results.append(self._collect(*open_runs.popleft()))
-                rid = f"llm-{next(self._ids)}"
-                group = [EngineSequence(rid, ids, s, index=i) for i, s in enumerate(sp.choices())]
-                open_runs.append((rid, prompt, ids, group, Choices(b.engine, group, b.engine.submit(group),
-                                                                   b.tokenizer)))
+            with b.engine.together():                 # the first window starts at one step: the same batches (and
+                for job in jobs[:window]:             # bits) run after run
+                    submit(*job)
+            for job in jobs[window:]:                 # the waiting queue's bound: collect the oldest first
+                results.append(self._collect(*open_runs.popleft()))
+                submit(*job)
             while open_runs:
                 results.append(self._collect(*open_runs.popleft()))
         finally:                                     # a failure (or Ctrl-C) leaves no request running

@@ -40,6 +40,12 @@ class InProcess:
         self._n += 1
         return self.engine.submit(Sequence(f"r{self._n}", list(prompt), Sampling(max_tokens=max_tokens, **sampling)))
 
+    def submit_all(self, prompts: list[list[int]], max_tokens: int, **sampling) -> list:
+        """Every prompt into the same first step (Engine.together): the same batches run after run, not as the
+        engine thread happens to wake between submissions."""
+        with self.engine.together():
+            return [self.submit(p, max_tokens, **sampling) for p in prompts]
+
     def metrics(self) -> dict[str, float]:
         return parse(self.engine.metrics.render())
 

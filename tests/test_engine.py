@@ -84,7 +84,8 @@ def test_seeded_sampling_in_a_batch_matches_alone(oracles):
     with InProcess(oracles["qwen3_moe"].path) as engine:
         alone = [engine.generate(p, 10, seed=i, temperature=1.5).token_ids for i, p in enumerate(prompts)]
         assert engine.metrics()["colibri:batch_size_max"] == 1
-        events = [engine.submit(p, 10, seed=i, temperature=1.5) for i, p in enumerate(prompts)]
+        with engine.engine.together():
+            events = [engine.submit(p, 10, seed=i, temperature=1.5) for i, p in enumerate(prompts)]
         together = [engine.collect(e).token_ids for e in events]
         assert engine.metrics()["colibri:batch_size_max"] == 6    # all six shared steps
         deadline = time.monotonic() + 10
@@ -101,7 +102,7 @@ def test_preemption_recomputes_with_identical_tokens(oracles, caplog):
     # 12 blocks of 4 tokens: each request (10 + 14 tokens = 6 blocks) fits alone, four at once do not
     with InProcess(oracle.path, kv_cache_blocks=12, block_size=4, sched=SchedulerConfig(max_model_len=48)) as engine, \
             caplog.at_level(logging.WARNING, "colibri.router"):
-        events = [engine.submit(p, 14) for p in prompts]
+        events = engine.submit_all(prompts, 14)
         results = [engine.collect(e) for e in events]
         m = engine.metrics()
     assert m["colibri:num_preemptions_total"] > 0
@@ -201,7 +202,7 @@ def test_max_num_tokens_is_respected_and_chunked_prefill_is_exact(oracles, budge
     oracle = oracles["qwen2_moe"]
     long_prompt = [(i * 37) % 256 for i in range(45)]          # prefilled in chunks of <= budget tokens
     with InProcess(oracle.path, sched=SchedulerConfig(max_num_tokens=budget)) as engine:
-        events = [engine.submit(p, 8) for p in (long_prompt, [5, 6], [7] * 20, [1])]
+        events = engine.submit_all([long_prompt, [5, 6], [7] * 20, [1]], 8)
         outs = [engine.collect(e).token_ids for e in events]
         m = engine.metrics()
     assert outs[0] == oracle.greedy(long_prompt, 8)
@@ -218,7 +219,7 @@ def test_micro_batches_change_no_token_and_in_process_nothing_overlaps(oracles):
     results, overlaps = {}, {}
     for n in (1, 2):
         with InProcess(oracle.path, micro_batches=n) as engine:
-            events = [engine.submit(p, 8) for p in prompts]
+            events = engine.submit_all(prompts, 8)
             results[n] = [engine.collect(e).token_ids for e in events]
             overlaps[n] = engine.metrics()["colibri:micro_batch_overlaps_total"]
     assert results[1] == results[2] == [oracle.greedy(p, 8) for p in prompts]
@@ -247,8 +248,7 @@ def test_non_finite_logits_fail_that_request_alone(oracles, tmp_path):
         bad.get_input_embeddings().weight[poison] = float("nan")
     save_checkpoint(bad, tmp_path / "nan")
     with InProcess(tmp_path / "nan") as engine:
-        events = [engine.submit(p, 10) for p in prompts[:2]] + [engine.submit([5, poison, 6], 10)] + \
-                 [engine.submit(p, 10) for p in prompts[2:]]
+        events = engine.submit_all([*prompts[:2], [5, poison, 6], *prompts[2:]], 10)
         with pytest.raises(RuntimeError, match="^INTERNAL: .*non-finite logits"):
             engine.collect(events[2])
         for p, ev in zip(prompts, events[:2] + events[3:], strict=True):

@@ -28,7 +28,7 @@ def _setting(path, capacity: str, policy: str = "lru") -> CacheSetting | None:
 
 def _generate_all(engine: InProcess) -> list:
     """Every prompt at once (one batch), each collected."""
-    streams = [engine.submit(p, NEW_TOKENS, return_logits=True) for p in PROMPTS]
+    streams = engine.submit_all(PROMPTS, NEW_TOKENS, return_logits=True)
     return [engine.collect(s) for s in streams]
 
 

@@ -131,7 +131,7 @@ def test_sliding_windows_over_cached_context(gpt_oss):
     with InProcess(gpt_oss.path, sched=SchedulerConfig(max_num_tokens=8)) as engine:
         res = engine.generate(LONG, NEW_TOKENS, return_logits=True)
         check_against_oracle(gpt_oss, LONG, res.token_ids, res.logits, res.finish_reason)
-        outs = [engine.submit(p, NEW_TOKENS) for p in (LONG, PROMPTS[0], PROMPTS[2])]   # one batch, mixed steps
+        outs = engine.submit_all([LONG, PROMPTS[0], PROMPTS[2]], NEW_TOKENS)   # one batch, mixed steps
         for prompt, out in zip((LONG, PROMPTS[0], PROMPTS[2]), outs, strict=True):
             assert engine.collect(out).token_ids == gpt_oss.greedy(prompt, NEW_TOKENS)
 

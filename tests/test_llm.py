@@ -185,6 +185,36 @@ def test_more_prompts_than_the_waiting_queue_and_a_failure_leave_nothing_running
         assert not llm.engine.seqs                                       # every request retired
 
 
+def test_generate_starts_its_prompts_at_one_step_so_its_bits_do_not_hang_on_timing(oracles, monkeypatch):
+    """In-process generate gives its prompts the same batches run after run (Engine.together), even where the
+    engine thread could step between two submissions: float32 GPT-OSS, whose linears batch their rows (no
+    --batch-invariant), gives the same bits and tokens with a pause after each submission as without."""
+    import random
+
+    from router_service.engine.metrics import parse
+
+    prompts = [[random.Random(70 + i).randrange(256) for _ in range(3 + 4 * i)] for i in range(4)]
+
+    def run(pause: float) -> tuple[list[bytes], float]:
+        with LLM(oracles["gpt_oss"].path, 0, expert_cache_heat="off", dtype=torch.float32, cpu_forms="off") as llm:
+            submit = llm.engine.submit
+
+            def slow(group):
+                out = submit(group)
+                time.sleep(pause)                  # room for the engine thread to step the first prompts alone
+                return out
+            monkeypatch.setattr(llm.engine, "submit", slow)
+            outs = llm.generate(prompts, _greedy(6, return_logits=True))
+            batch_max = parse(llm.engine.metrics.render())["colibri:batch_size_max"]
+        return [b"".join(x.numpy().tobytes() for x in o.outputs[0].logits) + repr(o.outputs[0].token_ids).encode()
+                for o in outs], batch_max
+
+    quick, _ = run(0.0)
+    paused, batch_max = run(0.05)
+    assert paused == quick
+    assert batch_max == 4                          # all four shared the first steps
+
+
 def test_a_fleet_takes_more_prompts_than_its_routers_queue_as_in_process(model):
     """A local fleet's generate sends as many as the router's --max-waiting queue takes and the rest as those
     finish, as the in-process engine does (it sent up to 64 at once, and the first refused failed the call)."""

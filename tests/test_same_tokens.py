@@ -206,7 +206,7 @@ def logits_of(path: Path, together: bool, **opts) -> list[bytes]:
     prompts = [[random.Random(50 + i).randrange(256) for _ in range(5 + 2 * i)] for i in range(6)]
     with InProcess(path, cpu_forms="off", **opts) as engine:
         if together:
-            runs = [engine.submit(p, 6, return_logits=True) for p in prompts]
+            runs = engine.submit_all(prompts, 6, return_logits=True)
             results = [engine.collect(r) for r in runs]
         else:
             results = [engine.generate(p, 6, return_logits=True) for p in prompts]

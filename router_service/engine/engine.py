@@ -3,10 +3,11 @@ arrive from gRPC threads through `submit`, are ended early by `abort` / `cancel`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from colibri_common.device import device_scope
 from colibri_common.errors import DRAINING_MARK
@@ -140,6 +141,15 @@ class Engine(StepLoop):
             self.by_request_id[seq.request_id] = list(group)     # its own list: retiring edits it
             self._cv.notify()
         return q
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Requests submitted inside the block start at the same step: no step is scheduled until it ends (a step
+        under way runs on, and waits to post its tokens). So a set of prompts given to an idle engine takes the
+        same batches run after run, and the same bits where the kernels are not batch-invariant (without
+        `--batch-invariant`, float32 linears batch their rows). Collect nothing inside it: the engine is waiting."""
+        with self._cv:
+            yield
 
     def _resume(self, group: list[Sequence]) -> None:
         """A paused request's reader caught up: its sequences take steps again."""
