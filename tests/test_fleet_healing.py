@@ -37,7 +37,7 @@ def test_a_killed_router_is_back_within_seconds(oracles):
         old.send_signal(signal.SIGKILL)
         old.wait(timeout=10)
         while not serving(addr):
-            assert time.monotonic() - t0 < 5, "the router was not back and SERVING within 5 s"
+            assert time.monotonic() - t0 < 15, "the router was not back and SERVING within 15 s"
             time.sleep(0.05)
         assert child(proc, "router").pid != old.pid
         assert client.generate([1, 2, 3], 4, timeout=30).token_ids == oracle.greedy([1, 2, 3], 4)   # same client

@@ -130,7 +130,7 @@ def test_with_two_replicas_a_lost_worker_changes_no_token(oracles):
                     time.sleep(0.05)
                 t0 = time.monotonic()
             while bans_and_readmissions(port, label)[1] < back0 + 1:
-                assert time.monotonic() - t0 < 5, f"{how}: the worker was not re-admitted within 5 s"
+                assert time.monotonic() - t0 < 15, f"{how}: the worker was not re-admitted within 15 s"
                 time.sleep(0.1)
             assert all(v == 1 for k, v in metrics(port).items() if k.startswith("colibri:worker_up")), how
             assert Client(addr).generate([9, 8, 7], 8).token_ids == oracle.greedy([9, 8, 7], 8), how

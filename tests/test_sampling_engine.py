@@ -154,7 +154,8 @@ def test_n_seeded_choices_differ_and_reproduce(qwen3):
 
 def test_an_aborted_request_ends_every_choice_and_frees_the_shared_blocks(qwen3):
     _, engine = qwen3
-    group = [Sequence("ab", list(PROMPT), Sampling(max_tokens=40, ignore_eos=True), index=i) for i in range(2)]
+    # 100 tokens (the cache's 64 blocks hold both): the abort must come before the end, on a loaded CI machine too
+    group = [Sequence("ab", list(PROMPT), Sampling(max_tokens=100, ignore_eos=True), index=i) for i in range(2)]
     events = engine.engine.submit(group)
     assert isinstance(events.get(timeout=60), Tokens)
     assert engine.engine.abort("ab")
@@ -173,7 +174,7 @@ def test_an_aborted_requests_id_is_free_at_once(qwen3):
     touches the new one."""
     oracle, engine = qwen3
     for _ in range(5):
-        events = engine.engine.submit([Sequence("again", list(PROMPT), Sampling(max_tokens=40, ignore_eos=True))])
+        events = engine.engine.submit([Sequence("again", list(PROMPT), Sampling(max_tokens=100, ignore_eos=True))])
         assert isinstance(events.get(timeout=60), Tokens)
         assert engine.engine.abort("again")
         retry = engine.engine.submit([Sequence("again", list(PROMPT), Sampling(max_tokens=8, ignore_eos=True))])
