@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from colibri import LLM
-from router_service.engine.events import Failed, Finished, Tokens
+from router_service.engine.events import Failed, Finished, Outputs, Tokens
 from router_service.engine.metrics import parse
 from router_service.engine.sequence import Sampling, Sequence
 
@@ -40,8 +40,8 @@ class InProcess:
         self._n += 1
         return self.engine.submit(Sequence(f"r{self._n}", list(prompt), Sampling(max_tokens=max_tokens, **sampling)))
 
-    def submit_all(self, prompts: list[list[int]], max_tokens: int, **sampling) -> list:
-        """Every prompt into the same first step (Engine.together): the same batches run after run, not as the
+    def submit_all(self, prompts: list[list[int]], max_tokens: int, **sampling) -> list[Outputs]:
+        """Every prompt waiting before the next step (Engine.together): the same batches run after run, not as the
         engine thread happens to wake between submissions."""
         with self.engine.together():
             return [self.submit(p, max_tokens, **sampling) for p in prompts]

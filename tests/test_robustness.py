@@ -335,7 +335,11 @@ def test_sigterm_drains_open_streams_then_exits_0(oracles, target):
             while ready == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
                 time.sleep(0.05)
                 ready = health(addr)                   # first: the drain may end soon after
-            return code_of(lambda: client.generate([1, 2], 2, timeout=10)), ready
+            late = code_of(lambda: client.generate([1, 2], 2, timeout=10))
+            while late is None and time.monotonic() < deadline:   # NOT_SERVING is published just before the
+                time.sleep(0.05)                                   # drain thread starts refusing
+                late = code_of(lambda: client.generate([1, 2], 2, timeout=10))
+            return late, ready
 
         # every stream is still open when SIGTERM lands (checked), so each must be drained
         results, (late, ready) = streams_beside(addr, signal_then_probe, n=DRAIN_N, still_open=True)

@@ -144,10 +144,11 @@ class Engine(StepLoop):
 
     @contextlib.contextmanager
     def together(self) -> Iterator[None]:
-        """Requests submitted inside the block start at the same step: no step is scheduled until it ends (a step
-        under way runs on, and waits to post its tokens). So a set of prompts given to an idle engine takes the
-        same batches run after run, and the same bits where the kernels are not batch-invariant (without
-        `--batch-invariant`, float32 linears batch their rows). Collect nothing inside it: the engine is waiting."""
+        """Requests submitted inside the block are all waiting before the next step is scheduled (a step under way
+        runs on, and waits to post its tokens): the scheduler's admission, not thread timing, decides their batches.
+        So a set of prompts given to an idle engine takes the same batches run after run, and the same bits where
+        the kernels are not batch-invariant (without `--batch-invariant`, float32 linears batch their rows).
+        Collect nothing inside it: the engine is waiting."""
         with self._cv:
             yield
 
