@@ -153,6 +153,10 @@ def measure(peer: Peer, model: Path, streams: list[int], prompt_len: int, max_to
             raw[q] = _run([str(peer.bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-npp",
                            str(prompt_len), "-ntg", str(max_tokens), "-npl", npl, "-t", str(threads)],
                           f"llama-batched-bench on {gguf}", timeout=3600)
+    policy = users_environment().get("OMP_WAIT_POLICY")
+    if policy:                     # the user's, passed on: it moves llama.cpp's one-stream rate (97 -> 62 tok/s)
+        source += (f"; OMP_WAIT_POLICY={policy} from the environment (its OpenMP threads "
+                   f"{'sleep' if policy.upper() == 'PASSIVE' else 'spin'} between the graph's ops)")
     return {q: {"rows": parse_batched_bench(text), "source": source} for q, text in raw.items()}
 
 

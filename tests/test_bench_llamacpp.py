@@ -82,7 +82,7 @@ def test_llamacpp_runs_with_the_users_openmp_policy_not_colibris(tmp_path: Path,
                                                                  ours: bool) -> None:
     """Colibri sets OMP_WAIT_POLICY=PASSIVE for itself (kernels/omp_policy.py); llama.cpp, an OpenMP program, slept
     between its graph's ops under it (0.55-0.65x its one-stream speed on an AVX-512 EPYC). The peer runs with the
-    policy the user gave, or none."""
+    policy the user gave, or none, and the results name a policy that reached it."""
     seen = tmp_path / "policy"
     exe = tmp_path / "llama-batched-bench"
     exe.write_text(f"#!/bin/sh\necho \"${{OMP_WAIT_POLICY:-unset}}\" > {seen}\ncat <<'TABLE'\n{REAL}TABLE\n")
@@ -96,6 +96,9 @@ def test_llamacpp_runs_with_the_users_openmp_policy_not_colibris(tmp_path: Path,
     got = measure(Peer(bin_dir=tmp_path, ggufs={"bf16": tmp_path / "m.gguf"}), tmp_path, [1, 8, 32], 16, 64, 2)
     assert got["bf16"]["rows"][8].streams == 8
     assert seen.read_text().strip() == ("unset" if ours else "PASSIVE")
+    # the results say so where the user's policy reached llama.cpp (a session's runs took PASSIVE for Colibri's own)
+    named = "OMP_WAIT_POLICY=PASSIVE from the environment (its OpenMP threads sleep" in got["bf16"]["source"]
+    assert named != ours, got["bf16"]["source"]
 
 
 @pytest.mark.parametrize("module", ["kernels", "colibri"])
