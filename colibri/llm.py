@@ -200,8 +200,8 @@ class LLM:
             open_runs.append((rid, prompt, ids, group, Choices(b.engine, group, b.engine.submit(group), b.tokenizer)))
 
         try:
-            with b.engine.together():                 # the first window starts at one step: the same batches (and
-                for job in jobs[:window]:             # bits) run after run
+            with b.engine.together():                 # the first window all waiting before the next step: the same
+                for job in jobs[:window]:             # batches (and bits) run after run
                     submit(*job)
             for job in jobs[window:]:                 # the waiting queue's bound: collect the oldest first
                 results.append(self._collect(*open_runs.popleft()))
