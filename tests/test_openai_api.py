@@ -200,6 +200,29 @@ def test_n_choices_share_prompt_blocks_and_greedy_choices_agree(served):
     assert sampled.choices[0].text != sampled.choices[1].text                     # choice i has seed + i
 
 
+def test_a_top_p_below_what_float32_holds_keeps_the_likeliest_token_not_every_token(served):
+    """top_p travels as float32, where 1e-50 is 0, which the router reads as "off": it sampled the whole vocabulary.
+    The front sends the smallest positive float32 instead: each of n sampled choices is the greedy text."""
+    oracle, _, _, _, api = served
+    tok = Tokenizer.from_dir(oracle.path)
+    prompt = "Sampling at a vanishing top_p"
+    ref = greedy_text(oracle, tok, tok.encode(prompt, True), 6)
+    for top_p in (1e-50, 5e-324, 1e-30):
+        res = api.completions.create(model="chatty", prompt=prompt, max_tokens=6, temperature=1.0, n=4, top_p=top_p)
+        assert [c.text for c in res.choices] == [ref] * 4, top_p
+
+
+def test_chat_refuses_a_bad_max_tokens_beside_max_completion_tokens(served):
+    """Both names given: the newer one is used, and the older one is still checked (it passed unread)."""
+    *_, api = served
+    with pytest.raises(openai.BadRequestError) as err:
+        api.chat.completions.create(model="chatty", messages=MESSAGES, max_completion_tokens=2, max_tokens=-5)
+    assert err.value.body["param"] == "max_tokens"
+    res = api.chat.completions.create(model="chatty", messages=MESSAGES, max_completion_tokens=2, max_tokens=50,
+                                      temperature=0)
+    assert res.usage.completion_tokens == 2
+
+
 def test_stop_strings_end_the_text_before_the_match(served):
     oracle, _, addr, _, api = served
     tok = Tokenizer.from_dir(oracle.path)

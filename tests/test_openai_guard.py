@@ -4,11 +4,13 @@ in what it tells, HTTP/1.0 streaming refused clearly; and bad header values that
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
 import socket
 import subprocess
+import time
 from contextlib import contextmanager
 
 import openai
@@ -356,6 +358,80 @@ def test_a_head_that_never_ends_is_refused_once_past_the_bound_not_held(guarded)
     assert exchange(port, "GET", "/v1/models")[0] == 200
 
 
+def test_what_the_http_parser_refuses_is_a_json_400_with_its_reason(guarded):
+    """A bad Content-Length, or both Content-Length and chunked: uvicorn answered plain text that named nothing."""
+    *_, port, _ = guarded
+    for headers in ({"Content-Length": "-1"}, {"Content-Length": "abc"},
+                    [("Transfer-Encoding", "chunked"), ("Content-Length", "2")]):
+        status, reply, body = exchange(port, "POST", "/v1/completions", headers, b"{}")
+        assert status == 400 and reply["content-type"] == "application/json", (status, body)
+        err = error_of(body)
+        assert err["code"] == "invalid_http" and err["message"].startswith("the request is not valid HTTP/1.1 ("), err
+    assert exchange(port, "GET", "/v1/models")[0] == 200
+
+
+def test_a_trailing_slash_is_a_404_that_names_the_route_and_a_compressed_body_is_415(guarded):
+    *_, port, _ = guarded
+    status, _, body = exchange(port, "POST", "/v1/completions/", body=json.dumps(COMPLETION).encode())
+    assert status == 404, (status, body)                                      # it was a bare 307
+    assert "send /v1/completions, without the trailing slash" in error_of(body)["message"]
+    packed = gzip.compress(json.dumps(COMPLETION).encode())
+    for coding, sent in (("gzip", packed), ("br", json.dumps(COMPLETION).encode())):
+        status, _, body = exchange(port, "POST", "/v1/completions", {"Content-Encoding": coding}, sent)
+        assert status == 415 and error_of(body)["code"] == "unsupported_content_encoding", (status, body)
+    status, _, body = exchange(port, "POST", "/v1/completions", {"Content-Encoding": "identity"},
+                               json.dumps(COMPLETION).encode())
+    assert status == 200, (status, body)
+
+
+def test_a_connection_that_stops_sending_is_closed_after_the_read_timeout_and_one_still_answered_is_not(guarded):
+    """--request-read-timeout 1: a connection that sends nothing is closed; one whose head or body stopped coming
+    is answered 408 (OpenAI's shape) and closed; each is counted. A request sent in pieces 0.4 s apart is served
+    (the clock restarts with each read), and a stream still being answered is never cut by a partial request
+    pipelined behind it: its 408 comes after the stream's end. uvicorn held all of these open for good."""
+    _, addr, *_ = guarded
+    with front(addr, "--request-read-timeout", "1") as port:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {KEY}\r\n"
+        full = json.dumps(COMPLETION).encode()
+
+        def sent(*pieces: bytes, pause: float = 0.0) -> tuple[float, bytes]:
+            t0, got = time.monotonic(), b""
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+                for piece in pieces:
+                    s.sendall(piece)
+                    time.sleep(pause)
+                while chunk := s.recv(1 << 16):
+                    got += chunk
+            return time.monotonic() - t0, got
+
+        waited, got = sent()
+        assert got == b"" and waited < 10
+        for partial in ((head + "Content-Type: appl").encode(),
+                        (head + f"Content-Type: application/json\r\nContent-Length: {len(full)}\r\n\r\n").encode()
+                        + full[:5]):
+            waited, got = sent(partial)
+            assert got.startswith(b"HTTP/1.1 408 ") and waited < 10, got[:200]
+            assert error_of(got.partition(b"\r\n\r\n")[2])["code"] == "request_timeout"
+        whole = (head + f"Content-Type: application/json\r\nContent-Length: {len(full)}\r\nConnection: close"
+                        f"\r\n\r\n").encode() + full
+        _, got = sent(*(whole[i:i + 40] for i in range(0, len(whole), 40)), pause=0.4)
+        assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+        stream = json.dumps({**COMPLETION, "max_tokens": 24, "stream": True}).encode()
+        behind = f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-Part".encode()
+        _, got = sent((head + f"Content-Type: application/json\r\nContent-Length: {len(stream)}\r\n\r\n").encode()
+                      + stream + behind)
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", got) == [b"200", b"408"], got[:300]
+        assert got.index(b"data: [DONE]") < got.index(b"HTTP/1.1 408 ")
+        status, _, counted = exchange(port, "GET", "/metrics")
+        assert 'colibri_openai:refused_total{status="408"} 4.0' in counted.decode(), counted.decode()[-800:]
+
+
 def test_max_header_bytes_below_a_kib_is_refused():
     with pytest.raises(ValueError, match="--max-header-bytes must be at least 1024"):
         OpenAIOptions(target="r:1", max_header_bytes=512)
+
+
+def test_a_request_read_timeout_of_zero_or_less_is_refused():
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="--request-read-timeout must be positive"):
+            OpenAIOptions(target="r:1", request_read_timeout=bad)

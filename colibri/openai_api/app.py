@@ -59,6 +59,7 @@ from colibri_common.repeated_log import RepeatedLog
 log = logging.getLogger("colibri.openai")
 ROUTER_SERVICE = "colibri.v1.Generation"
 DONE = "[DONE]"
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")   # (404's list)
 KEEPALIVE = b": keep-alive\n\n"   # an SSE comment: clients skip it (OpenAI's SDK, EventSource)
 HTTP10_STREAM = ("streaming needs HTTP/1.1 (server-sent events in chunked transfer encoding) and this request came "
                  "as HTTP/1.0: send it as HTTP/1.1 (behind nginx: proxy_http_version 1.1) or with \"stream\": false")
@@ -358,8 +359,9 @@ def build_app(front: Front, policy: Policy) -> Starlette:
     async def http_error(request: Request, exc: Exception) -> Response:
         """Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's shape."""
         assert isinstance(exc, HTTPException)
-        what = {404: f"no route {request.url.path}; this server has /v1/models, /v1/completions, "
-                     f"/v1/chat/completions, /health, /metrics",
+        path = request.url.path
+        slash = f" (send {path.rstrip('/')}, without the trailing slash)" if path.rstrip("/") in ROUTES else ""
+        what = {404: f"no route {path}{slash}; this server has {', '.join(ROUTES)}",
                 405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
         err = ApiError(exc.status_code, what)
         front.metrics.refused(exc.status_code)       # counted as the front's own refusals are (a 405 was not)
@@ -378,6 +380,8 @@ def build_app(front: Front, policy: Policy) -> Starlette:
         Route("/health", front.health_route, methods=["GET"]),
         Route("/metrics", front.metrics_route, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
-                                                        Exception: internal},
-                     middleware=[Middleware(Guard, policy=policy, refused=front.metrics.refused)])
+    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                       Exception: internal},
+                    middleware=[Middleware(Guard, policy=policy, refused=front.metrics.refused)])
+    app.router.redirect_slashes = False        # a POST to /v1/completions/ is a 404 that says so, not a bare 307
+    return app

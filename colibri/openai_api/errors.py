@@ -30,7 +30,8 @@ HTTP_OF = {
     grpc.StatusCode.UNIMPLEMENTED: 502,        # --target is not a router (an expert worker's port): a bad gateway
 }
 TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-           404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+           404: "not_found_error", 405: "invalid_request_error", 408: "timeout", 409: "conflict_error",
+           413: "invalid_request_error",
            415: "invalid_request_error",
            421: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error",
            502: "bad_gateway", 503: "service_unavailable",

@@ -1,7 +1,8 @@
 """The front's door, an ASGI middleware before every route: the Host header (421, against DNS rebinding), CORS
 (headers and preflights only for the origins of --allowed-origins; other preflights 403), the API key (401;
 /health stays open to probes) and JSON bodies only (415: a web page cannot send JSON to another site without a
-preflight). A refusal is an OpenAI-shaped error, counted in the metrics; the request never reaches a route."""
+preflight), uncompressed (415 for a Content-Encoding: the front would read compressed bytes as the JSON). A
+refusal is an OpenAI-shaped error, counted in the metrics; the request never reaches a route."""
 
 from __future__ import annotations
 
@@ -76,6 +77,11 @@ def refusal(scope: Scope, headers: dict[bytes, list[bytes]], policy: Policy) -> 
             got = f"'{_shown(kind)}'" if kind else "none"
             return ApiError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (UTF-8); "
                                  f"this request's Content-Type is {got}", code="unsupported_media_type")
+        codings = headers.get(b"content-encoding", [])
+        if any(c.strip().lower() not in ("", "identity") for v in codings for c in _text(v).split(",")):
+            return ApiError(415, f"this front reads request bodies as sent, not compressed: send the body without "
+                                 f"Content-Encoding (this request's is '{_shown(b', '.join(codings))}')",
+                            code="unsupported_content_encoding")
     return None
 
 

@@ -41,6 +41,8 @@ class OpenAIOptions:
     max_body_bytes: int = option(4 << 20, "largest request body (413 beyond it, before it is parsed)")
     max_header_bytes: int = option(64 << 10, "largest request head, its request line and headers together (431 "
                                              "beyond it, and the connection closed, before any of it is used)")
+    request_read_timeout: float = option(30.0, "seconds a connection may send nothing before its first request or "
+                                               "while a request is incomplete (408, and the connection closed)")
     grace_period: float = option(30.0, "on SIGTERM: seconds open requests get to finish")
     tls_ca: str | None = option(None, "PEM CA of the router's certificate: talk TLS to the router", metavar="PATH")
     tls_cert: str | None = option(None, "PEM client certificate, for a router with --tls-client-auth",
@@ -93,7 +95,7 @@ class OpenAIOptions:
             raise ValueError(f"--stream-stall-timeout must be >= 0 (0 = never), got {self.stream_stall_timeout}")
         if not self.sse_keepalive >= 0:
             raise ValueError(f"--sse-keepalive must be >= 0 (0 = never), got {self.sse_keepalive}")
-        for name in ("request_timeout", "grace_period"):
+        for name in ("request_timeout", "request_read_timeout", "grace_period"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if (self.tls_cert is None) != (self.tls_key is None):

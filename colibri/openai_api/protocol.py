@@ -23,6 +23,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 64
 MAX_PROMPTS = 64            # prompts in one completions request (each is its own router call)
 MAX_ID = 2**31 - 1          # token ids travel as int32
+FLOAT32_TINY = 2.0**-149    # the smallest positive float32 (a subnormal): the wire's top_p is one
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when the request leaves it out (OpenAI's and vLLM's)
 RESERVED_TEMPLATE_KEYS = ("messages", "tools", "documents", "add_generation_prompt")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -199,7 +200,7 @@ def _top_p(body: dict[str, Any]) -> float:
     top_p = _get(body, "top_p", (int, float), 1.0)
     if not 0.0 < top_p <= 1.0:   # 0 would read as "off" on the wire; OpenAI and vLLM want (0, 1]
         raise bad(f"'top_p' must be in (0, 1], got {top_p}; for the likeliest token only use temperature 0", "top_p")
-    return float(top_p)
+    return max(float(top_p), FLOAT32_TINY)   # one the wire's float32 would round to 0 (off): the smallest it holds
 
 
 def _is_id(t: Any) -> bool:
@@ -304,9 +305,8 @@ def parse_chat(body: Any) -> Parsed:
     top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    max_tokens = _int(body, "max_completion_tokens", None, 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None, 1)        # the older name; None: as many as fit
+    newer, older = _int(body, "max_completion_tokens", None, 1), _int(body, "max_tokens", None, 1)
+    max_tokens = older if newer is None else newer            # max_tokens: the older name; None: as many as fit
     stream = bool(_get(body, "stream", (bool,), False))
     kwargs = _get(body, "chat_template_kwargs", (dict,), {})
     taken = [k for k in RESERVED_TEMPLATE_KEYS if k in kwargs]

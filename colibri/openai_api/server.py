@@ -11,6 +11,7 @@ import socket
 from collections.abc import Iterator
 
 from colibri.openai_api.app import Front, build_app
+from colibri.openai_api.connection_rules import ruled_protocol
 from colibri.openai_api.head_limit import bounded_protocol
 from colibri.openai_api.http_io import UNFINISHED
 from colibri.openai_api.options import OpenAIOptions
@@ -71,8 +72,9 @@ def run_front(opts: OpenAIOptions) -> int:
 
     async def main() -> None:
         front = Front(opts)                  # its grpc.aio channel belongs to this event loop
-        config = uvicorn.Config(build_app(front, policy), http=bounded_protocol(opts.max_header_bytes,
-                                                                                front.metrics.refused),
+        protocol = ruled_protocol(bounded_protocol(opts.max_header_bytes, front.metrics.refused),
+                                  opts.request_read_timeout, front.metrics.refused)
+        config = uvicorn.Config(build_app(front, policy), http=protocol,
                                 ws="none", loop="asyncio", lifespan="off",   # no WebSockets here
                                 log_config=None, access_log=opts.access_log,
                                 timeout_graceful_shutdown=int(opts.grace_period), log_level=opts.log_level.lower())
