@@ -74,7 +74,7 @@ def test_every_field_is_a_flag_and_round_trips_through_to_argv():
     e = dataclasses.replace(e, cache=c)
     assert parse(ExpertOptions, child_argv("expert", e)[1:]) == e
     o = OpenAIOptions(target="h:9", host="0.0.0.0", port=8001, served_model_name="m", request_timeout=5.5,
-                      max_body_bytes=1000, max_header_bytes=4096,
+                      max_body_bytes=1000, max_header_bytes=4096, request_read_timeout=3.5,
                       grace_period=2.5, tls_ca="/ca.pem", tls_cert="/c.pem", tls_key="/k.pem", access_log=True,
                       log_level="DEBUG", api_key="k", allowed_hosts=("h",), allowed_origins=("https://o.example",),
                       generation_config="vllm", sse_keepalive=2.0, stream_stall_timeout=7.5)

@@ -384,13 +384,13 @@ def test_a_trailing_slash_is_a_404_that_names_the_route_and_a_compressed_body_is
     assert status == 200, (status, body)
 
 
-def test_a_connection_that_stops_sending_is_closed_after_the_read_timeout_and_one_still_answered_is_not(guarded):
-    """--request-read-timeout 1: a connection that sends nothing is closed; one whose head or body stopped coming
-    is answered 408 (OpenAI's shape) and closed; each is counted. A request sent in pieces 0.4 s apart is served
-    (the clock restarts with each read), and a stream still being answered is never cut by a partial request
-    pipelined behind it: its 408 comes after the stream's end. uvicorn held all of these open for good."""
+def test_a_connection_that_stops_sending_is_closed_after_the_read_timeout(guarded):
+    """`colibri openai --request-read-timeout 2`: a connection that sends nothing is closed; one whose head or body
+    stopped coming is answered 408 (OpenAI's shape) and closed; each is counted once (the body's by the app). A
+    request sent in pieces 0.2 s apart is served (the clock restarts with each read). uvicorn held all of these
+    open for good. (tests/test_openai_connection_rules.py has the rules' other cases on a small app.)"""
     _, addr, *_ = guarded
-    with front(addr, "--request-read-timeout", "1") as port:
+    with front(addr, "--request-read-timeout", "2") as port:
         head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {KEY}\r\n"
         full = json.dumps(COMPLETION).encode()
 
@@ -405,25 +405,22 @@ def test_a_connection_that_stops_sending_is_closed_after_the_read_timeout_and_on
             return time.monotonic() - t0, got
 
         waited, got = sent()
-        assert got == b"" and waited < 10
+        assert got == b"" and waited < 15
         for partial in ((head + "Content-Type: appl").encode(),
                         (head + f"Content-Type: application/json\r\nContent-Length: {len(full)}\r\n\r\n").encode()
                         + full[:5]):
             waited, got = sent(partial)
-            assert got.startswith(b"HTTP/1.1 408 ") and waited < 10, got[:200]
+            assert got.startswith(b"HTTP/1.1 408 ") and waited < 15, got[:200]
             assert error_of(got.partition(b"\r\n\r\n")[2])["code"] == "request_timeout"
         whole = (head + f"Content-Type: application/json\r\nContent-Length: {len(full)}\r\nConnection: close"
                         f"\r\n\r\n").encode() + full
-        _, got = sent(*(whole[i:i + 40] for i in range(0, len(whole), 40)), pause=0.4)
+        _, got = sent(*(whole[i:i + 40] for i in range(0, len(whole), 40)), pause=0.2)
         assert got.startswith(b"HTTP/1.1 200 "), got[:200]
-        stream = json.dumps({**COMPLETION, "max_tokens": 24, "stream": True}).encode()
-        behind = f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-Part".encode()
-        _, got = sent((head + f"Content-Type: application/json\r\nContent-Length: {len(stream)}\r\n\r\n").encode()
-                      + stream + behind)
-        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", got) == [b"200", b"408"], got[:300]
-        assert got.index(b"data: [DONE]") < got.index(b"HTTP/1.1 408 ")
-        status, _, counted = exchange(port, "GET", "/metrics")
-        assert 'colibri_openai:refused_total{status="408"} 4.0' in counted.decode(), counted.decode()[-800:]
+        deadline = time.monotonic() + 10                  # the body's 408 is counted by the app, after the close
+        while 'refused_total{status="408"} 3.0' not in (counted := exchange(port, "GET", "/metrics")[2].decode()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 'colibri_openai:refused_total{status="408"} 3.0' in counted, counted[-800:]
 
 
 def test_max_header_bytes_below_a_kib_is_refused():

@@ -1,18 +1,23 @@
 """What the front's HTTP protocol holds a connection to below the app, beside head_limit's bound on a head's size:
 
 - **A time bound on reading a request** (--request-read-timeout, as nginx's client_header_timeout and
-  client_body_timeout). A connection that sends nothing for that long before its first request, or while a request
-  of it is incomplete (its head, or a body the app waits for), is closed; one whose request had begun is answered
-  408 first (OpenAI's error shape, `connection: close`). uvicorn times out only idle keep-alive connections between
-  requests, so a client that opened connections and sent part of a request, or nothing, held each one (and its file
-  descriptor) for as long as it liked. The clock restarts with every read: a slow client that keeps sending is not
-  cut off. It does not run against the client while the front itself holds things up: an earlier request on the
-  connection still being answered, or its reads paused by flow control.
+  client_body_timeout). A connection that sends no request for that long, or stops sending one (its head, or a body
+  the app waits for) for that long, is closed; one whose request had begun is answered 408 first (OpenAI's error
+  shape, `connection: close`). uvicorn times out only idle keep-alive connections between requests, so a client
+  that opened connections and sent part of a request, or nothing, or blank lines, held each one (and its file
+  descriptor) for as long as it liked. The clock restarts with every read, so a slow client that keeps sending
+  is not cut off; it does not run against the client while the front holds things up (a response being sent on
+  the connection, a pipelined request waiting its turn, an `Expect: 100-continue` not answered yet, reads paused
+  by flow control), and it starts again when the response before a waiting request ends.
 - **What the HTTP parser refuses** (a bad Content-Length, broken chunked framing, a control character in a header)
-  is answered 400 in OpenAI's error shape with the parser's reason, where uvicorn sent plain text that named none.
+  is answered 400 in OpenAI's error shape with the parser's reason, where uvicorn sent plain text that named none;
+  a failure of the protocol's own callbacks (a bug) is a 500 and an ERROR with its traceback. An answer never goes
+  into another response: behind one still being sent it waits for that one's end, and a request answered already
+  (the app refused it before reading its body) gets no second answer, its connection is only closed.
 
-Both are counted by `refused` (the metrics' colibri_openai:refused_total{status}): a request whose body the app was
-waiting for is counted by the app, as a 408 (`READ_TIMED_OUT` in its scope tells it why the body ended).
+Refusals are counted by `refused` (colibri_openai:refused_total{status}), once: where the app waits for the body of
+the request refused, it counts it (the request's scope holds `ENDED_BY_FRONT`, which `http_io.read_json` reads when
+the body ends) and its own answer goes nowhere, the connection being closed.
 """
 
 from __future__ import annotations
@@ -23,61 +28,121 @@ import logging
 import sys
 from collections.abc import Callable
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from colibri.openai_api.errors import ApiError
 
 log = logging.getLogger("colibri.openai")
-READ_TIMED_OUT = "colibri.read_timed_out"       # the scope key set on a request whose body timed out
+ENDED_BY_FRONT = "colibri.ended_by_front"        # scope key: the ApiError of a request whose body the front cut off
 
 
-def answer(status: int, reason: str, message: str, code: str | None = None) -> bytes:
-    """A whole error response, bytes on the wire, that closes the connection."""
-    body = json.dumps(ApiError(status, message, code=code).body()).encode()
-    return b"".join([b"HTTP/1.1 %d %s\r\n" % (status, reason.encode()), b"content-type: application/json\r\n",
+def answer(err: ApiError) -> bytes:
+    """`err` as a whole response, bytes on the wire, that closes the connection."""
+    body = json.dumps(err.body()).encode()
+    reason = {400: b"Bad Request", 408: b"Request Timeout", 500: b"Internal Server Error"}[err.status]
+    return b"".join([b"HTTP/1.1 %d %s\r\n" % (err.status, reason), b"content-type: application/json\r\n",
                      b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body])
 
 
 def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
                    refused: Callable[[int], None]) -> type[HttpToolsProtocol]:
     """`base` (uvicorn's httptools protocol, or head_limit's) held to the rules above."""
+    too_slow = ApiError(408, f"the request stopped coming: nothing arrived for {read_timeout:g} s before it was whole "
+                             f"(the front's --request-read-timeout); send it at once", code="request_timeout")
 
     class Ruled(base):  # type: ignore[valid-type, misc]
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.reading = False                          # a request has begun and not all of it has come
+            self.began = False                            # a request has begun on this connection
+            self.broken = False                           # the parser refused the bytes: nothing more is read
+            self.owed_answer: ApiError | None = None      # an answer waiting for the response being sent to end
             self.read_timer: asyncio.TimerHandle | None = None
+
+        # ------------------------------------------------------------------------------------ uvicorn's calls
 
         def connection_made(self, transport) -> None:     # type: ignore[override]
             super().connection_made(transport)
-            self._arm()                                   # its first request must begin in time too
+            self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self.broken:
+                return
             super().data_received(data)
-            if self.reading and not self.transport.is_closing():
-                self._arm()                               # the clock restarts with every read
-            else:
+            if self.transport.is_closing():
                 self._disarm()
+            else:
+                self._arm()                               # the clock restarts with every read; _expired judges
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self.reading = True
+            self.reading = self.began = True
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self.reading = False
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()                # (head_limit may answer its owed 431 and close here)
+            if self.transport.is_closing():
+                return
+            if self.owed_answer is not None and not self._busy():
+                self._send(self.owed_answer)
+            elif self.reading:                            # a request waited behind that response: its clock,
+                self._unset_keepalive_if_required()       # not uvicorn's keep-alive, and from now
+                self._arm()
+
         def send_400_response(self, msg: str) -> None:
-            exc = sys.exc_info()[1]                       # called inside uvicorn's `except HttpParserError`
-            why = f" ({exc})" if exc is not None and str(exc) else ""
-            refused(400)
-            self.transport.write(answer(400, "Bad Request", f"the request is not valid HTTP/1.1{why}: check its "
-                                        f"request line, its headers and its body's length (Content-Length or "
-                                        f"chunked)", code="invalid_http"))
+            if self.transport.is_closing():
+                return
+            self.broken = True
+            exc = sys.exc_info()[1]                       # uvicorn calls this inside `except HttpParserError` only
+            if isinstance(exc, httptools.HttpParserCallbackError):
+                log.error("a request failed in the front's HTTP protocol", exc_info=exc.__context__)
+                err = ApiError(500, "internal error in the front while it read the request")
+            else:
+                err = ApiError(400, f"the request is not valid HTTP/1.1{f' ({exc})' if exc else ''}: check its "
+                                    f"request line, its headers and its body's length (Content-Length or chunked)",
+                               code="invalid_http")
+            self._end(err, "was not valid HTTP/1.1")
+
+        # ------------------------------------------------------------------------------------ the rules
+
+        def _busy(self) -> bool:
+            """The front holds things up: a response is being sent, the body is not asked for yet (100-continue),
+            or a pipelined request waits its turn."""
+            c = self.cycle
+            return bool(self.pipeline) or (c is not None and not c.response_complete and (
+                not c.more_body or c.response_started or c.waiting_for_100_continue))
+
+        def _end(self, err: ApiError, why: str) -> None:
+            """Refuse the request being read with `err`, now or once the response being sent has ended."""
+            c = self.cycle
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+            log.warning("refused a request from %s that %s: %d", client, why, err.status)
+            if c is not None and c.more_body and c.response_started:    # this request is answered, or being so
+                if c.response_complete:
+                    self.transport.close()
+                else:
+                    c.keep_alive = False                  # uvicorn closes the connection after that response
+                return
+            if c is not None and c.more_body and not c.response_complete:   # the app waits for its body
+                c.scope[ENDED_BY_FRONT] = err             # type: ignore[literal-required]  (the app counts it)
+                self.transport.write(answer(err))
+                self.transport.close()
+            elif self._busy():
+                self.owed_answer = err                    # on_response_complete sends it
+            else:
+                self._send(err)
+
+        def _send(self, err: ApiError) -> None:
+            refused(err.status)
+            self.transport.write(answer(err))
             self.transport.close()
 
         def _arm(self) -> None:
@@ -91,31 +156,20 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
 
         def _expired(self) -> None:
             self.read_timer = None
-            if self.transport.is_closing():
+            if self.transport.is_closing() or self.owed_answer is not None:
                 return
-            cycle = self.cycle                            # the request on hand (or the last one answered)
-            answering = cycle is not None and not cycle.response_complete and not cycle.more_body
-            if answering or self.pipeline or self.flow.read_paused:
+            if self._busy() or self.flow.read_paused:
                 self._arm()                               # the front holds things up, not the client
                 return
-            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-            if not self.reading:                          # nothing begun: no request to answer
+            if self.reading:
+                self.broken = True
+                self._end(too_slow, f"stopped coming for {read_timeout:g}s (--request-read-timeout)")
+                return
+            if not self.began:                            # nothing begun, or blank lines: no request to answer
                 refused(408)
+                client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
                 log.info("closed a connection from %s that sent no request in %gs (--request-read-timeout)",
                          client, read_timeout)
-            elif cycle is not None and cycle.more_body and cycle.response_started:
-                log.info("closed a connection from %s: the body of a request answered already stopped coming "
-                         "for %gs (--request-read-timeout)", client, read_timeout)
-            else:
-                if cycle is not None and cycle.more_body:   # the app waits for this body: it counts the 408
-                    cycle.scope[READ_TIMED_OUT] = True    # type: ignore[literal-required]
-                else:                                     # its head was incomplete: no app saw it
-                    refused(408)
-                log.warning("closed a connection from %s whose request stopped coming for %gs "
-                            "(--request-read-timeout): 408", client, read_timeout)
-                self.transport.write(answer(408, "Request Timeout", f"the request stopped coming: nothing "
-                                            f"arrived for {read_timeout:g} s before it was whole (the front's "
-                                            f"--request-read-timeout); send it at once", code="request_timeout"))
-            self.transport.close()
+            self.transport.close()                        # (else idle between requests, as uvicorn's keep-alive)
 
     return Ruled

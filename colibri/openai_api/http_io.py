@@ -14,7 +14,7 @@ import grpc
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 
-from colibri.openai_api.connection_rules import READ_TIMED_OUT
+from colibri.openai_api.connection_rules import ENDED_BY_FRONT
 from colibri.openai_api.errors import ApiError, bad
 from colibri_common.pb import generation_pb2 as pb
 
@@ -164,9 +164,9 @@ async def read_json(request: Request, limit: int) -> tuple[Any, int]:
                 raise ApiError(413, f"the request body is over the front's --max-body-bytes {limit}")
             chunks.append(chunk)
     except ClientDisconnect:
-        if request.scope.get(READ_TIMED_OUT):       # closed by the front: its body stopped coming (connection_rules)
-            raise ApiError(408, "the request's body stopped coming (the front's --request-read-timeout)",
-                           code="request_timeout") from None
+        ended = request.scope.get(ENDED_BY_FRONT)   # cut off by the front (connection_rules), which answered it
+        if ended is not None:
+            raise ended from None
         raise ApiError(CLIENT_GONE, "the client went away while sending its request") from None
     data = b"".join(chunks)
     try:
