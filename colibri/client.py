@@ -32,6 +32,7 @@ from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS, channel_o
 from colibri_common.tls import client_channel
 
 DEFAULT_TIMEOUT = 300.0
+FLOAT32_TINY = 2.0**-149        # the smallest positive float32 (a subnormal)
 
 
 def make_request(prompt: str | list[int], max_tokens: int = 0, temperature: float = 0.0, seed: int | None = None,
@@ -43,7 +44,15 @@ def make_request(prompt: str | list[int], max_tokens: int = 0, temperature: floa
         sampling["stop"] = (sampling["stop"],)              # one stop string, not its characters
     fields = {"max_tokens": max_tokens, "temperature": temperature, "return_logits": return_logits,
               **{k: v for k, v in sampling.items() if v is not None}, **({} if seed is None else {"seed": seed})}
+    if isinstance(fields.get("top_p"), float):
+        fields["top_p"] = wire_top_p(fields["top_p"])
     return request_of(prompt, _message(pb.SamplingParams, fields), request_id, add_special_tokens)
+
+
+def wire_top_p(top_p: float) -> float:
+    """top_p as SamplingParams carries it (float32, where 0 is off): a positive value that float32 would round to 0
+    goes as float32's smallest positive one, which keeps the likeliest token alone (1e-50 had sampled every token)."""
+    return FLOAT32_TINY if 0.0 < top_p < FLOAT32_TINY else top_p
 
 
 def _message(kind, fields: dict):

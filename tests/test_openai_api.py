@@ -202,14 +202,17 @@ def test_n_choices_share_prompt_blocks_and_greedy_choices_agree(served):
 
 def test_a_top_p_below_what_float32_holds_keeps_the_likeliest_token_not_every_token(served):
     """top_p travels as float32, where 1e-50 is 0, which the router reads as "off": it sampled the whole vocabulary.
-    The front sends the smallest positive float32 instead: each of n sampled choices is the greedy text."""
-    oracle, _, _, _, api = served
+    The front, and the gRPC client, send the smallest positive float32 instead: each of n sampled choices is the
+    greedy text."""
+    oracle, _, addr, _, api = served
     tok = Tokenizer.from_dir(oracle.path)
     prompt = "Sampling at a vanishing top_p"
     ref = greedy_text(oracle, tok, tok.encode(prompt, True), 6)
     for top_p in (1e-50, 5e-324, 1e-30):
         res = api.completions.create(model="chatty", prompt=prompt, max_tokens=6, temperature=1.0, n=4, top_p=top_p)
         assert [c.text for c in res.choices] == [ref] * 4, top_p
+        got = Client(addr).generate(prompt, 6, temperature=1.0, n=4, top_p=top_p)
+        assert [c.text for c in got.choices] == [ref] * 4, top_p
 
 
 def test_chat_refuses_a_bad_max_tokens_beside_max_completion_tokens(served):

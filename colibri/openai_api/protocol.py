@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from colibri.client import wire_top_p
 from colibri.openai_api.errors import ApiError, bad
 from colibri_common.pb import generation_pb2 as pb
 
@@ -23,7 +24,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 64
 MAX_PROMPTS = 64            # prompts in one completions request (each is its own router call)
 MAX_ID = 2**31 - 1          # token ids travel as int32
-FLOAT32_TINY = 2.0**-149    # the smallest positive float32 (a subnormal): the wire's top_p is one
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when the request leaves it out (OpenAI's and vLLM's)
 RESERVED_TEMPLATE_KEYS = ("messages", "tools", "documents", "add_generation_prompt")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -200,7 +200,7 @@ def _top_p(body: dict[str, Any]) -> float:
     top_p = _get(body, "top_p", (int, float), 1.0)
     if not 0.0 < top_p <= 1.0:   # 0 would read as "off" on the wire; OpenAI and vLLM want (0, 1]
         raise bad(f"'top_p' must be in (0, 1], got {top_p}; for the likeliest token only use temperature 0", "top_p")
-    return max(float(top_p), FLOAT32_TINY)   # one the wire's float32 would round to 0 (off): the smallest it holds
+    return wire_top_p(float(top_p))
 
 
 def _is_id(t: Any) -> bool:
