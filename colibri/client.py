@@ -28,7 +28,7 @@ from colibri.results import Delta, GenerationError, Result
 from colibri_common.options import check_target
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.pb import generation_pb2_grpc
-from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS, channel_options
+from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS, channel_options, grpc_timeout
 from colibri_common.tls import client_channel
 
 DEFAULT_TIMEOUT = 300.0
@@ -155,7 +155,8 @@ class _Calls:
     closed: bool
 
     def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is DEFAULT else _seconds(timeout, "timeout")
+        seconds = self.timeout if timeout is DEFAULT else _seconds(timeout, "timeout")
+        return None if seconds is None else grpc_timeout(seconds)
 
     def _check_open(self) -> None:
         if self.closed:                              # a ValueError, as a closed file's (gRPC's: "Channel closed!")

@@ -47,13 +47,14 @@ def run_health(opts: HealthOptions) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from colibri_common.serving import grpc_timeout
     from colibri_common.tls import client_channel
 
     options = [("grpc.ssl_target_name_override", opts.tls_server_name)] if opts.tls_server_name else []
     with client_channel(opts.target, options, opts.tls_ca, opts.tls_cert, opts.tls_key) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=opts.service), timeout=opts.timeout)
+                health_pb2.HealthCheckRequest(service=opts.service), timeout=grpc_timeout(opts.timeout))
         except grpc.RpcError as exc:
             why = exc.details()
             if exc.code() == grpc.StatusCode.NOT_FOUND:     # gRPC's health service says no more than the code

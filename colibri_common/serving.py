@@ -31,6 +31,15 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reco
                      ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.dns_min_time_between_resolutions_ms", 1000)]
 
 
+GRPC_MAX_TIMEOUT_S = 1e9   # gRPC's deadline overflows from ~1e10 s (DEADLINE_EXCEEDED at once): 31 years is "none"
+
+
+def grpc_timeout(seconds: float) -> float:
+    """A call's timeout as gRPC can take it: one past GRPC_MAX_TIMEOUT_S (or inf) is that (a user's 1e10 or inf
+    failed every call at once)."""
+    return min(seconds, GRPC_MAX_TIMEOUT_S)
+
+
 def channel_options(*lists: list[tuple[str, object]]) -> list[tuple[str, object]]:
     """Option lists merged, a later value of a key replacing an earlier one (gRPC keeps the first of a repeated
     key: appended overrides were silently ignored)."""

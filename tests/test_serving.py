@@ -278,6 +278,11 @@ def test_health_cli(served):
     _, addr, _ = served
     ok = colibri_run(["health", "--target", addr, "--service", "colibri.v1.Generation"], timeout=60)
     assert ok.returncode == 0 and "SERVING" in ok.stdout
+    for huge in ("1e10", "inf"):      # past gRPC's deadline range: every call failed at once (DEADLINE_EXCEEDED)
+        patient = colibri_run(["health", "--target", addr, "--timeout", huge], timeout=60)
+        assert patient.returncode == 0 and "SERVING" in patient.stdout, patient.stderr
+    res = Client(addr, timeout=1e12).generate([1, 2, 3], 2)         # a client's too
+    assert len(res.token_ids) == 2
     bad = colibri_run(["health", "--target", addr, "--service", "colibri.v1.Nope"], timeout=60)
     assert bad.returncode == 1 and "NOT_FOUND: no service 'colibri.v1.Nope' here; --service '' is liveness" in \
         bad.stderr                                                       # gRPC's own detail was empty

@@ -28,7 +28,7 @@ import grpc
 from colibri_common.errors import ColibriError
 from colibri_common.frames import Payload
 from colibri_common.pb import expert_pb2, expert_pb2_grpc
-from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS, channel_options
+from colibri_common.serving import CHANNEL_OPTIONS, RECONNECT_OPTIONS, channel_options, grpc_timeout
 from colibri_common.token_gate import with_token
 from router_service.moe.heartbeat import Heartbeat
 
@@ -158,7 +158,7 @@ class WorkerLink:
     """The router's connection to one expert worker."""
 
     def __init__(self, address: str, timeout_s: float, access: Access = OPEN_ACCESS) -> None:
-        self.address, self.timeout_s = address, timeout_s
+        self.address, self.timeout_s = address, grpc_timeout(timeout_s)
         options = channel_options(CHANNEL_OPTIONS, RECONNECT_OPTIONS, WORKER_RECONNECT)
         self._raw = grpc.insecure_channel(address, options=options) if access.credentials is None else \
             grpc.secure_channel(address, access.credentials, options=options)     # mutual TLS to the worker
@@ -220,8 +220,8 @@ class WorkerLink:
         what = f"expert worker {self.address} did not take placement epoch {request.epoch}"
         try:
             if silence_s <= 0:
-                return self.stub.Assign(request, timeout=timeout_s, wait_for_ready=wait)
-            call = self.stub.Assign.future(request, timeout=timeout_s, wait_for_ready=wait)
+                return self.stub.Assign(request, timeout=grpc_timeout(timeout_s), wait_for_ready=wait)
+            call = self.stub.Assign.future(request, timeout=grpc_timeout(timeout_s), wait_for_ready=wait)
             beat = Heartbeat(self.channel)
             try:
                 while True:
