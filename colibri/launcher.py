@@ -49,6 +49,14 @@ def serve(opts: ServeOptions, entry: Entry) -> int:
             undo()
 
 
+def _stopped_while_starting(fleet: Fleet) -> int:
+    """A signal came before the fleet was ready: every child stops, `ready` is never printed, and serve exits 0 as
+    a stop after ready does (it had printed `ready`, then stopped; a child killed mid-start made it exit 1)."""
+    log.info("stopping: the signal came while the fleet started; it was not ready")
+    fleet.stop()
+    return 0
+
+
 def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callable[[], None]]) -> int:
     from colibri_common.serving import setup_logging
 
@@ -65,6 +73,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
     # refused by the workers unread. It reaches the children in their environment, never their argv.
     fleet.plane_env[FLEET_ENV] = fleet_token() or new_token()
     stop_signal = threading.Event()
+    said_ready = threading.Event()
 
     def stop_now() -> None:
         stop_signal.set()
@@ -81,6 +90,8 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
             return
         log.info("received %s: stopping the fleet", name)
         stop_signal.set()
+        if not said_ready.is_set():           # nothing to drain yet: the children stop now (one may be stuck
+            fleet.signal_all(signal.SIGTERM)  # starting, and serve waits on each in turn)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -136,9 +147,13 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
             http = fleet.wait_ready(front, "OpenAI front")
             print(f"openai http://{http}/v1", flush=True)
     except (RuntimeError, OSError) as exc:
+        if stop_signal.is_set():                 # a child the signal stopped first: the stop asked for, no error
+            return _stopped_while_starting(fleet)
         log.error("%s", exc)
         fleet.stop()
         return 1
+    if stop_signal.is_set():                     # Ctrl-C or SIGTERM while the children started: never said ready
+        return _stopped_while_starting(fleet)
     cache = opts.cache.expert_cache_capacity
     if any(cpus):
         log.info("workers' CPUs: %s (--worker-cpus auto; the router runs on any)",
@@ -147,6 +162,7 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
              ", ".join(f"{t:.1f}" for t in ready_s), cache if cache != "all" else "every expert held, in place where "
              "the checkpoint allows (each worker's log says)" if opts.cache.experts_in_place == "auto" else
              "every expert packed")
+    said_ready.set()
     print(f"ready {addr}", flush=True)
 
     def drain(p: Child) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -427,6 +429,47 @@ def test_a_second_signal_to_serve_stops_the_fleet_now_not_after_the_grace_period
             assert time.monotonic() - t0 < 15, "serve waited for the drain after a second signal"
             for s in streams:                              # the open streams ended (an error), not cut silently
                 assert s.exception(timeout=30) is not None or s.result()
+
+
+def test_a_signal_while_the_fleet_starts_stops_it_without_saying_ready(oracles):
+    """Ctrl-C during start-up was held until every child was ready: serve printed `ready`, then stopped (and a child
+    killed mid-start made it exit 1). A worker is held stopped (SIGSTOP) as it starts, so serve waits on it; then
+    SIGINT: every child is told to stop at once, serve never prints `ready`, exits 0, and no child is left."""
+    oracle = oracles["olmoe"]
+    proc = colibri_popen(["serve", "--model", str(oracle.path), "--workers", "2", "--port", "0", "--log-level", "INFO"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    children: list[int] = []
+    try:
+        held = None
+        for line in proc.stderr:
+            if m := re.search(r"(?:forked|started) pid (\d+): colibri (\w+)", line):
+                children.append(int(m.group(1)))
+                if m.group(2) == "expert" and held is None:
+                    held = int(m.group(1))
+                    os.kill(held, signal.SIGSTOP)              # it cannot get ready: serve waits on it
+                if m.group(2) == "router":
+                    break
+        assert held is not None and len(children) == 3, children
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        os.kill(held, signal.SIGCONT)                          # the SIGTERM serve sent it is delivered now
+        out = proc.stdout.read()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0, err
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert "ready" not in out and "the signal came while the fleet started" in err, (out, err)
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in children) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in children if psutil.pid_exists(pid) and
+                psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], children
 
 
 def test_serve_whose_terminal_closed_drains_and_stops_as_on_sigterm(oracles):
