@@ -78,7 +78,7 @@ def front():
         yield got
 
 
-def talk(port: int, *pieces: bytes, pause: float = 0.0, shut: bool = False) -> tuple[float, bytes]:
+def talk(port: int, *pieces: bytes, pause: float = 0.0) -> tuple[float, bytes]:
     """Send the pieces `pause` apart, read to the close: (seconds from connecting to the close, bytes read)."""
     t0, got = time.monotonic(), b""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:

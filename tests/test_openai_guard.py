@@ -23,6 +23,7 @@ from colibri.openai_api.options import OpenAIOptions
 from colibri.openai_api.policy import API_KEY_ENV, Policy, api_key, host_entry, host_name, origin_of
 from tests.chat_fixtures import chat_checkpoint
 from tests.conftest import argv_of, colibri_popen, fleet
+from tests.test_openai_connection_rules import talk
 from tests.test_replicas import port_of, workers_of
 
 KEY = "sk-colibri-test-6f1c2b"
@@ -393,28 +394,17 @@ def test_a_connection_that_stops_sending_is_closed_after_the_read_timeout(guarde
     with front(addr, "--request-read-timeout", "2") as port:
         head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {KEY}\r\n"
         full = json.dumps(COMPLETION).encode()
-
-        def sent(*pieces: bytes, pause: float = 0.0) -> tuple[float, bytes]:
-            t0, got = time.monotonic(), b""
-            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-                for piece in pieces:
-                    s.sendall(piece)
-                    time.sleep(pause)
-                while chunk := s.recv(1 << 16):
-                    got += chunk
-            return time.monotonic() - t0, got
-
-        waited, got = sent()
+        waited, got = talk(port)
         assert got == b"" and waited < 15
         for partial in ((head + "Content-Type: appl").encode(),
                         (head + f"Content-Type: application/json\r\nContent-Length: {len(full)}\r\n\r\n").encode()
                         + full[:5]):
-            waited, got = sent(partial)
+            waited, got = talk(port, partial)
             assert got.startswith(b"HTTP/1.1 408 ") and waited < 15, got[:200]
             assert error_of(got.partition(b"\r\n\r\n")[2])["code"] == "request_timeout"
         whole = (head + f"Content-Type: application/json\r\nContent-Length: {len(full)}\r\nConnection: close"
                         f"\r\n\r\n").encode() + full
-        _, got = sent(*(whole[i:i + 40] for i in range(0, len(whole), 40)), pause=0.2)
+        _, got = talk(port, *(whole[i:i + 40] for i in range(0, len(whole), 40)), pause=0.2)
         assert got.startswith(b"HTTP/1.1 200 "), got[:200]
         deadline = time.monotonic() + 10                  # the body's 408 is counted by the app, after the close
         while 'refused_total{status="408"} 3.0' not in (counted := exchange(port, "GET", "/metrics")[2].decode()) \
