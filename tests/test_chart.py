@@ -63,6 +63,9 @@ VALUE_SETS = {
     "elastic-plain": {"experts": {"placement": "router"}, "tls": {"enabled": False},
                       "fleetToken": {"existingSecret": "corp-fleet", "secretKey": "fleet"}},
     "keda": {"router": {"keda": {"enabled": True}}, "serviceMonitor": {"enabled": True}},
+    # whole numbers from a million up: Helm holds them as float64 and printed 2e+06, which the CLI and Kubernetes refuse
+    "large-numbers": {"router": {"maxNumTokens": 2_000_000, "maxWaiting": 1_000_000, "kvCacheMb": 1_000_000},
+                      "experts": {"maxExperts": 1_000_000}, "terminationGracePeriodSeconds": 1_000_000},
 }
 
 
@@ -251,6 +254,17 @@ def test_value_specific_rendering():
     spread = by_kind(render({}), "StatefulSet")[0]["spec"]["template"]["spec"]["affinity"]
     assert spread["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"][
         "topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_large_whole_numbers_render_as_digits():
+    docs = render(VALUE_SETS["large-numbers"])
+    router = of(docs, "Deployment", "router")[0]["spec"]["template"]["spec"]
+    args = router["containers"][0]["args"]
+    assert {"--max-num-tokens=2000000", "--max-waiting=1000000", "--kv-cache-mb=1000000"} <= set(args), args
+    assert router["terminationGracePeriodSeconds"] == 1_000_000
+    workers = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--max-step-tokens=2000000" in workers, workers
+    assert "e+" not in str(docs)
 
 
 def test_helm_test_pod_checks_router_health():

@@ -19,7 +19,7 @@ label value of at most 63 (a longer name: no pod is ever made) */}}
 
 {{/* The router Service's in-cluster address: the name its TLS certificate carries. */}}
 {{- define "colibri.routerAddress" -}}
-{{ include "colibri.routerName" . }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.router.port }}
+{{ include "colibri.routerName" . }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.router.port | int64 }}
 {{- end -}}
 
 {{- define "colibri.image" -}}
@@ -44,7 +44,7 @@ app.kubernetes.io/component: {{ .component }}
 {{/* The experts' headless Service (experts.placement router: the router's --follow-workers; it resolves to one
      address per expert pod, named <pod>.<experts>.<ns>.svc.<domain> by its reverse record). */}}
 {{- define "colibri.expertsServiceAddress" -}}
-{{ include "colibri.expertsName" . }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.experts.port }}
+{{ include "colibri.expertsName" . }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.experts.port | int64 }}
 {{- end -}}
 
 {{/* The router's --workers list: the StatefulSet pods' stable DNS names, one per shard. */}}
@@ -333,7 +333,7 @@ timeoutSeconds: 5                    # a Python process on a busy node: more tha
 {{- $cpu := "" -}}
 {{- with .resources -}}{{- with .requests -}}{{- $cpu = toString (default "" .cpu) -}}{{- end -}}{{- end -}}
 {{- if gt (int .threads) 0 -}}
-{{- .threads -}}
+{{- .threads | int64 -}}
 {{- else if hasSuffix "m" $cpu -}}
 {{- max 1 (int (ceil (divf (float64 (trimSuffix "m" $cpu)) 1000.0))) -}}
 {{- else if $cpu -}}
