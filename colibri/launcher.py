@@ -115,6 +115,9 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
     if fleet.forks:
         preload(SERVICE_MODULES + (FRONT_MODULES if opts.openai_port is not None else ()))
         log.info("imported torch and the services in %.2fs; forking the children", time.monotonic() - t0)
+    if stop_signal.is_set():                     # stopped before a child was started: none is
+        log.info("stopping: the signal came before the fleet started")
+        return 0
     if opts.tls_self_signed:
         from colibri_common.tls import self_signed
 

@@ -27,6 +27,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable
+from http import HTTPStatus
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -38,9 +39,10 @@ ENDED_BY_FRONT = "colibri.ended_by_front"        # scope key: the ApiError of a 
 
 
 def answer(err: ApiError) -> bytes:
-    """`err` as a whole response, bytes on the wire, that closes the connection."""
+    """`err` as a whole response, bytes on the wire, that closes the connection (written by a protocol itself:
+    these rules', head_limit's 431)."""
     body = json.dumps(err.body()).encode()
-    reason = {400: b"Bad Request", 408: b"Request Timeout", 500: b"Internal Server Error"}[err.status]
+    reason = HTTPStatus(err.status).phrase.encode()
     return b"".join([b"HTTP/1.1 %d %s\r\n" % (err.status, reason), b"content-type: application/json\r\n",
                      b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body])
 
@@ -123,8 +125,7 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
         def _end(self, err: ApiError, why: str) -> None:
             """Refuse the request being read with `err`, now or once the response being sent has ended."""
             c = self.cycle
-            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-            log.warning("refused a request from %s that %s: %d", client, why, err.status)
+            log.warning("refused a request from %s that %s: %d", self._who(), why, err.status)
             if c is not None and c.more_body and c.response_started:    # this request is answered, or being so
                 if c.response_complete:
                     self.transport.close()
@@ -139,6 +140,9 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
                 self.owed_answer = err                    # on_response_complete sends it
             else:
                 self._send(err)
+
+        def _who(self) -> str:
+            return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
         def _send(self, err: ApiError) -> None:
             refused(err.status)
@@ -167,9 +171,8 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
                 return
             if not self.began:                            # nothing begun, or blank lines: no request to answer
                 refused(408)
-                client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
                 log.info("closed a connection from %s that sent no request in %gs (--request-read-timeout)",
-                         client, read_timeout)
+                         self._who(), read_timeout)
             self.transport.close()                        # (else idle between requests, as uvicorn's keep-alive)
 
     return Ruled

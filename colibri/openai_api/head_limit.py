@@ -15,12 +15,12 @@ A request pipelined behind others on the connection gets its 431 after their ans
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from colibri.openai_api.connection_rules import answer
 from colibri.openai_api.errors import ApiError
 
 log = logging.getLogger("colibri.openai")
@@ -29,11 +29,9 @@ STATUS = 431
 
 def refusal(max_bytes: int) -> bytes:
     """The whole 431 response, bytes on the wire."""
-    body = json.dumps(ApiError(STATUS, f"the request's headers are longer than this front takes ({max_bytes} bytes "
-                                       f"with the request line, --max-header-bytes); send shorter ones",
-                               code="headers_too_large").body()).encode()
-    return b"".join([b"HTTP/1.1 431 Request Header Fields Too Large\r\n", b"content-type: application/json\r\n",
-                     b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body])
+    return answer(ApiError(STATUS, f"the request's headers are longer than this front takes ({max_bytes} bytes with "
+                                   f"the request line, --max-header-bytes); send shorter ones",
+                           code="headers_too_large"))
 
 
 def bounded_protocol(max_bytes: int, refused: Callable[[int], None]) -> type[HttpToolsProtocol]:
