@@ -79,6 +79,21 @@ def escaped(text: str) -> str:
             .replace("\r", "\\r"))
 
 
+INT64_MAX = 2**63 - 1
+
+
+def whole_number(text: str) -> int:
+    """An int flag: one past int64 (`--kv-cache-mb 99999999999999999999`) is refused here; it was an
+    OverflowError traceback where torch or gRPC took it."""
+    value = int(text)
+    if abs(value) > INT64_MAX:
+        raise argparse.ArgumentTypeError(f"{text} is past the largest whole number a flag takes (2**63 - 1)")
+    return value
+
+
+whole_number.__name__ = "int"       # argparse's "invalid int value: 'x'"
+
+
 def upper(text: str) -> str:
     return text.upper()
 
@@ -107,7 +122,7 @@ def _strip_optional(tp: Any) -> Any:
 def _parser_of(tp: Any) -> Any:
     """The argparse `type` of a field: int, float, str, or a comma-separated tuple of them."""
     if typing.get_origin(tp) is tuple:
-        item = typing.get_args(tp)[0]
+        item = _parser_of(typing.get_args(tp)[0])
 
         def parse(text: str) -> tuple[Any, ...]:
             parts = comma_list(text)
@@ -118,7 +133,7 @@ def _parser_of(tp: Any) -> Any:
 
         parse.__name__ = f"comma-separated {item.__name__}"     # argparse names it in its error message
         return parse
-    return tp
+    return whole_number if tp is int else tp
 
 
 @dataclass(frozen=True)
@@ -240,6 +255,8 @@ def check_values(cls: type, values: dict[str, Any], where: str) -> dict[str, Any
             kind = getattr(tp, "__name__", str(tp))
             raise TypeError(f"{where}: {name} must be {kind}, got {values[name]!r}")
         out[name] = value
+        if tp is int and abs(value) > INT64_MAX:
+            raise ValueError(f"{where}: {name}={value} is past the largest whole number an option takes (2**63 - 1)")
         if meta["choices"]:
             as_flag = meta["type"](value) if meta["type"] and isinstance(value, str) else value
             if as_flag not in meta["choices"]:

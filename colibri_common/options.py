@@ -15,6 +15,7 @@ from typing import Any
 from colibri_common.flags import option, upper
 
 DTYPES = ("float32", "bfloat16")
+GRPC_MAX_BYTES = 2**31 - 1      # gRPC's message limits are C ints: a larger one was an OverflowError at start
 DTYPE_CHOICES = ("auto", *DTYPES)       # --dtype: auto = as the checkpoint (serving_dtype)
 
 
@@ -129,23 +130,28 @@ def check_threads(threads: int) -> None:
                          f"(0 = all of them)")
 
 
+_HOST = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")     # a DNS name or an IPv4 address ('a b' was dialled)
+_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:", "xds:")   # gRPC's target forms
+
+
 def is_address(text: str) -> bool:
     """HOST:PORT with a host and a port in 1..65535 ([v6]:PORT too, bracketed: ::1 alone would read as host ':'):
     an expert worker's address."""
     host, _, port = text.rpartition(":")
-    bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
-    return bool(host) and (bracketed or ":" not in host and "[" not in host) and port.isdigit() and \
-        0 < int(port) < 65536
+    bracketed = re.fullmatch(r"\[[0-9A-Fa-f:.]+(%[\w.-]+)?\]", host) is not None
+    return (bracketed or _HOST.fullmatch(host) is not None) and port.isdigit() and 0 < int(port) < 65536
 
 
 def check_target(flag: str, value: str) -> None:
     """A gRPC address a client dials: a HOST:PORT's port in 1..65535 (gRPC dialled 99999 as 34463); other gRPC
     target forms (unix:PATH, dns:///...) pass as they are. An empty one (an unset variable: gRPC failed with its
     internal trace) is refused by `from_args`, as every required flag given empty."""
+    if value.startswith(_SCHEMES):
+        return
     found = re.fullmatch(r"(.*):(\d+)", value)
-    if found and not 0 < int(found.group(2)) < 65536:
+    if (found and not 0 < int(found.group(2)) < 65536) or (":" in value and not found):   # :-5 dialled 65531
         raise ValueError(f"{flag} {value}: the port must be in 1..65535")
-    if value and not found and ":" not in value:   # gRPC dialled a bare host on port 443
+    if value and not found:                        # gRPC dialled a bare host on port 443
         raise ValueError(f"{flag} {value}: give HOST:PORT (the port the router's or serve's `ready` line names)")
 
 

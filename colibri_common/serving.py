@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from colibri_common.errors import ColibriError
+from colibri_common.options import GRPC_MAX_BYTES
 
 MAX_MESSAGE_BYTES = 512 * 2**20      # between router and workers (a step's hidden states); clients get less
 CHANNEL_OPTIONS = [
@@ -96,8 +97,9 @@ class Service:
     def __init__(self, service_name: str, max_workers: int, max_receive_bytes: int = MAX_MESSAGE_BYTES,
                  interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> None:
         self.name = service_name
+        receive = min(max_receive_bytes, GRPC_MAX_BYTES)    # a worker's limit for a huge --max-step-tokens
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", max_receive_bytes), *SERVER_KEEPALIVE, *NO_PORT_SHARING]
+                   ("grpc.max_receive_message_length", receive), *SERVER_KEEPALIVE, *NO_PORT_SHARING]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
                                   interceptors=interceptors)
         self._loaded = False

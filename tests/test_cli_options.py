@@ -156,8 +156,8 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["expert", "--model", "m", "--shard", "0/1", "--cpus", "3-1"], "'3-1' is not a CPU number or a rising range"),
     (["expert", "--model", "m", "--shard", "0/1", "--cpus", "0,,1"], "give CPU numbers and ranges"),
     # values a request cannot carry: protobuf's 'Value out of range' was a traceback
-    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1,2", "--max-tokens", "99999999999999999999"],
-     "max_tokens must be at most 2147483647, got 99999999999999999999"),
+    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1,2", "--max-tokens", "99999999999"],
+     "max_tokens must be at most 2147483647, got 99999999999"),
     (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--seed", "-1"], "seed must be in [0, 2^64)"),
     (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "99999999999"], "prompt token ids cannot be sent"),
     (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--stop-token-ids", "99999999999"],
@@ -207,6 +207,14 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["router", "--model", "m", "--workers", "::1"], "--workers ::1: give each expert worker as HOST:PORT"),
     (["router", "--model", "m", "--workers", "[::1]"], "--workers [::1]: give each"),
     (["router", "--model", "m", "--workers", "h:"], "--workers h:: give each"),
+    (["router", "--model", "m", "--workers", "a b:1"], "--workers a b:1: give each"),   # was waited on as an outage
+    (["health", "--target", "127.0.0.1:-5"], "the port must be in 1..65535"),          # gRPC dialled 65531
+    (["generate", "--target", "h:port", "--prompt-ids", "1"], "--target h:port: the port must be in 1..65535"),
+    # whole numbers past what gRPC or torch take: OverflowError tracebacks from the child that met them
+    (["serve", "--model", "m", "--kv-cache-mb", "99999999999999999999"],
+     "--kv-cache-mb: 99999999999999999999 is past the largest whole number a flag takes (2**63 - 1)"),
+    (["serve", "--model", "m", "--max-request-bytes", "3000000000"], "is past gRPC's largest message"),
+    (["generate", "--target", "h:1", "--prompt-ids", "1,99999999999999999999"], "past the largest whole number"),
 ])
 def test_bad_flags_are_one_clear_line_and_exit_2(argv, needle):
     out = subprocess.run([COLIBRI, *argv], capture_output=True, text=True, timeout=60)
@@ -358,7 +366,8 @@ def test_keyword_options_are_checked_and_converted_as_their_flags_are():
     for bad, error, needle in [({"threads": "two"}, TypeError, "threads must be int, got 'two'"),
                                ({"threads": True}, TypeError, "threads must be int"),
                                ({"batch_invariant": 2}, TypeError, "batch_invariant must be bool"),
-                               ({"dtype": "BFLOAT16"}, ValueError, "dtype='BFLOAT16' is not one of")]:
+                               ({"dtype": "BFLOAT16"}, ValueError, "dtype='BFLOAT16' is not one of"),
+                               ({"kv_cache_mb": 10**20}, ValueError, r"kv_cache_mb=10+ is past the largest")]:
         with pytest.raises(error, match=needle):
             check_values(RouterOptions, bad, "LLM")
 

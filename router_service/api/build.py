@@ -163,7 +163,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     spare = 1 if device.type == "cuda" else 0       # CUDA graphs' padding rows write there (decode_graphs.py)
     try:
         kv = KVCache(cfg.num_layers, num_blocks + spare, opts.block_size, kv_heads, k_dim, dtype, device, v_dim)
-    except (OSError, MemoryError, torch.OutOfMemoryError) as exc:   # ENOMEM from the map, or a GPU's out-of-memory
+    except (OSError, MemoryError, OverflowError, torch.OutOfMemoryError) as exc:   # ENOMEM from the map, a size
+        # past int64 (--kv-cache-mb 99999999999999999999), or a GPU's out-of-memory
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
             (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"the KV cache ({num_blocks + spare} blocks of {opts.block_size} tokens, "

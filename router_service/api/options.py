@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colibri_common.flags import option
-from colibri_common.options import DTYPES, ServiceOptions, is_address
+from colibri_common.options import DTYPES, GRPC_MAX_BYTES, ServiceOptions, is_address
 from router_service.engine.scheduler import SchedulerConfig
 
 TRANSPORTS = ("auto", "stream", "unary")
@@ -116,6 +116,9 @@ class RouterOptions(ServiceOptions):
         for name in ("max_prompt_bytes", "max_request_bytes", "max_stop_token_ids", "max_stop_strings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_request_bytes > GRPC_MAX_BYTES:
+            raise ValueError(f"--max-request-bytes {self.max_request_bytes} is past gRPC's largest message "
+                             f"({GRPC_MAX_BYTES} bytes, 2 GiB - 1)")
         if self.max_request_bytes < self.max_prompt_bytes + 4096:
             raise ValueError(f"--max-request-bytes ({self.max_request_bytes}) must exceed --max-prompt-bytes "
                              f"({self.max_prompt_bytes}) by the message's own few bytes (4096)")
