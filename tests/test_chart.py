@@ -63,6 +63,17 @@ VALUE_SETS = {
     "elastic-plain": {"experts": {"placement": "router"}, "tls": {"enabled": False},
                       "fleetToken": {"existingSecret": "corp-fleet", "secretKey": "fleet"}},
     "keda": {"router": {"keda": {"enabled": True}}, "serviceMonitor": {"enabled": True}},
+    # the Kubernetes values passed through as they are, in the shapes the schema checks
+    "scheduling": {"imagePullSecrets": [{"name": "regcred"}],
+                   "router": {"nodeSelector": {"node.kubernetes.io/instance-type": "c7a.4xlarge"},
+                              "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm",
+                                               "effect": "NoSchedule"}],
+                              "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                                  "nodeSelectorTerms": [{"matchExpressions": [{
+                                      "key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}}},
+                   "experts": {"tolerations": [{"operator": "Exists", "effect": "NoExecute",
+                                                "tolerationSeconds": 300}]},
+                   "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
     # whole numbers from a million up: Helm holds them as float64 and printed 2e+06, which the CLI and Kubernetes refuse
     "large-numbers": {"router": {"maxNumTokens": 2_000_000, "maxWaiting": 1_000_000, "kvCacheMb": 1_000_000},
                       "experts": {"maxExperts": 1_000_000}, "terminationGracePeriodSeconds": 1_000_000},
@@ -112,7 +123,11 @@ def test_lint_strict(name):
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_every_manifest_validates_against_kubernetes(name):
-    docs = render(VALUE_SETS[name])
+    validate(render(VALUE_SETS[name]))
+
+
+def validate(docs: list[dict]) -> None:
+    """Every object against Kubernetes' schemas (strict), the custom resources by the fields Colibri sets."""
     assert docs
     for doc in docs:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
@@ -321,6 +336,79 @@ def test_schema_rejects_wrong_values(bad):
     chart = helm.Chart.load(CHART)
     with pytest.raises(helm.HelmError):
         chart.render(bad, name="prod", namespace="llm", is_install=True)
+
+
+def test_a_value_set_to_null_is_refused_by_the_schema_or_renders_valid_objects():
+    """`--set router=null` (Helm's way to drop a default) gave raw template errors ("nil pointer evaluating
+    interface {}.port"); every value the chart's defaults set is now required where its templates need it, and
+    where null is a user's way to drop a Kubernetes field (a securityContext entry, a resource limit) the objects
+    still validate."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    paths: list[tuple[str, ...]] = []
+
+    def walk(node: dict, at: tuple[str, ...]) -> None:
+        for key, value in node.items():
+            if value is not None:
+                paths.append((*at, key))
+            if isinstance(value, dict):
+                walk(value, (*at, key))
+
+    walk(defaults, ())
+    refused, seen = 0, set()
+    for path in paths:
+        for base in ({}, {"openai": {"enabled": True}}):
+            values = json.loads(json.dumps(base))
+            node = values
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = None
+            try:
+                docs = render(values)
+            except helm.HelmError as exc:
+                assert "don't meet the specifications of the schema" in str(exc), (path, str(exc)[-400:])
+                refused += 1
+                continue
+            fresh = [d for d in docs if json.dumps(d, sort_keys=True) not in seen]
+            validate(fresh) if fresh else None
+            seen.update(json.dumps(d, sort_keys=True) for d in fresh)
+    assert refused > 100     # the sections and their settings; the rest rendered and validated
+
+
+@pytest.mark.parametrize(("entry", "field"), [
+    (e, "allowedHosts") for e in ("*", "*.example.com", "api.example.com", "API.Example.COM.", "10.0.0.5",
+                                  "10.0.0.5:8000", "[::1]", "[::1]:8000", "::1", "fe80::1", "my_host", " a.example ",
+                                  "*.*", "a..b", "x:abc", "é.com", "http://x/y", "*.", ".a", "a b", "", "[::1",
+                                  "a,b", "*.example.com:80", "[::1]:x")] + [
+    (e, "allowedOrigins") for e in ("*", "https://app.example.com", "HTTP://LOCALHOST:3000/", "http://[::1]:8080",
+                                    " https://a.example ", "https://a.example/path", "ftp://x", "https://a,b",
+                                    "null", "https://é.com", "https://a.example:123456", "https://", "")])
+def test_the_schema_takes_the_hosts_and_origins_the_front_takes(entry, field):
+    """The schema took entries `colibri openai` refuses ('*.*', 'a..b', 'é.com'): a front that crash-looped."""
+    from colibri.openai_api.policy import host_entry, origin_entry
+
+    try:
+        (host_entry if field == "allowedHosts" else origin_entry)(entry)
+        cli_takes = True
+    except ValueError:
+        cli_takes = False
+    try:
+        render({"openai": {"enabled": True, field: [entry]}})
+        chart_takes = True
+    except helm.HelmError as exc:
+        assert f"/openai/{field}/0" in str(exc)
+        chart_takes = False
+    assert chart_takes == cli_takes
+
+
+def test_the_generated_certificates_last_at_most_a_century():
+    """Helm's clock wraps past about 106,751 days (int64 nanoseconds): 200000 days gave certificates that had
+    already expired."""
+    with pytest.raises(helm.HelmError, match="(?s)at '/tls/validityDays'.*maximum"):
+        render({"tls": {"validityDays": 200000}})
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pems(tls_secret(render({"tls": {"validityDays": 36500}})))["tls.crt"])
+    assert cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC) > datetime.timedelta(days=36499)
 
 
 def test_notes_render():

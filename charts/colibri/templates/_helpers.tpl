@@ -226,7 +226,7 @@ initContainers:
 {{- $ns := .Release.Namespace -}}
 {{- $hosts := list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns)
       (printf "%s.%s.svc.%s" $svc $ns .Values.clusterDomain) "$(POD_IP)" "localhost" "127.0.0.1" -}}
-{{- concat $hosts .Values.openai.allowedHosts | uniq | join "," -}}
+{{- concat $hosts (.Values.openai.allowedHosts | default list) | uniq | join "," -}}
 {{- end -}}
 
 {{/* The OpenAI front's API key Secret, and its generated data (kept across upgrades like the TLS Secret). */}}
