@@ -164,8 +164,10 @@ def command_options(ap: argparse.ArgumentParser, args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args, left = ap.parse_known_args(argv)
     words = sys.argv[1:] if argv is None else argv
+    for parser in ap.commands.values():  # type: ignore[attr-defined]
+        parser.given = tuple(words)
+    args, left = ap.parse_known_args(argv)
     if left and left[0] in words and args.cmd in words and words.index(left[0]) < words.index(args.cmd):
         # before the command: colibri's own
         ap.error(f"unrecognized arguments: {' '.join(left)}")

@@ -114,6 +114,9 @@ def check_ports_free(wanted: list[tuple[str, str, int]]) -> None:
         if exc.errno == errno.EADDRINUSE:
             raise ConfigError(f"{what} {port}: {shown}:{port} is in use (another process listens there); give "
                               f"another port, or 0 for a free one")
+        if isinstance(exc, socket.gaierror):          # the name, not the port (it blamed --port)
+            raise ConfigError(f"--host {host}: no address of this machine by that name ({exc.strerror}); give one "
+                              f"of its addresses or names, 127.0.0.1 or 0.0.0.0")
         if exc.errno == errno.EADDRNOTAVAIL:
             raise ConfigError(f"--host {host}: not an address of this machine ({exc.strerror}); give one of its "
                               f"addresses, 127.0.0.1 or 0.0.0.0")

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import numbers
 import os
+import re
 import sys
 import types
 import typing
@@ -99,9 +101,23 @@ def upper(text: str) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: what is wrong and where the help is, no usage dump."""
+    """argparse with one-line errors: what is wrong and where the help is, no usage dump. `given` is the command
+    line, for the flag a missing required one was likely misspelled as; a value such as `--shard -1/2` is a
+    value, not a flag (argparse said "expected one argument")."""
+
+    given: tuple[str, ...] = ()
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._negative_number_matcher = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d+/\d+$")
 
     def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("the following arguments are required"):
+            known = [s for a in self._actions for s in a.option_strings]
+            typed = [w.split("=")[0] for w in self.given if w.startswith("--") and w.split("=")[0] not in known]
+            near = [m for w in typed for m in difflib.get_close_matches(w, known, n=1)]
+            if near:
+                message += f" (did you mean {near[0]} for {typed[0]}?)"
         sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
         sys.exit(2)
 

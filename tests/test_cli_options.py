@@ -208,6 +208,11 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     (["router", "--model", "m", "--workers", "[::1]"], "--workers [::1]: give each"),
     (["router", "--model", "m", "--workers", "h:"], "--workers h:: give each"),
     (["router", "--model", "m", "--workers", "a b:1"], "--workers a b:1: give each"),   # was waited on as an outage
+    (["generate", "--target", "h:1", "--prompt-ids", "1", "--top-p", "2"], "top_p must be in (0, 1] (1 = off)"),
+    (["generate", "--target", "h:1", "--prompt-ids", "1", "--temperature", "1e308"],   # inf on the wire (float32)
+     "temperature must be a finite number >= 0 (0 = greedy), got 1e+308"),
+    (["expert", "--model", "m", "--shard", "-1/2"], "--shard -1/2: need 0 <= I < N"),  # "expected one argument"
+    (["serve", "--modle", "m"], "required: --model (did you mean --model for --modle?)"),
     (["health", "--target", "127.0.0.1:-5"], "the port must be in 1..65535"),          # gRPC dialled 65531
     (["generate", "--target", "h:port", "--prompt-ids", "1"], "--target h:port: the port must be in 1..65535"),
     # whole numbers past what gRPC or torch take: OverflowError tracebacks from the child that met them
@@ -245,6 +250,8 @@ def test_serve_knows_its_fixed_ports_and_chooses_none_of_them():
     if ephemeral_range()[0] - CHOSEN_FROM >= 1000:     # below the range that outgoing connections take ports from
         assert all(CHOSEN_FROM <= p < ephemeral_range()[0] for p in taken)
     check_ports_free([("--port", host, 0) for host in ("0.0.0.0", "127.0.0.1")])      # port 0: any free one
+    with pytest.raises(ConfigError, match="--host nonsense.invalid: no address of this machine by that name"):
+        check_ports_free([("--port", "nonsense.invalid", 50051)])                # it blamed --port
     with pytest.raises(ConfigError, match="--host 192.0.2.1: not an address of this machine"):   # TEST-NET-1
         check_ports_free([("--port", "192.0.2.1", 0)])
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +11,7 @@ from colibri_common.flags import escaped_list, option
 
 _NUMBER = (int, float)
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38     # the largest finite float32: a request's floats are float32
 _TYPES: dict[str, tuple[type, ...]] = {     # what each field takes (a bool is no number here: logprobs=3 is no bool)
     "temperature": _NUMBER, "top_p": _NUMBER, "top_k": (int,), "min_p": _NUMBER, "max_tokens": (int,),
     "min_tokens": (int,), "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER,
@@ -76,10 +76,10 @@ class Sampling:
                              f"{[t for t in self.stop_token_ids if not 0 <= t <= INT32_MAX][:4]}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+        if not 0 <= self.temperature <= FLOAT32_MAX:         # a float32 on the wire: 1e308 arrived as inf
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in [0, 1] (0 or 1 = off), got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:                     # 0 is taken as off too (the wire's unset)
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -87,7 +87,7 @@ class Sampling:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+        if not 0 < self.repetition_penalty <= FLOAT32_MAX:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
                              f"{self.repetition_penalty}")
         if not 0 <= self.top_logprobs <= self.MAX_TOP_LOGPROBS:
