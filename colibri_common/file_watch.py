@@ -43,17 +43,20 @@ class FileWatch:
         # descriptors of the mapped inodes: fstat on them costs a fraction of a microsecond, so a reader can
         # check the files it is about to read each time (a truncation is what faults a mapping)
         self._fds = {p: os.open(p, os.O_RDONLY) for p in self.stamps}
+        # every file's (path, descriptor, identity), for `stale()` of them all: a decode step checks before it reads,
+        # on caches the weights' stream has just flushed, where each Path hashed or compared was a miss
+        self._every = [(p, self._fds[p], was) for p, was in self.stamps.items()]
 
-    def stale(self, paths: Iterable[Path]) -> str | None:
-        """Before a read through the mapping of `paths`: why not (a file truncated or written to), or None."""
+    def stale(self, paths: Iterable[Path] | None = None) -> str | None:
+        """Before a read through the mapping of `paths` (default: every watched file): why not (a file truncated
+        or written to), or None."""
         if self.reason is not None:
             return self.reason
-        for path in paths:
-            fd = self._fds.get(path)
-            if fd is None:                    # closed: its owner is stopping and reads nothing more
+        for path, fd, was in self._every if paths is None else ((p, self._fds.get(p), self.stamps.get(p))
+                                                                  for p in paths):
+            if fd is None or was is None:     # closed: its owner is stopping and reads nothing more
                 return None
             st = os.fstat(fd)
-            was = self.stamps[path]
             if st.st_size != was.size:
                 self.reason = f"{path} changed size while mapped ({was.size} -> {st.st_size} bytes)"
             elif st.st_mtime_ns != was.mtime_ns:
@@ -98,6 +101,7 @@ class FileWatch:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._every.clear()
 
 
 class MappingChanged(Exception):

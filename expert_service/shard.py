@@ -96,6 +96,7 @@ class ExpertShard:
             self.held_or_none[layer] = np.concatenate(([True], m.numpy() >= 0))
         self.w13: dict[int, Weight | ExpertRows] = {}
         self._native_layers: dict[int, tuple[object, ...]] = {}   # answer_plan's, by layer
+        self._native_all: tuple[native.LayerExperts | None, ...] | None = None   # native_layers', every layer
         self.w2: dict[int, Weight | ExpertRows] = {}
         self.cache: ExpertCache | None = None
         self.watch: FileWatch | None = None      # the mapped files, while experts are read through them (build.py)
@@ -236,6 +237,7 @@ class ExpertShard:
             self.w13.clear()
             self.w2.clear()
             self._native_layers.clear()
+            self._native_all = None
             self._pack_all(False)
         if self.cache is None:
             self.ckpt.close()
@@ -251,6 +253,7 @@ class ExpertShard:
         self.w13.clear()                     # views over the mapping go before it
         self.w2.clear()
         self._native_layers.clear()
+        self._native_all = None
         self.ckpt.close()
 
     def linear_shapes(self) -> list[tuple[int, int, str]]:
@@ -314,6 +317,20 @@ class ExpertShard:
         if hidden.device != self.device or hidden.dtype != self.dtype:
             return None
         return self.answer_plan(layer)
+
+    def native_layers(self, hidden: torch.Tensor) -> tuple[native.LayerExperts | None, ...] | None:
+        """Every layer's `native_layer` (by layer index; None for a layer without its experts here) for a decode
+        step's hidden [T, H], with one check of the mapped files for them all; the same tuple while the experts stay
+        where they are (RouterModel's decode plan knows it by identity). None where `forward` must run."""
+        if hidden.device != self.device or hidden.dtype != self.dtype:
+            return None
+        made = self._native_all
+        if made is None:
+            made = self._native_all = tuple(self.answer_plan(layer) for layer in range(self.cfg.num_layers))
+        elif self.watch is not None:
+            if (reason := self.watch.stale() if self.in_place else self.watch.reason) is not None:
+                raise MappingChanged(reason)
+        return made
 
     def answer_plan(self, layer: int) -> native.LayerExperts | None:
         """This MoE layer's experts as the native calls take them (a decoder layer's, a worker's whole answer:

@@ -294,13 +294,33 @@ def decoder_layer(h: torch.Tensor, attention: tuple, ln2: torch.Tensor, gate: to
     h [T, H] -> (h + attn + moe [T, H], the routed ids [T, k]). `attention`: attention_block's arguments after h
     (ln1 .. eps, in its order; moe_route's norm takes the same eps, as every model's two norms do); then moe_route's
     (ln2, gate, routing, gate_bias) and moe_'s (`experts`)."""
-    a, b = _blocks(experts.w13), _blocks(experts.w2)       # held across the call: their numbers stay registered
-    act = experts.act
-    return torch.ops.colibri.decoder_layer(
-        h, *attention, ln2, gate, gate_bias, routing.top_k, SCORING_CODES[routing.scoring], routing.renormalize,
-        routing.num_groups, routing.topk_groups, GROUP_SCORE_CODES[routing.group_score], routing.scaling,
-        _NO_MAP if experts.expert_map is None else experts.expert_map, a.id, b.id, experts.b13, experts.b2,
-        act.alpha, act.limit, act.up_offset, isinstance(experts.w13, Int8Weight) and experts.w13.w8a8)
+    call = DecoderLayerCall(attention[:6], attention[13:], ln2, gate, routing, gate_bias, experts)
+    return call(h, *attention[6:13])
+
+
+class DecoderLayerCall:
+    """One layer's `decoder_layer` with the arguments that stay the same step after step bound once (a decode
+    plan's, router_service/model/decode_layers.py): a call passes the step's own (h, rope's cos and sin, the layer's
+    KV cache, the slots to write, the slots and lengths to read)."""
+
+    def __init__(self, head: tuple, tail: tuple, ln2: torch.Tensor, gate: torch.Tensor, routing: Routing,
+                 gate_bias: torch.Tensor | None, experts: LayerExperts) -> None:
+        """`head`: attention_block's arguments ln1 .. full_qk_norm; `tail`: sinks .. eps."""
+        self.experts = experts
+        self.head = head
+        self.mid = (*tail, ln2, gate, gate_bias, routing.top_k, SCORING_CODES[routing.scoring], routing.renormalize,
+                    routing.num_groups, routing.topk_groups, GROUP_SCORE_CODES[routing.group_score], routing.scaling,
+                    _NO_MAP if experts.expert_map is None else experts.expert_map)
+        act = experts.act
+        self.tail = (experts.b13, experts.b2, act.alpha, act.limit, act.up_offset,
+                     isinstance(experts.w13, Int8Weight) and experts.w13.w8a8)
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, write: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = _blocks(self.experts.w13), _blocks(self.experts.w2)   # held across the call: their numbers stay
+        return torch.ops.colibri.decoder_layer.default(                 # registered
+            h, *self.head, cos, sin, k_cache, v_cache, write, slots, lens, *self.mid, a.id, b.id, *self.tail)
 
 
 def moe_sum_(acc: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

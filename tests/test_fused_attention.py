@@ -5,6 +5,7 @@ q/k norms (Qwen3, OLMoE), qkv biases (Qwen2-MoE), sinks, sliding windows and out
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -41,8 +42,13 @@ def test_the_fused_attention_block_has_the_bits_of_the_op_by_op_path(oracles, mo
             return real(*args)
         return counted
 
-    for name in calls:
-        monkeypatch.setattr(native, name, counting(name))
+    monkeypatch.setattr(native, "attention_block", counting("attention_block"))
+    real_call = native.DecoderLayerCall.__call__
+
+    def counted_call(self, *args):          # the one-call layers, one by one or a decode plan's loop
+        calls["decoder_layer"] += 1
+        return real_call(self, *args)
+    monkeypatch.setattr(native.DecoderLayerCall, "__call__", counted_call)
     monkeypatch.setattr(cpu_forms, "_TABLE", {})         # the defaults (native), not forms earlier tests measured
     monkeypatch.setattr(cpu_forms, "_REJECTED", set())
     whole = logits(oracles[arch].path, dtype, True)
@@ -55,6 +61,49 @@ def test_the_fused_attention_block_has_the_bits_of_the_op_by_op_path(oracles, mo
     n = calls["attention_block"]
     assert logits(oracles[arch].path, dtype, False) == whole
     assert calls["attention_block"] == n and calls["decoder_layer"] == n_layer  # and the last run took neither
+
+
+def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(oracles, monkeypatch):
+    """Decode steps run every layer from a plan made once (router_service/model/decode_layers.py), with the bits of
+    the layers called one by one; a layer's weights replaced by a copy (as RouterWeights.onto_huge_pages does while
+    it serves) make a new plan, never a call on the old objects."""
+    from router_service.model.decode_layers import DecodePlan
+    from router_service.model.model import RouterModel
+
+    counts = {"run": 0, "made": 0}
+    real_run, real_make = DecodePlan.run, RouterModel._make_plan
+
+    def run(self, *args):
+        counts["run"] += 1
+        return real_run(self, *args)
+
+    def make(self, *args):
+        counts["made"] += 1
+        return real_make(self, *args)
+
+    monkeypatch.setattr(DecodePlan, "run", run)
+    monkeypatch.setattr(RouterModel, "_make_plan", make)
+    monkeypatch.setattr(cpu_forms, "_TABLE", {})
+    monkeypatch.setattr(cpu_forms, "_REJECTED", set())
+    prompts = [[random.Random(90 + i).randrange(256) for _ in range(2 + 3 * i)] for i in range(3)]
+    with InProcess(oracles["qwen3_moe"].path, dtype="bfloat16", cpu_forms="off") as engine:
+        model = engine.engine.model
+
+        def outputs(layers: bool = True) -> list[tuple]:
+            model.fused_layers = layers
+            results = [engine.collect(r) for r in engine.submit_all(prompts, 6, return_logits=True)]
+            return [(r.token_ids, [x.numpy().tobytes() for x in r.logits]) for r in results]
+
+        first = outputs()
+        made, ran = counts["made"], counts["run"]
+        assert ran >= 5 and made >= 1            # decode steps of 3, 2 and 1 rows: a plan each, made once
+        assert outputs() == first and counts["made"] == made and counts["run"] > ran
+        plans = dict(model._plans)
+        model.w.layers[1] = dataclasses.replace(model.w.layers[1])       # the same tensors, a new object
+        assert outputs() == first and counts["made"] > made
+        assert all(model._plans[key] is not plan for key, plan in plans.items() if key in model._plans)
+        ran = counts["run"]
+        assert outputs(layers=False) == first and counts["run"] == ran   # layer by layer: no plan, the same bits
 
 
 def op_by_op(h, ln1, w_qkv, q_norm, k_norm, cos, sin, kc, vc, write, slots, lens, w_o, heads, kv_heads, eps):

@@ -257,3 +257,22 @@ def test_a_restart_after_a_change_waits_for_the_copy_to_end(tmp_path):
     stop = threading.Event()
     stop.set()
     assert not files_settled(tmp_path, stop, quiet_s=0.2)             # serve is stopping: no wait
+
+
+def test_the_in_process_decode_plan_checks_the_mapped_experts_before_each_step(model):
+    """A decode step takes every layer's experts at once (ExpertShard.native_layers, for the model's decode plan),
+    with one check of the mapped files for them all: a truncated file is named there, before any read."""
+    from colibri_common.file_watch import MappingChanged
+    from tests.inprocess import InProcess
+
+    with InProcess(model, cpu_forms="off") as engine:
+        shard = engine.shard
+        assert shard.in_place
+        h = torch.zeros(1, engine.built.cfg.hidden_size, dtype=shard.dtype)       # [T, H]
+        plans = shard.native_layers(h)
+        assert plans is shard.native_layers(h) and any(p is not None for p in plans)
+        files = sorted(model.glob("*.safetensors"))
+        with open(files[0], "r+b") as f:
+            f.truncate(files[0].stat().st_size // 2)
+        with pytest.raises(MappingChanged, match="changed size while mapped"):
+            shard.native_layers(h)

@@ -31,6 +31,7 @@ from colibri_common.config import ModelConfig
 from colibri_common.file_watch import FileWatch, MappingChanged
 from kernels import Routing, backend_for, describe_backend, linear, native, pick_rows, route
 from router_service.model.attention import attention
+from router_service.model.decode_layers import DecodePlan, LayerCall
 from router_service.model.kv_cache import KVCache
 from router_service.model.layers import (
     NORM_TYPES,
@@ -79,6 +80,7 @@ class RouterModel:
         self.fused_layers = True       # and whole MoE layers, where the experts are in this process (_whole_layer)
         self._said_fused = False
         self._weights_fuse: dict[tuple[int, int, torch.dtype], bool] = {}    # _fusable's weight checks, by row count
+        self._plans: dict[tuple[int, torch.dtype], DecodePlan] = {}           # _decode_plan's, by (rows, dtype)
         self.mapped: FileWatch | None = None   # the files of the weights used in place (build.py), checked by guard
         self.last_routing: list[list[torch.Tensor]] = []      # per micro-batch: ids [T, K] per MoE layer
         self.predicted = self.predicted_right = 0            # prefetch: experts predicted, and then routed to
@@ -164,7 +166,9 @@ class RouterModel:
         h = self.w.embed.index_select(0, step.token_ids)                     # [T, H] (no OpenMP region)
         cos, sin = rows(lambda p: self.rope.cos_sin(p, self.dtype, step.max_position), step.positions)   # [T, R]
         guess: set[int] | None = None                                        # prefetch: this layer's prediction
-        for i, lw in enumerate(self.w.layers):
+        if (plan := self._decode_plan(h, cos, step, kv, experts)) is not None:   # every layer one native call
+            h = plan.run(h, cos, sin, step, routes if self.track_routing else None)
+        for i, lw in enumerate(self.w.layers if plan is None else ()):
             if (fused := self._whole_layer(i, lw, h, cos, sin, step, kv, experts)) is not None:
                 h, ids = fused                                               # the layer in one native call
                 if self.track_routing:
@@ -199,7 +203,7 @@ class RouterModel:
         """Just before a read of the weights used in place: MappingChanged where their file changed since it was
         mapped (a truncated file would fault the read, SIGBUS; an overwritten one would feed other bytes). An
         fstat a file: under a microsecond."""
-        if self.mapped is not None and (why := self.mapped.stale(self.mapped.stamps)) is not None:
+        if self.mapped is not None and (why := self.mapped.stale()) is not None:
             raise MappingChanged(why)
 
     @staticmethod
@@ -255,13 +259,50 @@ class RouterModel:
     def _block_args(self, layer: int, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs,
                     kv: KVCache) -> tuple:
         """kernels.native.attention_block's arguments after h, for this layer of a decode step."""
-        cfg = self.cfg
         slots, lens = (step.decode_window_slots, step.decode_window_lens) if layer in self.sliding else \
             (step.decode_slots, step.decode_lens)                            # [Bd, C], [Bd]
-        qk = cfg.qk_norm != "none"
+        return (*self._block_head(lw), cos, sin, kv.k[layer], kv.v[layer], step.slots, slots, lens,
+                *self._block_tail(lw))
+
+    def _block_head(self, lw: LayerWeights) -> tuple:
+        """attention_block's weight arguments before rope's: ln1 .. full_qk_norm."""
+        qk = self.cfg.qk_norm != "none"
         return (lw.ln1, lw.qkv, lw.qkv_bias, lw.q_norm if qk else None, lw.k_norm if qk else None,
-                cfg.qk_norm == "full", cos, sin, kv.k[layer], kv.v[layer], step.slots, slots, lens, lw.sinks, lw.o,
-                lw.o_bias, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
+                self.cfg.qk_norm == "full")
+
+    def _block_tail(self, lw: LayerWeights) -> tuple:
+        """attention_block's arguments after the KV slots: sinks .. eps."""
+        cfg = self.cfg
+        return lw.sinks, lw.o, lw.o_bias, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+
+    def _decode_plan(self, h: torch.Tensor, cos: torch.Tensor, step: StepInputs, kv: KVCache, experts: Experts
+                     ) -> DecodePlan | None:
+        """Every layer of this decode step as a loop of native decoder_layer calls (decode_layers.py), where each
+        layer would take `_whole_layer`'s one call; None where some layer runs otherwise. Made once per (rows,
+        dtype) and kept while the layers' weights, the experts' plan and the KV cache are the same objects."""
+        if not self.fused_layers or self.prefetch or not self._fusable_step(h, cos, step, kv):
+            return None
+        moes = experts.native_layers(h)                  # checks the experts' mapped files, as native_layer does
+        if moes is None:
+            return None
+        key = (h.shape[0], h.dtype)
+        plan = self._plans.get(key)
+        if plan is None or not plan.fits(self.w.layers, moes, kv):
+            plan = self._plans[key] = self._make_plan(h, moes, kv)
+        return plan if plan.calls is not None else None
+
+    def _make_plan(self, h: torch.Tensor, moes: tuple[native.LayerExperts | None, ...], kv: KVCache) -> DecodePlan:
+        T, dtype, calls = h.shape[0], h.dtype, []
+        for i, lw in enumerate(self.w.layers):
+            moe = moes[i] if i < len(moes) else None
+            if (moe is None or lw.gate is None or lw.mla is not None or lw.mlp_gate_up is not None
+                    or not self._fusable_weights(i, lw, T, dtype) or not self._routes_natively(lw, dtype, h.device)):
+                calls = None
+                break
+            call = native.DecoderLayerCall(self._block_head(lw), self._block_tail(lw), lw.ln2, lw.gate, self.routing,
+                                           lw.gate_correction, moe)
+            calls.append(LayerCall(call, kv.k[i], kv.v[i], i in self.sliding))
+        return DecodePlan(tuple(self.w.layers), moes, (kv.k, kv.v), None if calls is None else tuple(calls))
 
     def _whole_layer(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      step: StepInputs, kv: KVCache, experts: Experts) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -286,13 +327,19 @@ class RouterModel:
         bits of the op-by-op path below): a CPU step of decode rows only, not the GPU's path (the Triton backend,
         which the interpreter runs on a CPU in tests), no batch-invariant mode, plain float
         weights whose linear form here is the native one, and no clipped qkv."""
+        return self._fusable_step(h, cos, step, kv) and self._fusable_weights(layer, lw, h.shape[0], h.dtype)
+
+    def _fusable_step(self, h: torch.Tensor, cos: torch.Tensor, step: StepInputs, kv: KVCache) -> bool:
+        """`_fusable`'s part that is the step's, the same for every layer."""
         T, dtype = h.shape[0], h.dtype
-        if not (self.fused_attention and not self.batch_invariant and step.num_decode == T and T > 0
+        return (self.fused_attention and not self.batch_invariant and step.num_decode == T and T > 0
                 and not step.prefills and h.device.type == "cpu" and backend_for(h.device) != "triton"
                 and native.decoder_ops()
                 and self.cfg.clip_qkv is None and cos.dtype == dtype and kv.k.dtype == dtype
-                and kv.v.shape[-1] == self.cfg.head_dim and dtype in (torch.float32, torch.bfloat16)):
-            return False
+                and kv.v.shape[-1] == self.cfg.head_dim and dtype in (torch.float32, torch.bfloat16))
+
+    def _fusable_weights(self, layer: int, lw: LayerWeights, T: int, dtype: torch.dtype) -> bool:
+        """`_fusable`'s part that is the layer's weights' at T rows."""
         # the weights' part, the same every step: looked up once, by layer (not by the weights' object, which
         # RouterWeights.onto_huge_pages replaces by a copy of the same weights while it serves; a freed object's
         # id may come back)

@@ -56,6 +56,12 @@ class Experts(Protocol):
         host (as for `capturable`, it must say None)."""
         ...
 
+    def native_layers(self, hidden: torch.Tensor) -> tuple[native.LayerExperts | None, ...] | None:
+        """`native_layer` of every layer at once (by layer index), for a decode step's hidden [T, H], checked once:
+        the same tuple object while the experts stay as they are (the model's decode plan compares it by identity),
+        or None where no layer's may be taken (as `native_layer` says None)."""
+        ...
+
     def metric_families(self) -> Iterator[Metric]:
         """Their own Prometheus families (per worker: rows, liveness, bans); none in-process."""
         ...
@@ -83,6 +89,8 @@ class Shard(Protocol):
     def hint(self, layer: int, experts: list[int]) -> None: ...
 
     def native_layer(self, layer: int, hidden: torch.Tensor) -> native.LayerExperts | None: ...
+
+    def native_layers(self, hidden: torch.Tensor) -> tuple[native.LayerExperts | None, ...] | None: ...
 
     @property
     def capturable(self) -> bool: ...
@@ -124,6 +132,11 @@ class LocalExperts:
         if type(self).submit is not LocalExperts.submit:   # a subclass's own submit (fault injection) must run
             return None
         return self.shard.native_layer(layer, hidden)
+
+    def native_layers(self, hidden: torch.Tensor) -> tuple[native.LayerExperts | None, ...] | None:
+        if type(self).submit is not LocalExperts.submit:
+            return None
+        return self.shard.native_layers(hidden)
 
     def metric_families(self) -> Iterator[Metric]:
         return iter(())

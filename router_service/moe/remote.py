@@ -284,6 +284,9 @@ class RemoteExperts:
         """Never: the experts are computed by the workers."""
         return None
 
+    def native_layers(self, hidden: torch.Tensor) -> None:
+        return None
+
     def covered(self) -> bool:
         """Whether every expert of every MoE layer has a live worker."""
         table = self.table
