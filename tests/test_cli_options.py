@@ -413,3 +413,27 @@ def test_a_reader_that_leaves_early_is_no_traceback(oracles):
     err = p.stderr.read()
     assert p.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
 
+
+
+def test_a_checkpoint_this_user_may_not_read_is_one_line_naming_the_file(oracles, tmp_path):
+    """A safetensors file without read permission for the service's user (a pod's runAsUser against a volume's
+    owner) was a PermissionError traceback from validate, serve and expert. As root, the test drops the capabilities
+    that let root read any file (setpriv)."""
+    import os
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(oracles["qwen3_moe"].path, model)
+    (target,) = model.glob("*.safetensors")
+    target.chmod(0)
+    prefix = []
+    if os.getuid() == 0:
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+        if shutil.which("setpriv") is None or subprocess.run([*prefix, "cat", str(target)],
+                                                             capture_output=True).returncode == 0:
+            pytest.skip("root reads every file here: no setpriv to drop the capabilities that let it")
+    for argv in (["validate", "--model", str(model)], ["serve", "--model", str(model), "--workers", "1", "--port", "0"],
+                 ["expert", "--model", str(model), "--shard", "0/1", "--port", "0"]):
+        out = subprocess.run([*prefix, COLIBRI, *argv], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert f"error: {target}: permission denied for this process" in out.stderr, out.stderr[-2000:]
