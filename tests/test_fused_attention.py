@@ -96,11 +96,14 @@ def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(
 
         first = outputs()
         made, ran = counts["made"], counts["run"]
-        assert ran >= 5 and made >= 1            # decode steps of 3, 2 and 1 rows: a plan each, made once
+        assert ran >= 5 and made >= 1            # the 3 rows' decode steps: one plan, made once
         assert outputs() == first and counts["made"] == made and counts["run"] > ran
         plans = dict(model._plans)
         model.w.layers[1] = dataclasses.replace(model.w.layers[1])       # the same tensors, a new object
-        assert outputs() == first and counts["made"] > made
+        engine.collect(engine.submit(prompts[0], 3))                      # one row: the 3 rows' plan stays unused,
+        assert counts["made"] > made and any(rows == 3 for rows, _ in plans)   # yet holds the old layer no more
+        assert all(p.weights[1] is model.w.layers[1] for p in model._plans.values())
+        assert outputs() == first
         assert all(model._plans[key] is not plan for key, plan in plans.items() if key in model._plans)
         ran = counts["run"]
         assert outputs(layers=False) == first and counts["run"] == ran   # layer by layer: no plan, the same bits

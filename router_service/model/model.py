@@ -81,6 +81,9 @@ class RouterModel:
         self._said_fused = False
         self._weights_fuse: dict[tuple[int, int, torch.dtype], bool] = {}    # _fusable's weight checks, by row count
         self._plans: dict[tuple[int, torch.dtype], DecodePlan] = {}           # _decode_plan's, by (rows, dtype)
+        self._step_fuse: tuple[StepInputs | None, bool] = (None, False)       # _fusable's step part, for its step
+        self._block_parts: dict[int, tuple[LayerWeights, tuple, tuple]] = {}  # _block_args' weights, by layer
+        self._native_routes: dict[int, tuple[LayerWeights, torch.dtype, bool]] = {}   # _route's check, by layer
         self.mapped: FileWatch | None = None   # the files of the weights used in place (build.py), checked by guard
         self.last_routing: list[list[torch.Tensor]] = []      # per micro-batch: ids [T, K] per MoE layer
         self.predicted = self.predicted_right = 0            # prefetch: experts predicted, and then routed to
@@ -178,7 +181,7 @@ class RouterModel:
             if lw.gate is None:
                 h = h + rows(partial(self._dense_mlp, lw), h)
                 continue
-            r, weights, ids = rows(partial(self._route, lw), h)             # [T, H], [T, K] f32, [T, K]  route
+            r, weights, ids = rows(partial(self._route, i, lw), h)          # [T, H], [T, K] f32, [T, K]  route
             if self.track_routing:
                 routes.append(ids)
             ahead = None
@@ -225,10 +228,14 @@ class RouterModel:
     def _dense_mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         return silu_mlp(rms_norm(h, lw.ln2, self.cfg.rms_norm_eps), lw.mlp_gate_up, lw.mlp_down)    # [T, H]
 
-    def _route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _route(self, layer: int, lw: LayerWeights, h: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The MoE block's input r [T, H] and its routing: weights [T, K] float32, ids [T, K]. On a CPU with the
         native decoder ops, one call (norm, the gate's native linear, routing) where the torch forms take ~10."""
-        if self._routes_natively(lw, h.dtype, h.device):
+        known = self._native_routes.get(layer)
+        if known is None or known[0] is not lw or known[1] != h.dtype:     # once for the layer's weights
+            known = self._native_routes[layer] = (lw, h.dtype, self._routes_natively(lw, h.dtype, h.device))
+        if known[2]:
             return native.moe_route(h, lw.ln2, lw.gate, self.cfg.rms_norm_eps, self.routing, lw.gate_correction)
         r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
         weights, ids = route(self._scores(r, lw), self.routing, lw.gate_correction)
@@ -261,8 +268,10 @@ class RouterModel:
         """kernels.native.attention_block's arguments after h, for this layer of a decode step."""
         slots, lens = (step.decode_window_slots, step.decode_window_lens) if layer in self.sliding else \
             (step.decode_slots, step.decode_lens)                            # [Bd, C], [Bd]
-        return (*self._block_head(lw), cos, sin, kv.k[layer], kv.v[layer], step.slots, slots, lens,
-                *self._block_tail(lw))
+        parts = self._block_parts.get(layer)
+        if parts is None or parts[0] is not lw:          # made once for the layer's weights (they may be replaced)
+            parts = self._block_parts[layer] = (lw, self._block_head(lw), self._block_tail(lw))
+        return (*parts[1], cos, sin, kv.k[layer], kv.v[layer], step.slots, slots, lens, *parts[2])
 
     def _block_head(self, lw: LayerWeights) -> tuple:
         """attention_block's weight arguments before rope's: ln1 .. full_qk_norm."""
@@ -288,6 +297,9 @@ class RouterModel:
         key = (h.shape[0], h.dtype)
         plan = self._plans.get(key)
         if plan is None or not plan.fits(self.w.layers, moes, kv):
+            # (plans made from other weights, experts or cache, at any row count, go: they must not keep the old
+            # ones alive, as the weights' move onto huge pages frees them)
+            self._plans = {k: p for k, p in self._plans.items() if p.fits(self.w.layers, moes, kv)}
             plan = self._plans[key] = self._make_plan(h, moes, kv)
         return plan if plan.calls is not None else None
 
@@ -327,7 +339,9 @@ class RouterModel:
         bits of the op-by-op path below): a CPU step of decode rows only, not the GPU's path (the Triton backend,
         which the interpreter runs on a CPU in tests), no batch-invariant mode, plain float
         weights whose linear form here is the native one, and no clipped qkv."""
-        return self._fusable_step(h, cos, step, kv) and self._fusable_weights(layer, lw, h.shape[0], h.dtype)
+        if self._step_fuse[0] is not step:              # once a step (a layer's Python runs on cold caches)
+            self._step_fuse = (step, self._fusable_step(h, cos, step, kv))
+        return self._step_fuse[1] and self._fusable_weights(layer, lw, h.shape[0], h.dtype)
 
     def _fusable_step(self, h: torch.Tensor, cos: torch.Tensor, step: StepInputs, kv: KVCache) -> bool:
         """`_fusable`'s part that is the step's, the same for every layer."""
