@@ -111,8 +111,12 @@ class ClientTls:
 
     def hint(self, details: str) -> str:
         """What an unreachable router's error leaves out: a plaintext call to a TLS router, or a call without the
-        client certificate a --tls-client-auth router requires, ends in "Socket closed" and nothing more."""
+        client certificate a --tls-client-auth router requires, ends in "Socket closed" and nothing more; a target
+        that answers HTTP/1 (the OpenAI front's port, a web server) in gRPC's framing error."""
         text = details.lower()
+        if "failed parsing http/2" in text:
+            return (" (the target answers HTTP/1, not gRPC: the OpenAI front's port or another web server? give the "
+                    "router's gRPC port, the one its `ready` line names)")
         if not ("socket closed" in text or "ssl" in text or "handshake" in text or "certificate" in text):
             return ""
         if not self.tls_ca:

@@ -437,3 +437,34 @@ def test_a_checkpoint_this_user_may_not_read_is_one_line_naming_the_file(oracles
         out = subprocess.run([*prefix, COLIBRI, *argv], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         assert f"error: {target}: permission denied for this process" in out.stderr, out.stderr[-2000:]
+
+
+def test_gpus_on_a_machine_without_them_names_the_flag_given(oracles):
+    """`serve --gpus 0` where CUDA is missing blamed --device, a flag the user had not typed."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = subprocess.run([COLIBRI, "serve", "--model", str(oracles["qwen3_moe"].path), "--gpus", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "error: --gpus 0 (cuda:0): this machine has no usable CUDA GPU" in out.stderr, out.stderr[-2000:]
+    assert "--device" not in out.stderr and "leave --gpus out" in out.stderr
+
+
+def test_a_target_that_speaks_http1_is_named_as_such():
+    """`--target` at the OpenAI front's port (or any web server) gave gRPC's own framing error and nothing more."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    target = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        for argv in (["generate", "--target", target, "--prompt-ids", "1"], ["health", "--target", target]):
+            out = subprocess.run([COLIBRI, *argv], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+            assert "the target answers HTTP/1, not gRPC" in out.stderr, out.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
