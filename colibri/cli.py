@@ -182,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     except ColibriError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except PermissionError as exc:             # a checkpoint (or TLS) file this user may not read: it was a traceback
-        print(f"error: {exc.filename or exc}: permission denied for this process (uid {os.getuid()}); give it read "
-              f"access (chmod / chown, or the pod's securityContext.fsGroup), or run as a user that has it",
-              file=sys.stderr)
+    except PermissionError as exc:             # a checkpoint (or TLS, or temporary) file this user may not read or
+        what = f"{exc.filename}: permission denied" if exc.filename else str(exc)          # write: a traceback
+        print(f"error: {what} for this process (uid {os.getuid()}); give it access (chmod / chown, or the pod's "
+              f"securityContext.fsGroup), or run as a user that has it", file=sys.stderr)
         return 2
     except KeyboardInterrupt:                  # Ctrl-C in a tool (tune, validate, bench): one line, not a traceback
         print(f"colibri {args.cmd}: interrupted", file=sys.stderr)

@@ -109,15 +109,17 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self._negative_number_matcher = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d+/\d+$")
+        self._negative_number_matcher = re.compile(r"^-\.?\d")     # as Python 3.13's: -1/2, -1e-3 are values
 
     def error(self, message: str) -> typing.NoReturn:
-        if message.startswith("the following arguments are required"):
-            known = [s for a in self._actions for s in a.option_strings]
+        prefix = "the following arguments are required: "
+        if message.startswith(prefix):      # a missing required flag, and a flag typed that resembles it
+            known = {s for a in self._actions for s in a.option_strings}
             typed = [w.split("=")[0] for w in self.given if w.startswith("--") and w.split("=")[0] not in known]
-            near = [m for w in typed for m in difflib.get_close_matches(w, known, n=1)]
-            if near:
-                message += f" (did you mean {near[0]} for {typed[0]}?)"
+            pairs = [(m, t) for m in message.removeprefix(prefix).split(", ")
+                     for t in difflib.get_close_matches(m, typed, n=1)]
+            if pairs:
+                message += " (did you mean " + ", ".join(f"{m} for {t}" for m, t in pairs) + "?)"
         sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
         sys.exit(2)
 

@@ -150,13 +150,17 @@ def check_target(flag: str, value: str) -> None:
     """A gRPC address a client dials: a HOST:PORT's port in 1..65535 (gRPC dialled 99999 as 34463); other gRPC
     target forms (unix:PATH, dns:///...) pass as they are. An empty one (an unset variable: gRPC failed with its
     internal trace) is refused by `from_args`, as every required flag given empty."""
+    found = re.fullmatch(r"(.*):(\d+)", value)
+    if found and not 0 < int(found.group(2)) < 65536 and not value.startswith(("unix:", "unix-abstract:")):
+        raise ValueError(f"{flag} {value}: the port must be in 1..65535")
     if value.startswith(_SCHEMES):
         return
-    found = re.fullmatch(r"(.*):(\d+)", value)
-    if (found and not 0 < int(found.group(2)) < 65536) or (":" in value and not found):   # :-5 dialled 65531
+    v6 = value.startswith("[") or value.count(":") > 1              # [::1], 2001:db8::1: no port after them
+    if not found and ":" in value and not v6:                        # h:-5 (dialled 65531), h:port, h:
         raise ValueError(f"{flag} {value}: the port must be in 1..65535")
-    if value and not found:                        # gRPC dialled a bare host on port 443
-        raise ValueError(f"{flag} {value}: give HOST:PORT (the port the router's or serve's `ready` line names)")
+    if value and not found or (v6 and found and not re.fullmatch(r"\[.*\]:\d+", value)):   # port 443 dialled
+        raise ValueError(f"{flag} {value}: give HOST:PORT (the port the router's or serve's `ready` line names"
+                         + ("; an IPv6 address in brackets: [::1]:50051)" if v6 else ")"))
 
 
 def shared_fields(opts: ServiceOptions) -> dict[str, Any]:

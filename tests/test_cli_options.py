@@ -213,6 +213,10 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
      "temperature must be a finite number >= 0 (0 = greedy), got 1e+308"),
     (["expert", "--model", "m", "--shard", "-1/2"], "--shard -1/2: need 0 <= I < N"),  # "expected one argument"
     (["serve", "--modle", "m"], "required: --model (did you mean --model for --modle?)"),
+    (["serve", "--verbose", "--modle", "m"], "required: --model (did you mean --model for --modle?)"),
+    (["health", "--target", "[::1]"], "--target [::1]: give HOST:PORT (the port the router's or serve's `ready` line "
+                                      "names; an IPv6 address in brackets: [::1]:50051)"),
+    (["health", "--target", "dns:///h:99999"], "the port must be in 1..65535"),
     (["health", "--target", "127.0.0.1:-5"], "the port must be in 1..65535"),          # gRPC dialled 65531
     (["generate", "--target", "h:port", "--prompt-ids", "1"], "--target h:port: the port must be in 1..65535"),
     # whole numbers past what gRPC or torch take: OverflowError tracebacks from the child that met them
@@ -227,6 +231,13 @@ def test_bad_flags_are_one_clear_line_and_exit_2(argv, needle):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle.replace("_", "-") in lines[0].replace("_", "-"), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_negative_values_in_any_notation_are_values_not_flags():
+    from colibri.generate import GenerateOptions
+
+    opts = parse(GenerateOptions, ["--target", "h:1", "--prompt-ids", "1", "--presence-penalty", "-1e-3"])
+    assert opts.sampling.presence_penalty == -1e-3      # argparse took "-1e-3" for a flag: "expected one argument"
 
 
 def test_worker_addresses_as_kubernetes_and_ipv6_give_them_are_taken():

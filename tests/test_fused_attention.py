@@ -105,6 +105,10 @@ def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(
         assert all(p.weights[1] is model.w.layers[1] for p in model._plans.values())
         assert outputs() == first
         assert all(model._plans[key] is not plan for key, plan in plans.items() if key in model._plans)
+        model.forget_weights()                       # what the huge pages' thread calls once it has moved them
+        assert not model._plans and not model._block_parts and not model._native_routes
+        made = counts["made"]
+        assert outputs() == first and counts["made"] > made
         ran = counts["run"]
         assert outputs(layers=False) == first and counts["run"] == ran   # layer by layer: no plan, the same bits
 

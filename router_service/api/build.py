@@ -79,7 +79,7 @@ class BuiltEngine:
         `close` stops it between layers and waits for it."""
         model = self.engine.model
         if model.device.type == "cpu" and self._settling is None and not self._closing.is_set():
-            self._settling = threading.Thread(target=_onto_huge_pages, args=(model.w, self._closing),
+            self._settling = threading.Thread(target=_onto_huge_pages, args=(model, self._closing),
                                               name="router-huge-pages")
             self._settling.start()
 
@@ -206,15 +206,18 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special, sampling_defaults(opts.model))
 
 
-def _onto_huge_pages(weights: RouterWeights, stop: threading.Event) -> None:
+def _onto_huge_pages(model: RouterModel, stop: threading.Event) -> None:
     """The router's copied weights onto 2 MiB pages, a layer at a time, while it starts and serves: each copy has the
-    same bits, so a step may read a layer's old tensors or its new ones (RouterWeights.onto_huge_pages)."""
+    same bits, so a step may read a layer's old tensors or its new ones (RouterWeights.onto_huge_pages). Then the
+    model forgets what it kept of the old ones (decode plans), so they go."""
     t0 = time.monotonic()
     try:
-        moved = weights.onto_huge_pages(stop)
+        moved = model.w.onto_huge_pages(stop)
     except (OSError, MemoryError) as exc:            # no memory for the copies: the weights stay where they are
         log.warning("router weights stay on 4 KiB pages: %s", exc)
         return
+    finally:
+        model.forget_weights()
     if stop.is_set():                                # closed meanwhile: the process is stopping
         log.info("router weights: %.1f MiB moved onto 2 MiB pages before the router closed", moved / 2**20)
     elif moved:

@@ -39,7 +39,8 @@ class DecodePlan:
     calls: tuple[LayerCall, ...] | None                          # None: not every layer fuses (kept, so a step
                                                                  # does not ask again)
 
-    def fits(self, layers: list[LayerWeights], moes: tuple[native.LayerExperts | None, ...], kv: KVCache) -> bool:
+    def fits(self, layers: tuple[LayerWeights, ...], moes: tuple[native.LayerExperts | None, ...], kv: KVCache
+             ) -> bool:
         """Whether it was made from these very layer weights, experts and KV cache."""
         return (moes is self.moes and kv.k is self.kv[0] and kv.v is self.kv[1] and len(layers) == len(self.weights)
                 and all(map(operator.is_, layers, self.weights)))
