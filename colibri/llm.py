@@ -135,6 +135,8 @@ class LLM:
         self._built.append(built)
         built.engine.start()
         built.settle()
+        for shard in self._shards:             # the experts' pages mapped while it serves (no fault on first use)
+            shard.experts.populate_soon()
 
     def _in_process_only(self, what: str) -> None:
         if self._closed:

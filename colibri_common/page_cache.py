@@ -23,8 +23,11 @@ Two things decide the page size, and this module handles both:
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -38,6 +41,46 @@ def advise_huge(m: mmap.mmap) -> bool:
     except OSError:                      # a kernel without transparent huge pages: 4 KiB pages, as before
         return False
     return True
+
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)      # Linux 5.14 (Python 3.11's mmap has no name for it)
+_PAGE = mmap.PAGESIZE
+
+
+def populate(ranges: Iterable[tuple[int, int]], stop: threading.Event | None = None) -> int | None:
+    """Fill the page-table entries of file mappings for the (address, length) ranges now (MADV_POPULATE_READ),
+    so that their first reads take no fault: the first requests after a start had faulted in the experts they met,
+    each fault mapping 64 KiB (fault-around), and took up to 3x their time (the bench model's 16-token prefill:
+    72-99 ms for the first requests, 32-35 once every expert had been met). Bytes not in the page cache are read
+    from the disk. The ranges are merged and rounded out to whole pages; `stop` set ends it between ranges. The
+    bytes populated, or None where the kernel refuses (before 5.14, not Linux)."""
+    spans: list[list[int]] = []
+    for start, stop_at in sorted((a - a % _PAGE, a + n) for a, n in ranges if n > 0):
+        end = -(-stop_at // _PAGE) * _PAGE
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    libc = _libc()
+    if libc is None:
+        return None
+    done = 0
+    for start, end in spans:
+        if stop is not None and stop.is_set():
+            break
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_POPULATE_READ) != 0:
+            if ctypes.get_errno() == errno.EINVAL:      # a kernel without it: nothing to do, as before
+                return None
+            continue                                     # unmapped meanwhile (a shard released): the rest goes on
+        done += end - start
+    return done
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def drop(path: str | Path) -> bool:

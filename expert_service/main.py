@@ -104,8 +104,12 @@ def serve_expert(opts: ExpertOptions) -> int:
         if experts.watch is not None:
             experts.watch.watch(stop_serving)
 
+    def installed(b: BuiltShard) -> None:      # a plan's new experts: their pages mapped while they serve
+        serving(b)
+        b.experts.populate_soon()
+
     servicer.on_damage = stop_serving
-    servicer.assignments.on_install = serving
+    servicer.assignments.on_install = installed
     serving(built)
     local = None
     if opts.local_socket:                       # same-host routers: Forward without HTTP/2 (gRPC stays for the rest)
@@ -120,6 +124,7 @@ def serve_expert(opts: ExpertOptions) -> int:
         mport = servicer.metrics.serve(opts.host, opts.metrics_port)
         log.info("metrics on http://%s:%d/metrics", opts.host, mport)
     service.ready(opts.host, bound)
+    built.experts.populate_soon()               # after ready: it does not hold the start up
     service.run_until_signal()
     if local is not None:
         local.close()

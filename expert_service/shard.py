@@ -19,12 +19,15 @@ Shapes: E_local experts held here, H hidden size, I expert width, n tokens of a 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from colibri_common import page_cache
 from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import ConfigError
@@ -97,6 +100,8 @@ class ExpertShard:
         self.w13: dict[int, Weight | ExpertRows] = {}
         self._native_layers: dict[int, tuple[object, ...]] = {}   # answer_plan's, by layer
         self._native_all: tuple[native.LayerExperts | None, ...] | None = None   # native_layers', every layer
+        self._populating: threading.Thread | None = None                        # populate_soon's
+        self._populate_stop = threading.Event()
         self.w2: dict[int, Weight | ExpertRows] = {}
         self.cache: ExpertCache | None = None
         self.watch: FileWatch | None = None      # the mapped files, while experts are read through them (build.py)
@@ -245,6 +250,9 @@ class ExpertShard:
     def close(self) -> None:
         """Release every expert held: the cache's slots, the packed stacks (and the kernels' views of them), the
         views over the mapping, then the mapping."""
+        self._populate_stop.set()            # before the views go: it reads their addresses
+        if self._populating is not None and self._populating is not threading.current_thread():
+            self._populating.join()
         stacks: list[object] = [*self.w13.values(), *self.w2.values()]
         if self.cache is not None:
             stacks += [self.cache.hot.w13, self.cache.hot.w2]
@@ -317,6 +325,32 @@ class ExpertShard:
         if hidden.device != self.device or hidden.dtype != self.dtype:
             return None
         return self.answer_plan(layer)
+
+    def populate(self, stop: threading.Event | None = None) -> int | None:
+        """Map every page of the experts read in place now (page_cache.populate): the first requests after a start
+        then meet no page faults. The bytes populated; 0 where nothing is read in place, None where the kernel
+        cannot."""
+        if not self.in_place:
+            return 0
+        ranges = [(t.data_ptr(), t.numel() * t.element_size()) for w in (*self.w13.values(), *self.w2.values())
+                  if isinstance(w, ExpertRows) for t in w.flat]
+        return page_cache.populate(ranges, stop)
+
+    def populate_soon(self) -> None:
+        """`populate` in a thread of its own, once the shard serves (ready is not held up for it); `close` stops
+        it between ranges and waits for it."""
+        if not self.in_place or self._populating is not None:
+            return
+
+        def run() -> None:
+            t0 = time.monotonic()
+            done = self.populate(self._populate_stop)
+            if done:
+                log.info("experts in place: %.1f MiB mapped into the process in %.2fs (no request faults on them)",
+                         done / 2**20, time.monotonic() - t0)
+
+        self._populating = threading.Thread(target=run, name="experts-populate", daemon=True)
+        self._populating.start()
 
     def native_layers(self, hidden: torch.Tensor) -> tuple[native.LayerExperts | None, ...] | None:
         """Every layer's `native_layer` (by layer index; None for a layer without its experts here) for a decode

@@ -142,3 +142,45 @@ def test_the_kernels_bench_copies_weights_onto_2mib_aligned_memory():
     w = quantize_int8(torch.randn(64, 96))
     h = huge_copy(w)
     assert torch.equal(h.q, w.q) and h.q.data_ptr() % (2 * 2**20) == 0 and h.scale is w.scale
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise and /proc/self/smaps")
+def test_populate_maps_the_ranges_pages_before_any_read(tmp_path):
+    """page_cache.populate fills the page-table entries of the ranges given (MADV_POPULATE_READ): a mapping that no
+    one has read is then resident in this process (smaps' Rss), without a read; ranges are merged and rounded out."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * (32 * 1024))                           # 8 MiB
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)                 # as Checkpoint maps (never written)
+    anchor = ctypes.c_char.from_buffer(m)
+    try:
+        base, page, mib = ctypes.addressof(anchor), mmap.PAGESIZE, 2**20      # a mapping starts on a page
+        before, _ = page_cache.mapped_pages([path])
+        done = page_cache.populate([(base + 4 * mib, 4 * mib), (base + 10, 1000), (base + 500, mib)])
+        if done is None:
+            pytest.skip("this kernel has no MADV_POPULATE_READ (Linux 5.14)")
+        after, _ = page_cache.mapped_pages([path])
+        assert done == 5 * mib + page                  # [0, 1 MiB + a page) merged and rounded out, [4, 8) MiB
+        assert after - before >= 5 * mib, (before, after)
+        assert page_cache.populate([]) == 0
+    finally:
+        del anchor
+        m.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise and /proc/self/smaps")
+def test_experts_in_place_are_mapped_once_the_engine_serves(oracles):
+    """The in-process engine maps every page of its experts in place in a thread once it serves (the first
+    requests after a start faulted on each expert they met): by then they are resident in the process."""
+    from tests.inprocess import InProcess
+
+    with InProcess(oracles["qwen3_moe"].path, cpu_forms="off") as engine:
+        shard = engine.shard
+        assert shard.in_place and shard._populating is not None
+        shard._populating.join(timeout=60)
+        if shard.populate() is None:
+            pytest.skip("this kernel has no MADV_POPULATE_READ (Linux 5.14)")
+        ranges = [(t.data_ptr(), t.numel() * t.element_size()) for w in (*shard.w13.values(), *shard.w2.values())
+                  for t in w.flat]
+        rss, _ = page_cache.mapped_pages(sorted(shard.watch.stamps))
+        assert rss >= sum(n for _, n in ranges) - len(ranges) * mmap.PAGESIZE, rss
