@@ -45,6 +45,7 @@ def advise_huge(m: mmap.mmap) -> bool:
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)      # Linux 5.14 (Python 3.11's mmap has no name for it)
 _PAGE = mmap.PAGESIZE
+_CHUNK = 64 * 2**20      # a call's bytes: `stop` is looked at between them (from a cold page cache, a read from disk)
 
 
 def populate(ranges: Iterable[tuple[int, int]], stop: threading.Event | None = None) -> int | None:
@@ -65,7 +66,7 @@ def populate(ranges: Iterable[tuple[int, int]], stop: threading.Event | None = N
     if libc is None:
         return None
     done = 0
-    for start, end in spans:
+    for start, end in ((a, min(hi, a + _CHUNK)) for lo, hi in spans for a in range(lo, hi, _CHUNK)):
         if stop is not None and stop.is_set():
             break
         if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_POPULATE_READ) != 0:
