@@ -67,22 +67,22 @@ def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(
     """Decode steps run every layer from a plan made once (router_service/model/decode_layers.py), with the bits of
     the layers called one by one; a layer's weights replaced by a copy (as RouterWeights.onto_huge_pages does while
     it serves) make a new plan, never a call on the old objects."""
+    from router_service.model import model as model_module
     from router_service.model.decode_layers import DecodePlan
-    from router_service.model.model import RouterModel
 
     counts = {"run": 0, "made": 0}
-    real_run, real_make = DecodePlan.run, RouterModel._make_plan
+    real_run, real_make = DecodePlan.run, model_module.make_plan
 
     def run(self, *args):
         counts["run"] += 1
         return real_run(self, *args)
 
-    def make(self, *args):
+    def make(*args):
         counts["made"] += 1
-        return real_make(self, *args)
+        return real_make(*args)
 
     monkeypatch.setattr(DecodePlan, "run", run)
-    monkeypatch.setattr(RouterModel, "_make_plan", make)
+    monkeypatch.setattr(model_module, "make_plan", make)
     monkeypatch.setattr(cpu_forms, "_TABLE", {})
     monkeypatch.setattr(cpu_forms, "_REJECTED", set())
     prompts = [[random.Random(90 + i).randrange(256) for _ in range(2 + 3 * i)] for i in range(3)]
@@ -98,15 +98,15 @@ def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(
         made, ran = counts["made"], counts["run"]
         assert ran >= 5 and made >= 1            # the 3 rows' decode steps: one plan, made once
         assert outputs() == first and counts["made"] == made and counts["run"] > ran
-        plans = dict(model._plans)
+        plans = dict(model._caches.plans)
         model.w.layers[1] = dataclasses.replace(model.w.layers[1])       # the same tensors, a new object
         engine.collect(engine.submit(prompts[0], 3))                      # one row: the 3 rows' plan stays unused,
         assert counts["made"] > made and any(rows == 3 for rows, _ in plans)   # yet holds the old layer no more
-        assert all(p.weights[1] is model.w.layers[1] for p in model._plans.values())
+        assert all(p.weights[1] is model.w.layers[1] for p in model._caches.plans.values())
         assert outputs() == first
-        assert all(model._plans[key] is not plan for key, plan in plans.items() if key in model._plans)
+        assert all(model._caches.plans[key] is not plan for key, plan in plans.items() if key in model._caches.plans)
         model.forget_weights()                       # what the huge pages' thread calls once it has moved them
-        assert not model._plans and not model._block_parts and not model._native_routes
+        assert not model._caches.plans and not model._caches.block_parts and not model._caches.routes
         made = counts["made"]
         assert outputs() == first and counts["made"] > made
         ran = counts["run"]

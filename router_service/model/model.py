@@ -21,7 +21,6 @@ sequences, C context length (cached + new tokens), n new tokens of one prefill.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Generator
 from functools import partial
 
@@ -32,7 +31,7 @@ from colibri_common.config import ModelConfig
 from colibri_common.file_watch import FileWatch, MappingChanged
 from kernels import Routing, backend_for, describe_backend, linear, native, pick_rows, route
 from router_service.model.attention import attention
-from router_service.model.decode_layers import DecodePlan, LayerCall
+from router_service.model.decode_layers import DecodePlan, LayerCaches, make_plan
 from router_service.model.kv_cache import KVCache
 from router_service.model.layers import (
     NORM_TYPES,
@@ -81,16 +80,7 @@ class RouterModel:
         self.fused_layers = True       # and whole MoE layers, where the experts are in this process (_whole_layer)
         self._said_fused = False
         self._weights_fuse: dict[tuple[int, int, torch.dtype], bool] = {}    # _fusable's weight checks, by row count
-        # What the engine thread keeps of the layers' weights between steps, made once (a layer's Python runs on
-        # caches the weights' stream has flushed): decode plans, the attention block's weight arguments, the
-        # routing check. `forget_weights` (the thread that moves the weights onto huge pages, when it is done)
-        # drops them all, so none keeps the old copies alive; an entry made from weights older than that is not
-        # kept (the epoch, under the lock).
-        self._caches_lock = threading.Lock()
-        self._weights_epoch = 0
-        self._plans: dict[tuple[int, torch.dtype], DecodePlan] = {}           # _decode_plan's, by (rows, dtype)
-        self._block_parts: dict[int, tuple[LayerWeights, tuple, tuple]] = {}  # _block_args' weights, by layer
-        self._native_routes: dict[int, tuple[LayerWeights, torch.dtype, bool, bool]] = {}   # _route's, by layer
+        self._caches = LayerCaches()    # plans, arguments and checks made once for the layers' weights
         self._step_fuse: tuple[StepInputs | None, bool] = (None, False)       # _fusable's step part, for its step
         self.mapped: FileWatch | None = None   # the files of the weights used in place (build.py), checked by guard
         self.last_routing: list[list[torch.Tensor]] = []      # per micro-batch: ids [T, K] per MoE layer
@@ -240,11 +230,11 @@ class RouterModel:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The MoE block's input r [T, H] and its routing: weights [T, K] float32, ids [T, K]. On a CPU with the
         native decoder ops, one call (norm, the gate's native linear, routing) where the torch forms take ~10."""
-        known, ops = self._native_routes.get(layer), native.decoder_ops()     # (refused: the torch forms at once)
+        known, ops = self._caches.routes.get(layer), native.decoder_ops()     # (refused: the torch forms at once)
         if known is None or known[0] is not lw or known[1] != h.dtype or known[3] != ops:   # once for the weights
-            epoch = self._weights_epoch
+            epoch = self._caches.epoch
             known = (lw, h.dtype, self._routes_natively(lw, h.dtype, h.device), ops)
-            self._keep(epoch, self._native_routes, layer, known)
+            self._caches.keep(epoch, self._caches.routes, layer, known)
         if known[2]:
             return native.moe_route(h, lw.ln2, lw.gate, self.cfg.rms_norm_eps, self.routing, lw.gate_correction)
         r = rms_norm(h, lw.ln2, self.cfg.rms_norm_eps)
@@ -278,11 +268,11 @@ class RouterModel:
         """kernels.native.attention_block's arguments after h, for this layer of a decode step."""
         slots, lens = (step.decode_window_slots, step.decode_window_lens) if layer in self.sliding else \
             (step.decode_slots, step.decode_lens)                            # [Bd, C], [Bd]
-        parts = self._block_parts.get(layer)
+        parts = self._caches.block_parts.get(layer)
         if parts is None or parts[0] is not lw:          # made once for the layer's weights (they may be replaced)
-            epoch = self._weights_epoch
+            epoch = self._caches.epoch
             parts = (lw, self._block_head(lw), self._block_tail(lw))
-            self._keep(epoch, self._block_parts, layer, parts)
+            self._caches.keep(epoch, self._caches.block_parts, layer, parts)
         return (*parts[1], cos, sin, kv.k[layer], kv.v[layer], step.slots, slots, lens, *parts[2])
 
     def _block_head(self, lw: LayerWeights) -> tuple:
@@ -307,42 +297,27 @@ class RouterModel:
         if moes is None:
             return None
         key, layers = (h.shape[0], h.dtype), tuple(self.w.layers)      # one snapshot: another thread may replace
-        plan = self._plans.get(key)                                     # a layer meanwhile (huge pages)
-        if plan is None or not plan.fits(layers, moes, kv):
-            epoch = self._weights_epoch
-            plan = self._make_plan(layers, h, moes, kv)
-            with self._caches_lock:      # plans of other weights, experts or cache go (at any row count): they
-                if self._weights_epoch == epoch:                        # must not keep the old ones alive
-                    self._plans = {k: p for k, p in self._plans.items() if p.fits(layers, moes, kv)}
-                    self._plans[key] = plan
+        plan = self._caches.plans.get(key)                              # a layer meanwhile (huge pages)
+        if plan is None or not plan.fits(layers, moes, (kv.k, kv.v)):
+            epoch = self._caches.epoch
+            plan = make_plan(layers, moes, kv, self.sliding, partial(self._layer_call, h))
+            self._caches.keep_plan(epoch, key, plan)
         return plan if plan.calls is not None else None
 
-    def _keep(self, epoch: int, cache: dict, key: object, value: object) -> None:
-        """cache[key] = value, unless `forget_weights` ran since `epoch` was read (value may hold the old weights)."""
-        with self._caches_lock:
-            if self._weights_epoch == epoch:
-                cache[key] = value
+    def _layer_call(self, h: torch.Tensor, layer: int, lw: LayerWeights, moe: native.LayerExperts
+                    ) -> native.DecoderLayerCall | None:
+        """A decode plan's call of this layer at h's rows and dtype, or None where it does not fuse."""
+        if (lw.gate is None or lw.mla is not None or lw.mlp_gate_up is not None
+                or not self._fusable_weights(layer, lw, h.shape[0], h.dtype)
+                or not self._routes_natively(lw, h.dtype, h.device)):
+            return None
+        return native.DecoderLayerCall(self._block_head(lw), self._block_tail(lw), lw.ln2, lw.gate, self.routing,
+                                       lw.gate_correction, moe)
 
     def forget_weights(self) -> None:
         """Drop what the engine keeps of the layers' weights (decode plans, arguments, checks): they were replaced
         (RouterWeights.onto_huge_pages), and the old copies must go. Any thread; the next step makes them anew."""
-        with self._caches_lock:
-            self._weights_epoch += 1
-            self._plans, self._block_parts, self._native_routes = {}, {}, {}
-
-    def _make_plan(self, layers: tuple[LayerWeights, ...], h: torch.Tensor,
-                   moes: tuple[native.LayerExperts | None, ...], kv: KVCache) -> DecodePlan:
-        T, dtype, calls = h.shape[0], h.dtype, []
-        for i, lw in enumerate(layers):
-            moe = moes[i] if i < len(moes) else None
-            if (moe is None or lw.gate is None or lw.mla is not None or lw.mlp_gate_up is not None
-                    or not self._fusable_weights(i, lw, T, dtype) or not self._routes_natively(lw, dtype, h.device)):
-                calls = None
-                break
-            call = native.DecoderLayerCall(self._block_head(lw), self._block_tail(lw), lw.ln2, lw.gate, self.routing,
-                                           lw.gate_correction, moe)
-            calls.append(LayerCall(call, kv.k[i], kv.v[i], i in self.sliding))
-        return DecodePlan(layers, moes, (kv.k, kv.v), None if calls is None else tuple(calls))
+        self._caches.forget()
 
     def _whole_layer(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      step: StepInputs, kv: KVCache, experts: Experts) -> tuple[torch.Tensor, torch.Tensor] | None:
