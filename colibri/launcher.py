@@ -110,15 +110,12 @@ def _serve(opts: ServeOptions, sockets: Path, entry: Entry, on_exit: list[Callab
     if opts.on_gpus:                             # so does a GPU this machine lacks: one line, not one a child
         from colibri_common.device import check_device
 
+        gpus = ",".join(map(str, opts.gpus))     # the flag the user gave is the one named
         for name in dict.fromkeys(opts.device(c) for c in (None, *range(n))):
-            try:
+            if opts.gpus:
+                check_device(name, f"--gpus {gpus} ({name})", "leave --gpus out (the CPU)")
+            else:
                 check_device(name)
-            except ConfigError as exc:           # the user gave --gpus, not --device: name it
-                if not opts.gpus:
-                    raise
-                raise ConfigError(str(exc).replace(f"--device {name}", f"--gpus {','.join(map(str, opts.gpus))} "
-                                                   f"({name})").replace("use --device cpu", "leave --gpus out (the "
-                                                                        "CPU)")) from None
     if fleet.forks:
         preload(SERVICE_MODULES + (FRONT_MODULES if opts.openai_port is not None else ()))
         log.info("imported torch and the services in %.2fs; forking the children", time.monotonic() - t0)

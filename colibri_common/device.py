@@ -20,19 +20,21 @@ from colibri_common.errors import ConfigError
 from colibri_common.options import DEVICE_SYNTAX
 
 
-def check_device(name: str) -> torch.device:
+def check_device(name: str, given: str = "", on_cpu: str = "use --device cpu") -> torch.device:
     """The device, checked against this machine (a clear error where CUDA or that GPU is missing); nothing is
-    created on it. `colibri serve` checks every child's device so before it starts any child."""
+    created on it. `colibri serve` checks every child's device so before it starts any child. `given` names what the
+    user typed (default `--device NAME`; serve's `--gpus 0,1 (cuda:0)`), `on_cpu` how to stay on the CPU."""
+    given = given or f"--device {name}"
     if not DEVICE_SYNTAX.match(name):
         raise ConfigError(f"--device '{name}' is not a device; use cpu, cuda or cuda:N")
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"--device {name}: this machine has no usable CUDA GPU (torch {torch.__version__}, "
-                              f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu")
+            raise ConfigError(f"{given}: this machine has no usable CUDA GPU (torch {torch.__version__}, "
+                              f"CUDA build: {torch.version.cuda or 'no'}); {on_cpu}")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ConfigError(f"--device {name}: only {count} GPU(s) are visible (cuda:0..cuda:{count - 1}); "
+            raise ConfigError(f"{given}: only {count} GPU(s) are visible (cuda:0..cuda:{count - 1}); "
                               f"check CUDA_VISIBLE_DEVICES")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

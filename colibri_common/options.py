@@ -134,7 +134,7 @@ def check_threads(threads: int) -> None:
                          f"(0 = all of them)")
 
 
-_HOST = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")     # a DNS name or an IPv4 address ('a b' was dialled)
+HOST_NAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")   # a DNS name or an IPv4 address ('a b' was dialled)
 _SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:", "xds:")   # gRPC's target forms
 
 
@@ -143,7 +143,7 @@ def is_address(text: str) -> bool:
     an expert worker's address."""
     host, _, port = text.rpartition(":")
     bracketed = re.fullmatch(r"\[[0-9A-Fa-f:.]+(%[\w.-]+)?\]", host) is not None
-    return (bracketed or _HOST.fullmatch(host) is not None) and port.isdigit() and 0 < int(port) < 65536
+    return (bracketed or HOST_NAME.fullmatch(host) is not None) and port.isdigit() and 0 < int(port) < 65536
 
 
 def check_target(flag: str, value: str) -> None:

@@ -14,13 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from colibri_common.options import HOST_NAME
+
 API_KEY_ENV = "COLIBRI_API_KEY"
 ANY = "*"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_ADDRESSES = ("", "0.0.0.0", "::")
 DEFAULT_PORTS = {"http": "80", "https": "443"}
 _KEY = re.compile(r"[\x21-\x7e]+")                      # visible ASCII: what an HTTP header carries as is
-_NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*")        # a DNS name or an IPv4 address, lower case
 _ORIGIN = re.compile(r"(https?)://(\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(?::(\d{1,5}))?")
 
 
@@ -52,7 +53,7 @@ def host_name(value: str) -> str | None:
             return None
     name, _, port = v.partition(":")
     name = name.rstrip(".")
-    if (port and not port.isdigit()) or not _NAME.fullmatch(name):
+    if (port and not port.isdigit()) or not HOST_NAME.fullmatch(name):
         return None
     return name
 
