@@ -15,6 +15,12 @@ from colibri_common.architectures import ARCHITECTURES, SLIDING_KINDS, ArchSpec
 from colibri_common.errors import ConfigError
 from colibri_common.rope_scaling import RopeScaling
 
+# config.json's torch_dtype (transformers 5: dtype) as transformers reads it (getattr(torch, name)): the floating
+# dtypes, their aliases to the names saved today; "torch.bfloat16" as some older configs wrote it
+STORED_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                 "half": "float16", "float64": "float64", "double": "float64", "float8_e4m3fn": "float8_e4m3fn",
+                 "float8_e5m2": "float8_e5m2"}
+
 
 @dataclass(frozen=True)
 class MlaDims:
@@ -261,8 +267,20 @@ class ModelConfig:
             swiglu_limit=float(raw["swiglu_limit"]) if arch.clamped_swiglu else None,
             swiglu_up_offset=1.0 if arch.clamped_swiglu else 0.0,
             eos_token_ids=eos_ids,
-            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            torch_dtype=_stored_dtype(raw, source),
         )
+
+
+def _stored_dtype(raw: dict, source: str) -> str:
+    """The checkpoint's dtype by its saved name (float32 where config.json says none, as transformers); a name that
+    is no floating torch dtype is refused here rather than served as some other dtype by --dtype auto."""
+    key = "dtype" if raw.get("dtype") else "torch_dtype"
+    given = raw.get(key) or "float32"
+    name = given.removeprefix("torch.") if isinstance(given, str) else given
+    if not isinstance(name, str) or name not in STORED_DTYPES:
+        raise ConfigError(f"{source}: {key} {given!r} is not a dtype a checkpoint's weights are saved in; "
+                          f"use one of {', '.join(sorted(set(STORED_DTYPES.values())))}")
+    return STORED_DTYPES[name]
 
 
 def _sliding(arch: ArchSpec, raw: dict, layers: int, source: str) -> tuple[int, tuple[int, ...]]:

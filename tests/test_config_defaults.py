@@ -98,3 +98,21 @@ def test_an_explicit_null_of_kv_heads_is_every_head(arch):
     """transformers (4.x, and 5.x's OLMoE) reads "num_key_value_heads": null as plain multi-head attention; the
     class default must not fill it in."""
     assert ModelConfig.from_dict({**minimal(arch), "num_key_value_heads": None}).num_kv_heads == 32
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_the_stored_dtype_is_a_floating_torch_dtype_by_the_name_transformers_reads(key):
+    """config.json's dtype as transformers takes it (getattr(torch, name)): the aliases are the saved names, an
+    older config's "torch.bfloat16" is bfloat16, and a name that is no floating dtype is refused naming the key,
+    where --dtype auto had served it as bfloat16."""
+    import torch
+    base = minimal("Qwen3MoeForCausalLM")
+    assert ModelConfig.from_dict(base).torch_dtype == "float32"                 # none given: transformers' default
+    for given, saved in (("float", "float32"), ("half", "float16"), ("double", "float64"), ("bfloat16", "bfloat16"),
+                         ("torch.bfloat16", "bfloat16"), ("float8_e4m3fn", "float8_e4m3fn")):
+        assert ModelConfig.from_dict({**base, key: given}).torch_dtype == saved
+        assert getattr(torch, given.removeprefix("torch.")) == getattr(torch, saved)     # transformers' reading
+    for bad in ("bf16", "int8", "float4", 16, ["bfloat16"]):
+        with pytest.raises(ConfigError, match=f"config.json: {key} .* is not a dtype a checkpoint's weights are "
+                                              f"saved in; use one of bfloat16, float16, float32, float64"):
+            ModelConfig.from_dict({**base, key: bad})
