@@ -41,13 +41,19 @@ def run_tune(opts: TuneOptions) -> int:
 
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
-    from colibri_common.forms_file import tune_forms
+    from colibri_common.forms_file import resolve, tune_forms, unwritable
     from expert_service.sizing import expert_linear_shapes, expert_moe_shape
     from kernels import describe_forms, weight_kind
     from router_service.api.build import compute_dtype
     from router_service.model.weights import RouterWeights
 
     cfg = ModelConfig.from_dir(opts.model)
+    path = resolve(opts.cpu_forms)
+    assert path is not None                             # 'off' is refused by the options
+    why = unwritable(path)
+    if why is not None:                                 # before the measuring, not after it
+        print(f"error: cannot write {path} ({why}); give --cpu-forms a writable path", file=sys.stderr)
+        return 1
     router_threads, worker_threads = split_threads(opts.threads or len(os.sched_getaffinity(0)), opts.workers)
     dtype = getattr(torch, serving_dtype(opts.dtype, cfg.torch_dtype))
     router_dtype = compute_dtype(dtype)

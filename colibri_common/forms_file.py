@@ -206,6 +206,21 @@ class FormsFile:
             self.unsaved = None
 
 
+def unwritable(path: Path) -> str | None:
+    """Why the forms cannot be kept at `path` (None: they can): its folder made and its lock file opened now,
+    as `FormsFile.save` will, for `colibri tune` to say so before it measures rather than after."""
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():        # mkdir would say "File exists"
+        return f"{above} is a file, not a folder"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a"):
+            pass
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
 def write_atomic(path: Path, text: str) -> None:
     """`text` as the whole of `path`, atomically: written to a temp file beside it, then renamed over it. A write
     that fails (ENOSPC, EDQUOT, any OSError) removes the temp file before the error goes on, so a full disk

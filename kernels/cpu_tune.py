@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from kernels import cpu_forms, cpu_moe, native
 from kernels.cpu_check import (
@@ -112,10 +113,12 @@ def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, s
     measured: list[str] = []
     refused = set() if refused is None else refused
     g = torch.Generator().manual_seed(0)
-    for dout, din, weight_kind in dict.fromkeys(shapes):
-        todo = [b for b in BUCKETS if b <= bucket(max_rows) and key(dout, din, weight_kind, b) not in table]
-        if not todo:
-            continue
+    work = [(shape, [b for b in BUCKETS if b <= bucket(max_rows) and key(*shape, b) not in table])
+            for shape in dict.fromkeys(shapes)]
+    work = [(shape, todo) for shape, todo in work if todo]
+    # a bar where stderr is a terminal (tqdm's disable=None), as a shape takes seconds
+    for (dout, din, weight_kind), todo in tqdm(work, desc="measuring CPU forms", unit="shape",
+                                               disable=None if timed and work else True):
         names = forms_in_use(weight_kind, dout, din, max_rows) if not timed else list(dict.fromkeys(
             n for b in todo for n in cpu_forms.candidates(weight_kind, b, dout, din)))
         names = [n for n in names if reject_key(dout, din, weight_kind, n) not in table]

@@ -295,6 +295,23 @@ def test_a_file_that_is_not_a_forms_file_is_never_overwritten(tmp_path, oracles,
         resolve(str(tmp_path))
 
 
+def test_tune_says_it_cannot_keep_the_forms_before_it_measures(tmp_path, oracles):
+    """`colibri tune --cpu-forms` where nothing can be written measured for seconds (minutes on a large model)
+    and only then said that the forms could not be kept."""
+    import time
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    t0 = time.perf_counter()
+    out = colibri_run(["tune", "--model", str(oracles["qwen3_moe"].path), "--cpu-forms", str(blocker / "f.json")],
+                      timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out
+    assert out.stderr.strip().splitlines() == [f"error: cannot write {blocker / 'f.json'} ({blocker} is a file, "
+                                               f"not a folder); give --cpu-forms a writable path"], out
+    assert "measured" not in out.stdout and blocker.read_text() == "not a folder"
+    print(f"refused in {time.perf_counter() - t0:.1f} s")
+
+
 def test_entries_that_make_no_sense_are_measured_again(forms_state):
     table = {cpu_forms.key(48, 32, "int8-float32", 1): "linear", "garbage": "mv",   # a float form for int8
              "reject:nonsense": "?", "reject:1x:float32:mv": "?", cpu_tune.reject_key(8, 8, "float32", "mv"): "kept"}
