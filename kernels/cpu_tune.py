@@ -75,8 +75,8 @@ class MoeShape:
 
 MARGIN = 0.9   # another form must take at most this share of the default's time to replace it
 # ... and of the native form's: besides its own time it lets the router run a decode step's attention block as one
-# native call (model.py `_fusable`), which a race of the linear alone does not see. From memory at one row every
-# form reads at the same rate (qkv [1280, 768] bf16: 92-112 µs each), and 0.9 let noise flip that choice.
+# native call (router_service/model/fusion.py), which a race of the linear alone does not see. From memory at one
+# row every form reads at the same rate (qkv [1280, 768] bf16: 92-112 µs each), and 0.9 let noise flip that choice.
 NATIVE_MARGIN = 0.8
 
 

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels:
 def logits(path, dtype: str, fused: bool, layers: bool = True) -> list[bytes]:
     prompts = [[random.Random(70 + i).randrange(256) for _ in range(3 + 4 * i)] for i in range(4)]
     with InProcess(path, dtype=dtype, cpu_forms="off") as engine:
-        engine.engine.model.fused_attention = fused
-        engine.engine.model.fused_layers = layers
+        engine.engine.model.fusion.attention = fused
+        engine.engine.model.fusion.layers = layers
         runs = engine.submit_all(prompts, 7, return_logits=True)     # the same batches in each run
         results = [engine.collect(r) for r in runs]
     return [b"".join(x.numpy().tobytes() for x in r.logits) + repr(r.token_ids).encode() for r in results]
@@ -67,11 +67,11 @@ def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(
     """Decode steps run every layer from a plan made once (router_service/model/decode_layers.py), with the bits of
     the layers called one by one; a layer's weights replaced by a copy (as RouterWeights.onto_huge_pages does while
     it serves) make a new plan, never a call on the old objects."""
-    from router_service.model import model as model_module
+    from router_service.model import fusion as fusion_module
     from router_service.model.decode_layers import DecodePlan
 
     counts = {"run": 0, "made": 0}
-    real_run, real_make = DecodePlan.run, model_module.make_plan
+    real_run, real_make = DecodePlan.run, fusion_module.make_plan
 
     def run(self, *args):
         counts["run"] += 1
@@ -82,7 +82,7 @@ def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(
         return real_make(*args)
 
     monkeypatch.setattr(DecodePlan, "run", run)
-    monkeypatch.setattr(model_module, "make_plan", make)
+    monkeypatch.setattr(fusion_module, "make_plan", make)
     monkeypatch.setattr(cpu_forms, "_TABLE", {})
     monkeypatch.setattr(cpu_forms, "_REJECTED", set())
     prompts = [[random.Random(90 + i).randrange(256) for _ in range(2 + 3 * i)] for i in range(3)]
@@ -90,7 +90,7 @@ def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(
         model = engine.engine.model
 
         def outputs(layers: bool = True) -> list[tuple]:
-            model.fused_layers = layers
+            model.fusion.layers = layers
             results = [engine.collect(r) for r in engine.submit_all(prompts, 6, return_logits=True)]
             return [(r.token_ids, [x.numpy().tobytes() for x in r.logits]) for r in results]
 
@@ -98,15 +98,16 @@ def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(
         made, ran = counts["made"], counts["run"]
         assert ran >= 5 and made >= 1            # the 3 rows' decode steps: one plan, made once
         assert outputs() == first and counts["made"] == made and counts["run"] > ran
-        plans = dict(model._caches.plans)
+        caches = model.fusion.caches
+        plans = dict(caches.plans)
         model.w.layers[1] = dataclasses.replace(model.w.layers[1])       # the same tensors, a new object
         engine.collect(engine.submit(prompts[0], 3))                      # one row: the 3 rows' plan stays unused,
         assert counts["made"] > made and any(rows == 3 for rows, _ in plans)   # yet holds the old layer no more
-        assert all(p.weights[1] is model.w.layers[1] for p in model._caches.plans.values())
+        assert all(p.weights[1] is model.w.layers[1] for p in caches.plans.values())
         assert outputs() == first
-        assert all(model._caches.plans[key] is not plan for key, plan in plans.items() if key in model._caches.plans)
+        assert all(caches.plans[key] is not plan for key, plan in plans.items() if key in caches.plans)
         model.forget_weights()                       # what the huge pages' thread calls once it has moved them
-        assert not model._caches.plans and not model._caches.block_parts and not model._caches.routes
+        assert not caches.plans and not caches.block_parts and not caches.routes
         made = counts["made"]
         assert outputs() == first and counts["made"] > made
         ran = counts["run"]

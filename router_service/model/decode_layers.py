@@ -5,10 +5,10 @@ weights' stream had just flushed: the checks that a layer may fuse, the experts'
 a list of ~40 arguments took ~90 µs a layer on the 2-core EPYC (0.7 ms of a 14 ms step, timed around the calls).
 A `DecodePlan` holds each layer's call with the arguments that stay the same step after step (weights, norms,
 routing, the experts' blocks and map, the layer's KV cache); a step checks, by identity, that the layers' weights,
-the experts' plan and the KV cache are the ones it was made from, and calls. RouterModel makes one per (rows,
-dtype) on the first decode step that may use it (`RouterModel._decode_plan`, `make_plan`), and again when any of
-them changed (the weights moved onto huge pages, the experts repacked); `LayerCaches` holds the plans with the
-other things made once for the layers' weights, and drops them all when the weights have moved.
+the experts' plan and the KV cache are the ones it was made from, and calls. The router's model makes one per
+(rows, dtype) on the first decode step that may use it (`Fusion.decode_plan` in fusion.py, `make_plan`), and again
+when any of them changed (the weights moved onto huge pages, the experts repacked); `LayerCaches` holds the plans
+with the other things made once for the layers' weights, and drops them all when the weights have moved.
 """
 
 from __future__ import annotations
