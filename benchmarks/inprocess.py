@@ -24,7 +24,7 @@ def main() -> None:
     llm = LLM(args.model, 0, dtype=args.dtype, micro_batches=args.micro_batches, device=args.device,
               enforce_eager=args.enforce_eager)
     engine = llm.engine
-    engine.model.fusion.layers = not args.no_fused_layers
+    engine.model.fusion.fuse_layers = not args.no_fused_layers
     cold = time.perf_counter() - T_START
 
     def stream(prompt: list[int], max_tokens: int, rid: str):

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels:
 def logits(path, dtype: str, fused: bool, layers: bool = True) -> list[bytes]:
     prompts = [[random.Random(70 + i).randrange(256) for _ in range(3 + 4 * i)] for i in range(4)]
     with InProcess(path, dtype=dtype, cpu_forms="off") as engine:
-        engine.engine.model.fusion.attention = fused
-        engine.engine.model.fusion.layers = layers
+        engine.engine.model.fusion.fuse_attention = fused
+        engine.engine.model.fusion.fuse_layers = layers
         runs = engine.submit_all(prompts, 7, return_logits=True)     # the same batches in each run
         results = [engine.collect(r) for r in runs]
     return [b"".join(x.numpy().tobytes() for x in r.logits) + repr(r.token_ids).encode() for r in results]
@@ -90,7 +90,7 @@ def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(
         model = engine.engine.model
 
         def outputs(layers: bool = True) -> list[tuple]:
-            model.fusion.layers = layers
+            model.fusion.fuse_layers = layers
             results = [engine.collect(r) for r in engine.submit_all(prompts, 6, return_logits=True)]
             return [(r.token_ids, [x.numpy().tobytes() for x in r.logits]) for r in results]
 

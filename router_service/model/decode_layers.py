@@ -77,11 +77,11 @@ def make_plan(layers: tuple[LayerWeights, ...], moes: tuple[native.LayerExperts 
 
 
 class LayerCaches:
-    """What a RouterModel's engine thread keeps of the layers' weights between steps, made once (a layer's Python
-    runs on caches the weights' stream has flushed): decode plans by (rows, dtype), the attention block's weight
-    arguments and the routing check by layer. `forget` (any thread: the one that moves the weights onto huge pages,
-    once it is done) drops them all, so none keeps the old copies alive; an entry made from weights read before
-    that is not kept (`keep`'s epoch, under the lock)."""
+    """What the router model's engine thread keeps of the layers' weights between steps (fusion.py), made once (a
+    layer's Python runs on caches the weights' stream has flushed): decode plans by (rows, dtype), the attention
+    block's weight arguments and the routing check by layer. `forget` (any thread: the one that moves the weights
+    onto huge pages, once it is done) drops them all, so none keeps the old copies alive; an entry made from weights
+    read before that is not kept (`keep`'s epoch, under the lock)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

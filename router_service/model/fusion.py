@@ -5,10 +5,11 @@ narrowest, as far as its layers allow:
 - every layer as one loop of `decoder_layer` calls from a `DecodePlan` (decode_layers.py): each MoE layer's
   attention block, routing and experts in one call, where the experts are in this process (`decode_plan`);
 - one layer at a time the same call, where some other layer does not fuse (`whole_layer`);
-- the attention block alone in one call (`attention_block`), where the experts are elsewhere (a fleet's router);
-- the MoE block's front (norm, gate, routing) in one call (`native_route`).
-Everything else (prefills, latent attention, shared experts, the GPU's path, batch invariance, weights whose
-form at the step's rows is not the native one, clipped qkv) runs op by op in model.py, with the same bits.
+- the attention block alone in one call (`fuses_attention`), where the experts are elsewhere (a fleet's router) or
+  the layer has shared experts;
+- the MoE block's front (norm, gate, routing) in one call (`native_route`), prefills included.
+The rest (prefills' attention, latent attention, the GPU's path, batch invariance, weights whose form at the step's
+rows is not the native one, clipped qkv) runs op by op in model.py, with the same bits.
 
 The checks run on caches the layer's weights have just flushed, so what depends on the weights alone is worked out
 once and kept by layer (`LayerCaches`, which `forget` empties when the weights move onto huge pages) and what
@@ -39,8 +40,8 @@ class Fusion:
         self.cfg = cfg
         self.routing = routing
         self.sliding = sliding
-        self.attention = True     # decode steps' attention blocks in one native call where they may
-        self.layers = True        # and whole MoE layers, where the experts are in this process
+        self.fuse_attention = True     # decode steps' attention blocks in one native call where they may
+        self.fuse_layers = True        # and whole MoE layers, where the experts are in this process
         self.caches = LayerCaches()     # plans, arguments and checks made once for the layers' weights
         self._weights_fuse: dict[tuple[int, int, torch.dtype], bool] = {}    # by (layer, rows, dtype)
         self._step_fuse: tuple[StepInputs | None, bool] = (None, False)       # the step part, for its step
@@ -64,21 +65,23 @@ class Fusion:
             self.caches.keep(epoch, self.caches.routes, layer, known)
         return known[2]
 
-    def decode_plan(self, layers: tuple[LayerWeights, ...], h: torch.Tensor, cos: torch.Tensor, step: StepInputs,
+    def decode_plan(self, weights: list[LayerWeights], h: torch.Tensor, cos: torch.Tensor, step: StepInputs,
                     kv: KVCache, experts: Experts, invariant: bool) -> DecodePlan | None:
         """Every layer of this decode step as a loop of native decoder_layer calls, where each layer would take
         `whole_layer`'s one call; None where some layer runs otherwise. Made once per (rows, dtype) and kept while
-        the layers' weights (`layers`: one snapshot, as another thread may replace a layer meanwhile), the
-        experts' plan and the KV cache are the same objects. `invariant`: batch invariance (nothing fuses)."""
-        if not self.layers or not self._step_fuses(h, cos, step, kv, invariant):
+        the layers' weights (`weights`, read once here), the experts' plan and the KV cache are the same objects.
+        `invariant`: batch invariance (then no plan: each row runs alone)."""
+        if not self.fuse_layers or not self._step_fuses(h, cos, step, kv, invariant):
             return None
         moes = experts.native_layers(h)                  # checks the experts' mapped files, as native_layer does
         if moes is None:
             return None
-        key = (h.shape[0], h.dtype)
+        # the epoch before the snapshot: another thread may replace a layer (huge pages) and then forget the plans,
+        # and a plan made from layers read before that must not be kept
+        epoch, key = self.caches.epoch, (h.shape[0], h.dtype)
+        layers = tuple(weights)
         plan = self.caches.plans.get(key)
         if plan is None or not plan.fits(layers, moes, (kv.k, kv.v)):
-            epoch = self.caches.epoch
             plan = make_plan(layers, moes, kv, self.sliding, partial(self._layer_call, h))
             self.caches.keep_plan(epoch, key, plan)
         return plan if plan.calls is not None else None
@@ -100,16 +103,16 @@ class Fusion:
         routing and the experts, with the bits of the three calls), where the experts are in this process on the
         native expert FFN (`experts.native_layer`): (h after the layer [T, H], the routed ids [T, K]); None where the
         layer runs call by call (prefills, shared experts, latent attention, experts elsewhere)."""
-        if not self.layers or lw.gate is None or lw.mla is not None or lw.mlp_gate_up is not None:
+        if not self.fuse_layers or lw.gate is None or lw.mla is not None or lw.mlp_gate_up is not None:
             return None
         moe = experts.native_layer(layer, h)      # first: None at once for workers, so the fleet's router does not
-        if (moe is None or not self.attention_block(layer, lw, h, cos, step, kv, invariant)   # check twice a layer
+        if (moe is None or not self.fuses_attention(layer, lw, h, cos, step, kv, invariant)   # check twice a layer
                 or not self.routes_natively(lw, h.dtype, h.device)):
             return None
         return native.decoder_layer(h, self.block_args(layer, lw, cos, sin, step, kv), lw.ln2, lw.gate,
                                     self.routing, lw.gate_correction, moe)
 
-    def attention_block(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs,
+    def fuses_attention(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs,
                         kv: KVCache, invariant: bool) -> bool:
         """Whether this layer's attention block may run as one native call (kernels.native.attention_block, the
         bits of the op-by-op path): a CPU step of decode rows only, not the GPU's path (the Triton backend, which
@@ -121,16 +124,16 @@ class Fusion:
 
     def _step_fuses(self, h: torch.Tensor, cos: torch.Tensor, step: StepInputs, kv: KVCache, invariant: bool
                     ) -> bool:
-        """`attention_block`'s part that is the step's, the same for every layer."""
+        """`fuses_attention`'s part that is the step's, the same for every layer."""
         T, dtype = h.shape[0], h.dtype
-        return (self.attention and not invariant and step.num_decode == T and T > 0
+        return (self.fuse_attention and not invariant and step.num_decode == T and T > 0
                 and not step.prefills and h.device.type == "cpu" and backend_for(h.device) != "triton"
                 and native.decoder_ops()
                 and self.cfg.clip_qkv is None and cos.dtype == dtype and kv.k.dtype == dtype
                 and kv.v.shape[-1] == self.cfg.head_dim and dtype in (torch.float32, torch.bfloat16))
 
     def _weights_fuse_at(self, layer: int, lw: LayerWeights, T: int, dtype: torch.dtype) -> bool:
-        """`attention_block`'s part that is the layer's weights' at T rows."""
+        """`fuses_attention`'s part that is the layer's weights' at T rows."""
         # the same every step: looked up once, by layer (not by the weights' object, which
         # RouterWeights.onto_huge_pages replaces by a copy of the same weights while it serves; a freed object's
         # id may come back)

@@ -20,7 +20,6 @@ sequences, C context length (cached + new tokens), n new tokens of one prefill.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator
 from functools import partial
 
@@ -47,8 +46,6 @@ from router_service.model.mla import mla_attention, mla_scale
 from router_service.model.step_inputs import StepInputs
 from router_service.model.weights import LayerWeights, RouterWeights
 from router_service.moe.experts import Experts, ExpertsUnavailable, Handle
-
-log = logging.getLogger("colibri.router")
 
 
 def routing_of(cfg: ModelConfig) -> Routing:
@@ -162,11 +159,13 @@ class RouterModel:
         cos, sin = rows(lambda p: self.rope.cos_sin(p, self.dtype, step.max_position), step.positions)   # [T, R]
         guess: set[int] | None = None                                        # prefetch: this layer's prediction
         fusion = None if self.prefetch else self.fusion        # (the prefetch's guesses need the layer's h)
-        layers = tuple(self.w.layers)              # one snapshot: another thread may replace a layer (huge pages)
-        plan = None if fusion is None else fusion.decode_plan(layers, h, cos, step, kv, experts, self.batch_invariant)
+        plan = None if fusion is None else fusion.decode_plan(self.w.layers, h, cos, step, kv, experts,
+                                                              self.batch_invariant)
         if plan is not None:                                                 # every layer one native call
             h = plan.run(h, cos, sin, step, routes if self.track_routing else None)
-        for i, lw in enumerate(layers if plan is None else ()):
+        # each layer read as the loop reaches it: the huge pages' thread may replace one meanwhile (and then forget
+        # what was kept of the old one: a layer read long before would be kept again, alive)
+        for i, lw in enumerate(self.w.layers if plan is None else ()):
             if fusion is not None and (fused := fusion.whole_layer(i, lw, h, cos, sin, step, kv, experts,
                                                                     self.batch_invariant)) is not None:
                 h, ids = fused                                               # the layer in one native call
@@ -242,7 +241,7 @@ class RouterModel:
             out = mla_attention(cfg, lw.mla, layer, x, self.mla_rope, cos, sin, step, kv, self.mla_scale, rows,
                                 self.batch_invariant)
             return rows(lambda o: linear(o, lw.o, lw.o_bias), out)          # [T, H]
-        if self.fusion.attention_block(layer, lw, h, cos, step, kv, self.batch_invariant):   # one native call
+        if self.fusion.fuses_attention(layer, lw, h, cos, step, kv, self.batch_invariant):   # one native call
             return native.attention_block(h, *self.fusion.block_args(layer, lw, cos, sin, step, kv))   # [T, H]
         q, k, v = rows(lambda h, cos, sin: self._qkv(lw, h, cos, sin), h, cos, sin)
         out = attention(layer, q, k, v, step, kv, layer in self.sliding, lw.sinks, self.batch_invariant)
