@@ -16,10 +16,10 @@ from colibri_common.errors import ConfigError
 from colibri_common.rope_scaling import RopeScaling
 
 # config.json's torch_dtype (transformers 5: dtype) as transformers reads it (getattr(torch, name)): the floating
-# dtypes, their aliases to the names saved today; "torch.bfloat16" as some older configs wrote it
+# dtypes a checkpoint's weights are saved in, by their saved names and the aliases of them
 STORED_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
-                 "half": "float16", "float64": "float64", "double": "float64", "float8_e4m3fn": "float8_e4m3fn",
-                 "float8_e5m2": "float8_e5m2"}
+                 "half": "float16", "float64": "float64", "double": "float64",
+                 **{name: name for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")}}
 
 
 @dataclass(frozen=True)
@@ -272,13 +272,13 @@ class ModelConfig:
 
 
 def _stored_dtype(raw: dict, source: str) -> str:
-    """The checkpoint's dtype by its saved name (float32 where config.json says none, as transformers); a name that
-    is no floating torch dtype is refused here rather than served as some other dtype by --dtype auto."""
+    """The checkpoint's dtype by its saved name; a name that is no dtype of saved weights is refused here rather
+    than served as some other dtype by --dtype auto. float32 where config.json names none, as transformers 4 took
+    it (transformers 5 takes the weights' own dtype then: --dtype says it here)."""
     key = "dtype" if raw.get("dtype") else "torch_dtype"
-    given = raw.get(key) or "float32"
-    name = given.removeprefix("torch.") if isinstance(given, str) else given
+    name = raw.get(key) or "float32"
     if not isinstance(name, str) or name not in STORED_DTYPES:
-        raise ConfigError(f"{source}: {key} {given!r} is not a dtype a checkpoint's weights are saved in; "
+        raise ConfigError(f"{source}: {key} {name!r} is not a dtype a checkpoint's weights are saved in; "
                           f"use one of {', '.join(sorted(set(STORED_DTYPES.values())))}")
     return STORED_DTYPES[name]
 

@@ -20,12 +20,13 @@ DTYPE_CHOICES = ("auto", *DTYPES)       # --dtype: auto = as the checkpoint (ser
 
 
 def serving_dtype(asked: str, checkpoint_dtype: str) -> str:
-    """The compute dtype a --dtype means for a checkpoint whose config.json says `checkpoint_dtype`: `auto` is
-    float32 for a float32 checkpoint and bfloat16 for the others (bfloat16, float16, and FP8 or MXFP4 ones,
-    which say bfloat16): its weights held at their size, as vLLM's --dtype auto, not upcast to twice it."""
+    """The compute dtype a --dtype means for a checkpoint whose config.json says `checkpoint_dtype` (its saved name,
+    config.py): `auto` is float32 for a float32 or float64 checkpoint and bfloat16 for the others (bfloat16,
+    float16, and FP8 or MXFP4 ones, which say bfloat16): its weights held at their size, as vLLM's --dtype auto, not
+    upcast to twice it."""
     if asked != "auto":
         return asked
-    return "float32" if checkpoint_dtype in ("float32", "float") else "bfloat16"
+    return "float32" if checkpoint_dtype in ("float32", "float64") else "bfloat16"
 
 
 QUANTIZE = ("int8", "w8a8")         # as kernels.formats.int8.QUANTIZE_MODES (this module stays torch-free)
@@ -43,7 +44,7 @@ class ServiceOptions:
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(0, "port; 0 picks a free one")
     dtype: str = option("auto", "compute dtype: auto = the checkpoint's (config.json's torch_dtype): float32 for "
-                                "a float32 checkpoint, bfloat16 for bfloat16, float16, FP8 and MXFP4 ones; "
+                                "a float32 or float64 checkpoint, bfloat16 for bfloat16, float16, FP8 and MXFP4 ones; "
                                 "float32 on a bfloat16 checkpoint holds its weights at twice their size",
                         choices=DTYPE_CHOICES)
     threads: int = option(0, "torch threads for this process (0 = all cores)")

@@ -102,17 +102,23 @@ def test_an_explicit_null_of_kv_heads_is_every_head(arch):
 
 @pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
 def test_the_stored_dtype_is_a_floating_torch_dtype_by_the_name_transformers_reads(key):
-    """config.json's dtype as transformers takes it (getattr(torch, name)): the aliases are the saved names, an
-    older config's "torch.bfloat16" is bfloat16, and a name that is no floating dtype is refused naming the key,
-    where --dtype auto had served it as bfloat16."""
+    """config.json's dtype as transformers takes it (getattr(torch, name)): its aliases are the saved names, and a
+    name that is no dtype of saved weights is refused naming the key, where --dtype auto had served it as bfloat16
+    (transformers refuses them too: "torch.bfloat16" has no getattr(torch, ...))."""
     import torch
+
+    from colibri_common.options import serving_dtype
+
     base = minimal("Qwen3MoeForCausalLM")
-    assert ModelConfig.from_dict(base).torch_dtype == "float32"                 # none given: transformers' default
-    for given, saved in (("float", "float32"), ("half", "float16"), ("double", "float64"), ("bfloat16", "bfloat16"),
-                         ("torch.bfloat16", "bfloat16"), ("float8_e4m3fn", "float8_e4m3fn")):
-        assert ModelConfig.from_dict({**base, key: given}).torch_dtype == saved
-        assert getattr(torch, given.removeprefix("torch.")) == getattr(torch, saved)     # transformers' reading
-    for bad in ("bf16", "int8", "float4", 16, ["bfloat16"]):
+    assert ModelConfig.from_dict(base).torch_dtype == "float32"              # none given: transformers 4's default
+    for given, saved, auto in (("float", "float32", "float32"), ("half", "float16", "bfloat16"),
+                               ("double", "float64", "float32"), ("bfloat16", "bfloat16", "bfloat16"),
+                               ("float8_e4m3fn", "float8_e4m3fn", "bfloat16")):
+        assert getattr(torch, given) == getattr(torch, saved)                     # as transformers reads it
+        cfg = ModelConfig.from_dict({**base, key: given})
+        assert cfg.torch_dtype == saved and serving_dtype("auto", cfg.torch_dtype) == auto
+    for bad in ("bf16", "int8", "float4", "torch.bfloat16", 16, ["bfloat16"]):
         with pytest.raises(ConfigError, match=f"config.json: {key} .* is not a dtype a checkpoint's weights are "
-                                              f"saved in; use one of bfloat16, float16, float32, float64"):
+                                              f"saved in; use one of bfloat16, float16, float32, float64, "
+                                              f"float8_e4m3fn, "):
             ModelConfig.from_dict({**base, key: bad})
