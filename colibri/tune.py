@@ -50,8 +50,9 @@ def run_tune(opts: TuneOptions) -> int:
     cfg = ModelConfig.from_dir(opts.model)
     path = resolve(opts.cpu_forms)
     assert path is not None                             # 'off' is refused by the options
-    why = unwritable(path)
-    if why is not None:                                 # before the measuring, not after it
+    # before the measuring, not after it; a file already there may hold every form (shipped read-only): then
+    # nothing is measured, and what is, is refused after (below)
+    if (why := unwritable(path)) is not None and not path.is_file():
         print(f"error: cannot write {path} ({why}); give --cpu-forms a writable path", file=sys.stderr)
         return 1
     router_threads, worker_threads = split_threads(opts.threads or len(os.sched_getaffinity(0)), opts.workers)

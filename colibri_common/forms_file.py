@@ -207,15 +207,19 @@ class FormsFile:
 
 
 def unwritable(path: Path) -> str | None:
-    """Why the forms cannot be kept at `path` (None: they can): its folder made and its lock file opened now,
-    as `FormsFile.save` will, for `colibri tune` to say so before it measures rather than after."""
-    above = next((p for p in path.parents if p.exists()), None)
-    if above is not None and not above.is_dir():        # mkdir would say "File exists"
-        return f"{above} is a file, not a folder"
+    """Why the forms cannot be kept at `path` (None: they can), found as `FormsFile.save` would find it: its folder
+    made, its lock file opened and a temp file made beside it (`write_atomic`'s), now; for `colibri tune` to say so
+    before it measures rather than after."""
     try:
+        above = next((p for p in path.parents if p.exists()), None)
+        if above is not None and not above.is_dir():        # mkdir would say "File exists"
+            return f"{above} is a file, not a folder"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "a"):
             pass
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
     except OSError as exc:
         return str(exc)
     return None

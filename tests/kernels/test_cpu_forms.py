@@ -312,6 +312,44 @@ def test_tune_says_it_cannot_keep_the_forms_before_it_measures(tmp_path, oracles
     print(f"refused in {time.perf_counter() - t0:.1f} s")
 
 
+def test_tune_on_a_read_only_folder_takes_a_complete_file_and_refuses_a_new_one(tmp_path, oracles):
+    """A forms file measured once and shipped read-only (a ConfigMap, a read-only mount): tune finds nothing new to
+    measure and exits 0. Where no file is there yet, the folder's refusal is said before any measuring (the lock
+    file left from an earlier run does not make the folder writable). As root, the test drops the capabilities that
+    let root write anywhere (setpriv)."""
+    import os
+    import shutil
+    import subprocess
+
+    from tests.conftest import COLIBRI
+
+    model = str(oracles["qwen3_moe"].path)
+    forms = tmp_path / "ro" / "forms.json"
+    first = colibri_run(["tune", "--model", model, "--cpu-forms", str(forms)], timeout=300)
+    assert first.returncode == 0 and "measured" in first.stdout, first
+    (tmp_path / "ro" / "new.lock").touch()
+    (tmp_path / "ro").chmod(0o555)
+    prefix = []
+    if os.getuid() == 0:
+        prefix = ["setpriv", "--bounding-set=-dac_override"]
+        if shutil.which("setpriv") is None or subprocess.run([*prefix, "touch", str(tmp_path / "ro" / "x")],
+                                                             capture_output=True).returncode == 0:
+            pytest.skip("root writes anywhere here: no setpriv to drop the capability that lets it")
+    try:
+        again = subprocess.run([*prefix, COLIBRI, "tune", "--model", model, "--cpu-forms", str(forms)],
+                               capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0 and "Traceback" not in again.stderr, again
+        assert again.stdout.count("nothing new to measure") == 2, again
+        new = tmp_path / "ro" / "new.json"
+        refused = subprocess.run([*prefix, COLIBRI, "tune", "--model", model, "--cpu-forms", str(new)],
+                                 capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 1 and refused.stdout == "", refused
+        assert refused.stderr.startswith(f"error: cannot write {new} ([Errno 13] Permission denied"), refused
+        assert len(refused.stderr.splitlines()) == 1, refused          # no measuring's warnings before it
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+
+
 def test_entries_that_make_no_sense_are_measured_again(forms_state):
     table = {cpu_forms.key(48, 32, "int8-float32", 1): "linear", "garbage": "mv",   # a float form for int8
              "reject:nonsense": "?", "reject:1x:float32:mv": "?", cpu_tune.reject_key(8, 8, "float32", "mv"): "kept"}
