@@ -18,11 +18,13 @@ Shapes: E local experts, I expert width, H hidden size, K experts per token, T t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from kernels import cpu_forms, cpu_moe, native
 from kernels.cpu_check import (
@@ -116,9 +118,7 @@ def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, s
     work = [(shape, [b for b in BUCKETS if b <= bucket(max_rows) and key(*shape, b) not in table])
             for shape in dict.fromkeys(shapes)]
     work = [(shape, todo) for shape, todo in work if todo]
-    # a bar where stderr is a terminal (tqdm's disable=None), as a shape takes seconds
-    for (dout, din, weight_kind), todo in tqdm(work, desc="measuring CPU forms", unit="shape",
-                                               disable=None if timed and work else True):
+    for (dout, din, weight_kind), todo in _progress(work, timed):
         names = forms_in_use(weight_kind, dout, din, max_rows) if not timed else list(dict.fromkeys(
             n for b in todo for n in cpu_forms.candidates(weight_kind, b, dout, din)))
         names = [n for n in names if reject_key(dout, din, weight_kind, n) not in table]
@@ -153,6 +153,16 @@ def measure(shapes: Iterable[tuple[int, int, str]], table: MutableMapping[str, s
                 NATIVE_MARGIN if default in (*cpu_forms.NATIVE_OF.values(), cpu_forms.TILES) else MARGIN)
             measured.append(key(dout, din, weight_kind, b))
     return measured
+
+
+Work = TypeVar("Work")
+
+
+def _progress(work: list[Work], timed: bool) -> Iterator[Work]:
+    """`work` with a bar where stderr is a terminal (tqdm's disable=None), as a shape takes seconds to measure; the
+    log's lines meanwhile go above it, not through it."""
+    with logging_redirect_tqdm():
+        yield from tqdm(work, desc="measuring CPU forms", unit="shape", disable=None if timed and work else True)
 
 
 def _moe_weights(s: MoeShape, g: torch.Generator, experts: int = 0) -> tuple[object, object, torch.dtype]:
