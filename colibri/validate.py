@@ -98,7 +98,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
     lines = [
         f"architecture     {cfg.architecture}",
         f"parameters       {params / 1e6:.1f}M ({total_bytes / 2**20:.1f} MiB on disk, {len(ckpt.entries)} tensors)",
-        f"stored dtype     {cfg.torch_dtype} (config.json); sized as served in {held} (--dtype {dtype})",
+        f"stored dtype     {cfg.torch_dtype} ({cfg.torch_dtype_from}); sized as served in {held} (--dtype {dtype})",
         "quantisation     " + ("; ".join(f"{k} ({n} tensors), dequantised to the compute dtype as they are read"
                                          for k, n in ckpt.quantized().items()) or "none"),
         f"layers           {cfg.num_layers} ({len(cfg.moe_layers)} with routed experts)",

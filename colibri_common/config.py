@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colibri_common.architectures import ARCHITECTURES, SLIDING_KINDS, ArchSpec
-from colibri_common.errors import ConfigError
+from colibri_common.errors import CheckpointError, ConfigError
 from colibri_common.rope_scaling import RopeScaling
+from colibri_common.safetensors_header import read_header
 
 # config.json's torch_dtype (transformers 5: dtype) as transformers reads it (getattr(torch, name)): the floating
 # dtypes a checkpoint's weights are saved in, by their saved names and the aliases of them
@@ -83,6 +84,7 @@ class ModelConfig:
     swiglu_up_offset: float = 0.0
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
+    torch_dtype_from: str = "config.json"     # where torch_dtype was read: config.json, or the weights (from_dir)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -149,6 +151,9 @@ class ModelConfig:
         if extra - set(cfg.eos_token_ids):        # generate()'s stop tokens too (GPT-OSS: <|call|>, <|endoftext|>)
             cfg = dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids,
                                                           *sorted(extra - set(cfg.eos_token_ids))))
+        if not raw.get("dtype") and not raw.get("torch_dtype") and (saved := weights_dtype(Path(model_dir))):
+            # none named: the weights' own, as transformers 5
+            cfg = dataclasses.replace(cfg, torch_dtype=saved, torch_dtype_from="the weights; config.json names none")
         return cfg
 
     @staticmethod
@@ -271,10 +276,30 @@ class ModelConfig:
         )
 
 
+# the safetensors dtype codes of floating weights, by the saved names above
+SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def weights_dtype(model_dir: Path) -> str | None:
+    """The floating dtype most of the checkpoint's weight bytes are saved in (transformers 5 serves a config.json
+    that names none in its weights' dtype); None where no safetensors file says (its header unreadable: the
+    checkpoint's own checks name the problem later)."""
+    totals: dict[str, int] = {}
+    try:
+        for f in sorted(model_dir.glob("*.safetensors")):
+            for entry in read_header(f).values():
+                if (name := SAFETENSORS_FLOATS.get(entry.dtype)) is not None:
+                    totals[name] = totals.get(name, 0) + entry.nbytes
+    except (CheckpointError, OSError):
+        return None
+    return max(totals, key=lambda name: totals[name]) if totals else None
+
+
 def _stored_dtype(raw: dict, source: str) -> str:
     """The checkpoint's dtype by its saved name; a name that is no dtype of saved weights is refused here rather
     than served as some other dtype by --dtype auto. float32 where config.json names none, as transformers 4 took
-    it (transformers 5 takes the weights' own dtype then: --dtype says it here)."""
+    it (`from_dir` takes the weights' own then, as transformers 5)."""
     key = "dtype" if raw.get("dtype") else "torch_dtype"
     name = raw.get(key) or "float32"
     if not isinstance(name, str) or name not in STORED_DTYPES:

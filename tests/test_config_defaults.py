@@ -122,3 +122,32 @@ def test_the_stored_dtype_is_a_floating_torch_dtype_by_the_name_transformers_rea
                                               f"saved in; use one of bfloat16, float16, float32, float64, "
                                               f"float8_e4m3fn, "):
             ModelConfig.from_dict({**base, key: bad})
+
+
+def test_a_config_that_names_no_dtype_is_served_in_its_weights_dtype_as_transformers_5_loads_it(oracles, tmp_path):
+    """A bf16 checkpoint whose config.json names no dtype was taken as float32 (transformers 4's default), so
+    --dtype auto held its weights at twice their size; transformers 5 loads it in its weights' dtype."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    src = oracles["qwen3_moe"]
+    path = tmp_path / "bf16-no-dtype"
+    transformers.AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.bfloat16).save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("dtype", None)
+    raw.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps(raw))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path)                 # the oracle's reading
+    assert loaded.dtype == torch.bfloat16
+    cfg = ModelConfig.from_dir(path)
+    assert (cfg.torch_dtype, cfg.torch_dtype_from) == ("bfloat16", "the weights; config.json names none")
+    assert ModelConfig.from_dir(src.path).torch_dtype_from == "config.json"
+    colibri = str(Path(sys.executable).parent / "colibri")
+    out = subprocess.run([colibri, "validate", "--model", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "stored dtype     bfloat16 (the weights; config.json names none); sized as served in bfloat16 " \
+           "(--dtype auto)" in out.stdout, out.stdout
