@@ -41,7 +41,7 @@ def run_tune(opts: TuneOptions) -> int:
 
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
-    from colibri_common.forms_file import resolve, tune_forms, unwritable
+    from colibri_common.forms_file import measured_here, resolve, tune_forms, unwritable
     from expert_service.sizing import expert_linear_shapes, expert_moe_shape
     from kernels import describe_forms, weight_kind
     from router_service.api.build import compute_dtype
@@ -50,9 +50,9 @@ def run_tune(opts: TuneOptions) -> int:
     cfg = ModelConfig.from_dir(opts.model)
     path = resolve(opts.cpu_forms)
     assert path is not None                             # 'off' is refused by the options
-    # before the measuring, not after it; a file already there may hold every form (shipped read-only): then
-    # nothing is measured, and what is, is refused after (below)
-    if (why := unwritable(path)) is not None and not path.is_file():
+    # before the measuring, not after it; a file of this machine's forms may hold every one (shipped read-only):
+    # then nothing is measured, and what is, is refused after (below)
+    if (why := unwritable(path)) is not None and not measured_here(path):
         print(f"error: cannot write {path} ({why}); give --cpu-forms a writable path", file=sys.stderr)
         return 1
     router_threads, worker_threads = split_threads(opts.threads or len(os.sched_getaffinity(0)), opts.workers)

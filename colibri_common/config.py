@@ -14,7 +14,7 @@ from pathlib import Path
 from colibri_common.architectures import ARCHITECTURES, SLIDING_KINDS, ArchSpec
 from colibri_common.errors import CheckpointError, ConfigError
 from colibri_common.rope_scaling import RopeScaling
-from colibri_common.safetensors_header import read_header
+from colibri_common.safetensors_header import read_header, read_index
 
 # config.json's torch_dtype (transformers 5: dtype) as transformers reads it (getattr(torch, name)): the floating
 # dtypes a checkpoint's weights are saved in, by their saved names and the aliases of them
@@ -151,9 +151,10 @@ class ModelConfig:
         if extra - set(cfg.eos_token_ids):        # generate()'s stop tokens too (GPT-OSS: <|call|>, <|endoftext|>)
             cfg = dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids,
                                                           *sorted(extra - set(cfg.eos_token_ids))))
-        if not raw.get("dtype") and not raw.get("torch_dtype") and (saved := weights_dtype(Path(model_dir))):
-            # none named: the weights' own, as transformers 5
-            cfg = dataclasses.replace(cfg, torch_dtype=saved, torch_dtype_from="the weights; config.json names none")
+        if not raw.get("dtype") and not raw.get("torch_dtype"):    # none named: the weights' own, as transformers 5
+            saved = weights_dtype(Path(model_dir))
+            cfg = dataclasses.replace(cfg, torch_dtype=saved or cfg.torch_dtype, torch_dtype_from=(
+                "the weights; config.json names none" if saved else "config.json names none: transformers 4's default"))
         return cfg
 
     @staticmethod
@@ -276,23 +277,32 @@ class ModelConfig:
         )
 
 
-# the safetensors dtype codes of floating weights, by the saved names above
+# the safetensors dtype codes of floating weights (those safetensors_header reads), by the saved names above
 SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
-                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+                      "F8_E4M3": "float8_e4m3fn"}
 
 
 def weights_dtype(model_dir: Path) -> str | None:
-    """The floating dtype most of the checkpoint's weight bytes are saved in (transformers 5 serves a config.json
-    that names none in its weights' dtype); None where no safetensors file says (its header unreadable: the
-    checkpoint's own checks name the problem later)."""
-    totals: dict[str, int] = {}
+    """The floating dtype most of the checkpoint's weight bytes are saved in, for a config.json that names none
+    (transformers 5 then loads the weights in their own dtype: that of its first floating tensor, the same for a
+    checkpoint of one dtype). The files the checkpoint is read from: those its index names, else every
+    *.safetensors; one whose header cannot be read is passed over (the checkpoint's own checks name it later).
+    None where no file says."""
+    index = model_dir / "model.safetensors.index.json"
     try:
-        for f in sorted(model_dir.glob("*.safetensors")):
-            for entry in read_header(f).values():
-                if (name := SAFETENSORS_FLOATS.get(entry.dtype)) is not None:
-                    totals[name] = totals.get(name, 0) + entry.nbytes
+        files = sorted({model_dir / name for name in read_index(index).values()}) if index.is_file() else \
+            sorted(model_dir.glob("*.safetensors"))
     except (CheckpointError, OSError):
         return None
+    totals: dict[str, int] = {}
+    for f in files:
+        try:
+            entries = read_header(f).values()
+        except (CheckpointError, OSError):
+            continue
+        for entry in entries:
+            if (name := SAFETENSORS_FLOATS.get(entry.dtype)) is not None:
+                totals[name] = totals.get(name, 0) + entry.nbytes
     return max(totals, key=lambda name: totals[name]) if totals else None
 
 

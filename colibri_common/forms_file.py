@@ -225,6 +225,12 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
+def measured_here(path: Path) -> bool:
+    """Whether `path` holds forms measured on this machine (a file measured on another, or none, is measured
+    again in full)."""
+    return bool(_read(path, machine(), say=False))
+
+
 def write_atomic(path: Path, text: str) -> None:
     """`text` as the whole of `path`, atomically: written to a temp file beside it, then renamed over it. A write
     that fails (ENOSPC, EDQUOT, any OSError) removes the temp file before the error goes on, so a full disk

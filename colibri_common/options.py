@@ -43,7 +43,8 @@ class ServiceOptions:
                         metavar="DIR")
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(0, "port; 0 picks a free one")
-    dtype: str = option("auto", "compute dtype: auto = the checkpoint's (config.json's torch_dtype): float32 for "
+    dtype: str = option("auto", "compute dtype: auto = the checkpoint's (config.json's torch_dtype, else its "
+                                "weights'): float32 for "
                                 "a float32 or float64 checkpoint, bfloat16 for bfloat16, float16, FP8 and MXFP4 ones; "
                                 "float32 on a bfloat16 checkpoint holds its weights at twice their size",
                         choices=DTYPE_CHOICES)

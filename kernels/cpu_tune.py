@@ -17,6 +17,7 @@ Shapes: E local experts, I expert width, H hidden size, K experts per token, T t
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
@@ -161,8 +162,9 @@ Work = TypeVar("Work")
 def _progress(work: list[Work], timed: bool) -> Iterator[Work]:
     """`work` with a bar where stderr is a terminal (tqdm's disable=None), as a shape takes seconds to measure; the
     log's lines meanwhile go above it, not through it."""
-    with logging_redirect_tqdm():
-        yield from tqdm(work, desc="measuring CPU forms", unit="shape", disable=None if timed and work else True)
+    bar = tqdm(work, desc="measuring CPU forms", unit="shape", disable=None if timed and work else True)
+    with contextlib.nullcontext() if bar.disable else logging_redirect_tqdm():      # the handlers swapped only
+        yield from bar                                                               # while a bar shows
 
 
 def _moe_weights(s: MoeShape, g: torch.Generator, experts: int = 0) -> tuple[object, object, torch.dtype]:

@@ -146,6 +146,9 @@ def test_a_config_that_names_no_dtype_is_served_in_its_weights_dtype_as_transfor
     cfg = ModelConfig.from_dir(path)
     assert (cfg.torch_dtype, cfg.torch_dtype_from) == ("bfloat16", "the weights; config.json names none")
     assert ModelConfig.from_dir(src.path).torch_dtype_from == "config.json"
+    (path / "stray.safetensors").write_bytes(b"not a safetensors file")     # passed over, not a float32 fallback
+    assert ModelConfig.from_dir(path).torch_dtype == "bfloat16"
+    (path / "stray.safetensors").unlink()
     colibri = str(Path(sys.executable).parent / "colibri")
     out = subprocess.run([colibri, "validate", "--model", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -46,6 +46,7 @@ class Fusion:
         self._weights_fuse: dict[tuple[int, int, torch.dtype], bool] = {}    # by (layer, rows, dtype)
         self._step_fuse: tuple[StepInputs | None, bool] = (None, False)       # the step part, for its step
         self._said = False
+        self._epoch = 0         # the caches' epoch read just before the layer being run was (`read_layer`)
 
     @staticmethod
     def routes_natively(lw: LayerWeights, dtype: torch.dtype, device: torch.device) -> bool:
@@ -55,14 +56,20 @@ class Fusion:
                 and lw.gate_bias is None and isinstance(lw.gate, torch.Tensor) and lw.gate.dtype == dtype
                 and (dtype, lw.ln2.dtype) in NORM_TYPES)
 
+    def read_layer(self, weights: list[LayerWeights], layer: int) -> LayerWeights:
+        """weights[layer], for a step's layer-by-layer path; what `native_route` and `block_args` keep for it is kept
+        under the epoch read just before (another thread may replace the layer and then forget what was kept: an
+        entry of the old one must not be kept after that)."""
+        self._epoch = self.caches.epoch
+        return weights[layer]
+
     def native_route(self, layer: int, lw: LayerWeights, h: torch.Tensor) -> bool:
         """`routes_natively` for this layer at h's dtype, worked out once for the layer's weights (and again where
         the decoder ops were refused since: the torch forms at once)."""
         known, ops = self.caches.routes.get(layer), native.decoder_ops()
         if known is None or known[0] is not lw or known[1] != h.dtype or known[3] != ops:
-            epoch = self.caches.epoch
             known = (lw, h.dtype, self.routes_natively(lw, h.dtype, h.device), ops)
-            self.caches.keep(epoch, self.caches.routes, layer, known)
+            self.caches.keep(self._epoch, self.caches.routes, layer, known)
         return known[2]
 
     def decode_plan(self, weights: list[LayerWeights], h: torch.Tensor, cos: torch.Tensor, step: StepInputs,
@@ -157,9 +164,8 @@ class Fusion:
             (step.decode_slots, step.decode_lens)                            # [Bd, C], [Bd]
         parts = self.caches.block_parts.get(layer)
         if parts is None or parts[0] is not lw:          # made once for the layer's weights (they may be replaced)
-            epoch = self.caches.epoch
             parts = (lw, self._block_head(lw), self._block_tail(lw))
-            self.caches.keep(epoch, self.caches.block_parts, layer, parts)
+            self.caches.keep(self._epoch, self.caches.block_parts, layer, parts)
         return (*parts[1], cos, sin, kv.k[layer], kv.v[layer], step.slots, slots, lens, *parts[2])
 
     def _block_head(self, lw: LayerWeights) -> tuple:

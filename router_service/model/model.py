@@ -163,9 +163,10 @@ class RouterModel:
                                                               self.batch_invariant)
         if plan is not None:                                                 # every layer one native call
             h = plan.run(h, cos, sin, step, routes if self.track_routing else None)
-        # each layer read as the loop reaches it: the huge pages' thread may replace one meanwhile (and then forget
-        # what was kept of the old one: a layer read long before would be kept again, alive)
-        for i, lw in enumerate(self.w.layers if plan is None else ()):
+        for i in range(len(self.w.layers) if plan is None else 0):
+            # read as the loop reaches it, after the caches' epoch: the huge pages' thread may replace a layer and
+            # then forget what was kept of the old one, which must not be kept again
+            lw = self.fusion.read_layer(self.w.layers, i)
             if fusion is not None and (fused := fusion.whole_layer(i, lw, h, cos, sin, step, kv, experts,
                                                                     self.batch_invariant)) is not None:
                 h, ids = fused                                               # the layer in one native call

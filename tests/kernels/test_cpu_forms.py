@@ -328,24 +328,29 @@ def test_tune_on_a_read_only_folder_takes_a_complete_file_and_refuses_a_new_one(
     first = colibri_run(["tune", "--model", model, "--cpu-forms", str(forms)], timeout=300)
     assert first.returncode == 0 and "measured" in first.stdout, first
     (tmp_path / "ro" / "new.lock").touch()
-    (tmp_path / "ro").chmod(0o555)
+    other = json.loads(forms.read_text())
+    other["machine"] = {**other["machine"], "cpu": "another CPU"}                 # shipped from another machine
+    (tmp_path / "ro" / "other.json").write_text(json.dumps(other))
     prefix = []
     if os.getuid() == 0:
         prefix = ["setpriv", "--bounding-set=-dac_override"]
-        if shutil.which("setpriv") is None or subprocess.run([*prefix, "touch", str(tmp_path / "ro" / "x")],
-                                                             capture_output=True).returncode == 0:
+        if shutil.which("setpriv") is None or subprocess.run([*prefix, "true"]).returncode != 0:
             pytest.skip("root writes anywhere here: no setpriv to drop the capability that lets it")
     try:
+        (tmp_path / "ro").chmod(0o555)
+        if subprocess.run([*prefix, "touch", str(tmp_path / "ro" / "x")], capture_output=True).returncode == 0:
+            pytest.skip("this process writes into a read-only folder (root without setpriv's effect)")
         again = subprocess.run([*prefix, COLIBRI, "tune", "--model", model, "--cpu-forms", str(forms)],
                                capture_output=True, text=True, timeout=300)
         assert again.returncode == 0 and "Traceback" not in again.stderr, again
         assert again.stdout.count("nothing new to measure") == 2, again
-        new = tmp_path / "ro" / "new.json"
-        refused = subprocess.run([*prefix, COLIBRI, "tune", "--model", model, "--cpu-forms", str(new)],
-                                 capture_output=True, text=True, timeout=300)
-        assert refused.returncode == 1 and refused.stdout == "", refused
-        assert refused.stderr.startswith(f"error: cannot write {new} ([Errno 13] Permission denied"), refused
-        assert len(refused.stderr.splitlines()) == 1, refused          # no measuring's warnings before it
+        for name in ("new.json", "other.json"):                  # nothing there yet; another machine's forms
+            new = tmp_path / "ro" / name
+            refused = subprocess.run([*prefix, COLIBRI, "tune", "--model", model, "--cpu-forms", str(new)],
+                                     capture_output=True, text=True, timeout=300)
+            assert refused.returncode == 1 and refused.stdout == "", refused
+            assert refused.stderr.startswith(f"error: cannot write {new} ([Errno 13] Permission denied"), refused
+            assert len(refused.stderr.splitlines()) == 1, refused      # no measuring's warnings before it
     finally:
         (tmp_path / "ro").chmod(0o755)
 
