@@ -44,9 +44,9 @@ class ServiceOptions:
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(0, "port; 0 picks a free one")
     dtype: str = option("auto", "compute dtype: auto = the checkpoint's (config.json's torch_dtype, else its "
-                                "weights'): float32 for "
-                                "a float32 or float64 checkpoint, bfloat16 for bfloat16, float16, FP8 and MXFP4 ones; "
-                                "float32 on a bfloat16 checkpoint holds its weights at twice their size",
+                                "weights'): float32 for a float32 or float64 checkpoint, bfloat16 for bfloat16, "
+                                "float16, FP8 and MXFP4 ones; float32 on a bfloat16 checkpoint holds its weights at "
+                                "twice their size",
                         choices=DTYPE_CHOICES)
     threads: int = option(0, "torch threads for this process (0 = all cores)")
     log_level: str = option("INFO", "log level", choices=LOG_LEVELS, type=upper)
