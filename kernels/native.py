@@ -15,6 +15,9 @@ Python op per kernel, each checked against a float64 reference before it may be 
         in one call (the MoE block's front)
     attention_block(h, …): a decode step's whole attention block (norm, qkv, q/k norms, rope, cache write,
         attention, o) in one call, with the bits of those ops run one by one
+    decoder_layer(h, …): a decode step's MoE layer (attention block, routing, in-process experts) in one call;
+        decoder_front(h, …): its front (the attention block, the residual add, moe_route), where the experts are
+        elsewhere
     rest(): the ops' pool threads (kernels/native/pool.h, `colibri-pool`), which spin a moment after each op,
         sleep now: a caller about to block on other processes leaves them the cores; wake(): they get up again
         for the next op, as that wait ends
@@ -31,9 +34,11 @@ Shapes: x [n, K], w [Dout, K]; P token-expert pairs sorted by expert, H hidden s
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +54,9 @@ SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}     # colibri::t
 GROUP_SCORE_CODES = {"max": 0, "top2": 1}
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
 OPS = ("linear", "expert_blocks", "expert_blocks_free", "moe_blocks_", "moe_sum_", "decode_attention", "rms_norm",
-       "rope", "attention_block", "decoder_layer", "topk_route", "moe_route", "expert_answer", "combine_replies",
-       "forward_request", "forward_send", "recv_frame", "isa", "use_isa", "rest", "wake", "exit_on_sigbus")
+       "rope", "attention_block", "decoder_layer", "decoder_front", "topk_route", "moe_route", "expert_answer",
+       "combine_replies", "forward_request", "forward_send", "recv_frame", "isa", "use_isa", "rest", "wake",
+       "exit_on_sigbus")
 
 
 def _load() -> str | None:
@@ -74,6 +80,22 @@ def _load() -> str | None:
 
 
 UNAVAILABLE = _load()
+
+
+def _c_function(name: str) -> Callable[[], None] | None:
+    """A void(void) C function of the loaded library, called through ctypes with the GIL held (PyDLL): a fraction of
+    a torch op's dispatch, for calls that pass nothing (None without the library, or in a build without it)."""
+    if UNAVAILABLE is not None:
+        return None
+    try:
+        fn = getattr(ctypes.PyDLL(str(LIBRARY)), name)      # the same handle torch loaded (dlopen counts)
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = None, []
+    return fn
+
+
+_REST, _WAKE = _c_function("colibri_rest"), _c_function("colibri_wake")
 
 
 def available() -> bool:
@@ -123,7 +145,9 @@ def use_isa(level: str = "") -> str:
 def rest() -> None:
     """The native ops' pool threads stop spinning and sleep until the next op (kernels/native/pool.h): for a
     caller about to block on something else, so the cores go to whoever computes meanwhile."""
-    if available():
+    if _REST is not None:
+        _REST()
+    elif available():
         torch.ops.colibri.rest()
 
 
@@ -132,7 +156,9 @@ def wake() -> None:
     whose wait is ending, ahead of its next op (a router as the first of a layer's workers answers: the thread takes
     the core that worker left). A thread woken by the op itself takes 0.1-0.2 ms to run on a VM, longer than a
     decode step's op, which then runs on the caller's thread alone."""
-    if available():
+    if _WAKE is not None:
+        _WAKE()
+    elif available():
         torch.ops.colibri.wake()
 
 
@@ -296,6 +322,17 @@ def decoder_layer(h: torch.Tensor, attention: tuple, ln2: torch.Tensor, gate: to
     (ln2, gate, routing, gate_bias) and moe_'s (`experts`)."""
     call = DecoderLayerCall(attention[:6], attention[13:], ln2, gate, routing, gate_bias, experts)
     return call(h, *attention[6:13])
+
+
+def decoder_front(h: torch.Tensor, attention: tuple, ln2: torch.Tensor, gate: torch.Tensor, routing: Routing,
+                  gate_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's MoE layer up to its experts in one call, with the bits of `h + attention_block(h, …)` and then
+    `moe_route`: h [T, H] -> (h1 = h + attn [T, H], r [T, H], weights float32 [T, k], ids int64 [T, k]), for experts
+    elsewhere (a fleet's workers) or beside shared ones. `attention`: attention_block's arguments after h."""
+    return torch.ops.colibri.decoder_front.default(h, *attention, ln2, gate, gate_bias, routing.top_k,
+                                                   SCORING_CODES[routing.scoring], routing.renormalize,
+                                                   routing.num_groups, routing.topk_groups,
+                                                   GROUP_SCORE_CODES[routing.group_score], routing.scaling)
 
 
 class DecoderLayerCall:

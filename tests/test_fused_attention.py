@@ -30,9 +30,9 @@ def logits(path, dtype: str, fused: bool, layers: bool = True) -> list[bytes]:
 @pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss", "mixtral"])
 def test_the_fused_attention_block_has_the_bits_of_the_op_by_op_path(oracles, monkeypatch, arch, dtype):
     """Three runs alike to the bit: each MoE layer of a decode step in one native call (kernels.native.decoder_layer:
-    the attention block, the routing and the in-process experts), the attention block alone in one call, and
-    every op on its own."""
-    calls = {"attention_block": 0, "decoder_layer": 0}
+    the attention block, the routing and the in-process experts), the layer up to its experts in one call
+    (decoder_front, as a fleet's router runs it) or the attention block alone, and every op on its own."""
+    calls = {"attention_block": 0, "decoder_layer": 0, "decoder_front": 0}
 
     def counting(name):
         real = getattr(native, name)
@@ -43,6 +43,7 @@ def test_the_fused_attention_block_has_the_bits_of_the_op_by_op_path(oracles, mo
         return counted
 
     monkeypatch.setattr(native, "attention_block", counting("attention_block"))
+    monkeypatch.setattr(native, "decoder_front", counting("decoder_front"))
     real_call = native.DecoderLayerCall.__call__
 
     def counted_call(self, *args):          # the one-call layers, one by one or a decode plan's loop
@@ -55,12 +56,17 @@ def test_the_fused_attention_block_has_the_bits_of_the_op_by_op_path(oracles, mo
     n_layer = calls["decoder_layer"]
     if arch not in ("qwen2_moe", "gpt_oss"):             # (shared experts, a gate's bias: call by call)
         assert n_layer > 0                               # the decode steps' MoE layers took the one-call path
-    n = calls["attention_block"]
+    n, n_front = calls["attention_block"], calls["decoder_front"]
     assert logits(oracles[arch].path, dtype, True, layers=False) == whole
-    assert calls["decoder_layer"] == n_layer and calls["attention_block"] > n   # the attention block alone now
-    n = calls["attention_block"]
+    assert calls["decoder_layer"] == n_layer
+    if arch != "gpt_oss":                                # (a gate's bias: the routing call by call)
+        assert calls["decoder_front"] > n_front          # the layers' fronts in one call now
+    else:
+        assert calls["attention_block"] > n              # the attention block alone
+    n, n_front = calls["attention_block"], calls["decoder_front"]
     assert logits(oracles[arch].path, dtype, False) == whole
-    assert calls["attention_block"] == n and calls["decoder_layer"] == n_layer  # and the last run took neither
+    assert calls["attention_block"] == n and calls["decoder_layer"] == n_layer  # and the last run took none
+    assert calls["decoder_front"] == n_front
 
 
 def test_a_decode_plan_runs_the_layers_and_follows_the_weights_it_was_made_from(oracles, monkeypatch):

@@ -12,6 +12,12 @@
 //
 // What it saves is the Python between those calls (three ops' argument lists, the experts' call chain, two adds),
 // ~0.1 ms a layer at one row on the 2-core VMs, where that Python runs on caches the weights' stream flushed.
+//
+// colibri::decoder_front: the same layer's front, for experts elsewhere (a fleet's router, or shared experts beside
+// the routed ones): h1 and moe_route's three results, the experts left to the caller.
+//
+//   decoder_front(<attention_block's arguments>, ln2 [H], gate [E, H], gate_bias?, <moe_route's routing>)
+//       -> (h1 [T, H], r [T, H], weights [T, k] float32, ids [T, k] int64)
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -40,6 +46,22 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     return {at::add(h1, acc.to(h.scalar_type())), ids};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoder_front(
+    const at::Tensor& h, const at::Tensor& ln1, const at::Tensor& w_qkv, const c10::optional<at::Tensor>& b_qkv,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, bool full_qk_norm,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& write,
+    const at::Tensor& slots, const at::Tensor& lens, const c10::optional<at::Tensor>& sinks, const at::Tensor& w_o,
+    const c10::optional<at::Tensor>& b_o, int64_t heads, int64_t kv_heads, double eps, const at::Tensor& ln2,
+    const at::Tensor& gate, const c10::optional<at::Tensor>& gate_bias, int64_t k, int64_t scoring,
+    bool renormalize, int64_t num_groups, int64_t topk_groups, int64_t group_score, double scaling) {
+    at::Tensor h1 = at::add(h, attention_block(h, ln1, w_qkv, b_qkv, q_norm, k_norm, full_qk_norm, cos, sin,
+                                               k_cache, v_cache, write, slots, lens, sinks, w_o, b_o, heads,
+                                               kv_heads, eps));                                  // [T, H]
+    auto [r, weights, ids] = moe_route(h1, ln2, gate, eps, gate_bias, k, scoring, renormalize, num_groups,
+                                       topk_groups, group_score, scaling);                 // [T, H], [T, k] x 2
+    return {h1, r, weights, ids};
+}
+
 }  // namespace colibri_ops
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
@@ -49,6 +71,14 @@ TORCH_LIBRARY_FRAGMENT(colibri, m) {
           "Tensor ln2, Tensor gate, Tensor? gate_bias, int k, int scoring, bool renormalize, int num_groups, "
           "int topk_groups, int group_score, float scaling, Tensor local, int w13, int w2, Tensor? b13, "
           "Tensor? b2, float alpha, float? limit, float up_offset, bool w8a8) -> (Tensor, Tensor)");
+    m.def("decoder_front(Tensor h, Tensor ln1, Tensor w_qkv, Tensor? b_qkv, Tensor? q_norm, Tensor? k_norm, "
+          "bool full_qk_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write, "
+          "Tensor slots, Tensor lens, Tensor? sinks, Tensor w_o, Tensor? b_o, int heads, int kv_heads, float eps, "
+          "Tensor ln2, Tensor gate, Tensor? gate_bias, int k, int scoring, bool renormalize, int num_groups, "
+          "int topk_groups, int group_score, float scaling) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(colibri, CPU, m) { m.impl("decoder_layer", &colibri_ops::decoder_layer); }
+TORCH_LIBRARY_IMPL(colibri, CPU, m) {
+    m.impl("decoder_layer", &colibri_ops::decoder_layer);
+    m.impl("decoder_front", &colibri_ops::decoder_front);
+}

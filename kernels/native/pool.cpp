@@ -235,6 +235,14 @@ void wake() {
 
 }  // namespace colibri_ops
 
+// rest() and wake() as plain C functions too, which kernels/native.py calls through ctypes: a torch op's dispatch
+// costs tens of µs on the caches a layer's weights have just flushed, for what is a flag's store, and a fleet's
+// router calls them two or three times a layer.
+extern "C" {
+void colibri_rest() { colibri_ops::rest(); }
+void colibri_wake() { colibri_ops::wake(); }
+}
+
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
     m.def("rest() -> ()", &colibri_ops::rest);
     m.def("wake() -> ()", &colibri_ops::wake);

@@ -5,8 +5,9 @@ narrowest, as far as its layers allow:
 - every layer as one loop of `decoder_layer` calls from a `DecodePlan` (decode_layers.py): each MoE layer's
   attention block, routing and experts in one call, where the experts are in this process (`decode_plan`);
 - one layer at a time the same call, where some other layer does not fuse (`whole_layer`);
-- the attention block alone in one call (`fuses_attention`), where the experts are elsewhere (a fleet's router) or
-  the layer has shared experts;
+- the layer up to its experts (the attention block, the residual add, the routing) in one call (`front`), where the
+  experts are elsewhere (a fleet's router) or the layer has shared experts;
+- the attention block alone in one call (`fuses_attention`), a dense layer's;
 - the MoE block's front (norm, gate, routing) in one call (`native_route`), prefills included.
 The rest (prefills' attention, latent attention, the GPU's path, batch invariance, weights whose form at the step's
 rows is not the native one, clipped qkv) runs op by op in model.py, with the same bits.
@@ -118,6 +119,19 @@ class Fusion:
             return None
         return native.decoder_layer(h, self.block_args(layer, lw, cos, sin, step, kv), lw.ln2, lw.gate,
                                     self.routing, lw.gate_correction, moe)
+
+    def front(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              step: StepInputs, kv: KVCache, invariant: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A MoE layer of a decode step up to its experts in one native call (kernels.native.decoder_front: the
+        attention block, the residual add and the routing, with the bits of those calls), where `whole_layer` does
+        not take the layer (experts on workers, shared experts): (h after attention [T, H], the MoE block's input r
+        [T, H], weights [T, K] float32, ids [T, K]); None where the layer's front runs call by call."""
+        if (lw.gate is None or lw.mla is not None or not self.fuses_attention(layer, lw, h, cos, step, kv, invariant)
+                or not self.native_route(layer, lw, h)):
+            return None
+        return native.decoder_front(h, self.block_args(layer, lw, cos, sin, step, kv), lw.ln2, lw.gate, self.routing,
+                                    lw.gate_correction)
 
     def fuses_attention(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs,
                         kv: KVCache, invariant: bool) -> bool:

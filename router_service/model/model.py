@@ -173,11 +173,15 @@ class RouterModel:
                 if self.track_routing:
                     routes.append(ids)
                 continue
-            h = h + self._attention(i, lw, h, cos, sin, step, kv)
-            if lw.gate is None:
-                h = h + rows(partial(self._dense_mlp, lw), h)
-                continue
-            r, weights, ids = rows(partial(self._route, i, lw), h)          # [T, H], [T, K] f32, [T, K]  route
+            front = self.fusion.front(i, lw, h, cos, sin, step, kv, self.batch_invariant)
+            if front is not None:                                            # attention and routing in one call
+                h, r, weights, ids = front
+            else:
+                h = h + self._attention(i, lw, h, cos, sin, step, kv)
+                if lw.gate is None:
+                    h = h + rows(partial(self._dense_mlp, lw), h)
+                    continue
+                r, weights, ids = rows(partial(self._route, i, lw), h)      # [T, H], [T, K] f32, [T, K]  route
             if self.track_routing:
                 routes.append(ids)
             ahead = None
