@@ -69,6 +69,7 @@ def quantized_expert_bytes(cfg: ModelConfig) -> int:
 def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | None = None,
              cpu_forms: str = "off", dtype: str = "auto") -> list[str]:
     """Returns the summary lines; raises ColibriError naming the first problem."""
+    from colibri_common.chat_template import compile_error, load_chat_template
     from colibri_common.checkpoint import Checkpoint
     from colibri_common.config import ModelConfig
     from colibri_common.errors import CheckpointError, ConfigError
@@ -95,6 +96,10 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
     if tok_vocab is not None and tok_vocab > cfg.vocab_size:
         raise CheckpointError(f"{tok_path} has {tok_vocab} tokens but config.json vocab_size is "
                               f"{cfg.vocab_size}; they must agree")
+    template, _ = load_chat_template(model_dir)      # as the router reads it (tokenizer_config.json, special tokens)
+    if template is not None and (why := compile_error(template)) is not None:
+        raise CheckpointError(f"{model_dir}: the chat template does not compile: {why}; fix its chat_template.jinja "
+                              f"(or tokenizer_config.json's chat_template): /v1/chat/completions would answer 500")
     lines = [
         f"architecture     {cfg.architecture}",
         f"parameters       {params / 1e6:.1f}M ({total_bytes / 2**20:.1f} MiB on disk, {len(ckpt.entries)} tensors)",
@@ -114,7 +119,8 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
         + (", renormalised" if cfg.norm_topk_prob else "")
         + (f", scaled x{cfg.routed_scaling:g}" if cfg.routed_scaling != 1 else ""),
         _attention_line(cfg),
-        f"tokenizer        {'none' if tok_vocab is None else f'{tok_vocab} tokens'} (vocab_size {cfg.vocab_size})",
+        f"tokenizer        {'none' if tok_vocab is None else f'{tok_vocab} tokens'} (vocab_size {cfg.vocab_size})"
+        f"; chat template {'none' if template is None else 'compiles'}",
         f"router holds     {router_bytes / 2**20:.1f} MiB",
         "experts held     " + {None: "as stored (dequantised to the compute dtype)",
                                "int8": "int8 weight-only (--quantize int8): activations in the compute dtype",

@@ -65,7 +65,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2MoeForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
         bias_key="qkv_bias", bias_default=True, o_proj_bias=False, shared_expert=True,
-        defaults=(("max_position_embeddings", 32768), ("num_key_value_heads", 16)),
+        defaults=(("max_position_embeddings", 32768), ("num_key_value_heads", 16),
+                  ("shared_expert_intermediate_size", 5632)),       # transformers' default
     ),
     "Qwen3MoeForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
@@ -121,7 +122,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         defaults=(("rope_theta", 150000.0), ("sliding_window", 128), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0),
                   ("rms_norm_eps", 1e-5), ("head_dim", 64), ("max_position_embeddings", 131072),
                   ("num_key_value_heads", 8),
-                  ("rope_scaling", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  ("rope_parameters", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 4096})),
     ),
 }

@@ -29,6 +29,24 @@ class TemplateError(ValueError):
     """The template refused the messages (its raise_exception) or failed to render: the client's 400."""
 
 
+class TemplateBroken(ValueError):
+    """The template does not compile: the checkpoint's fault, whatever the messages (a 500 that says so)."""
+
+
+def compile_error(source: str) -> str | None:
+    """Why the template does not compile (jinja2's syntax error, with its line), or None: for `validate` and the
+    front's start, so that a broken template is named as the checkpoint's, not as any request's."""
+    import jinja2
+
+    try:
+        _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        return f"{exc.message} (line {exc.lineno})"
+    except jinja2.TemplateError as exc:
+        return str(exc)
+    return None
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, str):
         return value
@@ -60,7 +78,10 @@ def load_chat_template(model_dir: str | Path) -> tuple[str | None, dict[str, str
                 special[name] = text
     template: str | None = None
     if (root / TEMPLATE_FILE).is_file():
-        template = (root / TEMPLATE_FILE).read_text(encoding="utf-8")
+        try:
+            template = (root / TEMPLATE_FILE).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"{root / TEMPLATE_FILE}: not UTF-8 text ({exc}); save it as UTF-8") from None
     else:
         raw = config.get("chat_template")
         if isinstance(raw, str):
@@ -83,9 +104,13 @@ class ChatTemplate:
         variables; TemplateError when the template refuses them."""
         import jinja2
 
+        if self._compiled is None:
+            if (why := compile_error(self.source)) is not None:
+                raise TemplateBroken(f"the model's chat template does not compile: {why}. That is a fault of the "
+                                     f"checkpoint, not of the request: fix its chat_template.jinja (or "
+                                     f"tokenizer_config.json's chat_template), or use /v1/completions")
+            self._compiled = _environment().from_string(self.source)
         try:
-            if self._compiled is None:
-                self._compiled = _environment().from_string(self.source)
             # one dict, not keywords: a variable may be named as render's own parameters ('self')
             return self._compiled.render({**self.special_tokens, **(extra or {}), "messages": messages, "tools": None,
                                           "documents": None, "add_generation_prompt": add_generation_prompt})

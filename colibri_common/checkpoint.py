@@ -50,6 +50,9 @@ class Checkpoint:
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             weight_map = {}
+        if not files and self.dir.is_dir() and not os.access(self.dir, os.R_OK):
+            raise CheckpointError(f"{self.dir}: permission denied to list it (its files are found by listing it): "
+                                  f"give this user (uid {os.getuid()}) read access to the directory")
         if not files:
             bins = sorted(p.name for p in self.dir.glob("*.bin"))[:2]
             raise CheckpointError(f"{self.dir}: no *.safetensors files found" + (
@@ -62,9 +65,17 @@ class Checkpoint:
                 raise CheckpointError(f"{index}: names {fname}, which is missing from {self.dir}"
                                       if weight_map and not (path.exists() or path.is_symlink()) else
                                       f"{path}: not a regular file (a directory, or a link to nothing)")
-            self.entries.update(read_header(path))
+            for name, entry in read_header(path).items():
+                other = self.entries.get(name)
+                # a tensor in two files: the index says which; without one, no file may be taken over another
+                if other is not None and not weight_map:
+                    raise CheckpointError(f"{self.dir}: tensor '{name}' is stored in both {other.file.name} and "
+                                          f"{fname}; remove the file that should not be there (or list each tensor's "
+                                          f"file in a model.safetensors.index.json)")
+                if other is None or weight_map.get(name) == fname:
+                    self.entries[name] = entry
         for name, fname in weight_map.items():
-            if name not in self.entries:
+            if name not in self.entries or self.entries[name].file != self.dir / fname:
                 raise CheckpointError(f"{index}: tensor '{name}' is listed in {fname} but not stored there")
 
     def __contains__(self, name: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,11 +131,9 @@ class ModelConfig:
     def from_dir(model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise ConfigError(f"{path}: not found; --model must be a Hugging Face checkpoint directory")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+            raise ConfigError(f"{path}: {'not a file' if path.exists() else 'not found'}; --model must be a Hugging "
+                              f"Face checkpoint directory")
+        raw = read_json(path)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: must hold a JSON object (a model's config), not a {type(raw).__name__}")
         try:
@@ -151,6 +150,15 @@ class ModelConfig:
         if extra - set(cfg.eos_token_ids):        # generate()'s stop tokens too (GPT-OSS: <|call|>, <|endoftext|>)
             cfg = dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids,
                                                           *sorted(extra - set(cfg.eos_token_ids))))
+        stored = stored_names(Path(model_dir)) if cfg.tie_word_embeddings or cfg.arch.shared_expert else set()
+        if cfg.tie_word_embeddings and "lm_head.weight" in stored:
+            # the output layer the checkpoint stores is the one used, as transformers loads it (it does not tie a
+            # head it was given: a config that says tied over an untied checkpoint gave other tokens than it)
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+        shared = f".{cfg.arch.moe_prefix}.{cfg.arch.shared_prefix}."
+        if cfg.arch.shared_expert and not cfg.shared_expert_intermediate_size and any(shared in n for n in stored):
+            raise ConfigError(f"{path}: shared_expert_intermediate_size is 0, but the checkpoint stores shared expert "
+                              f"weights (*{shared}*); set it to their width (transformers refuses it too)")
         if not raw.get("dtype") and not raw.get("torch_dtype"):    # none named: the weights' own, as transformers 5
             saved = weights_dtype(Path(model_dir))
             cfg = dataclasses.replace(cfg, torch_dtype=saved or cfg.torch_dtype, torch_dtype_from=(
@@ -196,10 +204,18 @@ class ModelConfig:
         hidden = size("hidden_size")
         heads = size("num_attention_heads")
         layers = size("num_hidden_layers")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        # as transformers: rope_scaling, where a config gives one, takes rope_parameters' place (its own rope_theta,
+        # else the top level's or the architecture's default: not rope_parameters'); a long-context recipe adds it to
+        # a config that transformers 5 saved with rope_parameters
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
         max_positions = size("max_position_embeddings") if "max_position_embeddings" in raw else 4096
         rope_scaling = RopeScaling.from_raw(rope, max_positions, raw.get("original_max_position_embeddings"))
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        if not (math.isfinite(rope_theta) and rope_theta > 0):
+            raise ConfigError(f"{source}: rope_theta must be a positive number, got {rope_theta}")
+        eps = float(raw.get("rms_norm_eps", 1e-6))
+        if not (math.isfinite(eps) and eps > 0):
+            raise ConfigError(f"{source}: rms_norm_eps must be a positive number, got {eps}")
         if raw.get("use_sliding_window") and arch.sliding == "none":
             raise ConfigError(f"{source}: use_sliding_window with {name} is not supported yet")
         window, sliding = _sliding(arch, raw, layers, source)
@@ -245,7 +261,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=eps,
             qkv_bias=qkv_bias,
             o_bias=qkv_bias and arch.o_proj_bias,
             clip_qkv=None if raw.get("clip_qkv") is None else float(raw["clip_qkv"]),
@@ -280,6 +296,24 @@ class ModelConfig:
 # the safetensors dtype codes of floating weights (those safetensors_header reads), by the saved names above
 SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
                       "F8_E4M3": "float8_e4m3fn"}
+
+
+def stored_names(model_dir: Path) -> set[str]:
+    """The tensors the checkpoint stores: those its index names, else those of every *.safetensors header; an
+    unreadable index or header is passed over (the checkpoint's own checks name it later)."""
+    index = model_dir / "model.safetensors.index.json"
+    names: set[str] = set()
+    try:
+        if index.is_file():
+            return set(read_index(index))
+        for f in sorted(model_dir.glob("*.safetensors")):
+            try:
+                names |= set(read_header(f))
+            except CheckpointError:
+                continue
+    except (CheckpointError, OSError):
+        pass
+    return names
 
 
 def weights_dtype(model_dir: Path) -> str | None:
@@ -333,14 +367,26 @@ def _sliding(arch: ArchSpec, raw: dict, layers: int, source: str) -> tuple[int, 
     return window, tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
 
 
+def read_json(path: Path) -> object:
+    """A checkpoint's JSON file (UTF-8, as JSON is), or a ConfigError that says what is wrong with it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc}); save it as UTF-8") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: its JSON nests too deeply to read; is it a Hugging Face file?") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+
+
 def _generation_eos(path: Path) -> set[int]:
     """generation_config.json's eos_token_id (an int or a list), which transformers' generate() stops on too."""
     if not path.is_file():
         return set()
-    try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, AttributeError) as exc:
-        raise ConfigError(f"{path}: not a JSON object ({exc})") from exc
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    eos = raw.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(i, int) and i >= 0 for i in ids):
         raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {eos}")

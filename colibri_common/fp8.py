@@ -21,9 +21,14 @@ class Fp8Format:
         path = model_dir / "config.json"
         try:
             raw = json.loads(path.read_text()) if path.is_file() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None                         # config.json's own loader reports a bad file
+        if not isinstance(raw, dict):
+            return None
         q = raw.get("quantization_config") or {}
+        if not isinstance(q, dict):
+            raise CheckpointError(f"{path}: quantization_config must be a JSON object (as quant_method, "
+                                  f"weight_block_size, ...), got a {type(q).__name__}: {q!r:.80}")
         if q.get("quant_method") == "compressed-tensors":
             raise CheckpointError(f"{path}: quantization_config is compressed-tensors (per-channel weight_scale, as "
                                   f"GLM-4.5-FP8 ships); only block-scaled FP8 (quant_method fp8 with "

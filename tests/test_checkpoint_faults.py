@@ -1,0 +1,177 @@
+"""Checkpoints that are odd or damaged in ways a probe found served without a word, or with a traceback: each is
+now read as transformers reads it (the oracle), or refused at start with one line that names the file and what to
+fix. The safetensors files' own damage is tests/test_checkpoint_offsets.py's."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from colibri_common.architectures import ARCHITECTURES
+from colibri_common.chat_template import ChatTemplate, TemplateBroken, load_chat_template
+from colibri_common.checkpoint import Checkpoint
+from colibri_common.config import ModelConfig
+from colibri_common.errors import CheckpointError, ConfigError
+from colibri_common.fp8 import Fp8Format
+from tests.inprocess import InProcess
+from tests.test_config_defaults import CLASSES, minimal
+
+COLIBRI = str(Path(sys.executable).parent / "colibri")
+
+
+def copy_of(src: Path, dst: Path) -> Path:
+    """A checkpoint whose files are links to `src`'s, its JSON files copies (to be edited)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".json" or f.suffix == ".jinja":
+            shutil.copy(f, dst / f.name)
+        else:
+            (dst / f.name).symlink_to(f)
+    return dst
+
+
+def edit(path: Path, **changes) -> None:
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))
+
+
+def validate(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([COLIBRI, "validate", "--model", str(path)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("top_theta", [None, 7777.0])
+def test_rope_scaling_takes_rope_parameters_place_as_transformers_reads_it(arch, top_theta):
+    """transformers 5 saves rope_parameters in every config; a long-context recipe then adds rope_scaling. It is the
+    one transformers uses (rope_theta then the top level's or the class's default, not rope_parameters'), where
+    Colibri had kept rope_parameters and served the unscaled model."""
+    raw = minimal(arch) | {"rope_parameters": {"rope_theta": 123456.0, "rope_type": "default"},
+                           "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    if top_theta is not None:
+        raw["rope_theta"] = top_theta
+    ref = getattr(transformers, CLASSES[arch]).from_dict({k: v for k, v in raw.items() if k != "architectures"})
+    ours = ModelConfig.from_dict(raw)
+    assert (ours.rope_scaling.type, ours.rope_scaling.factor) == ("linear", 4.0) == \
+        (ref.rope_parameters["rope_type"], ref.rope_parameters["factor"])
+    assert ours.rope_theta == ref.rope_parameters["rope_theta"] != 123456.0
+
+
+@pytest.mark.parametrize("key,value", [("rope_theta", 0), ("rope_theta", -5.0), ("rope_theta", math.nan),
+                                       ("rms_norm_eps", -1.0), ("rms_norm_eps", 0), ("rms_norm_eps", math.inf),
+                                       ("rope_scaling", {"rope_type": "linear", "factor": 0})])
+def test_values_that_make_every_request_non_finite_are_refused_naming_the_key(key, value):
+    """rope_theta 0 or NaN, or a negative eps, passed the checks and every request then failed with non-finite
+    logits, naming nothing."""
+    raw = minimal("Qwen3MoeForCausalLM") | {key: value}
+    with pytest.raises(ConfigError, match="rope scaling factor must be positive" if key == "rope_scaling" else
+                       key + " must be a positive number"):
+        ModelConfig.from_dict(raw)
+
+
+def test_unreadable_json_files_are_one_line_errors_not_tracebacks(oracles, tmp_path):
+    """config.json or generation_config.json not UTF-8, a config.json nested past the parser, and a
+    quantization_config that is not an object: each one line naming the file (they were tracebacks)."""
+    src = oracles["qwen3_moe"].path
+    path = copy_of(src, tmp_path / "ckpt")
+    config = (path / "config.json").read_bytes()
+    (path / "config.json").write_bytes(config.replace(b'"architectures"', b'"architectures\xe9"'))
+    with pytest.raises(ConfigError, match="config.json: not UTF-8 text"):
+        ModelConfig.from_dir(path)
+    (path / "config.json").write_bytes(b"[" * 100_000)
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        ModelConfig.from_dir(path)
+    assert Fp8Format.from_dir(path) is None                  # (config.json's own loader says what is wrong)
+    (path / "config.json").write_bytes(config)
+    (path / "generation_config.json").write_bytes(b'{"eos_token_id": 1, "x": "\xff"}')
+    with pytest.raises(ConfigError, match="generation_config.json: not UTF-8 text"):
+        ModelConfig.from_dir(path)
+    (path / "generation_config.json").unlink()
+    edit(path / "config.json", quantization_config="fp8")
+    with pytest.raises(CheckpointError, match="quantization_config must be a JSON object"):
+        Fp8Format.from_dir(path)
+    out = validate(path)
+    assert out.returncode == 2 and "quantization_config must be a JSON object" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_tensor_stored_in_two_files_is_refused_without_an_index_and_taken_from_the_indexed_file(oracles, tmp_path):
+    """Without an index every *.safetensors is read, and a second file holding lm_head.weight silently won (by
+    sorted name); with an index, the file it names is the one read."""
+    src = oracles["qwen3_moe"].path
+    path = copy_of(src, tmp_path / "ckpt")
+    stored = Checkpoint(src)
+    head = stored.entries["lm_head.weight"]
+    other = torch.randn(*head.shape).to(torch.float32 if head.dtype == "F32" else torch.bfloat16)
+    save_file({"lm_head.weight": other}, str(path / "zz-extra.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'lm_head.weight' is stored in both .* and zz-extra.safetensors"):
+        Checkpoint(path)
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    weights = {name: e.file.name for name, e in stored.entries.items()}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weights | {
+        "lm_head.weight": weights["lm_head.weight"]}}))
+    assert "zz-extra.safetensors" in files and "zz-extra.safetensors" not in weights.values()
+    got = Checkpoint(path)
+    assert got.entries["lm_head.weight"].file.name == weights["lm_head.weight"]
+    # an index that names the extra file for it reads that one
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weights | {
+        "lm_head.weight": "zz-extra.safetensors"}}))
+    assert Checkpoint(path).entries["lm_head.weight"].file.name == "zz-extra.safetensors"
+
+
+def test_a_stored_lm_head_is_used_where_config_says_tied_as_transformers_loads_it(oracles, tmp_path):
+    """tie_word_embeddings true over a checkpoint that stores its own lm_head: transformers uses the stored head
+    (it does not tie a head it was given); Colibri had served the embeddings as the head, other tokens."""
+    src = oracles["qwen3_moe"].path
+    assert not ModelConfig.from_dir(src).tie_word_embeddings
+    path = copy_of(src, tmp_path / "tied")
+    edit(path / "config.json", tie_word_embeddings=True)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert not torch.equal(theirs.lm_head.weight, theirs.model.embed_tokens.weight)
+    assert not ModelConfig.from_dir(path).tie_word_embeddings
+    prompt = [3, 14, 15, 92, 65]
+    with torch.no_grad():
+        want = theirs.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    with InProcess(path, dtype="float32", cpu_forms="off") as engine:
+        assert engine.collect(engine.submit(prompt, 6)).token_ids == want
+
+
+def test_qwen2_moe_shared_expert_width_as_transformers(oracles, tmp_path):
+    """A config that leaves shared_expert_intermediate_size out takes transformers' default (it was 0: the shared
+    expert dropped silently); 0 over a checkpoint that stores the shared expert is refused, as transformers does."""
+    raw = minimal("Qwen2MoeForCausalLM")
+    assert ModelConfig.from_dict(raw).shared_expert_intermediate_size == \
+        transformers.Qwen2MoeConfig().shared_expert_intermediate_size
+    path = copy_of(oracles["qwen2_moe"].path, tmp_path / "ckpt")
+    assert ModelConfig.from_dir(path).shared_expert_intermediate_size > 0
+    edit(path / "config.json", shared_expert_intermediate_size=0)
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size is 0, but the checkpoint stores shared"):
+        ModelConfig.from_dir(path)
+
+
+def test_a_chat_template_that_does_not_compile_is_the_checkpoints_fault(oracles, tmp_path):
+    """A template with a syntax error was found only by each chat request, answered 400 as if the messages were
+    wrong; validate now refuses it, and the front's answer (500) names the checkpoint. A template not UTF-8 was a
+    traceback at the router's start."""
+    from tests.chat_fixtures import chat_checkpoint
+
+    path = chat_checkpoint(tmp_path / "chat")[0].path
+    assert validate(path).returncode == 0
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    out = validate(path)
+    assert out.returncode == 2 and "the chat template does not compile" in out.stderr, out.stderr
+    template, special = load_chat_template(path)
+    with pytest.raises(TemplateBroken, match="a fault of the checkpoint, not of the request"):
+        ChatTemplate(template or "", special).render([{"role": "user", "content": "hi"}])
+    (path / "chat_template.jinja").write_bytes(b"{{ messages[0].content }}\xe9")
+    with pytest.raises(CheckpointError, match="chat_template.jinja: not UTF-8 text"):
+        load_chat_template(path)
