@@ -339,6 +339,8 @@ def test_penalties_and_vllm_extras_reach_the_sampler(served):
     ({"temperature": 10**400}, "temperature"),               # a JSON integer no float holds
     ({"prompt": [1, 2**40]}, "prompt"),                      # token ids travel as int32
     ({"extra_body": {"stop_token_ids": [2**40]}}, "stop_token_ids"),
+    ({"seed": 2**64 + 1}, "seed"),                           # int64, as OpenAI's: wrapped, it met seed 1's stream
+    ({"seed": -2**63 - 1}, "seed"),
     ({"prompt": ["x"] * 65}, "prompt"),                      # at most 64 prompts per request
     # structured output and prompt extras change what comes back: refused, never ignored (they were, with a 200)
     ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),

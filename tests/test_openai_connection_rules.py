@@ -190,3 +190,32 @@ def test_a_request_answered_before_its_body_gets_no_second_answer(front):
     for tail in (b"{\"a\"", b"{\"a\"" + b"\r\nG\x01T / HTTP/1.1\r\n\r\n"):
         waited, got = talk(port, post("/early", tail, length=100))
         assert statuses(got) == [401] and waited < 10, got[:300]
+
+
+H2C = "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+
+
+@pytest.mark.parametrize("offer", [H2C, "Connection: keep-alive, Upgrade\r\nUpgrade: websocket\r\n"])
+def test_an_offer_to_upgrade_is_declined_and_the_request_served_with_its_body(front, offer, caplog):
+    """curl --http2 and Java's HttpClient offer h2c on http:// URLs: the body was lost under the offer (llhttp stops
+    at it), the app read none (400, not valid JSON) and uvicorn logged warnings about WebSocket libraries. Now the
+    request is served, its body whole, whether it came with the head or after it, and the connection closes after
+    the response; a chunked body with an offer is refused, naming the header."""
+    port, counted = front
+    body = json.dumps({"pad": "q" * 300}).encode()
+    whole = post("/echo", body, extra=offer)
+    for pieces in ((whole,), (whole[:-len(body)], body[:100], body[100:]), tuple(whole[i:i + 50]
+                                                                              for i in range(0, len(whole), 50))):
+        waited, got = talk(port, *pieces, *[b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"], pause=0.05)
+        assert statuses(got) == [200], got[:400]                     # and nothing after the body is served
+        head, _, answer = got.partition(b"\r\n\r\n")
+        assert json.loads(answer) == {"size": len(body)} and b"connection: close" in head.lower(), got[:400]
+    _, got = talk(port, f"GET /slow HTTP/1.1\r\nHost: x\r\n{offer}\r\n".encode())
+    assert statuses(got) == [200], got[:300]
+    new = counting(counted)
+    _, got = talk(port, post("/echo", b"", extra=offer).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+                  + b"2\r\n{}\r\n0\r\n\r\n")
+    assert statuses(got) == [400] and "without the Upgrade header" in error(got)["message"], got[:300]
+    assert new(1) == [400]
+    assert not [r for r in caplog.records if "upgrade" in r.getMessage().lower() and r.levelname != "WARNING"
+                or "WebSocket" in r.getMessage()]

@@ -9,6 +9,13 @@
   is not cut off; it does not run against the client while the front holds things up (a response being sent on
   the connection, a pipelined request waiting its turn, an `Expect: 100-continue` not answered yet, reads paused
   by flow control), and it starts again when the response before a waiting request ends.
+- **An offer to upgrade the connection is declined, and the request served** as the HTTP/1.1 request it also is
+  (RFC 9110 §7.8 lets a server ignore `Upgrade`): `Connection: Upgrade` with `Upgrade: h2c`, which curl --http2 and
+  Java's HttpClient send on http:// URLs, or `Upgrade: websocket` (the front serves no WebSockets). llhttp ends the
+  message at the offer's headers and leaves the body unparsed (httptools#124, uvicorn#2722), so the app read an
+  empty body (400, "not valid JSON") and uvicorn logged warnings about WebSocket libraries. The body is read here
+  by its Content-Length, past the parser, and the connection closes after the response (what followed the body
+  would be the offered protocol's); a chunked body with an offer is refused 400, naming the header to drop.
 - **What the HTTP parser refuses** (a bad Content-Length, broken chunked framing, a control character in a header)
   is answered 400 in OpenAI's error shape with the parser's reason, where uvicorn sent plain text that named none;
   a failure of the protocol's own callbacks (a bug) is a 500 and an ERROR with its traceback. An answer never goes
@@ -61,6 +68,8 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
             self.broken = False                           # the parser refused the bytes: nothing more is read
             self.owed_answer: ApiError | None = None      # an answer waiting for the response being sent to end
             self.read_timer: asyncio.TimerHandle | None = None
+            self.offer_body: int | None = None           # a declined upgrade's body bytes still to come
+            self.offer_at: int | None = None             # where, in the read being parsed, the parser stopped at one
 
         # ------------------------------------------------------------------------------------ uvicorn's calls
 
@@ -75,7 +84,14 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
         def data_received(self, data: bytes) -> None:
             if self.broken:
                 return
-            super().data_received(data)
+            if self.offer_body is not None:               # a declined upgrade's body, read past the parser
+                self._offer_body(data)
+            else:
+                super().data_received(data)
+                if self.offer_at is not None:             # the parser stopped at an offer: the rest is its body
+                    rest, self.offer_at = data[self.offer_at:], None
+                    if self.offer_body is not None and not self.transport.is_closing():
+                        self._offer_body(rest)
             if self.transport.is_closing():
                 self._disarm()
             else:
@@ -86,8 +102,17 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
             self.reading = self.began = True
 
         def on_message_complete(self) -> None:
+            if self.parser.should_upgrade() and self.offer_body is None and self.cycle is not None:
+                self._decline_offer()                    # (llhttp's end of the message at an offer's headers)
+                return
             super().on_message_complete()
             self.reading = False
+
+        def _unsupported_upgrade_warning(self) -> None:
+            """uvicorn's call inside `except HttpParserUpgrade`, for an offer it does not take: where the parser
+            stopped, for data_received (no warning: the offer is declined, the request served)."""
+            exc = sys.exc_info()[1]
+            self.offer_at = exc.args[0] if isinstance(exc, httptools.HttpParserUpgrade) and exc.args else 0
 
         def on_response_complete(self) -> None:
             super().on_response_complete()                # (head_limit may answer its owed 431 and close here)
@@ -114,6 +139,39 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
             self._end(err, "was not valid HTTP/1.1")
 
         # ------------------------------------------------------------------------------------ the rules
+
+        def _decline_offer(self) -> None:
+            """The request whose headers offered an upgrade: its body, by its Content-Length, is read past the
+            parser (`_offer_body`); the connection ends with its response."""
+            assert self.cycle is not None
+            self.cycle.keep_alive = False
+            fields = dict(self.headers)
+            if b"transfer-encoding" in fields:
+                self.broken = True
+                self._end(ApiError(400, "a request that offers to upgrade the connection (its Upgrade header) and "
+                                        "sends a chunked body is not served: send it without the Upgrade header, "
+                                        "or with a Content-Length", code="invalid_http"),
+                          "offered an upgrade with a chunked body")
+                return
+            self.offer_body = int(fields.get(b"content-length", b"0"))   # (llhttp checked it is one number)
+            if not self.offer_body:
+                self._offer_body(b"")
+
+        def _offer_body(self, data: bytes) -> None:
+            """Bytes of a declined upgrade's body (none beyond it is read: the connection ends with the response)."""
+            assert self.offer_body is not None and self.cycle is not None
+            if self.offer_body < 0:
+                return
+            if self.offer_body > 0:
+                part = data[:self.offer_body]
+                self.offer_body -= len(part)
+                if part:
+                    self.on_body(part)
+                if self.offer_body > 0:
+                    return
+            self.offer_body = -1                          # whole: what follows is dropped until the close
+            super().on_message_complete()
+            self.reading = False
 
         def _busy(self) -> bool:
             """The front holds things up: a response is being sent, the body is not asked for yet (100-continue),

@@ -192,7 +192,9 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: bool, top_
     sp.stop_token_ids.extend(stop_ids)
     seed = _get(body, "seed", (int,), None)
     if seed is not None:
-        sp.seed = seed % 2**64
+        if not -2**63 <= seed < 2**63:        # OpenAI's and vLLM's int64: wrapping a larger one met another seed
+            raise bad(f"'seed' must be a 64-bit integer, in [-2**63, 2**63 - 1], got {seed}", "seed")
+        sp.seed = seed % 2**64                # a negative one as its 64 bits: each int64 its own stream
     return sp
 
 

@@ -58,6 +58,9 @@ class WorkerWatch:
             except grpc.RpcError as exc:
                 out.append(False)
                 self.why[i] = f"{exc.code().name}: {exc.details()}"
+            except ValueError:                    # the channel closed under the call: the router is stopping
+                out.append(False)
+                self.why[i] = "the router is stopping"
         return out
 
     def _run(self) -> None:
