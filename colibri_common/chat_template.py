@@ -44,6 +44,8 @@ def compile_error(source: str) -> str | None:
         return f"{exc.message} (line {exc.lineno})"
     except jinja2.TemplateError as exc:
         return str(exc)
+    except Exception as exc:  # noqa: BLE001 (Python's own refusals of the compiled code: blocks nested too deep, ...)
+        return f"{type(exc).__name__}: {exc}"
     return None
 
 

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import tokenizers
@@ -38,6 +40,8 @@ class Tokenizer:
                 raise CheckpointError(f"{path}: not a regular file (a directory, or a link to nothing); replace it "
                                       f"with the model's {TOKENIZER_FILE}, or delete it to serve token ids only")
             return None
+        if not os.access(path, os.R_OK):                  # (tokenizers says only "Permission denied")
+            raise PermissionError(errno.EACCES, "permission denied", str(path))
         try:
             hf = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception for bad JSON or an unknown schema

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -126,6 +127,16 @@ def test_a_tensor_stored_in_two_files_is_refused_without_an_index_and_taken_from
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weights | {
         "lm_head.weight": "zz-extra.safetensors"}}))
     assert Checkpoint(path).entries["lm_head.weight"].file.name == "zz-extra.safetensors"
+    # an index that names the wrong one of its files for a tensor stored once is read as transformers reads it
+    (path / "zz-extra.safetensors").unlink()
+    save_file({"unused.weight": torch.zeros(2)}, str(path / "zz-extra.safetensors"))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weights | {
+        "lm_head.weight": "zz-extra.safetensors", "unused.weight": "zz-extra.safetensors"}}))
+    assert Checkpoint(path).entries["lm_head.weight"].file.name == weights["lm_head.weight"]
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weights | {
+        "missing.weight": "zz-extra.safetensors"}}))
+    with pytest.raises(CheckpointError, match="'missing.weight' is listed in zz-extra.safetensors but stored in none"):
+        Checkpoint(path)
 
 
 def test_a_stored_lm_head_is_used_where_config_says_tied_as_transformers_loads_it(oracles, tmp_path):
@@ -172,6 +183,25 @@ def test_a_chat_template_that_does_not_compile_is_the_checkpoints_fault(oracles,
     template, special = load_chat_template(path)
     with pytest.raises(TemplateBroken, match="a fault of the checkpoint, not of the request"):
         ChatTemplate(template or "", special).render([{"role": "user", "content": "hi"}])
+    from colibri_common.chat_template import compile_error
+
+    assert compile_error("{% for m in messages %}" * 30 + "x" + "{% endfor %}" * 30)   # Python's refusal, not raised
     (path / "chat_template.jinja").write_bytes(b"{{ messages[0].content }}\xe9")
     with pytest.raises(CheckpointError, match="chat_template.jinja: not UTF-8 text"):
         load_chat_template(path)
+
+
+def test_an_unreadable_tokenizer_is_a_permission_error_not_a_bad_file(oracles, tmp_path):
+    """tokenizer.json this process may not read was reported as a broken file to replace; it is a permission
+    error naming the file and the uid (as every other checkpoint file's). As root, run with DAC override dropped."""
+    from tests.chat_fixtures import chat_checkpoint
+
+    prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or subprocess.run([*prefix, "true"]).returncode != 0:
+        pytest.skip("needs root and setpriv to take away root's access to a file")
+    path = chat_checkpoint(tmp_path / "chat")[0].path
+    (path / "tokenizer.json").chmod(0)
+    out = subprocess.run([*prefix, COLIBRI, "validate", "--model", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "tokenizer.json: permission denied for this process" in out.stderr, out.stderr
+    assert "replace the file" not in out.stderr

@@ -212,6 +212,11 @@ def test_an_offer_to_upgrade_is_declined_and_the_request_served_with_its_body(fr
         assert json.loads(answer) == {"size": len(body)} and b"connection: close" in head.lower(), got[:400]
     _, got = talk(port, f"GET /slow HTTP/1.1\r\nHost: x\r\n{offer}\r\n".encode())
     assert statuses(got) == [200], got[:300]
+    # answered before its body came (/early, as the guard's 401): the connection closes once the body is in, so
+    # the answer is not lost to a reset
+    early = post("/early", body, extra=offer)
+    waited, got = talk(port, early[:-len(body)], body[:10], body[10:], pause=0.3)
+    assert statuses(got) == [401] and waited >= 0.6, (waited, got[:300])
     new = counting(counted)
     _, got = talk(port, post("/echo", b"", extra=offer).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
                   + b"2\r\n{}\r\n0\r\n\r\n")

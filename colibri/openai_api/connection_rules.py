@@ -70,6 +70,7 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
             self.read_timer: asyncio.TimerHandle | None = None
             self.offer_body: int | None = None           # a declined upgrade's body bytes still to come
             self.offer_at: int | None = None             # where, in the read being parsed, the parser stopped at one
+            self.prior_cycle = None                       # the cycle before the request being parsed
 
         # ------------------------------------------------------------------------------------ uvicorn's calls
 
@@ -85,6 +86,7 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
             if self.broken:
                 return
             if self.offer_body is not None:               # a declined upgrade's body, read past the parser
+                self._unset_keepalive_if_required()       # (uvicorn's keep-alive clock: the body is coming)
                 self._offer_body(data)
             else:
                 super().data_received(data)
@@ -98,11 +100,13 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
                 self._arm()                               # the clock restarts with every read; _expired judges
 
         def on_message_begin(self) -> None:
+            self.prior_cycle = self.cycle
             super().on_message_begin()
             self.reading = self.began = True
 
         def on_message_complete(self) -> None:
-            if self.parser.should_upgrade() and self.offer_body is None and self.cycle is not None:
+            if (self.parser.should_upgrade() and self.offer_body is None and self.cycle is not None
+                    and self.cycle is not self.prior_cycle):      # (not where no cycle began: a refused head)
                 self._decline_offer()                    # (llhttp's end of the message at an offer's headers)
                 return
             super().on_message_complete()
@@ -142,9 +146,10 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
 
         def _decline_offer(self) -> None:
             """The request whose headers offered an upgrade: its body, by its Content-Length, is read past the
-            parser (`_offer_body`); the connection ends with its response."""
+            parser (`_offer_body`); the connection ends with its response, once the body has come (closed with
+            some of it unread, the kernel would reset the connection, and the response might not reach the
+            client: an early answer, a 401, ends before the body)."""
             assert self.cycle is not None
-            self.cycle.keep_alive = False
             fields = dict(self.headers)
             if b"transfer-encoding" in fields:
                 self.broken = True
@@ -170,8 +175,11 @@ def ruled_protocol(base: type[HttpToolsProtocol], read_timeout: float,
                 if self.offer_body > 0:
                     return
             self.offer_body = -1                          # whole: what follows is dropped until the close
+            self.cycle.keep_alive = False                 # (the response says so, if it has not begun)
             super().on_message_complete()
             self.reading = False
+            if self.cycle.response_complete:              # answered before its body came: now it may close
+                self.transport.close()
 
         def _busy(self) -> bool:
             """The front holds things up: a response is being sent, the body is not asked for yet (100-continue),
