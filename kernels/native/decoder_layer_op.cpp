@@ -26,26 +26,6 @@
 
 namespace colibri_ops {
 
-std::tuple<at::Tensor, at::Tensor> decoder_layer(
-    const at::Tensor& h, const at::Tensor& ln1, const at::Tensor& w_qkv, const c10::optional<at::Tensor>& b_qkv,
-    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, bool full_qk_norm,
-    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& write,
-    const at::Tensor& slots, const at::Tensor& lens, const c10::optional<at::Tensor>& sinks, const at::Tensor& w_o,
-    const c10::optional<at::Tensor>& b_o, int64_t heads, int64_t kv_heads, double eps, const at::Tensor& ln2,
-    const at::Tensor& gate, const c10::optional<at::Tensor>& gate_bias, int64_t k, int64_t scoring,
-    bool renormalize, int64_t num_groups, int64_t topk_groups, int64_t group_score, double scaling,
-    const at::Tensor& local, int64_t w13, int64_t w2, const c10::optional<at::Tensor>& b13,
-    const c10::optional<at::Tensor>& b2, double alpha, c10::optional<double> limit, double up_offset, bool w8a8) {
-    at::Tensor h1 = at::add(h, attention_block(h, ln1, w_qkv, b_qkv, q_norm, k_norm, full_qk_norm, cos, sin,
-                                               k_cache, v_cache, write, slots, lens, sinks, w_o, b_o, heads,
-                                               kv_heads, eps));                                  // [T, H]
-    auto [r, weights, ids] = moe_route(h1, ln2, gate, eps, gate_bias, k, scoring, renormalize, num_groups,
-                                       topk_groups, group_score, scaling);                 // [T, H], [T, k] x 2
-    at::Tensor acc = at::zeros(r.sizes(), r.options().dtype(at::kDouble));                   // [T, H]
-    moe_blocks_(acc, r, ids, weights, local, w13, w2, b13, b2, alpha, limit, up_offset, w8a8);
-    return {at::add(h1, acc.to(h.scalar_type())), ids};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoder_front(
     const at::Tensor& h, const at::Tensor& ln1, const at::Tensor& w_qkv, const c10::optional<at::Tensor>& b_qkv,
     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, bool full_qk_norm,
@@ -60,6 +40,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoder_front(
     auto [r, weights, ids] = moe_route(h1, ln2, gate, eps, gate_bias, k, scoring, renormalize, num_groups,
                                        topk_groups, group_score, scaling);                 // [T, H], [T, k] x 2
     return {h1, r, weights, ids};
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    const at::Tensor& h, const at::Tensor& ln1, const at::Tensor& w_qkv, const c10::optional<at::Tensor>& b_qkv,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, bool full_qk_norm,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& write,
+    const at::Tensor& slots, const at::Tensor& lens, const c10::optional<at::Tensor>& sinks, const at::Tensor& w_o,
+    const c10::optional<at::Tensor>& b_o, int64_t heads, int64_t kv_heads, double eps, const at::Tensor& ln2,
+    const at::Tensor& gate, const c10::optional<at::Tensor>& gate_bias, int64_t k, int64_t scoring,
+    bool renormalize, int64_t num_groups, int64_t topk_groups, int64_t group_score, double scaling,
+    const at::Tensor& local, int64_t w13, int64_t w2, const c10::optional<at::Tensor>& b13,
+    const c10::optional<at::Tensor>& b2, double alpha, c10::optional<double> limit, double up_offset, bool w8a8) {
+    auto [h1, r, weights, ids] = decoder_front(h, ln1, w_qkv, b_qkv, q_norm, k_norm, full_qk_norm, cos, sin, k_cache,
+                                               v_cache, write, slots, lens, sinks, w_o, b_o, heads, kv_heads, eps,
+                                               ln2, gate, gate_bias, k, scoring, renormalize, num_groups,
+                                               topk_groups, group_score, scaling);   // [T, H] x 2, [T, k] x 2
+    at::Tensor acc = at::zeros(r.sizes(), r.options().dtype(at::kDouble));                   // [T, H]
+    moe_blocks_(acc, r, ids, weights, local, w13, w2, b13, b2, alpha, limit, up_offset, w8a8);
+    return {at::add(h1, acc.to(h.scalar_type())), ids};
 }
 
 }  // namespace colibri_ops
