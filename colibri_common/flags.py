@@ -96,6 +96,18 @@ def whole_number(text: str) -> int:
 whole_number.__name__ = "int"       # argparse's "invalid int value: 'x'"
 
 
+def seed_number(text: str) -> int:
+    """A seed flag: a whole number in [0, 2**64), the range a request's seed has on the wire (uint64); past
+    whole_number's int64 bound, which had refused [2**63, 2**64) in words that contradicted the seed's own."""
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{text}: a seed is a whole number in [0, 2**64)")
+    return value
+
+
+seed_number.__name__ = "int"
+
+
 def upper(text: str) -> str:
     return text.upper()
 

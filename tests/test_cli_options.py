@@ -158,7 +158,11 @@ def test_serve_gpus_places_the_router_on_the_first_and_workers_round_robin():
     # values a request cannot carry: protobuf's 'Value out of range' was a traceback
     (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1,2", "--max-tokens", "99999999999"],
      "max_tokens must be at most 2147483647, got 99999999999"),
-    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--seed", "-1"], "seed must be in [0, 2^64)"),
+    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--seed", "-1"], "a seed is a whole number in [0, "
+     "2**64)"),
+    # (2**63 and up had been refused as past an int64 flag, contradicting the seed's own range)
+    (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--seed", str(2**64)], "a seed is a whole number in "
+     "[0, 2**64)"),
     (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "99999999999"], "prompt token ids cannot be sent"),
     (["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--stop-token-ids", "99999999999"],
      "stop_token_ids must be token ids in [0, 2147483647], got [99999999999]"),
@@ -479,3 +483,12 @@ def test_a_target_that_speaks_http1_is_named_as_such():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_seed_flag_takes_the_whole_uint64_range_a_request_carries():
+    from colibri.cli import build_parser, command_options
+
+    ap = build_parser()
+    for seed in (0, 2**63, 2**64 - 1):
+        args = ap.parse_args(["generate", "--target", "127.0.0.1:1", "--prompt-ids", "1", "--seed", str(seed)])
+        assert command_options(ap, args).sampling.seed == seed

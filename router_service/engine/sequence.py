@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from colibri_common.flags import escaped_list, option
+from colibri_common.flags import escaped_list, option, seed_number
 
 _NUMBER = (int, float)
 INT32_MAX = 2**31 - 1
@@ -43,7 +43,8 @@ class Sampling:
     frequency_penalty: float = option(0.0, "subtracted per occurrence of a token already generated (-2..2)")
     repetition_penalty: float = option(1.0, "divides positive / multiplies negative logits of the tokens in the "
                                             "prompt or the output (> 0; 1 = off)")
-    seed: int | None = option(None, "seed of this request's sampling (default: random)")
+    seed: int | None = option(None, "seed of this request's sampling, in [0, 2**64) (default: random)",
+                              type=seed_number)
     stop_token_ids: tuple[int, ...] = option((), "comma-separated token ids that end the generation")
     stop: tuple[str, ...] = option((), "comma-separated strings that end the generation (not included in the "
                                        "text), kept as typed, spaces included; \\n \\t \\r, \\, for a comma, "
