@@ -34,19 +34,9 @@ class TemplateBroken(ValueError):
 
 
 def compile_error(source: str) -> str | None:
-    """Why the template does not compile (jinja2's syntax error, with its line), or None: for `validate` and the
-    front's start, so that a broken template is named as the checkpoint's, not as any request's."""
-    import jinja2
-
-    try:
-        _environment().from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        return f"{exc.message} (line {exc.lineno})"
-    except jinja2.TemplateError as exc:
-        return str(exc)
-    except Exception as exc:  # noqa: BLE001 (Python's own refusals of the compiled code: blocks nested too deep, ...)
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    """Why the template does not compile (jinja2's syntax error, with its line), or None: for `validate`, so that a
+    broken template is named as the checkpoint's, not as any request's."""
+    return ChatTemplate(source).broken()
 
 
 def _token_text(value: Any) -> str | None:
@@ -99,6 +89,24 @@ class ChatTemplate:
     source: str
     special_tokens: dict[str, str] = field(default_factory=dict)
     _compiled: Any = field(default=None, compare=False, repr=False)
+    _broken: str | None = field(default=None, compare=False, repr=False)
+
+    def broken(self) -> str | None:
+        """Why the template does not compile, or None; compiled once (the front asks at its start, then each
+        render)."""
+        import jinja2
+
+        if self._compiled is not None or self._broken is not None:
+            return self._broken
+        try:
+            self._compiled = _environment().from_string(self.source)
+        except jinja2.TemplateSyntaxError as exc:
+            self._broken = f"{exc.message} (line {exc.lineno})"
+        except jinja2.TemplateError as exc:
+            self._broken = str(exc)
+        except Exception as exc:  # noqa: BLE001 (Python's own refusals of the compiled code: blocks nested too deep)
+            self._broken = f"{type(exc).__name__}: {exc}"
+        return self._broken
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                extra: Mapping[str, Any] | None = None) -> str:
@@ -106,12 +114,10 @@ class ChatTemplate:
         variables; TemplateError when the template refuses them."""
         import jinja2
 
-        if self._compiled is None:
-            if (why := compile_error(self.source)) is not None:
-                raise TemplateBroken(f"the model's chat template does not compile: {why}. That is a fault of the "
-                                     f"checkpoint, not of the request: fix its chat_template.jinja (or "
-                                     f"tokenizer_config.json's chat_template), or use /v1/completions")
-            self._compiled = _environment().from_string(self.source)
+        if (why := self.broken()) is not None:
+            raise TemplateBroken(f"the model's chat template does not compile: {why}. That is a fault of the "
+                                 f"checkpoint, not of the request: fix its chat_template.jinja (or "
+                                 f"tokenizer_config.json's chat_template), or use /v1/completions")
         try:
             # one dict, not keywords: a variable may be named as render's own parameters ('self')
             return self._compiled.render({**self.special_tokens, **(extra or {}), "messages": messages, "tools": None,

@@ -36,7 +36,7 @@ class RopeScaling:
             raise ConfigError(f"config.json: rope type '{self.type}' is not supported; supported: "
                               f"{', '.join(ROPE_TYPES)}")
         if self.type != "default" and not 0 < self.factor < float("inf"):
-            raise ConfigError(f"config.json: rope scaling factor must be positive, got {self.factor}")
+            raise ConfigError(f"config.json: rope scaling factor must be positive (and finite), got {self.factor}")
         if self.type == "yarn" and self.original_max_position_embeddings <= 0:
             raise ConfigError("config.json: yarn RoPE needs original_max_position_embeddings")
 

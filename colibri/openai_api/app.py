@@ -51,7 +51,7 @@ from colibri.openai_api.protocol import (
 )
 from colibri.openai_api.responses import Reply, sse
 from colibri.openai_api.router_link import RouterLink
-from colibri_common.chat_template import ChatTemplate, TemplateBroken, TemplateError, compile_error
+from colibri_common.chat_template import ChatTemplate, TemplateBroken, TemplateError
 from colibri_common.errors import DRAINING_MARK
 from colibri_common.pb import generation_pb2 as pb
 from colibri_common.repeated_log import RepeatedLog
@@ -95,7 +95,7 @@ class Front:
             self._unready.end()                   # how often it was not ready since last said, if it was held back
             if info.chat_template:
                 self._template = ChatTemplate(info.chat_template, dict(info.special_tokens))
-                if (why := compile_error(info.chat_template)) is not None:
+                if (why := self._template.broken()) is not None:
                     log.error("the model's chat template does not compile: %s; /v1/chat/completions answers 500 "
                               "until the checkpoint's template is fixed (/v1/completions is served)", why)
             log.info("serving %s (%s) from the router at %s as '%s'", info.model_path, info.architecture,

@@ -7,7 +7,8 @@ narrowest, as far as its layers allow:
 - one layer at a time the same call, where some other layer does not fuse (`whole_layer`);
 - the layer up to its experts (the attention block, the residual add, the routing) in one call (`front`), where the
   experts are elsewhere (a fleet's router) or the layer has shared experts;
-- the attention block alone in one call (`fuses_attention`), a dense layer's;
+- the attention block alone in one call (`fuses_attention`): a dense layer's, or one whose routing is not the one
+  native call (a gate with a bias);
 - the MoE block's front (norm, gate, routing) in one call (`native_route`), prefills included.
 The rest (prefills' attention, latent attention, the GPU's path, batch invariance, weights whose form at the step's
 rows is not the native one, clipped qkv) runs op by op in model.py, with the same bits.
