@@ -207,9 +207,12 @@ class ModelConfig:
         # as transformers: rope_scaling, where a config gives one, takes rope_parameters' place (its own rope_theta,
         # else the top level's or the architecture's default: not rope_parameters'); a long-context recipe adds it to
         # a config that transformers 5 saved with rope_parameters
-        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+        where = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+        rope = raw.get(where) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: {where} must be an object (rope_type, factor, ...), got {rope!r}")
         max_positions = size("max_position_embeddings") if "max_position_embeddings" in raw else 4096
-        rope_scaling = RopeScaling.from_raw(rope, max_positions, raw.get("original_max_position_embeddings"))
+        rope_scaling = RopeScaling.from_raw(rope, max_positions, raw, where)
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
         if not (math.isfinite(rope_theta) and rope_theta > 0):
             raise ConfigError(f"{source}: rope_theta must be a positive number, got {rope_theta}")

@@ -3,6 +3,7 @@ router_service.model.layers.Rope computes the frequencies from it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from colibri_common.errors import ConfigError
@@ -41,13 +42,34 @@ class RopeScaling:
             raise ConfigError("config.json: yarn RoPE needs original_max_position_embeddings")
 
     @staticmethod
-    def from_raw(rope: dict, max_positions: int, top_original: int | None = None) -> RopeScaling:
+    def from_raw(rope: dict, max_positions: int, top: Mapping[str, object], where: str = "rope_parameters"
+                 ) -> RopeScaling:
+        """As transformers standardises and validates `rope` (the config's `where` dict; `top` the whole config)."""
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-        # transformers: the rope dict's, else the config's top-level one, else max_position_embeddings
-        original = int(rope.get("original_max_position_embeddings") or top_original or max_positions)
-        factor = rope.get("factor")
+        if kind not in ROPE_TYPES:
+            return RopeScaling(type=str(kind))          # refused, naming the supported types
+        if kind in ("linear", "dynamic", "yarn") and (
+                "factor" not in rope or (rope["factor"] is None and kind != "yarn")):
+            raise ConfigError(f"config.json: {where} of type '{kind}' needs a 'factor' (transformers refuses the "
+                              f"config without one), e.g. \"factor\": 4.0")
+        # transformers: the top level's original_max_position_embeddings (where Phi-3 keeps it) over the rope dict's,
+        # else max_position_embeddings
+        key = "original_max_position_embeddings"
+        if key in top:
+            original, named = top[key], key
+        elif rope.get(key) is not None:
+            original, named = rope[key], f"{where}.{key}"
+        else:
+            original, named = max_positions, "max_position_embeddings"
+        if kind == "yarn" and (isinstance(original, bool) or not isinstance(original, int | float)
+                               or original != int(original) or original < 1):
+            raise ConfigError(f"config.json: {named} must be a whole number from 1 for yarn RoPE, got {original!r}")
+        original = int(original) if kind == "yarn" else 0
+        factor = rope["factor"] if kind != "default" else 1.0
         if factor is None:   # DeepSeek-V3 gives the ratio of the lengths instead
-            factor = max_positions / original if kind == "yarn" and original else 1.0
+            factor = max_positions / original
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise ConfigError(f"config.json: {where}.factor must be a number, got {factor!r}")
         opt = lambda key: None if rope.get(key) is None else float(rope[key])  # noqa: E731
         return RopeScaling(type=str(kind), factor=float(factor), original_max_position_embeddings=original,
                            beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),

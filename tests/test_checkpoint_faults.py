@@ -67,6 +67,55 @@ def test_rope_scaling_takes_rope_parameters_place_as_transformers_reads_it(arch,
     assert ours.rope_theta == ref.rope_parameters["rope_theta"] != 123456.0
 
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+
+
+def transformers_config(arch: str, raw: dict) -> transformers.PretrainedConfig:
+    """transformers' reading of `raw`, rope parameters standardised as its rotary embedding reads them."""
+    ref = getattr(transformers, CLASSES[arch]).from_dict(json.loads(json.dumps(
+        {k: v for k, v in raw.items() if k != "architectures"})))
+    ref.standardize_rope_params()
+    return ref
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize("top,rope", [
+    (512, YARN | {"original_max_position_embeddings": 1024}),   # the top level's wins (where Phi-3 keeps it)
+    (None, YARN | {"original_max_position_embeddings": 1024}),
+    (None, YARN),                                                # max_position_embeddings
+    (1024, YARN | {"factor": None}),                             # DeepSeek's ratio of the lengths, from the top's
+])
+def test_yarn_reads_the_pretraining_length_where_transformers_does(arch, top, rope):
+    """A config with original_max_position_embeddings at its top level as well as in its rope dict: transformers
+    uses the top level's, Colibri had used the dict's (other frequencies, other tokens)."""
+    raw = minimal(arch) | {"max_position_embeddings": 4096, "rope_scaling": rope}
+    if top is not None:
+        raw["original_max_position_embeddings"] = top
+    ref = transformers_config(arch, raw).rope_parameters
+    ours = ModelConfig.from_dict(raw).rope_scaling
+    assert ours.original_max_position_embeddings == ref["original_max_position_embeddings"]
+    assert ours.factor == (ref["factor"] or 4096 / ref["original_max_position_embeddings"])
+
+
+@pytest.mark.parametrize("rope,needle", [
+    ({"rope_type": "yarn", "original_max_position_embeddings": 1024}, "rope_scaling of type 'yarn' needs a 'factor'"),
+    ({"rope_type": "linear"}, "rope_scaling of type 'linear' needs a 'factor'"),
+    ({"rope_type": "dynamic", "factor": None}, "rope_scaling of type 'dynamic' needs a 'factor'"),
+    (YARN | {"original_max_position_embeddings": 0},
+     "rope_scaling.original_max_position_embeddings must be a whole number from 1"),
+])
+def test_rope_configs_transformers_refuses_are_refused_naming_the_key(rope, needle):
+    """yarn without a factor, or with a pretraining length of 0, was served (a factor guessed from the lengths, or
+    max_position_embeddings taken for the 0) where transformers refuses the config."""
+    raw = minimal("Qwen3MoeForCausalLM") | {"max_position_embeddings": 4096, "rope_scaling": rope}
+    with pytest.raises((KeyError, ZeroDivisionError, TypeError)):
+        transformers_config("Qwen3MoeForCausalLM", raw)
+        transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS.get(rope["rope_type"], lambda *_: None)(
+            transformers_config("Qwen3MoeForCausalLM", raw), "cpu")
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_dict(raw)
+
+
 @pytest.mark.parametrize("key,value", [("rope_theta", 0), ("rope_theta", -5.0), ("rope_theta", math.nan),
                                        ("rms_norm_eps", -1.0), ("rms_norm_eps", 0), ("rms_norm_eps", math.inf),
                                        ("rope_scaling", {"rope_type": "linear", "factor": 0})])

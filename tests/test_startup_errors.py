@@ -152,7 +152,7 @@ def test_a_gpu_device_on_a_machine_without_one_is_a_clear_error(ckpt, args):
     ({"n_routed_experts": "many"}, "n_routed_experts must be a whole number from 1, got 'many'"),
     ({"hidden_size": 768.5}, "hidden_size must be a whole number from 1, got 768.5"),
     ({"max_position_embeddings": 0}, "max_position_embeddings must be a whole number from 1, got 0"),
-    ({"rope_parameters": "yes"}, "a value of the wrong type or form"),
+    ({"rope_parameters": "yes"}, "rope_parameters must be an object (rope_type, factor, ...), got 'yes'"),
 ])
 def test_a_routing_or_rope_config_that_cannot_work_names_the_field(oracles, tmp_path, change, needle):
     dst = tmp_path / "glm"
