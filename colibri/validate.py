@@ -75,7 +75,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
     from colibri_common.errors import CheckpointError, ConfigError
     from colibri_common.forms_file import describe_machine, in_force, resolve
     from colibri_common.placement import replica_experts
-    from colibri_common.tensors import router_tensors
+    from colibri_common.tensors import router_tensors, unused_tensors
     from colibri_common.tokenizer import Tokenizer
     from kernels import CANDIDATES, native
 
@@ -121,6 +121,7 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
         _attention_line(cfg),
         f"tokenizer        {'none' if tok_vocab is None else f'{tok_vocab} tokens'} (vocab_size {cfg.vocab_size})"
         f"; chat template {'none' if template is None else 'compiles'}",
+        "unused tensors   " + _unused_line(cfg, *unused_tensors(cfg, ckpt.entries.keys())),
         f"router holds     {router_bytes / 2**20:.1f} MiB",
         "experts held     " + {None: "as stored (dequantised to the compute dtype)",
                                "int8": "int8 weight-only (--quantize int8): activations in the compute dtype",
@@ -136,6 +137,17 @@ def validate(model_dir: str, workers: int, replicas: int = 1, quantize: str | No
             f"{len(experts)} experts ({', '.join(_ranges(experts))})"
         lines.append(f"worker {i}/{workers}     {held}: {b / 2**20:.1f} MiB")
     return lines
+
+
+def _unused_line(cfg: ModelConfig, unused: list[str], nextn: list[str]) -> str:
+    from colibri_common.tensors import summarise
+
+    parts = [f"{len(unused)} that config.json leaves unread ({summarise(unused)}; transformers leaves them out too: "
+             f"check num_hidden_layers and the keys that turn on biases or qk-norm)"] if unused else []
+    if nextn:
+        parts.append(f"{len(nextn)} of {cfg.nextn_layers} multi-token prediction layer(s) past num_hidden_layers "
+                     f"(not served)")
+    return "; ".join(parts) or "none"
 
 
 def _attention_line(cfg: ModelConfig) -> str:

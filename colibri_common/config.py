@@ -86,6 +86,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
     torch_dtype_from: str = "config.json"     # where torch_dtype was read: config.json, or the weights (from_dir)
+    nextn_layers: int = 0                 # layers stored past num_layers for multi-token prediction (not served)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -293,6 +294,7 @@ class ModelConfig:
             swiglu_up_offset=1.0 if arch.clamped_swiglu else 0.0,
             eos_token_ids=eos_ids,
             torch_dtype=_stored_dtype(raw, source),
+            nextn_layers=int(raw.get("num_nextn_predict_layers") or 0),
         )
 
 

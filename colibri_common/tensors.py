@@ -7,10 +7,10 @@ I an expert's (or a dense MLP's) width.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Collection, Container
 
 from colibri_common.config import ModelConfig
-from kernels import mxfp4
+from kernels import fp8, mxfp4
 
 Spec = tuple[str, tuple[int, ...]]
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -167,3 +167,29 @@ def expert_bias_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
     prefix = f"{layer_prefix(layer)}{cfg.arch.moe_prefix}.experts."
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     return {"gate_up": (prefix + "gate_up_proj_bias", (E, 2 * I)), "down": (prefix + "down_proj_bias", (E, H))}
+
+
+def unused_tensors(cfg: ModelConfig, names: Collection[str]) -> tuple[list[str], list[str]]:
+    """The stored tensors the model never reads, as (unused, next-token layers): the second are the layers past
+    num_hidden_layers that `num_nextn_predict_layers` declares (DeepSeek-V3's and GLM-4.5's multi-token
+    prediction, which transformers leaves out too); the first is everything else nothing reads (a config that
+    turns off what the checkpoint has: biases, qk-norm, layers past num_hidden_layers)."""
+    used = {name for name, _ in router_tensors(cfg)}
+    for layer in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            used |= {name for name, _ in stored_expert_tensors(cfg, layer, e, names)[1].values()}
+        used |= {name for name, _ in expert_bias_tensors(cfg, layer).values()}
+    used |= {name + fp8.SCALE_SUFFIX for name in used}       # an FP8 weight's block scales
+    extra = range(cfg.num_layers, cfg.num_layers + cfg.nextn_layers)
+    nextn = {layer_prefix(i) for i in extra}
+    unused, predict = [], []
+    for name in sorted(names):
+        if name not in used:
+            (predict if name.startswith(tuple(nextn)) else unused).append(name)
+    return unused, predict
+
+
+def summarise(names: list[str], limit: int = 3) -> str:
+    """The first few of `names`, and how many more."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

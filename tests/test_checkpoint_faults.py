@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from colibri_common.checkpoint import Checkpoint
 from colibri_common.config import ModelConfig
 from colibri_common.errors import CheckpointError, ConfigError
 from colibri_common.fp8 import Fp8Format
+from colibri_common.tensors import unused_tensors
 from tests.inprocess import InProcess
 from tests.test_config_defaults import CLASSES, minimal
 
@@ -254,3 +256,50 @@ def test_an_unreadable_tokenizer_is_a_permission_error_not_a_bad_file(oracles, t
                          timeout=120)
     assert out.returncode == 2 and "tokenizer.json: permission denied for this process" in out.stderr, out.stderr
     assert "replace the file" not in out.stderr
+
+
+@pytest.mark.parametrize("arch,change", [
+    ("qwen3_moe", lambda cfg: {"num_hidden_layers": cfg["num_hidden_layers"] - 1}),   # a truncated config
+    ("qwen2_moe", lambda cfg: {"qkv_bias": False}),                                   # biases stored, turned off
+    ("glm4_moe", lambda cfg: {"use_qk_norm": False}),                                 # qk-norm stored, turned off
+])
+def test_tensors_the_config_leaves_unread_are_those_transformers_reports(oracles, tmp_path, caplog, arch, change):
+    """A config.json that turns off what the checkpoint stores was served without a word (transformers warns, and
+    lists them as unexpected keys): `validate` names them and the router's start warns."""
+    path = copy_of(oracles[arch].path, tmp_path / "ckpt")
+    edit(path / "config.json", **change(json.loads((path / "config.json").read_text())))
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert info["unexpected_keys"] and not info["missing_keys"]
+    unused, nextn = unused_tensors(ModelConfig.from_dir(path), Checkpoint(path).entries.keys())
+    experts = lambda names: {re.sub(r"experts\..*", "experts", n) for n in names}   # noqa: E731 (transformers
+    assert experts(unused) == experts(info["unexpected_keys"]) and not nextn          # names them fused)
+    out = validate(path)
+    assert out.returncode == 0, out.stderr
+    assert f"unused tensors   {len(unused)} that config.json leaves unread ({unused[0]}, " in out.stdout, out.stdout
+    with caplog.at_level("WARNING", logger="colibri.router"), InProcess(path):
+        pass
+    assert f"{len(unused)} stored tensors that config.json leaves unread ({unused[0]}" in caplog.text
+
+
+def test_every_stored_tensor_is_read_in_each_architecture_and_format(oracles, tmp_path):
+    """Nothing is reported unused where everything is read: every architecture's checkpoint as transformers saves
+    it, FP8 with block scales, GPT-OSS's MXFP4 blocks and scales; next-token prediction layers are apart."""
+    from tests.models import build_model, save_checkpoint, small_config
+    from tests.test_fp8 import fp8_checkpoint
+    from tests.test_gpt_oss import write_mxfp4
+
+    paths = [o.path for o in oracles.values()]
+    fp8_checkpoint(oracles["minimax_m2"].path, tmp_path / "fp8")
+    gpt_oss = build_model(small_config("gpt_oss", intermediate_size=64))     # widths of whole 32-blocks
+    write_mxfp4(save_checkpoint(gpt_oss, tmp_path / "gpt_oss"), tmp_path / "mxfp4")
+    for path in [*paths, tmp_path / "fp8", tmp_path / "mxfp4"]:
+        cfg, ckpt = ModelConfig.from_dir(path), Checkpoint(path)
+        assert unused_tensors(cfg, ckpt.entries.keys()) == ([], []), path
+    # DeepSeek-V3's next-token prediction layer, stored past num_hidden_layers as published
+    path = copy_of(oracles["deepseek_v3"].path, tmp_path / "mtp")
+    raw = json.loads((path / "config.json").read_text())
+    edit(path / "config.json", num_hidden_layers=raw["num_hidden_layers"] - 1, num_nextn_predict_layers=1)
+    unused, nextn = unused_tensors(ModelConfig.from_dir(path), Checkpoint(path).entries.keys())
+    last = f"model.layers.{raw['num_hidden_layers'] - 1}."
+    assert unused == [] and nextn and all(n.startswith(last) for n in nextn)
+    assert "multi-token prediction layer(s) past num_hidden_layers (not served)" in validate(path).stdout

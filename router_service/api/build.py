@@ -26,6 +26,7 @@ from colibri_common.forms_file import tune_forms
 from colibri_common.heap import return_free_heap
 from colibri_common.sampling_defaults import sampling_defaults
 from colibri_common.serving import MAX_MESSAGE_BYTES
+from colibri_common.tensors import summarise, unused_tensors
 from colibri_common.tls import TlsFiles
 from colibri_common.tokenizer import Tokenizer
 from kernels import cpu_has_fast_bf16, forms_in_force, native, set_batch_invariant
@@ -131,6 +132,19 @@ def remote_experts(opts: RouterOptions, workers: tuple[str, ...] = ()) -> Expert
     return connect
 
 
+def log_unused(model: str, cfg: ModelConfig, ckpt: Checkpoint) -> None:
+    """Stored tensors the config leaves unread: a warning, as transformers warns (they may mean a config.json that
+    is not this checkpoint's); the multi-token prediction layers a config declares: a line."""
+    unused, nextn = unused_tensors(cfg, ckpt.entries.keys())
+    if unused:
+        log.warning("%s: %d stored tensors that config.json leaves unread (%s): transformers leaves them out too; "
+                    "if they should be read, check config.json (num_hidden_layers, the keys that turn on biases "
+                    "or qk-norm)", model, len(unused), summarise(unused))
+    if nextn:
+        log.info("%s: the %d tensors of %d multi-token prediction layer(s) past num_hidden_layers are not served",
+                 model, len(nextn), cfg.nextn_layers)
+
+
 def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     cfg = ModelConfig.from_dir(opts.model)
     device = open_device(opts.device)
@@ -140,6 +154,7 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
         raise ConfigError(f"{opts.model}/tokenizer.json has {tokenizer.vocab_size} tokens but config.json "
                           f"vocab_size is {cfg.vocab_size}; they must agree")
     ckpt = Checkpoint(opts.model)
+    log_unused(opts.model, cfg, ckpt)
     weights = RouterWeights.load(ckpt, cfg, dtype, progress=log.isEnabledFor(logging.INFO), device=device,
                                  in_place=opts.weights_in_place == "auto")
     if opts.quantize_dense:
