@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Container
 
 from colibri_common.config import ModelConfig
+from colibri_common.errors import CheckpointError
 from kernels import fp8, mxfp4
 
 Spec = tuple[str, tuple[int, ...]]
@@ -130,6 +131,11 @@ def stored_expert_tensors(cfg: ModelConfig, layer: int, expert: int, names: Cont
     "stacked", "interleaved_t" (GPT-OSS) and "mxfp4" (GPT-OSS's published, quantised experts)."""
     fused = fused_expert_tensors(cfg, layer)
     if fused["gate_up"][0] in names:
+        per_expert = expert_tensors(cfg, layer, expert)["down"][0]
+        if fused["down"][0] not in names and per_expert in names:
+            raise CheckpointError(f"layer {layer} stores its experts' gate and up fused ('{fused['gate_up'][0]}') "
+                                  f"but their down projections one per expert ('{per_expert}'): a layer's "
+                                  f"experts are read in one layout; convert the checkpoint whole")
         return cfg.arch.fused_experts, fused
     mx = mxfp4_expert_tensors(cfg, layer)
     if mx["gate_up_blocks"][0] in names:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from colibri_common.architectures import ARCHITECTURES
 from colibri_common.chat_template import ChatTemplate, TemplateBroken, load_chat_template
@@ -303,3 +303,20 @@ def test_every_stored_tensor_is_read_in_each_architecture_and_format(oracles, tm
     last = f"model.layers.{raw['num_hidden_layers'] - 1}."
     assert unused == [] and nextn and all(n.startswith(last) for n in nextn)
     assert "multi-token prediction layer(s) past num_hidden_layers (not served)" in validate(path).stdout
+
+
+def test_a_layer_whose_experts_are_half_fused_is_named_as_such(oracles, tmp_path):
+    """gate_up stored fused (a half-done conversion) beside per-expert down projections was reported as a missing
+    fused down_proj, which the checkpoint never meant to have."""
+    path = copy_of(oracles["qwen3_moe"].path, tmp_path / "ckpt")
+    (path / "model.safetensors").unlink()
+    t = load_file(oracles["qwen3_moe"].path / "model.safetensors")
+    p = "model.layers.1.mlp.experts."
+    E = sum(1 for n in t if n.startswith(p) and n.endswith(".gate_proj.weight"))
+    t[p + "gate_up_proj"] = torch.stack([torch.cat([t.pop(f"{p}{e}.gate_proj.weight"), t.pop(f"{p}{e}.up_proj.weight")])
+                                         for e in range(E)])
+    save_file(t, path / "model.safetensors")
+    out = validate(path)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"layer 1 stores its experts' gate and up fused ('{p}gate_up_proj') but their down projections one per " \
+           f"expert ('{p}0.down_proj.weight')" in out.stderr, out.stderr
