@@ -868,3 +868,88 @@ def test_an_http_client_that_stops_reading_is_cancelled_by_the_stall_timeout(tmp
         assert m["colibri:kv_cache_blocks_free"] == m["colibri:kv_cache_blocks_total"]
         assert m["colibri:generation_tokens_total"] < 450
         sock.close()
+
+
+def test_logprobs_are_the_models_own_whatever_the_sampling(served):
+    """As vLLM's default (raw_logprobs): the oracle's log-softmax at each sampled token, at a temperature, with
+    penalties; they had been taken over the temperature and after the penalties."""
+    oracle, _, addr, _, _ = served
+    prompt = [3, 17, 42, 9]
+    with Client(addr) as client:
+        for sampling in ({"temperature": 0.7, "seed": 4}, {"temperature": 1e-4, "seed": 4},
+                         {"temperature": 1.3, "seed": 9, "repetition_penalty": 1.5, "presence_penalty": 1.0}):
+            res = client.generate(prompt, 6, logprobs=True, top_logprobs=2, ignore_eos=True, **sampling)
+            ref = torch.log_softmax(oracle.step_logits(prompt, res.token_ids).double(), dim=-1)    # [6, V]
+            got = [lp.logprob for lp in res.logprobs]
+            assert got == pytest.approx([float(ref[t, g]) for t, g in enumerate(res.token_ids)], abs=1e-4), sampling
+            assert all(lp.top[0].logprob == pytest.approx(float(ref[t].max()), abs=1e-4)
+                       for t, lp in enumerate(res.logprobs))
+
+
+@pytest.mark.parametrize(("route", "extra", "param"), [
+    ("/v1/chat/completions", {"chat_template": "{{ messages[0].content }}"}, "chat_template"),
+    ("/v1/chat/completions", {"documents": [{"title": "a", "text": "b"}]}, "documents"),
+    ("/v1/chat/completions", {"return_token_ids": True}, "return_token_ids"),
+    ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
+    ("/v1/completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+])
+def test_vllm_fields_that_change_the_answer_are_refused_not_ignored(served, route, extra, param):
+    """A template of the request's own, documents, token ids in the response, a usage in every chunk: each had been
+    dropped without a word (200 with the checkpoint's template, no ids, no usage), where docs/api.md promises a 400."""
+    *_, url, _ = served
+    body = {"prompt": "x", "messages": MESSAGES, "max_tokens": 2, **extra}
+    status, err = raw(url, "POST", route, json.dumps(body).encode())
+    assert (status, err["error"]["param"], err["error"]["code"]) == (400, param, "invalid_argument"), err
+
+
+def test_an_empty_model_name_is_the_served_model_and_codes_read_alike(served):
+    """"model": "" is the served model, as vLLM takes it (some clients send it): it had been a 404. The front's own
+    400s carry the code the router's refusals carry ("400" against "invalid_argument")."""
+    *_, url, _ = served
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        status, ok = raw(url, "POST", route, json.dumps({"model": "", "prompt": "x", "messages": MESSAGES,
+                                                         "max_tokens": 1}).encode())
+        assert status == 200 and ok["usage"]["completion_tokens"] == 1, ok
+    front_400 = raw(url, "POST", "/v1/completions", json.dumps({"prompt": "x", "top_p": 7}).encode())[1]
+    router_400 = raw(url, "POST", "/v1/completions", json.dumps({"prompt": [10**6]}).encode())[1]
+    assert front_400["error"]["code"] == router_400["error"]["code"] == "invalid_argument", (front_400, router_400)
+    assert raw(url, "GET", "/v1/nowhere")[1]["error"]["code"] == "not_found"
+
+
+def post(url: str, path: str, body: dict, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json", **headers})
+    resp = conn.getresponse()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+
+
+def test_the_clients_request_id_names_the_response_and_is_echoed(served):
+    """X-Request-Id (else vLLM's `request_id` field) is the response's id and comes back as a header, as vLLM's;
+    two requests sent at once with one id both run (the router's calls add a part of their own), and one that is
+    no id is a 400 naming the header. It had been ignored: every id a fresh uuid, no header."""
+    *_, url, _ = served
+    body = {"prompt": "x", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    status, headers, data = post(url, "/v1/completions", body, {"X-Request-Id": "trace-7f3a"})
+    assert status == 200 and json.loads(data)["id"] == "cmpl-trace-7f3a" and headers["x-request-id"] == "trace-7f3a"
+    status, headers, data = post(url, "/v1/chat/completions", {**body, "messages": MESSAGES, "stream": True},
+                                 {"X-Request-Id": "trace-7f3b"})
+    first = json.loads(data.split(b"\n\n")[0].removeprefix(b"data: "))
+    assert status == 200 and first["id"] == "chatcmpl-trace-7f3b" and headers["x-request-id"] == "trace-7f3b"
+    status, headers, data = post(url, "/v1/completions", {**body, "request_id": "from-body"}, {})
+    assert json.loads(data)["id"] == "cmpl-from-body" and headers["x-request-id"] == "from-body"
+    status, headers, data = post(url, "/v1/completions", body, {})
+    generated = json.loads(data)["id"]
+    assert headers["x-request-id"] == generated and generated.startswith("cmpl-") and len(generated) > 20
+    with futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: post(url, "/v1/completions", body, {"X-Request-Id": "same"}), range(4)))
+    assert [s for s, _, _ in got] == [200] * 4, got
+    assert all(json.loads(d)["id"] == "cmpl-same" and json.loads(d)["usage"]["completion_tokens"] == 12
+               for _, _, d in got)
+    for bad_id in ("has space", "x" * 257):
+        status, headers, data = post(url, "/v1/completions", body, {"X-Request-Id": bad_id})
+        assert (status, json.loads(data)["error"]["param"]) == (400, "X-Request-Id"), data
+        assert "x-request-id" not in headers
+    status, headers, data = post(url, "/v1/completions", {"prompt": "x", "top_p": 7}, {"X-Request-Id": "t-400"})
+    assert status == 400 and headers["x-request-id"] == "t-400"                       # refusals echo it too

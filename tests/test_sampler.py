@@ -358,7 +358,8 @@ def penalised_reference(logits: torch.Tensor, prompt: list[int], output: list[in
 
 @pytest.mark.parametrize(("rep", "freq", "pres"), [(1.3, 0.0, 0.0), (1.0, 0.7, 0.0), (1.0, 0.0, 1.1),
                                                    (0.8, -0.4, 0.5)])
-def test_penalties_and_logprobs_match_the_written_out_formulas(rep: float, freq: float, pres: float) -> None:
+def test_penalties_match_the_written_out_formulas_and_logprobs_stay_the_models(rep: float, freq: float,
+                                                                                pres: float) -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 12, generator=g) * 2                                  # [2, V]
     histories = [([1, 4], [4, 7, 7, 2, 7]), ([9], [])]
@@ -368,7 +369,7 @@ def test_penalties_and_logprobs_match_the_written_out_formulas(rep: float, freq:
     out = Sampler().sample(logits, batch)
     for i, (prompt, output) in enumerate(histories):
         ref = penalised_reference(logits[i], prompt, output, rep, freq, pres)
-        ref_lp = torch.log_softmax(ref, dim=-1)
+        ref_lp = torch.log_softmax(logits[i].double(), dim=-1)                    # the model's own, unpenalised
         assert out[i].token == int(ref.argmax())                                  # greedy on the penalised logits
         assert out[i].logprob == pytest.approx(float(ref_lp[out[i].token]), abs=1e-5)
         got = dict(out[i].top)
@@ -378,12 +379,16 @@ def test_penalties_and_logprobs_match_the_written_out_formulas(rep: float, freq:
     assert not torch.allclose(penalised_reference(logits[0], *histories[0], rep, freq, pres).float(), logits[0])
 
 
-def test_logprobs_are_of_the_tempered_distribution_and_top_is_cut_to_n() -> None:
-    sp = Sampling(temperature=2.0, seed=8, logprobs=True, top_logprobs=2)
+@pytest.mark.parametrize("temperature", [2.0, 1.0, 2e-5, 1e-5, 0.0])
+def test_logprobs_are_the_models_own_whatever_the_temperature_and_top_is_cut_to_n(temperature: float) -> None:
+    """vLLM's default (raw_logprobs): they had been taken over the temperature, so a runner-up read -36754 at 2e-5
+    and the model's own value at 1e-5, where greedy begins."""
+    sp = Sampling(temperature=temperature, seed=8, logprobs=True, top_logprobs=2, min_tokens=3, stop_token_ids=(3,))
     out = Sampler().sample(LOGITS.reshape(1, -1), [Row("t", sp)])[0]
-    ref = torch.log_softmax(LOGITS.double() / 2.0, dim=-1)
+    ref = torch.log_softmax(LOGITS.double(), dim=-1)
     assert out.logprob == pytest.approx(float(ref[out.token]), abs=1e-6)
-    assert [t for t, _ in out.top] == [3, 1]
+    assert out.token != 3                                     # masked for min_tokens, yet in the top: the model's
+    assert [t for t, _ in out.top] == [3, 1] and dict(out.top)[3] == pytest.approx(float(ref[3]), abs=1e-6)
     assert Sampler().sample(LOGITS.reshape(1, -1), [Row("n", Sampling())])[0].logprob is None   # not asked
 
 

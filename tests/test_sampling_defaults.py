@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from colibri.client import Client
+from colibri.openai_api.errors import ApiError
 from colibri.openai_api.protocol import parse_chat, parse_completion
 from colibri_common.sampling_defaults import sampling_defaults
 from colibri_common.tokenizer import Tokenizer
@@ -79,3 +80,16 @@ def test_the_front_gives_the_checkpoints_sampling_to_requests_that_leave_it_out(
             assert sampled.choices[0].text != greedy
         with front(addr, "--generation-config", "vllm") as (_, _, api):
             assert api.completions.create(**kw).choices[0].text == sampled.choices[0].text
+
+
+@pytest.mark.parametrize("parse", [parse_completion, parse_chat])
+def test_min_tokens_over_the_checkpoints_max_tokens_is_refused_on_both_routes(parse):
+    """chat had served min_tokens 8 over generation_config's max_new_tokens 5 (its limit quietly raised) where
+    completions refused it: both refuse it now, naming where the limit came from (vLLM refuses it on both)."""
+    body = {"prompt": "x", "messages": [{"role": "user", "content": "x"}], "min_tokens": 8}
+    with pytest.raises(ApiError) as err:
+        parse(body).with_defaults({"max_tokens": 5.0}).check_min_tokens(16)
+    assert (err.value.status, err.value.param) == (400, "min_tokens")
+    assert "left out: 5 from this model's generation_config.json (max_new_tokens)" in err.value.message
+    parse({**body, "max_tokens": 9}).with_defaults({"max_tokens": 5.0}).check_min_tokens(16)     # given: the router's
+    parse(body).with_defaults({"max_tokens": 8.0}).check_min_tokens(16)

@@ -48,6 +48,7 @@ from colibri.openai_api.protocol import (
     check_text,
     parse_chat,
     parse_completion,
+    request_id_of,
 )
 from colibri.openai_api.responses import Reply, sse
 from colibri.openai_api.router_link import RouterLink
@@ -153,6 +154,7 @@ class Front:
         # (and /health) for ~1 s
         off_loop = size > OFF_LOOP_BYTES
         parsed = await off_loop_if(off_loop, parse_chat if chat else parse_completion, body)
+        request_id = request_id_of(request.headers.get("x-request-id"), body)
         if parsed.stream and request.scope["http_version"] == "1.0":     # uvicorn would answer it chunked
             raise bad(HTTP10_STREAM, "stream")
         info = await self.info()
@@ -169,7 +171,8 @@ class Front:
             raise bad(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} sequences exceed what the router "
                       f"queues at once ({info.max_waiting}, its --max-waiting): send fewer prompts or a lower n", "n")
         reply = Reply(chat, name, n, info.has_tokenizer,
-                      parsed.sampling.logprobs or parsed.sampling.top_logprobs > 0, tuple(parsed.sampling.stop))
+                      parsed.sampling.logprobs or parsed.sampling.top_logprobs > 0, tuple(parsed.sampling.stop),
+                      request_id)
         self.metrics.started(reply)             # in flight from here (queued on the router too), counted once
         calls: list = []
         try:
@@ -188,7 +191,8 @@ class Front:
                                  stall_s=self.opts.stream_stall_timeout, on_stall=lambda: log.warning(
                                      "%s: the client has read nothing of its stream for %gs: dropped, and its "
                                      "request cancelled on the router (--stream-stall-timeout)", reply.id,
-                                     self.opts.stream_stall_timeout))
+                                     self.opts.stream_stall_timeout),
+                                 headers={"X-Request-Id": reply.echoed_id})
             return stream
         try:
             return await self._whole(request, reply, messages, calls)
@@ -203,7 +207,7 @@ class Front:
         counted by its status. A router that drains refuses new calls on the connection it keeps: they are sent
         once more, on a new one (redial)."""
         client = self.link.client
-        calls += [client.stream(request_of(p, parsed.sampling, f"{reply.id}-{i}", parsed.add_special_tokens),
+        calls += [client.stream(request_of(p, parsed.sampling, f"{reply.call_id}-{i}", parsed.add_special_tokens),
                                 self.opts.request_timeout)
                   for i, p in enumerate(prompts)]
         streams = [aiter(call) for call in calls]
@@ -298,7 +302,7 @@ class Front:
             self.metrics.finished(reply, str(err.status))
             raise err from None
         self.metrics.finished(reply, "ok")
-        return JSONResponse(reply.body())
+        return JSONResponse(reply.body(), headers={"X-Request-Id": reply.echoed_id})
 
     def _fold(self, reply: Reply, prompt: int, msg: pb.GenerateResponse) -> tuple[int, str, list, str | None]:
         out = reply.add(prompt, msg)
@@ -359,7 +363,11 @@ def build_app(front: Front, policy: Policy) -> Starlette:
         front.metrics.refused(exc.status)
         if exc.status == CLIENT_GONE:
             return Response(status_code=CLIENT_GONE)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+        headers = exc.headers()
+        with contextlib.suppress(ApiError):                          # a valid one is echoed, as on an answer
+            if (given := request_id_of(request.headers.get("x-request-id"), None)) is not None:
+                headers["X-Request-Id"] = given
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         """Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's shape."""

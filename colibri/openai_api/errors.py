@@ -36,6 +36,13 @@ TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 403: "perm
            421: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error",
            502: "bad_gateway", 503: "service_unavailable",
            504: "timeout"}
+# `code` where an error has no more particular one: the gRPC status's name where the router's refusals of the same
+# kind carry it (a 400 of the front's own and one of the router's read alike), else the status's meaning
+CODE_OF = {400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied", 404: "not_found",
+           405: "method_not_allowed", 408: "request_timeout", 409: "already_exists", 413: "request_too_large",
+           415: "unsupported_media_type", 421: "misdirected_request", 429: "resource_exhausted",
+           431: "headers_too_large", 499: "cancelled", 500: "internal", 502: "bad_gateway", 503: "unavailable",
+           504: "deadline_exceeded"}
 RETRY_AFTER_S = {429: 1, 503: 1}
 # Addresses inside the fleet as the router and gRPC word their errors: gRPC's own URIs ("ipv4:10.0.0.7:50052",
 # "ipv6:%5B::1%5D:1", "unix:/run/w.sock"), what follows "expert worker " and "unreachable on " (a worker's address,
@@ -71,7 +78,7 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": TYPE_OF.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code or str(self.status)}}
+                          "param": self.param, "code": self.code or CODE_OF.get(self.status, "internal")}}
 
     def headers(self) -> dict[str, str]:
         wait = RETRY_AFTER_S.get(self.status)

@@ -97,8 +97,9 @@ class EventStream(StreamingResponse):
     says so, and `on_close` cancels its request on the router (the handler waited on that write for good)."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], stall_s: float = 0.0,
-                 on_stall: Callable[[], None] = lambda: None) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                 on_stall: Callable[[], None] = lambda: None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                            **(headers or {})})
         self.on_close, self.stall_s, self.on_stall = on_close, stall_s, on_stall
         self._writing_since: float | None = None      # loop time of the write under way
         self.stalled = False                          # ended by `stall_s`

@@ -68,10 +68,11 @@ class Parsed:
         """min_tokens over a max_tokens the request left out says where that max_tokens came from (the router would
         name only the number)."""
         sp = self.sampling
-        if "max_tokens" in self.omitted and sp.max_tokens and sp.min_tokens > sp.max_tokens:
-            source = "this model's generation_config.json (max_new_tokens)" if sp.max_tokens != completions_default \
-                else f"the default of {completions_default}"
-            raise bad(f"'min_tokens' {sp.min_tokens} is over max_tokens, which the request left out: {sp.max_tokens} "
+        limit = sp.max_tokens or sp.default_max_tokens        # completions' (16 or less), chat's generation_config's
+        if "max_tokens" in self.omitted and limit and sp.min_tokens > limit:
+            source = "this model's generation_config.json (max_new_tokens)" if sp.default_max_tokens or \
+                limit != completions_default else f"the default of {completions_default}"
+            raise bad(f"'min_tokens' {sp.min_tokens} is over max_tokens, which the request left out: {limit} "
                       f"from {source}; send max_tokens of at least {sp.min_tokens}", "min_tokens")
 
 
@@ -118,7 +119,8 @@ def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int 
 
 # vLLM's structured-output and prompt extras: asked for, they change what comes back, so they are refused
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-          "guided_whitespace_pattern", "structured_outputs", "prompt_logprobs", "return_tokens_as_token_ids")
+          "guided_whitespace_pattern", "structured_outputs", "prompt_logprobs", "return_tokens_as_token_ids",
+          "return_token_ids")
 # ... of which these ask for something whatever their value: an empty schema {} is "any JSON", an empty regex or
 # choice list constrains too, and prompt_logprobs 0 is the prompt tokens' own log-probabilities
 ASKED_BY_ANY_VALUE = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "prompt_logprobs")
@@ -219,12 +221,17 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     if usage is not None and not isinstance(usage, bool):
         raise bad(f"'stream_options.include_usage' must be a boolean, got {type(usage).__name__}",
                   "stream_options.include_usage")
+    if opts.get("continuous_usage_stats") not in (None, False):    # vLLM's: a usage in every chunk
+        raise bad("'stream_options.continuous_usage_stats' is not supported by this server: "
+                  "'include_usage' sends the usage in a last chunk", "stream_options.continuous_usage_stats")
     return bool(usage)
 
 
 def _model(body: dict[str, Any]) -> str | None:
+    """The model the request names; None where it names none (absent, null or "", which vLLM also takes as the
+    served model: some clients send "")."""
     model = _get(body, "model", (str,), None)
-    return None if model is None else check_text(model, "model")   # it is echoed in the 404's JSON (UTF-8)
+    return check_text(model, "model") if model else None   # it is echoed in the 404's JSON (UTF-8)
 
 
 def parse_completion(body: Any) -> Parsed:
@@ -296,7 +303,11 @@ def parse_chat(body: Any) -> Parsed:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _refuse(body, ("tools", "functions", "logit_bias", "echo", "include_stop_str_in_output",
-                   "continue_final_message", "audio"))
+                   "continue_final_message", "audio", "documents"))
+    if body.get("chat_template") is not None:
+        raise bad("'chat_template' (a template of the request's own) is not accepted: the checkpoint's chat template "
+                  "renders every request (as vLLM without --trust-request-chat-template); leave it out, or send the "
+                  "rendered prompt to /v1/completions", "chat_template")
     _text_format(body)
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
@@ -319,6 +330,23 @@ def parse_chat(body: Any) -> Parsed:
                   _model(body), _messages(body), kwargs,
                   bool(_get(body, "add_generation_prompt", (bool,), True)),
                   bool(_get(body, "add_special_tokens", (bool,), False)), _omitted(body))
+
+
+MAX_REQUEST_ID = 256
+
+
+def request_id_of(header: str | None, body: Any) -> str | None:
+    """The client's id for its request: the X-Request-Id header, else vLLM's `request_id` field; None where it gives
+    none. 1 to 256 visible ASCII characters (it goes into the response's id and the router's logs)."""
+    given, param = (header, "X-Request-Id") if header is not None else \
+        ((body.get("request_id"), "request_id") if isinstance(body, dict) else (None, ""))
+    if given is None:
+        return None
+    if not isinstance(given, str) or not 0 < len(given) <= MAX_REQUEST_ID or \
+            not all("!" <= ch <= "~" for ch in given):
+        raise bad(f"'{param}' must be 1 to {MAX_REQUEST_ID} visible ASCII characters (no spaces), got "
+                  f"{str(given)[:40]!a}", param)
+    return given
 
 
 def check_model(parsed: Parsed, served: str) -> None:

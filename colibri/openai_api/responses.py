@@ -36,11 +36,15 @@ class ChoiceState:
 
 class Reply:
     def __init__(self, chat: bool, model: str, n: int, has_tokenizer: bool, logprobs: bool,
-                 stop_strings: tuple[str, ...] = ()) -> None:
+                 stop_strings: tuple[str, ...] = (), request_id: str | None = None) -> None:
         self.chat, self.model, self.n = chat, model, n
         self.stop_strings = stop_strings
         self.has_tokenizer, self.logprobs = has_tokenizer, logprobs
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # the client's request id where it gave one (X-Request-Id, or vLLM's `request_id` field) in the response's
+        # id, as vLLM's; the router's calls add a part of their own, so two requests sent with one id both run
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
+        self.call_id = self.id if request_id is None else f"{self.id}-{uuid.uuid4().hex[:12]}"
+        self.echoed_id = request_id or self.id        # the response's X-Request-Id header
         self.created = int(time.time())
         self.t0 = time.monotonic()
         self.counted = True                # set False while the front counts it in flight

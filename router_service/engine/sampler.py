@@ -69,7 +69,7 @@ class Sampler:
         if not ok:
             return out
         try:
-            x = logits if len(ok) == len(rows) else logits[ok]                  # [b, V]
+            x = raw = logits if len(ok) == len(rows) else logits[ok]            # [b, V]
             live = [rows[r] for r in ok]
             x = self._penalise(x, live)
             x = self._mask_stops(x, live)
@@ -79,7 +79,7 @@ class Sampler:
             drawn = [i for i, row in enumerate(live) if not row.sampling.greedy]
             if drawn:
                 tokens[drawn] = self._draw(x[drawn], [live[i] for i in drawn])
-            logprobs = self._logprobs(x, tokens, live)
+            logprobs = self._logprobs(raw, tokens, live)
         except RuntimeError as exc:         # something in one row broke a kernel: find it, fail it alone
             if len(rows) == 1:
                 return [SampleError(f"sampling failed: {exc}")]
@@ -204,14 +204,13 @@ class Sampler:
     @staticmethod
     def _logprobs(x: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]
                   ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
-        """For the rows that ask: log-softmax of the penalised logits over the temperature (1 when greedy),
-        the sampled token's value and the N likeliest; one batched pass."""
+        """For the rows that ask: the log-softmax of the model's own logits x, before penalties, the stop tokens'
+        mask and the temperature (vLLM's default, `--logprobs-mode raw_logprobs`: the same request's values
+        whatever its sampling asks), the sampled token's value and the N likeliest; one batched pass."""
         idx = [i for i, row in enumerate(rows) if row.sampling.wants_logprobs]
         if not idx:
             return {}
-        temps = torch.tensor([1.0 if rows[i].sampling.greedy else rows[i].sampling.temperature for i in idx],
-                             device=x.device)
-        lp = torch.log_softmax(x[idx].float() / temps[:, None], dim=-1).cpu()                      # [l, V]
+        lp = torch.log_softmax(x[idx].float(), dim=-1).cpu()                                       # [l, V]
         chosen = lp.gather(1, tokens[idx].cpu()[:, None]).squeeze(1).tolist()                       # [l]
         n = max(rows[i].sampling.top_logprobs for i in idx)
         top_v, top_i = lp.topk(min(n, lp.shape[1]), dim=-1) if n else (lp[:, :0], lp[:, :0].long())  # [l, N]

@@ -26,8 +26,8 @@ class Sampling:
 
     Order on the logits (`Sampler`): repetition, frequency and presence penalties; `min_tokens` masks the stop
     tokens; then greedy takes the argmax, or temperature, top-k, top-p and min-p shape the distribution that
-    is sampled. Log-probabilities are those of the penalised logits over the temperature (1 when greedy),
-    before top-k / top-p / min-p cut them.
+    is sampled. Log-probabilities are the model's own (the log-softmax of its logits before any of these), as
+    vLLM's default (raw_logprobs).
     """
 
     GREEDY_BELOW = 1e-5
