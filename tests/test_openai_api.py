@@ -953,3 +953,21 @@ def test_the_clients_request_id_names_the_response_and_is_echoed(served):
         assert "x-request-id" not in headers
     status, headers, data = post(url, "/v1/completions", {"prompt": "x", "top_p": 7}, {"X-Request-Id": "t-400"})
     assert status == 400 and headers["x-request-id"] == "t-400"                       # refusals echo it too
+
+
+def test_the_tokenizers_eos_token_stops_generation_as_vllms_does(served):
+    """The checkpoint's config.json names no EOS while its tokenizer's eos_token is </s> (257): sampling ran past
+    </s> to max_tokens, where vLLM stops on the tokenizer's eos beside generation_config.json's."""
+    *_, addr, _, _ = served
+    eos = 257
+    with Client(addr) as client:
+        assert eos in client.model_info().eos_token_ids
+        hits = 0
+        for seed in range(24):
+            res = client.generate([eos, 256, eos], 40, temperature=2.0, seed=seed)
+            if eos in res.token_ids:
+                hits += 1
+                assert res.token_ids.index(eos) == len(res.token_ids) - 1 and res.finish_reason == "stop", res
+                past = client.generate([eos, 256, eos], 40, temperature=2.0, seed=seed, ignore_eos=True)
+                assert past.token_ids[:len(res.token_ids)] == res.token_ids and len(past.token_ids) == 40
+        assert hits, "no seed sampled </s>: the test saw nothing stop"

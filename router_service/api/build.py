@@ -132,6 +132,19 @@ def remote_experts(opts: RouterOptions, workers: tuple[str, ...] = ()) -> Expert
     return connect
 
 
+def with_tokenizer_eos(cfg: ModelConfig, tokenizer: Tokenizer | None, special: dict[str, str]) -> ModelConfig:
+    """`cfg` whose stop tokens also hold the tokenizer's eos_token (tokenizer_config.json / special_tokens_map.json),
+    as vLLM stops on it beside generation_config.json's: a checkpoint whose config.json names no eos (or another)
+    had generated past it to max_tokens."""
+    eos = special.get("eos_token")
+    tid = None if tokenizer is None or not eos else tokenizer.token_to_id(eos)
+    if tid is None or tid in cfg.eos_token_ids or not 0 <= tid < cfg.vocab_size:
+        return cfg
+    log.info("stop tokens: config.json's and generation_config.json's %s, and the tokenizer's eos_token %r (id %d), "
+             "as vLLM stops", list(cfg.eos_token_ids), eos, tid)
+    return dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids, tid))
+
+
 def log_unused(model: str, cfg: ModelConfig, ckpt: Checkpoint) -> None:
     """Stored tensors the config leaves unread: a warning, as transformers warns (they may mean a config.json that
     is not this checkpoint's); the multi-token prediction layers a config declares: a line."""
@@ -198,6 +211,8 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     model.batch_invariant = opts.batch_invariant
     model.track_routing = sched.routing_aware_batching
     model.mapped = mapped
+    template, special = load_chat_template(opts.model)
+    cfg = with_tokenizer_eos(cfg, tokenizer, special)
     engine = Engine(model, kv, scheduler, remote, cfg.eos_token_ids, opts.micro_batches)
     no_graphs = why_not(model, remote, opts.micro_batches, opts.enforce_eager)
     if no_graphs is None:
@@ -217,7 +232,6 @@ def build_engine(opts: RouterOptions, experts: ExpertsFactory) -> BuiltEngine:
     if weights.mapped:
         log.info("%s in place (mapped, %.1f MiB): read from the page cache, not copied",
                  " and ".join(sorted(weights.mapped)), weights.mapped_bytes / 2**20)
-    template, special = load_chat_template(opts.model)
     return BuiltEngine(cfg, opts, tokenizer, dtype, remote, engine, template, special, sampling_defaults(opts.model))
 
 
