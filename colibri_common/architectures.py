@@ -85,7 +85,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         scoring="sigmoid", routing_bias="gate.e_score_correction_bias", group_score="top2", gate_fp32=True,
         norm_topk_default=True,
         defaults=(("partial_rotary_factor", 0.5), ("n_shared_experts", 1), ("first_k_dense_replace", 1),
-                  ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072), ("num_key_value_heads", 8)),
+                  ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072), ("num_key_value_heads", 8),
+                  ("num_nextn_predict_layers", 1)),
     ),
     "DeepseekV2ForCausalLM": ArchSpec(
         moe_prefix="mlp", gate_name="gate", expert_names=("gate_proj", "up_proj", "down_proj"), o_proj_bias=False,
@@ -105,7 +106,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         allowed=(("topk_method", (None, "noaux_tc")), ("scoring_func", (None, "sigmoid")),
                  ("moe_layer_freq", (None, 1))),
         defaults=(("n_shared_experts", 1), ("routed_scaling_factor", 2.5), ("n_group", 8), ("topk_group", 4),
-                  ("first_k_dense_replace", 3), ("max_position_embeddings", 4096), *MLA_DEFAULTS),
+                  ("first_k_dense_replace", 3), ("max_position_embeddings", 4096), ("num_nextn_predict_layers", 1),
+                  *MLA_DEFAULTS),
     ),
     "MiniMaxM2ForCausalLM": ArchSpec(
         moe_prefix="block_sparse_moe", gate_name="gate", expert_names=("w1", "w3", "w2"), qk_norm="full",

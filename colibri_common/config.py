@@ -294,8 +294,19 @@ class ModelConfig:
             swiglu_up_offset=1.0 if arch.clamped_swiglu else 0.0,
             eos_token_ids=eos_ids,
             torch_dtype=_stored_dtype(raw, source),
-            nextn_layers=int(raw.get("num_nextn_predict_layers") or 0),
+            nextn_layers=_nextn_layers(raw, layers, source),
         )
+
+
+def _nextn_layers(raw: dict, layers: int, source: str) -> int:
+    """The multi-token prediction layers stored past num_hidden_layers (DeepSeek-V3's and GLM-4.5's
+    num_nextn_predict_layers, transformers' num_mtp_layers), which are not served: a whole number in 0..layers."""
+    key = "num_mtp_layers" if raw.get("num_mtp_layers") is not None else "num_nextn_predict_layers"
+    value = raw.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or not 0 <= value <= layers:
+        raise ConfigError(f"{source}: {key} must be a whole number from 0 to num_hidden_layers ({layers}), got "
+                          f"{value!r}")
+    return int(value)
 
 
 # the safetensors dtype codes of floating weights (those safetensors_header reads), by the saved names above

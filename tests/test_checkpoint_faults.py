@@ -320,3 +320,13 @@ def test_a_layer_whose_experts_are_half_fused_is_named_as_such(oracles, tmp_path
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert f"layer 1 stores its experts' gate and up fused ('{p}gate_up_proj') but their down projections one per " \
            f"expert ('{p}0.down_proj.weight')" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("value", [1e9, -1, 2.5, "one", True])
+def test_a_next_token_layer_count_that_cannot_be_is_refused_naming_the_key(value):
+    """num_nextn_predict_layers 1e9 had the router's start build a billion layer names (it hung); -1 was 0."""
+    raw = minimal("DeepseekV3ForCausalLM") | {"num_nextn_predict_layers": value}
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers must be a whole number from 0 to "
+                                          "num_hidden_layers"):
+        ModelConfig.from_dict(raw)
+    assert ModelConfig.from_dict(minimal("DeepseekV3ForCausalLM")).nextn_layers == 1       # transformers' default

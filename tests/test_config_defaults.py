@@ -69,6 +69,7 @@ def test_left_out_keys_take_the_architectures_transformers_defaults(arch):
         assert ours.moe_layers == tuple(range(ref.first_k_dense_replace, ref.num_hidden_layers))
     if hasattr(ref, "n_shared_experts"):
         assert ours.shared_expert_intermediate_size == ref.n_shared_experts * ours.moe_intermediate_size
+    assert ours.nextn_layers == getattr(ref, "num_nextn_predict_layers", 0)    # stored past the layers, not served
     if hasattr(ref, "n_group") and ref.n_group and ours.num_groups > 1:
         assert (ours.num_groups, ours.topk_groups) == (ref.n_group, ref.topk_group)
 

@@ -947,7 +947,14 @@ def test_the_clients_request_id_names_the_response_and_is_echoed(served):
     assert [s for s, _, _ in got] == [200] * 4, got
     assert all(json.loads(d)["id"] == "cmpl-same" and json.loads(d)["usage"]["completion_tokens"] == 12
                for _, _, d in got)
-    for bad_id in ("has space", "x" * 257):
+    longest = "i" * 200                                  # the router's id (256 at most) holds it with its parts
+    status, _, data = post(url, "/v1/completions", {**body, "prompt": ["x"] * 12}, {"X-Request-Id": longest})
+    assert status == 200 and json.loads(data)["id"] == f"cmpl-{longest}", data
+    status, _, data = post(url, "/v1/chat/completions", {**body, "messages": MESSAGES}, {"X-Request-Id": longest})
+    assert status == 200 and json.loads(data)["id"] == f"chatcmpl-{longest}", data
+    status, headers, data = post(url, "/v1/completions", body, {"X-Request-Id": ""})     # an empty one is none
+    assert status == 200 and json.loads(data)["id"] == headers["x-request-id"] != "cmpl-", data
+    for bad_id in ("has space", "x" * 201):
         status, headers, data = post(url, "/v1/completions", body, {"X-Request-Id": bad_id})
         assert (status, json.loads(data)["error"]["param"]) == (400, "X-Request-Id"), data
         assert "x-request-id" not in headers

@@ -88,7 +88,7 @@ def test_frequency_and_presence_penalties_against_the_oracles_logits(qwen3, freq
         ref.append(int(x.argmax()))
         if len(ref) == len(tokens) or tokens[:len(ref)] != ref:
             break
-        lp = torch.log_softmax(x, dim=-1)
+        lp = torch.log_softmax(oracle.last_logits(PROMPT + ref[:-1]).double(), dim=-1)   # the model's own
         assert lps[len(ref) - 1].logprob == pytest.approx(float(lp[ref[-1]]), abs=1e-4)
     assert tokens == ref
     assert len(set(tokens)) > len(set(oracle.greedy(PROMPT, N_NEW))) or tokens != oracle.greedy(PROMPT, N_NEW)
@@ -119,7 +119,7 @@ def test_min_p_samples_only_tokens_the_oracle_allows(qwen3):
         tokens, lps, _ = one(engine, Sampling(max_tokens=N_NEW, temperature=T, min_p=min_p, seed=seed,
                                               logprobs=True, ignore_eos=True))
         probs = torch.softmax(oracle_steps(oracle, tokens) / T, dim=-1)                  # [n, V]
-        lp = torch.log_softmax(oracle_steps(oracle, tokens) / T, dim=-1)
+        lp = torch.log_softmax(oracle_steps(oracle, tokens).double(), dim=-1)       # the model's own, untempered
         for t, tok in enumerate(tokens):
             assert probs[t, tok] >= min_p * probs[t].max() - 1e-6, (t, tok)
             assert lps[t].logprob == pytest.approx(float(lp[t, tok]), abs=1e-4)

@@ -182,7 +182,7 @@ class Front:
             self.metrics.finished(reply, "abort")    # (a no-op where a status was counted before)
             raise
         if first is None:                       # the client left before its first token
-            log.info("%s: the client went away before the first token; cancelled on the router", reply.id)
+            log.info("%s: the client went away before the first token; cancelled on the router", reply.call_id)
             return Response(status_code=499)
         messages = merge(streams, first)
         if parsed.stream:
@@ -190,7 +190,7 @@ class Front:
                                  on_close=lambda: self._close(reply, calls, "abort", quiet=stream.stalled),
                                  stall_s=self.opts.stream_stall_timeout, on_stall=lambda: log.warning(
                                      "%s: the client has read nothing of its stream for %gs: dropped, and its "
-                                     "request cancelled on the router (--stream-stall-timeout)", reply.id,
+                                     "request cancelled on the router (--stream-stall-timeout)", reply.call_id,
                                      self.opts.stream_stall_timeout),
                                  headers={"X-Request-Id": reply.echoed_id})
             return stream
@@ -257,7 +257,7 @@ class Front:
         """Every way out of a request: its router calls cancelled (a no-op once they ended), counted once."""
         _cancel(calls)
         if self.metrics.finished(reply, outcome) and outcome == "abort" and not quiet:   # a stream left mid-way
-            log.info("%s: the client went away mid-stream; its request was cancelled on the router", reply.id)
+            log.info("%s: the client went away mid-stream; its request was cancelled on the router", reply.call_id)
 
     def _render(self, parsed: Parsed, has_tokenizer: bool) -> str:
         if self._template is None:
@@ -292,7 +292,7 @@ class Front:
             _cancel(calls)
             with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
                 await work
-            log.info("%s: the client went away; its request was cancelled on the router", reply.id)
+            log.info("%s: the client went away; its request was cancelled on the router", reply.call_id)
             self.metrics.finished(reply, "abort")
             return Response(status_code=499)
         try:

@@ -332,15 +332,15 @@ def parse_chat(body: Any) -> Parsed:
                   bool(_get(body, "add_special_tokens", (bool,), False)), _omitted(body))
 
 
-MAX_REQUEST_ID = 256
+MAX_REQUEST_ID = 200        # "chatcmpl-" + it + the call's "-<12 hex>-<prompt>" fit the router's 256
 
 
 def request_id_of(header: str | None, body: Any) -> str | None:
     """The client's id for its request: the X-Request-Id header, else vLLM's `request_id` field; None where it gives
-    none. 1 to 256 visible ASCII characters (it goes into the response's id and the router's logs)."""
-    given, param = (header, "X-Request-Id") if header is not None else \
+    none. 1 to 200 visible ASCII characters (it goes into the response's id and the router's logs)."""
+    given, param = (header, "X-Request-Id") if header else \
         ((body.get("request_id"), "request_id") if isinstance(body, dict) else (None, ""))
-    if given is None:
+    if given is None:                        # an empty header is none (some proxies forward one)
         return None
     if not isinstance(given, str) or not 0 < len(given) <= MAX_REQUEST_ID or \
             not all("!" <= ch <= "~" for ch in given):
