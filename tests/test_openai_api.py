@@ -330,6 +330,8 @@ def test_penalties_and_vllm_extras_reach_the_sampler(served):
     ({"temperature": 3}, "temperature"),
     ({"top_p": -1}, "top_p"),
     ({"n": 0}, "n"),
+    ({"max_tokens": 2.5}, "max_tokens"),                    # 2.0 is 2, as vLLM's pydantic takes it; 2.5 is not
+    ({"n": 1e300}, "n"),
     ({"max_tokens": 10_000}, "prompt"),                     # the router's own check: over the model's length
     ({"logprobs": 50}, "logprobs"),
     ({"extra_body": {"logit_bias": {"5": 1}}}, "logit_bias"),
@@ -371,6 +373,16 @@ def test_bad_fields_are_400_naming_the_field(served, kwargs, param):
         assert body["message"].startswith(f"This model's maximum context length is {MAX_LEN} tokens. However, you "
                                           f"requested 10002 tokens (2 in the prompt, 10000 for max_tokens)")
     assert api.completions.create(model="chatty", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_integer_fields_sent_as_whole_floats_are_those_integers(served):
+    """max_tokens 3.0, n 2.0, logprobs 1.0 (JavaScript clients and computed values send them): vLLM's pydantic takes
+    them as integers, and they had been 400s."""
+    *_, url, _ = served
+    status, got = raw(url, "POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 3.0, "n": 2.0,
+                                                                  "logprobs": 1.0, "ignore_eos": True}).encode())
+    assert status == 200 and got["usage"]["completion_tokens"] == 6 and len(got["choices"]) == 2, got
+    assert all(len(c["logprobs"]["tokens"]) == 3 for c in got["choices"]), got
 
 
 def test_vllm_extras_at_their_defaults_are_accepted(served):

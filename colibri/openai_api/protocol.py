@@ -111,6 +111,11 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
 
 
 def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int = 2**31 - 1) -> int | None:
+    """An integer field; a float that holds a whole number (256.0, as clients that compute it send) is that number,
+    as vLLM's pydantic takes it; 2.5 is a 400."""
+    given = body.get(name)
+    if isinstance(given, float) and math.isfinite(given) and given.is_integer() and abs(given) < 2**53:
+        body = {name: int(given)}
     value = _get(body, name, (int,), default)
     if value is not None and not lo <= value <= hi:
         raise bad(f"'{name}' must be an integer in [{lo}, {hi}], got {value}", name)
