@@ -115,6 +115,7 @@ class Service:
             os.set_blocking(fd, False)
         self._signalled = False    # SIGTERM/SIGINT received (set by the handler: a plain attribute, no lock)
         self._hurry = False        # a second one: stop without the drain's grace
+        self._previous_wake: int | None = None    # the wakeup fd before ours, once the signals are caught
 
     def start(self, host: str, port: int, full_names: list[str],
               credentials: grpc.ServerCredentials | None = None) -> int:
@@ -156,6 +157,7 @@ class Service:
             pass
 
     def ready(self, host: str, port: int) -> None:
+        self._catch_signals()      # before anyone can know it serves: a SIGTERM from then on drains, never kills
         self._loaded = True
         self._publish()
         log.info("serving %s on %s:%d", self.name, host, port)
@@ -172,17 +174,7 @@ class Service:
         handler on the main thread once that thread runs bytecode again. An untimed `Event.wait` slept through such
         a signal for good (a worker ignored SIGTERM about once in a thousand stops). The Python handler only sets
         plain attributes: it runs between two bytecodes of the main thread, which may hold any lock then."""
-        def handler(signum, _frame):
-            if self._signalled or self._stopped.is_set():
-                log.info("received %s again: stopping now", signal.Signals(signum).name)
-                self._hurry = True
-                return
-            log.info("received %s: not serving any more, stopping", signal.Signals(signum).name)
-            self._signalled = True
-
-        previous = signal.set_wakeup_fd(self._wake[1], warn_on_full_buffer=False)
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        self._catch_signals()
         while not (self._signalled or self._stopped.is_set()):
             select.select([self._wake[0]], [], [], WAKE_POLL_S)
             self._drain_wake()
@@ -197,8 +189,27 @@ class Service:
         if on_stop is not None:
             on_stop()
         self.server.stop(0 if self._hurry else STOP_GRACE_S).wait()
-        signal.set_wakeup_fd(previous)
+        if self._previous_wake is not None:
+            signal.set_wakeup_fd(self._previous_wake)
         log.info("stopped")
+
+    def _catch_signals(self) -> None:
+        """SIGTERM and SIGINT handled by `_on_signal` from here on (once; on the main thread, the only one Python
+        lets set them). `ready` calls it: a worker signalled between its ready line and `run_until_signal` had died
+        by the default action, its socket and its drain left undone (a loaded 2-core run showed it)."""
+        if self._previous_wake is not None or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous_wake = signal.set_wakeup_fd(self._wake[1], warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self._signalled or self._stopped.is_set():
+            log.info("received %s again: stopping now", signal.Signals(signum).name)
+            self._hurry = True
+            return
+        log.info("received %s: not serving any more, stopping", signal.Signals(signum).name)
+        self._signalled = True
 
     def _drain_wake(self) -> None:
         try:
