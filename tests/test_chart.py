@@ -1044,7 +1044,11 @@ def test_router_placement_starts_empty_workers_and_the_router_follows_the_headle
     # static placement (the default) keeps today's wiring
     dep, sts, router, expert = pods(render({}))
     assert "--follow-workers" not in str(router["args"]) and "--expert-replicas" not in str(router["args"])
-    assert "--max-experts" not in str(expert["args"]) and "lifecycle" not in expert and "strategy" not in dep["spec"]
+    assert "--max-experts" not in str(expert["args"]) and "lifecycle" not in expert
+    # the strategy is the chart's in both placements (Kubernetes' defaults here), so that switching placement on an
+    # existing release removes rollingUpdate rather than leave it beside Recreate, which the API refuses
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%",
+                                                                                  "maxUnavailable": "25%"}}
     assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 35
 
 
@@ -1390,3 +1394,43 @@ def test_threads_0_is_the_cpu_request_rounded_up_and_a_number_given_is_kept(cpu,
     (sts,) = by_kind(docs, "StatefulSet")
     assert f"--threads={threads}" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--threads=3" in sts["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_operability_mends_from_a_probe():
+    """What an SRE hit with values the schema takes: drains blocked by PDBs counting waiting pods, the front's
+    metrics unreachable through its NetworkPolicy, `helm test` unable to pull from a private registry or to schedule
+    on tainted nodes, an HPA with no CPU request to scale on, --threads 0 (every node core) under a CPU limit."""
+    docs = render({"openai": {"enabled": True}})
+    budgets = by_kind(docs, "PodDisruptionBudget")
+    assert len(budgets) == 3 and all(pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow" for pdb in budgets)
+    validate(docs)
+
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    clients = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}]
+    docs = render({"openai": {"enabled": True, "networkPolicy": {"from": clients}},
+                   "networkPolicy": {"metricsFrom": scrapers}})
+    front = of(docs, "NetworkPolicy", "openai")[0]["spec"]["ingress"]
+    assert [rule["from"] for rule in front] == [clients, scrapers]
+    assert all(rule["ports"] == [{"port": 8000, "protocol": "TCP"}] for rule in front)
+    validate(docs)
+
+    docs = render({"imagePullSecrets": [{"name": "regcred"}],
+                   "router": {"nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "dedicated",
+                                                                                  "operator": "Exists"}]}})
+    test_pod = [d for d in by_kind(docs, "Pod") if d["metadata"]["name"].endswith("-test-health")][0]["spec"]
+    assert test_pod["imagePullSecrets"] == [{"name": "regcred"}] and test_pod["nodeSelector"] == {"pool": "cpu"}
+    assert test_pod["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
+    validate(docs)
+
+    for values in ({"router": {"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}},
+                   {"openai": {"enabled": True, "autoscaling": {"enabled": True},
+                               "resources": {"requests": {"cpu": None}}}}):
+        name = next(iter(values))
+        with pytest.raises(Exception, match=f"{name}.autoscaling scales on CPU utilisation"):
+            render(values)
+    render({"router": {"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None},
+                                                                      "limits": {"cpu": "2"}}}})
+
+    docs = render({"router": {"resources": {"requests": {"cpu": None}, "limits": {"cpu": "3"}}}})
+    router = pods(docs)[2]
+    assert "--threads=3" in router["args"], router["args"]

@@ -326,12 +326,16 @@ timeoutSeconds: 5                    # a Python process on a busy node: more tha
 {{- end }}
 {{- end -}}
 
-{{/* --threads: the value given, or with 0 the container's CPU request rounded up ("2", 2, "1500m"); 0 where it
-     has none. torch's own default is the node's cores, which a container without a CPU limit does not own.
+{{/* --threads: the value given, or with 0 the container's CPU request rounded up ("2", 2, "1500m"), else its CPU
+     limit (which Kubernetes then takes as the request); 0 where it has neither. torch's own default is the node's
+     cores, which a container without a CPU limit does not own.
      dict: threads, resources. */}}
 {{- define "colibri.threads" -}}
 {{- $cpu := "" -}}
-{{- with .resources -}}{{- with .requests -}}{{- $cpu = toString (default "" .cpu) -}}{{- end -}}{{- end -}}
+{{- with .resources -}}
+{{- with .requests -}}{{- $cpu = toString (default "" .cpu) -}}{{- end -}}
+{{- if not $cpu -}}{{- with .limits -}}{{- $cpu = toString (default "" .cpu) -}}{{- end -}}{{- end -}}
+{{- end -}}
 {{- if gt (int .threads) 0 -}}
 {{- .threads | int64 -}}
 {{- else if hasSuffix "m" $cpu -}}
@@ -360,6 +364,15 @@ timeoutSeconds: 5                    # a Python process on a busy node: more tha
 {{- end }}
 {{- end }}
 {{- $scaled := dict "router.autoscaling" (list $v.router.autoscaling.enabled $v.router.autoscaling.minReplicas $v.router.autoscaling.maxReplicas "minReplicas" "maxReplicas") "openai.autoscaling" (list (and $v.openai.enabled $v.openai.autoscaling.enabled) $v.openai.autoscaling.minReplicas $v.openai.autoscaling.maxReplicas "minReplicas" "maxReplicas") "experts.autoscaling" (list $v.experts.autoscaling.enabled $v.experts.autoscaling.minReplicas $v.experts.autoscaling.maxReplicas "minReplicas" "maxReplicas") "router.keda" (list $v.router.keda.enabled $v.router.keda.minReplicaCount $v.router.keda.maxReplicaCount "minReplicaCount" "maxReplicaCount") }}
+{{- range $name := list "router" "experts" "openai" }}
+{{- $c := get $v $name }}
+{{- if and $c.autoscaling.enabled (or (ne $name "openai") $v.openai.enabled) }}
+{{- $res := $c.resources | default dict }}
+{{- if not (or (($res.requests | default dict).cpu) (($res.limits | default dict).cpu)) }}
+{{- fail (printf "%s.autoscaling scales on CPU utilisation, a share of the pods' CPU request, and %s.resources sets none: set %s.resources.requests.cpu (the HPA would report FailedGetResourceMetric and never scale)" $name $name $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- range $name, $s := $scaled }}
 {{- if and (index $s 0) (gt (int (index $s 1)) (int (index $s 2))) }}
 {{- fail (printf "%s.%s (%d) is more than %s.%s (%d)" $name (index $s 3) (int (index $s 1)) $name (index $s 4) (int (index $s 2))) }}
