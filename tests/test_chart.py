@@ -326,6 +326,10 @@ def test_helm_test_pod_checks_router_health():
     {"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "Secret"}}}},
     {"tls": {"certManager": {"duration": "1 year"}}},
     {"tls": {"extraDnsNames": "moe.example.com"}},
+    {"tls": {"extraDnsNames": ["moe.example.com:443"]}},        # a port: had been taken for an IP (a raw template
+    {"tls": {"extraDnsNames": ["300.1.1.1"]}},                  # error, or an invalid ipAddresses entry)
+    {"clusterDomain": "cluster.local."},                         # a trailing dot: names in the certificate with it
+    {"clusterDomain": " "},                                      # --workers=...svc. :50061, which the router refuses
     {"tls": {"existingSecret": "a", "certManager": {"enabled": True}}},   # two sources for one Secret
     {"networkPolicy": {"metricsFrom": "monitoring"}},
     {"router": {"networkPolicy": {"from": [{"namespaceSelector": {}}], "to": []}}},
