@@ -1296,7 +1296,10 @@ def test_notes_say_how_to_reach_the_admin_service_and_resize():
     ({"experts": {"extraArgs": ["--shard", "0/1"]}}, "experts.extraArgs sets --shard"),
     ({"openai": {"enabled": True, "extraArgs": ["--target=elsewhere:1"]}}, "openai.extraArgs sets --target"),
     ({"model": {"mountPath": "/tmp"}}, "model.mountPath /tmp overlaps the pods' scratch volume at /tmp"),
-    ({"tls": {"mountPath": "/models/model/tls"}}, "overlaps tls.mountPath at /models/model/tls"),
+    ({"tls": {"mountPath": "/models/model/tls"}}, "overlaps tls.mountPath /models/model/tls at /models/model/tls"),
+    ({"tls": {"mountPath": "/tmp"}}, "the pods' scratch volume overlaps tls.mountPath /tmp at /tmp"),  # two mounts
+    ({"tls": {"mountPath": "/dev/shm/tls"}}, "shm overlaps tls.mountPath /dev/shm/tls at /dev/shm/tls"),
+    ({"model": {"mountPath": "/"}}, "model.mountPath / overlaps the pods' scratch volume at /tmp"),  # over the root
 ])
 def test_values_that_conflict_fail_the_render_naming_them(values, message):
     """Each rendered before: a router the CLI refuses, two ports in one Service, an HPA the API server refuses, an

@@ -378,12 +378,17 @@ timeoutSeconds: 5                    # a Python process on a busy node: more tha
 {{- fail (printf "%s.%s (%d) is more than %s.%s (%d)" $name (index $s 3) (int (index $s 1)) $name (index $s 4) (int (index $s 2))) }}
 {{- end }}
 {{- end }}
-{{- $mounts := dict "/tmp" "the pods' scratch volume" "/dev/shm" "shm" }}
-{{- if $v.tls.enabled }}{{ $_ := set $mounts (clean $v.tls.mountPath) "tls.mountPath" }}{{ end }}
-{{- $model := clean $v.model.mountPath }}
-{{- range $path, $what := $mounts }}
-{{- if or (eq $model $path) (hasPrefix (printf "%s/" $path) $model) (hasPrefix (printf "%s/" $model) $path) }}
-{{- fail (printf "model.mountPath %s overlaps %s at %s: give each a path of its own (the checkpoint at /models/model, say)" $v.model.mountPath $what $path) }}
+{{- /* every pair of the pods' mounts: the API refuses two at one path, and one inside another hides it */}}
+{{- $mounts := list (list (clean $v.model.mountPath) (printf "model.mountPath %s" $v.model.mountPath)) (list "/tmp" "the pods' scratch volume") (list "/dev/shm" "shm") }}
+{{- if $v.tls.enabled }}{{ $mounts = append $mounts (list (clean $v.tls.mountPath) (printf "tls.mountPath %s" $v.tls.mountPath)) }}{{ end }}
+{{- range $i, $a := $mounts }}
+{{- range $j, $b := $mounts }}
+{{- if lt $i $j }}
+{{- $pa := index $a 0 }}{{ $pb := index $b 0 }}
+{{- if or (eq $pa $pb) (hasPrefix (printf "%s/" (trimSuffix "/" $pa)) $pb) (hasPrefix (printf "%s/" (trimSuffix "/" $pb)) $pa) }}
+{{- fail (printf "%s overlaps %s at %s: give each a path of its own (the checkpoint at /models/model, its TLS files at /etc/colibri/tls, say)" (index $a 1) (index $b 1) (ternary $pb $pa (hasPrefix (printf "%s/" (trimSuffix "/" $pa)) $pb))) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- if and (eq $v.model.source "init") (not (trim (toString $v.model.init.source))) }}
