@@ -1300,6 +1300,8 @@ def test_notes_say_how_to_reach_the_admin_service_and_resize():
     ({"tls": {"mountPath": "/tmp"}}, "the pods' scratch volume overlaps tls.mountPath /tmp at /tmp"),  # two mounts
     ({"tls": {"mountPath": "/dev/shm/tls"}}, "shm overlaps tls.mountPath /dev/shm/tls at /dev/shm/tls"),
     ({"model": {"mountPath": "/"}}, "model.mountPath / overlaps the pods' scratch volume at /tmp"),  # over the root
+    ({"podSecurityContext": {"runAsUser": 0}}, "runAsUser 0 (root) with runAsNonRoot: true"),
+    ({"securityContext": {"runAsUser": 0}}, "runAsUser 0 (root) with runAsNonRoot: true"),
 ])
 def test_values_that_conflict_fail_the_render_naming_them(values, message):
     """Each rendered before: a router the CLI refuses, two ports in one Service, an HPA the API server refuses, an
@@ -1441,3 +1443,9 @@ def test_operability_mends_from_a_probe():
     docs = render({"router": {"resources": {"requests": {"cpu": None}, "limits": {"cpu": "3"}}}})
     router = pods(docs)[2]
     assert "--threads=3" in router["args"], router["args"]
+    render({"podSecurityContext": {"runAsUser": 0, "runAsNonRoot": False}})          # root, said so: renders
+
+    docs = render({"serviceMonitor": {"enabled": True}, "openai": {"enabled": True}})   # kubectl -l component=...
+    monitors = by_kind(docs, "ServiceMonitor")
+    assert sorted(m["metadata"]["labels"]["app.kubernetes.io/component"] for m in monitors) == \
+        ["experts", "openai", "router"]

@@ -378,6 +378,12 @@ timeoutSeconds: 5                    # a Python process on a busy node: more tha
 {{- fail (printf "%s.%s (%d) is more than %s.%s (%d)" $name (index $s 3) (int (index $s 1)) $name (index $s 4) (int (index $s 2))) }}
 {{- end }}
 {{- end }}
+{{- $pod := $v.podSecurityContext | default dict }}{{ $ctr := $v.securityContext | default dict }}
+{{- $nonRoot := ternary $ctr.runAsNonRoot $pod.runAsNonRoot (hasKey $ctr "runAsNonRoot") }}
+{{- $user := ternary $ctr.runAsUser $pod.runAsUser (hasKey $ctr "runAsUser") }}
+{{- if and $nonRoot (not (kindIs "invalid" $user)) (eq (int $user) 0) }}
+{{- fail "runAsUser 0 (root) with runAsNonRoot: true: kubelet would refuse to start every container (CreateContainerConfigError); set podSecurityContext.runAsUser to the image's user (10001), or runAsNonRoot: false" }}
+{{- end }}
 {{- /* every pair of the pods' mounts: the API refuses two at one path, and one inside another hides it */}}
 {{- $mounts := list (list (clean $v.model.mountPath) (printf "model.mountPath %s" $v.model.mountPath)) (list "/tmp" "the pods' scratch volume") (list "/dev/shm" "shm") }}
 {{- if $v.tls.enabled }}{{ $mounts = append $mounts (list (clean $v.tls.mountPath) (printf "tls.mountPath %s" $v.tls.mountPath)) }}{{ end }}
