@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import socket
 import threading
 import time
 import weakref
@@ -127,8 +128,11 @@ def serve_metrics(host: str, port: int, body: Callable[[], str]) -> int:
         def log_message(self, *args) -> None:
             pass
 
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET     # :: and fd00::7 too
+
     try:
-        server = ThreadingHTTPServer((host, port), Handler)
+        server = Server((host.strip("[]"), port), Handler)
     except OSError as exc:                   # a busy port: one line at start, not a traceback
         raise ColibriError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} (--metrics-port)") from None
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()

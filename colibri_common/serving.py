@@ -91,6 +91,12 @@ def setup_logging(role: str, level: str = "INFO") -> None:
                         format=f"%(asctime)s {role} %(levelname)s %(message)s")
 
 
+def host_port(host: str, port: int) -> str:
+    """HOST:PORT as gRPC and the ready line take it: an IPv6 address in brackets ([::]:50051; ':::50051' is no
+    address to gRPC)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 class Service:
     """A gRPC server with health (liveness on "", readiness on the service name) and reflection."""
 
@@ -122,8 +128,8 @@ class Service:
         reflection.enable_server_reflection([*full_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self.server)
         try:
-            bound = self.server.add_insecure_port(f"{host}:{port}") if credentials is None else \
-                self.server.add_secure_port(f"{host}:{port}", credentials)
+            bound = self.server.add_insecure_port(host_port(host, port)) if credentials is None else \
+                self.server.add_secure_port(host_port(host, port), credentials)
         except RuntimeError:         # grpcio raises where it once returned 0, and says no more than that
             bound = 0
         if bound == 0:
@@ -161,7 +167,7 @@ class Service:
         self._loaded = True
         self._publish()
         log.info("serving %s on %s:%d", self.name, host, port)
-        print(f"ready {host}:{port}", flush=True)
+        print(f"ready {host_port(host, port)}", flush=True)
 
     def run_until_signal(self, drain=None, on_stop=None) -> None:
         """Block until SIGINT/SIGTERM (or stop_soon); then readiness NOT_SERVING, `drain()` (the router lets its open

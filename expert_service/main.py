@@ -19,7 +19,7 @@ from colibri_common.fleet_token import ENV as FLEET_ENV
 from colibri_common.fleet_token import fleet_token
 from colibri_common.handlers import add_servicer
 from colibri_common.pb import expert_pb2
-from colibri_common.serving import Service, setup_logging
+from colibri_common.serving import Service, host_port, setup_logging
 from colibri_common.tls import TlsFiles
 from colibri_common.token_gate import TokenGate
 from expert_service.build import BuiltShard, build_shard
@@ -64,8 +64,8 @@ def serve_expert(opts: ExpertOptions) -> int:
                           "CA signed (mutual TLS)")
     if token is None and tls is None:
         (log.info if opts.host in LOOPBACK else log.warning)(
-            "the worker plane is open: no fleet token ($%s) and no --tls-*, so any client that reaches %s:%d may "
-            "call Forward", FLEET_ENV, opts.host, opts.port)
+            "the worker plane is open: no fleet token ($%s) and no --tls-*, so any client that reaches %s may "
+            "call Forward", FLEET_ENV, host_port(opts.host, opts.port))
     # Streams are capped (beyond the cap RESOURCE_EXHAUSTED), and the pool has threads beyond the cap, so
     # idle or slow streams can never leave a health check, Describe or unary Forward without a thread. A
     # message is at most what a router's step sends; a caller without the fleet's token is refused unread.

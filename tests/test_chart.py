@@ -1445,6 +1445,14 @@ def test_operability_mends_from_a_probe():
     assert "--threads=3" in router["args"], router["args"]
     render({"podSecurityContext": {"runAsUser": 0, "runAsNonRoot": False}})          # root, said so: renders
 
+    docs = render({"listenHost": "::", "openai": {"enabled": True}})        # an IPv6 single-stack cluster's pods
+    hosts = [a for d in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet")
+             for c in d["spec"]["template"]["spec"]["containers"] for a in c["args"] if a.startswith("--host=")]
+    assert hosts == ["--host=::"] * 3, hosts
+    assert parse(pods(docs)[2]["args"]).host == "::"
+    with pytest.raises(helm.HelmError):
+        render({"listenHost": "localhost"})
+
     docs = render({"serviceMonitor": {"enabled": True}, "openai": {"enabled": True}})   # kubectl -l component=...
     monitors = by_kind(docs, "ServiceMonitor")
     assert sorted(m["metadata"]["labels"]["app.kubernetes.io/component"] for m in monitors) == \

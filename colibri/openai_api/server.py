@@ -17,7 +17,7 @@ from colibri.openai_api.http_io import UNFINISHED
 from colibri.openai_api.options import OpenAIOptions
 from colibri.openai_api.policy import LOOPBACK_NAMES, Policy, api_key
 from colibri_common.errors import ColibriError
-from colibri_common.serving import setup_logging
+from colibri_common.serving import host_port, setup_logging
 
 log = logging.getLogger("colibri.openai")
 SEND_BUFFER = 64 * 1024      # bytes a connection's socket holds for its client (the kernel doubles it for its books)
@@ -84,7 +84,7 @@ def run_front(opts: OpenAIOptions) -> int:
             while not server.started:
                 await asyncio.sleep(0.01)
             log.info("OpenAI-compatible API on http://%s:%d/v1 for the router at %s", host, port, opts.target)
-            print(f"ready {host}:{port}", flush=True)
+            print(f"ready {host_port(host, port)}", flush=True)
 
         task = asyncio.ensure_future(announce())
         try:
