@@ -166,7 +166,7 @@ class Service:
         self._catch_signals()      # before anyone can know it serves: a SIGTERM from then on drains, never kills
         self._loaded = True
         self._publish()
-        log.info("serving %s on %s:%d", self.name, host, port)
+        log.info("serving %s on %s", self.name, host_port(host, port))
         print(f"ready {host_port(host, port)}", flush=True)
 
     def run_until_signal(self, drain=None, on_stop=None) -> None:

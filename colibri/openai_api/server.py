@@ -67,8 +67,8 @@ def run_front(opts: OpenAIOptions) -> int:
     if key:
         log.info("every route but /health needs the API key (from %s)", key_from)
     elif host not in LOOPBACK_NAMES:
-        log.warning("no API key: anyone who reaches %s:%d can generate; set $COLIBRI_API_KEY (or --api-key)",
-                    host, port)
+        log.warning("no API key: anyone who reaches %s can generate; set $COLIBRI_API_KEY (or --api-key)",
+                    host_port(host, port))
 
     async def main() -> None:
         front = Front(opts)                  # its grpc.aio channel belongs to this event loop
@@ -83,7 +83,7 @@ def run_front(opts: OpenAIOptions) -> int:
         async def announce() -> None:
             while not server.started:
                 await asyncio.sleep(0.01)
-            log.info("OpenAI-compatible API on http://%s:%d/v1 for the router at %s", host, port, opts.target)
+            log.info("OpenAI-compatible API on http://%s/v1 for the router at %s", host_port(host, port), opts.target)
             print(f"ready {host_port(host, port)}", flush=True)
 
         task = asyncio.ensure_future(announce())
