@@ -145,8 +145,8 @@ def _unused_line(cfg: ModelConfig, unused: list[str], nextn: list[str]) -> str:
     parts = [f"{len(unused)} that config.json leaves unread ({summarise(unused)}; transformers leaves them out too: "
              f"check num_hidden_layers and the keys that turn on biases or qk-norm)"] if unused else []
     if nextn:
-        parts.append(f"{len(nextn)} of {cfg.nextn_layers} multi-token prediction layer(s) past num_hidden_layers "
-                     f"(not served)")
+        parts.append(f"{len(nextn)} tensors of {cfg.nextn_layers} multi-token prediction layer(s) past "
+                     f"num_hidden_layers (not served)")
     return "; ".join(parts) or "none"
 
 

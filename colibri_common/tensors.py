@@ -186,12 +186,11 @@ def unused_tensors(cfg: ModelConfig, names: Collection[str]) -> tuple[list[str],
             used |= {name for name, _ in stored_expert_tensors(cfg, layer, e, names)[1].values()}
         used |= {name for name, _ in expert_bias_tensors(cfg, layer).values()}
     used |= {name + fp8.SCALE_SUFFIX for name in used}       # an FP8 weight's block scales
-    extra = range(cfg.num_layers, cfg.num_layers + cfg.nextn_layers)
-    nextn = {layer_prefix(i) for i in extra}
+    nextn = tuple(layer_prefix(i) for i in range(cfg.num_layers, cfg.num_layers + cfg.nextn_layers))
     unused, predict = [], []
     for name in sorted(names):
         if name not in used:
-            (predict if name.startswith(tuple(nextn)) else unused).append(name)
+            (predict if name.startswith(nextn) else unused).append(name)
     return unused, predict
 
 
