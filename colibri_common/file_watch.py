@@ -65,6 +65,17 @@ class FileWatch:
                 return self.reason
         return None
 
+    def identities(self, paths: Iterable[Path]) -> tuple[tuple[int, int, int], ...] | None:
+        """(descriptor, size, mtime_ns as mapped) of each of `paths`, for a native reader that checks them as `stale`
+        does (kernels/native_door.py); None once closed, or for a path not watched."""
+        out = []
+        for path in paths:
+            fd, was = self._fds.get(path), self.stamps.get(path)
+            if fd is None or was is None:
+                return None
+            out.append((fd, was.size, was.mtime_ns))
+        return tuple(out)
+
     def changed(self) -> str | None:
         """What changed under the mapping (a sentence naming the file), or None; the first answer stays."""
         if self.reason is not None:

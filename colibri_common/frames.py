@@ -50,7 +50,7 @@ def recv_frame(sock: socket.socket, limit: int) -> tuple[int, bytes | bytearray]
     copied twice."""
     size, status = HEADER.unpack(_read_exactly(sock, HEADER.size))
     if size > limit:
-        raise _over(size, limit)
+        raise over_limit(size, limit)
     return status, _read_exactly(sock, size, started=True) if size else b""
 
 
@@ -58,7 +58,7 @@ def _closed(mid: bool) -> FrameError:
     return FrameError("the connection was closed" + (" mid-frame" if mid else ""))
 
 
-def _over(size: int, limit: int) -> FrameError:
+def over_limit(size: int, limit: int) -> FrameError:
     return FrameError(f"a frame of {size} bytes is over the limit of {limit}")
 
 
@@ -78,7 +78,7 @@ def recv_payload(sock: socket.socket, limit: int) -> tuple[int, Payload]:
     if code in (native_wire.FRAME_CLOSED, native_wire.FRAME_CUT):
         raise _closed(mid=code == native_wire.FRAME_CUT)
     if code == native_wire.FRAME_OVER:
-        raise _over(size, limit)
+        raise over_limit(size, limit)
     raise OSError(-code, os.strerror(-code))
 
 

@@ -9,6 +9,9 @@ shapes that disagree, an id out of range or of an expert not held here, a sum th
 kind of call is answered by the Python path (server.py), which says what is wrong. Both give the same reply: the
 same float64 bytes (tests/test_fast_answer.py). What this saves is the Python of a call, ~0.3 ms a layer on the
 2-core VMs (docs/performance.md).
+
+Where the worker has a native door (expert_service/door.py) the same calls are answered on the connection's thread
+without entering Python at all; this answers them where it has none, and the frames the door hands Python.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ A call takes the shard it starts with (`use`) and keeps it to its end, so a swap
 under a running call; a replaced shard is closed (its packed memory freed, its mappings unmapped) when its
 last call ends. A call planned under an epoch the worker does not serve is refused: the router's pairs were
 placed for a different set of experts, and computing them here would change the sum.
+
+Where a native door answers the same-host socket's calls (expert_service/door.py, the `publisher`), each change is
+published to it, and the shard it answers from counts as a use: a replaced shard is closed only once the door
+answers from its successor.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 from colibri_common.heap import return_free_heap
 from colibri_common.placement import held_digest
@@ -47,12 +52,21 @@ class Served:
         return held_digest(self.built.experts.held)
 
 
+class Publisher(Protocol):
+    """Who answers calls outside the `use`s (expert_service/door.py): told each shard served, once it is."""
+
+    def publish(self, served: Served | None) -> None: ...
+
+
 class Holding:
     def __init__(self) -> None:
         self.now: Served | None = None
-        self._users: dict[int, int] = {}          # id(BuiltShard) -> calls using it
+        self._users: dict[int, int] = {}          # id(BuiltShard) -> calls using it (and the publisher's one)
         self._retired: dict[int, BuiltShard] = {}  # replaced, closed when their last call ends
         self._lock = threading.Lock()
+        self.publisher: Publisher | None = None   # the native door, where the worker has one
+        self._published: int | None = None        # the shard the publisher answers from (a use of it)
+        self._publishing = threading.Lock()       # one publish at a time, each of the latest `now`
 
     @property
     def shard(self) -> ExpertShard | None:
@@ -67,12 +81,14 @@ class Holding:
         with self._lock:
             old = self.now
             self.now = Served(built, epoch, also, owner, assigned, switching)
-            if old is None or old.built is built:
-                return None
-            if self._users.get(id(old.built), 0):
-                self._retired[id(old.built)] = old.built
-            else:
-                close_now = True
+            if old is not None and old.built is not built:
+                if self._users.get(id(old.built), 0):
+                    self._retired[id(old.built)] = old.built
+                else:
+                    close_now = True
+        self._publish()
+        if old is None or old.built is built:
+            return None
         if close_now:
             self._close(old.built)
         return old.built
@@ -82,6 +98,23 @@ class Holding:
         with self._lock:
             if self.now is not None:
                 self.now = Served(self.now.built, epoch, also, owner, switching=switching)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Tell the publisher the shard served now (the latest, whichever change publishes last); the shard it
+        answered from before is released, and closed if it was replaced and no call uses it."""
+        if self.publisher is None:
+            return
+        with self._publishing:
+            with self._lock:
+                now = self.now
+                key = None if now is None else id(now.built)
+                if key is not None:
+                    self._users[key] = self._users.get(key, 0) + 1
+            self.publisher.publish(now)          # returns once nothing computes on the shard before
+            key, self._published = self._published, key
+        if key is not None:
+            self._release(key)
 
     def use(self, epoch: int, holds: int = 0) -> _Use:
         """The shard a call computes on (`with holding.use(...) as shard`), if it serves the call's epoch and

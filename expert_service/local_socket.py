@@ -10,6 +10,11 @@ itself mode 0600. Each connection gets a thread that answers its frames in order
 meanwhile (so both directions flow at once); a frame over the size limit or broken framing closes that
 connection alone. At most `max_connections` are served at once (beyond, a new
 connection is answered RESOURCE_EXHAUSTED and closed).
+
+With a native door (expert_service/door.py) a connection has one thread, which stays in native code: it reads each
+frame, answers the plain calls itself, and writes their replies while it reads what the router writes meanwhile;
+it hands Python only the frames it does not answer, and writes Python's reply the same way. What that saves is the
+Python of every call and the hand-over between two threads (~0.1 ms a layer on the 2-core VMs).
 """
 
 from __future__ import annotations
@@ -25,16 +30,19 @@ from pathlib import Path
 import grpc
 
 from colibri_common.errors import ColibriError
-from colibri_common.frames import FrameError, recv_frame, send_frame
+from colibri_common.frames import FrameError, over_limit, payload_bytes, recv_frame, send_frame
+from kernels import native_door
 
 log = logging.getLogger("colibri.expert")
 Answer = Callable[[bytes | bytearray], tuple[int, bytes | memoryview]]   # request payload -> (status, reply or message)
 
 
 class LocalServer:
-    def __init__(self, path: str | Path, answer: Answer, limit: int, max_connections: int) -> None:
+    def __init__(self, path: str | Path, answer: Answer, limit: int, max_connections: int,
+                 door: native_door.Door | None = None) -> None:
         self.path = Path(path)
         self.answer, self.limit, self.max_connections = answer, limit, max_connections
+        self.door = door
         self._open = 0
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -68,7 +76,8 @@ class LocalServer:
                 finally:
                     conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="local-conn", daemon=True).start()
+            threading.Thread(target=self._serve if self.door is None else self._serve_door, args=(conn,),
+                             name="local-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         """Answer the connection's frames in order, while a reader thread takes the next ones in: a router with
@@ -83,13 +92,37 @@ class LocalServer:
         except OSError:
             pass                                          # the router went away mid-write
         finally:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)           # the reader's recv returns: it ends too
-            except OSError:
-                pass
-            conn.close()
-            with self._lock:
-                self._open -= 1
+            self._end(conn)                               # shut: the reader's recv returns, it ends too
+
+    def _serve_door(self, conn: socket.socket) -> None:
+        """The connection in the native door: Python answers the frames it returns, until the connection ends."""
+        door, fd = self.door, conn.fileno()
+        assert door is not None
+        try:
+            while True:
+                code, size, payload = door.serve(fd, self.limit)
+                if code < 0:
+                    if code == native_door.FRAME_OVER:
+                        log.warning("local connection dropped: %s", over_limit(size, self.limit))
+                    elif code not in (native_door.FRAME_CLOSED, native_door.FRAME_CUT):
+                        log.debug("local connection dropped: %s", os.strerror(-code))
+                    return
+                status, reply = self.answer(payload_bytes(payload))
+                door.write(fd, status, reply)
+        except OSError:
+            pass                                          # the router went away mid-write
+        finally:
+            door.forget(fd)
+            self._end(conn)
+
+    def _end(self, conn: socket.socket) -> None:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        conn.close()
+        with self._lock:
+            self._open -= 1
 
     def _read(self, conn: socket.socket, frames: queue.SimpleQueue[bytes | bytearray | None]) -> None:
         try:

@@ -23,6 +23,7 @@ from colibri_common.serving import Service, host_port, setup_logging
 from colibri_common.tls import TlsFiles
 from colibri_common.token_gate import TokenGate
 from expert_service.build import BuiltShard, build_shard
+from expert_service.door import ExpertDoor
 from expert_service.local_socket import LocalServer
 from expert_service.options import ExpertOptions
 from expert_service.server import LOOPBACK, SERVICE, ExpertWorkerServicer, forward_bytes
@@ -88,10 +89,15 @@ def serve_expert(opts: ExpertOptions) -> int:
     servicer.assignments.build = lambda held: build_shard(opts, device, held, tune=False)
     damaged: list[str] = []
 
+    door = ExpertDoor(servicer.checkpoint_id, servicer.instance) \
+        if opts.local_socket and device.type == "cpu" and native.available() else None
+
     def stop_serving(reason: str) -> None:        # once: NOT_SERVING, drain, stop; a restart maps afresh
         if damaged:
             return
         damaged.append(reason)
+        if door is not None:
+            door.stop()                           # the Python path refuses every call from now on
         service.set_serving(False, reason)
         service.stop_soon(f"{reason}; the experts' bytes are not read any more (a restart maps the files afresh)")
 
@@ -115,10 +121,15 @@ def serve_expert(opts: ExpertOptions) -> int:
     if opts.local_socket:                       # same-host routers: Forward without HTTP/2 (gRPC stays for the rest)
         # before the shard is installed: Describe answers from then on, and a router that asked earlier than the
         # socket was named took gRPC for the worker's life
-        local = LocalServer(opts.local_socket, servicer.answer_frame, limit, opts.max_streams)
+        local = LocalServer(opts.local_socket, servicer.answer_frame, limit, opts.max_streams,
+                            None if door is None else door.door)
         servicer.local_socket = str(local.path)
         servicer.metrics.local_open = lambda: local.open_connections
-        log.info("Forward also on the local socket %s", local.path)
+        log.info("Forward also on the local socket %s%s", local.path,
+                 " (plain calls answered in native code)" if door is not None else "")
+    if door is not None:
+        servicer.holding.publisher = door
+        servicer.metrics.door = door.stats
     servicer.holding.install(built, 0, assigned=bool(opts.shard))     # without --shard: nothing until assigned
     if opts.metrics_port is not None:
         mport = servicer.metrics.serve(opts.host, opts.metrics_port)
@@ -126,6 +137,8 @@ def serve_expert(opts: ExpertOptions) -> int:
     service.ready(opts.host, bound)
     built.experts.populate_soon()               # after ready: it does not hold the start up
     service.run_until_signal()
+    if door is not None:
+        door.stop()                               # nothing computes in native code as the process ends
     if local is not None:
         local.close()
     if servicer.holding.now is not None:

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from colibri_common import page_cache
 from colibri_common.metrics_http import TOKEN_BUCKETS, QueuedHistogram, render, serve_metrics, with_process
+from kernels import native_door
 
 PAGES_EVERY = 30.0        # seconds between two reads of /proc/self/smaps for colibri:checkpoint_resident_bytes
 
@@ -46,19 +49,23 @@ class WorkerMetrics:
         self.registry = with_process(CollectorRegistry(auto_describe=False))
         self.compute = QueuedHistogram(Histogram("colibri:expert_compute_seconds", "One Forward's fused-MoE compute.",
                                                  buckets=TOKEN_BUCKETS, registry=None))
-        self.registry.register(self.compute)
+        self.door: Callable[[], native_door.DoorStats] | None = None   # the native door's calls (door.py)
         self.registry.register(self)
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
+        door = None if self.door is None else self.door()
+        for family in self.compute.collect():
+            yield family if door is None else _with_door(family, door)
         with self.lock:
-            yield CounterMetricFamily("colibri:expert_tokens", "Token rows computed.", value=self.tokens)
+            yield CounterMetricFamily("colibri:expert_tokens", "Token rows computed.",
+                                      value=self.tokens + (door.rows if door else 0))
             calls = CounterMetricFamily("colibri:expert_forward", "Forward calls (unary or stream messages) by "
                                         "outcome.", labels=["code"])
             for code, n in self.calls.items():
-                calls.add_metric([code], n)
+                calls.add_metric([code], n + (door.calls if door and code == "ok" else 0))
             yield calls
             resident = self.resident_bytes if self.cache is None else sum(self.cache.resident_bytes.values())
             yield GaugeMetricFamily("colibri:expert_resident_bytes", "Bytes of packed expert weights held.",
@@ -124,3 +131,21 @@ class WorkerMetrics:
 
     def serve(self, host: str, port: int) -> int:
         return serve_metrics(host, port, lambda: render(self.registry))
+
+
+def _with_door(family: Metric, door: native_door.DoorStats) -> Metric:
+    """The compute histogram with the door's calls added: its bucket counts (cumulative, as exposed), count and sum."""
+    cumulative = list(itertools.accumulate(door.counts))
+    samples = []
+    for sample in family.samples:
+        if sample.name.endswith("_bucket"):
+            le = float(sample.labels["le"])
+            i = len(TOKEN_BUCKETS) if le == math.inf else TOKEN_BUCKETS.index(le)
+            sample = sample._replace(value=sample.value + cumulative[i])
+        elif sample.name.endswith("_count"):
+            sample = sample._replace(value=sample.value + door.calls)
+        elif sample.name.endswith("_sum"):
+            sample = sample._replace(value=sample.value + door.seconds)
+        samples.append(sample)
+    family.samples = samples
+    return family

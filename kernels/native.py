@@ -56,7 +56,8 @@ KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32",
 OPS = ("linear", "expert_blocks", "expert_blocks_free", "moe_blocks_", "moe_sum_", "decode_attention", "rms_norm",
        "rope", "attention_block", "decoder_layer", "decoder_front", "topk_route", "moe_route", "expert_answer",
        "combine_replies", "forward_request", "forward_send", "recv_frame", "isa", "use_isa", "rest", "wake",
-       "exit_on_sigbus")
+       "exit_on_sigbus", "door_open", "door_free", "door_publish", "door_serve", "door_write", "door_forget",
+       "door_stats")
 
 
 def _load() -> str | None:

@@ -25,7 +25,7 @@ STD = ["-std=gnu++20", "-O3", "-fPIC", "-fno-math-errno"]
 # compiled with torch's headers (the isa_*.cpp without): OpenMP for at::parallel_for; every product rounded
 TORCH_UNITS = ("ops.cpp", "moe_op.cpp", "attention_op.cpp", "norm_op.cpp", "rope_op.cpp", "attention_block_op.cpp",
                "decoder_layer_op.cpp", "expert_answer_op.cpp", "combine_op.cpp", "request_op.cpp", "route_op.cpp",
-               "pool.cpp", "sigbus_op.cpp", "frame_op.cpp")
+               "pool.cpp", "sigbus_op.cpp", "frame_op.cpp", "door_op.cpp")
 TORCH_FLAGS = ["-w", "-fopenmp", "-ffp-contract=off"]
 X86_LEVELS = {                  # the levels of kernels/native/ops.cpp and the flags their TUs compile with
     "generic": [],

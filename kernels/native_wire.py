@@ -73,7 +73,7 @@ def _signed64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # colibri::expert_answer's codes
+X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # colibri::expert_answer's codes
 
 
 def expert_answer(payload: bytes | bytearray, experts: LayerExperts, dtype: torch.dtype, hidden_size: int,
@@ -83,7 +83,7 @@ def expert_answer(payload: bytes | bytearray, experts: LayerExperts, dtype: torc
     (reply uint8 [R], token rows, seconds); None where the Python path must answer (hidden states not in `dtype`,
     ids or weights in other dtypes, shapes that disagree, an id out of range, an `explicit` pair of an expert not
     held, a sum not finite). `dtype` is the experts' compute dtype (float32 or bfloat16)."""
-    code = _X_DTYPES.get(dtype)
+    code = X_DTYPES.get(dtype)
     emap = experts.expert_map
     if code is None or not payload or emap is None or emap.numel() != num_experts:
         return None
