@@ -54,7 +54,8 @@ SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}     # colibri::t
 GROUP_SCORE_CODES = {"max": 0, "top2": 1}
 KINDS = ("float32", "bfloat16", "int8-float32", "int8-bfloat16", "w8a8-float32", "w8a8-bfloat16")   # they take
 OPS = ("linear", "expert_blocks", "expert_blocks_free", "moe_blocks_", "moe_sum_", "decode_attention", "rms_norm",
-       "rope", "attention_block", "decoder_layer", "decoder_front", "topk_route", "moe_route", "expert_answer",
+       "rope", "attention_block", "decoder_layer", "decoder_front", "decoder_front_sum", "topk_route", "moe_route",
+       "expert_answer",
        "combine_replies", "forward_request", "forward_send", "recv_frame", "isa", "use_isa", "rest", "wake",
        "exit_on_sigbus", "door_open", "door_free", "door_publish", "door_serve", "door_write", "door_forget",
        "door_stats")
@@ -334,6 +335,21 @@ def decoder_front(h: torch.Tensor, attention: tuple, ln2: torch.Tensor, gate: to
                                                    SCORING_CODES[routing.scoring], routing.renormalize,
                                                    routing.num_groups, routing.topk_groups,
                                                    GROUP_SCORE_CODES[routing.group_score], routing.scaling)
+
+
+def decoder_front_sum(payloads: list[torch.Tensor], rows: list[torch.Tensor | None], h: torch.Tensor,
+                      attention: tuple, ln2: torch.Tensor, gate: torch.Tensor, routing: Routing,
+                      gate_bias: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[float]] | None:
+    """`decoder_front` of `h` plus the last layer's sum of the workers' replies (each uint8 [B], over its `rows`,
+    None = all), the bits of `native_wire.combine_replies`, `h + out` and `decoder_front` in one call -> (h1, r,
+    weights, ids, each reply's compute_ms); None where combine_replies would decline the replies (nothing written:
+    the caller sums them on the Python path)."""
+    h1, r, weights, ids, ms = torch.ops.colibri.decoder_front_sum.default(
+        payloads, [_NO_MAP if x is None else x for x in rows], h, *attention, ln2, gate, gate_bias, routing.top_k,
+        SCORING_CODES[routing.scoring], routing.renormalize, routing.num_groups, routing.topk_groups,
+        GROUP_SCORE_CODES[routing.group_score], routing.scaling)
+    return (h1, r, weights, ids, ms) if h1.numel() else None
 
 
 class DecoderLayerCall:

@@ -51,12 +51,16 @@ def cpus_of(thread) -> frozenset[int] | None:
         return None
 
 
-def test_a_fleet_sends_its_layers_over_local_sockets_with_the_tokens_of_grpc_streams(oracles):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_fleet_sends_its_layers_over_local_sockets_with_the_tokens_of_grpc_streams(oracles, dtype):
+    """The same tokens and logits, to the bit: over the sockets the workers answer natively (the native door) and the
+    router sums each layer's replies in the next layer's front (decoder_front_sum); over gRPC streams both sides
+    parse protobuf messages and the router sums them on its Python path."""
     oracle = oracles["qwen3_moe"]
-    with fleet(oracle.path, 2, ["--transport", "stream"]) as (addr, _):
-        over_grpc = [Client(addr).generate(p, 12).token_ids for p in PROMPTS]
-    with fleet(oracle.path, 2, ["--metrics-port", "0"]) as (addr, proc):
-        local = [Client(addr).generate(p, 12).token_ids for p in PROMPTS]
+    with fleet(oracle.path, 2, ["--transport", "stream", "--dtype", dtype]) as (addr, _):
+        over_grpc = [Client(addr).generate(p, 12, return_logits=True) for p in PROMPTS]
+    with fleet(oracle.path, 2, ["--metrics-port", "0", "--dtype", dtype]) as (addr, proc):
+        local = [Client(addr).generate(p, 12, return_logits=True) for p in PROMPTS]
         workers = [c for c in psutil.Process(proc.pid).children() if "expert" in argv_of(c)]
         paths = [socket_of(w) for w in workers]
         for w, path in zip(workers, paths, strict=True):
@@ -78,7 +82,11 @@ def test_a_fleet_sends_its_layers_over_local_sockets_with_the_tokens_of_grpc_str
             mine = [next(iter(b)) for b in blocks]
             assert not mine[0] & mine[1] and mine[0] | mine[1] == allowed, mine
             assert os.sched_getaffinity(router.pid) == allowed                   # the router runs on any
-    assert local == over_grpc and all(len(t) == 12 for t in local)
+    assert [r.token_ids for r in local] == [r.token_ids for r in over_grpc] and all(
+        len(r.token_ids) == 12 for r in local)
+    for a, b in zip(local, over_grpc, strict=True):
+        assert len(a.logits) == len(b.logits) == 12
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a.logits, b.logits, strict=True))
     assert not paths[0].parent.exists(), "the fleet's socket directory outlived it"
 
 

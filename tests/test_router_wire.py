@@ -232,3 +232,50 @@ def test_a_router_on_the_same_host_takes_the_native_wire_and_gets_the_python_pat
             assert fast.dtype == torch.bfloat16 and torch.equal(fast.view(torch.int16), slow.view(torch.int16))
         finally:
             experts.close()
+
+
+@pytest.mark.parametrize("layout", [[None, None], [5, None], [4, 9, 13]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_next_front_sums_the_replies_with_the_bits_of_the_calls_it_stands_for(layout, dtype):
+    """decoder_front_sum (a fleet router's next layer, the last layer's replies summed in the same call) against
+    combine_replies, `h + out` and decoder_front one after the other: the same bits, the same caches written; replies
+    the sum declines leave everything unwritten (the Python path then parses them and says what is wrong)."""
+    from kernels import Routing
+
+    g = torch.Generator().manual_seed(len(layout) + (7 if dtype == torch.float32 else 0))
+    heads, kv_heads, D, E, S, eps = 4, 2, 10, 12, 64, 1e-6
+
+    def rand(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    h, ln1, ln2, gate = rand(T, H), rand(H), rand(H), rand(E, H)
+    w_qkv, w_o = rand((heads + 2 * kv_heads) * D, H) * 0.2, rand(H, heads * D) * 0.2
+    cos, sin = rand(T, D), rand(T, D)
+    caches = rand(S, kv_heads, D), rand(S, kv_heads, D)
+    write = torch.arange(T) + 40
+    lens = torch.arange(T) % 5 + 1
+    slots = torch.stack([torch.cat([torch.arange(n - 1), write[t:t + 1], torch.zeros(5 - n, dtype=torch.long)])
+                         for t, n in enumerate(lens.tolist())])                 # [T, C]: context, then its own
+    routing = Routing(3, "softmax", True)
+    parts = [(rows, sums.clamp(-1e3, 1e3)) for rows, sums in parts_of(layout, g)]    # finite: attention follows
+    payloads = [torch.frombuffer(bytearray(reply(sums, ms=i + 0.5)), dtype=torch.uint8)
+                for i, (_, sums) in enumerate(parts)]
+    rows = [r for r, _ in parts]
+
+    def args(kc, vc):
+        return (ln1, w_qkv, None, None, None, False, cos, sin, kc, vc, write, slots, lens, None, w_o, None, heads,
+                kv_heads, eps)
+
+    want_k, want_v = caches[0].clone(), caches[1].clone()
+    out, _, _ = native_wire.combine_replies(payloads, rows, T, H, dtype)
+    want = native.decoder_front(h + out, args(want_k, want_v), ln2, gate, routing, None)
+    got_k, got_v = caches[0].clone(), caches[1].clone()
+    got = native.decoder_front_sum(payloads, rows, h, args(got_k, got_v), ln2, gate, routing, None)
+    assert got is not None and got[4] == [i + 0.5 for i in range(len(layout))]
+    for a, b in zip(got[:4], want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v) and not torch.equal(got_k, caches[0])
+    wrong = torch.frombuffer(bytearray(reply(torch.zeros(T, H + 1, dtype=torch.float64))), dtype=torch.uint8)
+    kc, vc = caches[0].clone(), caches[1].clone()
+    assert native.decoder_front_sum([wrong] + payloads[1:], rows, h, args(kc, vc), ln2, gate, routing, None) is None
+    assert torch.equal(kc, caches[0]) and torch.equal(vc, caches[1])         # nothing written

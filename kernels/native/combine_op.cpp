@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "ops.h"
 #include "wire.h"
 
 #include <cstring>
@@ -95,15 +96,14 @@ at::Tensor rounded(const at::Tensor& acc, at::ScalarType dtype) {
 
 }  // namespace
 
-std::tuple<at::Tensor, std::vector<double>, std::vector<std::string>> combine_replies(
-        at::TensorList payloads, at::TensorList rows, int64_t T, int64_t H, at::ScalarType dtype) {
+namespace colibri_ops {
+
+bool combine_into(at::TensorList payloads, at::TensorList rows, int64_t T, int64_t H, at::ScalarType dtype,
+                  at::Tensor& out, std::vector<double>& ms, std::vector<std::string>* instances) {
     const int64_t P = int64_t(payloads.size());
     TORCH_CHECK(int64_t(rows.size()) == P && P > 0 && T > 0 && H > 0,
                 "colibri::combine_replies: one rows tensor per payload, T and H positive");
-    auto none = [&] {                       // made only where the Python path must take the replies
-        return std::make_tuple(at::empty({0}, at::TensorOptions().dtype(dtype)), std::vector<double>(),
-                               std::vector<std::string>());
-    };
+    auto none = [] { return false; };       // where the Python path must take the replies
     std::vector<Reply> parts(P);
     bool all_rows = true;
     for (int64_t p = 0; p < P; ++p) {
@@ -142,14 +142,29 @@ std::tuple<at::Tensor, std::vector<double>, std::vector<std::string>> combine_re
             for (int64_t i = 0; i < n; ++i) add_sums(a + rp[i] * H, v + i * H * int64_t(sizeof(double)), H);
         }
     }
-    std::vector<double> ms(P);
-    std::vector<std::string> instances(P);
+    ms.resize(size_t(P));
+    if (instances) instances->resize(size_t(P));
     for (int64_t p = 0; p < P; ++p) {
         ms[p] = parts[p].compute_ms;
-        instances[p].assign(reinterpret_cast<const char*>(payloads[p].data_ptr<uint8_t>()) + parts[p].instance_at,
-                            size_t(parts[p].instance_len));
+        if (instances)
+            (*instances)[p].assign(reinterpret_cast<const char*>(payloads[p].data_ptr<uint8_t>()) +
+                                   parts[p].instance_at, size_t(parts[p].instance_len));
     }
-    return std::make_tuple(rounded(acc, dtype), std::move(ms), std::move(instances));
+    out = rounded(acc, dtype);
+    return true;
+}
+
+}  // namespace colibri_ops
+
+std::tuple<at::Tensor, std::vector<double>, std::vector<std::string>> combine_replies(
+        at::TensorList payloads, at::TensorList rows, int64_t T, int64_t H, at::ScalarType dtype) {
+    at::Tensor out;
+    std::vector<double> ms;
+    std::vector<std::string> instances;
+    if (!colibri_ops::combine_into(payloads, rows, T, H, dtype, out, ms, &instances))   // the Python path's
+        return std::make_tuple(at::empty({0}, at::TensorOptions().dtype(dtype)), std::vector<double>(),
+                               std::vector<std::string>());
+    return std::make_tuple(out, std::move(ms), std::move(instances));
 }
 
 TORCH_LIBRARY_FRAGMENT(colibri, m) {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -75,6 +76,10 @@ void moe_blocks_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& ids, co
                  const at::Tensor& local, int64_t w13_id, int64_t w2_id, const c10::optional<at::Tensor>& b13,
                  const c10::optional<at::Tensor>& b2, double alpha, c10::optional<double> limit, double up_offset,
                  bool w8a8);
+// combine_replies' sum (combine_op.cpp) into `out` [T, H] in dtype, each reply's compute_ms and (where asked) its
+// instance; false where the Python path must take the replies
+bool combine_into(at::TensorList payloads, at::TensorList rows, int64_t T, int64_t H, at::ScalarType dtype,
+                  at::Tensor& out, std::vector<double>& ms, std::vector<std::string>* instances);
 std::tuple<at::Tensor, int64_t, double> expert_answer(
     const at::Tensor& payload, int64_t x_dtype, int64_t H, int64_t E, bool explicit_pairs, const at::Tensor& local,
     int64_t w13, int64_t w2, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,

@@ -32,7 +32,7 @@ from router_service.model.kv_cache import KVCache
 from router_service.model.layers import NORM_TYPES
 from router_service.model.step_inputs import StepInputs
 from router_service.model.weights import LayerWeights
-from router_service.moe.experts import Experts
+from router_service.moe.experts import Experts, Unsummed
 
 log = logging.getLogger("colibri.router")
 
@@ -122,17 +122,26 @@ class Fusion:
                                     self.routing, lw.gate_correction, moe)
 
     def front(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              step: StepInputs, kv: KVCache, invariant: bool
+              step: StepInputs, kv: KVCache, invariant: bool, carry: Unsummed | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A MoE layer of a decode step up to its experts in one native call (kernels.native.decoder_front: the
         attention block, the residual add and the routing, with the bits of those calls), where `whole_layer` does
         not take the layer (experts on workers, shared experts): (h after attention [T, H], the MoE block's input r
-        [T, H], weights [T, K] float32, ids [T, K]); None where the layer's front runs call by call."""
+        [T, H], weights [T, K] float32, ids [T, K]); None where the layer's front runs call by call (and `carry` is
+        left to the caller). `carry`: the last MoE layer's replies, added to h first (in the same call where the
+        kernels read them: decoder_front_sum)."""
         if (lw.gate is None or lw.mla is not None or not self.fuses_attention(layer, lw, h, cos, step, kv, invariant)
                 or not self.native_route(layer, lw, h)):
             return None
-        return native.decoder_front(h, self.block_args(layer, lw, cos, sin, step, kv), lw.ln2, lw.gate, self.routing,
-                                    lw.gate_correction)
+        args = self.block_args(layer, lw, cos, sin, step, kv)
+        if carry is not None:
+            got = native.decoder_front_sum(carry.payloads, carry.rows, h, args, lw.ln2, lw.gate, self.routing,
+                                           lw.gate_correction)
+            if got is not None:
+                carry.summed(got[4])
+                return got[:4]
+            h = h + carry.sum()                                  # the Python path, which says what is wrong
+        return native.decoder_front(h, args, lw.ln2, lw.gate, self.routing, lw.gate_correction)
 
     def fuses_attention(self, layer: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, step: StepInputs,
                         kv: KVCache, invariant: bool) -> bool:

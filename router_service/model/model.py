@@ -45,7 +45,7 @@ from router_service.model.layers import (
 from router_service.model.mla import mla_attention, mla_scale
 from router_service.model.step_inputs import StepInputs
 from router_service.model.weights import LayerWeights, RouterWeights
-from router_service.moe.experts import Experts, ExpertsUnavailable, Handle
+from router_service.moe.experts import Experts, ExpertsUnavailable, Handle, Unsummed
 
 
 def routing_of(cfg: ModelConfig) -> Routing:
@@ -96,7 +96,7 @@ class RouterModel:
                     if pending[j] is not None:
                         others = [p for i, p in enumerate(pending) if i != j and p is not None]
                         self.overlaps += any(not p.done() for p in others)
-                        pending[j] = self._advance(g, pending[j].result(), results, j)
+                        pending[j] = self._advance(g, pending[j].replies(), results, j)
         except ExpertsUnavailable as exc:
             exc.micro_batch = j               # whose token rows these are
             raise
@@ -150,7 +150,7 @@ class RouterModel:
             return None
 
     def _forward(self, step: StepInputs, kv: KVCache, experts: Experts, routes: list[torch.Tensor]
-                 ) -> Generator[Handle, torch.Tensor, torch.Tensor]:
+                 ) -> Generator[Handle, torch.Tensor | Unsummed, torch.Tensor]:
         cfg, rows = self.cfg, self.rows
         step = step.to(self.device)                                          # built on the host
         assert not self.sliding or step.window == cfg.sliding_window, "sliding layers need the window's masks"
@@ -163,20 +163,24 @@ class RouterModel:
                                                               self.batch_invariant)
         if plan is not None:                                                 # every layer one native call
             h = plan.run(h, cos, sin, step, routes if self.track_routing else None)
+        carry: Unsummed | None = None      # the last MoE layer's replies, which the next layer's front sums
         for i in range(len(self.w.layers) if plan is None else 0):
             # read as the loop reaches it, after the caches' epoch: the huge pages' thread may replace a layer and
             # then forget what was kept of the old one, which must not be kept again
             lw = self.fusion.read_layer(self.w.layers, i)
-            if fusion is not None and (fused := fusion.whole_layer(i, lw, h, cos, sin, step, kv, experts,
-                                                                    self.batch_invariant)) is not None:
+            if fusion is not None and carry is None and (fused := fusion.whole_layer(
+                    i, lw, h, cos, sin, step, kv, experts, self.batch_invariant)) is not None:
                 h, ids = fused                                               # the layer in one native call
                 if self.track_routing:
                     routes.append(ids)
                 continue
-            front = self.fusion.front(i, lw, h, cos, sin, step, kv, self.batch_invariant)
+            front = self.fusion.front(i, lw, h, cos, sin, step, kv, self.batch_invariant, carry)
+            last, carry = carry, None
             if front is not None:                                            # attention and routing in one call
-                h, r, weights, ids = front
+                h, r, weights, ids = front                                   # (and the last layer's sum)
             else:
+                if last is not None:                                         # not summed by a front: here
+                    h = h + last.sum()
                 h = h + self._attention(i, lw, h, cos, sin, step, kv)
                 if lw.gate is None:
                     h = h + rows(partial(self._dense_mlp, lw), h)
@@ -197,7 +201,14 @@ class RouterModel:
             if lw.mlp_gate_up is not None:                     # shared experts, computed while the experts run
                 shared = rows(partial(self._shared, lw), r)                                       # [T, H]
             out = yield handle                                               # combine  [T, H]
+            if not isinstance(out, torch.Tensor):                            # the replies, unsummed
+                if shared is None:
+                    carry = out                                              # summed by the next front
+                    continue
+                out = out.sum()
             h = h + (out if shared is None else out + shared)
+        if carry is not None:
+            h = h + carry.sum()
         self.guard()
         return rows(lambda h: linear(rms_norm(h, self.w.norm, cfg.rms_norm_eps), self.w.lm_head),
                     h.index_select(0, step.sample_rows)).float()             # [B, V]

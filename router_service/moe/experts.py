@@ -21,8 +21,28 @@ from prometheus_client.core import Metric
 from kernels import native
 
 
+class Unsummed(Protocol):
+    """A MoE layer's replies received but not summed yet (the same-host socket's bytes, `Handle.replies`): the next
+    layer's native front sums them into its input (kernels.native.decoder_front_sum), else `sum()` does it."""
+
+    payloads: list[torch.Tensor]          # each reply's bytes, uint8 [B]
+    rows: list[torch.Tensor | None]       # each reply's token rows (int64 [n]), None = every row
+
+    def sum(self) -> torch.Tensor:
+        """The layer's result [T, H], as `Handle.result` gives it."""
+        ...
+
+    def summed(self, compute_ms: list[float]) -> None:
+        """The native front summed them: each reply's compute_ms, for the experts' timers."""
+        ...
+
+
 class Handle(Protocol):
     def result(self) -> torch.Tensor: ...
+
+    def replies(self) -> torch.Tensor | Unsummed:
+        """`result`, or where the next layer's native front can sum the replies, the replies unsummed."""
+        ...
 
     def done(self) -> bool:
         """Whether the result is computed already (result() would not wait)."""
@@ -103,6 +123,9 @@ class Ready:
         self.value = value
 
     def result(self) -> torch.Tensor:
+        return self.value
+
+    def replies(self) -> torch.Tensor:
         return self.value
 
     def done(self) -> bool:

@@ -117,7 +117,20 @@ class InFlight:
         return t if rows is None else t.index_select(0, rows)
 
     def result(self) -> torch.Tensor:
-        t_start, waited, computed = time.perf_counter(), 0.0, 0.0
+        return self._finish(*self._collect())
+
+    def replies(self) -> torch.Tensor | Replies:
+        """The replies unsummed where each is a same-host socket's bytes (the next layer's native front sums them),
+        else `result()`."""
+        got, t_start, waited = self._collect()
+        if all(isinstance(a, torch.Tensor) for _, _, a in got):
+            self.owner.count(wait=waited, dispatch=time.perf_counter() - t_start - waited)
+            return Replies(self, got)
+        return self._finish(got, t_start, waited)
+
+    def _collect(self) -> tuple[list[Answer], float, float]:
+        """Every reply (failing over where a worker fails): (the answers, when this began, the seconds waited)."""
+        t_start, waited = time.perf_counter(), 0.0
         if rested := not self.done():
             native.rest()   # this process waits now: its kernel threads leave the cores to the workers
             self.owner.waiting()     # ... and its stream handlers may have the GIL (the engine's outbox)
@@ -143,6 +156,9 @@ class InFlight:
             got.append((part.worker, part.rows, answer))
             if rested and len(got) == 1 and todo:   # another reply to come: the kernel threads get up on the
                 native.wake()                      # core this worker left, for the step's next op
+        return got, t_start, waited
+
+    def _finish(self, got: list[Answer], t_start: float, waited: float) -> torch.Tensor:
         out, computed = self._combine(got)
         self.owner.count(wait=waited, expert_compute=computed,
                          dispatch=time.perf_counter() - t_start - waited)
@@ -169,6 +185,24 @@ class InFlight:
         return (combine(self.num_tokens, self.hidden_size, self.dtype,
                         [(rows, wire.decode(resp.output)) for _, rows, resp in parsed]),          # [n, H] each
                 sum(resp.compute_ms for _, _, resp in parsed) / 1e3)
+
+
+class Replies:
+    """A layer's replies as the same-host socket's bytes, not summed yet (`InFlight.replies`; the next layer's native
+    front sums them, with the bits of `result`). Summed there, the replies' processes are not looked at: the step's
+    last MoE layer, summed by `result`, tells them (a worker that restarts within a step breaks its connection)."""
+
+    def __init__(self, flight: InFlight, got: list[Answer]) -> None:
+        self.flight, self.got = flight, got
+        self.payloads: list[torch.Tensor] = [a for _, _, a in got]  # type: ignore[misc]
+        self.rows = [rows for _, rows, _ in got]
+
+    def sum(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        return self.flight._finish(self.got, t0, 0.0)
+
+    def summed(self, compute_ms: list[float]) -> None:
+        self.flight.owner.count(expert_compute=sum(compute_ms) / 1e3)
 
 
 def _response(answer: Payload | expert_pb2.ForwardResponse) -> expert_pb2.ForwardResponse:
