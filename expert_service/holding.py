@@ -111,7 +111,12 @@ class Holding:
                 key = None if now is None else id(now.built)
                 if key is not None:
                     self._users[key] = self._users.get(key, 0) + 1
-            self.publisher.publish(now)          # returns once nothing computes on the shard before
+            try:
+                self.publisher.publish(now)      # returns once nothing computes on the shard before
+            except BaseException:
+                if key is not None:              # not published: the use taken for it goes
+                    self._release(key)
+                raise
             key, self._published = self._published, key
         if key is not None:
             self._release(key)

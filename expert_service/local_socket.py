@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 
 from colibri_common.errors import ColibriError
-from colibri_common.frames import FrameError, over_limit, payload_bytes, recv_frame, send_frame
+from colibri_common.frames import FrameError, over_limit, recv_frame, send_frame
 from kernels import native_door
 
 log = logging.getLogger("colibri.expert")
@@ -107,7 +107,7 @@ class LocalServer:
                     elif code not in (native_door.FRAME_CLOSED, native_door.FRAME_CUT):
                         log.debug("local connection dropped: %s", os.strerror(-code))
                     return
-                status, reply = self.answer(payload_bytes(payload))
+                status, reply = self.answer(bytearray(payload.numpy()))    # writable: read in place after
                 door.write(fd, status, reply)
         except OSError:
             pass                                          # the router went away mid-write

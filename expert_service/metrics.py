@@ -1,7 +1,8 @@
 """An expert worker's own metrics (`colibri expert --metrics-port P`): what it computes and what it holds.
 
 - colibri:expert_compute_seconds (histogram): one Forward's fused-MoE compute.
-- colibri:expert_tokens_total: token rows computed; colibri:expert_forward_total{code}: calls by outcome.
+- colibri:expert_tokens_total: token rows computed; colibri:expert_forward_total{code}: calls by outcome;
+  colibri:expert_native_answers_total: those of them the native door answered (a CPU worker's same-host socket).
 - colibri:expert_resident_bytes: bytes of packed expert weights held; colibri:expert_in_place_bytes: bytes of
   experts computed where they lie in the mapped checkpoint (page cache, shared); colibri:expert_streams_open.
 - colibri:checkpoint_resident_bytes{page="2MiB"|"4KiB"}: the worker's mapping of the checkpoint, resident, by page
@@ -67,6 +68,10 @@ class WorkerMetrics:
             for code, n in self.calls.items():
                 calls.add_metric([code], n + (door.calls if door and code == "ok" else 0))
             yield calls
+            if door is not None:
+                yield CounterMetricFamily("colibri:expert_native_answers", "Forward calls of the same-host socket "
+                                          "answered in native code (the door; counted in expert_forward_total "
+                                          "too).", value=door.calls)
             resident = self.resident_bytes if self.cache is None else sum(self.cache.resident_bytes.values())
             yield GaugeMetricFamily("colibri:expert_resident_bytes", "Bytes of packed expert weights held.",
                                     value=resident)

@@ -65,7 +65,9 @@ def test_a_fleet_sends_its_layers_over_local_sockets_with_the_tokens_of_grpc_str
         paths = [socket_of(w) for w in workers]
         for w, path in zip(workers, paths, strict=True):
             mport = int(next(a for a in argv_of(w) if a.startswith("--metrics-port=")).split("=")[1])
-            assert metrics(mport)["colibri:expert_local_connections_open"] >= 1     # the router's, counted
+            seen = metrics(mport)
+            assert seen["colibri:expert_local_connections_open"] >= 1     # the router's, counted
+            assert seen["colibri:expert_native_answers_total"] > 0        # the door answered the layers
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, "only the fleet's user may connect"
             assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
             conns = [c for c in w.net_connections(kind="unix") if c.laddr == str(path)]

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 import socket
+import threading
 
 import grpc
 import pytest
@@ -112,6 +113,7 @@ def test_the_door_answers_with_the_python_paths_bytes(checkpoints, served, arch,
     assert value["colibri:expert_compute_seconds_count"] == 16
     assert value['colibri:expert_compute_seconds_bucket{le="+Inf"}'] == 16
     assert value["colibri:expert_compute_seconds_sum"] >= stats.seconds
+    assert value["colibri:expert_native_answers_total"] == 8
 
 
 def test_frames_it_does_not_answer_get_the_python_paths_answer(checkpoints, served):  # noqa: F811
@@ -167,6 +169,41 @@ def test_a_new_plan_is_published_and_the_experts_it_replaces_closed_after(checkp
         req.epoch = epoch
         assert w.ask(req)[0] == 0
     assert w.door.stats().calls == 4
+
+
+def test_a_call_that_ends_while_the_door_moves_does_not_close_the_experts_under_it(checkpoints, served):  # noqa: F811
+    """The door counts as a use of the shard it answers from: a Python call on the old shard that ends between a new
+    plan's swap and its publication (the door still computing on the old experts) does not close them."""
+    w = served(checkpoints["qwen3_moe"])
+    first = w.built
+    second = build_shard(w.opts, torch.device("cpu"), tune=False)
+    entered, go = threading.Event(), threading.Event()
+
+    class Slow:                              # the real door, its publication held at the gate
+        def publish(self, now) -> None:
+            entered.set()
+            assert go.wait(30)
+            w.door.publish(now)
+
+    w.s.holding.publisher = Slow()
+    g = torch.Generator().manual_seed(17)
+    req = request(w.s, 2, g, False, torch.float32)
+    want = w.s._respond(req).SerializeToString()          # the first plan's answer
+    call = w.s.holding.use(0)                # a Python call on the first plan's experts
+    call.__enter__()
+    swap = threading.Thread(target=w.s.holding.install, args=(second, 1))
+    swap.start()
+    assert entered.wait(30)                  # swapped, not published: the door answers from the first plan
+    call.__exit__(None, None, None)          # the call ends meanwhile
+    assert first.experts.w13, "closed while the door still answers from it"
+    status, reply = w.ask(req)               # epoch 0: the door's, on the first plan's experts
+    assert status == 0 and w.door.stats().calls == 1
+    same_reply(reply, want, w.s.instance)
+    go.set()
+    swap.join(30)
+    assert not first.experts.w13             # closed once the door moved to the second plan
+    req.epoch = 1
+    assert w.ask(req)[0] == 0 and w.door.stats().calls == 2
 
 
 def test_a_file_changed_under_the_mapping_is_refused_by_the_python_path(served, tmp_path):

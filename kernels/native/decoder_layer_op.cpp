@@ -64,7 +64,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, std::vector<double>> 
     TORCH_CHECK(h.dim() == 2, "colibri::decoder_front_sum: h is [T, H]");
     at::Tensor sum;                                                                              // [T, H]
     std::vector<double> ms;
-    if (!combine_into(payloads, rows, h.size(0), h.size(1), h.scalar_type(), sum, ms, nullptr)) {
+    if (payloads.empty() || payloads.size() != rows.size() || h.size(0) == 0 || h.size(1) == 0 ||
+        !combine_into(payloads, rows, h.size(0), h.size(1), h.scalar_type(), sum, ms, nullptr)) {
         const at::Tensor none = at::empty({0}, h.options());
         return {none, none, none, none, std::vector<double>()};
     }

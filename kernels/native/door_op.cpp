@@ -108,6 +108,12 @@ int64_t take(Conn& c, int fd, uint8_t* p, size_t n, bool started) {
         if (c.head == c.in.size()) {
             c.in.clear();
             c.head = 0;
+            if (c.in.capacity() > (size_t(1) << 22)) std::vector<uint8_t>().swap(c.in);   // a prefill's: not kept
+        } else if (c.head > (size_t(1) << 20) && 2 * c.head > c.in.size()) {
+            // the bytes read are dropped from the front: with several micro-batches a step's requests keep arriving
+            // while replies wait, and the buffer would otherwise hold all of them until the step's last
+            c.in.erase(c.in.begin(), c.in.begin() + std::ptrdiff_t(c.head));
+            c.head = 0;
         }
     }
     while (got < n) {
