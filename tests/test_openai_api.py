@@ -751,7 +751,7 @@ def test_client_deadline_abort_and_leaving_a_stream_early(served):
     total = metrics(METRICS_PORT)["colibri:kv_cache_blocks_total"]
     with Client(addr) as client:
         with pytest.raises(GenerationError) as err:
-            client.generate("x", 80, timeout=0.05, ignore_eos=True)
+            client.generate("x", 80, timeout=0.02, ignore_eos=True)        # (80 tokens: ~0.1 s)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not err.value.retryable
         wait_kv(total, within=5.0)
         stream = client.stream_text("x", 80, ignore_eos=True)
