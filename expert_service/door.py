@@ -45,8 +45,8 @@ def door_table(served: Served | None, checkpoint_id: int, instance: str) -> nati
     if not layers:
         return None
     return native_door.DoorTable(shard.dtype, shard.cfg.hidden_size, shard.cfg.num_experts,
-                     tuple(sorted({served.epoch, *served.also})), served.digest, checkpoint_id, instance,
-                     tuple(layers))
+                                 tuple(sorted({served.epoch, *served.also})), served.digest, checkpoint_id, instance,
+                                 tuple(layers))
 
 
 class ExpertDoor:
@@ -76,6 +76,11 @@ class ExpertDoor:
         with self._lock:
             self._stopped = True
             self.door.publish(None)
+
+    def close(self) -> None:
+        """Stopped, and the native door freed (nothing may serve through it after)."""
+        self.stop()
+        self.door.close()
 
     def stats(self) -> native_door.DoorStats:
         return self.door.stats()

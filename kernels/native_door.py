@@ -18,7 +18,7 @@ import torch
 
 from kernels.formats.int8 import Int8Weight
 from kernels.native import LayerExperts, _blocks, available
-from kernels.native_wire import FRAME_CLOSED, FRAME_CUT, FRAME_OVER, X_DTYPES
+from kernels.native_wire import FRAME_CLOSED, FRAME_CUT, FRAME_OVER, X_DTYPES, _signed64
 
 __all__ = ["FRAME_CLOSED", "FRAME_CUT", "FRAME_OVER", "Door", "DoorLayer", "DoorStats", "DoorTable"]
 
@@ -64,10 +64,6 @@ class DoorStats:
     rows: int
     seconds: float
     counts: tuple[int, ...]
-
-
-def _signed64(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 class Door:

@@ -62,7 +62,7 @@ class Served:
     def close(self) -> None:
         self.client.close()
         self.server.close()
-        self.door.stop()
+        self.door.close()
         self.s.holding.now.built.close()
 
 

@@ -91,11 +91,16 @@ std::mutex doors_lock;
 std::unordered_map<int64_t, std::shared_ptr<Door>> doors;
 int64_t doors_next = 1;
 
-std::shared_ptr<Door> door_of(int64_t id) {
+std::shared_ptr<Door> find_door(int64_t id) {       // null once freed
     std::lock_guard<std::mutex> hold(doors_lock);
     auto it = doors.find(id);
-    TORCH_CHECK(it != doors.end(), "colibri::door: no door numbered ", id);
-    return it->second;
+    return it == doors.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Door> door_of(int64_t id) {
+    auto d = find_door(id);
+    TORCH_CHECK(d, "colibri::door: no door numbered ", id);
+    return d;
 }
 
 // n bytes into p: the connection's buffer first, then the socket; 0 once read, CLOSED where the peer closed first
@@ -333,7 +338,8 @@ void door_publish(int64_t id, bool serve, int64_t x_dtype, int64_t H, int64_t E,
 }
 
 std::tuple<int64_t, int64_t, at::Tensor> door_serve(int64_t id, int64_t fd, int64_t limit) {
-    auto d = door_of(id);
+    auto d = find_door(id);
+    if (!d) return {CLOSED, 0, at::empty({0}, at::kByte)};          // freed: its connections end
     Conn* c;
     {
         std::lock_guard<std::mutex> hold(d->lock);
@@ -376,7 +382,8 @@ int64_t door_write(int64_t id, int64_t fd, int64_t status, const at::Tensor& pay
                 "colibri::door_write: the payload is a contiguous uint8 [B] tensor");
     TORCH_CHECK(status >= 0 && status < 256 && payload.numel() < (int64_t(1) << 32),
                 "colibri::door_write: a status byte and under 4 GiB");
-    auto d = door_of(id);
+    auto d = find_door(id);
+    if (!d) return -EBADF;                                          // freed: its connections end
     Conn* c;
     {
         std::lock_guard<std::mutex> hold(d->lock);
@@ -387,7 +394,8 @@ int64_t door_write(int64_t id, int64_t fd, int64_t status, const at::Tensor& pay
 }
 
 void door_forget(int64_t id, int64_t fd) {
-    auto d = door_of(id);
+    auto d = find_door(id);
+    if (!d) return;
     std::lock_guard<std::mutex> hold(d->lock);
     d->conns.erase(fd);
 }
